@@ -1,0 +1,30 @@
+"""autopar: automatic parallelization for PyTorch.
+
+Capture a model as an ATen graph, price every node, let an ILP choose each tensor's layout on
+a device mesh, and run the result with explicit collectives on torch.distributed.
+"""
+
+from __future__ import annotations
+
+from autopar.api import AUTOPAR_VERSION as __version__
+from autopar.api import plan, plan_captured
+from autopar.capture import Captured, capture
+from autopar.errors import AutoparError, PlanMismatchError, PlanningError, UnsupportedModelError
+from autopar.mesh import Mesh
+from autopar.options import PlanOptions
+from autopar.plan import Plan
+
+__all__ = [
+    "AutoparError",
+    "Captured",
+    "Mesh",
+    "Plan",
+    "PlanMismatchError",
+    "PlanOptions",
+    "PlanningError",
+    "UnsupportedModelError",
+    "__version__",
+    "capture",
+    "plan",
+    "plan_captured",
+]

@@ -1,0 +1,339 @@
+"""autopar.plan(): capture -> strategy space -> ILP per ZeRO configuration -> Plan."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch.nn as nn
+
+import solver
+from autopar.baselines import BASELINE_RECIPES, RecipeSpec, recipe_spec
+from autopar.capture import Captured, capture
+from autopar.errors import PlanningError
+from autopar.mesh import Mesh
+from autopar.options import PlanOptions, format_bytes, parse_bytes
+from autopar.plan import PLAN_VERSION, Plan, strategy_entry
+from autopar.problem import (
+    Evaluation,
+    StrategySpace,
+    ZeroConfig,
+    build_problem,
+    build_space,
+    evaluate,
+    param_state,
+)
+
+AUTOPAR_VERSION = "0.1.0"
+MEMORY_RESERVE = 0.10
+"""Fraction of device memory kept free by the default budget (allocator, workspaces)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Solved:
+    name: str
+    zero: ZeroConfig
+    choice: tuple[int, ...]
+    evaluation: Evaluation
+    solution: solver.Solution
+
+
+def plan(
+    model: nn.Module,
+    mesh: Mesh,
+    example_inputs: Sequence[Any] = (),
+    example_kwargs: dict[str, Any] | None = None,
+    *,
+    model_name: str | None = None,
+    **options: Any,
+) -> Plan:
+    """Plan ``model`` on ``mesh`` for the GLOBAL batch given by the example inputs.
+
+    Runs in one process on fake/meta tensors (no GPU, no process group). Options are the
+    fields of :class:`autopar.options.PlanOptions` (``recipe``, ``memory_budget``,
+    ``optimizer``, ``mixed_precision``, ``zero_stage``, ``checkpoint``, ``output_placements``,
+    ``time_limit_s``, ``gap``, ``solver``).
+    """
+    opts = PlanOptions.from_kwargs(options)
+    start = time.perf_counter()
+    captured = capture(model, tuple(example_inputs), example_kwargs)
+    capture_s = time.perf_counter() - start
+    name = model_name or type(model).__name__
+    return plan_captured(captured, mesh, opts, model_name=name, capture_s=capture_s)
+
+
+def memory_budget_bytes(mesh: Mesh, options: PlanOptions) -> float:
+    if options.memory_budget is not None:
+        return float(parse_bytes(options.memory_budget))
+    return mesh.device.mem_capacity_bytes * (1 - MEMORY_RESERVE)
+
+
+def _solve(
+    space: StrategySpace,
+    zero: ZeroConfig,
+    options: PlanOptions,
+    *,
+    name: str,
+    budget: float | None,
+    spec: RecipeSpec | None = None,
+) -> Solved:
+    built = build_problem(
+        space,
+        zero,
+        allowed=spec.allowed if spec else None,
+        forbid=spec.forbid if spec else None,
+        memory_budget_bytes=budget,
+    )
+    solution = solver.solve(
+        built.problem,
+        backend=options.solver,
+        time_limit_s=options.time_limit_s,
+        gap=options.gap,
+    )
+    choice = tuple(built.allowed[i][c] for i, c in enumerate(solution.choices))
+    return Solved(
+        name=name, zero=zero, choice=choice, evaluation=evaluate(space, choice, zero), solution=solution
+    )
+
+
+def zero_candidates(num_axes: int, mesh_shape: Sequence[int]) -> list[ZeroConfig]:
+    """ZeRO configurations the auto plan weighs when stage 0 does not fit.
+
+    Under the cost model stages 1 and 2 cost the same time as stage 0 (reduce-scatter +
+    all-gather = all-reduce) and stage 2 on every axis uses the least memory of them, so it
+    dominates stages 0-2 on any axis subset; stage 3 trades an extra all-gather for memory, and
+    each subset of axes is a different trade-off (``fsdp+tp`` shards over all but ``tp``).
+    """
+    axes = [a for a in range(num_axes) if mesh_shape[a] > 1]
+    candidates = [ZeroConfig(stage=2, axes=tuple(axes))] if axes else []
+    for r in range(1, len(axes) + 1):
+        for subset in itertools.combinations(axes, r):
+            candidates.append(ZeroConfig(stage=3, axes=subset))
+    return candidates
+
+
+def _auto(space: StrategySpace, options: PlanOptions, budget: float) -> tuple[Solved, list[dict]]:
+    mesh = space.mesh
+    all_axes = tuple(a for a in range(mesh.ndim) if mesh.shape[a] > 1)
+    log: list[dict] = []
+    if options.zero_stage is not None:
+        zero = ZeroConfig(stage=options.zero_stage, axes=all_axes if options.zero_stage else ())
+        try:
+            solved = _solve(space, zero, options, name="auto", budget=budget)
+        except solver.InfeasibleBudgetError as e:
+            raise _budget_error(budget, e.min_budget_bytes, f"ZeRO stage {options.zero_stage}") from None
+        log.append(_log_entry(solved))
+        return solved, log
+    # Stage 0 without a budget is a lower bound on every configuration's step time (ZeRO only
+    # adds communication); if it fits, it is the answer.
+    free = _solve(space, ZeroConfig(), options, name="auto", budget=None)
+    log.append(_log_entry(free, budget_free=True))
+    if free.evaluation.peak_memory_bytes <= budget:
+        return free, log
+    best: Solved | None = None
+    min_needed = math.inf
+    for zero in zero_candidates(mesh.ndim, mesh.shape):
+        try:
+            solved = _solve(space, zero, options, name="auto", budget=budget)
+        except solver.InfeasibleBudgetError as e:
+            min_needed = min(min_needed, e.min_budget_bytes)
+            log.append({"zero_stage": zero.stage, "zero_axes": list(zero.axes), "status": "infeasible"})
+            continue
+        log.append(_log_entry(solved))
+        if best is None or solved.evaluation.step_s < best.evaluation.step_s * (1 - 1e-9):
+            best = solved
+    if best is None:
+        raise _budget_error(budget, min_needed, "any ZeRO stage")
+    return best, log
+
+
+def _budget_error(budget: float, needed: float, what: str) -> PlanningError:
+    return PlanningError(
+        f"memory budget {format_bytes(budget)} per device is too small: the smallest budget that "
+        f"fits with {what} is {format_bytes(needed)} ({needed:.0f} bytes); raise memory_budget "
+        f"(--budget) to at least that, use a bigger mesh, a smaller batch, or mixed precision"
+    )
+
+
+def _log_entry(solved: Solved, *, budget_free: bool = False) -> dict:
+    return {
+        "zero_stage": solved.zero.stage,
+        "zero_axes": list(solved.zero.axes),
+        "status": solved.solution.status,
+        "step_s": solved.evaluation.step_s,
+        "peak_memory_bytes": solved.evaluation.peak_memory_bytes,
+        "budget_free": budget_free,
+    }
+
+
+def plan_captured(
+    captured: Captured,
+    mesh: Mesh,
+    options: PlanOptions,
+    *,
+    model_name: str,
+    capture_s: float = 0.0,
+) -> Plan:
+    """Plan an already captured graph (the CLI and autoparallelize share this)."""
+    start = time.perf_counter()
+    space = build_space(captured, mesh, options)
+    strategies_s = time.perf_counter() - start
+    budget = memory_budget_bytes(mesh, options)
+
+    solve_start = time.perf_counter()
+    baselines: dict[str, Solved] = {}
+    notes: list[str] = []
+    for recipe in BASELINE_RECIPES:
+        spec = recipe_spec(space, recipe)
+        notes.extend(spec.notes)
+        baselines[recipe] = _solve(space, spec.zero, options, name=recipe, budget=None, spec=spec)
+    if options.recipe == "auto":
+        chosen, log = _auto(space, options, budget)
+    else:
+        chosen = baselines[options.recipe]
+        log = [_log_entry(chosen)]
+        if chosen.evaluation.peak_memory_bytes > budget:
+            raise PlanningError(
+                f"recipe {options.recipe!r} needs {format_bytes(chosen.evaluation.peak_memory_bytes)} "
+                f"per device but the memory budget is {format_bytes(budget)}; raise the budget to at "
+                f"least {format_bytes(chosen.evaluation.peak_memory_bytes)} or use recipe='auto'"
+            )
+    solve_s = time.perf_counter() - solve_start
+
+    data = _plan_document(
+        space,
+        chosen,
+        baselines,
+        budget=budget,
+        model_name=model_name,
+        log=log,
+        warnings=sorted(set(space.warnings)) + sorted(set(notes)),
+        timings={"capture_s": capture_s, "strategies_s": strategies_s, "solve_s": solve_s},
+    )
+    return Plan(data=data, space=space, choice=chosen.choice)
+
+
+def _figures(ev: Evaluation) -> dict[str, Any]:
+    return {
+        "step_s": ev.step_s,
+        "breakdown": {
+            "compute_s": ev.compute_s,
+            "resharding_s": ev.resharding_s,
+            "grad_sync_s": ev.grad_sync_s,
+            "activation_grad_comm_s": ev.activation_grad_comm_s,
+            "zero_comm_s": ev.zero_comm_s,
+            "output_comm_s": ev.output_comm_s,
+        },
+        "peak_memory_bytes": ev.peak_memory_bytes,
+        "memory": ev.memory,
+    }
+
+
+def _plan_document(
+    space: StrategySpace,
+    chosen: Solved,
+    baselines: dict[str, Solved],
+    *,
+    budget: float,
+    model_name: str,
+    log: list[dict],
+    warnings: list[str],
+    timings: dict[str, float],
+) -> dict[str, Any]:
+    captured = space.captured
+    mesh = space.mesh
+    gm = captured.gm
+    zero = chosen.zero
+    by_name = {n.name: n for n in gm.graph.nodes}
+    nodes = []
+    params: dict[str, Any] = {}
+    inputs = []
+    for i, node in enumerate(space.nodes):
+        s = chosen.choice[i]
+        strategy = node.strategies[s]
+        fx_node = by_name[node.name]
+        entry = {
+            "name": node.name,
+            "op": str(fx_node.target),
+            "kind": node.kind,
+            "module_path": fx_node.meta.get("autopar_module_path", ""),
+            **strategy_entry(strategy),
+            "seconds": chosen.evaluation.node_s[i],
+            "compute_s": float(node.compute_s[s]),
+            "memory_bytes": float(node.activation_bytes[s] + node.fixed_bytes[s]),
+            "num_strategies": len(node.strategies),
+        }
+        if node.fqn:
+            entry["fqn"] = node.fqn
+        if node.kind == "param":
+            mem, _, _ = param_state(space, node, s, zero)
+            entry["memory_bytes"] = mem
+            placements = strategy.outputs[0]
+            zero_axes = [
+                mesh.axis_names[a] for a in zero.axes if placements[a].is_replicate() and mesh.shape[a] > 1
+            ]
+            params[node.fqn] = {
+                "placement": entry["outputs"][0],
+                "shape": list(fx_node.meta["val"].shape),
+                "module_path": _param_module(node.fqn),
+                "zero": {"stage": zero.stage if zero_axes else 0, "axes": zero_axes},
+                "tied_to": captured.tied_params.get(node.fqn, []),
+            }
+        if node.kind == "input":
+            inputs.append({"name": node.name, "placements": entry["outputs"][0]})
+        nodes.append(entry)
+    sol = chosen.solution
+    return {
+        "version": PLAN_VERSION,
+        "autopar_version": AUTOPAR_VERSION,
+        "recipe": space.options.recipe,
+        "model": {
+            "name": model_name,
+            "graph_hash": captured.graph_hash,
+            "num_nodes": len(gm.graph.nodes),
+            "num_params": captured.num_params,
+        },
+        "mesh": mesh.to_dict(),
+        "options": space.options.to_dict(),
+        "memory_budget_bytes": budget,
+        "inputs": inputs,
+        "nodes": nodes,
+        "params": params,
+        "zero": {
+            "stage": zero.stage,
+            "axes": [mesh.axis_names[a] for a in zero.axes],
+            "chunk_bytes": None,
+        },
+        "checkpoint": {"mode": space.options.checkpoint, "segments": []},
+        "predicted": _figures(chosen.evaluation),
+        "baselines": {
+            name: {
+                **_figures(b.evaluation),
+                "fits": bool(b.evaluation.peak_memory_bytes <= budget),
+                "zero": {"stage": b.zero.stage, "axes": [mesh.axis_names[a] for a in b.zero.axes]},
+            }
+            for name, b in baselines.items()
+        },
+        "solver": {
+            "backend": sol.backend,
+            "status": sol.status,
+            "objective_s": sol.objective_s,
+            "bound_s": sol.bound_s,
+            "gap": sol.gap,
+            "num_variables": sol.num_variables,
+            "num_constraints": sol.num_constraints,
+            "build_s": sol.build_s,
+            "solve_s": sol.solve_s,
+            "candidates": log,
+        },
+        "timings": timings,
+        "warnings": warnings,
+    }
+
+
+def _param_module(fqn: str) -> str:
+    return fqn.rsplit(".", 1)[0] if "." in fqn else ""

@@ -1,0 +1,592 @@
+"""Lowering: a captured graph plus one chosen Strategy per node -> a graph on local shards.
+
+``lower`` rewrites a copy of ``Captured.gm`` so that every rank runs it on its own shards:
+
+* **Edges.** For every edge (producer output -> consumer input ``j``) whose producer placement
+  differs from the placement the consumer's strategy requires, the forward steps of
+  :func:`autopar.resharding.reshard_steps` are inserted as calls of the autograd-aware
+  collectives in :mod:`autopar.runtime.collectives` (their backward follows the gradient
+  convention). A conversion needed by several consumers is inserted once. ``operator.getitem``
+  consumers of a tuple-producing node index into the producer's outputs, and their conversion is
+  applied to the element (after the getitem).
+* **Partial gradients.** Where a consumer's ``input_grads[j]`` is Partial on axis ``a``, each
+  rank's gradient for that input is a summand, so it must be all-reduced over ``a``. For
+  activations a ``GradAllReduce`` (identity forward, all-reduce backward) is inserted on the
+  consumer's side of the edge. For parameters the reduction is deferred to the runtime's chunked
+  gradient reduction (``LoweredGraph.param_grad_reduce_axes``) when that is exact: when EVERY use
+  of the parameter leaves a Partial gradient on ``a`` and no use converts the parameter (a sum
+  over ``a`` commutes with nothing else). Other cases are reduced in the graph.
+* **Local shapes.** Size arguments (``view``, ``reshape``, ``expand``, ``new_zeros``, ``zeros``,
+  ``full``, ``repeat``, ``unflatten``, ...) become the node's local output shape, computed from
+  its global ``meta["val"]`` shape and its chosen output placement. ``arange`` with a sharded
+  output is built whole and sliced locally. Absolute split/slice/select sizes on a sharded dim
+  have no local meaning and are refused (the strategy rules never generate them).
+* **Dropout.** ``aten.dropout`` becomes :func:`autopar_dropout`, which draws the mask from a
+  generator seeded by one draw of the global RNG (identical on every rank, since every rank
+  seeds and consumes the global RNG alike) plus the rank's mixed-radix coordinate over the axes
+  on which the output is SHARDED. Ranks that hold the same replicated block thus draw the same
+  mask, ranks holding different blocks of a batch-sharded tensor different masks.
+* **Outputs** are converted to ``output_placements`` (Replicate by default, so every rank
+  returns the single-process value, e.g. the global mean loss).
+
+The result's ``gm.print_readable()`` shows collectives as calls such as
+``autopar_all_gather(x, 'mesh0', 1, 0)``.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from autopar.capture import ASSERT_OPS
+from autopar.placement import Placements, Shard, format_placements, local_shape, replicated
+from autopar.resharding import Step, reshard_steps
+from autopar.runtime import collectives
+from autopar.runtime.process_groups import groups_for_key
+from autopar.strategies.registry import Strategy, input_nodes
+
+aten = torch.ops.aten
+
+__all__ = ["LoweredGraph", "PlaceholderSource", "autopar_dropout", "lower"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlaceholderSource:
+    """Where the value of one placeholder of the lowered graph comes from."""
+
+    kind: str
+    """"param", "buffer" or "input"."""
+    fqn: str = ""
+    """Parameter or buffer FQN (canonical FQN of a tied parameter)."""
+    index: int = -1
+    """For "input": position among the flattened user inputs."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LoweredGraph:
+    """A graph on local shards and what the runtime needs to feed and synchronise it."""
+
+    gm: fx.GraphModule
+    """The rewritten graph; placeholders in the captured order (parameters, buffers, inputs)."""
+    mesh_shape: tuple[int, ...]
+    """Size of each mesh axis."""
+    group_key: str
+    """Key under which ``AxisGroups`` registered this mesh's process groups."""
+    placeholders: tuple[PlaceholderSource, ...]
+    """One entry per placeholder of ``gm``, in order."""
+    param_placements: dict[str, Placements]
+    """Canonical parameter FQN -> placement of its local shard."""
+    buffer_placements: dict[str, Placements]
+    """Buffer FQN -> placement of its local shard."""
+    param_grad_reduce_axes: dict[str, tuple[int, ...]]
+    """Canonical parameter FQN -> mesh axes its gradient must be summed over after backward."""
+    tied_params: dict[str, tuple[str, ...]]
+    """Canonical parameter FQN -> the other FQNs sharing it."""
+    param_use_order: tuple[str, ...]
+    """Canonical parameter FQNs in order of first use in forward."""
+    input_names: tuple[str, ...]
+    """Placeholder name of each flattened user input (for messages)."""
+    input_placements: tuple[Placements | None, ...]
+    """Placement of each flattened user input (None for non-tensor inputs)."""
+    global_input_shapes: tuple[tuple[int, ...] | None, ...]
+    """Global shape of each flattened user input (None for non-tensor inputs)."""
+    local_input_shapes: tuple[tuple[int, ...] | None, ...]
+    """Shape each rank must pass for each flattened user input."""
+    output_placements: tuple[Placements, ...]
+    """Placement of each flattened output."""
+    in_spec: Any
+    """pytree spec of the user's (args, kwargs)."""
+    out_spec: Any
+    """pytree spec of the model's outputs."""
+
+
+# --------------------------------------------------------------------------------------------
+# Runtime helpers called from the lowered graph (module level so fx codegen can name them)
+
+
+def autopar_dropout(
+    x: torch.Tensor, p: float, train: bool | None, group_key: str, sharded_axes: Sequence[int]
+) -> torch.Tensor:
+    """Dropout whose mask is shared by replicas and differs between shards (module docstring)."""
+    if not train or p == 0.0:
+        return x
+    if p >= 1.0:
+        return x * 0.0
+    seed = int(torch.randint(0, 2**62, (1,)).item())
+    if sharded_axes:
+        groups = groups_for_key(group_key)
+        offset = 0
+        for axis in sharded_axes:
+            offset = offset * groups.mesh_shape[axis] + groups.coords[axis]
+        seed += offset
+    generator = torch.Generator(device=x.device).manual_seed(seed)
+    keep = torch.empty(x.shape, dtype=x.dtype, device=x.device).bernoulli_(1.0 - p, generator=generator)
+    return x * keep / (1.0 - p)
+
+
+# --------------------------------------------------------------------------------------------
+# Size arguments
+
+# op -> index of its size argument; the local output shape replaces it.
+_SIZE_ARG: dict[Any, int] = {
+    aten.view.default: 1,
+    aten.reshape.default: 1,
+    aten._unsafe_view.default: 1,
+    aten.expand.default: 1,
+    aten.new_zeros.default: 1,
+    aten.new_ones.default: 1,
+    aten.new_empty.default: 1,
+    aten.new_full.default: 1,
+    aten.zeros.default: 0,
+    aten.ones.default: 0,
+    aten.empty.memory_format: 0,
+    aten.full.default: 0,
+    aten.rand.default: 0,
+    aten.randn.default: 0,
+}
+
+# op -> (index of the dim argument); refused when that dim of the input is sharded, unless the op
+# keeps the whole dim (a full slice).
+_DIM_ARG: dict[Any, int] = {
+    aten.split.Tensor: 2,
+    aten.split_with_sizes.default: 2,
+    aten.slice.Tensor: 1,
+    aten.narrow.default: 1,
+    aten.select.int: 1,
+    aten.index_select.default: 1,
+    aten.unsafe_split.Tensor: 2,
+}
+
+_DIM_DEFAULT = {aten.split.Tensor: 0, aten.split_with_sizes.default: 0, aten.slice.Tensor: 0}
+
+_ARANGE = frozenset({aten.arange.default, aten.arange.start, aten.arange.start_step})
+_DROPOUT = frozenset({aten.dropout.default})
+
+
+def _shape_of(node: fx.Node) -> tuple[int, ...]:
+    val = node.meta["val"]
+    return tuple(int(s) for s in val.shape)
+
+
+def _localize_sizes(node: fx.Node, strategy: Strategy, mesh_shape: tuple[int, ...]) -> None:
+    """Rewrite size arguments of ``node`` to local sizes (see module docstring)."""
+    target = node.target
+    out_placements = strategy.outputs[0] if strategy.outputs else None
+    if target in _SIZE_ARG and out_placements is not None:
+        index = _SIZE_ARG[target]
+        node.update_arg(index, list(local_shape(_shape_of(node), out_placements, mesh_shape)))
+    elif target is aten.repeat.default and out_placements is not None:
+        in_node = node.args[0]
+        in_local = local_shape(_shape_of(in_node), strategy.inputs[0], mesh_shape)
+        out_local = local_shape(_shape_of(node), out_placements, mesh_shape)
+        lead = len(out_local) - len(in_local)
+        repeats = list(out_local[:lead]) + [o // i for o, i in zip(out_local[lead:], in_local)]
+        node.update_arg(1, repeats)
+    elif target is aten.unflatten.int and out_placements is not None:
+        dim = int(node.args[1]) % len(_shape_of(node.args[0]))
+        out_local = local_shape(_shape_of(node), out_placements, mesh_shape)
+        node.update_arg(2, list(out_local[dim : dim + len(node.args[2])]))
+    elif target in _DIM_ARG:
+        _check_dim_not_sharded(node, strategy)
+
+
+def _check_dim_not_sharded(node: fx.Node, strategy: Strategy) -> None:
+    in_placements = strategy.inputs[0]
+    if in_placements is None:
+        return
+    shape = _shape_of(node.args[0])
+    index = _DIM_ARG[node.target]
+    if len(node.args) > index:
+        dim = int(node.args[index])
+    else:
+        dim = int(node.kwargs.get("dim", _DIM_DEFAULT.get(node.target, 0)))
+    dim %= len(shape)
+    if not any(isinstance(p, Shard) and p.dim % len(shape) == dim for p in in_placements):
+        return
+    if node.target is aten.slice.Tensor:
+        start = node.args[2] if len(node.args) > 2 else 0
+        end = node.args[3] if len(node.args) > 3 else None
+        step = node.args[4] if len(node.args) > 4 else 1
+        if (start in (None, 0)) and (end is None or end >= shape[dim]) and step == 1:
+            return
+    raise AssertionError(
+        f"node {node.name} ({node.target}) takes absolute sizes along dim {dim}, which its chosen "
+        f"input placement {format_placements(in_placements)} shards; a strategy rule generated "
+        f"a layout the lowering cannot make local (rules must not shard the dim argument)"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Conversions
+
+
+def _emit_steps(graph: fx.Graph, value: fx.Node, steps: Sequence[Step], group_key: str) -> fx.Node:
+    """Insert one collective call per step at the graph's current insertion point."""
+    for step in steps:
+        if step.kind == "all_gather":
+            value = graph.call_function(collectives.autopar_all_gather, (value, group_key, step.axis, step.dim))
+        elif step.kind == "all_reduce":
+            value = graph.call_function(collectives.autopar_all_reduce, (value, group_key, step.axis))
+        elif step.kind == "reduce_scatter":
+            value = graph.call_function(
+                collectives.autopar_reduce_scatter, (value, group_key, step.axis, step.dim)
+            )
+        elif step.kind == "all_to_all":
+            value = graph.call_function(
+                collectives.autopar_all_to_all, (value, group_key, step.axis, step.dim, step.dst_dim)
+            )
+        elif step.kind == "slice":
+            value = graph.call_function(collectives.autopar_slice, (value, group_key, step.axis, step.dim))
+        else:
+            assert step.kind == "zero_out", step.kind
+            value = graph.call_function(collectives.autopar_zero_out, (value, group_key, step.axis))
+    return value
+
+
+def _itemsize(node: fx.Node) -> int:
+    return node.meta["val"].dtype.itemsize
+
+
+@dataclass(slots=True)
+class _Edge:
+    consumer: fx.Node
+    slot: int
+    producer: fx.Node
+    tensor: fx.Node
+    """The node whose global value is converted (the getitem itself for a tuple element)."""
+    src: Placements
+    dst: Placements
+    partial_axes: tuple[int, ...]
+
+
+def _requires_grad_nodes(graph: fx.Graph, param_names: set[str]) -> set[fx.Node]:
+    """Nodes whose value depends on a parameter (so gradients flow through them)."""
+    needs: set[fx.Node] = set()
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            if node.name in param_names:
+                needs.add(node)
+        elif any(inp in needs for inp in node.all_input_nodes):
+            val = node.meta.get("val")
+            if not isinstance(val, torch.Tensor) or val.dtype.is_floating_point or val.dtype.is_complex:
+                needs.add(node)
+    return needs
+
+
+def _producer_placements(node: fx.Node, strategies: Mapping[fx.Node, Strategy]) -> Placements:
+    outputs = strategies[node].outputs
+    if len(outputs) != 1 or outputs[0] is None:
+        raise AssertionError(
+            f"node {node.name} has {len(outputs)} outputs; its tensor consumers must index it with getitem"
+        )
+    return outputs[0]
+
+
+def _replace_input(node: fx.Node, slot: int, value: fx.Node) -> None:
+    """Replace the ``slot``-th fx.Node leaf of (args, kwargs) by ``value`` (handles x op x)."""
+    leaves, spec = tree_flatten((node.args, node.kwargs))
+    seen = -1
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, fx.Node):
+            seen += 1
+            if seen == slot:
+                leaves[i] = value
+                break
+    args, kwargs = tree_unflatten(leaves, spec)
+    node.args = tuple(args)
+    node.kwargs = dict(kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# lower
+
+
+def lower(
+    captured: Any,
+    choices: Mapping[str, Strategy],
+    mesh_shape: tuple[int, ...],
+    group_key: str,
+    *,
+    output_placements: Sequence[Placements] | None = None,
+) -> LoweredGraph:
+    """Rewrite a copy of ``captured.gm`` to run on this rank's local shards.
+
+    Args:
+        captured: an ``autopar.capture.Captured``.
+        choices: node name -> chosen Strategy, for every placeholder (``outputs=(placements,)``)
+            and every call_function node of ``captured.gm``.
+        mesh_shape: size of each mesh axis.
+        group_key: key the runtime's ``AxisGroups`` registered its per-axis groups under; it
+            appears as a string argument of every collective call.
+        output_placements: placement of each flattened output (default Replicate everywhere).
+
+    Returns:
+        The LoweredGraph; ``captured`` is not modified.
+
+    Raises:
+        ValueError: a node has no strategy, tied parameters got different placements, or the
+            number of output placements is wrong.
+    """
+    mesh_shape = tuple(int(m) for m in mesh_shape)
+    num_axes = len(mesh_shape)
+    graph = fx.Graph()
+    val_map: dict[fx.Node, fx.Node] = {}
+    out_value = graph.graph_copy(captured.gm.graph, val_map)
+    graph.output(out_value)
+    gm = fx.GraphModule(captured.gm, graph)
+
+    strategies: dict[fx.Node, Strategy] = {}
+    missing: list[str] = []
+    for old, new in val_map.items():
+        if old.op in ("placeholder", "call_function"):
+            if old.op == "call_function" and old.target in ASSERT_OPS:
+                continue
+            strategy = choices.get(old.name)
+            if strategy is None:
+                missing.append(old.name)
+            else:
+                strategies[new] = strategy
+        elif old.op == "get_attr":
+            strategies[new] = Strategy(outputs=(replicated(num_axes),), inputs=())
+    if missing:
+        raise ValueError(
+            f"no strategy chosen for {len(missing)} node(s): {', '.join(missing[:8])}"
+            f"{' ...' if len(missing) > 8 else ''}; pass a choice for every placeholder and call_function node"
+        )
+
+    # Parameters: canonical FQN per tied group (the first placeholder of the group).
+    param_fqn: dict[str, str] = {}  # placeholder name -> canonical fqn
+    canonical_of: dict[str, str] = {}
+    tied: dict[str, tuple[str, ...]] = {}
+    for name, fqn in captured.param_nodes.items():
+        group = [fqn, *captured.tied_params.get(fqn, [])]
+        canonical = next((canonical_of[f] for f in group if f in canonical_of), fqn)
+        for f in group:
+            canonical_of.setdefault(f, canonical)
+        param_fqn[name] = canonical
+        if canonical == fqn:
+            tied[canonical] = tuple(f for f in group if f != fqn)
+
+    placeholders: list[PlaceholderSource] = []
+    param_placements: dict[str, Placements] = {}
+    buffer_placements: dict[str, Placements] = {}
+    input_index = {name: i for i, name in enumerate(captured.input_nodes)}
+    num_inputs = len(captured.input_nodes)
+    input_placements: list[Placements | None] = [None] * num_inputs
+    global_shapes: list[tuple[int, ...] | None] = [None] * num_inputs
+    local_shapes: list[tuple[int, ...] | None] = [None] * num_inputs
+    for node in graph.nodes:
+        if node.op != "placeholder":
+            continue
+        placements = strategies[node].outputs[0]
+        if node.name in param_fqn:
+            fqn = param_fqn[node.name]
+            previous = param_placements.setdefault(fqn, placements)
+            if previous != placements:
+                raise ValueError(
+                    f"tied parameter {fqn} got two placements ({format_placements(previous)} and "
+                    f"{format_placements(placements)}); a shared parameter needs one placement"
+                )
+            placeholders.append(PlaceholderSource(kind="param", fqn=fqn))
+        elif node.name in captured.buffer_nodes:
+            fqn = captured.buffer_nodes[node.name]
+            buffer_placements[fqn] = placements
+            placeholders.append(PlaceholderSource(kind="buffer", fqn=fqn))
+        else:
+            index = input_index[node.name]
+            placeholders.append(PlaceholderSource(kind="input", index=index))
+            val = node.meta.get("val")
+            if isinstance(val, torch.Tensor):
+                input_placements[index] = placements
+                global_shapes[index] = _shape_of(node)
+                local_shapes[index] = local_shape(_shape_of(node), placements, mesh_shape)
+
+    # Pass 1: every edge with its conversion and partial-gradient axes (no mutation yet).
+    requires_grad = _requires_grad_nodes(graph, set(param_fqn))
+    edges: list[_Edge] = []
+    for node in graph.nodes:
+        if node.op != "call_function" or node not in strategies:
+            continue
+        strategy = strategies[node]
+        inputs = input_nodes(node)
+        if len(strategy.inputs) != len(inputs):
+            raise ValueError(
+                f"strategy for {node.name} describes {len(strategy.inputs)} inputs but the node has {len(inputs)}"
+            )
+        for slot, producer in enumerate(inputs):
+            dst = strategy.inputs[slot]
+            if dst is None:
+                continue
+            if node.target is operator.getitem:
+                src = strategies[producer].outputs[int(node.args[1])]
+            else:
+                src = _producer_placements(producer, strategies)
+            grads = strategy.input_grads[slot] if slot < len(strategy.input_grads) else None
+            partial_axes: tuple[int, ...] = ()
+            if grads is not None and producer in requires_grad:
+                partial_axes = tuple(a for a, p in enumerate(grads) if p.is_partial())
+            tensor = node if node.target is operator.getitem else producer
+            edges.append(_Edge(node, slot, producer, tensor, tuple(src), tuple(dst), partial_axes))
+
+    # Which parameter gradient reductions the runtime can do after backward (module docstring).
+    uses: dict[str, list[_Edge]] = {}
+    for edge in edges:
+        if edge.producer.op == "placeholder" and edge.producer.name in param_fqn:
+            uses.setdefault(param_fqn[edge.producer.name], []).append(edge)
+    deferred: dict[str, tuple[int, ...]] = {}
+    for fqn, param_edges in uses.items():
+        if any(e.src != e.dst for e in param_edges):
+            continue
+        common = set(range(num_axes))
+        for e in param_edges:
+            common &= set(e.partial_axes)
+        if common:
+            deferred[fqn] = tuple(sorted(common))
+    param_use_order = tuple(dict.fromkeys(param_fqn[e.producer.name] for e in edges if e.producer.name in param_fqn
+                                          and e.producer.op == "placeholder"))
+
+    # Pass 2: insert conversions and gradient reductions.
+    converted: dict[tuple[fx.Node, Placements, tuple[int, ...]], fx.Node] = {}
+    actual: dict[fx.Node, fx.Node] = {}  # node -> the value holding its declared layout
+    for edge in edges:
+        node = edge.consumer
+        axes = edge.partial_axes
+        if edge.producer.op == "placeholder" and edge.producer.name in param_fqn:
+            skip = deferred.get(param_fqn[edge.producer.name], ())
+            axes = tuple(a for a in axes if a not in skip)
+        if node.target is operator.getitem:
+            # The element keeps the layout of the tuple slot; convert it after indexing.
+            if edge.src != edge.dst or axes:
+                users = list(node.users)
+                with graph.inserting_before(node.next):
+                    value = _convert(graph, node, edge, axes, mesh_shape, group_key)
+                for user in users:
+                    user.replace_input_with(node, value)
+                actual[node] = value
+            continue
+        if edge.src == edge.dst and not axes:
+            continue
+        key = (edge.producer, edge.dst, axes)
+        value = converted.get(key)
+        if value is None:
+            with graph.inserting_before(node):
+                value = _convert(graph, actual.get(edge.producer, edge.producer), edge, axes, mesh_shape, group_key)
+            converted[key] = value
+        _replace_input(node, edge.slot, value)
+
+    # Pass 3: local sizes, dropout, arange.
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target in ASSERT_OPS:
+            if not node.users:
+                graph.erase_node(node)
+            continue
+        strategy = strategies.get(node)
+        if strategy is None:
+            continue
+        if node.target in _DROPOUT:
+            placements = strategy.outputs[0]
+            sharded = tuple(a for a, p in enumerate(placements) if p.is_shard())
+            x = node.args[0]
+            p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+            train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+            node.target = autopar_dropout
+            node.args = (x, p, train, group_key, sharded)
+            node.kwargs = {}
+        elif node.target in _ARANGE:
+            # Positions depend on the rank: build the whole range and keep this rank's block.
+            placements = strategy.outputs[0]
+            if any(not p.is_replicate() for p in placements):
+                fwd, _ = reshard_steps(replicated(num_axes), placements, _shape_of(node), _itemsize(node), mesh_shape)
+                users = list(node.users)
+                with graph.inserting_before(node.next):
+                    value = _emit_steps(graph, node, fwd, group_key)
+                for user in users:
+                    user.replace_input_with(node, value)
+        else:
+            _localize_sizes(node, strategy, mesh_shape)
+
+    # Outputs.
+    output_node = next(n for n in graph.nodes if n.op == "output")
+    leaves, spec = tree_flatten(output_node.args[0])
+    node_leaves = [leaf for leaf in leaves if isinstance(leaf, fx.Node)]
+    if output_placements is None:
+        out_placements = tuple(replicated(num_axes) for _ in node_leaves)
+    else:
+        out_placements = tuple(tuple(p) for p in output_placements)
+        if len(out_placements) != len(node_leaves):
+            raise ValueError(
+                f"output_placements has {len(out_placements)} entries but the model returns "
+                f"{len(node_leaves)} tensors"
+            )
+    new_leaves = []
+    k = 0
+    for leaf in leaves:
+        if isinstance(leaf, fx.Node):
+            src = _producer_placements(leaf, strategies) if leaf in strategies else replicated(num_axes)
+            dst = out_placements[k]
+            k += 1
+            if src != dst:
+                fwd, _ = reshard_steps(src, dst, _shape_of(leaf), _itemsize(leaf), mesh_shape)
+                with graph.inserting_before(output_node):
+                    leaf = _emit_steps(graph, leaf, fwd, group_key)
+        new_leaves.append(leaf)
+    output_node.args = (tree_unflatten(new_leaves, spec),)
+
+    for node, strategy in strategies.items():
+        node.meta["autopar_placements"] = strategy.outputs
+    graph.lint()
+    gm.recompile()
+    call_spec = captured.exported.call_spec
+    return LoweredGraph(
+        gm=gm,
+        mesh_shape=mesh_shape,
+        group_key=group_key,
+        placeholders=tuple(placeholders),
+        param_placements=param_placements,
+        buffer_placements=buffer_placements,
+        param_grad_reduce_axes=deferred,
+        tied_params=tied,
+        param_use_order=param_use_order,
+        input_names=tuple(captured.input_nodes),
+        input_placements=tuple(input_placements),
+        global_input_shapes=tuple(global_shapes),
+        local_input_shapes=tuple(local_shapes),
+        output_placements=out_placements,
+        in_spec=call_spec.in_spec,
+        out_spec=call_spec.out_spec,
+    )
+
+
+def _convert(
+    graph: fx.Graph,
+    value: fx.Node,
+    edge: _Edge,
+    axes: tuple[int, ...],
+    mesh_shape: tuple[int, ...],
+    group_key: str,
+) -> fx.Node:
+    """Steps ``edge.src -> edge.dst`` on ``value``, then a GradAllReduce over ``axes``, at the
+    graph's current insertion point."""
+    fwd: tuple[Step, ...] = ()
+    if edge.src != edge.dst:
+        fwd, _ = reshard_steps(
+            edge.src, edge.dst, _shape_of(edge.tensor), _itemsize(edge.tensor), mesh_shape
+        )
+    return _emit_with_grad_reduce(graph, value, fwd, axes, group_key)
+
+
+def _emit_with_grad_reduce(
+    graph: fx.Graph, value: fx.Node, fwd: Sequence[Step], axes: tuple[int, ...], group_key: str
+) -> fx.Node:
+    value = _emit_steps(graph, value, fwd, group_key)
+    if axes:
+        value = graph.call_function(collectives.autopar_grad_all_reduce, (value, group_key, axes))
+    return value

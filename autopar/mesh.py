@@ -1,0 +1,244 @@
+"""The device mesh as the planner sees it: axis sizes and names, one link per axis, a device.
+
+``Mesh.spec`` builds one offline (no processes, no GPU) for planning; ``Mesh.parse`` reads the
+CLI's ``--mesh`` text. The live constructor ``Mesh.from_world`` (process groups per axis) belongs
+to the runtime and is added there; this module stays torch-free.
+
+Defaults (DESIGN.md "Mesh axes"): axis names ``("dp", "tp")`` for a 2-D mesh and
+``("a0", "a1", ...)`` otherwise; links NVLink on the innermost (last) axis and InfiniBand on the
+others (NVLink 3 instead of NVLink 4 on A100s), and the "loopback" link on every axis of a CPU mesh.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from cost_models.hardware import (
+    DeviceSpec,
+    LinkSpec,
+    Profile,
+    get_device,
+    get_link,
+    load_profile,
+)
+
+LinkArg = str | LinkSpec
+_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def default_axis_names(ndim: int) -> tuple[str, ...]:
+    """``("dp", "tp")`` for 2 axes, ``("a0", "a1", ...)`` for any other count."""
+    if ndim == 2:
+        return ("dp", "tp")
+    return tuple(f"a{i}" for i in range(ndim))
+
+
+def default_links(ndim: int, device: DeviceSpec) -> tuple[LinkSpec, ...]:
+    """Innermost axis on the intra-node link, the others on InfiniBand; loopback on a CPU."""
+    if device.name == "cpu":
+        return (get_link("loopback"),) * ndim
+    intra = get_link("nvlink3" if device.name.startswith("a100") else "nvlink")
+    return (get_link("infiniband"),) * (ndim - 1) + (intra,) if ndim else ()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Mesh:
+    """An N-D grid of devices: ``shape[i]`` devices along axis ``axis_names[i]`` over ``links[i]``."""
+
+    shape: tuple[int, ...]
+    axis_names: tuple[str, ...]
+    device: DeviceSpec
+    links: tuple[LinkSpec, ...]
+    """One per axis: the interconnect a collective along that axis runs over."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(self.shape))
+        object.__setattr__(self, "axis_names", tuple(self.axis_names))
+        object.__setattr__(self, "links", tuple(self.links))
+        if not self.shape:
+            raise ValueError("a mesh needs at least one axis, e.g. Mesh.spec((8,))")
+        for i, size in enumerate(self.shape):
+            if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+                raise ValueError(
+                    f"mesh axis {i} has size {size!r}; every axis size must be a positive integer"
+                )
+        if len(self.axis_names) != len(self.shape):
+            raise ValueError(
+                f"mesh shape {self.shape} has {len(self.shape)} axes but {len(self.axis_names)} "
+                f"names {self.axis_names}; give one name per axis"
+            )
+        for name in self.axis_names:
+            if not isinstance(name, str) or not _NAME_RE.match(name):
+                raise ValueError(
+                    f"mesh axis name {name!r} is not an identifier (letters, digits, '_'; "
+                    "not starting with a digit)"
+                )
+        duplicates = sorted({n for n in self.axis_names if self.axis_names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"duplicate mesh axis names {duplicates} in {self.axis_names}")
+        if len(self.links) != len(self.shape):
+            raise ValueError(
+                f"mesh shape {self.shape} has {len(self.shape)} axes but {len(self.links)} links"
+            )
+
+    # -- construction ------------------------------------------------------------------------
+
+    @classmethod
+    def spec(
+        cls,
+        shape: int | Sequence[int],
+        axis_names: Sequence[str] | None = None,
+        *,
+        device: str | DeviceSpec = "h100",
+        links: Sequence[LinkArg] | Mapping[str, LinkArg] | None = None,
+        profile: str | os.PathLike[str] | Mapping[str, Any] | Profile | None = None,
+    ) -> Mesh:
+        """An offline mesh for planning.
+
+        Args:
+            shape: axis sizes, e.g. ``(8, 8)``; an int for a 1-D mesh.
+            axis_names: one per axis; default ``("dp", "tp")`` for 2-D, ``("a0", ...)`` otherwise.
+            device: a preset name ("h100", "a100", "cpu", ...) or a DeviceSpec.
+            links: per-axis overrides: a sequence with one entry per axis, or a mapping from axis
+                name (or index) to link; entries are preset names or LinkSpecs. Axes not named
+                keep their defaults.
+            profile: a profile (path, dict or Profile, see ``cost_models.hardware``); its device
+                and its links (keyed by axis name or index) override everything else.
+
+        Raises:
+            ValueError: a non-positive axis size, wrong name count, duplicate names, an unknown
+                device or link, or a link key that is not an axis.
+        """
+        shape_t = (shape,) if isinstance(shape, int) else tuple(shape)
+        names = default_axis_names(len(shape_t)) if axis_names is None else tuple(axis_names)
+        # Validate shape and names before resolving links, so errors name the real problem.
+        probe_links = (get_link("loopback"),) * len(shape_t)
+        cls(shape=shape_t, axis_names=names, device=get_device("cpu"), links=probe_links)
+
+        prof = load_profile(profile) if profile is not None else None
+        dev = get_device(device)
+        if prof is not None and prof.device is not None:
+            dev = prof.device
+        resolved = list(default_links(len(shape_t), dev))
+        if links is not None:
+            if isinstance(links, Mapping):
+                for key, link in links.items():
+                    resolved[_axis_of_key(key, names, "links=")] = get_link(link)
+            else:
+                if isinstance(links, str | LinkSpec) or len(links) != len(shape_t):
+                    raise ValueError(
+                        f"links= needs one entry per axis ({len(shape_t)} for shape {shape_t}) or "
+                        f"a mapping from axis name to link, got {links!r}"
+                    )
+                resolved = [get_link(link) for link in links]
+        if prof is not None:
+            for key, link_spec in prof.links.items():
+                resolved[_axis_of_key(key, names, "profile links")] = link_spec
+        return cls(shape=shape_t, axis_names=names, device=dev, links=tuple(resolved))
+
+    @classmethod
+    def parse(
+        cls,
+        text: str,
+        *,
+        device: str | DeviceSpec = "h100",
+        links: Sequence[LinkArg] | Mapping[str, LinkArg] | None = None,
+        profile: str | os.PathLike[str] | Mapping[str, Any] | Profile | None = None,
+    ) -> Mesh:
+        """A mesh from the CLI's ``--mesh``: "8", "8x8", "2x2x2" or "dp=8,tp=8"."""
+        body = text.strip().replace(" ", "")
+        try:
+            if "=" in body:
+                pairs = [item.split("=") for item in body.split(",")]
+                if any(len(p) != 2 for p in pairs):
+                    raise ValueError
+                names: tuple[str, ...] | None = tuple(p[0] for p in pairs)
+                shape = tuple(int(p[1]) for p in pairs)
+            else:
+                names = None
+                shape = tuple(int(part) for part in body.lower().split("x"))
+        except ValueError:
+            raise ValueError(
+                f"cannot read mesh {text!r}: write axis sizes joined by 'x' ('8', '8x8', "
+                "'2x2x2') or name=size pairs joined by ',' ('dp=8,tp=8')"
+            ) from None
+        return cls.spec(shape, names, device=device, links=links, profile=profile)
+
+    # -- queries -----------------------------------------------------------------------------
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def num_devices(self) -> int:
+        return math.prod(self.shape)
+
+    def axis_index(self, axis: str | int) -> int:
+        """Index of an axis given by name or index (negative indices count from the end)."""
+        if isinstance(axis, str):
+            if axis in self.axis_names:
+                return self.axis_names.index(axis)
+            raise ValueError(f"mesh has no axis named {axis!r}; its axes are {self.axis_names}")
+        if isinstance(axis, int) and not isinstance(axis, bool) and -self.ndim <= axis < self.ndim:
+            return axis % self.ndim
+        raise ValueError(
+            f"mesh axis {axis!r} is out of range for a {self.ndim}-D mesh {self.axis_names}"
+        )
+
+    def axis_size(self, axis: str | int) -> int:
+        return self.shape[self.axis_index(axis)]
+
+    def link(self, axis: str | int) -> LinkSpec:
+        return self.links[self.axis_index(axis)]
+
+    def describe(self) -> str:
+        """E.g. ``"dp=8 (infiniband) x tp=8 (nvlink) on h100"``."""
+        axes = " x ".join(
+            f"{n}={s} ({link.name})" for n, s, link in zip(self.axis_names, self.shape, self.links)
+        )
+        return f"{axes} on {self.device.name}"
+
+    # -- JSON --------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly, with the full device and link specs (``from_dict`` inverts it)."""
+        return {
+            "shape": list(self.shape),
+            "axis_names": list(self.axis_names),
+            "device": self.device.to_dict(),
+            "links": [link.to_dict() for link in self.links],
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Mesh:
+        missing = sorted({"shape", "axis_names", "device", "links"} - set(d))
+        if missing:
+            raise ValueError(f"mesh dict misses {missing}")
+        return cls(
+            shape=tuple(int(s) for s in d["shape"]),
+            axis_names=tuple(d["axis_names"]),
+            device=DeviceSpec.from_dict(d["device"]),
+            links=tuple(LinkSpec.from_dict(x) for x in d["links"]),
+        )
+
+
+def _axis_of_key(key: str | int, names: tuple[str, ...], what: str) -> int:
+    """Axis index for a ``links`` key: an axis name, an int index, or an index as a string."""
+    if isinstance(key, str) and key in names:
+        return names.index(key)
+    index: int | None = None
+    if isinstance(key, int) and not isinstance(key, bool):
+        index = key
+    elif isinstance(key, str) and key.isdigit():
+        index = int(key)
+    if index is not None and 0 <= index < len(names):
+        return index
+    raise ValueError(
+        f"{what} key {key!r} is not an axis of the mesh; axes: {names} (or 0..{len(names) - 1})"
+    )

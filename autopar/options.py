@@ -1,0 +1,120 @@
+"""PlanOptions: the one set of options shared by plan(), autoparallelize() and the CLI."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+RECIPES = ("auto", "ddp", "fsdp", "megatron", "fsdp+tp")
+CHECKPOINT_MODES = ("auto", "none", "all")
+SOLVERS = ("highs", "cbc")
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_bytes(value: int | float | str) -> int:
+    """Bytes from an int or a string such as "40GiB", "80GB", "1.5 TiB", "512MiB"."""
+    if isinstance(value, (int, float)):
+        if value <= 0:
+            raise ValueError(f"memory size must be positive, got {value}")
+        return int(value)
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(
+            f"cannot read memory size {value!r}: use a number of bytes or e.g. '40GiB', '80GB', '512MiB'"
+        )
+    size = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    if size <= 0:
+        raise ValueError(f"memory size must be positive, got {value!r}")
+    return int(size)
+
+
+def format_bytes(num_bytes: float) -> str:
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(num_bytes) >= scale:
+            return f"{num_bytes / scale:.2f} {unit}"
+    return f"{num_bytes:.0f} B"
+
+
+def format_seconds(seconds: float) -> str:
+    if seconds >= 1:
+        return f"{seconds:.3f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.3f} ms"
+    return f"{seconds * 1e6:.1f} us"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlanOptions:
+    """How to plan. Every field has a default; see DESIGN.md (Conventions: Options)."""
+
+    recipe: str = "auto"
+    """'auto' (the ILP chooses), or a fixed recipe: 'ddp', 'fsdp', 'megatron', 'fsdp+tp'."""
+    memory_budget: int | str | None = None
+    """Peak bytes per device (int or '40GiB'); None = the device's capacity minus a 10% reserve."""
+    optimizer: str = "adamw"
+    """Optimizer whose state is counted in memory: 'adamw', 'adam', 'sgd', 'sgd-momentum', ..."""
+    mixed_precision: str | None = None
+    """None (parameters' dtype throughout) or 'bf16' / 'fp16' (fp32 master weights)."""
+    zero_stage: int | None = None
+    """ZeRO stage on data-parallel axes; None = the planner decides (0-3)."""
+    checkpoint: str = "auto"
+    """Activation checkpointing: 'auto', 'none' or 'all'."""
+    output_placements: tuple[str, ...] | None = None
+    """Per output, compact placements such as 'S0,R'; None = Replicate on every axis."""
+    time_limit_s: float | None = None
+    """Solver time limit; the best plan found so far is returned with its gap."""
+    gap: float = 0.0
+    """Relative optimality gap at which the solver may stop."""
+    solver: str = "highs"
+    """ILP backend: 'highs' or 'cbc'."""
+
+    def __post_init__(self) -> None:
+        if self.recipe not in RECIPES:
+            raise ValueError(f"unknown recipe {self.recipe!r}; choose one of {', '.join(RECIPES)}")
+        if self.checkpoint not in CHECKPOINT_MODES:
+            raise ValueError(
+                f"unknown checkpoint mode {self.checkpoint!r}; choose one of {', '.join(CHECKPOINT_MODES)}"
+            )
+        if self.solver not in SOLVERS:
+            raise ValueError(f"unknown solver {self.solver!r}; choose one of {', '.join(SOLVERS)}")
+        if self.zero_stage is not None and self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage must be 0, 1, 2 or 3 (or None), got {self.zero_stage}")
+        if self.mixed_precision not in (None, "bf16", "fp16"):
+            raise ValueError(f"mixed_precision must be None, 'bf16' or 'fp16', got {self.mixed_precision!r}")
+        if self.memory_budget is not None:
+            parse_bytes(self.memory_budget)
+        if not 0 <= self.gap < 1:
+            raise ValueError(f"gap must be in [0, 1), got {self.gap}")
+
+    @classmethod
+    def from_kwargs(cls, kwargs: dict[str, Any]) -> PlanOptions:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown plan option(s) {unknown}; known: {sorted(known)}")
+        values = dict(kwargs)
+        if isinstance(values.get("output_placements"), Sequence) and not isinstance(
+            values.get("output_placements"), str
+        ):
+            values["output_placements"] = tuple(values["output_placements"])
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        if out["output_placements"] is not None:
+            out["output_placements"] = list(out["output_placements"])
+        return out

@@ -1,0 +1,586 @@
+"""The bridge from the captured graph to the torch-free solver.
+
+``build_space`` enumerates every node's strategies and prices everything that does not depend
+on global knobs (compute, resharding on edges, gradient all-reduces, activation memory);
+``build_problem`` adds what the ZeRO configuration and a recipe's restrictions change and emits
+a ``solver.Problem``. ``evaluate`` prices a chosen assignment with the same tables, so the
+figures a Plan reports are the ones the ILP optimised.
+
+Cost model per node strategy (seconds, per device, one training step):
+- compute: roofline on local work: FLOPs / (product of the sizes of the axes the op's work is
+  split over: an axis where some input or output is sharded), bytes of the local inputs and
+  outputs; backward priced only for nodes that need a gradient.
+- gradient all-reduce: a Replicate input whose gradient is Partial on an axis (the gradient
+  convention) is all-reduced over it; for parameters this is the data-parallel gradient sync.
+- ZeRO (per parameter, on the ZeRO axes where the parameter is Replicate): stage 1 and 2 turn
+  the all-reduce into reduce-scatter + all-gather (same volume); stage 3 adds one all-gather
+  (parameters are gathered before forward and again before backward).
+Edge cost: forward plus backward conversion steps from ``autopar.resharding``.
+Memory per device: parameter, gradient and optimizer state (after ZeRO), activations saved for
+backward (outputs of non-view ops that need a gradient), user inputs and buffers, plus the
+largest transient (a node's output and its gradient).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.fx as fx
+
+import solver
+from autopar.capture import Captured
+from autopar.flops import node_costs
+from autopar.mesh import Mesh
+from autopar.options import PlanOptions
+from autopar.placement import REPLICATE, Placements, Shard, divides, local_shape
+from autopar.resharding import reshard_steps
+from autopar.strategies import Strategy, input_nodes, strategies_for
+from autopar.strategies.registry import TensorMeta, op_call, tensor_meta
+from cost_models import collective_time_s, compute_time_s, training_state_bytes
+
+COMM_KINDS = frozenset({"all_gather", "all_reduce", "reduce_scatter", "all_to_all"})
+VIEW_FAMILIES = frozenset({"view"})
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ZeroConfig:
+    """ZeRO stage applied on a set of mesh axes (to parameters Replicate on those axes)."""
+
+    stage: int = 0
+    axes: tuple[int, ...] = ()
+
+
+@dataclass(kw_only=True, slots=True)
+class NodeSpace:
+    """A decision node: one graph node, its strategies and their zero-independent costs."""
+
+    name: str
+    kind: str
+    """'param', 'buffer', 'input' or 'op'."""
+    strategies: list[Strategy]
+    compute_s: np.ndarray
+    grad_comm_s: np.ndarray
+    """Gradient all-reduces of activations (Partial gradients of Replicate inputs)."""
+    param_grad_comm_s: np.ndarray
+    """Gradient all-reduces of parameters (the data-parallel sync)."""
+    output_comm_s: np.ndarray
+    """Converting a model output to its required placement (forward + backward)."""
+    activation_bytes: np.ndarray
+    transient_bytes: np.ndarray
+    fixed_bytes: np.ndarray
+    """Inputs and buffers (zero-independent resident bytes)."""
+    fqn: str | None = None
+    local_numel: np.ndarray | None = None
+    """Parameters: local element count per strategy (before ZeRO)."""
+    itemsize: int = 4
+    warning: str | None = None
+
+
+@dataclass(kw_only=True, slots=True)
+class EdgeSpace:
+    src: int
+    dst: int
+    input_index: int
+    cost_s: np.ndarray
+    """[src strategy, dst strategy] seconds; inf where the pair is impossible."""
+
+
+@dataclass(kw_only=True, slots=True)
+class StrategySpace:
+    """Every node's strategies and costs on one mesh (independent of ZeRO and recipe)."""
+
+    captured: Captured
+    mesh: Mesh
+    options: PlanOptions
+    nodes: list[NodeSpace]
+    edges: list[EdgeSpace]
+    index: dict[str, int]
+    warnings: list[str] = field(default_factory=list)
+    build_s: float = 0.0
+
+    def node(self, name: str) -> NodeSpace:
+        return self.nodes[self.index[name]]
+
+
+# --------------------------------------------------------------------------------------------
+# Strategy space
+
+
+def _tensor_value(node: fx.Node) -> bool:
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return True
+    return isinstance(val, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in val)
+
+
+def placeholder_strategies(meta: TensorMeta, mesh_shape: Sequence[int]) -> list[Strategy]:
+    """Every layout of a graph input: Replicate or Shard(d) per axis, divisible ones only."""
+    per_axis = [REPLICATE, *(Shard(d) for d in range(meta.ndim))]
+    out: list[Strategy] = []
+    for combo in itertools.product(*[per_axis if size > 1 else [REPLICATE] for size in mesh_shape]):
+        if divides(meta.shape, combo, mesh_shape):
+            out.append(Strategy(outputs=(tuple(combo),), inputs=(), input_grads=()))
+    return out
+
+
+def _local_bytes(meta: TensorMeta | None, placements: Placements | None, mesh_shape) -> float:
+    if meta is None or placements is None or not isinstance(meta, TensorMeta):
+        return 0.0
+    return float(math.prod(local_shape(meta.shape, placements, mesh_shape))) * meta.dtype.itemsize
+
+
+def _split_factor(strategy: Strategy, mesh_shape: Sequence[int]) -> int:
+    factor = 1
+    for axis, size in enumerate(mesh_shape):
+        placements = [p[axis] for p in (*strategy.inputs, *strategy.outputs) if p is not None]
+        if any(isinstance(p, Shard) for p in placements):
+            factor *= size
+    return factor
+
+
+def _dtype_name(dtype: torch.dtype, mixed_precision: str | None) -> str:
+    if mixed_precision == "bf16" and dtype.is_floating_point:
+        return "bfloat16"
+    if mixed_precision == "fp16" and dtype.is_floating_point:
+        return "float16"
+    return str(dtype).removeprefix("torch.")
+
+
+class _CommPricer:
+    """Prices resharding and all-reduces on a mesh, memoised (layers repeat)."""
+
+    def __init__(self, mesh: Mesh, act_itemsize: int | None) -> None:
+        self.mesh = mesh
+        self.act_itemsize = act_itemsize
+        self._reshard: dict[tuple, float] = {}
+
+    def itemsize(self, meta: TensorMeta) -> int:
+        if self.act_itemsize is not None and meta.dtype.is_floating_point:
+            return self.act_itemsize
+        return meta.dtype.itemsize
+
+    def reshard_s(self, src: Placements, dst: Placements, meta: TensorMeta) -> float:
+        if src == dst:
+            return 0.0
+        key = (src, dst, meta.shape, meta.dtype)
+        cost = self._reshard.get(key)
+        if cost is None:
+            try:
+                fwd, bwd = reshard_steps(src, dst, meta.shape, self.itemsize(meta), self.mesh.shape)
+            except ValueError:
+                cost = math.inf
+            else:
+                cost = sum(self.step_s(step) for step in (*fwd, *bwd))
+            self._reshard[key] = cost
+        return cost
+
+    def step_s(self, step) -> float:
+        if step.kind not in COMM_KINDS:
+            return 0.0
+        return collective_time_s(
+            step.kind, step.nbytes, self.mesh.shape[step.axis], self.mesh.links[step.axis]
+        )
+
+    def all_reduce_s(self, nbytes: float, axis: int) -> float:
+        return collective_time_s("all_reduce", nbytes, self.mesh.shape[axis], self.mesh.links[axis])
+
+    def all_gather_s(self, nbytes: float, axis: int) -> float:
+        return collective_time_s("all_gather", nbytes, self.mesh.shape[axis], self.mesh.links[axis])
+
+
+def _needs_grad(gm: fx.GraphModule, param_nodes: dict[str, str]) -> set[str]:
+    needs: set[str] = set()
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if node.op == "placeholder":
+            if node.name in param_nodes and isinstance(val, torch.Tensor) and val.is_floating_point():
+                needs.add(node.name)
+        elif node.op == "call_function" and any(inp.name in needs for inp in input_nodes(node)):
+            floats = [val] if isinstance(val, torch.Tensor) else list(val or ())
+            if any(isinstance(v, torch.Tensor) and v.is_floating_point() for v in floats):
+                needs.add(node.name)
+    return needs
+
+
+def build_space(captured: Captured, mesh: Mesh, options: PlanOptions) -> StrategySpace:
+    """Enumerate strategies of every node and price what does not depend on ZeRO or recipe."""
+    import time
+
+    start = time.perf_counter()
+    gm = captured.gm
+    mesh_shape = mesh.shape
+    act_itemsize = 2 if options.mixed_precision else None
+    pricer = _CommPricer(mesh, act_itemsize)
+    needs_grad = _needs_grad(gm, captured.param_nodes)
+    nodes: list[NodeSpace] = []
+    index: dict[str, int] = {}
+    warnings: list[str] = []
+    output_users = _output_requirements(captured, mesh, options)
+
+    for node in gm.graph.nodes:
+        if node.op not in ("placeholder", "call_function") or not _tensor_value(node):
+            continue
+        if node.op == "placeholder":
+            meta = tensor_meta(node.meta["val"])
+            strategies = placeholder_strategies(meta, mesh_shape)
+            kind = (
+                "param"
+                if node.name in captured.param_nodes
+                else "buffer" if node.name in captured.buffer_nodes else "input"
+            )
+            space = _placeholder_space(node, kind, meta, strategies, mesh_shape, pricer)
+            space.fqn = captured.param_nodes.get(node.name) or captured.buffer_nodes.get(node.name)
+        else:
+            strategies, warning = strategies_for(node, mesh_shape)
+            if warning:
+                warnings.append(warning)
+            space = _op_space(node, strategies, mesh, options, pricer, needs_grad)
+            space.warning = warning
+        for out_index, required in output_users.get(node.name, []):
+            meta = tensor_meta(node.meta["val"])
+            meta = meta[out_index] if isinstance(meta, list) else meta
+            space.output_comm_s = space.output_comm_s + np.array(
+                [pricer.reshard_s(s.outputs[out_index], required, meta) for s in space.strategies]
+            )
+        index[node.name] = len(nodes)
+        nodes.append(space)
+
+    edges = _edges(gm, nodes, index, pricer, needs_grad)
+    return StrategySpace(
+        captured=captured,
+        mesh=mesh,
+        options=options,
+        nodes=nodes,
+        edges=edges,
+        index=index,
+        warnings=warnings,
+        build_s=time.perf_counter() - start,
+    )
+
+
+def _output_requirements(
+    captured: Captured, mesh: Mesh, options: PlanOptions
+) -> dict[str, list[tuple[int, Placements]]]:
+    """Producer name -> [(output index, required placement)] for the model's outputs."""
+    from autopar.placement import parse_placements
+
+    out_node = next(n for n in captured.gm.graph.nodes if n.op == "output")
+    leaves = [leaf for leaf in torch.utils._pytree.tree_flatten(out_node.args)[0]]
+    tensor_leaves = [leaf for leaf in leaves if isinstance(leaf, fx.Node) and _tensor_value(leaf)]
+    user_outputs = tensor_leaves[len(tensor_leaves) - len(captured.output_names) :]
+    requirements: dict[str, list[tuple[int, Placements]]] = {}
+    for i, leaf in enumerate(user_outputs):
+        if options.output_placements is not None and i < len(options.output_placements):
+            required = parse_placements(options.output_placements[i])
+            if len(required) != mesh.ndim:
+                raise ValueError(
+                    f"output_placements[{i}] = {options.output_placements[i]!r} has "
+                    f"{len(required)} entries but the mesh has {mesh.ndim} axes"
+                )
+        else:
+            required = (REPLICATE,) * mesh.ndim
+        requirements.setdefault(leaf.name, []).append((0, required))
+    return requirements
+
+
+def _zeros(n: int) -> np.ndarray:
+    return np.zeros(n, dtype=np.float64)
+
+
+def _placeholder_space(node, kind, meta, strategies, mesh_shape, pricer) -> NodeSpace:
+    n = len(strategies)
+    local_bytes = np.array([_local_bytes(meta, s.outputs[0], mesh_shape) for s in strategies])
+    local_numel = local_bytes / meta.dtype.itemsize
+    return NodeSpace(
+        name=node.name,
+        kind=kind,
+        strategies=strategies,
+        compute_s=_zeros(n),
+        grad_comm_s=_zeros(n),
+        param_grad_comm_s=_zeros(n),
+        output_comm_s=_zeros(n),
+        activation_bytes=_zeros(n),
+        transient_bytes=_zeros(n),
+        fixed_bytes=_zeros(n) if kind == "param" else local_bytes,
+        local_numel=local_numel if kind == "param" else None,
+        itemsize=meta.dtype.itemsize,
+    )
+
+
+def _op_space(node, strategies, mesh, options, pricer, needs_grad) -> NodeSpace:
+    mesh_shape = mesh.shape
+    work = node_costs(node)
+    call = op_call(node)
+    dtype = next((m.dtype for m in call.outputs if m is not None), torch.float32)
+    dtype_name = _dtype_name(dtype, options.mixed_precision)
+    grad = node.name in needs_grad
+    inputs = input_nodes(node)
+    n = len(strategies)
+    compute = _zeros(n)
+    grad_comm = _zeros(n)
+    param_grad_comm = _zeros(n)
+    activation = _zeros(n)
+    transient = _zeros(n)
+    is_view = work.family in VIEW_FAMILIES
+    for i, strategy in enumerate(strategies):
+        factor = _split_factor(strategy, mesh_shape)
+        out_bytes = sum(
+            _local_bytes(m, p, mesh_shape) for m, p in zip(call.outputs, strategy.outputs)
+        )
+        in_bytes = sum(_local_bytes(m, p, mesh_shape) for m, p in zip(call.inputs, strategy.inputs))
+        if not is_view:
+            fwd_bytes = (in_bytes + out_bytes) * (pricer.itemsize(dtype_meta(dtype)) / dtype.itemsize)
+            compute[i] = compute_time_s(
+                flops=work.fwd_flops / factor,
+                bytes_accessed=fwd_bytes,
+                device=mesh.device,
+                dtype=dtype_name,
+                family=work.family,
+            )
+            if grad:
+                compute[i] += compute_time_s(
+                    flops=work.bwd_flops / factor,
+                    bytes_accessed=2 * fwd_bytes,
+                    device=mesh.device,
+                    dtype=dtype_name,
+                    family=work.family,
+                )
+                activation[i] = out_bytes * pricer.itemsize(dtype_meta(dtype)) / dtype.itemsize
+            transient[i] = out_bytes * (2 if grad else 1)
+        # Partial gradients of Replicate inputs are all-reduced (gradient convention).
+        for inp, meta, placements, grad_placements in zip(
+            inputs, call.inputs, strategy.inputs, strategy.input_grads
+        ):
+            if grad_placements is None or inp.name not in needs_grad or placements is None:
+                continue
+            nbytes = _local_bytes(meta, placements, mesh_shape)
+            if inp.op != "placeholder":
+                nbytes *= pricer.itemsize(meta) / meta.dtype.itemsize
+            for axis, p in enumerate(grad_placements):
+                if p.is_partial() and mesh_shape[axis] > 1:
+                    if inp.op == "placeholder":
+                        param_grad_comm[i] += pricer.all_reduce_s(nbytes, axis)
+                    else:
+                        grad_comm[i] += pricer.all_reduce_s(nbytes, axis)
+    return NodeSpace(
+        name=node.name,
+        kind="op",
+        strategies=strategies,
+        compute_s=compute,
+        grad_comm_s=grad_comm,
+        param_grad_comm_s=param_grad_comm,
+        output_comm_s=_zeros(n),
+        activation_bytes=activation,
+        transient_bytes=transient,
+        fixed_bytes=_zeros(n),
+    )
+
+
+def dtype_meta(dtype: torch.dtype) -> TensorMeta:
+    return TensorMeta((), dtype)
+
+
+def _edges(gm, nodes, index, pricer, needs_grad) -> list[EdgeSpace]:
+    edges: list[EdgeSpace] = []
+    for node in gm.graph.nodes:
+        if node.name not in index:
+            continue
+        dst = index[node.name]
+        for j, inp in enumerate(input_nodes(node)):
+            if inp.name not in index:
+                continue
+            src = index[inp.name]
+            out_index = node.args[1] if node.target is operator.getitem else 0
+            meta = tensor_meta(inp.meta["val"])
+            if isinstance(meta, list):
+                meta = meta[out_index]
+            src_strats = nodes[src].strategies
+            dst_strats = nodes[dst].strategies
+            cost = np.zeros((len(src_strats), len(dst_strats)))
+            for a, s in enumerate(src_strats):
+                src_pl = s.outputs[out_index] if out_index < len(s.outputs) else None
+                for b, t in enumerate(dst_strats):
+                    dst_pl = t.inputs[j]
+                    if src_pl is None or dst_pl is None:
+                        continue
+                    cost[a, b] = pricer.reshard_s(src_pl, dst_pl, meta)
+            edges.append(EdgeSpace(src=src, dst=dst, input_index=j, cost_s=cost))
+    return edges
+
+
+# --------------------------------------------------------------------------------------------
+# Problem for one ZeRO configuration and one set of allowed strategies
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BuiltProblem:
+    problem: solver.Problem
+    allowed: tuple[tuple[int, ...], ...]
+    """Per space node: the strategy indices offered to the solver (solver choice -> index)."""
+    zero: ZeroConfig
+
+
+def param_state(
+    space: StrategySpace, node: NodeSpace, s: int, zero: ZeroConfig
+) -> tuple[float, float, dict[str, float]]:
+    """(memory bytes, ZeRO comm seconds, memory breakdown) of parameter strategy ``s``."""
+    options = space.options
+    mesh = space.mesh
+    placements = node.strategies[s].outputs[0]
+    zero_axes = [a for a in zero.axes if placements[a].is_replicate() and mesh.shape[a] > 1]
+    shards = math.prod(mesh.shape[a] for a in zero_axes) if zero.stage > 0 else 1
+    assert node.local_numel is not None
+    numel = float(node.local_numel[s])
+    breakdown = training_state_bytes(
+        num_elements=numel,
+        param_dtype_bytes=node.itemsize,
+        optimizer=options.optimizer,
+        mixed_precision=options.mixed_precision,
+        zero_stage=zero.stage if zero_axes else 0,
+        zero_shards=shards,
+    )
+    comm = 0.0
+    if zero.stage == 3:
+        gather_itemsize = 2 if options.mixed_precision else node.itemsize
+        for axis in zero_axes:
+            comm += collective_time_s(
+                "all_gather", numel * gather_itemsize, mesh.shape[axis], mesh.links[axis]
+            )
+    return breakdown.total, comm, breakdown.to_dict()
+
+
+def node_cost_vector(space: StrategySpace, node: NodeSpace, zero: ZeroConfig) -> tuple[np.ndarray, np.ndarray]:
+    """(seconds, resident bytes) per strategy of ``node`` under ``zero``."""
+    cost = node.compute_s + node.grad_comm_s + node.param_grad_comm_s + node.output_comm_s
+    memory = node.activation_bytes + node.fixed_bytes
+    if node.kind == "param":
+        extra_mem = np.zeros(len(node.strategies))
+        extra_cost = np.zeros(len(node.strategies))
+        for s in range(len(node.strategies)):
+            extra_mem[s], extra_cost[s], _ = param_state(space, node, s, zero)
+        cost = cost + extra_cost
+        memory = memory + extra_mem
+    return cost, memory
+
+
+def build_problem(
+    space: StrategySpace,
+    zero: ZeroConfig,
+    *,
+    allowed: dict[str, Sequence[int]] | None = None,
+    forbid: dict[int, set[tuple[int, int]]] | None = None,
+    memory_budget_bytes: float | None,
+) -> BuiltProblem:
+    """Emit the solver problem. ``allowed`` restricts nodes' strategies (recipes); ``forbid``
+    maps an edge index to (src strategy, dst strategy) pairs that are not allowed."""
+    allowed_idx: list[tuple[int, ...]] = []
+    solver_nodes: list[solver.Node] = []
+    for node in space.nodes:
+        idx = tuple(allowed[node.name]) if allowed and node.name in allowed else tuple(
+            range(len(node.strategies))
+        )
+        if not idx:
+            raise ValueError(f"recipe leaves node {node.name} without a strategy")
+        cost, memory = node_cost_vector(space, node, zero)
+        solver_nodes.append(
+            solver.Node(
+                name=node.name,
+                cost_s=tuple(float(cost[i]) for i in idx),
+                memory_bytes=tuple(float(memory[i]) for i in idx),
+                transient_bytes=tuple(float(node.transient_bytes[i]) for i in idx),
+            )
+        )
+        allowed_idx.append(idx)
+    solver_edges: list[solver.Edge] = []
+    for e, edge in enumerate(space.edges):
+        rows = allowed_idx[edge.src]
+        cols = allowed_idx[edge.dst]
+        banned = forbid.get(e, set()) if forbid else set()
+        matrix = tuple(
+            tuple(
+                None
+                if (not math.isfinite(edge.cost_s[a, b]) or (a, b) in banned)
+                else float(edge.cost_s[a, b])
+                for b in cols
+            )
+            for a in rows
+        )
+        solver_edges.append(solver.Edge(src=edge.src, dst=edge.dst, cost_s=matrix))
+    problem = solver.Problem(
+        nodes=tuple(solver_nodes),
+        edges=tuple(solver_edges),
+        memory_budget_bytes=memory_budget_bytes,
+    )
+    return BuiltProblem(problem=problem, allowed=tuple(allowed_idx), zero=zero)
+
+
+# --------------------------------------------------------------------------------------------
+# Evaluating an assignment
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Evaluation:
+    """Predicted figures of one assignment (strategy index per space node)."""
+
+    step_s: float
+    compute_s: float
+    resharding_s: float
+    grad_sync_s: float
+    activation_grad_comm_s: float
+    zero_comm_s: float
+    output_comm_s: float
+    peak_memory_bytes: float
+    memory: dict[str, float]
+    node_s: tuple[float, ...]
+    """Per node: its own seconds plus its incoming edges' resharding seconds."""
+
+
+def evaluate(space: StrategySpace, choice: Sequence[int], zero: ZeroConfig) -> Evaluation:
+    compute = grad_sync = act_comm = zero_comm = out_comm = 0.0
+    memory = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "master": 0.0, "activations": 0.0, "inputs_buffers": 0.0}
+    node_s = [0.0] * len(space.nodes)
+    transient = 0.0
+    for i, node in enumerate(space.nodes):
+        s = choice[i]
+        compute += node.compute_s[s]
+        grad_sync += node.param_grad_comm_s[s]
+        act_comm += node.grad_comm_s[s]
+        out_comm += node.output_comm_s[s]
+        node_s[i] = float(
+            node.compute_s[s] + node.param_grad_comm_s[s] + node.grad_comm_s[s] + node.output_comm_s[s]
+        )
+        memory["activations"] += node.activation_bytes[s]
+        memory["inputs_buffers"] += node.fixed_bytes[s]
+        transient = max(transient, float(node.transient_bytes[s]))
+        if node.kind == "param":
+            _, comm, breakdown = param_state(space, node, s, zero)
+            zero_comm += comm
+            node_s[i] += comm
+            for key in ("params", "grads", "optimizer", "master"):
+                memory[key] += breakdown[key]
+    resharding = 0.0
+    for edge in space.edges:
+        c = float(edge.cost_s[choice[edge.src], choice[edge.dst]])
+        resharding += c
+        node_s[edge.dst] += c
+    memory["transient"] = transient
+    peak = sum(memory.values())
+    step = compute + resharding + grad_sync + act_comm + zero_comm + out_comm
+    return Evaluation(
+        step_s=float(step),
+        compute_s=float(compute),
+        resharding_s=float(resharding),
+        grad_sync_s=float(grad_sync),
+        activation_grad_comm_s=float(act_comm),
+        zero_comm_s=float(zero_comm),
+        output_comm_s=float(out_comm),
+        peak_memory_bytes=float(peak),
+        memory={k: float(v) for k, v in memory.items()},
+        node_s=tuple(node_s),
+    )

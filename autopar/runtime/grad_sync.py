@@ -1,0 +1,139 @@
+"""Chunked, overlapped all-reduce of parameter gradients that are Partial over some mesh axes.
+
+A parameter replicated over an axis on which its consumers' work is split (a batch-sharded axis,
+typically) ends backward with a different summand of its gradient on every rank of that axis
+(``LoweredGraph.param_grad_reduce_axes``). :class:`GradReducer` sums them:
+
+* parameters are grouped into flat buckets of about ``bucket_bytes`` by (axes, dtype, device),
+  filled in REVERSE order of first use in forward, which is roughly the order backward
+  produces their gradients;
+* a ``register_post_accumulate_grad_hook`` on each parameter counts the bucket's ready
+  gradients; when a bucket is complete its gradients are copied into one flat buffer and an
+  asynchronous all-reduce over the first axis is launched, overlapping the rest of backward;
+* the first hook of a backward queues a callback on the autograd engine
+  (``Variable._execution_engine.queue_callback``) that runs when backward ends: it launches any
+  bucket not yet complete (a parameter without a gradient contributes zeros), waits for every
+  all-reduce, reduces over the remaining axes, and copies the sums back into ``param.grad``.
+
+So the user writes ``loss.backward(); opt.step()`` and nothing else. Gradients are SUMMED, not
+averaged: the loss is the replicated global value, so the per-rank summands add up to the true
+gradient (DESIGN.md, gradient convention).
+
+Limitation: each backward reduces the accumulated ``.grad``, so gradient accumulation over
+several backward calls needs the gradients zeroed in between (or the micro-batch losses summed
+into one backward).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.autograd import Variable
+
+__all__ = ["DEFAULT_BUCKET_BYTES", "GradReducer"]
+
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+
+
+@dataclass(slots=True)
+class _Bucket:
+    axes: tuple[int, ...]
+    params: list[nn.Parameter] = field(default_factory=list)
+    num_bytes: int = 0
+    num_ready: int = 0
+    flat: torch.Tensor | None = None
+    work: Any = None
+
+
+class GradReducer:
+    """Sums partial parameter gradients over mesh axes after each backward (module docstring).
+
+    Args:
+        params: ``(parameter, axes)`` in order of first use in forward; each parameter once.
+        group_of: mesh axis -> the process group of this rank along that axis.
+        bucket_bytes: target size of one flat bucket.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[tuple[nn.Parameter, tuple[int, ...]]],
+        group_of: Callable[[int], Any],
+        *,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> None:
+        self._group_of = group_of
+        self._buckets: list[_Bucket] = []
+        self._bucket_of: dict[int, _Bucket] = {}
+        self._callback_queued = False
+        open_buckets: dict[tuple[Any, ...], _Bucket] = {}
+        for param, axes in reversed(list(params)):
+            if not axes or not param.requires_grad:
+                continue
+            key = (tuple(axes), param.dtype, param.device)
+            bucket = open_buckets.get(key)
+            if bucket is None or bucket.num_bytes >= bucket_bytes:
+                bucket = _Bucket(axes=tuple(axes))
+                open_buckets[key] = bucket
+                self._buckets.append(bucket)
+            bucket.params.append(param)
+            bucket.num_bytes += param.numel() * param.element_size()
+            self._bucket_of[id(param)] = bucket
+        self._handles = [
+            param.register_post_accumulate_grad_hook(self._on_grad_ready)
+            for bucket in self._buckets
+            for param in bucket.params
+        ]
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self._buckets)
+
+    def remove(self) -> None:
+        """Detach the hooks (gradients are then no longer reduced)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            Variable._execution_engine.queue_callback(self._finish)
+        bucket = self._bucket_of[id(param)]
+        bucket.num_ready += 1
+        if bucket.num_ready == len(bucket.params):
+            self._launch(bucket)
+
+    def _launch(self, bucket: _Bucket) -> None:
+        pieces = [
+            p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
+            for p in bucket.params
+        ]
+        bucket.flat = torch.cat(pieces)
+        bucket.work = dist.all_reduce(bucket.flat, group=self._group_of(bucket.axes[0]), async_op=True)
+
+    def _finish(self) -> None:
+        # Every rank launches the same buckets in the same order, so the collectives match.
+        self._callback_queued = False
+        for bucket in self._buckets:
+            if bucket.work is None:
+                self._launch(bucket)
+        for bucket in self._buckets:
+            bucket.work.wait()
+            flat = bucket.flat
+            assert flat is not None
+            for axis in bucket.axes[1:]:
+                dist.all_reduce(flat, group=self._group_of(axis))
+            offset = 0
+            for p in bucket.params:
+                n = p.numel()
+                if p.grad is not None:
+                    p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
+                offset += n
+            bucket.flat = None
+            bucket.work = None
+            bucket.num_ready = 0

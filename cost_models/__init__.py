@@ -1,0 +1,75 @@
+"""Torch-free cost models: devices and links, compute (roofline), collectives, training memory.
+
+Everything here prices plain numbers (FLOPs, bytes, group sizes, specs); nothing imports torch
+or autopar.
+"""
+
+from __future__ import annotations
+
+from cost_models.comm import collective_steps_and_wire_bytes, collective_time_s, fit_alpha_beta
+from cost_models.compute import (
+    COMPUTE_BOUND_FAMILIES,
+    OTHER_COMPUTE_EFFICIENCY,
+    attention_flops,
+    attention_pairs,
+    backward_flops_factor,
+    compute_time_s,
+    matmul_flops,
+    normalize_dtype,
+    peak_flops_for,
+)
+from cost_models.hardware import (
+    COLLECTIVE_KINDS,
+    DEVICES,
+    LINKS,
+    PROFILE_SCHEMA,
+    PROFILE_VERSION,
+    DeviceSpec,
+    FrozenMap,
+    LinkSpec,
+    Profile,
+    get_device,
+    get_link,
+    load_profile,
+    save_profile,
+)
+from cost_models.memory import (
+    MIXED_PRECISIONS,
+    OPTIMIZERS,
+    MemoryBreakdown,
+    optimizer_state_buffers,
+    training_state_bytes,
+)
+
+__all__ = [
+    "COLLECTIVE_KINDS",
+    "COMPUTE_BOUND_FAMILIES",
+    "DEVICES",
+    "LINKS",
+    "MIXED_PRECISIONS",
+    "OPTIMIZERS",
+    "OTHER_COMPUTE_EFFICIENCY",
+    "PROFILE_SCHEMA",
+    "PROFILE_VERSION",
+    "DeviceSpec",
+    "FrozenMap",
+    "LinkSpec",
+    "MemoryBreakdown",
+    "Profile",
+    "attention_flops",
+    "attention_pairs",
+    "backward_flops_factor",
+    "collective_steps_and_wire_bytes",
+    "collective_time_s",
+    "compute_time_s",
+    "fit_alpha_beta",
+    "get_device",
+    "get_link",
+    "load_profile",
+    "matmul_flops",
+    "normalize_dtype",
+    "optimizer_state_buffers",
+    "peak_flops_for",
+    "save_profile",
+    "training_state_bytes",
+]

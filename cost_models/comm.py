@@ -1,0 +1,107 @@
+"""Time of one collective on one mesh axis: ring / alpha-beta formulas.
+
+With ``n`` devices in the group, ``B`` the ``nbytes`` argument, ``bw`` the link's unidirectional
+bandwidth per device and ``lat`` its per-step latency, a collective takes ``steps`` communication
+steps and puts ``wire`` bytes through each device's link:
+
+=============== ==================================== ========= ===============
+kind            meaning of ``nbytes``                 steps     wire bytes
+=============== ==================================== ========= ===============
+all_reduce      the tensor (same on every device)    2(n-1)    2(n-1)/n * B
+all_gather      the FULL gathered tensor             n-1       (n-1)/n * B
+reduce_scatter  the FULL tensor before scattering    n-1       (n-1)/n * B
+all_to_all      the bytes each device holds          n-1       (n-1)/n * B
+broadcast       the tensor                           n-1       B
+=============== ==================================== ========= ===============
+
+and ``time = steps * lat + wire / bw``. Ring all-reduce is a reduce-scatter then an all-gather;
+all-to-all sends (n-1)/n of each device's data in n-1 pairwise exchanges; broadcast is a pipelined
+ring (chain) whose bytes cross each link once, after n-1 hops of latency.
+
+If the link carries a calibrated ``collectives[kind] = (alpha, beta)``, the time is
+``alpha * steps + beta * wire`` with the same ``steps`` and ``wire`` (alpha in seconds per step,
+beta in seconds per wire byte); ``fit_alpha_beta`` fits exactly that model. A group of one
+device, or zero bytes, costs 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from cost_models.hardware import COLLECTIVE_KINDS, LinkSpec
+
+
+def collective_steps_and_wire_bytes(kind: str, nbytes: float, group_size: int) -> tuple[int, float]:
+    """``(steps, wire bytes per device)`` of a collective, as tabulated in the module docstring."""
+    if kind not in COLLECTIVE_KINDS:
+        raise ValueError(f"unknown collective {kind!r}; known: {', '.join(COLLECTIVE_KINDS)}")
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    if nbytes < 0:
+        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+    n = group_size
+    if kind == "all_reduce":
+        return 2 * (n - 1), 2.0 * (n - 1) / n * nbytes
+    if kind == "broadcast":
+        return n - 1, float(nbytes) if n > 1 else 0.0
+    return n - 1, (n - 1) / n * nbytes
+
+
+def collective_time_s(kind: str, nbytes: float, group_size: int, link: LinkSpec) -> float:
+    """Seconds for collective ``kind`` over ``group_size`` devices joined by ``link``.
+
+    Args:
+        kind: one of "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast".
+        nbytes: all_reduce and broadcast: the tensor's bytes; all_gather and reduce_scatter: the
+            FULL (unsharded) tensor's bytes; all_to_all: the bytes each device holds.
+        group_size: devices in the group (the size of the mesh axis).
+        link: the axis's link; its calibrated ``collectives[kind]`` wins over the formula.
+    """
+    steps, wire = collective_steps_and_wire_bytes(kind, nbytes, group_size)
+    if group_size == 1 or nbytes == 0:
+        return 0.0
+    calibrated = link.collectives.get(kind)
+    if calibrated is not None:
+        alpha, beta = calibrated
+        return alpha * steps + beta * wire
+    return steps * link.latency_s + wire / link.bandwidth_Bps
+
+
+def fit_alpha_beta(
+    sizes_bytes: Sequence[float], times_s: Sequence[float], kind: str, group_size: int
+) -> tuple[float, float]:
+    """Least-squares ``(alpha, beta)`` of ``time = alpha * steps + beta * wire`` from timings.
+
+    ``sizes_bytes`` mean what ``nbytes`` means for ``collective_time_s``. ``steps`` is the same for
+    every size, so this is a straight-line fit of time against wire bytes whose intercept is
+    ``alpha * steps``. A negative intercept (noise on tiny latencies) is clamped: alpha = 0 and
+    beta is refitted through the origin.
+
+    Raises:
+        ValueError: fewer than two distinct sizes, a group of one, mismatched lengths, or
+            timings that do not grow with size (beta <= 0).
+    """
+    if len(sizes_bytes) != len(times_s):
+        raise ValueError(f"{len(sizes_bytes)} sizes but {len(times_s)} timings")
+    if group_size < 2:
+        raise ValueError(f"fitting needs a group of at least 2 devices, got {group_size}")
+    if len(set(sizes_bytes)) < 2:
+        raise ValueError("fitting needs timings at two or more distinct sizes")
+    steps = collective_steps_and_wire_bytes(kind, 0.0, group_size)[0]
+    wires = [collective_steps_and_wire_bytes(kind, s, group_size)[1] for s in sizes_bytes]
+    count = len(wires)
+    mean_w = sum(wires) / count
+    mean_t = sum(times_s) / count
+    cov = sum((w - mean_w) * (t - mean_t) for w, t in zip(wires, times_s))
+    var = sum((w - mean_w) ** 2 for w in wires)
+    beta = cov / var
+    intercept = mean_t - beta * mean_w
+    if intercept < 0:
+        intercept = 0.0
+        beta = sum(w * t for w, t in zip(wires, times_s)) / sum(w * w for w in wires)
+    if beta <= 0:
+        raise ValueError(
+            f"{kind} timings do not grow with message size (beta={beta:.3g}); "
+            "measure larger messages or more repetitions"
+        )
+    return intercept / steps, beta

@@ -1,0 +1,523 @@
+"""Devices, links and the JSON profile that overrides or calibrates them.
+
+A ``DeviceSpec`` is what the compute model needs to price an op (peak FLOP/s per dtype, memory
+bandwidth, efficiencies, launch overhead); a ``LinkSpec`` is what the communication model needs to
+price a collective on one mesh axis (bandwidth per direction, latency, optional calibrated
+alpha-beta per collective). Presets carry the dense (non-sparsity) datasheet figures and name the
+datasheet in ``source``.
+
+Memory capacities are the marketed "GB" figures read as GiB (HBM stacks are power-of-two sized;
+``nvidia-smi`` reports e.g. 81,920 MiB for an A100 80GB); bandwidths are decimal, as datasheets
+print them. Usable capacity is a little lower (driver and allocator reserve), which a memory budget
+should leave room for.
+
+Profile JSON (one schema for user overrides and for calibration output)::
+
+    {"version": 1,
+     "device": {"name": "h100-tuned", "base": "h100", "op_efficiency": {"matmul": 0.78}},
+     "links": {"tp": {"base": "nvlink", "bandwidth_Bps": 3.6e11},
+               "0": {"name": "ib", "bandwidth_Bps": 4.5e10, "latency_s": 8e-6}},
+     "meta": {"measured_by": "autopar calibrate", "date": "2026-01-01"}}
+
+Every field is optional except that an entry needs either a ``base`` preset or its required
+numbers; ``name`` defaults to the base's name. Link keys are mesh axis names or indices.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, TypeVar
+
+import jsonschema
+
+PROFILE_VERSION = 1
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
+DTYPES = ("float64", "float32", "tf32", "bfloat16", "float16", "float8")
+_GiB = 2**30
+
+
+class FrozenMap(Mapping[str, Any]):
+    """An immutable, hashable, picklable str-keyed mapping (dataclass fields stay frozen)."""
+
+    __slots__ = ("_data",)
+
+    def __init__(self, data: Mapping[str, Any] | None = None) -> None:
+        self._data: dict[str, Any] = dict(data or {})
+
+    def __getitem__(self, key: str) -> Any:
+        return self._data[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __hash__(self) -> int:
+        return hash(tuple(sorted(self._data.items())))
+
+    def __repr__(self) -> str:
+        return repr(self._data)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (FrozenMap, (self._data,))
+
+
+def _check_fraction(owner: str, what: str, value: float) -> None:
+    if not 0.0 < value <= 1.0:
+        raise ValueError(f"{owner}: {what} must be in (0, 1], got {value}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DeviceSpec:
+    """One accelerator (or CPU) as the compute and memory models see it."""
+
+    name: str
+    peak_flops: Mapping[str, float]
+    """Dense peak FLOP/s per dtype name ("float32", "tf32", "bfloat16", "float16", "float8",
+    "float64"); no structured-sparsity figures."""
+    mem_bandwidth_Bps: float
+    """Peak memory bandwidth in bytes per second."""
+    mem_capacity_bytes: int
+    """Device memory in bytes."""
+    matmul_efficiency: float = 0.7
+    """Fraction of peak FLOP/s that large matmuls and attention reach."""
+    memory_efficiency: float = 0.8
+    """Fraction of peak memory bandwidth that streaming kernels reach."""
+    kernel_overhead_s: float = 5e-6
+    """Seconds added per op launch."""
+    op_efficiency: Mapping[str, float] = field(default_factory=FrozenMap)
+    """Per op family: fraction of the ideal roofline reached (written by calibration)."""
+    source: str = ""
+    """Where the figures come from (datasheet name and the figures used, or a calibration)."""
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("DeviceSpec needs a non-empty name")
+        if not self.peak_flops:
+            raise ValueError(f"device {self.name!r}: peak_flops needs at least one dtype")
+        for dtype, flops in self.peak_flops.items():
+            if not flops > 0:
+                raise ValueError(f"device {self.name!r}: peak_flops[{dtype!r}] must be > 0")
+        if not self.mem_bandwidth_Bps > 0:
+            raise ValueError(f"device {self.name!r}: mem_bandwidth_Bps must be > 0")
+        if not self.mem_capacity_bytes > 0:
+            raise ValueError(f"device {self.name!r}: mem_capacity_bytes must be > 0")
+        if self.kernel_overhead_s < 0:
+            raise ValueError(f"device {self.name!r}: kernel_overhead_s must be >= 0")
+        _check_fraction(f"device {self.name!r}", "matmul_efficiency", self.matmul_efficiency)
+        _check_fraction(f"device {self.name!r}", "memory_efficiency", self.memory_efficiency)
+        for family, eff in self.op_efficiency.items():
+            _check_fraction(f"device {self.name!r}", f"op_efficiency[{family!r}]", eff)
+        object.__setattr__(
+            self, "peak_flops", FrozenMap({k: float(v) for k, v in self.peak_flops.items()})
+        )
+        object.__setattr__(
+            self, "op_efficiency", FrozenMap({k: float(v) for k, v in self.op_efficiency.items()})
+        )
+        object.__setattr__(self, "mem_capacity_bytes", int(self.mem_capacity_bytes))
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly dict with every field (``from_dict`` inverts it exactly)."""
+        return {
+            "name": self.name,
+            "peak_flops": dict(self.peak_flops),
+            "mem_bandwidth_Bps": self.mem_bandwidth_Bps,
+            "mem_capacity_bytes": self.mem_capacity_bytes,
+            "matmul_efficiency": self.matmul_efficiency,
+            "memory_efficiency": self.memory_efficiency,
+            "kernel_overhead_s": self.kernel_overhead_s,
+            "op_efficiency": dict(self.op_efficiency),
+            "source": self.source,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> DeviceSpec:
+        """Build from a dict of fields; ``"base": "<preset>"`` starts from a preset.
+
+        Mappings (``peak_flops``, ``op_efficiency``) given next to a base are merged into the
+        base's, so a calibration can write one family without repeating the others.
+        """
+        return _spec_from_dict(cls, d, DEVICES, "device", ("peak_flops", "op_efficiency"))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LinkSpec:
+    """The interconnect of one mesh axis as the communication model sees it."""
+
+    name: str
+    bandwidth_Bps: float
+    """Unidirectional bandwidth per device in bytes per second (what one ring step sees)."""
+    latency_s: float
+    """Seconds per communication step (the alpha of the alpha-beta model)."""
+    collectives: Mapping[str, tuple[float, float]] = field(default_factory=FrozenMap)
+    """Calibrated ``(alpha_s, beta_s_per_byte)`` per collective kind; overrides the formula."""
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("LinkSpec needs a non-empty name")
+        if not self.bandwidth_Bps > 0:
+            raise ValueError(f"link {self.name!r}: bandwidth_Bps must be > 0")
+        if self.latency_s < 0:
+            raise ValueError(f"link {self.name!r}: latency_s must be >= 0")
+        frozen: dict[str, tuple[float, float]] = {}
+        for kind, pair in self.collectives.items():
+            if kind not in COLLECTIVE_KINDS:
+                raise ValueError(
+                    f"link {self.name!r}: unknown collective {kind!r}; known: {COLLECTIVE_KINDS}"
+                )
+            alpha, beta = (float(x) for x in pair)
+            if alpha < 0 or beta < 0:
+                raise ValueError(f"link {self.name!r}: collectives[{kind!r}] must be >= 0")
+            frozen[kind] = (alpha, beta)
+        object.__setattr__(self, "collectives", FrozenMap(frozen))
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly dict with every field (``from_dict`` inverts it exactly)."""
+        return {
+            "name": self.name,
+            "bandwidth_Bps": self.bandwidth_Bps,
+            "latency_s": self.latency_s,
+            "collectives": {k: list(v) for k, v in self.collectives.items()},
+            "source": self.source,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> LinkSpec:
+        """Build from a dict of fields; ``"base": "<preset>"`` starts from a preset."""
+        return _spec_from_dict(cls, d, LINKS, "link", ("collectives",))
+
+
+_Spec = TypeVar("_Spec", "DeviceSpec", "LinkSpec")
+
+
+def _spec_from_dict(
+    cls: type[_Spec],
+    d: Mapping[str, Any],
+    presets: Mapping[str, _Spec],
+    what: str,
+    merged: tuple[str, ...],
+) -> _Spec:
+    names = {f.name for f in fields(cls)}
+    unknown = sorted(set(d) - names - {"base"})
+    if unknown:
+        raise ValueError(f"unknown {what} field(s) {unknown}; known: {sorted(names)} and 'base'")
+    values: dict[str, Any] = {}
+    if "base" in d:
+        base = _lookup(d["base"], presets, what)
+        values = {f.name: getattr(base, f.name) for f in fields(cls)}
+        changed = sorted(set(d) - {"base", "name", "source"})
+        if changed and "source" not in d:
+            # The datasheet no longer describes every figure: say which ones differ.
+            values["source"] = f"{base.name} preset with {', '.join(changed)} overridden"
+    for key, value in d.items():
+        if key == "base":
+            continue
+        if key in merged and "base" in d:
+            value = {**values[key], **value}
+        values[key] = value
+    missing = sorted(f.name for f in fields(cls) if f.name not in values and f.name in _REQUIRED)
+    if missing:
+        raise ValueError(f"{what} {d.get('name', '?')!r} misses {missing}; give them or a 'base'")
+    return cls(**values)
+
+
+_REQUIRED = frozenset(
+    {"name", "peak_flops", "mem_bandwidth_Bps", "mem_capacity_bytes", "bandwidth_Bps", "latency_s"}
+)
+
+
+def _lookup(name: str, presets: Mapping[str, _Spec], what: str) -> _Spec:
+    key = name.strip().lower()
+    key = _ALIASES.get(key, key)
+    if key not in presets:
+        raise ValueError(f"unknown {what} {name!r}; known: {', '.join(sorted(presets))}")
+    return presets[key]
+
+
+_A100_SRC = "NVIDIA A100 Tensor Core GPU datasheet"
+_H100_SRC = "NVIDIA H100 Tensor Core GPU datasheet"
+_H200_SRC = "NVIDIA H200 Tensor Core GPU datasheet"
+_T = 1e12
+
+_A100_FLOPS = {"float64": 19.5 * _T, "float32": 19.5 * _T, "tf32": 156 * _T,
+               "bfloat16": 312 * _T, "float16": 312 * _T}  # fmt: skip
+_H100_SXM_FLOPS = {"float64": 67 * _T, "float32": 67 * _T, "tf32": 494.5 * _T,
+                   "bfloat16": 989.5 * _T, "float16": 989.5 * _T, "float8": 1979 * _T}  # fmt: skip
+_H100_PCIE_FLOPS = {"float64": 51 * _T, "float32": 51 * _T, "tf32": 378 * _T,
+                    "bfloat16": 756 * _T, "float16": 756 * _T, "float8": 1513 * _T}  # fmt: skip
+
+DEVICES: Mapping[str, DeviceSpec] = FrozenMap(
+    {
+        "cpu": DeviceSpec(
+            name="cpu",
+            peak_flops={"float64": 50e9, "float32": 100e9, "bfloat16": 100e9, "float16": 100e9},
+            mem_bandwidth_Bps=20e9,
+            mem_capacity_bytes=24 * _GiB,
+            matmul_efficiency=0.5,
+            memory_efficiency=0.7,
+            kernel_overhead_s=1e-5,
+            source="generic 2-core x86 CPU (assumed: 100 GFLOP/s fp32 FMA, 20 GB/s, 24 GiB)",
+        ),
+        "a100": DeviceSpec(
+            name="a100",
+            peak_flops=_A100_FLOPS,
+            mem_bandwidth_Bps=2039e9,
+            mem_capacity_bytes=80 * _GiB,
+            source=f"{_A100_SRC}, A100 80GB SXM: FP64 TC 19.5 TF, FP32 19.5 TF, TF32 156 TF, "
+            "BF16/FP16 312 TF (dense), 80 GB HBM2e, 2,039 GB/s",
+        ),
+        "a100-40gb": DeviceSpec(
+            name="a100-40gb",
+            peak_flops=_A100_FLOPS,
+            mem_bandwidth_Bps=1555e9,
+            mem_capacity_bytes=40 * _GiB,
+            source=f"{_A100_SRC}, A100 40GB SXM: FP64 TC 19.5 TF, FP32 19.5 TF, TF32 156 TF, "
+            "BF16/FP16 312 TF (dense), 40 GB HBM2, 1,555 GB/s",
+        ),
+        "h100": DeviceSpec(
+            name="h100",
+            peak_flops=_H100_SXM_FLOPS,
+            mem_bandwidth_Bps=3.35e12,
+            mem_capacity_bytes=80 * _GiB,
+            source=f"{_H100_SRC}, H100 SXM: FP64 TC 67 TF, FP32 67 TF, TF32 494.5 TF, "
+            "BF16/FP16 989.5 TF, FP8 1,979 TF (dense: half the with-sparsity figures), "
+            "80 GB HBM3, 3.35 TB/s",
+        ),
+        "h100-pcie": DeviceSpec(
+            name="h100-pcie",
+            peak_flops=_H100_PCIE_FLOPS,
+            mem_bandwidth_Bps=2.0e12,
+            mem_capacity_bytes=80 * _GiB,
+            source=f"{_H100_SRC}, H100 PCIe: FP64 TC 51 TF, FP32 51 TF, TF32 378 TF, "
+            "BF16/FP16 756 TF, FP8 1,513 TF (dense), 80 GB HBM2e, 2.0 TB/s",
+        ),
+        "h200": DeviceSpec(
+            name="h200",
+            peak_flops=_H100_SXM_FLOPS,
+            mem_bandwidth_Bps=4.8e12,
+            mem_capacity_bytes=141 * _GiB,
+            source=f"{_H200_SRC}, H200 SXM: FP64 TC 67 TF, FP32 67 TF, TF32 494.5 TF, "
+            "BF16/FP16 989.5 TF, FP8 1,979 TF (dense), 141 GB HBM3e, 4.8 TB/s",
+        ),
+    }
+)
+
+LINKS: Mapping[str, LinkSpec] = FrozenMap(
+    {
+        "nvlink": LinkSpec(
+            name="nvlink",
+            bandwidth_Bps=450e9,
+            latency_s=3e-6,
+            source="NVIDIA H100 Tensor Core GPU datasheet: NVLink 4, 900 GB/s bidirectional "
+            "per GPU = 450 GB/s per direction; latency ~3 us (assumed)",
+        ),
+        "nvlink3": LinkSpec(
+            name="nvlink3",
+            bandwidth_Bps=300e9,
+            latency_s=3e-6,
+            source="NVIDIA A100 Tensor Core GPU datasheet: NVLink 3, 600 GB/s bidirectional "
+            "per GPU = 300 GB/s per direction; latency ~3 us (assumed)",
+        ),
+        "infiniband": LinkSpec(
+            name="infiniband",
+            bandwidth_Bps=50e9,
+            latency_s=5e-6,
+            source="NVIDIA ConnectX-7 / Quantum-2 NDR InfiniBand: 400 Gb/s = 50 GB/s per GPU "
+            "(one NIC per GPU); latency ~5 us (assumed)",
+        ),
+        "ethernet": LinkSpec(
+            name="ethernet",
+            bandwidth_Bps=12.5e9,
+            latency_s=10e-6,
+            source="100 GbE: 100 Gb/s = 12.5 GB/s per direction; latency ~10 us (assumed)",
+        ),
+        "loopback": LinkSpec(
+            name="loopback",
+            bandwidth_Bps=2e9,
+            latency_s=50e-6,
+            source="gloo over TCP on one host: ~2 GB/s, ~50 us per step (assumed)",
+        ),
+    }
+)
+
+_ALIASES = {
+    "a100-sxm": "a100",
+    "a100-80gb": "a100",
+    "a100-sxm-80gb": "a100",
+    "a100-sxm-40gb": "a100-40gb",
+    "h100-sxm": "h100",
+    "h100-sxm-80gb": "h100",
+    "h200-sxm": "h200",
+    "nvlink4": "nvlink",
+    "ib": "infiniband",
+    "gloo": "loopback",
+}
+
+
+def get_device(name_or_spec: str | DeviceSpec) -> DeviceSpec:
+    """A preset by name (case-insensitive; e.g. "h100", "a100-sxm-80gb"), or the spec itself."""
+    if isinstance(name_or_spec, DeviceSpec):
+        return name_or_spec
+    if not isinstance(name_or_spec, str):
+        raise TypeError(f"expected a device name or DeviceSpec, got {type(name_or_spec).__name__}")
+    return _lookup(name_or_spec, DEVICES, "device")
+
+
+def get_link(name_or_spec: str | LinkSpec) -> LinkSpec:
+    """A preset by name (case-insensitive; e.g. "nvlink", "infiniband"), or the spec itself."""
+    if isinstance(name_or_spec, LinkSpec):
+        return name_or_spec
+    if not isinstance(name_or_spec, str):
+        raise TypeError(f"expected a link name or LinkSpec, got {type(name_or_spec).__name__}")
+    return _lookup(name_or_spec, LINKS, "link")
+
+
+# ---------------------------------------------------------------------------------------------
+# Profile JSON
+
+_POSITIVE = {"type": "number", "exclusiveMinimum": 0}
+_NONNEGATIVE = {"type": "number", "minimum": 0}
+_FRACTION = {"type": "number", "exclusiveMinimum": 0, "maximum": 1}
+_TEXT = {"type": "string", "minLength": 1}
+
+PROFILE_SCHEMA: dict[str, Any] = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "title": "autopar hardware profile",
+    "type": "object",
+    "required": ["version"],
+    "additionalProperties": False,
+    "properties": {
+        "version": {"const": PROFILE_VERSION},
+        "device": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                "name": _TEXT,
+                "base": _TEXT,
+                "peak_flops": {"type": "object", "additionalProperties": _POSITIVE},
+                "mem_bandwidth_Bps": _POSITIVE,
+                "mem_capacity_bytes": _POSITIVE,
+                "matmul_efficiency": _FRACTION,
+                "memory_efficiency": _FRACTION,
+                "kernel_overhead_s": _NONNEGATIVE,
+                "op_efficiency": {"type": "object", "additionalProperties": _FRACTION},
+                "source": {"type": "string"},
+            },
+            "anyOf": [
+                {"required": ["base"]},
+                {"required": ["name", "peak_flops", "mem_bandwidth_Bps", "mem_capacity_bytes"]},
+            ],
+        },
+        "links": {
+            "type": "object",
+            "additionalProperties": {
+                "type": "object",
+                "additionalProperties": False,
+                "properties": {
+                    "name": _TEXT,
+                    "base": _TEXT,
+                    "bandwidth_Bps": _POSITIVE,
+                    "latency_s": _NONNEGATIVE,
+                    "collectives": {
+                        "type": "object",
+                        "propertyNames": {"enum": list(COLLECTIVE_KINDS)},
+                        "additionalProperties": {
+                            "type": "array",
+                            "items": _NONNEGATIVE,
+                            "minItems": 2,
+                            "maxItems": 2,
+                        },
+                    },
+                    "source": {"type": "string"},
+                },
+                "anyOf": [
+                    {"required": ["base"]},
+                    {"required": ["name", "bandwidth_Bps", "latency_s"]},
+                ],
+            },
+        },
+        "meta": {"type": "object"},
+    },
+}
+
+_ANYOF_HINTS = {
+    "device": "the device needs a 'base' preset or all of name, peak_flops, mem_bandwidth_Bps, "
+    "mem_capacity_bytes",
+    "links": "each link needs a 'base' preset or all of name, bandwidth_Bps, latency_s",
+}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Profile:
+    """A device and per-axis links that override presets (a user file or a calibration)."""
+
+    device: DeviceSpec | None = None
+    links: Mapping[str, LinkSpec] = field(default_factory=FrozenMap)
+    """Keyed by mesh axis name or axis index (as a decimal string)."""
+    meta: Mapping[str, Any] = field(default_factory=dict)
+    """Free-form JSON: who measured, when, on what."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "links", FrozenMap({str(k): v for k, v in self.links.items()}))
+        object.__setattr__(self, "meta", copy.deepcopy(dict(self.meta)))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The profile JSON (every field written out, no ``base``), valid under the schema."""
+        d: dict[str, Any] = {"version": PROFILE_VERSION}
+        if self.device is not None:
+            d["device"] = self.device.to_dict()
+        d["links"] = {k: v.to_dict() for k, v in self.links.items()}
+        d["meta"] = copy.deepcopy(dict(self.meta))
+        return d
+
+
+def _describe_error(err: jsonschema.ValidationError) -> str:
+    where = ".".join(str(p) for p in err.absolute_path) or "<top>"
+    if err.validator == "anyOf":
+        hint = _ANYOF_HINTS.get(str(err.absolute_path[0]) if err.absolute_path else "", "")
+        return f"at {where}: {hint or err.message}"
+    return f"at {where}: {err.message}"
+
+
+def load_profile(path_or_dict: str | os.PathLike[str] | Mapping[str, Any] | Profile) -> Profile:
+    """Read and validate a profile (a JSON file path, an already-parsed dict, or a Profile).
+
+    Raises:
+        ValueError: the JSON is malformed or violates ``PROFILE_SCHEMA`` (all violations listed).
+    """
+    if isinstance(path_or_dict, Profile):
+        return path_or_dict
+    where = "profile"
+    if isinstance(path_or_dict, Mapping):
+        data: Any = path_or_dict
+    else:
+        where = f"profile {os.fspath(path_or_dict)!r}"
+        with open(path_or_dict, encoding="utf-8") as f:
+            try:
+                data = json.load(f)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{where} is not valid JSON: {exc}") from exc
+    validator = jsonschema.Draft202012Validator(PROFILE_SCHEMA)
+    errors = sorted(validator.iter_errors(data), key=lambda e: list(map(str, e.absolute_path)))
+    if errors:
+        detail = "; ".join(_describe_error(e) for e in errors)
+        raise ValueError(f"invalid {where}: {detail} (see cost_models.PROFILE_SCHEMA)")
+    try:
+        device = DeviceSpec.from_dict(data["device"]) if "device" in data else None
+        links = {k: LinkSpec.from_dict(v) for k, v in data.get("links", {}).items()}
+    except ValueError as exc:
+        raise ValueError(f"invalid {where}: {exc}") from exc
+    return Profile(device=device, links=links, meta=data.get("meta", {}))
+
+
+def save_profile(profile: Profile, path: str | os.PathLike[str]) -> None:
+    """Write ``profile`` as JSON; ``load_profile`` of the file returns an equal Profile."""
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(profile.to_dict(), f, indent=2)
+        f.write("\n")

@@ -1,0 +1,24 @@
+"""Torch-free sharding optimization: Problem -> Solution with an ILP (pulp: HiGHS or CBC)."""
+
+from __future__ import annotations
+
+from solver.brute_force import brute_force
+from solver.errors import InfeasibleBudgetError, InfeasibleError, SolverTimeoutError
+from solver.ilp import BACKENDS, solve
+from solver.presolve import plan_objective_s, plan_peak_memory_bytes
+from solver.problem import Edge, Node, Problem, Solution
+
+__all__ = [
+    "BACKENDS",
+    "Edge",
+    "InfeasibleBudgetError",
+    "InfeasibleError",
+    "Node",
+    "Problem",
+    "Solution",
+    "SolverTimeoutError",
+    "brute_force",
+    "plan_objective_s",
+    "plan_peak_memory_bytes",
+    "solve",
+]

@@ -1,0 +1,73 @@
+"""Exhaustive search over every combination of strategies: the test oracle for the ILP.
+
+Written without any of ilp.py's machinery (no presolve, no edge merging) so that the two agree
+only when both are right.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+from solver.errors import InfeasibleBudgetError, InfeasibleError
+from solver.problem import Problem
+
+MAX_COMBINATIONS = 200_000
+
+
+def brute_force(problem: Problem) -> tuple[tuple[int, ...], float]:
+    """The cheapest allowed plan within the budget, by trying every combination.
+
+    Returns:
+        (choices, objective_s): the lexicographically first optimal plan (in index order) and
+        its step time, summed with math.fsum like Solution.objective_s.
+
+    Raises:
+        ValueError: more than MAX_COMBINATIONS combinations.
+        InfeasibleBudgetError: no allowed plan fits; min_budget_bytes is the smallest peak.
+        InfeasibleError: the edges forbid every combination.
+    """
+    num_combinations = math.prod(node.num_choices for node in problem.nodes)
+    if num_combinations > MAX_COMBINATIONS:
+        raise ValueError(
+            f"{num_combinations} combinations is too many for brute force (at most "
+            f"{MAX_COMBINATIONS}); use solver.solve"
+        )
+    budget = problem.memory_budget_bytes
+    best: tuple[int, ...] | None = None
+    best_objective = math.inf
+    min_peak = math.inf
+    for choices in itertools.product(*(range(node.num_choices) for node in problem.nodes)):
+        terms = [node.cost_s[c] for node, c in zip(problem.nodes, choices)]
+        for edge in problem.edges:
+            cost = edge.cost_s[choices[edge.src]][choices[edge.dst]]
+            if cost is None:
+                break
+            terms.append(cost)
+        else:
+            transients = [
+                node.transient_bytes[c]
+                for node, c in zip(problem.nodes, choices)
+                if node.transient_bytes
+            ]
+            peak = math.fsum(
+                [
+                    problem.memory_offset_bytes,
+                    *(node.memory_bytes[c] for node, c in zip(problem.nodes, choices)),
+                    max([0.0, *transients]),
+                ]
+            )
+            min_peak = min(min_peak, peak)
+            if budget is not None and peak > budget:
+                continue
+            objective = math.fsum(terms)
+            if objective < best_objective:
+                best, best_objective = choices, objective
+    if best is None:
+        if min_peak == math.inf:
+            raise InfeasibleError(
+                "no plan exists: the edges forbid every combination of strategies"
+            )
+        assert budget is not None
+        raise InfeasibleBudgetError(min_budget_bytes=min_peak, budget_bytes=budget)
+    return best, best_objective

@@ -1,0 +1,155 @@
+"""Checks and exact presolve of a Problem, and exact evaluation of a plan.
+
+Everything here is plain Python on the Problem; ilp.py builds its model from the Reduced result
+(see the presolve paragraph of its module docstring).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from solver.errors import InfeasibleError
+from solver.problem import Problem
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PairEdge:
+    """A merged edge that keeps variables: cost of each allowed (src, dst) strategy pair."""
+
+    src: int
+    dst: int
+    cost_s: dict[tuple[int, int], float]
+    all_pairs_allowed: bool
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Reduced:
+    """The problem after presolve: what the model is built from."""
+
+    allowed: tuple[tuple[int, ...], ...]
+    """Per node: the strategies still possible, ascending."""
+    node_cost_s: tuple[dict[int, float], ...]
+    """Per node: cost per allowed strategy, including edges folded into it."""
+    edges: tuple[PairEdge, ...]
+    constant_s: float
+
+
+def plan_objective_s(problem: Problem, choices: tuple[int, ...]) -> float:
+    """Exact step time of a plan: node costs plus edge costs, summed with math.fsum.
+
+    Raises:
+        InfeasibleError: an edge forbids the chosen pair.
+    """
+    terms = [node.cost_s[c] for node, c in zip(problem.nodes, choices, strict=True)]
+    for k, edge in enumerate(problem.edges):
+        cost = edge.cost_s[choices[edge.src]][choices[edge.dst]]
+        if cost is None:
+            raise InfeasibleError(
+                f"edge {k} ({problem.nodes[edge.src].name!r} -> {problem.nodes[edge.dst].name!r})"
+                f" forbids the pair ({choices[edge.src]}, {choices[edge.dst]})"
+            )
+        terms.append(cost)
+    return math.fsum(terms)
+
+
+def plan_peak_memory_bytes(problem: Problem, choices: tuple[int, ...]) -> float:
+    """Exact peak bytes of a plan: offset + resident memory + the largest transient (>= 0)."""
+    largest_transient = max(
+        (
+            n.transient_bytes[c]
+            for n, c in zip(problem.nodes, choices, strict=True)
+            if n.transient_bytes
+        ),
+        default=0.0,
+    )
+    resident = [n.memory_bytes[c] for n, c in zip(problem.nodes, choices, strict=True)]
+    return math.fsum([problem.memory_offset_bytes, *resident, max(largest_transient, 0.0)])
+
+
+def validate(problem: Problem) -> None:
+    """Raise ValueError for an edge that names a missing node or has a mis-shaped matrix."""
+    num_nodes = len(problem.nodes)
+    for k, edge in enumerate(problem.edges):
+        if not (0 <= edge.src < num_nodes and 0 <= edge.dst < num_nodes):
+            raise ValueError(f"edge {k} ({edge.src} -> {edge.dst}) names a node out of range")
+        rows, cols = problem.nodes[edge.src].num_choices, problem.nodes[edge.dst].num_choices
+        if len(edge.cost_s) != rows or any(len(row) != cols for row in edge.cost_s):
+            raise ValueError(f"edge {k}: cost_s must be {rows} x {cols} (src x dst choices)")
+
+
+def reduce_problem(problem: Problem) -> Reduced:
+    """Presolve (see the module docstring); raises InfeasibleError when a node loses all."""
+    nodes = problem.nodes
+    allowed = [set(range(n.num_choices)) for n in nodes]
+    node_cost = [dict(enumerate(n.cost_s)) for n in nodes]
+    merged: dict[tuple[int, int], dict[tuple[int, int], float | None]] = {}
+    for edge in problem.edges:
+        if edge.src == edge.dst:  # a self-loop only ever sees the diagonal
+            for s in range(nodes[edge.src].num_choices):
+                diag = edge.cost_s[s][s]
+                if diag is None:
+                    allowed[edge.src].discard(s)
+                else:
+                    node_cost[edge.src][s] += diag
+            continue
+        flip = edge.src > edge.dst
+        key = (edge.dst, edge.src) if flip else (edge.src, edge.dst)
+        table = merged.setdefault(key, {})
+        for s, row in enumerate(edge.cost_s):
+            for t, cost in enumerate(row):
+                pair = (t, s) if flip else (s, t)
+                previous = table.get(pair, 0.0)
+                table[pair] = None if cost is None or previous is None else previous + cost
+
+    def check(i: int, why: str) -> None:
+        if not allowed[i]:
+            raise InfeasibleError(
+                f"node {nodes[i].name!r} (index {i}) has no strategy left: {why}; allow at least "
+                f"one pair (a non-None cost) for some strategy of every edge"
+            )
+
+    for i in range(len(nodes)):
+        check(i, "its self-edges forbid every strategy")
+    changed = True
+    while changed:  # arc consistency: drop strategies no allowed pair supports
+        changed = False
+        for (u, v), table in merged.items():
+            ok = [
+                (s, t)
+                for (s, t), c in table.items()
+                if c is not None and s in allowed[u] and t in allowed[v]
+            ]
+            for i, supported in ((u, {s for s, _ in ok}), (v, {t for _, t in ok})):
+                if supported != allowed[i]:
+                    allowed[i] &= supported
+                    changed = True
+                    check(
+                        i,
+                        f"the edges between {nodes[u].name!r} and {nodes[v].name!r} forbid the rest",
+                    )
+
+    constant_s = 0.0
+    kept = []
+    for (u, v), table in sorted(merged.items()):
+        pairs = {(s, t): c for (s, t), c in table.items() if s in allowed[u] and t in allowed[v]}
+        allowed_pairs = {p: c for p, c in pairs.items() if c is not None}
+        if len(allowed[u]) == 1 or len(allowed[v]) == 1:  # linear in the other end
+            for (s, t), c in allowed_pairs.items():
+                if len(allowed[u]) == 1:
+                    node_cost[v][t] += c
+                else:
+                    node_cost[u][s] += c
+            continue
+        everything = len(allowed_pairs) == len(pairs)
+        costs = set(allowed_pairs.values())
+        if everything and len(costs) == 1:
+            constant_s += costs.pop()
+            continue
+        kept.append(PairEdge(src=u, dst=v, cost_s=allowed_pairs, all_pairs_allowed=everything))
+    return Reduced(
+        allowed=tuple(tuple(sorted(a)) for a in allowed),
+        node_cost_s=tuple({s: cost[s] for s in sorted(a)} for cost, a in zip(node_cost, allowed)),
+        edges=tuple(kept),
+        constant_s=constant_s,
+    )

@@ -1,0 +1,74 @@
+"""Torch-free description of a sharding problem and of its solution.
+
+A Problem is a graph: each node picks exactly one of its strategies; each edge prices every
+(producer strategy, consumer strategy) pair. Units are SI: seconds and bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Node:
+    """One decision: which of ``len(cost_s)`` strategies a graph node uses."""
+
+    name: str
+    cost_s: tuple[float, ...]
+    """Per strategy: seconds spent in this node (compute fwd+bwd, in-op and gradient comm)."""
+    memory_bytes: tuple[float, ...]
+    """Per strategy: bytes resident at the memory peak (parameter, gradient and optimizer
+    state; activations saved for backward)."""
+    transient_bytes: tuple[float, ...] = ()
+    """Per strategy: bytes alive only while the node runs; the largest over the graph counts
+    toward the peak. Empty means zero."""
+
+    def __post_init__(self) -> None:
+        if not self.cost_s:
+            raise ValueError(f"node {self.name!r} has no strategy")
+        if len(self.memory_bytes) != len(self.cost_s):
+            raise ValueError(f"node {self.name!r}: memory_bytes and cost_s differ in length")
+        if self.transient_bytes and len(self.transient_bytes) != len(self.cost_s):
+            raise ValueError(f"node {self.name!r}: transient_bytes and cost_s differ in length")
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.cost_s)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Edge:
+    """Cost of every (src choice, dst choice) pair; None forbids the pair."""
+
+    src: int
+    dst: int
+    cost_s: tuple[tuple[float | None, ...], ...]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Problem:
+    nodes: tuple[Node, ...]
+    edges: tuple[Edge, ...] = ()
+    memory_budget_bytes: float | None = None
+    """Peak bytes per device allowed; None = no memory constraint."""
+    memory_offset_bytes: float = 0.0
+    """Bytes every plan pays regardless of the choices (counted against the budget)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Solution:
+    choices: tuple[int, ...]
+    """Chosen strategy index per node, in Problem.nodes order."""
+    objective_s: float
+    bound_s: float
+    gap: float
+    """Relative gap (objective - bound) / objective, 0 when proven optimal."""
+    status: str
+    """'optimal', 'feasible' (time limit hit with a plan) ."""
+    backend: str
+    peak_memory_bytes: float
+    num_variables: int
+    num_constraints: int
+    build_s: float
+    solve_s: float
+    details: dict[str, float] = field(default_factory=dict)

@@ -1,0 +1,22 @@
+"""Shared test setup: offline Hugging Face, one thread, repository root importable.
+
+The environment variables are set at import time, before anything imports transformers (set
+later they have no effect and ``from_pretrained`` would try the network).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ["OMP_NUM_THREADS"] = "1"
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)

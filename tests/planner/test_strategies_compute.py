@@ -1,0 +1,305 @@
+"""Compute rules (matmul family, pointwise, reductions, norms, losses) against the oracle.
+
+Every case expands the registered rule on a (2,) and a (2, 2) mesh, simulates every strategy
+numerically (forward and gradients) and compares its output placements with DTensor's. The
+allow-lists below say, per op, why some of our strategies differ from DTensor's choice.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import autopar.strategies  # noqa: F401  (registers every rule)
+from autopar.strategies.registry import get_rule
+from tests.strategy_oracle import check_rule
+
+aten = torch.ops.aten
+F64 = torch.float64
+
+
+torch.manual_seed(0)  # the cases below draw their inputs at import time
+
+
+def rand(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape, dtype=F64)
+
+
+# Reasons shared by several ops.
+PARTIAL_OPERAND = "DTensor does not propagate a Partial operand through this op (it redistributes it); the op is linear in it, checked numerically"
+PARTIAL_BIAS = "DTensor adds a Replicate bias to a Partial product by redistributing; ours takes the bias Partial (added once over the axis), checked numerically"
+# DTensor's linear (via decomposition) and its matmuls choose the same layouts except where noted.
+
+# --------------------------------------------------------------------------------------------
+# Matmul family
+
+MATMUL_CASES = [
+    pytest.param(aten.mm.default, (rand(4, 8), rand(8, 6)), {}, {}, id="mm"),
+    pytest.param(aten.bmm.default, (rand(2, 4, 8), rand(2, 8, 6)), {}, {}, id="bmm"),
+    pytest.param(aten.addmm.default, (rand(6), rand(4, 8), rand(8, 6)), {}, {"re:-> \\[.*P": PARTIAL_BIAS}, id="addmm-1d-bias"),
+    pytest.param(aten.addmm.default, (rand(4, 6), rand(4, 8), rand(8, 6)), {}, {"re:-> \\[.*P": PARTIAL_BIAS}, id="addmm-2d-bias"),
+    pytest.param(aten.baddbmm.default, (rand(2, 4, 6), rand(2, 4, 8), rand(2, 8, 6)), {}, {"re:-> \\[.*P": PARTIAL_BIAS}, id="baddbmm"),
+    pytest.param(aten.linear.default, (rand(4, 8), rand(6, 8)), {}, {}, id="linear-2d"),
+    pytest.param(aten.linear.default, (rand(2, 4, 8), rand(6, 8), rand(6)), {}, {"re:-> \\[.*P": PARTIAL_BIAS}, id="linear-3d-bias"),
+    pytest.param(aten.linear.default, (rand(2, 2, 4, 8), rand(6, 8)), {}, {}, id="linear-4d"),
+    pytest.param(aten.matmul.default, (rand(2, 2, 4, 8), rand(2, 2, 8, 6)), {}, {}, id="matmul-4d"),
+    pytest.param(aten.matmul.default, (rand(2, 4, 8), rand(8, 6)), {}, {}, id="matmul-3d-2d"),
+    pytest.param(aten.matmul.default, (rand(2, 1, 4, 8), rand(2, 8, 6)), {}, {}, id="matmul-broadcast-batch"),
+    pytest.param(aten.matmul.default, (rand(4, 8), rand(8)), {}, {}, id="matmul-mv"),
+    pytest.param(aten.matmul.default, (rand(8), rand(2, 8, 6)), {}, {}, id="matmul-vec-batched"),
+    pytest.param(aten.einsum.default, ("bhqd,bhkd->bhqk", [rand(2, 2, 4, 8), rand(2, 2, 4, 8)]), {}, {}, id="einsum"),
+    pytest.param(aten.einsum.default, ("...ij,jk", [rand(2, 4, 8), rand(8, 6)]), {}, {}, id="einsum-ellipsis"),
+]
+
+
+@pytest.mark.parametrize("op,args,kwargs,differs", MATMUL_CASES)
+def test_matmul_family_matches_oracle(op, args, kwargs, differs) -> None:
+    check_rule(op, args, kwargs, dtensor_differs=differs)
+
+
+def test_linear_has_megatron_column_and_row_strategies() -> None:
+    strategies = check_rule(aten.linear.default, (rand(4, 8), rand(6, 8), rand(6)), {}, mesh_shapes=((2,),),
+                            dtensor_differs={"re:-> \\[.*P": PARTIAL_BIAS})
+    described = {s.describe() for s in strategies}
+    assert "[R S0 S0] -> [S1]" in described  # column parallel: weight rows, bias split
+    assert "[S1 S1 P] -> [P]" in described  # row parallel: contraction split, Partial out
+    assert "[S0 R R] -> [S0]" in described  # data parallel
+
+
+# --------------------------------------------------------------------------------------------
+# Pointwise
+
+
+def _mask(*shape: int) -> torch.Tensor:
+    return torch.rand(*shape) > 0.5
+
+
+POINTWISE_CASES = [
+    pytest.param(aten.add.Tensor, (rand(4, 6), rand(4, 6)), {}, id="add"),
+    pytest.param(aten.add.Tensor, (rand(2, 4, 6), rand(6)), {}, id="add-broadcast-bias"),
+    pytest.param(aten.add.Tensor, (rand(2, 1, 6), rand(4, 1)), {}, id="add-broadcast-both"),
+    pytest.param(aten.add.Tensor, (rand(4, 6), 2.0), {}, id="add-scalar"),
+    pytest.param(aten.add.Tensor, (rand(4, 6), rand(4, 6)), {"alpha": 0.5}, id="add-alpha"),
+    pytest.param(aten.add_.Tensor, (rand(4, 6), rand(4, 6)), {}, id="add-inplace"),
+    pytest.param(aten.sub.Tensor, (rand(4, 6), rand(4, 6)), {}, id="sub"),
+    pytest.param(aten.rsub.Scalar, (rand(4, 6), 1.0), {}, id="rsub-scalar"),
+    pytest.param(aten.mul.Tensor, (rand(2, 4, 6), rand(4, 6)), {}, id="mul"),
+    pytest.param(aten.mul.Tensor, (rand(4, 6), torch.tensor(3.0, dtype=F64)), {}, id="mul-0d"),
+    pytest.param(aten.mul.Scalar, (rand(4, 6), 3.0), {}, id="mul-scalar"),
+    pytest.param(aten.div.Tensor, (rand(4, 6), rand(4, 1) + 3), {}, id="div"),
+    pytest.param(aten.div.Scalar, (rand(4, 6), 3.0), {}, id="div-scalar"),
+    pytest.param(aten.neg.default, (rand(4, 6),), {}, id="neg"),
+    pytest.param(aten.pow.Tensor_Scalar, (rand(4, 6), 2), {}, id="pow"),
+    pytest.param(aten.rsqrt.default, (rand(4, 6).abs() + 1,), {}, id="rsqrt"),
+    pytest.param(aten.sqrt.default, (rand(4, 6).abs() + 1,), {}, id="sqrt"),
+    pytest.param(aten.exp.default, (rand(4, 6),), {}, id="exp"),
+    pytest.param(aten.log.default, (rand(4, 6).abs() + 1,), {}, id="log"),
+    pytest.param(aten.tanh.default, (rand(4, 6),), {}, id="tanh"),
+    pytest.param(aten.cos.default, (rand(4, 6),), {}, id="cos"),
+    pytest.param(aten.sin.default, (rand(4, 6),), {}, id="sin"),
+    pytest.param(aten.gelu.default, (rand(2, 4, 6),), {"approximate": "tanh"}, id="gelu"),
+    pytest.param(aten.silu.default, (rand(4, 6),), {}, id="silu"),
+    pytest.param(aten.relu.default, (rand(4, 6),), {}, id="relu"),
+    pytest.param(aten.sigmoid.default, (rand(4, 6),), {}, id="sigmoid"),
+    pytest.param(aten.where.self, (_mask(4, 1), rand(4, 6), rand(6)), {}, id="where"),
+    pytest.param(aten.masked_fill.Scalar, (rand(2, 4, 6), _mask(4, 6), 0.0), {}, id="masked_fill-zero"),
+    pytest.param(aten.masked_fill.Scalar, (rand(2, 4, 6), _mask(4, 6), -1e9), {}, id="masked_fill"),
+    pytest.param(aten.eq.Tensor, (torch.randint(0, 3, (2, 1, 4, 1)), torch.randint(0, 3, (2, 1, 1, 4))), {}, id="eq-broadcast"),
+    pytest.param(aten.le.Tensor, (rand(4, 6), rand(4, 6)), {}, id="le"),
+    pytest.param(aten.ne.Scalar, (torch.randint(0, 3, (4, 6)), 1), {}, id="ne-scalar"),
+    pytest.param(aten.lt.Scalar, (rand(4, 6), 0.0), {}, id="lt-scalar"),
+    pytest.param(aten.__and__.Tensor, (torch.tensor(True), _mask(2, 1, 4, 4)), {}, id="and-0d"),
+    pytest.param(aten.logical_not.default, (_mask(4, 6),), {}, id="logical_not"),
+    pytest.param(aten.clamp.default, (rand(4, 6),), {"min": -0.5, "max": 0.5}, id="clamp"),
+    pytest.param(aten.to.dtype, (rand(4, 6), torch.float32), {}, id="to-dtype"),
+    pytest.param(aten.to.dtype, (rand(4, 6), torch.int64), {}, id="to-int"),
+    pytest.param(aten.to.dtype_layout, (rand(4, 6),), {"dtype": torch.float32, "layout": torch.strided, "device": torch.device("cpu")}, id="to-dtype-layout"),
+    pytest.param(aten._to_copy.default, (rand(4, 6),), {"dtype": torch.float32}, id="_to_copy"),
+    pytest.param(aten.type_as.default, (rand(4, 6).float(), rand(4, 6)), {}, id="type_as"),
+    pytest.param(aten.clone.default, (rand(4, 6),), {}, id="clone"),
+    pytest.param(aten.zeros_like.default, (rand(4, 6),), {}, id="zeros_like"),
+    pytest.param(aten.fill.Scalar, (rand(4, 6), 2.0), {}, id="fill"),
+]
+
+# Why some pointwise strategies of ours differ from DTensor's (per op id).
+POINTWISE_DIFFERS: dict[str, dict[str, str]] = {}
+
+
+@pytest.mark.parametrize("op,args,kwargs", POINTWISE_CASES)
+def test_pointwise_matches_oracle(op, args, kwargs, request) -> None:
+    case = request.node.callspec.id
+    check_rule(op, args, kwargs, dtensor_differs=POINTWISE_DIFFERS.get(case))
+
+
+# --------------------------------------------------------------------------------------------
+# Reductions and scans
+
+REDUCTION_CASES = [
+    pytest.param(aten.sum.default, (rand(4, 6),), {}, id="sum-all"),
+    pytest.param(aten.sum.dim_IntList, (rand(2, 4, 6), [-1]), {}, id="sum-last"),
+    pytest.param(aten.sum.dim_IntList, (rand(2, 4, 6), [0, 2], True), {}, id="sum-keepdim"),
+    pytest.param(aten.mean.default, (rand(4, 6),), {}, id="mean-all"),
+    pytest.param(aten.mean.dim, (rand(2, 4, 6), [-1], True), {}, id="mean-keepdim"),
+    pytest.param(aten.mean.dim, (rand(2, 4, 6), [1]), {}, id="mean-middle"),
+    pytest.param(aten.amax.default, (rand(2, 4, 6), [1]), {}, id="amax"),
+    pytest.param(aten.amin.default, (rand(2, 4, 6), [-1], True), {}, id="amin"),
+    pytest.param(aten.max.dim, (rand(2, 4, 6), 1), {}, id="max-dim"),
+    pytest.param(aten.min.dim, (rand(2, 4, 6), -1, True), {}, id="min-dim"),
+    pytest.param(aten.var.correction, (rand(2, 4, 6), [2]), {"correction": 1, "keepdim": True}, id="var"),
+    pytest.param(aten.std.correction, (rand(2, 4, 6), [0]), {"correction": 0}, id="std"),
+    pytest.param(aten.cumsum.default, (rand(4, 6), -1), {}, id="cumsum"),
+    pytest.param(aten.diff.default, (torch.randint(0, 5, (4, 6)), 1, -1, torch.randint(0, 5, (4, 1))), {}, id="diff-prepend"),
+    pytest.param(aten.diff.default, (rand(4, 6), 1, 0), {}, id="diff"),
+]
+
+REDUCTION_DIFFERS: dict[str, dict[str, str]] = {}
+
+
+@pytest.mark.parametrize("op,args,kwargs", REDUCTION_CASES)
+def test_reductions_match_oracle(op, args, kwargs, request) -> None:
+    case = request.node.callspec.id
+    check_rule(op, args, kwargs, dtensor_differs=REDUCTION_DIFFERS.get(case))
+
+
+def test_mean_never_takes_a_sharded_reduced_dim() -> None:
+    strategies = check_rule(aten.mean.dim, (rand(2, 4, 6), [-1]), {}, mesh_shapes=((2,),),
+                            dtensor_differs=REDUCTION_DIFFERS.get("mean-keepdim"))
+    assert all(s.inputs[0] != (torch.distributed.tensor.Shard(2),) for s in strategies)
+
+
+# --------------------------------------------------------------------------------------------
+# Norms and softmax
+
+NORM_CASES = [
+    pytest.param(aten.layer_norm.default, (rand(2, 4, 6), [6], rand(6), rand(6), 1e-5), {}, id="layer_norm"),
+    pytest.param(aten.layer_norm.default, (rand(2, 4, 6), [4, 6]), {}, id="layer_norm-2d-no-affine"),
+    pytest.param(aten.native_layer_norm.default, (rand(2, 4, 6), [6], rand(6), rand(6), 1e-5), {}, id="native_layer_norm"),
+    pytest.param(aten.rms_norm.default, (rand(2, 4, 6), [6], rand(6), 1e-6), {}, id="rms_norm"),
+    pytest.param(aten.softmax.int, (rand(2, 4, 6), -1), {}, id="softmax"),
+    pytest.param(aten._softmax.default, (rand(2, 4, 6), 1, False), {}, id="_softmax"),
+    pytest.param(aten.log_softmax.int, (rand(2, 4, 6), -1), {}, id="log_softmax"),
+    pytest.param(aten._log_softmax.default, (rand(4, 6), 1, False), {}, id="_log_softmax"),
+    pytest.param(aten._safe_softmax.default, (rand(2, 4, 6), -1), {}, id="_safe_softmax"),
+]
+
+NORM_DIFFERS: dict[str, dict[str, str]] = {}
+
+
+@pytest.mark.parametrize("op,args,kwargs", NORM_CASES)
+def test_norms_match_oracle(op, args, kwargs, request) -> None:
+    case = request.node.callspec.id
+    check_rule(op, args, kwargs, dtensor_differs=NORM_DIFFERS.get(case))
+
+
+# --------------------------------------------------------------------------------------------
+# Losses
+
+
+def _targets(n: int, classes: int, *, ignore: bool = True) -> torch.Tensor:
+    t = torch.randint(0, classes, (n,))
+    if ignore:
+        t[1] = -100
+    return t
+
+
+LOSS_CASES = [
+    pytest.param(aten.cross_entropy_loss.default, (rand(8, 5), _targets(8, 5)), {}, id="ce-mean"),
+    pytest.param(aten.cross_entropy_loss.default, (rand(8, 5), _targets(8, 5), None, 2), {}, id="ce-sum"),
+    pytest.param(aten.cross_entropy_loss.default, (rand(8, 5), _targets(8, 5), rand(5).abs(), 0), {}, id="ce-none-weight"),
+    pytest.param(aten.cross_entropy_loss.default, (rand(4, 5, 6), torch.randint(0, 5, (4, 6)), None, 2), {}, id="ce-spatial-sum"),
+    pytest.param(aten.cross_entropy_loss.default, (rand(8, 5), rand(8, 5).softmax(-1), None, 2, -100, 0.1), {}, id="ce-prob-sum"),
+    pytest.param(aten.nll_loss_forward.default, (rand(8, 5), _targets(8, 5), None, 2, -100), {}, id="nll_forward-sum"),
+    pytest.param(aten.nll_loss_forward.default, (rand(8, 5), _targets(8, 5), None, 0, -100), {}, id="nll_forward-none"),
+    pytest.param(aten.nll_loss_forward.default, (rand(8, 5), _targets(8, 5), None, 1, -100), {}, id="nll_forward-mean"),
+    pytest.param(aten.nll_loss.default, (rand(8, 5), _targets(8, 5)), {"reduction": 2}, id="nll-sum"),
+    pytest.param(aten.mse_loss.default, (rand(4, 6), rand(4, 6)), {}, id="mse-mean"),
+    pytest.param(aten.mse_loss.default, (rand(4, 6), rand(4, 6), 2), {}, id="mse-sum"),
+    pytest.param(aten.mse_loss.default, (rand(4, 6), rand(4, 6), 0), {}, id="mse-none"),
+]
+
+LOSS_DIFFERS: dict[str, dict[str, str]] = {}
+
+
+@pytest.mark.parametrize("op,args,kwargs", LOSS_CASES)
+def test_losses_match_oracle(op, args, kwargs, request) -> None:
+    case = request.node.callspec.id
+    check_rule(op, args, kwargs, dtensor_differs=LOSS_DIFFERS.get(case))
+
+
+def test_mean_losses_are_only_replicated() -> None:
+    for op, args in [
+        (aten.cross_entropy_loss.default, (rand(8, 5), _targets(8, 5))),
+        (aten.mse_loss.default, (rand(4, 6), rand(4, 6))),
+    ]:
+        strategies = check_rule(op, args, {}, mesh_shapes=((2,),))
+        assert len(strategies) == 1
+
+
+# --------------------------------------------------------------------------------------------
+# Coverage of the zoo's ops
+
+COMPUTE_FAMILY_PREFIXES = (
+    "aten.linear", "aten.addmm", "aten.mm", "aten.bmm", "aten.matmul", "aten.baddbmm", "aten.einsum",
+    "aten.add", "aten.sub", "aten.rsub", "aten.mul", "aten.div", "aten.neg", "aten.pow", "aten.rsqrt",
+    "aten.sqrt", "aten.exp", "aten.log", "aten.tanh", "aten.gelu", "aten.silu", "aten.relu",
+    "aten.sigmoid", "aten.where", "aten.masked_fill", "aten.eq", "aten.ne", "aten.lt", "aten.gt",
+    "aten.ge", "aten.le", "aten.logical_", "aten.__and__", "aten.__or__", "aten.bitwise_", "aten.clamp",
+    "aten._to_copy", "aten.to.", "aten.type_as", "aten.fill", "aten.zeros_like", "aten.ones_like",
+    "aten.full_like", "aten.cos", "aten.sin", "aten.sum", "aten.mean", "aten.amax", "aten.amin",
+    "aten.max", "aten.min", "aten.var", "aten.std", "aten.cumsum", "aten.diff", "aten.layer_norm",
+    "aten.native_layer_norm", "aten.rms_norm", "aten.softmax", "aten._softmax", "aten.log_softmax",
+    "aten._log_softmax", "aten._safe_softmax", "aten.cross_entropy_loss", "aten.nll_loss",
+    "aten.mse_loss", "aten.contiguous", "aten.clone",
+)
+
+
+def _zoo_ops() -> set[str]:
+    import torch.export
+
+    from autopar import models
+
+    ids = torch.randint(0, 128, (4, 16))
+    zoo = [
+        (models.MLP(models.MLPConfig(in_features=16, hidden=32, out_features=8)), (torch.randn(4, 16), torch.randn(4, 8))),
+        (models.GPT(models.GPTConfig(vocab_size=128, block_size=32, n_layer=1, n_head=4, n_embd=64, dropout=0.1)), (ids, ids)),
+        (models.Llama(models.LlamaConfig(vocab_size=128, dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_hidden=128, max_seq_len=32)), (ids, ids)),
+    ]
+    ops: set[str] = set()
+    for model, args in zoo:
+        model.train()
+        ep = torch.export.export(model, args, strict=False)
+        ops |= {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
+    return ops
+
+
+def _hf_ops() -> set[str]:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    transformers = pytest.importorskip("transformers")
+    ids = torch.randint(0, 128, (4, 16))
+    configs = [
+        transformers.AutoConfig.for_model("gpt2", n_layer=1, n_embd=64, n_head=4, vocab_size=128, n_positions=32),
+        transformers.AutoConfig.for_model("llama", num_hidden_layers=1, hidden_size=64, num_attention_heads=4,
+                                          num_key_value_heads=2, intermediate_size=128, vocab_size=128),
+    ]
+    ops: set[str] = set()
+    for cfg in configs:
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+        model.train()
+        ep = torch.export.export(model, (), {"input_ids": ids, "labels": ids, "use_cache": False}, strict=False)
+        ops |= {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
+    return ops
+
+
+def test_every_compute_op_of_the_zoo_has_a_rule() -> None:
+    ops = _zoo_ops() | _hf_ops()
+    missing = []
+    for name in sorted(ops):
+        if not name.startswith(COMPUTE_FAMILY_PREFIXES):
+            continue
+        _, packet, overload = name.split(".")
+        op = getattr(getattr(aten, packet), overload)
+        if get_rule(op) is None:
+            missing.append(name)
+    assert not missing, f"compute ops of the zoo without a rule: {missing}"
