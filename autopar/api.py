@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.nn as nn
 
 import solver
@@ -18,6 +20,7 @@ from autopar.errors import PlanningError
 from autopar.mesh import Mesh
 from autopar.options import PlanOptions, format_bytes, parse_bytes
 from autopar.plan import PLAN_VERSION, Plan, strategy_entry
+from autopar.strategies import input_nodes
 from autopar.problem import (
     Evaluation,
     StrategySpace,
@@ -266,9 +269,14 @@ def _plan_document(
             "compute_s": float(node.compute_s[s]),
             "memory_bytes": float(node.activation_bytes[s] + node.fixed_bytes[s]),
             "num_strategies": len(node.strategies),
+            "args": [inp.name for inp in input_nodes(fx_node)],
+            "shapes": _output_shapes(fx_node),
+            "dtype": _output_dtype(fx_node),
         }
         if node.fqn:
             entry["fqn"] = node.fqn
+        if fx_node.target is operator.getitem:
+            entry["getitem_index"] = int(fx_node.args[1])
         if node.kind == "param":
             mem, _, _ = param_state(space, node, s, zero)
             entry["memory_bytes"] = mem
@@ -333,6 +341,19 @@ def _plan_document(
         "timings": timings,
         "warnings": warnings,
     }
+
+
+def _output_shapes(node) -> list[list[int] | None]:
+    val = node.meta.get("val")
+    values = val if isinstance(val, (tuple, list)) else [val]
+    return [list(v.shape) if isinstance(v, torch.Tensor) else None for v in values]
+
+
+def _output_dtype(node) -> str:
+    val = node.meta.get("val")
+    values = val if isinstance(val, (tuple, list)) else [val]
+    first = next((v for v in values if isinstance(v, torch.Tensor)), None)
+    return str(first.dtype).removeprefix("torch.") if first is not None else "none"
 
 
 def _param_module(fqn: str) -> str:

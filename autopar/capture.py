@@ -17,6 +17,7 @@ model on the meta device captures without allocating. Afterwards:
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 import traceback
@@ -31,7 +32,12 @@ from torch.utils._pytree import tree_flatten, tree_map
 from autopar.errors import UnsupportedModelError
 
 # Nodes that only check metadata at run time; they carry the capture device and do no work.
-_ASSERT_PACKETS = ("_assert_tensor_metadata", "_assert_scalar", "_assert_async", "sym_constrain_range_for_size")
+_ASSERT_PACKETS = (
+    "_assert_tensor_metadata",
+    "_assert_scalar",
+    "_assert_async",
+    "sym_constrain_range_for_size",
+)
 ASSERT_OPS: frozenset[Any] = frozenset(
     getattr(getattr(torch.ops.aten, packet), overload)
     for packet in _ASSERT_PACKETS
@@ -96,17 +102,22 @@ def capture(
             names the user source line and what to change.
     """
     example_kwargs = dict(example_kwargs or {})
-    if _on_meta(model):
+    if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
         # A meta model with real example inputs: trace everything on meta, nothing is allocated.
         example_args, example_kwargs = tree_map(
-            lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x, (tuple(example_args), example_kwargs)
+            lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x,
+            (tuple(example_args), example_kwargs),
         )
+    # torch logs a whole graph dump for data-dependent guards; our error says it in one line.
+    shapes_logger = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    level = shapes_logger.level
+    shapes_logger.setLevel(logging.ERROR)
     try:
         exported = torch.export.export(model, tuple(example_args), example_kwargs, strict=False)
-    except UnsupportedModelError:
-        raise
     except Exception as error:  # torch raises many types here; all mean "not capturable"
         raise UnsupportedModelError(_explain_export_failure(error)) from error
+    finally:
+        shapes_logger.setLevel(level)
 
     _erase_asserts_and_layout_copies(exported.graph_module)
     decomposed: tuple[str, ...] = ()
@@ -134,7 +145,9 @@ def capture(
     leaves, _ = tree_flatten(output.args[0])
     output_names = tuple(leaf.name for leaf in leaves if isinstance(leaf, fx.Node))
     if "val" not in output.meta:
-        output.meta["val"] = tuple(leaf.meta.get("val") if isinstance(leaf, fx.Node) else leaf for leaf in leaves)
+        output.meta["val"] = tuple(
+            leaf.meta.get("val") if isinstance(leaf, fx.Node) else leaf for leaf in leaves
+        )
 
     gm.graph.lint()
     gm.recompile()
@@ -153,24 +166,23 @@ def capture(
     )
 
 
-def _on_meta(model: nn.Module) -> bool:
-    return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
-
-
 def _erase_asserts_and_layout_copies(gm: fx.GraphModule) -> None:
     """Erase assert-only nodes and layout-only ``contiguous`` copies, then dead code.
 
     ``x.contiguous()`` is recorded only when x is not contiguous, and that depends on the
     device's kernels (CPU flash attention returns a transposed layout, meta does not), so the
     same model would give different graphs on meta and on CPU. A ``contiguous`` whose users are
-    not ``view`` (the one op that needs the layout) changes no value and goes.
+    not ``view`` (the one op that needs the layout) changes no value and goes (unless it is a
+    model output, whose name the export signature holds).
     """
     for node in list(gm.graph.nodes):
         if node.op != "call_function":
             continue
         if node.target in ASSERT_OPS and not node.users:
             gm.graph.erase_node(node)
-        elif node.target in _LAYOUT_ONLY_OPS and not any(user.target in _NEEDS_LAYOUT for user in node.users):
+        elif node.target in _LAYOUT_ONLY_OPS and not any(
+            user.target in _NEEDS_LAYOUT or user.op == "output" for user in node.users
+        ):
             node.replace_all_uses_with(node.args[0])
             gm.graph.erase_node(node)
     gm.graph.eliminate_dead_code(is_impure_node=_is_impure_but_not_assert)
@@ -267,7 +279,13 @@ def _decompose_unruled_ops(
 
 _ADVICE = (
     (
-        ("data-dependent", "GuardOnDataDependent", "data dependent", "symbolic boolean", "guard on"),
+        (
+            "data-dependent",
+            "GuardOnDataDependent",
+            "data dependent",
+            "symbolic boolean",
+            "guard on",
+        ),
         "Python control flow on a tensor value is not capturable: replace `if tensor...:` by "
         "torch.where(cond, a, b) or torch.cond(pred, true_fn, false_fn, operands), and "
         ".item()/.tolist()/int(tensor) by tensor arithmetic.",
@@ -309,7 +327,9 @@ def _user_location(error: BaseException) -> str | None:
         return f"{match.group(1)}:{match.group(2)}"
     chained: BaseException | None = error
     while chained is not None:
-        frames = [f for f in traceback.extract_tb(chained.__traceback__) if _is_user_file(f.filename)]
+        frames = [
+            f for f in traceback.extract_tb(chained.__traceback__) if _is_user_file(f.filename)
+        ]
         if frames:
             return f"{frames[-1].filename}:{frames[-1].lineno}"
         chained = chained.__cause__ or chained.__context__
@@ -323,19 +343,34 @@ _SCALAR_OPS = frozenset((torch.ops.aten.item.default, torch.ops.aten._local_scal
 
 
 def _check_no_data_dependent_values(gm: fx.GraphModule) -> None:
-    # .item() on a tensor whose value only feeds arithmetic exports fine but yields an unbacked
-    # Python scalar in the graph; it cannot be sharded or priced, so refuse it with the line.
+    # .item() whose value only feeds arithmetic, or boolean-mask indexing, exports fine but
+    # leaves unbacked symbols in the graph: such a node cannot be sharded or priced, so refuse
+    # it and name its line.
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
-        name = str(node.target)
-        if node.target in _SCALAR_OPS or isinstance(node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool)):
-            frame = _stack_trace_location(node.meta.get("stack_trace", ""))
-            where = f"at {frame}" if frame else f"(node {node.name})"
-            raise UnsupportedModelError(
-                f"cannot capture the model {where}: {name} turns a tensor into a Python number.\n"
+        val = node.meta.get("val")
+        problem = None
+        if node.target in _SCALAR_OPS or isinstance(
+            val, (torch.SymInt, torch.SymFloat, torch.SymBool)
+        ):
+            problem = (
+                f"{node.target} turns a tensor into a Python number.\n"
                 "Fix: keep values as tensors (no .item(), .tolist(), float(t), int(t)) in forward."
             )
+        elif any(
+            isinstance(leaf, torch.Tensor) and not all(isinstance(size, int) for size in leaf.shape)
+            for leaf in tree_flatten(val)[0]
+        ):
+            problem = (
+                f"{node.target} produces a tensor whose shape depends on tensor values.\n"
+                "Fix: avoid boolean-mask indexing, nonzero() and unique() in forward; use "
+                "torch.where or masked arithmetic with static shapes."
+            )
+        if problem is not None:
+            frame = _stack_trace_location(node.meta.get("stack_trace", ""))
+            where = f"at {frame}" if frame else f"(node {node.name})"
+            raise UnsupportedModelError(f"cannot capture the model {where}: {problem}")
 
 
 def _stack_trace_location(stack_trace: str) -> str | None:
@@ -357,7 +392,13 @@ def _canonical(value: Any, index: dict[fx.Node, int]) -> Any:
     if isinstance(value, (list, tuple)):
         return (type(value).__name__, tuple(_canonical(v, index) for v in value))
     if isinstance(value, dict):
-        return ("dict", tuple((str(k), _canonical(v, index)) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))))
+        return (
+            "dict",
+            tuple(
+                (str(k), _canonical(v, index))
+                for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))
+            ),
+        )
     if isinstance(value, torch.device):
         return "device"
     if isinstance(value, (torch.dtype, torch.memory_format, torch.layout)):
@@ -399,7 +440,11 @@ def graph_hash(gm: fx.GraphModule) -> str:
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in ASSERT_OPS:
             continue
-        if node.op == "call_function" and node.target in _LAYOUT_ONLY_OPS and isinstance(node.args[0], fx.Node):
+        if (
+            node.op == "call_function"
+            and node.target in _LAYOUT_ONLY_OPS
+            and isinstance(node.args[0], fx.Node)
+        ):
             index[node] = index[node.args[0]]  # same value, see _erase_asserts_and_layout_copies
             continue
         index[node] = len(index)
@@ -410,7 +455,11 @@ def graph_hash(gm: fx.GraphModule) -> str:
             target = f"get_attr:{_canonical(attr, index)}"
         else:
             # view and reshape compute the same value; which one appears depends on layouts.
-            target = "aten.reshape.default" if node.target in _NEEDS_LAYOUT else _target_name(node.target)
+            target = (
+                "aten.reshape.default"
+                if node.target in _NEEDS_LAYOUT
+                else _target_name(node.target)
+            )
         record = (
             node.op,
             target,

@@ -10,7 +10,8 @@ is priced per element by family. Backward work is a per-family multiple of forwa
 * everything else: 1x forward.
 
 Bytes are input plus output bytes in forward (views and tuple indexing move nothing) and about
-twice that in backward (read the saved inputs and the output gradient, write input gradients).
+twice that in backward (read the saved inputs and the output gradient, write input gradients);
+an embedding lookup reads only the selected rows, and its backward writes a dense table gradient.
 A node with no input needing a gradient has no backward work at all.
 
 Results are cached by (op, argument shapes/dtypes/requires-grad, constants, output shapes):
@@ -29,7 +30,18 @@ import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode, flop_registry, sdpa_flop_count
 
-FAMILIES = ("matmul", "attention", "pointwise", "norm", "softmax", "reduction", "embedding", "view", "loss", "other")
+FAMILIES = (
+    "matmul",
+    "attention",
+    "pointwise",
+    "norm",
+    "softmax",
+    "reduction",
+    "embedding",
+    "view",
+    "loss",
+    "other",
+)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -73,38 +85,43 @@ class _TensorSig:
 # --------------------------------------------------------------------------------------------
 # Families (by op packet name; pointwise also by torch.Tag.pointwise)
 
-_VIEW = {
-    "view", "_unsafe_view", "reshape", "transpose", "t", "permute", "expand", "expand_as",
-    "squeeze", "unsqueeze", "slice", "select", "split", "split_with_sizes", "chunk", "unbind",
-    "alias", "detach", "as_strided", "unflatten", "flatten", "view_as", "narrow", "diagonal",
-    "movedim", "swapaxes", "unfold", "lift_fresh", "_reshape_alias", "view_as_real",
-    "view_as_complex", "broadcast_tensors", "tensor_split", "real", "imag", "numpy_T", "mT",
-}
-_MATMUL = {"linear", "mm", "addmm", "bmm", "baddbmm", "matmul", "mv", "addmv", "dot", "einsum", "_scaled_mm", "addbmm", "vdot", "inner", "outer", "tensordot"}
-_ATTENTION = {
-    "scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
-    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_attention_math",
-    "_scaled_dot_product_fused_attention_overrideable",
-}
-_NORM = {
-    "layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm", "group_norm",
-    "native_group_norm", "batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_no_training",
-    "_native_batch_norm_legit_functional", "native_batch_norm", "instance_norm",
-}
-_SOFTMAX = {"softmax", "_softmax", "log_softmax", "_log_softmax", "_safe_softmax"}
-_REDUCTION = {
-    "sum", "mean", "amax", "amin", "max", "min", "var", "std", "var_mean", "std_mean", "norm",
-    "linalg_vector_norm", "cumsum", "cumprod", "any", "all", "argmax", "argmin", "prod", "logsumexp",
-}
-_EMBEDDING = {"embedding", "embedding_bag", "_embedding_bag"}
-_LOSS = {
-    "cross_entropy_loss", "nll_loss", "nll_loss_forward", "nll_loss2d_forward", "nll_loss_nd",
-    "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy",
-    "binary_cross_entropy_with_logits", "kl_div",
-}
+_VIEW = frozenset(
+    """view _unsafe_view reshape transpose t permute expand expand_as squeeze unsqueeze slice
+    select split split_with_sizes chunk unbind alias detach as_strided unflatten flatten view_as
+    narrow diagonal movedim swapaxes unfold lift_fresh _reshape_alias view_as_real
+    view_as_complex broadcast_tensors tensor_split real imag""".split()
+)
+_MATMUL = frozenset(
+    """linear mm addmm bmm baddbmm matmul mv addmv dot einsum _scaled_mm addbmm vdot inner
+    outer tensordot""".split()
+)
+_ATTENTION = frozenset(
+    """scaled_dot_product_attention _scaled_dot_product_flash_attention_for_cpu
+    _scaled_dot_product_flash_attention _scaled_dot_product_efficient_attention
+    _scaled_dot_product_cudnn_attention _scaled_dot_product_attention_math
+    _scaled_dot_product_fused_attention_overrideable""".split()
+)
+_NORM = frozenset(
+    """layer_norm native_layer_norm rms_norm _fused_rms_norm group_norm native_group_norm
+    batch_norm native_batch_norm _native_batch_norm_legit _native_batch_norm_legit_no_training
+    _native_batch_norm_legit_functional instance_norm""".split()
+)
+_SOFTMAX = frozenset("softmax _softmax log_softmax _log_softmax _safe_softmax".split())
+_REDUCTION = frozenset(
+    """sum mean amax amin max min var std var_mean std_mean norm linalg_vector_norm cumsum
+    cumprod any all argmax argmin prod logsumexp""".split()
+)
+_EMBEDDING = frozenset("embedding embedding_bag _embedding_bag".split())
+_LOSS = frozenset(
+    """cross_entropy_loss nll_loss nll_loss_forward nll_loss2d_forward nll_loss_nd mse_loss
+    l1_loss smooth_l1_loss huber_loss binary_cross_entropy binary_cross_entropy_with_logits
+    kl_div""".split()
+)
 # Copies and casts move every element once; priced like pointwise ops.
-_COPY = {"clone", "contiguous", "to", "_to_copy", "type_as", "dropout", "native_dropout", "copy", "masked_fill", "where", "tril", "triu"}
+_COPY = frozenset(
+    """clone contiguous to _to_copy type_as dropout native_dropout copy masked_fill where tril
+    triu""".split()
+)
 
 # FLOPs per element (of the largest tensor) for the per-element families.
 _FLOPS_PER_ELEMENT = {"pointwise": 1.0, "norm": 5.0, "softmax": 5.0, "reduction": 1.0, "loss": 5.0}
@@ -154,16 +171,20 @@ def node_costs(node: fx.Node) -> NodeWork:
     """
     if node.op != "call_function":
         return NodeWork(fwd_flops=0.0, bwd_flops=0.0, fwd_bytes=0, bwd_bytes=0, family="other")
-    requires_grad = _requires_grad_map(node.graph)
+    requires_grad = _requires_grad_map(node)
 
     def sig(value: Any) -> Any:
         if isinstance(value, fx.Node):
             val = value.meta.get("val")
             if isinstance(val, torch.Tensor):
-                return _TensorSig(tuple(int(s) for s in val.shape), val.dtype, requires_grad.get(value, False))
+                return _TensorSig(
+                    tuple(int(s) for s in val.shape), val.dtype, requires_grad.get(value, False)
+                )
             if isinstance(val, (list, tuple)):
                 return tuple(
-                    _TensorSig(tuple(int(s) for s in v.shape), v.dtype, requires_grad.get(value, False))
+                    _TensorSig(
+                        tuple(int(s) for s in v.shape), v.dtype, requires_grad.get(value, False)
+                    )
                     if isinstance(v, torch.Tensor)
                     else None
                     for v in val
@@ -193,25 +214,25 @@ def _output_sigs(val: Any) -> tuple[_TensorSig, ...]:
     )
 
 
-def _requires_grad_map(graph: fx.Graph) -> dict[fx.Node, bool]:
-    """Which nodes' values need a gradient; stored on the graph's owning nodes' meta."""
-    # Kept in node.meta so repeated queries on one graph walk it once; recomputed if a node
-    # was added since (it lacks the key).
-    nodes = list(graph.nodes)
-    if all("autopar_requires_grad" in n.meta for n in nodes):
-        return {n: n.meta["autopar_requires_grad"] for n in nodes}
-    result: dict[fx.Node, bool] = {}
-    for n in nodes:
-        val = n.meta.get("val")
-        leaves, _ = tree_flatten(val)
-        is_float = any(isinstance(v, torch.Tensor) and (v.dtype.is_floating_point or v.dtype.is_complex) for v in leaves)
-        if n.op == "placeholder":
-            flag = bool(is_float and any(isinstance(v, torch.Tensor) and v.requires_grad for v in leaves))
-        else:
-            flag = is_float and any(result.get(i, False) for i in n.all_input_nodes)
-        result[n] = flag
-        n.meta["autopar_requires_grad"] = flag
-    return result
+def _requires_grad_map(node: fx.Node) -> dict[fx.Node, bool]:
+    """Whether each input of ``node`` needs a gradient (float and downstream of a parameter).
+
+    The flags live in ``node.meta["autopar_requires_grad"]``, written for the whole graph in
+    one topological walk the first time a node (or a newly added one) lacks them.
+    """
+    key = "autopar_requires_grad"
+    inputs = node.all_input_nodes
+    if any(key not in n.meta for n in (node, *inputs)):
+        for n in node.graph.nodes:
+            leaves, _ = tree_flatten(n.meta.get("val"))
+            tensors = [v for v in leaves if isinstance(v, torch.Tensor)]
+            is_float = any(v.dtype.is_floating_point or v.dtype.is_complex for v in tensors)
+            if n.op == "placeholder":
+                flag = is_float and any(v.requires_grad for v in tensors)
+            else:
+                flag = is_float and any(i.meta.get(key, False) for i in n.all_input_nodes)
+            n.meta[key] = flag
+    return {n: n.meta[key] for n in inputs}
 
 
 # --------------------------------------------------------------------------------------------
@@ -223,7 +244,9 @@ def _tensors(tree: Any) -> list[_TensorSig]:
     return [leaf for leaf in leaves if isinstance(leaf, _TensorSig)]
 
 
-def _bind(target: Any, args: tuple[Any, ...], kwargs: tuple[tuple[str, Any], ...]) -> dict[str, Any]:
+def _bind(
+    target: Any, args: tuple[Any, ...], kwargs: tuple[tuple[str, Any], ...]
+) -> dict[str, Any]:
     """Argument name -> value, by the op's schema (positional and keyword alike)."""
     bound = dict(kwargs)
     schema = getattr(target, "_schema", None)
@@ -237,13 +260,25 @@ def _bind(target: Any, args: tuple[Any, ...], kwargs: tuple[tuple[str, Any], ...
 
 
 @functools.lru_cache(maxsize=4096)
-def _work(target: Any, args: tuple[Any, ...], kwargs: tuple[tuple[str, Any], ...], outputs: tuple[_TensorSig, ...]) -> NodeWork:
+def _work(
+    target: Any,
+    args: tuple[Any, ...],
+    kwargs: tuple[tuple[str, Any], ...],
+    outputs: tuple[_TensorSig, ...],
+) -> NodeWork:
     family = op_family(target)
     inputs = _tensors((args, kwargs))
     needs_grad = any(t.requires_grad and t.is_float for t in inputs)
     if family == "view":
         return NodeWork(fwd_flops=0.0, bwd_flops=0.0, fwd_bytes=0, bwd_bytes=0, family=family)
     fwd_bytes = sum(t.num_bytes for t in inputs) + sum(t.num_bytes for t in outputs)
+    bwd_bytes = 2 * fwd_bytes
+    if family == "embedding" and inputs:
+        # A lookup reads the selected rows, not the table; its backward writes a dense table
+        # gradient (PyTorch's default) and reads the output gradient.
+        out_bytes = sum(t.num_bytes for t in outputs)
+        fwd_bytes = sum(t.num_bytes for t in inputs if not t.is_float) + 2 * out_bytes
+        bwd_bytes = sum(t.num_bytes for t in inputs if t.is_float) + 2 * out_bytes
     bwd_factor = 1.0
     if family == "matmul":
         fwd_flops, operands = _matmul_flops(target, args, kwargs, outputs)
@@ -259,25 +294,32 @@ def _work(target: Any, args: tuple[Any, ...], kwargs: tuple[tuple[str, Any], ...
     else:  # embedding lookups, concatenation, padding, factories: data movement only
         fwd_flops = 0.0
     if not needs_grad:
-        return NodeWork(fwd_flops=fwd_flops, bwd_flops=0.0, fwd_bytes=fwd_bytes, bwd_bytes=0, family=family)
+        return NodeWork(
+            fwd_flops=fwd_flops, bwd_flops=0.0, fwd_bytes=fwd_bytes, bwd_bytes=0, family=family
+        )
     return NodeWork(
         fwd_flops=fwd_flops,
         bwd_flops=bwd_factor * fwd_flops,
         fwd_bytes=fwd_bytes,
-        bwd_bytes=2 * fwd_bytes,
+        bwd_bytes=bwd_bytes,
         family=family,
     )
 
 
 def _matmul_flops(
-    target: Any, args: tuple[Any, ...], kwargs: tuple[tuple[str, Any], ...], outputs: tuple[_TensorSig, ...]
+    target: Any,
+    args: tuple[Any, ...],
+    kwargs: tuple[tuple[str, Any], ...],
+    outputs: tuple[_TensorSig, ...],
 ) -> tuple[float, list[_TensorSig]]:
     """Forward FLOPs (2 per multiply-add) and the two matrix operands."""
     name = _op_name(target)
     bound = _bind(target, args, kwargs)
     if name == "linear":
         x, weight = bound["input"], bound["weight"]
-        out_features, in_features = (weight.shape[0], weight.shape[-1]) if len(weight.shape) == 2 else (1, weight.shape[0])
+        out_features, in_features = (
+            (weight.shape[0], weight.shape[-1]) if len(weight.shape) == 2 else (1, weight.shape[0])
+        )
         rows = x.numel // max(in_features, 1)
         return 2.0 * rows * in_features * out_features, [x, weight]
     if name in ("mm", "addmm", "bmm", "baddbmm", "matmul", "addbmm"):
@@ -293,7 +335,9 @@ def _matmul_flops(
     return _counted_flops(target, args, kwargs), operands[:2]
 
 
-def _attention_flops(target: Any, args: tuple[Any, ...], kwargs: tuple[tuple[str, Any], ...]) -> float:
+def _attention_flops(
+    target: Any, args: tuple[Any, ...], kwargs: tuple[tuple[str, Any], ...]
+) -> float:
     bound = _bind(target, args, kwargs)
     query, key, value = bound["query"], bound["key"], bound["value"]
     # Fold leading dims into (batch, heads); grouped-query K/V count as if repeated per query head.
@@ -326,7 +370,9 @@ def causal_fraction(q_len: int, k_len: int) -> float:
     return kept / (q_len * k_len)
 
 
-def _counted_flops(target: Any, args: tuple[Any, ...], kwargs: tuple[tuple[str, Any], ...]) -> float:
+def _counted_flops(
+    target: Any, args: tuple[Any, ...], kwargs: tuple[tuple[str, Any], ...]
+) -> float:
     """Run the op once on meta tensors under FlopCounterMode (for ops without a closed form)."""
 
     def materialize(value: Any) -> Any:
@@ -337,7 +383,9 @@ def _counted_flops(target: Any, args: tuple[Any, ...], kwargs: tuple[tuple[str, 
         return value
 
     meta_args = tree_map(materialize, args, is_leaf=lambda x: isinstance(x, _TensorSig))
-    meta_kwargs = {k: tree_map(materialize, v, is_leaf=lambda x: isinstance(x, _TensorSig)) for k, v in kwargs}
+    meta_kwargs = {
+        k: tree_map(materialize, v, is_leaf=lambda x: isinstance(x, _TensorSig)) for k, v in kwargs
+    }
     counter = FlopCounterMode(display=False)
     try:
         with counter:

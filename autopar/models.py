@@ -41,7 +41,9 @@ class MLP(nn.Module):
         if config.num_layers < 1:
             raise ValueError(f"MLPConfig.num_layers must be >= 1, got {config.num_layers}")
         self.config = config
-        widths = [config.in_features] + [config.hidden] * (config.num_layers - 1) + [config.out_features]
+        widths = (
+            [config.in_features] + [config.hidden] * (config.num_layers - 1) + [config.out_features]
+        )
         self.layers = nn.ModuleList(
             nn.Linear(widths[i], widths[i + 1], bias=config.bias) for i in range(config.num_layers)
         )
@@ -143,11 +145,15 @@ class GPT(nn.Module):
         if config.tie_weights:
             self.lm_head.weight = self.wte.weight
         if not _on_meta(self):
-            self.apply(_init_gpt_weights)
-            # GPT-2's scaled init of the residual projections.
-            for name, p in self.named_parameters():
-                if name.endswith("proj.weight"):
-                    nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+            self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """GPT-2 initialization (also after ``to_empty`` when the model was built on meta)."""
+        self.apply(_init_gpt_weights)
+        # GPT-2's scaled init of the residual projections.
+        for name, p in self.named_parameters():
+            if name.endswith("proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * self.config.n_layer))
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         seq = idx.shape[1]
@@ -170,6 +176,8 @@ def _init_gpt_weights(module: nn.Module) -> None:
             nn.init.zeros_(module.bias)
     elif isinstance(module, nn.Embedding):
         nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    elif isinstance(module, nn.LayerNorm):
+        module.reset_parameters()
 
 
 def _on_meta(module: nn.Module) -> bool:
@@ -218,7 +226,9 @@ class RMSNorm(nn.Module):
         return normed.type_as(x) * self.weight
 
 
-def rotary_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_tables(
+    head_dim: int, max_seq_len: int, theta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of the rotary angles, each [max_seq_len, head_dim // 2], float32 on CPU."""
     # Explicit CPU so the values are real even under a ``with torch.device("meta")`` block.
     steps = torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu")
@@ -315,9 +325,27 @@ class Llama(nn.Module):
         self.register_buffer("rope_cos", cos.to(device), persistent=False)
         self.register_buffer("rope_sin", sin.to(device), persistent=False)
         if not _on_meta(self):
-            for module in self.modules():
-                if isinstance(module, (nn.Linear, nn.Embedding)):
-                    nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Initialize weights and recompute the rotary tables on the model's device.
+
+        Call it after ``to_empty`` when the model was built on meta (the tables are
+        non-persistent buffers, so they are not in a state_dict either).
+        """
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+        config = self.config
+        cos, sin = rotary_tables(
+            config.dim // config.n_heads, config.max_seq_len, config.rope_theta
+        )
+        device = self.tok_embeddings.weight.device
+        with torch.no_grad():
+            self.rope_cos.copy_(cos.to(device))
+            self.rope_sin.copy_(sin.to(device))
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         seq = idx.shape[1]

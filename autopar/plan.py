@@ -103,6 +103,40 @@ class Plan:
             )
         return out
 
+    def conversions(self) -> list[dict[str, Any]]:
+        """Every edge whose layout changes: producer, consumer, placements, and the forward and
+        backward collectives (the same steps the runtime executes)."""
+        from autopar.resharding import reshard_steps
+
+        by_name = {e["name"]: e for e in self.data["nodes"]}
+        mesh_shape = tuple(self.data["mesh"]["shape"])
+        out = []
+        for entry in self.data["nodes"]:
+            for j, arg in enumerate(entry.get("args", [])):
+                producer = by_name.get(arg)
+                if producer is None or entry["inputs"][j] is None:
+                    continue
+                index = 0
+                if entry["op"] == "<built-in function getitem>":
+                    index = entry.get("getitem_index", 0)
+                src = producer["outputs"][index]
+                dst = entry["inputs"][j]
+                if src is None or src == dst:
+                    continue
+                shape = producer["shapes"][index]
+                fwd, bwd = reshard_steps(parse_placements(src), parse_placements(dst), shape, 4, mesh_shape)
+                out.append(
+                    {
+                        "producer": arg,
+                        "consumer": entry["name"],
+                        "src": src,
+                        "dst": dst,
+                        "forward": [s.kind for s in fwd],
+                        "backward": [s.kind for s in bwd],
+                    }
+                )
+        return out
+
     # ---------------------------------------------------------------- JSON
     def to_json(self) -> str:
         return json.dumps(self.data, indent=1, sort_keys=True)

@@ -16,6 +16,7 @@ Built-in presets default to the meta device: a 70B model builds in well under a 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import re
 from collections.abc import Callable
@@ -32,8 +33,12 @@ LLAMA3_VOCAB = 128256
 
 MLP_CONFIG = MLPConfig(in_features=1024, hidden=8192, out_features=1024, num_layers=2)
 GPT_CONFIGS: dict[str, GPTConfig] = {
-    "gpt2-small": GPTConfig(vocab_size=GPT2_VOCAB, block_size=1024, n_layer=12, n_head=12, n_embd=768),
-    "gpt2-xl": GPTConfig(vocab_size=GPT2_VOCAB, block_size=1024, n_layer=48, n_head=25, n_embd=1600),
+    "gpt2-small": GPTConfig(
+        vocab_size=GPT2_VOCAB, block_size=1024, n_layer=12, n_head=12, n_embd=768
+    ),
+    "gpt2-xl": GPTConfig(
+        vocab_size=GPT2_VOCAB, block_size=1024, n_layer=48, n_head=25, n_embd=1600
+    ),
 }
 LLAMA_CONFIGS: dict[str, LlamaConfig] = {
     "llama3-8b": LlamaConfig(
@@ -86,14 +91,22 @@ def build_preset(name: str, *, batch: int, seq: int, device: str | torch.device 
     base, num_layers = _split_layers(name)
     device = torch.device(device)
     if base == "mlp":
-        config = MLP_CONFIG if num_layers is None else _replace(MLP_CONFIG, num_layers=num_layers)
+        config = (
+            MLP_CONFIG
+            if num_layers is None
+            else dataclasses.replace(MLP_CONFIG, num_layers=num_layers)
+        )
         with device:
             model: nn.Module = MLP(config)
             x = torch.randn(batch, config.in_features)
             y = torch.randn(batch, config.out_features)
         return model, (x, y), {}
     if base in GPT_CONFIGS:
-        gpt = GPT_CONFIGS[base] if num_layers is None else _replace(GPT_CONFIGS[base], n_layer=num_layers)
+        gpt = (
+            GPT_CONFIGS[base]
+            if num_layers is None
+            else dataclasses.replace(GPT_CONFIGS[base], n_layer=num_layers)
+        )
         if seq > gpt.block_size:
             raise ValueError(f"{name}: seq {seq} exceeds block_size {gpt.block_size}")
         with device:
@@ -102,9 +115,9 @@ def build_preset(name: str, *, batch: int, seq: int, device: str | torch.device 
     if base in LLAMA_CONFIGS:
         llama = LLAMA_CONFIGS[base]
         if num_layers is not None:
-            llama = _replace(llama, n_layers=num_layers)
+            llama = dataclasses.replace(llama, n_layers=num_layers)
         if seq > llama.max_seq_len:
-            llama = _replace(llama, max_seq_len=seq)
+            llama = dataclasses.replace(llama, max_seq_len=seq)
         with device:
             model = Llama(llama)
         return model, _token_inputs(llama.vocab_size, batch, seq, device), {}
@@ -113,12 +126,6 @@ def build_preset(name: str, *, batch: int, seq: int, device: str | torch.device 
         "e.g. llama3-8b-2l), hf:<model_type>[?key=value&...] (e.g. hf:gpt2, "
         "hf:llama?num_hidden_layers=2), or package.module:factory"
     )
-
-
-def _replace(config: Any, **changes: Any) -> Any:
-    import dataclasses
-
-    return dataclasses.replace(config, **changes)
 
 
 def _split_layers(name: str) -> tuple[str, int | None]:
@@ -131,7 +138,9 @@ def _split_layers(name: str) -> tuple[str, int | None]:
     return match.group("base"), num_layers
 
 
-def _token_inputs(vocab_size: int, batch: int, seq: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _token_inputs(
+    vocab_size: int, batch: int, seq: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     # Fixed seed so two builds of one preset on real devices see the same tokens.
     generator = torch.Generator().manual_seed(0)
     idx = torch.randint(0, vocab_size, (batch, seq), generator=generator).to(device)
@@ -208,7 +217,11 @@ def _build_factory(name: str, *, batch: int, seq: int) -> Built:
             "function(batch: int, seq: int) -> (model, args) or (model, args, kwargs)"
         ) from error
     result = factory(batch, seq)
-    if not isinstance(result, tuple) or len(result) not in (2, 3) or not isinstance(result[0], nn.Module):
+    if (
+        not isinstance(result, tuple)
+        or len(result) not in (2, 3)
+        or not isinstance(result[0], nn.Module)
+    ):
         raise ValueError(
             f"factory {name!r} must return (model, args) or (model, args, kwargs), got {type(result).__name__}"
         )

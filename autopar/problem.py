@@ -159,6 +159,8 @@ class _CommPricer:
         self.mesh = mesh
         self.act_itemsize = act_itemsize
         self._reshard: dict[tuple, float] = {}
+        self._steps_cache: dict[tuple, list[tuple[str, int, float]] | None] = {}
+        self._num_devices = math.prod(mesh.shape)
 
     def itemsize(self, meta: TensorMeta) -> int:
         if self.act_itemsize is not None and meta.dtype.is_floating_point:
@@ -171,21 +173,37 @@ class _CommPricer:
         key = (src, dst, meta.shape, meta.dtype)
         cost = self._reshard.get(key)
         if cost is None:
-            try:
-                fwd, bwd = reshard_steps(src, dst, meta.shape, self.itemsize(meta), self.mesh.shape)
-            except ValueError:
+            steps = self._steps(src, dst, meta.shape)
+            if steps is None:
                 cost = math.inf
             else:
-                cost = sum(self.step_s(step) for step in (*fwd, *bwd))
+                total_bytes = float(math.prod(meta.shape)) * self.itemsize(meta)
+                cost = sum(self.step_s(kind, axis, fraction * total_bytes) for kind, axis, fraction in steps)
             self._reshard[key] = cost
         return cost
 
-    def step_s(self, step) -> float:
-        if step.kind not in COMM_KINDS:
-            return 0.0
-        return collective_time_s(
-            step.kind, step.nbytes, self.mesh.shape[step.axis], self.mesh.links[step.axis]
-        )
+    def _steps(self, src: Placements, dst: Placements, shape: tuple[int, ...]):
+        """Conversion steps as (kind, axis, bytes per full-tensor byte), memoised on the
+        shape's divisibility pattern: which steps apply depends on the shape only through
+        gcd(dim size, devices), and every step's bytes scale with the tensor's size."""
+        pattern = tuple(math.gcd(size, self._num_devices) for size in shape)
+        key = (src, dst, pattern)
+        if key not in self._steps_cache:
+            try:
+                fwd, bwd = reshard_steps(src, dst, pattern, 1, self.mesh.shape)
+            except ValueError:
+                self._steps_cache[key] = None
+            else:
+                total = float(math.prod(pattern))
+                self._steps_cache[key] = [
+                    (step.kind, step.axis, step.nbytes / total)
+                    for step in (*fwd, *bwd)
+                    if step.kind in COMM_KINDS
+                ]
+        return self._steps_cache[key]
+
+    def step_s(self, kind: str, axis: int, nbytes: float) -> float:
+        return collective_time_s(kind, nbytes, self.mesh.shape[axis], self.mesh.links[axis])
 
     def all_reduce_s(self, nbytes: float, axis: int) -> float:
         return collective_time_s("all_reduce", nbytes, self.mesh.shape[axis], self.mesh.links[axis])

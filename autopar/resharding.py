@@ -46,7 +46,6 @@ import itertools
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from fractions import Fraction
 from functools import lru_cache
 
 import torch
@@ -163,71 +162,28 @@ def is_supported_pair(
     return divides(shape, src_n, mesh_shape) and divides(shape, dst_n, mesh_shape)
 
 
-def _shard_axes(state: Placements, dim: int) -> list[int]:
-    return [axis for axis, p in enumerate(state) if isinstance(p, Shard) and p.dim == dim]
+# ---------------------------------------------------------------------------------------------
+# Route search. States are placements encoded per axis as ints (_R, _P, or the sharded dim) so
+# the search is cheap; prices are integers in units of (full tensor bytes) / prod(mesh)**2,
+# exact because every shard count divides prod(mesh).
+
+_CODE_R = -1
+_CODE_P = -2
+_Code = tuple[int, ...]
+# (kind, axis, dim, dst_dim, nbytes in units): one step of a route before it is priced in bytes.
+_RawStep = tuple[str, int, int | None, int | None, int]
 
 
-def _transitions(state: Placements, ndim: int) -> Iterator[tuple[str, int, int | None, int | None, Placement]]:
-    """Valid single-axis steps from ``state``: (kind, axis, dim, dst_dim, new placement)."""
-    for axis, p in enumerate(state):
-
-        def can_add(dim: int, axis: int = axis) -> bool:
-            return all(other < axis for other in _shard_axes(state, dim))
-
-        if isinstance(p, Shard):
-            if max(_shard_axes(state, p.dim)) != axis:
-                continue  # gathering an outer axis would scramble the chunk order
-            yield "all_gather", axis, p.dim, None, _R
-            for dim in range(ndim):
-                if dim != p.dim and can_add(dim):
-                    yield "all_to_all", axis, p.dim, dim, Shard(dim)
-        elif isinstance(p, Partial):
-            yield "all_reduce", axis, None, None, _R
-            for dim in range(ndim):
-                if can_add(dim):
-                    yield "reduce_scatter", axis, dim, None, Shard(dim)
-        else:
-            yield "zero_out", axis, None, None, _P
-            for dim in range(ndim):
-                if can_add(dim):
-                    yield "slice", axis, dim, None, Shard(dim)
+def _encode(placements: Placements) -> _Code:
+    return tuple(p.dim if isinstance(p, Shard) else _CODE_P if isinstance(p, Partial) else _CODE_R
+                 for p in placements)
 
 
-
-def _edge(
-    kind: str,
-    axis: int,
-    dim: int | None,
-    dst_dim: int | None,
-    state: Placements,
-    shape: tuple[int, ...],
-    itemsize: int,
-    mesh_shape: tuple[int, ...],
-) -> tuple[Step, Step | None, Fraction]:
-    """The forward step, its backward step (None for identity) and its price (bytes sent per
-    device, forward plus backward, under ring algorithms)."""
-    local_bytes = math.prod(local_shape(shape, state, mesh_shape)) * itemsize
-    size = mesh_shape[axis]
-    ring = Fraction(size - 1, size)
-    if kind == "all_gather":
-        gathered = local_bytes * size
-        return (Step(kind=kind, axis=axis, dim=dim, nbytes=gathered),
-                Step(kind="slice", axis=axis, dim=dim), ring * gathered)
-    if kind == "slice":  # the backward gathers back to the size before the slice
-        return (Step(kind=kind, axis=axis, dim=dim),
-                Step(kind="all_gather", axis=axis, dim=dim, nbytes=local_bytes), ring * local_bytes)
-    if kind == "reduce_scatter":
-        return (Step(kind=kind, axis=axis, dim=dim, nbytes=local_bytes),
-                Step(kind="all_gather", axis=axis, dim=dim, nbytes=local_bytes),
-                2 * ring * local_bytes)
-    if kind == "all_reduce":
-        return Step(kind=kind, axis=axis, nbytes=local_bytes), None, 2 * ring * local_bytes
-    if kind == "all_to_all":
-        return (Step(kind=kind, axis=axis, dim=dim, dst_dim=dst_dim, nbytes=local_bytes),
-                Step(kind=kind, axis=axis, dim=dst_dim, dst_dim=dim, nbytes=local_bytes),
-                2 * ring * local_bytes)
-    assert kind == "zero_out", kind
-    return Step(kind=kind, axis=axis), None, Fraction(0)
+def _divisible_counts(shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> tuple[frozenset[int], ...]:
+    """Per dim, the shard counts (products of sets of axis sizes) that divide its size."""
+    counts = {math.prod(c) for r in range(len(mesh_shape) + 1)
+              for c in itertools.combinations(mesh_shape, r)}
+    return tuple(frozenset(c for c in counts if size % c == 0) for size in shape)
 
 
 def reshard_steps(
@@ -258,51 +214,111 @@ def reshard_steps(
     mesh_t = tuple(int(m) for m in mesh_shape)
     src_n = _normalize(src, len(shape_t), mesh_t)
     dst_n = _normalize(dst, len(shape_t), mesh_t)
-    for name, placements in (("source", src_n), ("destination", dst_n)):
-        local_shape(shape_t, placements, mesh_t)  # raises with the dim and sizes when not divisible
-    return _search(src_n, dst_n, shape_t, int(itemsize), mesh_t)
+    local_shape(shape_t, src_n, mesh_t)  # raises with the dim and sizes when not divisible
+    local_shape(shape_t, dst_n, mesh_t)
+    forward, backward = _search(
+        _encode(src_n), _encode(dst_n), len(shape_t), mesh_t, _divisible_counts(shape_t, mesh_t)
+    )
+    total_bytes = math.prod(shape_t) * int(itemsize)
+    unit_div = math.prod(mesh_t) ** 2
+
+    def to_steps(raw: tuple[_RawStep, ...]) -> tuple[Step, ...]:
+        return tuple(
+            Step(kind=kind, axis=axis, dim=dim, dst_dim=dst_dim, nbytes=total_bytes * units // unit_div)
+            for kind, axis, dim, dst_dim, units in raw
+        )
+
+    return to_steps(forward), to_steps(backward)
+
+
+def _transitions(state: _Code, mesh_shape: tuple[int, ...], ndim: int, units: int
+                 ) -> Iterator[tuple[int, _RawStep, _RawStep | None, int]]:
+    """Valid single-axis steps from ``state`` with local size ``units``: (new placement code,
+    forward step, backward step or None for identity, price = units sent forward + backward)."""
+    for axis, p in enumerate(state):
+        size = mesh_shape[axis]
+        inner = state[axis + 1 :]
+        # A dim can gain this axis only if no inner axis already shards it (chunk order).
+        addable = [dim for dim in range(ndim) if dim not in inner and dim != p]
+        ring_local = (size - 1) * (units // size)  # (n-1)/n of the local size
+        if p >= 0:
+            if p in inner:
+                continue  # gathering an outer axis of a dim would scramble its chunk order
+            gathered = units * size
+            yield (_CODE_R, ("all_gather", axis, p, None, gathered),
+                   ("slice", axis, p, None, 0), (size - 1) * units)
+            for dim in addable:
+                yield (dim, ("all_to_all", axis, p, dim, units),
+                       ("all_to_all", axis, dim, p, units), 2 * ring_local)
+        elif p == _CODE_P:
+            yield _CODE_R, ("all_reduce", axis, None, None, units), None, 2 * ring_local
+            for dim in addable:
+                yield (dim, ("reduce_scatter", axis, dim, None, units),
+                       ("all_gather", axis, dim, None, units), 2 * ring_local)
+        else:
+            yield _CODE_P, ("zero_out", axis, None, None, 0), None, 0
+            for dim in addable:
+                yield (dim, ("slice", axis, dim, None, 0),
+                       ("all_gather", axis, dim, None, units), ring_local)
 
 
 @lru_cache(maxsize=65536)
 def _search(
-    src: Placements, dst: Placements, shape: tuple[int, ...], itemsize: int, mesh_shape: tuple[int, ...]
-) -> tuple[tuple[Step, ...], tuple[Step, ...]]:
-    """Cheapest path from ``src`` to ``dst`` over valid single-axis steps (Dijkstra)."""
+    src: _Code,
+    dst: _Code,
+    ndim: int,
+    mesh_shape: tuple[int, ...],
+    divisible: tuple[frozenset[int], ...],
+) -> tuple[tuple[_RawStep, ...], tuple[_RawStep, ...]]:
+    """Cheapest route from ``src`` to ``dst`` over valid single-axis steps (Dijkstra).
+
+    Cost, compared in order: bytes sent per device forward plus backward, number of
+    collectives, number of steps. Depends on the shape only through ``divisible``.
+    """
     if src == dst:
         return (), ()
-    ndim = len(shape)
+    full_units = math.prod(mesh_shape) ** 2
+
+    def local_units(state: _Code) -> int | None:
+        counts = [1] * ndim
+        for axis, p in enumerate(state):
+            if p >= 0:
+                counts[p] *= mesh_shape[axis]
+        if any(c not in divisible[dim] for dim, c in enumerate(counts)):
+            return None
+        return full_units // math.prod(counts)
+
     counter = itertools.count()
-    zero = (Fraction(0), 0, 0)
-    best: dict[Placements, tuple[Fraction, int, int]] = {src: zero}
-    came_from: dict[Placements, tuple[Placements, Step, Step | None]] = {}
-    heap: list[tuple[tuple[Fraction, int, int], int, Placements]] = [(zero, next(counter), src)]
+    best: dict[_Code, tuple[int, int, int]] = {src: (0, 0, 0)}
+    came_from: dict[_Code, tuple[_Code, _RawStep, _RawStep | None]] = {}
+    heap: list[tuple[tuple[int, int, int], int, _Code]] = [((0, 0, 0), next(counter), src)]
     while heap:
         cost, _, state = heapq.heappop(heap)
         if state == dst:
             break
         if cost > best[state]:
             continue
-        for kind, axis, dim, dst_dim, new_p in _transitions(state, ndim):
-            new_state = state[:axis] + (new_p,) + state[axis + 1 :]
-            if not divides(shape, new_state, mesh_shape):
+        units = local_units(state)
+        assert units is not None
+        for new_p, fwd, bwd, price in _transitions(state, mesh_shape, ndim, units):
+            new_state = state[: fwd[1]] + (new_p,) + state[fwd[1] + 1 :]
+            if local_units(new_state) is None:
                 continue
-            fwd, bwd, price = _edge(kind, axis, dim, dst_dim, state, shape, itemsize, mesh_shape)
-            new_cost = (cost[0] + price, cost[1] + fwd.is_collective, cost[2] + 1)
+            new_cost = (cost[0] + price, cost[1] + (fwd[0] in _COLLECTIVE_KINDS), cost[2] + 1)
             if new_state not in best or new_cost < best[new_state]:
                 best[new_state] = new_cost
                 came_from[new_state] = (state, fwd, bwd)
                 heapq.heappush(heap, (new_cost, next(counter), new_state))
-    assert dst in came_from, f"no route {format_placements(src)} -> {format_placements(dst)}"
-    forward: list[Step] = []
-    backward: list[Step] = []  # built from the last forward step to the first: already reversed
+    assert dst in came_from, f"no route {src} -> {dst}"
+    forward: list[_RawStep] = []
+    backward: list[_RawStep] = []  # collected from the last forward step: already reversed
     state = dst
     while state != src:
         state, fwd, bwd = came_from[state]
         forward.append(fwd)
         if bwd is not None:
-            backward.insert(0, bwd)
+            backward.append(bwd)
     forward.reverse()
-    backward.reverse()
     return tuple(forward), tuple(backward)
 
 

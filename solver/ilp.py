@@ -244,14 +244,11 @@ def _run(
         return _Outcome(status="optimal", bound=0.0)
     abs_gap = _ABS_GAP if gap == 0.0 else None
     bound = None
+    log = ""
     if backend == "highs":
         lp.solve(pulp.HiGHS(msg=msg, timeLimit=time_limit_s, gapRel=gap, gapAbs=abs_gap))
-        info = lp.solverModel.getInfo()
-        if lp.sol_status in (
-            pulp.LpSolutionOptimal,
-            pulp.LpSolutionIntegerFeasible,
-        ) and math.isfinite(info.mip_dual_bound):
-            bound = info.mip_dual_bound
+        dual_bound = lp.solverModel.getInfo().mip_dual_bound
+        bound = dual_bound if math.isfinite(dual_bound) else None
     else:
         with tempfile.TemporaryDirectory(prefix="autopar_cbc_") as tmp:
             log_path = os.path.join(tmp, "cbc.log")
@@ -264,19 +261,32 @@ def _run(
                 log = f.read()
         if msg:
             print(log)
-        found = re.search(r"^Lower bound:\s*(\S+)", log, re.MULTILINE)
-        bound = float(found.group(1)) if found else None
     if lp.status == pulp.LpStatusInfeasible:
         return _Outcome(status="infeasible", bound=None)
-    if lp.sol_status == pulp.LpSolutionOptimal:
-        return _Outcome(
-            status="optimal", bound=bound if bound is not None else pulp.value(lp.objective)
-        )
-    if lp.sol_status == pulp.LpSolutionIntegerFeasible:
-        return _Outcome(status="optimal" if time_limit_s is None else "feasible", bound=bound)
-    if time_limit_s is not None:
+    if lp.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+        if time_limit_s is None:
+            raise RuntimeError(f"{backend} stopped without a plan: {pulp.LpStatus[lp.status]}")
         return _Outcome(status="timeout", bound=None)
-    raise RuntimeError(f"{backend} stopped without a plan: pulp status {pulp.LpStatus[lp.status]}")
+    status = "optimal" if lp.sol_status == pulp.LpSolutionOptimal else "feasible"
+    objective = pulp.value(lp.objective) or 0.0
+    if backend == "cbc":
+        bound = _cbc_bound(log, objective)
+    if status == "optimal" and gap == 0.0:  # proven: the bound is the objective itself
+        bound = objective
+    return _Outcome(status=status, bound=bound)
+
+
+def _cbc_bound(log: str, objective: float) -> float | None:
+    """CBC's best bound, read from its log (pulp does not return it)."""
+    exited = re.findall(r"Exiting as integer gap of ([-+0-9.eE]+)", log)
+    if exited:  # stopped by the relative gap: the absolute gap is printed in full
+        return objective - float(exited[-1])
+    partial = re.findall(
+        r"Partial search - best objective \S+ \(best possible ([-+0-9.eE]+)\)", log
+    )
+    if partial:  # stopped by the time limit
+        return float(partial[-1])
+    return objective if "Optimal solution found" in log else None
 
 
 def _decode(red: Reduced, model: _Model) -> tuple[int, ...]:
@@ -405,7 +415,9 @@ def solve(
         bound = min(
             objective, outcome.bound * model.objective_scale + red.constant_s + _fixed_cost_s(red)
         )
-    relative_gap = (objective - bound) / abs(objective) if objective else 0.0
+    # Below the solver's absolute tolerance (relative to the largest cost) a gap is float noise.
+    noise = objective - bound <= _ABS_GAP * model.objective_scale
+    relative_gap = 0.0 if noise else (objective - bound) / abs(objective)
     details = {
         "presolved_edges": float(len(problem.edges) - len(red.edges)),
         "tie_moves": float(moves),

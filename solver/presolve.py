@@ -7,6 +7,7 @@ Everything here is plain Python on the Problem; ilp.py builds its model from the
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 
 from solver.errors import InfeasibleError
@@ -111,23 +112,31 @@ def reduce_problem(problem: Problem) -> Reduced:
 
     for i in range(len(nodes)):
         check(i, "its self-edges forbid every strategy")
-    changed = True
-    while changed:  # arc consistency: drop strategies no allowed pair supports
-        changed = False
-        for (u, v), table in merged.items():
-            ok = [
-                (s, t)
-                for (s, t), c in table.items()
-                if c is not None and s in allowed[u] and t in allowed[v]
-            ]
-            for i, supported in ((u, {s for s, _ in ok}), (v, {t for _, t in ok})):
-                if supported != allowed[i]:
-                    allowed[i] &= supported
-                    changed = True
-                    check(
-                        i,
-                        f"the edges between {nodes[u].name!r} and {nodes[v].name!r} forbid the rest",
-                    )
+    # Arc consistency (AC-3): drop strategies that no allowed pair of some edge supports, and
+    # revisit the edges of a node whenever it loses one.
+    incident: dict[int, list[tuple[int, int]]] = {}
+    for key in merged:
+        for i in key:
+            incident.setdefault(i, []).append(key)
+    queue = deque(sorted(merged))
+    queued = set(queue)
+    while queue:
+        u, v = key = queue.popleft()
+        queued.discard(key)
+        ok = [
+            (s, t)
+            for (s, t), c in merged[key].items()
+            if c is not None and s in allowed[u] and t in allowed[v]
+        ]
+        for i, supported in ((u, {s for s, _ in ok}), (v, {t for _, t in ok})):
+            if supported == allowed[i]:
+                continue
+            allowed[i] &= supported
+            check(i, f"the edges between {nodes[u].name!r} and {nodes[v].name!r} forbid the rest")
+            for other in incident[i]:
+                if other != key and other not in queued:
+                    queue.append(other)
+                    queued.add(other)
 
     constant_s = 0.0
     kept = []

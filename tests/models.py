@@ -115,3 +115,12 @@ ALL_MODELS: dict[str, Callable[[], Built]] = {
     "hf_gpt2": hf_gpt2,
     "hf_llama": hf_llama,
 }
+
+
+def tiny_factory(batch: int, seq: int) -> tuple[nn.Module, tuple[Any, ...]]:
+    """A ``package.module:factory`` for preset tests: tiny GPT with the requested input shape."""
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=VOCAB, block_size=seq, n_layer=1, n_head=HEADS, n_embd=WIDTH)
+    generator = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, VOCAB, (batch, seq), generator=generator)
+    return GPT(config), (idx, idx)

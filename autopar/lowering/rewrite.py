@@ -30,7 +30,7 @@
   returns the single-process value, e.g. the global mean loss).
 
 The result's ``gm.print_readable()`` shows collectives as calls such as
-``autopar_all_gather(x, 'mesh0', 1, 0)``.
+``autopar_runtime_collectives_all_gather(x, 'mesh0', 1, 0)``.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from autopar.capture import ASSERT_OPS
 from autopar.placement import Placements, Shard, format_placements, local_shape, replicated
 from autopar.resharding import Step, reshard_steps
 from autopar.runtime import collectives
-from autopar.runtime.process_groups import groups_for_key
+from autopar.runtime.process_groups import lookup_axis_groups
 from autopar.strategies.registry import Strategy, input_nodes
 
 aten = torch.ops.aten
@@ -84,6 +84,8 @@ class LoweredGraph:
     """Canonical parameter FQN -> placement of its local shard."""
     buffer_placements: dict[str, Placements]
     """Buffer FQN -> placement of its local shard."""
+    non_persistent_buffers: frozenset[str]
+    """Buffer FQNs that are not part of the model's state dict."""
     param_grad_reduce_axes: dict[str, tuple[int, ...]]
     """Canonical parameter FQN -> mesh axes its gradient must be summed over after backward."""
     tied_params: dict[str, tuple[str, ...]]
@@ -120,13 +122,15 @@ def autopar_dropout(
         return x * 0.0
     seed = int(torch.randint(0, 2**62, (1,)).item())
     if sharded_axes:
-        groups = groups_for_key(group_key)
+        groups = lookup_axis_groups(group_key)
         offset = 0
         for axis in sharded_axes:
-            offset = offset * groups.mesh_shape[axis] + groups.coords[axis]
+            offset = offset * groups.mesh_shape[axis] + groups.coordinate[axis]
         seed += offset
     generator = torch.Generator(device=x.device).manual_seed(seed)
-    keep = torch.empty(x.shape, dtype=x.dtype, device=x.device).bernoulli_(1.0 - p, generator=generator)
+    keep = torch.empty(x.shape, dtype=x.dtype, device=x.device).bernoulli_(
+        1.0 - p, generator=generator
+    )
     return x * keep / (1.0 - p)
 
 
@@ -174,33 +178,40 @@ def _shape_of(node: fx.Node) -> tuple[int, ...]:
     return tuple(int(s) for s in val.shape)
 
 
-def _localize_sizes(node: fx.Node, strategy: Strategy, mesh_shape: tuple[int, ...]) -> None:
-    """Rewrite size arguments of ``node`` to local sizes (see module docstring)."""
+def _localize_sizes(
+    node: fx.Node, strategy: Strategy, in_shape: tuple[int, ...] | None, mesh_shape: tuple[int, ...]
+) -> None:
+    """Rewrite size arguments of ``node`` to local sizes (see module docstring).
+
+    ``in_shape`` is the global shape of the node's first input (its args may already point at
+    inserted conversions, which carry no shape metadata).
+    """
     target = node.target
     out_placements = strategy.outputs[0] if strategy.outputs else None
     if target in _SIZE_ARG and out_placements is not None:
         index = _SIZE_ARG[target]
         node.update_arg(index, list(local_shape(_shape_of(node), out_placements, mesh_shape)))
     elif target is aten.repeat.default and out_placements is not None:
-        in_node = node.args[0]
-        in_local = local_shape(_shape_of(in_node), strategy.inputs[0], mesh_shape)
+        assert in_shape is not None and strategy.inputs[0] is not None
+        in_local = local_shape(in_shape, strategy.inputs[0], mesh_shape)
         out_local = local_shape(_shape_of(node), out_placements, mesh_shape)
         lead = len(out_local) - len(in_local)
         repeats = list(out_local[:lead]) + [o // i for o, i in zip(out_local[lead:], in_local)]
         node.update_arg(1, repeats)
     elif target is aten.unflatten.int and out_placements is not None:
-        dim = int(node.args[1]) % len(_shape_of(node.args[0]))
+        assert in_shape is not None
+        dim = int(node.args[1]) % len(in_shape)
         out_local = local_shape(_shape_of(node), out_placements, mesh_shape)
         node.update_arg(2, list(out_local[dim : dim + len(node.args[2])]))
     elif target in _DIM_ARG:
-        _check_dim_not_sharded(node, strategy)
+        assert in_shape is not None
+        _check_dim_not_sharded(node, strategy, in_shape)
 
 
-def _check_dim_not_sharded(node: fx.Node, strategy: Strategy) -> None:
+def _check_dim_not_sharded(node: fx.Node, strategy: Strategy, shape: tuple[int, ...]) -> None:
     in_placements = strategy.inputs[0]
     if in_placements is None:
         return
-    shape = _shape_of(node.args[0])
     index = _DIM_ARG[node.target]
     if len(node.args) > index:
         dim = int(node.args[index])
@@ -230,22 +241,19 @@ def _emit_steps(graph: fx.Graph, value: fx.Node, steps: Sequence[Step], group_ke
     """Insert one collective call per step at the graph's current insertion point."""
     for step in steps:
         if step.kind == "all_gather":
-            value = graph.call_function(collectives.autopar_all_gather, (value, group_key, step.axis, step.dim))
+            call = (collectives.all_gather, (value, group_key, step.axis, step.dim))
         elif step.kind == "all_reduce":
-            value = graph.call_function(collectives.autopar_all_reduce, (value, group_key, step.axis))
+            call = (collectives.all_reduce, (value, group_key, step.axis))
         elif step.kind == "reduce_scatter":
-            value = graph.call_function(
-                collectives.autopar_reduce_scatter, (value, group_key, step.axis, step.dim)
-            )
+            call = (collectives.reduce_scatter, (value, group_key, step.axis, step.dim))
         elif step.kind == "all_to_all":
-            value = graph.call_function(
-                collectives.autopar_all_to_all, (value, group_key, step.axis, step.dim, step.dst_dim)
-            )
+            call = (collectives.all_to_all, (value, group_key, step.axis, step.dim, step.dst_dim))
         elif step.kind == "slice":
-            value = graph.call_function(collectives.autopar_slice, (value, group_key, step.axis, step.dim))
+            call = (collectives.local_slice, (value, group_key, step.axis, step.dim))
         else:
             assert step.kind == "zero_out", step.kind
-            value = graph.call_function(collectives.autopar_zero_out, (value, group_key, step.axis))
+            call = (collectives.zero_out, (value, group_key, step.axis))
+        value = graph.call_function(*call)
     return value
 
 
@@ -274,7 +282,11 @@ def _requires_grad_nodes(graph: fx.Graph, param_names: set[str]) -> set[fx.Node]
                 needs.add(node)
         elif any(inp in needs for inp in node.all_input_nodes):
             val = node.meta.get("val")
-            if not isinstance(val, torch.Tensor) or val.dtype.is_floating_point or val.dtype.is_complex:
+            if (
+                not isinstance(val, torch.Tensor)
+                or val.dtype.is_floating_point
+                or val.dtype.is_complex
+            ):
                 needs.add(node)
     return needs
 
@@ -337,31 +349,104 @@ def lower(
     num_axes = len(mesh_shape)
     graph = fx.Graph()
     val_map: dict[fx.Node, fx.Node] = {}
-    out_value = graph.graph_copy(captured.gm.graph, val_map)
-    graph.output(out_value)
+    graph.output(graph.graph_copy(captured.gm.graph, val_map))
     gm = fx.GraphModule(captured.gm, graph)
+    strategies = _strategies_by_node(val_map, choices, num_axes)
+    param_fqn, tied = _canonical_param_names(captured)
+    inputs = _placeholder_layouts(captured, graph, strategies, param_fqn, mesh_shape)
 
+    edges = _collect_edges(graph, strategies, _requires_grad_nodes(graph, set(param_fqn)))
+    deferred = _deferred_param_axes(edges, param_fqn, num_axes)
+    param_use_order = tuple(
+        dict.fromkeys(
+            param_fqn[e.producer.name]
+            for e in edges
+            if e.producer.op == "placeholder" and e.producer.name in param_fqn
+        )
+    )
+    first_input_shape = {
+        node: _shape_of(node_inputs[0])
+        for node in strategies
+        if node.op == "call_function"
+        and (node_inputs := input_nodes(node))
+        and isinstance(node_inputs[0].meta.get("val"), torch.Tensor)
+    }
+    output_node = next(n for n in graph.nodes if n.op == "output")
+    output_src = [
+        _producer_placements(leaf, strategies) if leaf in strategies else replicated(num_axes)
+        for leaf in tree_flatten(output_node.args[0])[0]
+        if isinstance(leaf, fx.Node)
+    ]
+
+    _insert_conversions(graph, edges, deferred, param_fqn, mesh_shape, group_key)
+    _rewrite_local_ops(graph, strategies, first_input_shape, mesh_shape, group_key)
+    out_placements = _convert_outputs(
+        graph, output_node, output_src, output_placements, mesh_shape, group_key
+    )
+
+    for node, strategy in strategies.items():
+        node.meta["autopar_placements"] = strategy.outputs
+    graph.lint()
+    gm.recompile()
+    call_spec = captured.exported.call_spec
+    return LoweredGraph(
+        gm=gm,
+        mesh_shape=mesh_shape,
+        group_key=group_key,
+        placeholders=inputs.placeholders,
+        param_placements=inputs.param_placements,
+        buffer_placements=inputs.buffer_placements,
+        non_persistent_buffers=frozenset(
+            str(spec.target)
+            for spec in captured.exported.graph_signature.input_specs
+            if spec.kind == torch.export.graph_signature.InputKind.BUFFER
+            and spec.persistent is False
+        ),
+        param_grad_reduce_axes=deferred,
+        tied_params=tied,
+        param_use_order=param_use_order,
+        input_names=tuple(captured.input_nodes),
+        input_placements=inputs.input_placements,
+        global_input_shapes=inputs.global_shapes,
+        local_input_shapes=inputs.local_shapes,
+        output_placements=out_placements,
+        in_spec=call_spec.in_spec,
+        out_spec=call_spec.out_spec,
+    )
+
+
+def _strategies_by_node(
+    val_map: Mapping[fx.Node, fx.Node], choices: Mapping[str, Strategy], num_axes: int
+) -> dict[fx.Node, Strategy]:
+    """New node -> its Strategy; non-tensor placeholders and constants default to Replicate."""
     strategies: dict[fx.Node, Strategy] = {}
     missing: list[str] = []
     for old, new in val_map.items():
-        if old.op in ("placeholder", "call_function"):
-            if old.op == "call_function" and old.target in ASSERT_OPS:
-                continue
-            strategy = choices.get(old.name)
-            if strategy is None:
-                missing.append(old.name)
-            else:
-                strategies[new] = strategy
-        elif old.op == "get_attr":
+        if old.op == "call_function" and old.target in ASSERT_OPS:
+            continue
+        strategy = choices.get(old.name)
+        if strategy is not None:
+            strategies[new] = strategy
+        elif old.op == "get_attr" or (
+            old.op == "placeholder" and not isinstance(old.meta.get("val"), torch.Tensor)
+        ):
             strategies[new] = Strategy(outputs=(replicated(num_axes),), inputs=())
+        elif old.op in ("placeholder", "call_function"):
+            missing.append(old.name)
     if missing:
         raise ValueError(
             f"no strategy chosen for {len(missing)} node(s): {', '.join(missing[:8])}"
             f"{' ...' if len(missing) > 8 else ''}; pass a choice for every placeholder and call_function node"
         )
+    return strategies
 
-    # Parameters: canonical FQN per tied group (the first placeholder of the group).
-    param_fqn: dict[str, str] = {}  # placeholder name -> canonical fqn
+
+def _canonical_param_names(captured: Any) -> tuple[dict[str, str], dict[str, tuple[str, ...]]]:
+    """(placeholder name -> canonical FQN, canonical FQN -> its tied aliases).
+
+    The canonical FQN of a tied group is the first of its FQNs among the parameter placeholders.
+    """
+    param_fqn: dict[str, str] = {}
     canonical_of: dict[str, str] = {}
     tied: dict[str, tuple[str, ...]] = {}
     for name, fqn in captured.param_nodes.items():
@@ -372,7 +457,26 @@ def lower(
         param_fqn[name] = canonical
         if canonical == fqn:
             tied[canonical] = tuple(f for f in group if f != fqn)
+    return param_fqn, tied
 
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _PlaceholderLayouts:
+    placeholders: tuple[PlaceholderSource, ...]
+    param_placements: dict[str, Placements]
+    buffer_placements: dict[str, Placements]
+    input_placements: tuple[Placements | None, ...]
+    global_shapes: tuple[tuple[int, ...] | None, ...]
+    local_shapes: tuple[tuple[int, ...] | None, ...]
+
+
+def _placeholder_layouts(
+    captured: Any,
+    graph: fx.Graph,
+    strategies: Mapping[fx.Node, Strategy],
+    param_fqn: Mapping[str, str],
+    mesh_shape: tuple[int, ...],
+) -> _PlaceholderLayouts:
     placeholders: list[PlaceholderSource] = []
     param_placements: dict[str, Placements] = {}
     buffer_placements: dict[str, Placements] = {}
@@ -384,7 +488,7 @@ def lower(
     for node in graph.nodes:
         if node.op != "placeholder":
             continue
-        placements = strategies[node].outputs[0]
+        placements = tuple(strategies[node].outputs[0])
         if node.name in param_fqn:
             fqn = param_fqn[node.name]
             previous = param_placements.setdefault(fqn, placements)
@@ -401,14 +505,24 @@ def lower(
         else:
             index = input_index[node.name]
             placeholders.append(PlaceholderSource(kind="input", index=index))
-            val = node.meta.get("val")
-            if isinstance(val, torch.Tensor):
+            if isinstance(node.meta.get("val"), torch.Tensor):
                 input_placements[index] = placements
                 global_shapes[index] = _shape_of(node)
                 local_shapes[index] = local_shape(_shape_of(node), placements, mesh_shape)
+    return _PlaceholderLayouts(
+        placeholders=tuple(placeholders),
+        param_placements=param_placements,
+        buffer_placements=buffer_placements,
+        input_placements=tuple(input_placements),
+        global_shapes=tuple(global_shapes),
+        local_shapes=tuple(local_shapes),
+    )
 
-    # Pass 1: every edge with its conversion and partial-gradient axes (no mutation yet).
-    requires_grad = _requires_grad_nodes(graph, set(param_fqn))
+
+def _collect_edges(
+    graph: fx.Graph, strategies: Mapping[fx.Node, Strategy], requires_grad: set[fx.Node]
+) -> list[_Edge]:
+    """Every (producer -> consumer input) edge with its layouts and partial-gradient axes."""
     edges: list[_Edge] = []
     for node in graph.nodes:
         if node.op != "call_function" or node not in strategies:
@@ -427,14 +541,21 @@ def lower(
                 src = strategies[producer].outputs[int(node.args[1])]
             else:
                 src = _producer_placements(producer, strategies)
+            assert src is not None, (node.name, producer.name)
             grads = strategy.input_grads[slot] if slot < len(strategy.input_grads) else None
             partial_axes: tuple[int, ...] = ()
             if grads is not None and producer in requires_grad:
                 partial_axes = tuple(a for a, p in enumerate(grads) if p.is_partial())
             tensor = node if node.target is operator.getitem else producer
             edges.append(_Edge(node, slot, producer, tensor, tuple(src), tuple(dst), partial_axes))
+    return edges
 
-    # Which parameter gradient reductions the runtime can do after backward (module docstring).
+
+def _deferred_param_axes(
+    edges: Sequence[_Edge], param_fqn: Mapping[str, str], num_axes: int
+) -> dict[str, tuple[int, ...]]:
+    """Axes over which the runtime may sum a parameter's gradient after backward: those on
+    which EVERY use leaves a Partial gradient, for parameters no use converts."""
     uses: dict[str, list[_Edge]] = {}
     for edge in edges:
         if edge.producer.op == "placeholder" and edge.producer.name in param_fqn:
@@ -448,12 +569,19 @@ def lower(
             common &= set(e.partial_axes)
         if common:
             deferred[fqn] = tuple(sorted(common))
-    param_use_order = tuple(dict.fromkeys(param_fqn[e.producer.name] for e in edges if e.producer.name in param_fqn
-                                          and e.producer.op == "placeholder"))
+    return deferred
 
-    # Pass 2: insert conversions and gradient reductions.
+
+def _insert_conversions(
+    graph: fx.Graph,
+    edges: Sequence[_Edge],
+    deferred: Mapping[str, tuple[int, ...]],
+    param_fqn: Mapping[str, str],
+    mesh_shape: tuple[int, ...],
+    group_key: str,
+) -> None:
     converted: dict[tuple[fx.Node, Placements, tuple[int, ...]], fx.Node] = {}
-    actual: dict[fx.Node, fx.Node] = {}  # node -> the value holding its declared layout
+    actual: dict[fx.Node, fx.Node] = {}  # getitem node -> the value holding its declared layout
     for edge in edges:
         node = edge.consumer
         axes = edge.partial_axes
@@ -461,7 +589,7 @@ def lower(
             skip = deferred.get(param_fqn[edge.producer.name], ())
             axes = tuple(a for a in axes if a not in skip)
         if node.target is operator.getitem:
-            # The element keeps the layout of the tuple slot; convert it after indexing.
+            # The element keeps the layout of its tuple slot; convert it after indexing.
             if edge.src != edge.dst or axes:
                 users = list(node.users)
                 with graph.inserting_before(node.next):
@@ -476,11 +604,20 @@ def lower(
         value = converted.get(key)
         if value is None:
             with graph.inserting_before(node):
-                value = _convert(graph, actual.get(edge.producer, edge.producer), edge, axes, mesh_shape, group_key)
+                source = actual.get(edge.producer, edge.producer)
+                value = _convert(graph, source, edge, axes, mesh_shape, group_key)
             converted[key] = value
         _replace_input(node, edge.slot, value)
 
-    # Pass 3: local sizes, dropout, arange.
+
+def _rewrite_local_ops(
+    graph: fx.Graph,
+    strategies: Mapping[fx.Node, Strategy],
+    first_input_shape: Mapping[fx.Node, tuple[int, ...]],
+    mesh_shape: tuple[int, ...],
+    group_key: str,
+) -> None:
+    """Local sizes, rank-aware dropout and arange; assert nodes erased."""
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
@@ -493,6 +630,7 @@ def lower(
             continue
         if node.target in _DROPOUT:
             placements = strategy.outputs[0]
+            assert placements is not None
             sharded = tuple(a for a, p in enumerate(placements) if p.is_shard())
             x = node.args[0]
             p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
@@ -503,66 +641,64 @@ def lower(
         elif node.target in _ARANGE:
             # Positions depend on the rank: build the whole range and keep this rank's block.
             placements = strategy.outputs[0]
+            assert placements is not None
             if any(not p.is_replicate() for p in placements):
-                fwd, _ = reshard_steps(replicated(num_axes), placements, _shape_of(node), _itemsize(node), mesh_shape)
+                fwd, _ = reshard_steps(
+                    replicated(len(mesh_shape)),
+                    placements,
+                    _shape_of(node),
+                    _itemsize(node),
+                    mesh_shape,
+                )
                 users = list(node.users)
                 with graph.inserting_before(node.next):
                     value = _emit_steps(graph, node, fwd, group_key)
                 for user in users:
                     user.replace_input_with(node, value)
         else:
-            _localize_sizes(node, strategy, mesh_shape)
+            _localize_sizes(node, strategy, first_input_shape.get(node), mesh_shape)
 
-    # Outputs.
-    output_node = next(n for n in graph.nodes if n.op == "output")
+
+def _convert_outputs(
+    graph: fx.Graph,
+    output_node: fx.Node,
+    output_src: Sequence[Placements],
+    output_placements: Sequence[Placements] | None,
+    mesh_shape: tuple[int, ...],
+    group_key: str,
+) -> tuple[Placements, ...]:
     leaves, spec = tree_flatten(output_node.args[0])
-    node_leaves = [leaf for leaf in leaves if isinstance(leaf, fx.Node)]
     if output_placements is None:
-        out_placements = tuple(replicated(num_axes) for _ in node_leaves)
+        out_placements = tuple(replicated(len(mesh_shape)) for _ in output_src)
     else:
         out_placements = tuple(tuple(p) for p in output_placements)
-        if len(out_placements) != len(node_leaves):
+        if len(out_placements) != len(output_src):
             raise ValueError(
                 f"output_placements has {len(out_placements)} entries but the model returns "
-                f"{len(node_leaves)} tensors"
+                f"{len(output_src)} tensors"
             )
     new_leaves = []
     k = 0
     for leaf in leaves:
         if isinstance(leaf, fx.Node):
-            src = _producer_placements(leaf, strategies) if leaf in strategies else replicated(num_axes)
-            dst = out_placements[k]
+            src, dst = output_src[k], out_placements[k]
             k += 1
             if src != dst:
-                fwd, _ = reshard_steps(src, dst, _shape_of(leaf), _itemsize(leaf), mesh_shape)
+                tensor = _shape_source(leaf)
+                fwd, _ = reshard_steps(src, dst, _shape_of(tensor), _itemsize(tensor), mesh_shape)
                 with graph.inserting_before(output_node):
                     leaf = _emit_steps(graph, leaf, fwd, group_key)
         new_leaves.append(leaf)
     output_node.args = (tree_unflatten(new_leaves, spec),)
+    return out_placements
 
-    for node, strategy in strategies.items():
-        node.meta["autopar_placements"] = strategy.outputs
-    graph.lint()
-    gm.recompile()
-    call_spec = captured.exported.call_spec
-    return LoweredGraph(
-        gm=gm,
-        mesh_shape=mesh_shape,
-        group_key=group_key,
-        placeholders=tuple(placeholders),
-        param_placements=param_placements,
-        buffer_placements=buffer_placements,
-        param_grad_reduce_axes=deferred,
-        tied_params=tied,
-        param_use_order=param_use_order,
-        input_names=tuple(captured.input_nodes),
-        input_placements=tuple(input_placements),
-        global_input_shapes=tuple(global_shapes),
-        local_input_shapes=tuple(local_shapes),
-        output_placements=out_placements,
-        in_spec=call_spec.in_spec,
-        out_spec=call_spec.out_spec,
-    )
+
+def _shape_source(node: fx.Node) -> fx.Node:
+    """The node carrying the global shape of ``node``'s value (walks back over inserted
+    collectives, which have no shape metadata and take their tensor as first argument)."""
+    while "val" not in node.meta:
+        node = node.args[0]
+    return node
 
 
 def _convert(
@@ -587,6 +723,6 @@ def _emit_with_grad_reduce(
     graph: fx.Graph, value: fx.Node, fwd: Sequence[Step], axes: tuple[int, ...], group_key: str
 ) -> fx.Node:
     value = _emit_steps(graph, value, fwd, group_key)
-    if axes:
-        value = graph.call_function(collectives.autopar_grad_all_reduce, (value, group_key, axes))
+    for axis in axes:
+        value = graph.call_function(collectives.grad_all_reduce, (value, group_key, axis))
     return value

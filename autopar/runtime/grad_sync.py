@@ -110,11 +110,15 @@ class GradReducer:
 
     def _launch(self, bucket: _Bucket) -> None:
         pieces = [
-            p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
+            p.grad.reshape(-1)
+            if p.grad is not None
+            else torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
             for p in bucket.params
         ]
         bucket.flat = torch.cat(pieces)
-        bucket.work = dist.all_reduce(bucket.flat, group=self._group_of(bucket.axes[0]), async_op=True)
+        bucket.work = dist.all_reduce(
+            bucket.flat, group=self._group_of(bucket.axes[0]), async_op=True
+        )
 
     def _finish(self) -> None:
         # Every rank launches the same buckets in the same order, so the collectives match.

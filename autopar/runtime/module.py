@@ -31,7 +31,9 @@ from autopar.runtime.grad_sync import DEFAULT_BUCKET_BYTES, GradReducer
 __all__ = ["ParallelModule", "gather_full", "local_block"]
 
 
-def local_block(full: torch.Tensor, placements: Placements, mesh_shape: Sequence[int], coords: Sequence[int]) -> torch.Tensor:
+def local_block(
+    full: torch.Tensor, placements: Placements, mesh_shape: Sequence[int], coords: Sequence[int]
+) -> torch.Tensor:
     """This rank's block of ``full`` (a view): axis 0 outermost when a dim is split over several axes."""
     block = full
     for axis, p in enumerate(placements):
@@ -51,7 +53,9 @@ def local_block(full: torch.Tensor, placements: Placements, mesh_shape: Sequence
     return block
 
 
-def gather_full(local: torch.Tensor, placements: Placements, group_of: Callable[[int], Any]) -> torch.Tensor:
+def gather_full(
+    local: torch.Tensor, placements: Placements, group_of: Callable[[int], Any]
+) -> torch.Tensor:
     """All-gather ``local`` over its sharded axes (innermost axis first) into the full tensor."""
     value = local.detach().contiguous()
     for axis in reversed(range(len(placements))):
@@ -91,9 +95,9 @@ class ParallelModule(nn.Module):
         super().__init__()
         self.lowered = lowered
         self.groups = groups
-        self.coords = tuple(int(c) for c in groups.coords)
+        self.coords = tuple(int(c) for c in groups.coordinate)
         num_axes = len(lowered.mesh_shape)
-        full, persistent, requires_grad = _full_tensors(source)
+        full, persistent, requires_grad = _full_tensors(source, lowered.non_persistent_buffers)
 
         # Canonical name of every parameter name (tied parameters share one canonical name).
         canonical: dict[str, str] = {}
@@ -109,7 +113,8 @@ class ParallelModule(nn.Module):
                 for name in names:
                     canonical[name] = first
         is_param = {
-            name: name in requires_grad or canonical.get(name, name) in lowered.param_placements for name in full
+            name: name in requires_grad or canonical.get(name, name) in lowered.param_placements
+            for name in full
         }
         present = {canonical.get(name, name) for name in full}
         missing = sorted((set(lowered.param_placements) | set(lowered.buffer_placements)) - present)
@@ -127,15 +132,21 @@ class ParallelModule(nn.Module):
             leaf_name = name.rpartition(".")[2]
             if not is_param[name]:
                 placements = lowered.buffer_placements.get(name, replicated(num_axes))
-                block = local_block(tensor.detach(), placements, lowered.mesh_shape, self.coords).clone()
-                _container(self, name).register_buffer(leaf_name, block, persistent=name in persistent)
+                block = local_block(
+                    tensor.detach(), placements, lowered.mesh_shape, self.coords
+                ).clone()
+                _container(self, name).register_buffer(
+                    leaf_name, block, persistent=name in persistent
+                )
                 self._buffer_placements[name] = placements
                 continue
             key = canonical.get(name, name)
             placements = lowered.param_placements.get(key, replicated(num_axes))
             param = self._params.get(key)
             if param is None:
-                block = local_block(tensor.detach(), placements, lowered.mesh_shape, self.coords).clone()
+                block = local_block(
+                    tensor.detach(), placements, lowered.mesh_shape, self.coords
+                ).clone()
                 param = nn.Parameter(block, requires_grad=requires_grad.get(name, True))
                 self._params[key] = param
             _container(self, name).register_parameter(leaf_name, param)
@@ -148,14 +159,19 @@ class ParallelModule(nn.Module):
                 for fqn in lowered.param_use_order
                 if fqn in self._params
             ],
-            groups.group,
+            self._axis_group,
             bucket_bytes=grad_bucket_bytes,
         )
+
+    def _axis_group(self, axis: int) -> Any:
+        return self.groups.groups[axis]
 
     # ----------------------------------------------------------------------------------------
     # Inputs
 
-    def _flatten_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], Any]:
+    def _flatten_inputs(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[list[Any], Any]:
         kwargs = _reorder_kwargs(kwargs, self.lowered.in_spec)
         leaves, spec = tree_flatten((args, kwargs))
         expected = len(self.lowered.input_placements)
@@ -192,7 +208,11 @@ class ParallelModule(nn.Module):
         leaves, _ = self._flatten_inputs(args, kwargs)
         for i, leaf in enumerate(leaves):
             expected = self.lowered.local_input_shapes[i]
-            if expected is not None and isinstance(leaf, torch.Tensor) and tuple(leaf.shape) != expected:
+            if (
+                expected is not None
+                and isinstance(leaf, torch.Tensor)
+                and tuple(leaf.shape) != expected
+            ):
                 raise ValueError(
                     f"input {self.lowered.input_names[i]!r} has shape {tuple(leaf.shape)} but this rank expects "
                     f"its local shape {expected} (global {self.lowered.global_input_shapes[i]} laid out as "
@@ -213,7 +233,9 @@ class ParallelModule(nn.Module):
     # ----------------------------------------------------------------------------------------
     # Full state dict <-> local shards
 
-    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
+    def state_dict(
+        self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False
+    ) -> Any:
         """The FULL (unsharded) state dict under the original names; every rank must call it."""
         if args:
             raise TypeError("ParallelModule.state_dict takes keyword arguments only")
@@ -225,11 +247,13 @@ class ParallelModule(nn.Module):
             placements = self._param_placements.get(name) or self._buffer_placements[name]
             key = id(tensor)
             if key not in gathered:
-                gathered[key] = gather_full(tensor, placements, self.groups.group)
+                gathered[key] = gather_full(tensor, placements, self._axis_group)
             out[prefix + name] = gathered[key]
         return out
 
-    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
         """Load FULL tensors; each rank keeps its block."""
         own = dict(self._named_state())
         missing = [name for name in own if name in self._persistent and name not in state_dict]
@@ -243,7 +267,9 @@ class ParallelModule(nn.Module):
                 if name not in own:
                     continue
                 placements = self._param_placements.get(name) or self._buffer_placements[name]
-                own[name].copy_(local_block(value, placements, self.lowered.mesh_shape, self.coords))
+                own[name].copy_(
+                    local_block(value, placements, self.lowered.mesh_shape, self.coords)
+                )
         return _IncompatibleKeys(missing, unexpected)
 
     def _named_state(self) -> list[tuple[str, torch.Tensor]]:
@@ -264,7 +290,7 @@ def _reorder_kwargs(kwargs: dict[str, Any], in_spec: Any) -> dict[str, Any]:
 
 
 def _full_tensors(
-    source: nn.Module | Mapping[str, torch.Tensor],
+    source: nn.Module | Mapping[str, torch.Tensor], non_persistent: frozenset[str]
 ) -> tuple[dict[str, torch.Tensor], set[str], dict[str, bool]]:
     """(name -> full tensor, persistent names, parameter name -> requires_grad)."""
     if isinstance(source, nn.Module):
@@ -285,7 +311,7 @@ def _full_tensors(
                     persistent.add(name)
         return full, persistent, requires_grad
     full = dict(source)
-    return full, set(full), {}
+    return full, set(full) - non_persistent, {}
 
 
 def _container(root: nn.Module, fqn: str) -> nn.Module:

@@ -14,6 +14,7 @@ nonlinear (or yields bools/ints) and gets no Partial strategy.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 import torch
@@ -89,6 +90,9 @@ _NONLINEAR = [
 ]
 
 
+_OUT_OVERLOAD = re.compile(r"(^|_)out($|_)|^output$|grad_input")
+
+
 def _overloads(names: Sequence[str], *, inplace: bool = True) -> list[torch._ops.OpOverload]:
     """Every overload of each ``aten.<name>`` (and ``<name>_`` in place), except ``out=`` ones."""
     ops: list[torch._ops.OpOverload] = []
@@ -98,7 +102,7 @@ def _overloads(names: Sequence[str], *, inplace: bool = True) -> list[torch._ops
                 continue
             packet = getattr(aten, variant)
             for overload in packet.overloads():
-                if "out" in overload or overload.endswith("_out") or "grad_input" in overload:
+                if _OUT_OVERLOAD.search(overload):
                     continue
                 ops.append(getattr(packet, overload))
     return ops

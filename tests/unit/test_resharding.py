@@ -77,7 +77,9 @@ def test_forward_and_backward_steps_preserve_the_tensor_on_random_meshes(case) -
     check_pair(*case)
 
 
-@pytest.mark.parametrize("mesh", [(2, 2), (2, 3), (2, 2, 2)])
+@pytest.mark.parametrize(
+    "mesh", [(2, 2), (2, 3), pytest.param((2, 2, 2), marks=pytest.mark.slow)]
+)
 def test_every_pair_of_placements_on_small_meshes(mesh: tuple[int, ...]) -> None:
     shape = (12, 8) if len(mesh) < 3 else (8, 4)
     choices = ["R", "P", "S0", "S1"]

@@ -1,0 +1,318 @@
+"""Autograd-aware collectives on one mesh axis, executing ``autopar.resharding`` steps.
+
+Each step kind is an ``autograd.Function`` whose backward follows the gradient convention of
+DESIGN.md (a tensor's gradient has its placement, a Partial tensor's gradient is Replicate), not
+the true adjoint: every rank differentiates the same replicated scalar.
+
+======================  ===========================  ===============================
+function                forward                      backward
+======================  ===========================  ===============================
+AllGather   S(d) -> R   all_gather along d           local chunk of this coordinate
+AllReduce   P -> R      all_reduce (sum)             identity
+ReduceScatter P -> S(d) reduce_scatter along d       all_gather along d
+AllToAll  S(i) -> S(j)  all_to_all i -> j            all_to_all j -> i
+Slice       R -> S(d)   local chunk of this coord.   all_gather along d
+ZeroOut     R -> P      zeros off coordinate 0       identity
+GradAllReduce R -> R    identity                     all_reduce (sum): a Replicate input
+                                                     whose gradient comes out Partial
+======================  ===========================  ===============================
+
+Chunks and gathers follow the coordinate order on the axis, matching the simulator in
+``autopar.resharding``. All calls work on gloo (CPU) and NCCL. Steps on an axis of size 1 are
+identities. A failing collective re-raises naming the rank, the op, the axis, its group and the
+tensor shape; the process group's timeout bounds how long a missing peer is waited for.
+
+fx graphs call the module-level functions (``autopar_all_gather(t, group_key, axis, dim)``, ...): a
+``ProcessGroup`` cannot be a node argument, so they take the key of a mesh registered by
+``autopar.runtime.process_groups.axis_groups``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from autopar.resharding import Step
+from autopar.runtime.process_groups import AxisGroups, lookup_axis_groups
+
+__all__ = [
+    "AllGather",
+    "AllReduce",
+    "AllToAll",
+    "GradAllReduce",
+    "ReduceScatter",
+    "Slice",
+    "ZeroOut",
+    "all_gather",
+    "all_reduce",
+    "all_to_all",
+    "apply_step",
+    "autopar_all_gather",
+    "autopar_all_reduce",
+    "autopar_all_to_all",
+    "autopar_grad_all_reduce",
+    "autopar_reduce_scatter",
+    "autopar_slice",
+    "autopar_zero_out",
+    "grad_all_reduce",
+    "local_slice",
+    "reduce_scatter",
+    "run_steps",
+    "zero_out",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# Plain (non-autograd) collectives on one axis.
+
+
+def _guarded(op: str, groups: AxisGroups, axis: int, t: Tensor, call: Callable[[], Tensor]) -> Tensor:
+    try:
+        return call()
+    except Exception as exc:  # re-raised with the context a user needs to find the culprit
+        raise RuntimeError(
+            f"rank {dist.get_rank()}: {op} over axis '{groups.axis_label(axis)}' "
+            f"(group ranks {list(groups.ranks_of_axis(axis))}) of shape {tuple(t.shape)} "
+            f"failed: {exc}"
+        ) from exc
+
+
+def _gather(t: Tensor, groups: AxisGroups, axis: int, dim: int) -> Tensor:
+    size = groups.mesh_shape[axis]
+    if size == 1:
+        return t
+
+    def call() -> Tensor:
+        src = t.contiguous()
+        parts = [torch.empty_like(src) for _ in range(size)]
+        dist.all_gather(parts, src, group=groups.groups[axis])
+        return torch.cat(parts, dim=dim)
+
+    return _guarded("all_gather", groups, axis, t, call)
+
+
+def _reduce(t: Tensor, groups: AxisGroups, axis: int) -> Tensor:
+    if groups.mesh_shape[axis] == 1:
+        return t
+
+    def call() -> Tensor:
+        out = t.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=groups.groups[axis])
+        return out
+
+    return _guarded("all_reduce", groups, axis, t, call)
+
+
+def _reduce_scatter(t: Tensor, groups: AxisGroups, axis: int, dim: int) -> Tensor:
+    size = groups.mesh_shape[axis]
+    if size == 1:
+        return t
+
+    def call() -> Tensor:
+        inputs = [c.contiguous() for c in t.chunk(size, dim=dim)]
+        out = torch.empty_like(inputs[0])
+        dist.reduce_scatter(out, inputs, op=dist.ReduceOp.SUM, group=groups.groups[axis])
+        return out
+
+    return _guarded("reduce_scatter", groups, axis, t, call)
+
+
+def _all_to_all(t: Tensor, groups: AxisGroups, axis: int, dim: int, dst_dim: int) -> Tensor:
+    size = groups.mesh_shape[axis]
+    if size == 1:
+        return t
+
+    def call() -> Tensor:
+        # Row k of ``send`` goes to coordinate k; row s of ``recv`` came from coordinate s.
+        send = torch.stack(t.chunk(size, dim=dst_dim)).contiguous()
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=groups.groups[axis])
+        return torch.cat(recv.unbind(0), dim=dim)
+
+    return _guarded("all_to_all", groups, axis, t, call)
+
+
+def _chunk(t: Tensor, groups: AxisGroups, axis: int, dim: int) -> Tensor:
+    size = groups.mesh_shape[axis]
+    if size == 1:
+        return t
+    return t.chunk(size, dim=dim)[groups.coordinate[axis]].clone(memory_format=torch.contiguous_format)
+
+
+def _zero_off_first(t: Tensor, groups: AxisGroups, axis: int) -> Tensor:
+    if groups.coordinate[axis] == 0:
+        return t
+    return torch.zeros_like(t)
+
+
+# ---------------------------------------------------------------------------------------------
+# Autograd functions (backward per the gradient convention).
+
+
+class AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, t: Tensor, groups: AxisGroups, axis: int, dim: int) -> Tensor:
+        ctx.args = (groups, axis, dim)
+        return _gather(t, groups, axis, dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        return _chunk(grad, *ctx.args), None, None, None
+
+
+class AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, t: Tensor, groups: AxisGroups, axis: int) -> Tensor:
+        return _reduce(t, groups, axis)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        return grad, None, None
+
+
+class ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, t: Tensor, groups: AxisGroups, axis: int, dim: int) -> Tensor:
+        ctx.args = (groups, axis, dim)
+        return _reduce_scatter(t, groups, axis, dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        return _gather(grad, *ctx.args), None, None, None
+
+
+class AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, t: Tensor, groups: AxisGroups, axis: int, dim: int, dst_dim: int) -> Tensor:
+        ctx.args = (groups, axis, dim, dst_dim)
+        return _all_to_all(t, groups, axis, dim, dst_dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        groups, axis, dim, dst_dim = ctx.args
+        return _all_to_all(grad, groups, axis, dst_dim, dim), None, None, None, None
+
+
+class Slice(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, t: Tensor, groups: AxisGroups, axis: int, dim: int) -> Tensor:
+        ctx.args = (groups, axis, dim)
+        return _chunk(t, groups, axis, dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        return _gather(grad, *ctx.args), None, None, None
+
+
+class ZeroOut(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, t: Tensor, groups: AxisGroups, axis: int) -> Tensor:
+        return _zero_off_first(t, groups, axis)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        return grad, None, None
+
+
+class GradAllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, t: Tensor, groups: AxisGroups, axis: int) -> Tensor:
+        ctx.args = (groups, axis)
+        return t
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        return _reduce(grad, *ctx.args), None, None
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry points: a list of steps, or one step per call from an fx graph.
+
+
+def _apply(t: Tensor, groups: AxisGroups, kind: str, axis: int, dim: int | None,
+           dst_dim: int | None) -> Tensor:
+    if kind == "all_gather":
+        assert dim is not None
+        return AllGather.apply(t, groups, axis, dim)
+    if kind == "all_reduce":
+        return AllReduce.apply(t, groups, axis)
+    if kind == "reduce_scatter":
+        assert dim is not None
+        return ReduceScatter.apply(t, groups, axis, dim)
+    if kind == "all_to_all":
+        assert dim is not None and dst_dim is not None
+        return AllToAll.apply(t, groups, axis, dim, dst_dim)
+    if kind == "slice":
+        assert dim is not None
+        return Slice.apply(t, groups, axis, dim)
+    if kind == "zero_out":
+        return ZeroOut.apply(t, groups, axis)
+    raise ValueError(f"unknown step kind {kind!r}")
+
+
+def run_steps(tensor: Tensor, steps: Sequence[Step], groups: AxisGroups) -> Tensor:
+    """Execute the forward ``steps`` of :func:`autopar.resharding.reshard_steps` on this rank's
+    local tensor; autograd then runs the matching backward steps."""
+    for step in steps:
+        tensor = _apply(tensor, groups, step.kind, step.axis, step.dim, step.dst_dim)
+    return tensor
+
+
+def apply_step(t: Tensor, group_key: str, kind: str, axis: int, dim: int | None = None,
+               dst_dim: int | None = None) -> Tensor:
+    """One step by name, for fx graphs (``group_key``: a mesh registered by ``axis_groups``)."""
+    return _apply(t, lookup_axis_groups(group_key), kind, axis, dim, dst_dim)
+
+
+def autopar_all_gather(t: Tensor, group_key: str, axis: int, dim: int) -> Tensor:
+    """S(dim) -> R on ``axis``; backward: local slice."""
+    return AllGather.apply(t, lookup_axis_groups(group_key), axis, dim)
+
+
+def autopar_all_reduce(t: Tensor, group_key: str, axis: int) -> Tensor:
+    """P -> R on ``axis``; backward: identity."""
+    return AllReduce.apply(t, lookup_axis_groups(group_key), axis)
+
+
+def autopar_reduce_scatter(t: Tensor, group_key: str, axis: int, dim: int) -> Tensor:
+    """P -> S(dim) on ``axis``; backward: all_gather."""
+    return ReduceScatter.apply(t, lookup_axis_groups(group_key), axis, dim)
+
+
+def autopar_all_to_all(t: Tensor, group_key: str, axis: int, dim: int, dst_dim: int) -> Tensor:
+    """S(dim) -> S(dst_dim) on ``axis``; backward: all_to_all S(dst_dim) -> S(dim)."""
+    return AllToAll.apply(t, lookup_axis_groups(group_key), axis, dim, dst_dim)
+
+
+def autopar_slice(t: Tensor, group_key: str, axis: int, dim: int) -> Tensor:
+    """R -> S(dim) on ``axis`` (no communication); backward: all_gather."""
+    return Slice.apply(t, lookup_axis_groups(group_key), axis, dim)
+
+
+def autopar_zero_out(t: Tensor, group_key: str, axis: int) -> Tensor:
+    """R -> P on ``axis``: the value on coordinate 0, zeros elsewhere; backward: identity."""
+    return ZeroOut.apply(t, lookup_axis_groups(group_key), axis)
+
+
+def autopar_grad_all_reduce(t: Tensor, group_key: str, axes: int | Sequence[int]) -> Tensor:
+    """Identity forward; backward all-reduces the gradient over ``axes`` (a Replicate input whose
+    gradient an op produces as Partial, e.g. the input of a column-parallel matmul)."""
+    groups = lookup_axis_groups(group_key)
+    for axis in (axes,) if isinstance(axes, int) else axes:
+        t = GradAllReduce.apply(t, groups, axis)
+    return t
+
+
+# The names fx graphs print are prefixed (``autopar_all_gather(x, 'dp=2,tp=2', 1, 0)``) so a
+# rewritten graph's code says whose collective it calls; the short names are the same functions.
+all_gather = autopar_all_gather
+all_reduce = autopar_all_reduce
+reduce_scatter = autopar_reduce_scatter
+all_to_all = autopar_all_to_all
+local_slice = autopar_slice
+zero_out = autopar_zero_out
+grad_all_reduce = autopar_grad_all_reduce
