@@ -78,7 +78,7 @@ def recipe_spec(space: StrategySpace, recipe: str) -> RecipeSpec:
     forbid: dict[int, set[tuple[int, int]]] = {}
     for e, edge in enumerate(space.edges):
         src = space.nodes[edge.src]
-        if src.kind != "param":
+        if src.kind != "param" or edge.input_index < 0:
             continue
         dst = space.nodes[edge.dst]
         banned = {
@@ -190,4 +190,11 @@ def megatron_layout(space: StrategySpace, tp: int, notes: list[str]) -> dict[str
         if bias_index is not None and bias_index < len(ins) and ins[bias_index].name in params:
             if role == "col":
                 layout[ins[bias_index].name] = on_tp(Shard(0))
+    # A tied parameter lifted as several placeholders is one parameter: one layout for all.
+    by_fqn = {fqn: name for name, fqn in params.items()}
+    for name, fqn in params.items():
+        aliases = [by_fqn[o] for o in space.captured.tied_params.get(fqn, []) if o in by_fqn]
+        owner = next((a for a in (name, *aliases) if a in layout), None)
+        if owner is not None:
+            layout[name] = layout[owner]
     return layout

@@ -30,6 +30,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from autopar.errors import UnsupportedModelError
+from autopar.rewrites import exact_means
 
 # Nodes that only check metadata at run time; they carry the capture device and do no work.
 _ASSERT_PACKETS = (
@@ -126,6 +127,7 @@ def capture(
         _erase_asserts_and_layout_copies(exported.graph_module)
     gm = exported.graph_module
     _check_no_data_dependent_values(gm)
+    exact_means(gm)
 
     param_nodes: dict[str, str] = {}
     buffer_nodes: dict[str, str] = {}

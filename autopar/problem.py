@@ -80,6 +80,8 @@ class NodeSpace:
     """Parameters: local element count per strategy (before ZeRO)."""
     itemsize: int = 4
     warning: str | None = None
+    alias_of: str | None = None
+    """For a tied parameter lifted twice: the placeholder that owns its state."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -270,6 +272,7 @@ def build_space(captured: Captured, mesh: Mesh, options: PlanOptions) -> Strateg
         nodes.append(space)
 
     edges = _edges(gm, nodes, index, pricer, needs_grad)
+    edges.extend(_tie_edges(captured, nodes, index))
     return StrategySpace(
         captured=captured,
         mesh=mesh,
@@ -432,6 +435,29 @@ def _edges(gm, nodes, index, pricer, needs_grad) -> list[EdgeSpace]:
     return edges
 
 
+def _tie_edges(captured: Captured, nodes: list[NodeSpace], index: dict[str, int]) -> list[EdgeSpace]:
+    """Tied parameters lifted as separate placeholders (HF GPT-2's wte / lm_head) are one
+    parameter: the same layout is forced by an edge allowing equal placements only, and the
+    later placeholder's state is not counted again (``NodeSpace.alias_of``)."""
+    by_fqn = {node.fqn: i for i, node in enumerate(nodes) if node.kind == "param"}
+    edges: list[EdgeSpace] = []
+    for fqn, others in captured.tied_params.items():
+        if fqn not in by_fqn:
+            continue
+        first = by_fqn[fqn]
+        for other in others:
+            j = by_fqn.get(other)
+            if j is None or j <= first or nodes[j].alias_of is not None:
+                continue
+            nodes[j].alias_of = nodes[first].name
+            a, b = nodes[first].strategies, nodes[j].strategies
+            cost = np.array(
+                [[0.0 if sa.outputs == sb.outputs else math.inf for sb in b] for sa in a]
+            )
+            edges.append(EdgeSpace(src=first, dst=j, input_index=-1, cost_s=cost))
+    return edges
+
+
 # --------------------------------------------------------------------------------------------
 # Problem for one ZeRO configuration and one set of allowed strategies
 
@@ -450,6 +476,8 @@ def param_state(
     """(memory bytes, ZeRO comm seconds, memory breakdown) of parameter strategy ``s``."""
     options = space.options
     mesh = space.mesh
+    if node.alias_of is not None:
+        return 0.0, 0.0, {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "master": 0.0, "total": 0.0}
     placements = node.strategies[s].outputs[0]
     zero_axes = [a for a in zero.axes if placements[a].is_replicate() and mesh.shape[a] > 1]
     shards = math.prod(mesh.shape[a] for a in zero_axes) if zero.stage > 0 else 1

@@ -175,14 +175,21 @@ _RawStep = tuple[str, int, int | None, int | None, int]
 
 
 def _encode(placements: Placements) -> _Code:
-    return tuple(p.dim if isinstance(p, Shard) else _CODE_P if isinstance(p, Partial) else _CODE_R
-                 for p in placements)
+    return tuple(
+        p.dim if isinstance(p, Shard) else _CODE_P if isinstance(p, Partial) else _CODE_R
+        for p in placements
+    )
 
 
-def _divisible_counts(shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> tuple[frozenset[int], ...]:
+def _divisible_counts(
+    shape: tuple[int, ...], mesh_shape: tuple[int, ...]
+) -> tuple[frozenset[int], ...]:
     """Per dim, the shard counts (products of sets of axis sizes) that divide its size."""
-    counts = {math.prod(c) for r in range(len(mesh_shape) + 1)
-              for c in itertools.combinations(mesh_shape, r)}
+    counts = {
+        math.prod(c)
+        for r in range(len(mesh_shape) + 1)
+        for c in itertools.combinations(mesh_shape, r)
+    }
     return tuple(frozenset(c for c in counts if size % c == 0) for size in shape)
 
 
@@ -204,7 +211,8 @@ def reshard_steps(
     Returns:
         ``(forward, backward)``: forward takes the ``src`` layout to ``dst``; backward takes the
         gradient of the ``dst`` layout to the gradient of the ``src`` layout (gradient convention:
-        a Partial tensor's gradient is Replicate). Both empty when ``src == dst``.
+        a Partial tensor's gradient is Replicate). Both empty when ``src == dst``; steps on
+        axes of size 1 (identities) are left out.
 
     Raises:
         ValueError: a non-sum Partial, a dim out of range, a placement list of the wrong length,
@@ -224,15 +232,24 @@ def reshard_steps(
 
     def to_steps(raw: tuple[_RawStep, ...]) -> tuple[Step, ...]:
         return tuple(
-            Step(kind=kind, axis=axis, dim=dim, dst_dim=dst_dim, nbytes=total_bytes * units // unit_div)
+            Step(
+                kind=kind,
+                axis=axis,
+                dim=dim,
+                dst_dim=dst_dim,
+                nbytes=float(total_bytes * units // unit_div),
+            )
             for kind, axis, dim, dst_dim, units in raw
+            # On an axis of size 1 every step is the identity: nothing to price or run.
+            if mesh_t[axis] > 1
         )
 
     return to_steps(forward), to_steps(backward)
 
 
-def _transitions(state: _Code, mesh_shape: tuple[int, ...], ndim: int, units: int
-                 ) -> Iterator[tuple[int, _RawStep, _RawStep | None, int]]:
+def _transitions(
+    state: _Code, mesh_shape: tuple[int, ...], ndim: int, units: int
+) -> Iterator[tuple[int, _RawStep, _RawStep | None, int]]:
     """Valid single-axis steps from ``state`` with local size ``units``: (new placement code,
     forward step, backward step or None for identity, price = units sent forward + backward)."""
     for axis, p in enumerate(state):
@@ -245,21 +262,37 @@ def _transitions(state: _Code, mesh_shape: tuple[int, ...], ndim: int, units: in
             if p in inner:
                 continue  # gathering an outer axis of a dim would scramble its chunk order
             gathered = units * size
-            yield (_CODE_R, ("all_gather", axis, p, None, gathered),
-                   ("slice", axis, p, None, 0), (size - 1) * units)
+            yield (
+                _CODE_R,
+                ("all_gather", axis, p, None, gathered),
+                ("slice", axis, p, None, 0),
+                (size - 1) * units,
+            )
             for dim in addable:
-                yield (dim, ("all_to_all", axis, p, dim, units),
-                       ("all_to_all", axis, dim, p, units), 2 * ring_local)
+                yield (
+                    dim,
+                    ("all_to_all", axis, p, dim, units),
+                    ("all_to_all", axis, dim, p, units),
+                    2 * ring_local,
+                )
         elif p == _CODE_P:
             yield _CODE_R, ("all_reduce", axis, None, None, units), None, 2 * ring_local
             for dim in addable:
-                yield (dim, ("reduce_scatter", axis, dim, None, units),
-                       ("all_gather", axis, dim, None, units), 2 * ring_local)
+                yield (
+                    dim,
+                    ("reduce_scatter", axis, dim, None, units),
+                    ("all_gather", axis, dim, None, units),
+                    2 * ring_local,
+                )
         else:
             yield _CODE_P, ("zero_out", axis, None, None, 0), None, 0
             for dim in addable:
-                yield (dim, ("slice", axis, dim, None, 0),
-                       ("all_gather", axis, dim, None, units), ring_local)
+                yield (
+                    dim,
+                    ("slice", axis, dim, None, 0),
+                    ("all_gather", axis, dim, None, units),
+                    ring_local,
+                )
 
 
 @lru_cache(maxsize=65536)

@@ -38,10 +38,12 @@ than binary e in HiGHS, with the same optimum.
 
 Determinism: the model is built in a fixed order from the Problem alone and both solvers are
 deterministic for a fixed model (single search, fixed seeds), so a Problem always gets the same
-choices unless a time limit cuts the search. Ties are then broken the same way on every run and
-mostly across backends by _prefer_lower_indices: each node, in order, moves to the lowest
-strategy index that keeps the plan allowed, within budget and no more expensive (exact check).
-objective_s and peak_memory_bytes are recomputed exactly (math.fsum) from the final choices.
+choices unless a time limit cuts the search. _polish then makes single-node moves, each to a
+strictly cheaper strategy or to a lower index at equal cost (allowed pairs, within budget, exact
+fsum check): it removes what the solvers' tolerances leave (costs below about 1e-9 of the
+largest cost are invisible to them) and breaks ties towards low indices, mostly alike across
+backends. objective_s and peak_memory_bytes are recomputed exactly (math.fsum) from the final
+choices; bound_s is the solver's bound mapped back to seconds and never above objective_s.
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ _ABS_GAP = 1e-9
 _ZERO_GAP = 1e-9
 """A relative gap below this is the solver's float noise and is reported as 0."""
 
-_MAX_CANONICAL_PASSES = 8
+_MAX_POLISH_PASSES = 8
 
 
 def _power_of_two_scale(values: list[float]) -> float:
@@ -299,14 +301,16 @@ def _decode(red: Reduced, model: _Model) -> tuple[int, ...]:
     return tuple(choices)
 
 
-def _prefer_lower_indices(
+def _polish(
     problem: Problem, red: Reduced, choices: tuple[int, ...]
 ) -> tuple[tuple[int, ...], int]:
-    """Move each node to its lowest strategy that is allowed, fits and costs no more.
+    """Single-node moves: to a strictly cheaper strategy, or to a lower index at equal cost.
 
-    The cost change of a move is summed with math.fsum, whose correctly rounded result has the
-    sign of the exact change, so no move ever raises the exact objective. Returns the choices
-    and the number of moves made.
+    A move must keep every edge pair allowed and the plan within budget. Its cost change is
+    summed with math.fsum, whose correctly rounded result has the sign of the exact change, so
+    no move raises the exact objective. This removes what the solver's tolerances leave behind
+    (costs below ~1e-9 of the largest one) and breaks ties the same way on every run. Returns
+    the choices and the number of moves.
     """
     incident: list[list[int]] = [[] for _ in problem.nodes]
     for k, edge in enumerate(problem.edges):
@@ -316,28 +320,28 @@ def _prefer_lower_indices(
     budget = problem.memory_budget_bytes
     current = list(choices)
     moves = 0
-    for _ in range(_MAX_CANONICAL_PASSES):
+    for _ in range(_MAX_POLISH_PASSES):
         moved = False
         for i, node in enumerate(problem.nodes):
             old = current[i]
+            best, best_change = old, 0.0
             for s in red.allowed[i]:
-                if s >= old:
-                    break
+                if s == old:
+                    continue
                 current[i] = s
                 change = [node.cost_s[s], -node.cost_s[old]]
                 for k in incident[i]:
                     edge = problem.edges[k]
-                    src_old = old if edge.src == i else current[edge.src]
-                    dst_old = old if edge.dst == i else current[edge.dst]
-                    new_cost, old_cost = (
-                        edge.cost_s[current[edge.src]][current[edge.dst]],
-                        edge.cost_s[src_old][dst_old],
-                    )
+                    new_cost = edge.cost_s[current[edge.src]][current[edge.dst]]
+                    old_cost = edge.cost_s[old if edge.src == i else current[edge.src]][
+                        old if edge.dst == i else current[edge.dst]
+                    ]
                     if new_cost is None or old_cost is None:
                         change.append(math.inf)
                         break
                     change += [new_cost, -old_cost]
-                if math.fsum(change) <= 0.0 and (
+                total = math.fsum(change)
+                if (total < best_change or (total == best_change and s < best)) and (
                     budget is None
                     or (
                         node.memory_bytes[s] <= node.memory_bytes[old]
@@ -348,10 +352,11 @@ def _prefer_lower_indices(
                     )
                     or plan_peak_memory_bytes(problem, tuple(current)) <= budget
                 ):
-                    moves += 1
-                    moved = True
-                    break
-                current[i] = old
+                    best, best_change = s, total
+            current[i] = best
+            if best != old:
+                moves += 1
+                moved = True
         if not moved:
             break
     return tuple(current), moves
@@ -407,7 +412,7 @@ def solve(
         )
     if outcome.status == "infeasible":
         _raise_infeasible(problem, red, backend=backend, time_limit_s=time_limit_s, msg=msg)
-    choices, moves = _prefer_lower_indices(problem, red, _decode(red, model))
+    choices, moves = _polish(problem, red, _decode(red, model))
     solved = time.perf_counter()
     objective = plan_objective_s(problem, choices)
     bound = objective
@@ -420,7 +425,7 @@ def solve(
     relative_gap = 0.0 if noise else (objective - bound) / abs(objective)
     details = {
         "presolved_edges": float(len(problem.edges) - len(red.edges)),
-        "tie_moves": float(moves),
+        "polish_moves": float(moves),
     }
     if fell_back:
         details["highs_unavailable"] = 1.0

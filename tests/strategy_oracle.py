@@ -31,7 +31,6 @@ from autopar.placement import Partial, Placement, Replicate, Shard, format_place
 from autopar.strategies.registry import (
     OpCall,
     Strategy,
-    TensorMeta,
     expand,
     get_rule,
     output_metas,
@@ -136,7 +135,9 @@ def _local_value(
     return _shard_slice(part, placements, mesh_shape, coord).clone()
 
 
-def _local_shape(shape: Sequence[int], placements: Sequence[Placement], mesh_shape: Sequence[int]) -> tuple[int, ...]:
+def _local_shape(
+    shape: Sequence[int], placements: Sequence[Placement], mesh_shape: Sequence[int]
+) -> tuple[int, ...]:
     out = list(shape)
     for axis, p in enumerate(placements):
         if isinstance(p, Shard):
@@ -162,12 +163,19 @@ def _assemble(
         base = tuple(0 if a in rep_axes else c for a, c in enumerate(coord))
         if base != coord:
             torch.testing.assert_close(
-                value, locals_[base], rtol=rtol, atol=atol,
-                msg=lambda m: f"{what}: ranks {coord} and {base} differ on a Replicate axis\n{m}",
+                value,
+                locals_[base],
+                rtol=rtol,
+                atol=atol,
+                msg=lambda m, coord=coord, base=base: (
+                    f"{what}: ranks {coord} and {base} differ on a Replicate axis\n{m}"
+                ),
             )
             continue
         region = _shard_slice(result, placements, mesh_shape, coord)
-        assert region.shape == value.shape, f"{what}: local shape {tuple(value.shape)} != {tuple(region.shape)}"
+        assert region.shape == value.shape, (
+            f"{what}: local shape {tuple(value.shape)} != {tuple(region.shape)}"
+        )
         if result.dtype == torch.bool:
             region |= value
         else:
@@ -183,7 +191,9 @@ def _is_float(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and (t.dtype.is_floating_point or t.dtype.is_complex)
 
 
-def _run(op: Any, spec: Any, leaves: list[Any], adjust: AdjustArgs | None, out_shapes: tuple) -> tuple:
+def _run(
+    op: Any, spec: Any, leaves: list[Any], adjust: AdjustArgs | None, out_shapes: tuple
+) -> tuple:
     # Clone before calling so in-place ops neither touch the leaves nor break autograd on them.
     fed = [x.clone() if isinstance(x, torch.Tensor) else x for x in leaves]
     args, kwargs = tree_unflatten(fed, spec)
@@ -192,7 +202,9 @@ def _run(op: Any, spec: Any, leaves: list[Any], adjust: AdjustArgs | None, out_s
     return _out_tuple(op(*args, **kwargs))
 
 
-def _differentiable_positions(op: Any, spec: Any, leaves: list[Any], tensor_pos: list[int]) -> set[int]:
+def _differentiable_positions(
+    op: Any, spec: Any, leaves: list[Any], tensor_pos: list[int]
+) -> set[int]:
     """Leaf positions of the float inputs that may require grad (some ops refuse it, e.g. nll's weight)."""
     positions = set()
     for i in tensor_pos:
@@ -239,23 +251,29 @@ def simulate(
         for i, x in enumerate(leaves)
     ]
     full_outs = _run(op, spec, full_leaves, None, ())
-    full_out_shapes = tuple(tuple(o.shape) if isinstance(o, torch.Tensor) else None for o in full_outs)
+    full_out_shapes = tuple(
+        tuple(o.shape) if isinstance(o, torch.Tensor) else None for o in full_outs
+    )
     out_local_shapes = tuple(
         None if pl is None or shape is None else _local_shape(shape, pl, mesh_shape)
         for shape, pl in zip(full_out_shapes, strategy.outputs)
     )
     gen = torch.Generator().manual_seed(1234)
     upstream = tuple(
-        torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.dtype) if _is_float(o) and o.requires_grad else None
+        torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.dtype)
+        if _is_float(o) and o.requires_grad
+        else None
         for o in full_outs
     )
     grad_inputs = [full_leaves[i] for i in tensor_pos if i in differentiable]
     pairs = [(o, g) for o, g in zip(full_outs, upstream) if g is not None]
     full_grads: list[torch.Tensor | None] = [None] * len(grad_inputs)
     if pairs and grad_inputs:
-        full_grads = list(torch.autograd.grad(
-            [o for o, _ in pairs], grad_inputs, [g for _, g in pairs], allow_unused=True
-        ))
+        full_grads = list(
+            torch.autograd.grad(
+                [o for o, _ in pairs], grad_inputs, [g for _, g in pairs], allow_unused=True
+            )
+        )
 
     # Per-rank runs.
     parts = {
@@ -269,7 +287,11 @@ def simulate(
         local_leaves = list(leaves)
         for j, i in enumerate(tensor_pos):
             placements = strategy.inputs[j]
-            value = leaves[i] if placements is None else _local_value(leaves[i], placements, mesh_shape, coord, parts[j])
+            value = (
+                leaves[i]
+                if placements is None
+                else _local_value(leaves[i], placements, mesh_shape, coord, parts[j])
+            )
             local_leaves[i] = value.detach().clone().requires_grad_(i in differentiable)
         outs = _run(op, spec, local_leaves, adjust_args, out_local_shapes)
         assert len(outs) == len(full_outs), f"{name}: local run gave {len(outs)} outputs"
@@ -289,7 +311,10 @@ def simulate(
         local_grad_inputs = [local_leaves[i] for i in tensor_pos if i in differentiable]
         if local_pairs and local_grad_inputs:
             grads = torch.autograd.grad(
-                [o for o, _ in local_pairs], local_grad_inputs, [g for _, g in local_pairs], allow_unused=True
+                [o for o, _ in local_pairs],
+                local_grad_inputs,
+                [g for _, g in local_pairs],
+                allow_unused=True,
             )
             for k, g in enumerate(grads):
                 local_grads[k][coord] = torch.zeros_like(local_grad_inputs[k]) if g is None else g
@@ -297,9 +322,21 @@ def simulate(
     for k, full in enumerate(full_outs):
         if strategy.outputs[k] is None or not isinstance(full, torch.Tensor):
             continue
-        got = _assemble(local_outs[k], strategy.outputs[k], mesh_shape, full.shape, f"{name} output {k}", rtol=rtol, atol=atol)
+        got = _assemble(
+            local_outs[k],
+            strategy.outputs[k],
+            mesh_shape,
+            full.shape,
+            f"{name} output {k}",
+            rtol=rtol,
+            atol=atol,
+        )
         torch.testing.assert_close(
-            got, full.detach(), rtol=rtol, atol=atol, equal_nan=True,
+            got,
+            full.detach(),
+            rtol=rtol,
+            atol=atol,
+            equal_nan=True,
             msg=lambda m, k=k: f"{name}: output {k} differs from the unsharded op\n{m}",
         )
 
@@ -310,11 +347,24 @@ def simulate(
         grad_pl = strategy.input_grads[j] if strategy.input_grads else None
         if grad_pl is None:
             continue
-        got = _assemble(local_grads[k], grad_pl, mesh_shape, leaves[tensor_pos[j]].shape,
-                        f"{name} grad of input {j}", rtol=rtol, atol=atol)
+        got = _assemble(
+            local_grads[k],
+            grad_pl,
+            mesh_shape,
+            leaves[tensor_pos[j]].shape,
+            f"{name} grad of input {j}",
+            rtol=rtol,
+            atol=atol,
+        )
         torch.testing.assert_close(
-            got, full_grads[k], rtol=rtol, atol=atol, equal_nan=True,
-            msg=lambda m, j=j: f"{name}: gradient of input {j} (as {format_placements(grad_pl)}) is wrong\n{m}",
+            got,
+            full_grads[k],
+            rtol=rtol,
+            atol=atol,
+            equal_nan=True,
+            msg=lambda m, j=j, grad_pl=grad_pl: (
+                f"{name}: gradient of input {j} (as {format_placements(grad_pl)}) is wrong\n{m}"
+            ),
         )
 
 
@@ -322,7 +372,7 @@ def simulate(
 # DTensor's propagation (fake process group)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _device_mesh(mesh_shape: tuple[int, ...]) -> Any:
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -332,7 +382,9 @@ def _device_mesh(mesh_shape: tuple[int, ...]) -> Any:
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=FAKE_WORLD_SIZE)
     world = dist.get_world_size()
     if math.prod(mesh_shape) > world:
-        raise RuntimeError(f"mesh {mesh_shape} needs {math.prod(mesh_shape)} ranks; the process group has {world}")
+        raise RuntimeError(
+            f"mesh {mesh_shape} needs {math.prod(mesh_shape)} ranks; the process group has {world}"
+        )
     return DeviceMesh("cpu", torch.arange(math.prod(mesh_shape)).reshape(mesh_shape))
 
 
@@ -432,17 +484,37 @@ def check_rule(
         strategies = expand(call, rule(call), mesh_shape)
         assert strategies, f"{op}: no strategy on mesh {mesh_shape}"
         assert any(
-            all(p is None or all(isinstance(x, Replicate) for x in p) for p in (*s.inputs, *s.outputs))
+            all(
+                p is None or all(isinstance(x, Replicate) for x in p)
+                for p in (*s.inputs, *s.outputs)
+            )
             for s in strategies
         ), f"{op}: the all-Replicate strategy is missing on mesh {mesh_shape}"
         for strategy in strategies:
-            simulate(op, args, kwargs, strategy, tuple(mesh_shape), rtol=rtol, atol=atol, adjust_args=adjust_args)
+            simulate(
+                op,
+                args,
+                kwargs,
+                strategy,
+                tuple(mesh_shape),
+                rtol=rtol,
+                atol=atol,
+                adjust_args=adjust_args,
+            )
             checked.append(strategy)
-            if dtensor_mesh_shapes is not None and tuple(mesh_shape) not in {tuple(m) for m in dtensor_mesh_shapes}:
+            if dtensor_mesh_shapes is not None and tuple(mesh_shape) not in {
+                tuple(m) for m in dtensor_mesh_shapes
+            }:
                 continue
             theirs = dtensor_output_placements(op, args, kwargs, strategy, tuple(mesh_shape))
-            if not _same_placements(strategy.outputs, theirs) and not _explained(strategy.describe(), differs):
+            if not _same_placements(strategy.outputs, theirs) and not _explained(
+                strategy.describe(), differs
+            ):
                 shown = None if theirs is None else " ".join(format_placements(p) for p in theirs)
-                mismatches.append(f"  mesh {tuple(mesh_shape)}: ours {strategy.describe()}, DTensor -> {shown}")
-    assert not mismatches, f"{op}: strategies that differ from DTensor without a reason:\n" + "\n".join(mismatches)
+                mismatches.append(
+                    f"  mesh {tuple(mesh_shape)}: ours {strategy.describe()}, DTensor -> {shown}"
+                )
+    assert not mismatches, (
+        f"{op}: strategies that differ from DTensor without a reason:\n" + "\n".join(mismatches)
+    )
     return checked

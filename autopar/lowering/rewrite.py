@@ -14,27 +14,35 @@
   activations a ``GradAllReduce`` (identity forward, all-reduce backward) is inserted on the
   consumer's side of the edge. For parameters the reduction is deferred to the runtime's chunked
   gradient reduction (``LoweredGraph.param_grad_reduce_axes``) when that is exact: when EVERY use
-  of the parameter leaves a Partial gradient on ``a`` and no use converts the parameter (a sum
-  over ``a`` commutes with nothing else). Other cases are reduced in the graph.
+  of the parameter leaves a Partial gradient on ``a`` (a use with a whole gradient would be
+  counted once per rank by the later sum) and no use converts the parameter (the conversion's
+  backward would run before the sum). Other cases are reduced in the graph.
 * **Local shapes.** Size arguments (``view``, ``reshape``, ``expand``, ``new_zeros``, ``zeros``,
   ``full``, ``repeat``, ``unflatten``, ...) become the node's local output shape, computed from
   its global ``meta["val"]`` shape and its chosen output placement. ``arange`` with a sharded
   output is built whole and sliced locally. Absolute split/slice/select sizes on a sharded dim
   have no local meaning and are refused (the strategy rules never generate them).
+* **Op substitutions.** ``aten.embedding`` with a row-sharded (vocab-parallel) weight becomes
+  :func:`autopar_vocab_parallel_embedding` (masked local lookup, Partial output);
+  ``aten.squeeze`` squeezes only the dims that are size 1 globally (a shard may be size 1).
 * **Dropout.** ``aten.dropout`` becomes :func:`autopar_dropout`, which draws the mask from a
   generator seeded by one draw of the global RNG (identical on every rank, since every rank
   seeds and consumes the global RNG alike) plus the rank's mixed-radix coordinate over the axes
   on which the output is SHARDED. Ranks that hold the same replicated block thus draw the same
   mask, ranks holding different blocks of a batch-sharded tensor different masks.
 * **Outputs** are converted to ``output_placements`` (Replicate by default, so every rank
-  returns the single-process value, e.g. the global mean loss).
+  returns the single-process value, e.g. the global mean loss). An output the user asks to be
+  sharded over ``N`` devices gets DDP's convention (DESIGN.md): the user computes a loss on the
+  local block, and the gradient entering the graph is scaled by ``1/N``, so parameter gradients
+  are the mean over the shards of the local losses' gradients.
 
 The result's ``gm.print_readable()`` shows collectives as calls such as
-``autopar_runtime_collectives_all_gather(x, 'mesh0', 1, 0)``.
+``autopar_runtime_collectives_autopar_all_gather(x, 'mesh0', 1, 0)``.
 """
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -49,11 +57,19 @@ from autopar.placement import Placements, Shard, format_placements, local_shape,
 from autopar.resharding import Step, reshard_steps
 from autopar.runtime import collectives
 from autopar.runtime.process_groups import lookup_axis_groups
+from autopar.strategies.embedding import vocab_parallel_embedding
 from autopar.strategies.registry import Strategy, input_nodes
 
 aten = torch.ops.aten
 
-__all__ = ["LoweredGraph", "PlaceholderSource", "autopar_dropout", "lower"]
+__all__ = [
+    "LoweredGraph",
+    "PlaceholderSource",
+    "autopar_dropout",
+    "autopar_scale_grad",
+    "autopar_vocab_parallel_embedding",
+    "lower",
+]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -134,6 +150,41 @@ def autopar_dropout(
     return x * keep / (1.0 - p)
 
 
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.factor, None
+
+
+def autopar_scale_grad(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """Identity forward; multiplies the gradient by ``factor`` in backward."""
+    return _ScaleGrad.apply(x, factor)
+
+
+def autopar_vocab_parallel_embedding(
+    weight: torch.Tensor,
+    indices: torch.Tensor,
+    group_key: str,
+    row_axes: Sequence[int],
+    padding_idx: int = -1,
+) -> torch.Tensor:
+    """This rank's part of an embedding whose weight rows are split over ``row_axes``.
+
+    The local rows start at (mixed-radix coordinate over ``row_axes``) x (local row count);
+    tokens outside them give zero rows, so the parts sum to the full lookup (Partial output).
+    """
+    groups = lookup_axis_groups(group_key)
+    index = 0
+    for axis in row_axes:
+        index = index * groups.mesh_shape[axis] + groups.coordinate[axis]
+    return vocab_parallel_embedding(weight, indices, index * weight.shape[0], padding_idx)
+
+
 # --------------------------------------------------------------------------------------------
 # Size arguments
 
@@ -167,8 +218,14 @@ _DIM_ARG: dict[Any, int] = {
     aten.unsafe_split.Tensor: 2,
 }
 
+# Ops with absolute sizes AND strides: no local equivalent when their output is sharded.
+_STRIDED = frozenset(
+    {aten.as_strided.default, aten.empty_strided.default, aten.new_empty_strided.default}
+)
+
 _DIM_DEFAULT = {aten.split.Tensor: 0, aten.split_with_sizes.default: 0, aten.slice.Tensor: 0}
 
+_SQUEEZE = frozenset({aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims})
 _ARANGE = frozenset({aten.arange.default, aten.arange.start, aten.arange.start_step})
 _DROPOUT = frozenset({aten.dropout.default})
 
@@ -206,6 +263,13 @@ def _localize_sizes(
     elif target in _DIM_ARG:
         assert in_shape is not None
         _check_dim_not_sharded(node, strategy, in_shape)
+    elif target in _STRIDED and out_placements is not None:
+        if any(isinstance(p, Shard) for p in out_placements):
+            raise AssertionError(
+                f"node {node.name} ({target}) has absolute sizes and strides but its chosen "
+                f"output placement {format_placements(out_placements)} is sharded; rules must "
+                f"keep strided ops replicated"
+            )
 
 
 def _check_dim_not_sharded(node: fx.Node, strategy: Strategy, shape: tuple[int, ...]) -> None:
@@ -241,18 +305,21 @@ def _emit_steps(graph: fx.Graph, value: fx.Node, steps: Sequence[Step], group_ke
     """Insert one collective call per step at the graph's current insertion point."""
     for step in steps:
         if step.kind == "all_gather":
-            call = (collectives.all_gather, (value, group_key, step.axis, step.dim))
+            call = (collectives.autopar_all_gather, (value, group_key, step.axis, step.dim))
         elif step.kind == "all_reduce":
-            call = (collectives.all_reduce, (value, group_key, step.axis))
+            call = (collectives.autopar_all_reduce, (value, group_key, step.axis))
         elif step.kind == "reduce_scatter":
-            call = (collectives.reduce_scatter, (value, group_key, step.axis, step.dim))
+            call = (collectives.autopar_reduce_scatter, (value, group_key, step.axis, step.dim))
         elif step.kind == "all_to_all":
-            call = (collectives.all_to_all, (value, group_key, step.axis, step.dim, step.dst_dim))
+            call = (
+                collectives.autopar_all_to_all,
+                (value, group_key, step.axis, step.dim, step.dst_dim),
+            )
         elif step.kind == "slice":
-            call = (collectives.local_slice, (value, group_key, step.axis, step.dim))
+            call = (collectives.autopar_slice, (value, group_key, step.axis, step.dim))
         else:
             assert step.kind == "zero_out", step.kind
-            call = (collectives.zero_out, (value, group_key, step.axis))
+            call = (collectives.autopar_zero_out, (value, group_key, step.axis))
         value = graph.call_function(*call)
     return value
 
@@ -326,6 +393,7 @@ def lower(
     group_key: str,
     *,
     output_placements: Sequence[Placements] | None = None,
+    device: torch.device | str | None = None,
 ) -> LoweredGraph:
     """Rewrite a copy of ``captured.gm`` to run on this rank's local shards.
 
@@ -337,6 +405,8 @@ def lower(
         group_key: key the runtime's ``AxisGroups`` registered its per-axis groups under; it
             appears as a string argument of every collective call.
         output_placements: placement of each flattened output (default Replicate everywhere).
+        device: when given, the ``device=`` argument of every factory call (``arange``,
+            ``zeros``, ...) becomes this device, e.g. to run a graph captured on meta tensors.
 
     Returns:
         The LoweredGraph; ``captured`` is not modified.
@@ -380,6 +450,10 @@ def lower(
 
     _insert_conversions(graph, edges, deferred, param_fqn, mesh_shape, group_key)
     _rewrite_local_ops(graph, strategies, first_input_shape, mesh_shape, group_key)
+    if device is not None:
+        for node in graph.nodes:
+            if node.op == "call_function" and "device" in node.kwargs:
+                node.update_kwarg("device", torch.device(device))
     out_placements = _convert_outputs(
         graph, output_node, output_src, output_placements, mesh_shape, group_key
     )
@@ -638,6 +712,36 @@ def _rewrite_local_ops(
             node.target = autopar_dropout
             node.args = (x, p, train, group_key, sharded)
             node.kwargs = {}
+        elif node.target is aten.embedding.default and _row_axes(strategy.inputs[0]):
+            # Vocab-parallel: each rank looks up only its rows (masked), the output is Partial.
+            padding_idx = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
+            node.target = autopar_vocab_parallel_embedding
+            node.args = (
+                node.args[0],
+                node.args[1],
+                group_key,
+                _row_axes(strategy.inputs[0]),
+                padding_idx,
+            )
+            node.kwargs = {}
+        elif node.target in _SQUEEZE:
+            # A shard may have size 1 where the global dim does not: squeeze only the dims that
+            # are size 1 globally.
+            in_shape = first_input_shape[node]
+            if node.target is aten.squeeze.default:
+                dims = range(len(in_shape))
+            elif node.target is aten.squeeze.dim:
+                dims = [node.args[1]]
+            else:
+                dims = node.args[1]
+            keep = (
+                [d % len(in_shape) for d in dims if in_shape[d % len(in_shape)] == 1]
+                if in_shape
+                else []
+            )
+            node.target = aten.squeeze.dims
+            node.args = (node.args[0], keep)
+            node.kwargs = {}
         elif node.target in _ARANGE:
             # Positions depend on the rank: build the whole range and keep this rank's block.
             placements = strategy.outputs[0]
@@ -657,6 +761,13 @@ def _rewrite_local_ops(
                     user.replace_input_with(node, value)
         else:
             _localize_sizes(node, strategy, first_input_shape.get(node), mesh_shape)
+
+
+def _row_axes(placements: Placements | None) -> tuple[int, ...]:
+    """Mesh axes that split dim 0 (the rows) of an embedding weight."""
+    if placements is None:
+        return ()
+    return tuple(a for a, p in enumerate(placements) if isinstance(p, Shard) and p.dim == 0)
 
 
 def _convert_outputs(
@@ -688,6 +799,11 @@ def _convert_outputs(
                 fwd, _ = reshard_steps(src, dst, _shape_of(tensor), _itemsize(tensor), mesh_shape)
                 with graph.inserting_before(output_node):
                     leaf = _emit_steps(graph, leaf, fwd, group_key)
+            num_shards = math.prod(m for m, p in zip(mesh_shape, dst) if isinstance(p, Shard))
+            if num_shards > 1:
+                # DDP's convention for a loss computed on local outputs: mean over the shards.
+                with graph.inserting_before(output_node):
+                    leaf = graph.call_function(autopar_scale_grad, (leaf, 1.0 / num_shards))
         new_leaves.append(leaf)
     output_node.args = (tree_unflatten(new_leaves, spec),)
     return out_placements
@@ -723,6 +839,6 @@ def _emit_with_grad_reduce(
     graph: fx.Graph, value: fx.Node, fwd: Sequence[Step], axes: tuple[int, ...], group_key: str
 ) -> fx.Node:
     value = _emit_steps(graph, value, fwd, group_key)
-    for axis in axes:
-        value = graph.call_function(collectives.grad_all_reduce, (value, group_key, axis))
+    if axes:
+        value = graph.call_function(collectives.autopar_grad_all_reduce, (value, group_key, axes))
     return value

@@ -70,7 +70,9 @@ __all__ = [
 # Plain (non-autograd) collectives on one axis.
 
 
-def _guarded(op: str, groups: AxisGroups, axis: int, t: Tensor, call: Callable[[], Tensor]) -> Tensor:
+def _guarded(
+    op: str, groups: AxisGroups, axis: int, t: Tensor, call: Callable[[], Tensor]
+) -> Tensor:
     try:
         return call()
     except Exception as exc:  # re-raised with the context a user needs to find the culprit
@@ -140,7 +142,9 @@ def _chunk(t: Tensor, groups: AxisGroups, axis: int, dim: int) -> Tensor:
     size = groups.mesh_shape[axis]
     if size == 1:
         return t
-    return t.chunk(size, dim=dim)[groups.coordinate[axis]].clone(memory_format=torch.contiguous_format)
+    return t.chunk(size, dim=dim)[groups.coordinate[axis]].clone(
+        memory_format=torch.contiguous_format
+    )
 
 
 def _zero_off_first(t: Tensor, groups: AxisGroups, axis: int) -> Tensor:
@@ -187,7 +191,9 @@ class ReduceScatter(torch.autograd.Function):
 
 class AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, t: Tensor, groups: AxisGroups, axis: int, dim: int, dst_dim: int) -> Tensor:
+    def forward(
+        ctx: Any, t: Tensor, groups: AxisGroups, axis: int, dim: int, dst_dim: int
+    ) -> Tensor:
         ctx.args = (groups, axis, dim, dst_dim)
         return _all_to_all(t, groups, axis, dim, dst_dim)
 
@@ -233,8 +239,9 @@ class GradAllReduce(torch.autograd.Function):
 # Entry points: a list of steps, or one step per call from an fx graph.
 
 
-def _apply(t: Tensor, groups: AxisGroups, kind: str, axis: int, dim: int | None,
-           dst_dim: int | None) -> Tensor:
+def _apply(
+    t: Tensor, groups: AxisGroups, kind: str, axis: int, dim: int | None, dst_dim: int | None
+) -> Tensor:
     if kind == "all_gather":
         assert dim is not None
         return AllGather.apply(t, groups, axis, dim)
@@ -262,8 +269,14 @@ def run_steps(tensor: Tensor, steps: Sequence[Step], groups: AxisGroups) -> Tens
     return tensor
 
 
-def apply_step(t: Tensor, group_key: str, kind: str, axis: int, dim: int | None = None,
-               dst_dim: int | None = None) -> Tensor:
+def apply_step(
+    t: Tensor,
+    group_key: str,
+    kind: str,
+    axis: int,
+    dim: int | None = None,
+    dst_dim: int | None = None,
+) -> Tensor:
     """One step by name, for fx graphs (``group_key``: a mesh registered by ``axis_groups``)."""
     return _apply(t, lookup_axis_groups(group_key), kind, axis, dim, dst_dim)
 

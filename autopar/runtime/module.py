@@ -7,6 +7,10 @@ yields exactly the original names (a tied parameter is one Parameter registered 
 its names, and deduplicated like in the original model). Any torch optimizer works on the local
 shards.
 
+Parameter gradients that are Partial over some mesh axes are summed after each backward by a
+:class:`~autopar.runtime.grad_sync.GradReducer` (chunked, overlapped with backward), so a
+training step is ``loss.backward(); opt.step()``.
+
 ``state_dict()`` returns the FULL unsharded tensors (all-gathered over the sharded axes, a
 collective every rank must call); ``load_state_dict(full)`` takes full tensors and keeps this
 rank's slice.
@@ -82,6 +86,11 @@ class ParallelModule(nn.Module):
         groups: this rank's ``AxisGroups`` (coordinate and process group per mesh axis), the
             one registered under ``lowered.group_key``.
         grad_bucket_bytes: size of the flat buckets of the gradient all-reduce.
+
+    Attributes (besides the parameters and buffers under their original names): ``lowered``,
+    ``groups``, ``coords`` (this rank's mesh coordinate) and ``grad_reducer`` (the
+    :class:`~autopar.runtime.grad_sync.GradReducer` that sums Partial parameter gradients after
+    each backward). The train/eval mode is the one the graph was captured in.
     """
 
     def __init__(
@@ -152,8 +161,7 @@ class ParallelModule(nn.Module):
             _container(self, name).register_parameter(leaf_name, param)
             self._param_placements[name] = placements
 
-        self._buffers_by_fqn = {name: self.get_buffer(name) for name in self._buffer_placements}
-        self._grad_reducer = GradReducer(
+        self.grad_reducer = GradReducer(
             [
                 (self._params[fqn], lowered.param_grad_reduce_axes.get(fqn, ()))
                 for fqn in lowered.param_use_order
@@ -224,7 +232,8 @@ class ParallelModule(nn.Module):
             if source.kind == "param":
                 values.append(self._params[source.fqn])
             elif source.kind == "buffer":
-                values.append(self._buffers_by_fqn[source.fqn])
+                # Looked up per call: Module.to() / cuda() replace buffer tensors.
+                values.append(self.get_buffer(source.fqn))
             else:
                 values.append(leaves[source.index])
         outputs = self.lowered.gm(*values)
@@ -273,8 +282,14 @@ class ParallelModule(nn.Module):
         return _IncompatibleKeys(missing, unexpected)
 
     def _named_state(self) -> list[tuple[str, torch.Tensor]]:
-        named: list[tuple[str, torch.Tensor]] = list(self.named_parameters(remove_duplicate=False))
-        named += [(n, b) for n, b in self.named_buffers(remove_duplicate=False)]
+        """(name, local tensor) in ``nn.Module.state_dict`` order: per module in pre-order, its
+        parameters then its buffers; a tied parameter under each of its names."""
+        named: list[tuple[str, torch.Tensor]] = []
+        for module_name, module in self.named_modules(remove_duplicate=False):
+            prefix = f"{module_name}." if module_name else ""
+            for name, tensor in (*module._parameters.items(), *module._buffers.items()):
+                if tensor is not None:
+                    named.append((prefix + name, tensor))
         return named
 
 

@@ -66,7 +66,9 @@ def attention_strategies(
     leading dims and L (output and logsumexp)."""
     score_ndim = q.ndim  # scores are [*B, L, S]: as many dims as q
 
-    def strategy(out: Placement, qkv: tuple[Placement, Placement, Placement], m: Placement) -> AxisStrategy:
+    def strategy(
+        out: Placement, qkv: tuple[Placement, Placement, Placement], m: Placement
+    ) -> AxisStrategy:
         ins = (*qkv, m) if mask is not None else qkv
         return AxisStrategy(outputs=(out,) * num_outputs, inputs=ins)
 
@@ -95,7 +97,10 @@ def sdpa_rule(call: OpCall) -> list[AxisStrategy]:
     q, k, v = call.inputs[:3]
     mask = call.inputs[3] if len(call.inputs) > 3 else None
     return attention_strategies(
-        q, k, v, mask,
+        q,
+        k,
+        v,
+        mask,
         is_causal=bool(_arg(call, 5, "is_causal", False)),
         gqa=bool(call.kwargs.get("enable_gqa", False)),
         num_outputs=1,
@@ -107,7 +112,10 @@ def sdpa_flash_cpu_rule(call: OpCall) -> list[AxisStrategy]:
     q, k, v = call.inputs[:3]
     mask = call.inputs[3] if len(call.inputs) > 3 else None
     return attention_strategies(
-        q, k, v, mask,
+        q,
+        k,
+        v,
+        mask,
         is_causal=bool(_arg(call, 4, "is_causal", False)),
         gqa=False,
         num_outputs=2,

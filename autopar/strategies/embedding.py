@@ -48,7 +48,7 @@ def vocab_parallel_embedding(
 
 @register(aten.embedding.default)
 def embedding_rule(call: OpCall) -> list[AxisStrategy]:
-    weight, indices = call.inputs[0], call.inputs[1]
+    indices = call.inputs[1]
     out_ndim = indices.ndim + 1
     options = [
         AxisStrategy(outputs=(REPLICATE,), inputs=(REPLICATE, REPLICATE)),

@@ -6,12 +6,11 @@
   communication. A sharded factory would need rank-dependent arguments (``arange`` offsets).
 * ``new_zeros``/``new_ones``/``new_full``/``new_empty`` read only the dtype and device of their
   tensor argument: it may have any layout; the output is Replicate.
-* ``zeros_like`` and friends build a constant of the input's shape: Shard(d) -> Shard(d), or any
-  input layout -> Replicate.
+* ``zeros_like`` and friends are elementwise rules in pointwise.py.
 * ``_assert_tensor_metadata`` checks dtype/device only: any input layout, no output.
 * ``tril``/``triu`` act on the last two dims: shard any earlier dim; Partial passes (they mask
   entries, which is linear).
-* ``lift_fresh_copy`` is an identity and lives with the views.
+* ``lift_fresh_copy`` is an identity, registered with the casts in pointwise.py.
 """
 
 from __future__ import annotations
@@ -53,22 +52,11 @@ def factory_rule(call: OpCall) -> list[AxisStrategy]:
     return [AxisStrategy(outputs=(REPLICATE,) * len(call.outputs), inputs=ins)]
 
 
-@register(aten.new_zeros.default, aten.new_ones.default, aten.new_full.default, aten.new_empty.default)
+@register(
+    aten.new_zeros.default, aten.new_ones.default, aten.new_full.default, aten.new_empty.default
+)
 def new_factory_rule(call: OpCall) -> list[AxisStrategy]:
     return [AxisStrategy(outputs=(REPLICATE,), inputs=(p,)) for p in any_layout(call.inputs[0])]
-
-
-@register(
-    aten.zeros_like.default,
-    aten.ones_like.default,
-    aten.full_like.default,
-    aten.empty_like.default,
-)
-def like_rule(call: OpCall) -> list[AxisStrategy]:
-    inp = call.inputs[0]
-    options = [AxisStrategy(outputs=(REPLICATE,), inputs=(p,)) for p in any_layout(inp)]
-    options += [AxisStrategy(outputs=(Shard(d),), inputs=(Shard(d),)) for d in range(inp.ndim)]
-    return options
 
 
 @register(aten._assert_tensor_metadata.default)

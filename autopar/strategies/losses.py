@@ -50,7 +50,9 @@ def class_loss_strategies(call: OpCall, reduction: int) -> list[AxisStrategy]:
     weights: tuple[Placement | None, ...] = tuple(
         REPLICATE if isinstance(m, TensorMeta) else None for m in call.inputs[2:]
     )
-    strategies = [AxisStrategy(outputs=(REPLICATE,) * num_outputs, inputs=(REPLICATE, REPLICATE, *weights))]
+    strategies = [
+        AxisStrategy(outputs=(REPLICATE,) * num_outputs, inputs=(REPLICATE, REPLICATE, *weights))
+    ]
     if reduction == REDUCTION_MEAN:
         return strategies
     for x_dim, t_dim in _sample_dims(x):
@@ -69,7 +71,13 @@ def cross_entropy_rule(call: OpCall) -> list[AxisStrategy]:
     return class_loss_strategies(call, int(_arg(call, 3, "reduction", REDUCTION_MEAN)))
 
 
-@register(aten.nll_loss.default, aten.nll_loss_nd.default, aten.nll_loss_forward.default, aten.nll_loss2d_forward.default, aten.nll_loss2d.default)
+@register(
+    aten.nll_loss.default,
+    aten.nll_loss_nd.default,
+    aten.nll_loss_forward.default,
+    aten.nll_loss2d_forward.default,
+    aten.nll_loss2d.default,
+)
 def nll_rule(call: OpCall) -> list[AxisStrategy]:
     return class_loss_strategies(call, int(_arg(call, 3, "reduction", REDUCTION_MEAN)))
 
@@ -80,7 +88,8 @@ def elementwise_loss_strategies(call: OpCall, reduction: int) -> list[AxisStrate
 
     def inputs_for(d: int) -> tuple[Placement | None, ...]:
         return (Shard(d),) + tuple(
-            broadcast_placement(x.shape, m, d) if isinstance(m, TensorMeta) else None for m in call.inputs[1:]
+            broadcast_placement(x.shape, m, d) if isinstance(m, TensorMeta) else None
+            for m in call.inputs[1:]
         )
 
     replicated = tuple(REPLICATE if isinstance(m, TensorMeta) else None for m in call.inputs)
@@ -93,7 +102,12 @@ def elementwise_loss_strategies(call: OpCall, reduction: int) -> list[AxisStrate
     return strategies
 
 
-@register(aten.mse_loss.default, aten.l1_loss.default, aten.smooth_l1_loss.default, aten.huber_loss.default)
+@register(
+    aten.mse_loss.default,
+    aten.l1_loss.default,
+    aten.smooth_l1_loss.default,
+    aten.huber_loss.default,
+)
 def elementwise_loss_rule(call: OpCall) -> list[AxisStrategy]:
     return elementwise_loss_strategies(call, int(_arg(call, 2, "reduction", REDUCTION_MEAN)))
 

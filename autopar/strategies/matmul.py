@@ -59,7 +59,9 @@ def einsum_strategies(
 
     def sharded(letter: str) -> tuple[Placement, ...]:
         return tuple(
-            Shard(term.index(letter)) if letter in term and meta.shape[term.index(letter)] == sizes[letter] else REPLICATE
+            Shard(term.index(letter))
+            if letter in term and meta.shape[term.index(letter)] == sizes[letter]
+            else REPLICATE
             for term, meta in zip(terms, operands)
         )
 
@@ -81,7 +83,9 @@ def _batch_letters(n: int) -> str:
     return "".join(c for c in string.ascii_lowercase if c not in "kmn")[:n]
 
 
-def _to_axis_strategies(call: OpCall, results, operand_slots: Sequence[int], addend_slot: int | None) -> list[AxisStrategy]:
+def _to_axis_strategies(
+    call: OpCall, results, operand_slots: Sequence[int], addend_slot: int | None
+) -> list[AxisStrategy]:
     strategies = []
     for operand_ps, out_p, addend_p in results:
         inputs: list[Placement | None] = [None] * len(call.inputs)
@@ -95,22 +99,30 @@ def _to_axis_strategies(call: OpCall, results, operand_slots: Sequence[int], add
 
 @register(aten.mm.default)
 def mm_rule(call: OpCall) -> list[AxisStrategy]:
-    return _to_axis_strategies(call, einsum_strategies("mk,kn->mn", call.inputs, call.outputs[0]), (0, 1), None)
+    return _to_axis_strategies(
+        call, einsum_strategies("mk,kn->mn", call.inputs, call.outputs[0]), (0, 1), None
+    )
 
 
 @register(aten.bmm.default)
 def bmm_rule(call: OpCall) -> list[AxisStrategy]:
-    return _to_axis_strategies(call, einsum_strategies("bmk,bkn->bmn", call.inputs, call.outputs[0]), (0, 1), None)
+    return _to_axis_strategies(
+        call, einsum_strategies("bmk,bkn->bmn", call.inputs, call.outputs[0]), (0, 1), None
+    )
 
 
 @register(aten.mv.default)
 def mv_rule(call: OpCall) -> list[AxisStrategy]:
-    return _to_axis_strategies(call, einsum_strategies("mk,k->m", call.inputs, call.outputs[0]), (0, 1), None)
+    return _to_axis_strategies(
+        call, einsum_strategies("mk,k->m", call.inputs, call.outputs[0]), (0, 1), None
+    )
 
 
 @register(aten.dot.default)
 def dot_rule(call: OpCall) -> list[AxisStrategy]:
-    return _to_axis_strategies(call, einsum_strategies("k,k->", call.inputs, call.outputs[0]), (0, 1), None)
+    return _to_axis_strategies(
+        call, einsum_strategies("k,k->", call.inputs, call.outputs[0]), (0, 1), None
+    )
 
 
 @register(aten.addmm.default)
@@ -169,10 +181,14 @@ def _expand_ellipsis(equation: str, operands: Sequence[TensorMeta]) -> str:
     if not rhs and "->" not in equation:
         # Implicit output: letters that appear once, in alphabetical order (ellipsis first).
         counts = {c: lhs.count(c) for c in lhs if c.isalpha()}
-        rhs = ("..." if "..." in lhs else "") + "".join(sorted(c for c, n in counts.items() if n == 1))
+        rhs = ("..." if "..." in lhs else "") + "".join(
+            sorted(c for c, n in counts.items() if n == 1)
+        )
     used = set(lhs + rhs)
     free = [c for c in string.ascii_letters if c not in used]
-    num_ellipsis = max((m.ndim - (len(t) - 3) for t, m in zip(terms, operands) if "..." in t), default=0)
+    num_ellipsis = max(
+        (m.ndim - (len(t) - 3) for t, m in zip(terms, operands) if "..." in t), default=0
+    )
     fill = "".join(free[:num_ellipsis])
     new_terms = []
     for t, m in zip(terms, operands):
@@ -187,7 +203,12 @@ def _expand_ellipsis(equation: str, operands: Sequence[TensorMeta]) -> str:
 def einsum_rule(call: OpCall) -> list[AxisStrategy]:
     equation = call.args[0]
     operands = [m for m in call.inputs if isinstance(m, TensorMeta)]
-    if not isinstance(equation, str) or any(term.count(c) > 1 for term in equation.split("->")[0].split(",") for c in term if c.isalpha()):
+    if not isinstance(equation, str) or any(
+        term.count(c) > 1
+        for term in equation.split("->")[0].split(",")
+        for c in term
+        if c.isalpha()
+    ):
         return []  # diagonals (repeated letters in one operand) are left replicated
     results = einsum_strategies(_expand_ellipsis(equation, operands), operands, call.outputs[0])
     return _to_axis_strategies(call, results, tuple(range(len(operands))), None)

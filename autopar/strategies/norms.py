@@ -37,7 +37,12 @@ def norm_strategies(call: OpCall, num_outer: int) -> list[AxisStrategy]:
     return strategies
 
 
-@register(aten.layer_norm.default, aten.native_layer_norm.default, aten.rms_norm.default, aten._fused_rms_norm.default)
+@register(
+    aten.layer_norm.default,
+    aten.native_layer_norm.default,
+    aten.rms_norm.default,
+    aten._fused_rms_norm.default,
+)
 def layer_norm_rule(call: OpCall) -> list[AxisStrategy]:
     x = call.inputs[0]
     return norm_strategies(call, x.ndim - _normalized_ndim(call))

@@ -47,7 +47,9 @@ def elementwise_strategies(
         return tuple(place(m) if isinstance(m, TensorMeta) else None for m in call.inputs)
 
     num_outputs = len(call.outputs)
-    strategies = [AxisStrategy(outputs=(REPLICATE,) * num_outputs, inputs=per_input(lambda m: REPLICATE))]
+    strategies = [
+        AxisStrategy(outputs=(REPLICATE,) * num_outputs, inputs=per_input(lambda m: REPLICATE))
+    ]
     for d in range(out.ndim):
         strategies.append(
             AxisStrategy(
@@ -55,13 +57,15 @@ def elementwise_strategies(
                 inputs=per_input(lambda m, d=d: broadcast_placement(out.shape, m, d)),
             )
         )
-    partial_ok = partial_inputs is not None and any(partial_inputs) and all(
-        m.is_float for m, p in zip(call.inputs, partial_inputs) if p
-    )
-    if partial_inputs is not None and partial_ok:
-        it = iter(partial_inputs)
-        inputs = per_input(lambda m: PARTIAL if next(it) else REPLICATE)
-        strategies.append(AxisStrategy(outputs=(PARTIAL,) * num_outputs, inputs=inputs))
+    if partial_inputs is not None and any(partial_inputs):
+        pairs = list(zip(call.inputs, partial_inputs, strict=True))
+        # Partial of ints or bools is not meaningful (e.g. add of bools is logical or).
+        if all(isinstance(m, TensorMeta) and m.is_float for m, p in pairs if p):
+            inputs = tuple(
+                None if not isinstance(m, TensorMeta) else (PARTIAL if p else REPLICATE)
+                for m, p in pairs
+            )
+            strategies.append(AxisStrategy(outputs=(PARTIAL,) * num_outputs, inputs=inputs))
     return strategies
 
 
@@ -76,18 +80,15 @@ def _is_nonzero_number(value: object) -> bool:
 # --------------------------------------------------------------------------------------------
 # Nonlinear ops and ops with bool/int results: Shard and Replicate only
 
-_NONLINEAR = [
-    "abs", "acos", "asin", "atan", "ceil", "cos", "cosh", "erf", "exp", "exp2", "expm1", "floor",
-    "log", "log10", "log1p", "log2", "reciprocal", "round", "rsqrt", "sigmoid", "sign", "sin",
-    "sinh", "sqrt", "square", "tan", "tanh", "trunc", "relu", "gelu", "silu", "mish", "hardtanh",
-    "leaky_relu", "elu", "softplus", "logical_not", "bitwise_not", "isnan", "isinf", "isfinite",
-    "zeros_like", "ones_like", "empty_like", "full_like", "fill", "nan_to_num",
-    "eq", "ne", "lt", "gt", "le", "ge", "logical_and", "logical_or", "logical_xor",
-    "bitwise_and", "bitwise_or", "bitwise_xor", "__and__", "__or__", "__xor__",
-    "maximum", "minimum", "fmax", "fmin", "atan2", "pow", "clamp", "clamp_min", "clamp_max",
-    "remainder", "fmod", "floor_divide", "lerp", "addcmul", "addcdiv", "gelu_backward",
-    "silu_backward", "threshold_backward", "sigmoid_backward", "tanh_backward",
-]
+_NONLINEAR = """
+    abs acos asin atan ceil cos cosh erf exp exp2 expm1 floor log log10 log1p log2 reciprocal
+    round rsqrt sigmoid sign sin sinh sqrt square tan tanh trunc relu gelu silu mish hardtanh
+    leaky_relu elu softplus logical_not bitwise_not isnan isinf isfinite zeros_like ones_like
+    empty_like full_like fill nan_to_num eq ne lt gt le ge logical_and logical_or logical_xor
+    bitwise_and bitwise_or bitwise_xor __and__ __or__ __xor__ maximum minimum fmax fmin atan2
+    pow clamp clamp_min clamp_max remainder fmod floor_divide lerp addcmul addcdiv gelu_backward
+    silu_backward threshold_backward sigmoid_backward tanh_backward
+""".split()
 
 
 _OUT_OVERLOAD = re.compile(r"(^|_)out($|_)|^output$|grad_input")
@@ -124,7 +125,9 @@ def unary_linear_rule(call: OpCall) -> list[AxisStrategy]:
 
 def _float_cast(call: OpCall) -> bool:
     src, out = call.inputs[0], call.outputs[0]
-    return bool(src.is_float and out is not None and (out.dtype.is_floating_point or out.dtype.is_complex))
+    return bool(
+        src.is_float and out is not None and (out.dtype.is_floating_point or out.dtype.is_complex)
+    )
 
 
 @register(
@@ -147,13 +150,20 @@ def cast_rule(call: OpCall) -> list[AxisStrategy]:
     options: list[Placement] = [REPLICATE, *(Shard(d) for d in range(out.ndim))]
     if cast_is_linear:
         options.append(PARTIAL)
-    return [AxisStrategy(outputs=(p,), inputs=(p, *extra(REPLICATE if p is PARTIAL else p))) for p in options]
+    return [
+        AxisStrategy(outputs=(p,), inputs=(p, *extra(REPLICATE if p is PARTIAL else p)))
+        for p in options
+    ]
 
 
 @register(*_overloads(["add", "sub", "rsub"]))
 def add_rule(call: OpCall) -> list[AxisStrategy]:
     tensors = _tensor_slots(call)
-    numbers = [a for a in (*call.args[:2], call.kwargs.get("other")) if not isinstance(a, TensorMeta) and a is not None]
+    numbers = [
+        a
+        for a in (*call.args[:2], call.kwargs.get("other"))
+        if not isinstance(a, TensorMeta) and a is not None
+    ]
     # add(P, P) is P; adding a Python number (or mixing P with R) would count it N times.
     exact = all(tensors) and not any(_is_nonzero_number(n) for n in numbers)
     return elementwise_strategies(call, partial_inputs=tensors if exact else None)

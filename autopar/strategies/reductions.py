@@ -117,7 +117,9 @@ def full_reduction_rule(call: OpCall) -> list[AxisStrategy]:
     return reduction_strategies(call, list(range(x.ndim)), False, linear=False, shard_reduced=False)
 
 
-@register(aten.var.correction, aten.std.correction, aten.var_mean.correction, aten.std_mean.correction)
+@register(
+    aten.var.correction, aten.std.correction, aten.var_mean.correction, aten.std_mean.correction
+)
 def var_rule(call: OpCall) -> list[AxisStrategy]:
     x = call.inputs[0]
     dims = normalize_dims(_arg(call, 1, "dim", None), x.ndim)
@@ -137,7 +139,13 @@ def var_dim_rule(call: OpCall) -> list[AxisStrategy]:
 # Scans along one dim
 
 
-@register(aten.cumsum.default, aten.cumprod.default, aten.cummax.default, aten.cummin.default, aten.logcumsumexp.default)
+@register(
+    aten.cumsum.default,
+    aten.cumprod.default,
+    aten.cummax.default,
+    aten.cummin.default,
+    aten.logcumsumexp.default,
+)
 def scan_rule(call: OpCall) -> list[AxisStrategy]:
     x = call.inputs[0]
     dim = int(_arg(call, 1, "dim", 0)) % max(x.ndim, 1)
@@ -159,7 +167,9 @@ def diff_rule(call: OpCall) -> list[AxisStrategy]:
     strategies = [AxisStrategy(outputs=(REPLICATE,), inputs=(REPLICATE,) * len(call.inputs))]
     for d in range(x.ndim):
         if d != dim:
-            strategies.append(AxisStrategy(outputs=(Shard(d),), inputs=(Shard(d),) * len(call.inputs)))
+            strategies.append(
+                AxisStrategy(outputs=(Shard(d),), inputs=(Shard(d),) * len(call.inputs))
+            )
     if x.is_float:
         strategies.append(AxisStrategy(outputs=(PARTIAL,), inputs=(PARTIAL,) * len(call.inputs)))
     return strategies

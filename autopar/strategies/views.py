@@ -64,7 +64,9 @@ def replicate_and_partial(call: OpCall) -> list[AxisStrategy]:
 # Views: dim grouping
 
 
-def view_groups(in_shape: Sequence[int], out_shape: Sequence[int]) -> list[tuple[list[int], list[int]]]:
+def view_groups(
+    in_shape: Sequence[int], out_shape: Sequence[int]
+) -> list[tuple[list[int], list[int]]]:
     """Cut the dims of a view into groups of equal element count.
 
     Returns ``(input_dims, output_dims)`` pairs in order; size-1 dims belong to no group (they
@@ -201,14 +203,9 @@ def movedim_rule(call: OpCall) -> list[AxisStrategy]:
     return permutation_strategies(inp, out_dim_of)
 
 
-@register(
-    aten.contiguous.default,
-    aten.clone.default,
-    aten.alias.default,
-    aten.detach.default,
-    aten.lift_fresh_copy.default,
-    aten.lift_fresh.default,
-)
+# clone, contiguous and lift_fresh_copy are registered with the same strategies in pointwise.py
+# (as linear elementwise ops / casts); registering them here too would shadow one of the two.
+@register(aten.alias.default, aten.detach.default, aten.lift_fresh.default)
 def identity_rule(call: OpCall) -> list[AxisStrategy]:
     inp = call.inputs[0]
     return permutation_strategies(inp, list(range(inp.ndim)))
@@ -221,9 +218,7 @@ def identity_rule(call: OpCall) -> list[AxisStrategy]:
 def broadcast_dim_map(in_shape: Sequence[int], out_shape: Sequence[int]) -> dict[int, int]:
     """Input dim -> output dim for the dims that broadcasting keeps whole (not size 1 -> n)."""
     lead = len(out_shape) - len(in_shape)
-    return {
-        d: d + lead for d, s in enumerate(in_shape) if s != 1 and s == out_shape[d + lead]
-    }
+    return {d: d + lead for d, s in enumerate(in_shape) if s != 1 and s == out_shape[d + lead]}
 
 
 @register(aten.expand.default, aten.expand_copy.default, aten.expand_as.default)
@@ -432,7 +427,10 @@ def pad_rule(call: OpCall) -> list[AxisStrategy]:
     mode = call.args[2] if len(call.args) > 2 else call.kwargs.get("mode", "constant")
     value = call.args[3] if len(call.args) > 3 else call.kwargs.get("value")
     if call.op is aten.constant_pad_nd.default:
-        mode, value = "constant", (call.args[2] if len(call.args) > 2 else call.kwargs.get("value", 0))
+        mode, value = (
+            "constant",
+            (call.args[2] if len(call.args) > 2 else call.kwargs.get("value", 0)),
+        )
     padded = {inp.ndim - 1 - k // 2 for k, amount in enumerate(pad) if amount != 0}
     if mode != "constant":
         # Reflect/replicate/circular padding reads across the padded dims' edges, which are the
@@ -440,9 +438,57 @@ def pad_rule(call: OpCall) -> list[AxisStrategy]:
         padded |= {inp.ndim - 1 - k for k in range(len(pad) // 2)}
     options = [AxisStrategy(outputs=(REPLICATE,), inputs=(REPLICATE,))]
     options += [
-        AxisStrategy(outputs=(Shard(d),), inputs=(Shard(d),)) for d in range(inp.ndim) if d not in padded
+        AxisStrategy(outputs=(Shard(d),), inputs=(Shard(d),))
+        for d in range(inp.ndim)
+        if d not in padded
     ]
     if mode == "constant" and not value and partial_ok(inp):
         options.append(AxisStrategy(outputs=(PARTIAL,), inputs=(PARTIAL,)))
     return options
 
+
+@register(aten.index.Tensor)
+def index_rule(call: OpCall) -> list[AxisStrategy]:
+    # self[..., i0, i1, ...] with the index tensors at consecutive positions p .. p+k-1 after
+    # p full slices (None): output = self.shape[:p] + broadcast(index shapes) + self.shape[p+k:].
+    # A sliced dim of self keeps its Shard (indices replicated); a broadcast-index dim is
+    # sharded on every index tensor that has it (self replicated: a gather of each rank's rows).
+    # Bool (mask) indices give data-dependent shapes, and non-adjacent indices move the
+    # broadcast dims to the front: both run replicated.
+    inp, out = call.inputs[0], call.outputs[0]
+    entries = list(call.args[1])
+    positions = [i for i, e in enumerate(entries) if e is not None]
+    indices = [entries[i] for i in positions]
+    options = [_same_on_all(call, REPLICATE, REPLICATE)]
+    contiguous = (
+        positions == list(range(positions[0], positions[0] + len(positions)))
+        if positions
+        else False
+    )
+    if not contiguous or any(m.dtype == torch.bool for m in indices):
+        return options
+    first, num_indexed = positions[0], len(positions)
+    num_bcast = out.ndim - (inp.ndim - num_indexed)
+
+    def strategy(out_dim: int, self_pl: Placement, index_pl: list[Placement]) -> AxisStrategy:
+        return AxisStrategy(outputs=(Shard(out_dim),), inputs=(self_pl, *index_pl))
+
+    for d in range(inp.ndim):
+        if d < first:
+            options.append(strategy(d, Shard(d), [REPLICATE] * num_indexed))
+        elif d >= first + num_indexed:
+            options.append(
+                strategy(d - num_indexed + num_bcast, Shard(d), [REPLICATE] * num_indexed)
+            )
+    bcast_shape = out.shape[first : first + num_bcast]
+    for j in range(num_bcast):
+        index_pl: list[Placement] = []
+        for m in indices:
+            k = j - (num_bcast - m.ndim)
+            index_pl.append(Shard(k) if k >= 0 and m.shape[k] == bcast_shape[j] != 1 else REPLICATE)
+        options.append(strategy(first + j, REPLICATE, index_pl))
+    if partial_ok(inp):
+        options.append(
+            AxisStrategy(outputs=(PARTIAL,), inputs=(PARTIAL, *([REPLICATE] * num_indexed)))
+        )
+    return options

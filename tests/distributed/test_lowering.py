@@ -3,22 +3,27 @@
 Until the planner exists the choices come from a small deterministic chooser (below): given the
 placements of the placeholders, each op takes the strategy whose required inputs best match its
 producers' layouts (parameters weigh more than activations, exact matches win, ties go to the
-first strategy), else the all-Replicate one. Two layouts per model:
+first strategy), else the all-Replicate one. Layouts:
 
 * ``dp``: every user input Shard(0) on every axis, parameters Replicate;
 * ``tp`` (Megatron-ish): inputs Shard(0) on all but the last axis; on the last axis the first
   projection of each MLP / attention (column-parallel) has its weight (and bias) Shard(0), the
-  second (row-parallel) its weight Shard(1).
+  second (row-parallel) its weight Shard(1);
+* ``mixed`` (MLP): forces re-layouts so that every step kind runs (all_gather, all_reduce,
+  reduce_scatter, all_to_all, slice, zero_out) and a weight is split over two axes.
 
-For each case, on meshes (2,) and (2, 2): the loss and every parameter gradient (gathered to
-full) equal the single-process ones (fp32, rtol 1e-5, atol 1e-6), and so do the parameters after
-3 SGD steps; the full state dict round-trips.
+For each case, on meshes (2,) and (2, 2), one spawn per mesh: the loss and every parameter
+gradient (gathered to full) equal the single-process ones (fp32, rtol 1e-5, atol 1e-6), and so
+do the parameters after 3 SGD steps; the full state dict round-trips; a global batch passed as
+local input is refused. Hugging Face GPT-2 and LLaMA (keyword inputs) run data parallel on (2,).
+Dropout masks agree between replicas and differ between batch shards.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 import operator
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -34,7 +39,6 @@ from autopar.strategies.registry import (
     replicate_all,
     strategies_for,
 )
-
 
 RTOL, ATOL = 1e-5, 1e-6
 NUM_STEPS = 3
@@ -53,6 +57,11 @@ _COLUMN = (
     "w3.weight",
     "layers.0.weight",
     "layers.0.bias",
+    # Vocab-parallel embeddings and output layers (rows = vocabulary).
+    "wte.weight",
+    "lm_head.weight",
+    "tok_embeddings.weight",
+    "output.weight",
 )
 _ROW = ("attn.proj.weight", "mlp.proj.weight", "wo.weight", "w2.weight", "layers.1.weight")
 
@@ -62,9 +71,14 @@ _ROW = ("attn.proj.weight", "mlp.proj.weight", "wo.weight", "w2.weight", "layers
 
 
 def greedy_choices(
-    captured: Any, mesh_shape: tuple[int, ...], fixed: dict[str, Placements]
+    captured: Any,
+    mesh_shape: tuple[int, ...],
+    fixed: dict[str, Placements],
+    forced: dict[Any, Placements] | None = None,
 ) -> dict[str, Strategy]:
-    """Placeholders as in ``fixed`` (else Replicate); each op the best-matching strategy."""
+    """Placeholders as in ``fixed`` (else Replicate); each op the best-matching strategy, except
+    ops in ``forced`` (op -> placements), which take the first strategy requiring those
+    placements of their first input."""
     num_axes = len(mesh_shape)
     params = set(captured.param_nodes) | set(captured.buffer_nodes)
     choices: dict[str, Strategy] = {}
@@ -73,6 +87,9 @@ def greedy_choices(
             choices[node.name] = Strategy(
                 outputs=(fixed.get(node.name, replicated(num_axes)),), inputs=()
             )
+        elif node.op == "call_function" and forced and node.target in forced:
+            strategies, _ = strategies_for(node, mesh_shape)
+            choices[node.name] = next(s for s in strategies if s.inputs[0] == forced[node.target])
         elif node.op == "call_function":
             choices[node.name] = _best_strategy(node, mesh_shape, choices, params)
     return choices
@@ -127,6 +144,23 @@ def tp_layout(captured: Any, mesh_shape: tuple[int, ...]) -> dict[str, Placement
     return fixed
 
 
+def mixed_layout(
+    captured: Any, mesh_shape: tuple[int, ...]
+) -> tuple[dict[str, Placements], dict[Any, Placements]]:
+    """MLP only: batch-sharded input, hidden layer re-split on its feature dim (all_to_all,
+    slice), second weight split on dim 1 over every axis (Partial output, zero_out bias) and the
+    loss inputs re-split on the batch (reduce_scatter)."""
+    num_axes = len(mesh_shape)
+    fixed = dp_layout(captured, mesh_shape)
+    second = next(name for name, fqn in captured.param_nodes.items() if fqn == "layers.1.weight")
+    fixed[second] = (Shard(1),) * num_axes
+    forced = {
+        torch.ops.aten.gelu.default: (Shard(1),) * num_axes,
+        torch.ops.aten.broadcast_tensors.default: (Shard(0),) * num_axes,
+    }
+    return fixed, forced
+
+
 def _is_tensor(captured: Any, name: str) -> bool:
     node = next(n for n in captured.gm.graph.nodes if n.name == name)
     return isinstance(node.meta.get("val"), torch.Tensor)
@@ -138,16 +172,21 @@ def _is_tensor(captured: Any, name: str) -> bool:
 
 def _reference(build: Callable[[], Any]) -> dict[str, Any]:
     model, args, kwargs = build()
-    loss = model(*args, **kwargs)
+    loss = _loss(model(*args, **kwargs))
     loss.backward()
     grads = {name: p.grad.clone() for name, p in model.named_parameters()}
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     opt.step()
     for _ in range(NUM_STEPS - 1):
         opt.zero_grad()
-        model(*args, **kwargs).backward()
+        _loss(model(*args, **kwargs)).backward()
         opt.step()
     return {"loss": loss.detach(), "grads": grads, "state": model.state_dict()}
+
+
+def _loss(output: Any) -> torch.Tensor:
+    """The scalar loss of a model output (Hugging Face models return a ModelOutput)."""
+    return output if isinstance(output, torch.Tensor) else output.loss
 
 
 def _close(what: str, got: torch.Tensor, want: torch.Tensor) -> None:
@@ -156,13 +195,13 @@ def _close(what: str, got: torch.Tensor, want: torch.Tensor) -> None:
 
 def check_case(
     build: Callable[[], Any],
-    layout: Callable[..., dict[str, Placements]],
+    choose: Callable[[Any, tuple[int, ...]], dict[str, Strategy]],
     mesh_shape: tuple[int, ...],
     groups: Any,
-    group_key: str,
     *,
     grad_bucket_bytes: int,
 ) -> None:
+    """Loss, gradients, 3 SGD steps and state dict round trip vs the single-process model."""
     from autopar.capture import capture
     from autopar.lowering import lower
     from autopar.runtime.module import ParallelModule, gather_full
@@ -170,9 +209,10 @@ def check_case(
     want = _reference(build)
     model, args, kwargs = build()
     captured = capture(model, args, kwargs)
-    choices = greedy_choices(captured, mesh_shape, layout(captured, mesh_shape))
-    lowered = lower(captured, choices, mesh_shape, group_key)
+    lowered = lower(captured, choose(captured, mesh_shape), mesh_shape, groups.key)
     pmodel = ParallelModule(lowered, model, groups, grad_bucket_bytes=grad_bucket_bytes)
+    if lowered.param_grad_reduce_axes and grad_bucket_bytes < 2**20:
+        assert pmodel.grad_reducer.num_buckets > 1
     assert [n for n, _ in pmodel.named_parameters()] == [n for n, _ in model.named_parameters()]
 
     local = pmodel.shard_inputs(*args, **kwargs)
@@ -180,7 +220,7 @@ def check_case(
     if any(a.shape != b.shape for a, b in zip(args, local_args)):
         with pytest.raises(ValueError, match="local shape"):
             pmodel(*args, **kwargs)
-    loss = pmodel(*local_args, **local_kwargs)
+    loss = _loss(pmodel(*local_args, **local_kwargs))
     _close("loss", loss.detach(), want["loss"])
     loss.backward()
     for name, param in pmodel.named_parameters():
@@ -191,18 +231,47 @@ def check_case(
     opt.step()
     for _ in range(NUM_STEPS - 1):
         opt.zero_grad()
-        pmodel(*local_args, **local_kwargs).backward()
+        _loss(pmodel(*local_args, **local_kwargs)).backward()
         opt.step()
     state = pmodel.state_dict()
     assert list(state) == list(want["state"]), (list(state), list(want["state"]))
     for name, value in want["state"].items():
         _close(f"{name} after {NUM_STEPS} SGD steps", state[name], value)
 
-    # Round trip: load the reference's full state into a fresh ParallelModule.
+    # Round trip: a fresh ParallelModule from a full state dict, then load the trained one.
     fresh = ParallelModule(lowered, build()[0].state_dict() | _non_persistent(model), groups)
     fresh.load_state_dict(want["state"])
     for name, value in fresh.state_dict().items():
         _close(f"{name} after load_state_dict", value, want["state"][name])
+
+
+def check_local_loss(mesh_shape: tuple[int, ...], groups: Any) -> None:
+    """Batch-sharded outputs and a loss on the local block: DDP's convention gives the gradients
+    of the global mean loss."""
+    import torch.nn.functional as F
+
+    from autopar.capture import capture
+    from autopar.lowering import lower
+    from autopar.runtime.module import ParallelModule, gather_full
+    from tests.models import tiny_mlp
+
+    model, (x, y), _ = tiny_mlp()
+    F.mse_loss(model(x), y).backward()
+    want = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    captured = capture(model, (x,))
+    sharded = (Shard(0),) * len(mesh_shape)
+    choices = greedy_choices(captured, mesh_shape, dp_layout(captured, mesh_shape))
+    lowered = lower(captured, choices, mesh_shape, groups.key, output_placements=[sharded])
+    pmodel = ParallelModule(lowered, model, groups)
+    (local_x,) = pmodel.shard_inputs(x)
+    out = pmodel(local_x)
+    local_y = y.chunk(math.prod(mesh_shape))[groups.rank]
+    assert out.shape == local_y.shape
+    F.mse_loss(out, local_y).backward()
+    for name, param in pmodel.named_parameters():
+        grad = gather_full(param.grad, lowered.param_placements[name], groups.groups.__getitem__)
+        _close(f"grad of {name} (local loss)", grad, want[name])
 
 
 def _non_persistent(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -230,52 +299,93 @@ def check_dropout_masks(groups: Any) -> None:
         coords = [None] * dist.get_world_size()
         dist.all_gather_object(coords, tuple(groups.coordinate))
         masks[sharded] = dict(zip(coords, everyone))
-    for a, mask_a in masks[()].items():
-        for b, mask_b in masks[()].items():
+    for mask_a in masks[()].values():
+        for mask_b in masks[()].values():
             assert torch.equal(mask_a, mask_b), "replicated dropout masks differ between ranks"
     for a, mask_a in masks[(0,)].items():
         for b, mask_b in masks[(0,)].items():
             assert torch.equal(mask_a, mask_b) == (a[0] == b[0]), (a, b)
 
 
-def _cases() -> list[tuple[str, Callable[[], Any], Callable[..., dict[str, Placements]]]]:
-    from tests.models import tiny_gpt, tiny_llama, tiny_mlp
+def _chooser(layout: str) -> Callable[[Any, tuple[int, ...]], dict[str, Strategy]]:
+    def choose(captured: Any, mesh_shape: tuple[int, ...]) -> dict[str, Strategy]:
+        if layout == "mixed":
+            fixed, forced = mixed_layout(captured, mesh_shape)
+            return greedy_choices(captured, mesh_shape, fixed, forced)
+        fixed = (dp_layout if layout == "dp" else tp_layout)(captured, mesh_shape)
+        return greedy_choices(captured, mesh_shape, fixed)
 
-    return [
-        (f"{model_name}/{layout_name}", build, layout)
-        for model_name, build in (("mlp", tiny_mlp), ("gpt", tiny_gpt), ("llama", tiny_llama))
-        for layout_name, layout in (("dp", dp_layout), ("tp", tp_layout))
-    ]
+    return choose
 
 
-def run_all_cases(mesh_shape: tuple[int, ...]) -> None:
-    """Body of one rank: every case on this mesh (raises on the first mismatch)."""
+CASES = [
+    "dropout",
+    "mlp/local_loss",
+    "mlp/dp",
+    "mlp/tp",
+    "mlp/mixed",
+    "gpt/dp",
+    "gpt/tp",
+    "llama/dp",
+    "llama/tp",
+]
+HF_CASES = ["hf_gpt2/dp", "hf_llama/dp"]
+"""Hugging Face models (keyword inputs, ModelOutput results) run on the 1-D mesh only, for time."""
+MESHES = {"mesh2": (2,), "mesh2x2": (2, 2)}
+
+
+@functools.cache
+def _groups(mesh_shape: tuple[int, ...]) -> Any:
     from autopar.runtime.process_groups import axis_groups
 
-    torch.set_num_threads(1)
-    names = tuple(f"a{i}" for i in range(len(mesh_shape)))
-    groups = axis_groups(mesh_shape, names)
-    check_dropout_masks(groups)
-    for case_name, build, layout in _cases():
-        # Small buckets for data parallelism exercise several overlapped all-reduces.
-        bucket_bytes = 16 * 1024 if case_name.endswith("dp") else 25 * 2**20
-        try:
-            check_case(build, layout, mesh_shape, groups, groups.key, grad_bucket_bytes=bucket_bytes)
-        except Exception as error:
-            raise AssertionError(f"case {case_name} on mesh {mesh_shape}: {error}") from error
+    return axis_groups(mesh_shape, tuple(f"a{i}" for i in range(len(mesh_shape))), key="lowering")
+
+
+def run_case(rank: int, world_size: int, case: str, mesh_shape: tuple[int, ...]) -> None:
+    """Body of one case on one rank (raises on the first mismatch)."""
+    from tests import models
+
+    groups = _groups(mesh_shape)
+    if case == "dropout":
+        check_dropout_masks(groups)
+        return
+    if case == "mlp/local_loss":
+        check_local_loss(mesh_shape, groups)
+        return
+    model_name, layout = case.split("/")
+    build = {"mlp": models.tiny_mlp, "gpt": models.tiny_gpt, "llama": models.tiny_llama}.get(
+        model_name
+    ) or getattr(models, model_name)
+    # Small buckets under data parallelism exercise several overlapped all-reduces.
+    bucket_bytes = 16 * 1024 if layout == "dp" else 25 * 2**20
+    check_case(build, _chooser(layout), mesh_shape, groups, grad_bucket_bytes=bucket_bytes)
+
+
+@pytest.fixture(scope="module", params=list(MESHES))
+def mesh_results(request: pytest.FixtureRequest) -> dict[str, Any]:
+    """Every case on one mesh, in one spawn of gloo ranks."""
+    from tests.distributed.launcher import run_cases
+
+    mesh_shape = MESHES[request.param]
+    world_size = math.prod(mesh_shape)
+    cases = CASES + HF_CASES if len(mesh_shape) == 1 else CASES
+    return run_cases(
+        run_case,
+        world_size,
+        [(case, case) for case in cases],
+        mesh_shape,
+        timeout_s=300,
+        env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"},
+    )
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)], ids=["mesh2", "mesh2x2"])
-def test_lowered_models_match_single_process(mesh_shape: tuple[int, ...]) -> None:
-    from tests.distributed.launcher import run_distributed
-
-    os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
-    world_size = 1
-    for size in mesh_shape:
-        world_size *= size
-    run_distributed(run_all_cases, world_size, mesh_shape, timeout_s=240)
+@pytest.mark.parametrize("case", CASES + HF_CASES)
+def test_lowered_model_matches_single_process(mesh_results: dict[str, Any], case: str) -> None:
+    if case not in mesh_results:
+        pytest.skip("Hugging Face models run on the 1-D mesh only")
+    mesh_results[case].check()
 
 
 def test_lowering_rewrites_a_copy_with_local_sizes_and_collectives() -> None:
@@ -292,7 +402,7 @@ def test_lowering_rewrites_a_copy_with_local_sizes_and_collectives() -> None:
     assert captured.gm.code == before, "lower() must not modify the captured graph"
     code = lowered.gm.code
     assert "_assert_tensor_metadata" not in code
-    assert "collectives_all_gather(" in code and "collectives_grad_all_reduce(" not in code
+    assert "collectives_autopar_" in code
     assert "'mesh_test'" in code
     views = [n for n in lowered.gm.graph.nodes if n.target is torch.ops.aten.view.default]
     batch = args[0].shape[0]
@@ -314,6 +424,25 @@ def test_lowering_refuses_absolute_split_of_a_sharded_dim() -> None:
     choices = greedy_choices(captured, (2,), dp_layout(captured, (2,)))
     split = next(n for n in captured.gm.graph.nodes if n.target is torch.ops.aten.split.Tensor)
     sharded = (Shard(2),)
-    choices[split.name] = Strategy(outputs=(sharded,) * 3, inputs=(sharded,), input_grads=(sharded,))
+    choices[split.name] = Strategy(
+        outputs=(sharded,) * 3, inputs=(sharded,), input_grads=(sharded,)
+    )
     with pytest.raises(AssertionError, match="absolute sizes along dim 2"):
         lower(captured, choices, (2,), "mesh_test")
+
+
+class _SqueezeAll(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x.unsqueeze(1).squeeze() * 2.0).sum()
+
+
+def test_lowering_squeezes_only_globally_size_one_dims() -> None:
+    """A batch of 2 split 2 ways has local size 1: squeeze() must not drop the batch dim."""
+    from autopar.capture import capture
+    from autopar.lowering import lower
+
+    captured = capture(_SqueezeAll(), (torch.randn(2, 8),))
+    choices = greedy_choices(captured, (2,), dp_layout(captured, (2,)))
+    lowered = lower(captured, choices, (2,), "mesh_test")
+    squeezes = [n for n in lowered.gm.graph.nodes if str(n.target).startswith("aten.squeeze")]
+    assert [(n.target, n.args[1]) for n in squeezes] == [(torch.ops.aten.squeeze.dims, [1])]

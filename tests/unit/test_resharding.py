@@ -31,7 +31,9 @@ DIM_SIZES = [1, 2, 3, 4, 6, 8, 12]
 
 
 @st.composite
-def placements_for(draw: st.DrawFn, shape: tuple[int, ...], mesh: tuple[int, ...]) -> tuple[Placement, ...]:
+def placements_for(
+    draw: st.DrawFn, shape: tuple[int, ...], mesh: tuple[int, ...]
+) -> tuple[Placement, ...]:
     """Random S(d)/R/P per axis; a shard the shape cannot divide becomes Replicate."""
     choices: list[Placement] = [Replicate(), Partial()] + [Shard(d) for d in range(len(shape))]
     counts = [1] * len(shape)
@@ -65,7 +67,9 @@ def check_pair(mesh: tuple[int, ...], shape: tuple[int, ...], src: tuple, dst: t
 
     grad = torch.randint(-9, 10, shape, generator=torch.Generator().manual_seed(2)).double()
     grad_in = simulate_steps(shard_full(grad, gradient_placements(dst), mesh), backward, mesh)
-    torch.testing.assert_close(assemble(grad_in, gradient_placements(src), mesh), grad, rtol=0, atol=0)
+    torch.testing.assert_close(
+        assemble(grad_in, gradient_placements(src), mesh), grad, rtol=0, atol=0
+    )
 
     # Gradients are never Partial, so the backward never needs a zero_out or an all_reduce.
     assert all(s.kind not in ("zero_out", "all_reduce") for s in backward)
@@ -77,9 +81,7 @@ def test_forward_and_backward_steps_preserve_the_tensor_on_random_meshes(case) -
     check_pair(*case)
 
 
-@pytest.mark.parametrize(
-    "mesh", [(2, 2), (2, 3), pytest.param((2, 2, 2), marks=pytest.mark.slow)]
-)
+@pytest.mark.parametrize("mesh", [(2, 2), (2, 3), pytest.param((2, 2, 2), marks=pytest.mark.slow)])
 def test_every_pair_of_placements_on_small_meshes(mesh: tuple[int, ...]) -> None:
     shape = (12, 8) if len(mesh) < 3 else (8, 4)
     choices = ["R", "P", "S0", "S1"]
@@ -102,38 +104,60 @@ def test_equal_placements_need_no_steps() -> None:
 
 
 def test_shard_to_shard_on_one_axis_is_one_all_to_all() -> None:
-    forward, backward = reshard_steps(parse_placements("S0"), parse_placements("S1"), (8, 16), 4, (4,))
+    forward, backward = reshard_steps(
+        parse_placements("S0"), parse_placements("S1"), (8, 16), 4, (4,)
+    )
     assert forward == (Step(kind="all_to_all", axis=0, dim=0, dst_dim=1, nbytes=2 * 16 * 4),)
     assert backward == (Step(kind="all_to_all", axis=0, dim=1, dst_dim=0, nbytes=2 * 16 * 4),)
     # Same on the inner axis of a 2-D mesh when no other axis shards either dim.
-    forward, _ = reshard_steps(parse_placements("R,S0"), parse_placements("R,S1"), (8, 16), 4, (2, 4))
+    forward, _ = reshard_steps(
+        parse_placements("R,S0"), parse_placements("R,S1"), (8, 16), 4, (2, 4)
+    )
     assert kinds(forward) == ["all_to_all"] and forward[0].axis == 1
 
 
 def test_partial_to_shard_is_reduce_scatter_with_all_gather_backward() -> None:
-    forward, backward = reshard_steps(parse_placements("P"), parse_placements("S0"), (8, 16), 4, (4,))
+    forward, backward = reshard_steps(
+        parse_placements("P"), parse_placements("S0"), (8, 16), 4, (4,)
+    )
     assert forward == (Step(kind="reduce_scatter", axis=0, dim=0, nbytes=8 * 16 * 4),)
     assert backward == (Step(kind="all_gather", axis=0, dim=0, nbytes=8 * 16 * 4),)
 
 
 def test_partial_to_replicate_is_all_reduce_with_identity_backward() -> None:
-    forward, backward = reshard_steps(parse_placements("R,P"), parse_placements("R,R"), (8, 16), 2, (2, 4))
+    forward, backward = reshard_steps(
+        parse_placements("R,P"), parse_placements("R,R"), (8, 16), 2, (2, 4)
+    )
     assert forward == (Step(kind="all_reduce", axis=1, nbytes=8 * 16 * 2),)
     assert backward == ()
 
 
 def test_gather_and_slice_bytes_are_the_gathered_local_size() -> None:
     # dim 0 split over both axes of a 2x4 mesh: local (1, 16); gathering axis 1 gives (4, 16).
-    forward, backward = reshard_steps(parse_placements("S0,S0"), parse_placements("S0,R"), (8, 16), 4, (2, 4))
+    forward, backward = reshard_steps(
+        parse_placements("S0,S0"), parse_placements("S0,R"), (8, 16), 4, (2, 4)
+    )
     assert forward == (Step(kind="all_gather", axis=1, dim=0, nbytes=4 * 16 * 4),)
     assert backward == (Step(kind="slice", axis=1, dim=0),)
-    forward, backward = reshard_steps(parse_placements("R"), parse_placements("S1"), (8, 16), 4, (4,))
+    forward, backward = reshard_steps(
+        parse_placements("R"), parse_placements("S1"), (8, 16), 4, (4,)
+    )
     assert forward == (Step(kind="slice", axis=0, dim=1),)
     assert backward == (Step(kind="all_gather", axis=0, dim=1, nbytes=8 * 16 * 4),)
 
 
+def test_axes_of_size_one_need_no_steps() -> None:
+    forward, backward = reshard_steps(
+        parse_placements("S0,P"), parse_placements("P,S1"), (8, 16), 4, (1, 4)
+    )
+    assert kinds(forward) == ["reduce_scatter"] and kinds(backward) == ["all_gather"]
+    assert forward[0].axis == 1 and forward[0].dim == 1
+
+
 def test_shard_to_partial_goes_through_replicate() -> None:
-    forward, backward = reshard_steps(parse_placements("S0"), parse_placements("P"), (8, 16), 4, (2,))
+    forward, backward = reshard_steps(
+        parse_placements("S0"), parse_placements("P"), (8, 16), 4, (2,)
+    )
     assert kinds(forward) == ["all_gather", "zero_out"]
     assert kinds(backward) == ["slice"]
 
@@ -161,5 +185,8 @@ def test_shard_full_follows_dtensor_chunk_order_for_a_dim_over_two_axes() -> Non
     shards = shard_full(full, parse_placements("S0,S0"), (2, 2))
     # Axis 0 is outermost: coordinate (i, j) holds chunk 2 * i + j.
     assert [shards[(i, j)].tolist() for i in range(2) for j in range(2)] == [
-        [0.0, 1.0], [2.0, 3.0], [4.0, 5.0], [6.0, 7.0]
+        [0.0, 1.0],
+        [2.0, 3.0],
+        [4.0, 5.0],
+        [6.0, 7.0],
     ]

@@ -5,6 +5,9 @@ from __future__ import annotations
 import math
 import pickle
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pulp
 import pytest
@@ -239,8 +242,7 @@ def test_a_time_limit_gives_a_plan_with_a_bound_or_says_it_found_none() -> None:
         return
     assert sol.status in ("feasible", "optimal")
     assert sol.bound_s <= sol.objective_s == plan_objective_s(problem, sol.choices)
-    assert sol.peak_memory_bytes <= budget
-    assert sol.status == "optimal" or sol.gap > 0.0
+    assert sol.peak_memory_bytes <= budget and 0.0 <= sol.gap
 
 
 def test_missing_highs_falls_back_to_cbc_and_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -248,6 +250,17 @@ def test_missing_highs_falls_back_to_cbc_and_says_so(monkeypatch: pytest.MonkeyP
     sol = solve(Problem(nodes=(node("a", (2.0, 1.0)),)), backend="highs")
     assert sol.backend == "cbc" and sol.details["highs_unavailable"] == 1.0
     assert sol.choices == (1,)
+
+
+def test_solver_imports_neither_torch_nor_autopar() -> None:
+    code = "import sys, solver; assert not {'torch', 'autopar'} & set(sys.modules), sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
+
+
+def test_brute_force_refuses_huge_problems() -> None:
+    nodes = tuple(node(f"n{i}", (1.0,) * 8) for i in range(7))
+    with pytest.raises(ValueError, match="too many"):
+        brute_force(Problem(nodes=nodes))
 
 
 def test_budget_error_survives_pickling() -> None:
@@ -328,7 +341,7 @@ def check_against_brute_force(problem: Problem, backend: str) -> None:
     assert sol.bound_s <= sol.objective_s and sol.gap <= REL_TOL
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems())
 def test_highs_matches_brute_force(problem: Problem) -> None:
     check_against_brute_force(problem, "highs")
@@ -340,7 +353,7 @@ def test_cbc_matches_brute_force(problem: Problem) -> None:
     check_against_brute_force(problem, "cbc")
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems())
 def test_same_problem_same_choices(problem: Problem) -> None:
     try:

@@ -1,0 +1,311 @@
+"""The shared harness for multi-process gloo tests on 127.0.0.1.
+
+Two entry points:
+
+- :func:`run_distributed` spawns ``world_size`` processes, runs ``fn(rank, world_size, *args)``
+  in each inside an initialized gloo process group and returns each rank's result.
+- :func:`run_cases` runs a batch of named cases in one spawn (starting processes costs seconds,
+  a case milliseconds) and returns one :class:`CaseResult` per case, so a module-scoped pytest
+  fixture can run the batch once and each test checks its own case::
+
+      @pytest.fixture(scope="module")
+      def results_2x2() -> dict[str, CaseResult]:
+          return run_cases(check_one_case, 4, CASES, (2, 2))
+
+      @pytest.mark.parametrize("name", [name for name, _ in CASES])
+      def test_case(results_2x2, name):
+          results_2x2[name].check()
+
+``fn`` / ``case_fn`` must be module-level functions (they are pickled into the children) and
+their results picklable. Children come from a forkserver that imported torch once (spawn where
+there is none): after the first run, starting 4 ranks takes well under a second instead of
+importing torch in every child (3-10 s each on a busy machine).
+
+Every run is bounded: the gloo timeout bounds a collective a peer never joins, and ``timeout_s``
+bounds the whole run (children still alive then are killed). When a rank fails, the others get
+``grace_s`` to report and are then killed, so a failure never hangs.
+
+Environment of every rank: ``OMP_NUM_THREADS=1`` and ``torch.set_num_threads(1)`` (the test
+machines have few cores), ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (gloo then checks that ranks pass
+matching shapes), a fresh free port picked in the parent (a taken port makes ranks other than 0
+hang in init forever), plus ``env``. torch is already imported when ``env`` is applied (it is
+preloaded in the forkserver), so variables torch reads only at import have no effect; the debug
+level is re-read.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import queue as queue_lib
+import socket
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+__all__ = ["CaseResult", "DistributedRunError", "free_port", "run_cases", "run_distributed"]
+
+
+class DistributedRunError(RuntimeError):
+    """A rank failed, died, or the run passed its timeout; the message has every rank's story."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (bind to port 0, read, release)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "autopar.resharding"]
+
+
+def _context() -> Any:
+    """A forkserver context whose server has imported torch once (each rank is then forked in
+    about 0.1 s instead of importing torch for 3-10 s on a busy machine); spawn where forkserver
+    is unavailable. Both start children from a clean interpreter state, unlike fork."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def _worker(
+    rank: int,
+    world_size: int,
+    port: int,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    env: dict[str, str],
+    pg_timeout_s: float,
+    results: Any,
+) -> None:
+    os.environ.update(
+        {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "OMP_NUM_THREADS": "1",
+            "TORCH_DISTRIBUTED_DEBUG": "DETAIL",
+            **env,
+        }
+    )
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.set_debug_level_from_env()  # torch.distributed read the variable at import time
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=pg_timeout_s),
+        )
+        payload = pickle.dumps(fn(rank, world_size, *args))
+        results.put((rank, True, payload))
+    except BaseException:  # noqa: B036 - report everything, the parent decides
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 120.0,
+    env: dict[str, str] | None = None,
+    pg_timeout_s: float = 60.0,
+    grace_s: float = 5.0,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; each rank's result.
+
+    Args:
+        fn: a module-level function; its return value must be picklable.
+        timeout_s: bound on the whole run; ranks still running then are killed.
+        env: extra environment variables for every rank.
+        pg_timeout_s: the process group's timeout (a collective a peer never joins raises).
+        grace_s: how long the other ranks may still report after one failed (they may be
+            blocked in a collective with it) before they are killed.
+
+    Raises:
+        DistributedRunError: with each failing rank's traceback, the ranks that died without
+            reporting, or the ranks still running at the timeout.
+    """
+    ctx = _context()
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(rank, world_size, port, fn, args, dict(env or {}), pg_timeout_s, results),
+            name=f"autopar-rank{rank}",
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    outcomes: dict[int, tuple[bool, Any]] = {}
+    deadline = time.monotonic() + timeout_s
+    first_failure: float | None = None
+    try:
+        while len(outcomes) < world_size:
+            now = time.monotonic()
+            if now > deadline:
+                break
+            if first_failure is not None and now > first_failure + grace_s:
+                break
+            try:
+                rank, ok, payload = results.get(timeout=0.2)
+            except queue_lib.Empty:
+                dead = [
+                    r for r, p in enumerate(procs) if r not in outcomes and p.exitcode is not None
+                ]
+                for r in dead:
+                    # A last chance for a result still in the pipe, then count it as died.
+                    time.sleep(0.5)
+                    if r not in outcomes and results.empty():
+                        outcomes[r] = (
+                            False,
+                            f"exited with code {procs[r].exitcode} without reporting",
+                        )
+                        first_failure = first_failure or time.monotonic()
+                continue
+            outcomes[rank] = (ok, payload)
+            if not ok and first_failure is None:
+                first_failure = time.monotonic()
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+        for proc in procs:
+            proc.join(timeout=10)
+        results.close()
+
+    failures = [f"rank {r}: {outcomes[r][1]}" for r in sorted(outcomes) if not outcomes[r][0]]
+    missing = [r for r in range(world_size) if r not in outcomes]
+    if failures or missing:
+        if missing:
+            why = (
+                "killed after another rank failed"
+                if failures
+                else f"still running at the {timeout_s:g} s timeout, killed"
+            )
+            failures.append(f"ranks {missing}: {why}")
+        raise DistributedRunError(
+            f"{fn.__name__} on {world_size} ranks failed:\n" + "\n".join(failures)
+        )
+    return [pickle.loads(outcomes[r][1]) for r in range(world_size)]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CaseResult:
+    """The outcome of one named case on every rank."""
+
+    name: str
+    values: tuple[Any, ...]
+    """Each rank's return value (None where that rank failed)."""
+    errors: tuple[str | None, ...]
+    """Each rank's traceback, or None where it passed."""
+
+    @property
+    def ok(self) -> bool:
+        return all(e is None for e in self.errors)
+
+    def check(self) -> tuple[Any, ...]:
+        """Each rank's value; AssertionError with every failing rank's traceback otherwise."""
+        if not self.ok:
+            details = "\n".join(
+                f"rank {r}: {e}" for r, e in enumerate(self.errors) if e is not None
+            )
+            raise AssertionError(f"case {self.name!r} failed:\n{details}")
+        return self.values
+
+
+def _run_case_batch(
+    rank: int,
+    world_size: int,
+    case_fn: Callable[..., Any],
+    cases: list[tuple[str, Any]],
+    args: tuple[Any, ...],
+    pg_timeout_s: float,
+) -> list[tuple[str, bool, Any]]:
+    """One rank's body in :func:`run_cases`: every case in order, stopping after a failure (a
+    rank that failed mid-collective leaves its peers' next collectives mismatched)."""
+    import torch
+    import torch.distributed as dist
+
+    # Statuses travel on their own group with a longer timeout, so a rank that failed early waits
+    # for peers that are still timing out inside the case's collectives.
+    status_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=2 * pg_timeout_s + 10))
+    out: list[tuple[str, bool, Any]] = []
+    for index, (name, case) in enumerate(cases):
+        try:
+            value = case_fn(rank, world_size, case, *args)
+            pickle.dumps(value)
+            out.append((name, True, value))
+        except Exception:
+            out.append((name, False, traceback.format_exc()))
+        statuses = [torch.zeros(1, dtype=torch.int32) for _ in range(world_size)]
+        ok = torch.tensor([int(out[-1][1])], dtype=torch.int32)
+        dist.all_gather(statuses, ok, group=status_group)
+        failed = [r for r, status in enumerate(statuses) if not int(status.item())]
+        if failed:
+            reason = f"skipped: case {name!r} failed on ranks {failed} before it"
+            out.extend((later, False, reason) for later, _ in cases[index + 1 :])
+            break
+    return out
+
+
+def run_cases(
+    case_fn: Callable[..., Any],
+    world_size: int,
+    cases: Sequence[tuple[str, Any]] | Mapping[str, Any],
+    *args: Any,
+    timeout_s: float = 120.0,
+    env: dict[str, str] | None = None,
+    pg_timeout_s: float = 60.0,
+) -> dict[str, CaseResult]:
+    """Run ``case_fn(rank, world_size, case, *args)`` for every ``(name, case)`` in one spawn.
+
+    A failing case is recorded (each rank's traceback) and the cases after it are reported as
+    skipped. Names must be unique; ``case`` and the results must be picklable.
+
+    Raises:
+        DistributedRunError: the batch itself could not run (a rank died, or the timeout passed).
+    """
+    items = list(cases.items()) if isinstance(cases, Mapping) else [tuple(c) for c in cases]
+    names = [name for name, _ in items]
+    if len(set(names)) != len(names):
+        raise ValueError(f"case names must be unique: {names}")
+    per_rank = run_distributed(
+        _run_case_batch,
+        world_size,
+        case_fn,
+        items,
+        args,
+        pg_timeout_s,
+        timeout_s=timeout_s,
+        env=env,
+        pg_timeout_s=pg_timeout_s,
+    )
+    results: dict[str, CaseResult] = {}
+    for index, name in enumerate(names):
+        rows = [rank_out[index] for rank_out in per_rank]
+        results[name] = CaseResult(
+            name=name,
+            values=tuple(value if ok else None for _, ok, value in rows),
+            errors=tuple(None if ok else value for _, ok, value in rows),
+        )
+    return results
