@@ -1,5 +1,17 @@
 """Lowering: a captured graph and the chosen strategies -> a graph on local shards."""
 
-from autopar.lowering.rewrite import LoweredGraph, PlaceholderSource, autopar_dropout, lower
+from autopar.lowering.local_ops import (
+    autopar_dropout,
+    autopar_scale_grad,
+    autopar_vocab_parallel_embedding,
+)
+from autopar.lowering.rewrite import LoweredGraph, PlaceholderSource, lower
 
-__all__ = ["LoweredGraph", "PlaceholderSource", "autopar_dropout", "lower"]
+__all__ = [
+    "LoweredGraph",
+    "PlaceholderSource",
+    "autopar_dropout",
+    "autopar_scale_grad",
+    "autopar_vocab_parallel_embedding",
+    "lower",
+]

@@ -19,14 +19,15 @@ So the user writes ``loss.backward(); opt.step()`` and nothing else. Gradients a
 averaged: the loss is the replicated global value, so the per-rank summands add up to the true
 gradient (DESIGN.md, gradient convention).
 
-Limitation: each backward reduces the accumulated ``.grad``, so gradient accumulation over
-several backward calls needs the gradients zeroed in between (or the micro-batch losses summed
-into one backward).
+Gradient accumulation: run every micro-batch but the last under :meth:`GradReducer.no_sync`
+(DDP's idiom). The partial summands then accumulate in ``.grad`` and the last backward reduces
+their sum once; reducing after every backward would count the earlier micro-batches again.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,6 +71,7 @@ class GradReducer:
         self._buckets: list[_Bucket] = []
         self._bucket_of: dict[int, _Bucket] = {}
         self._callback_queued = False
+        self._enabled = True
         open_buckets: dict[tuple[Any, ...], _Bucket] = {}
         for param, axes in reversed(list(params)):
             if not axes or not param.requires_grad:
@@ -93,6 +95,15 @@ class GradReducer:
     def num_buckets(self) -> int:
         return len(self._buckets)
 
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward calls inside only accumulate local gradients (no reduction)."""
+        previous, self._enabled = self._enabled, False
+        try:
+            yield
+        finally:
+            self._enabled = previous
+
     def remove(self) -> None:
         """Detach the hooks (gradients are then no longer reduced)."""
         for handle in self._handles:
@@ -100,6 +111,8 @@ class GradReducer:
         self._handles = []
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
+        if not self._enabled:
+            return
         if not self._callback_queued:
             self._callback_queued = True
             Variable._execution_engine.queue_callback(self._finish)

@@ -18,6 +18,7 @@ rank's slice.
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -170,6 +171,11 @@ class ParallelModule(nn.Module):
             self._axis_group,
             bucket_bytes=grad_bucket_bytes,
         )
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """Context for all but the last micro-batch of gradient accumulation (as in DDP): the
+        backward calls inside skip the gradient reduction; the next one outside reduces the sum."""
+        return self.grad_reducer.no_sync()
 
     def _axis_group(self, axis: int) -> Any:
         return self.groups.groups[axis]

@@ -12,6 +12,12 @@ divisibility check on input and output is then exactly the condition for the blo
 Ops whose dim argument is sharded (split, cat, stack along that dim, a real slice of it) are not
 given that Shard: it would need communication or uneven shards. Bool tensors never get Partial
 (a sum of booleans is not their value).
+
+What the lowering must make local (the strategies assume it): the size arguments of view,
+reshape, _unsafe_view, unflatten, expand (the local output shape); ``squeeze.default``, which on
+a shard whose local size is 1 would drop that dim too (rewrite it to ``squeeze.dims`` of the
+global size-1 dims); ``repeat_interleave``'s ``output_size``; and a slice that keeps a sharded
+dim whole (its end clamps to the local size, so ``end >= global size`` is fine as it is).
 """
 
 from __future__ import annotations

@@ -227,6 +227,15 @@ def check_case(
         grad = gather_full(param.grad, lowered.param_placements[name], groups.groups.__getitem__)
         _close(f"grad of {name}", grad, want["grads"][name])
 
+    # Gradient accumulation: two half-weighted micro-batches, the first under no_sync().
+    grads = {name: param.grad.clone() for name, param in pmodel.named_parameters()}
+    pmodel.zero_grad()
+    with pmodel.no_sync():
+        (0.5 * _loss(pmodel(*local_args, **local_kwargs))).backward()
+    (0.5 * _loss(pmodel(*local_args, **local_kwargs))).backward()
+    for name, param in pmodel.named_parameters():
+        _close(f"accumulated grad of {name}", param.grad, grads[name])
+
     opt = torch.optim.SGD(pmodel.parameters(), lr=LR)
     opt.step()
     for _ in range(NUM_STEPS - 1):

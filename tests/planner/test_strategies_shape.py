@@ -886,3 +886,26 @@ def test_zoo_nodes_of_these_families_expand_on_2d_and_3d_meshes(
             assert replicated, (name, node.format_node())
         if node.target in (aten.view.default, aten.reshape.default, aten.transpose.int):
             assert len(strategies) > 1, (name, node.format_node())
+
+
+def test_gqa_chains_in_the_zoo_keep_kv_heads_sharded(
+    zoo_nodes: dict[str, list[torch.fx.Node]],
+) -> None:
+    # tiny_llama: repeat_interleave(k, 2, dim=1); hf_llama: unsqueeze(2) -> expand -> reshape.
+    # Megatron-style attention needs KV heads S1 -> query heads S1 through every step.
+    chains = {
+        "tiny_llama": [aten.repeat_interleave.self_int],
+        "hf_llama": [aten.unsqueeze.default, aten.expand.default, aten.reshape.default],
+    }
+    for name, ops in chains.items():
+        for op in ops:
+            nodes = [
+                n
+                for n in zoo_nodes[name]
+                if n.target is op and tuple(n.args[0].meta["val"].shape[:2]) == (8, 2)
+            ]
+            assert nodes, (name, op)
+            for node in nodes:
+                strategies, _ = strategies_for(node, (2,))
+                pairs = {(s.inputs[0], s.outputs[0]) for s in strategies}
+                assert ((Shard(1),), (Shard(1),)) in pairs, (name, node.format_node())

@@ -294,9 +294,7 @@ def problems(draw: st.DrawFn) -> Problem:
                 else (),
             )
         )
-    pairs = st.tuples(st.integers(0, num_nodes - 1), st.integers(0, num_nodes - 1)).filter(
-        lambda p: p[0] < p[1]
-    )
+    pairs = st.lists(st.integers(0, num_nodes - 1), min_size=2, max_size=2, unique=True).map(sorted)
     cell = st.one_of(
         st.none(), number.map(lambda c: c * cost_unit), number.map(lambda c: c * cost_unit)
     )

@@ -1,0 +1,42 @@
+"""The auto plan optimizes over a superset of every recipe: never predicted slower than one that fits."""
+
+from __future__ import annotations
+
+import pytest
+
+import autopar
+from autopar.api import plan_captured
+from autopar.options import PlanOptions
+from autopar.presets import build_preset
+
+CASES = [
+    ("mlp", "4", 64, 16),
+    ("mlp", "2x2", 64, 16),
+    ("gpt2-small-2l", "2x2", 8, 128),
+    ("llama3-8b-2l", "4", 8, 128),
+    ("llama3-8b-2l", "2x2x2", 8, 128),
+    ("hf:gpt2?n_layer=2&n_embd=256&n_head=8&vocab_size=4096&n_positions=256", "2x2", 8, 128),
+    (
+        "hf:llama?num_hidden_layers=2&hidden_size=256&num_attention_heads=8&num_key_value_heads=4"
+        "&intermediate_size=512&vocab_size=4096",
+        "2x2",
+        8,
+        128,
+    ),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "mesh", "batch", "seq"), CASES, ids=[f"{c[0][:20]}-{c[1]}" for c in CASES])
+def test_auto_plan_is_never_slower_than_a_recipe_that_fits(name, mesh, batch, seq):
+    model, args, kwargs = build_preset(name, batch=batch, seq=seq)
+    captured = autopar.capture(model, args, kwargs)
+    plan = plan_captured(captured, autopar.Mesh.parse(mesh, device="h100"), PlanOptions(), model_name=name)
+    assert plan.data["solver"]["status"] == "optimal"
+    fitting = {k: v for k, v in plan.baselines.items() if v["fits"]}
+    assert fitting, "with the default budget at least one recipe should fit these small models"
+    for recipe, figures in fitting.items():
+        assert plan.predicted_step_s <= figures["step_s"] * (1 + 1e-6), (
+            f"auto {plan.predicted_step_s} slower than {recipe} {figures['step_s']}"
+        )
+    assert plan.predicted_peak_memory_bytes <= plan.data["memory_budget_bytes"]
