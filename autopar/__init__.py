@@ -12,18 +12,22 @@ from autopar.capture import Captured, capture
 from autopar.errors import AutoparError, PlanMismatchError, PlanningError, UnsupportedModelError
 from autopar.mesh import Mesh
 from autopar.options import PlanOptions
+from autopar.parallelize import autoparallelize
 from autopar.plan import Plan
+from autopar.runtime.module import ParallelModule
 
 __all__ = [
     "AutoparError",
     "Captured",
     "Mesh",
     "Plan",
+    "ParallelModule",
     "PlanMismatchError",
     "PlanOptions",
     "PlanningError",
     "UnsupportedModelError",
     "__version__",
+    "autoparallelize",
     "capture",
     "plan",
     "plan_captured",

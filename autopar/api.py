@@ -16,10 +16,12 @@ import torch.nn as nn
 import solver
 from autopar.baselines import BASELINE_RECIPES, RecipeSpec, recipe_spec
 from autopar.capture import Captured, capture
+from autopar.coarsen import repeated_blocks
 from autopar.errors import PlanningError
 from autopar.mesh import Mesh
 from autopar.options import PlanOptions, format_bytes, parse_bytes
 from autopar.plan import PLAN_VERSION, Plan, strategy_entry
+from autopar.runtime.zero import choose_chunk_bytes
 from autopar.strategies import input_nodes
 from autopar.problem import (
     Evaluation,
@@ -83,6 +85,7 @@ def _solve(
     name: str,
     budget: float | None,
     spec: RecipeSpec | None = None,
+    tied: tuple[tuple[int, ...], ...] = (),
 ) -> Solved:
     built = build_problem(
         space,
@@ -90,13 +93,20 @@ def _solve(
         allowed=spec.allowed if spec else None,
         forbid=spec.forbid if spec else None,
         memory_budget_bytes=budget,
+        tied=tied,
     )
-    solution = solver.solve(
-        built.problem,
-        backend=options.solver,
-        time_limit_s=options.time_limit_s,
-        gap=options.gap,
-    )
+    try:
+        solution = solver.solve(
+            built.problem,
+            backend=options.solver,
+            time_limit_s=options.time_limit_s,
+            gap=options.gap,
+        )
+    except solver.InfeasibleBudgetError:
+        if not built.problem.tied:
+            raise
+        # Identical layers forced alike do not fit; letting each layer choose might.
+        return _solve(space, zero, options, name=name, budget=budget, spec=spec)
     choice = tuple(built.allowed[i][c] for i, c in enumerate(solution.choices))
     return Solved(
         name=name, zero=zero, choice=choice, evaluation=evaluate(space, choice, zero), solution=solution
@@ -119,21 +129,23 @@ def zero_candidates(num_axes: int, mesh_shape: Sequence[int]) -> list[ZeroConfig
     return candidates
 
 
-def _auto(space: StrategySpace, options: PlanOptions, budget: float) -> tuple[Solved, list[dict]]:
+def _auto(
+    space: StrategySpace, options: PlanOptions, budget: float, tied: tuple[tuple[int, ...], ...] = ()
+) -> tuple[Solved, list[dict]]:
     mesh = space.mesh
     all_axes = tuple(a for a in range(mesh.ndim) if mesh.shape[a] > 1)
     log: list[dict] = []
     if options.zero_stage is not None:
         zero = ZeroConfig(stage=options.zero_stage, axes=all_axes if options.zero_stage else ())
         try:
-            solved = _solve(space, zero, options, name="auto", budget=budget)
+            solved = _solve(space, zero, options, name="auto", budget=budget, tied=tied)
         except solver.InfeasibleBudgetError as e:
             raise _budget_error(budget, e.min_budget_bytes, f"ZeRO stage {options.zero_stage}") from None
         log.append(_log_entry(solved))
         return solved, log
     # Stage 0 without a budget is a lower bound on every configuration's step time (ZeRO only
     # adds communication); if it fits, it is the answer.
-    free = _solve(space, ZeroConfig(), options, name="auto", budget=None)
+    free = _solve(space, ZeroConfig(), options, name="auto", budget=None, tied=tied)
     log.append(_log_entry(free, budget_free=True))
     if free.evaluation.peak_memory_bytes <= budget:
         return free, log
@@ -141,7 +153,7 @@ def _auto(space: StrategySpace, options: PlanOptions, budget: float) -> tuple[So
     min_needed = math.inf
     for zero in zero_candidates(mesh.ndim, mesh.shape):
         try:
-            solved = _solve(space, zero, options, name="auto", budget=budget)
+            solved = _solve(space, zero, options, name="auto", budget=budget, tied=tied)
         except solver.InfeasibleBudgetError as e:
             min_needed = min(min_needed, e.min_budget_bytes)
             log.append({"zero_stage": zero.stage, "zero_axes": list(zero.axes), "status": "infeasible"})
@@ -180,22 +192,30 @@ def plan_captured(
     *,
     model_name: str,
     capture_s: float = 0.0,
+    price_baselines: bool = True,
 ) -> Plan:
-    """Plan an already captured graph (the CLI and autoparallelize share this)."""
+    """Plan an already captured graph (the CLI and autoparallelize share this). With
+    ``price_baselines=False`` the recipes are not priced alongside (``plan.baselines`` then holds only
+    the chosen recipe, if any), which saves one ILP per recipe."""
     start = time.perf_counter()
     space = build_space(captured, mesh, options)
+    tied = repeated_blocks(space)
     strategies_s = time.perf_counter() - start
     budget = memory_budget_bytes(mesh, options)
 
     solve_start = time.perf_counter()
     baselines: dict[str, Solved] = {}
     notes: list[str] = []
-    for recipe in BASELINE_RECIPES:
+    # Otherwise only the requested recipe is solved (autoparallelize at start-up).
+    recipes = BASELINE_RECIPES if price_baselines else [r for r in BASELINE_RECIPES if r == options.recipe]
+    for recipe in recipes:
         spec = recipe_spec(space, recipe)
         notes.extend(spec.notes)
-        baselines[recipe] = _solve(space, spec.zero, options, name=recipe, budget=None, spec=spec)
+        baselines[recipe] = _solve(
+            space, spec.zero, options, name=recipe, budget=None, spec=spec, tied=tied
+        )
     if options.recipe == "auto":
-        chosen, log = _auto(space, options, budget)
+        chosen, log = _auto(space, options, budget, tied)
     else:
         chosen = baselines[options.recipe]
         log = [_log_entry(chosen)]
@@ -255,6 +275,8 @@ def _plan_document(
     nodes = []
     params: dict[str, Any] = {}
     inputs = []
+    zero_numels: list[int] = []  # local elements of each ZeRO-sharded parameter (chunk search)
+    zero_shards = 1
     for i, node in enumerate(space.nodes):
         s = chosen.choice[i]
         strategy = node.strategies[s]
@@ -284,6 +306,9 @@ def _plan_document(
             zero_axes = [
                 mesh.axis_names[a] for a in zero.axes if placements[a].is_replicate() and mesh.shape[a] > 1
             ]
+            if zero_axes and zero.stage > 0:
+                zero_numels.append(int(node.local_numel[s]))
+                zero_shards = max(zero_shards, math.prod(mesh.shape[mesh.axis_names.index(a)] for a in zero_axes))
             params[node.fqn] = {
                 "placement": entry["outputs"][0],
                 "shape": list(fx_node.meta["val"].shape),
@@ -314,7 +339,7 @@ def _plan_document(
         "zero": {
             "stage": zero.stage,
             "axes": [mesh.axis_names[a] for a in zero.axes],
-            "chunk_bytes": None,
+            "chunk_bytes": choose_chunk_bytes(zero_numels, zero_shards)[0] if zero_numels else None,
         },
         "checkpoint": {"mode": space.options.checkpoint, "segments": []},
         "predicted": _figures(chosen.evaluation),

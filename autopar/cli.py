@@ -89,6 +89,49 @@ def cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compare(args: argparse.Namespace) -> int:
+    from autopar.capture import capture
+    from autopar.baselines import BASELINE_RECIPES
+    from autopar.options import PlanOptions
+    from autopar.presets import build_preset
+    from autopar.report import compare_rows, compare_table, plans_for_recipes
+
+    mesh = _build_mesh(args)
+    recipes = ["auto", *(r for r in args.baselines.split(",") if r)] if args.baselines else ["auto", *BASELINE_RECIPES]
+    options = PlanOptions(memory_budget=args.budget, optimizer=args.optimizer,
+                          mixed_precision=args.mixed_precision, solver=args.solver,
+                          time_limit_s=args.time_limit, gap=args.gap)
+    model, example_args, example_kwargs = build_preset(args.model, batch=args.batch, seq=args.seq)
+    captured = capture(model, example_args, example_kwargs)
+    plans = plans_for_recipes(captured, mesh, options, recipes=recipes, model_name=args.model)
+    title = f"{args.model} on {mesh.describe()}, global batch {args.batch} x seq {args.seq} (predicted)"
+    print(compare_table(compare_rows(plans), markdown=args.markdown, title=title))
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from autopar.calibration import CalibrationConfig, calibrate
+    from autopar.mesh import Mesh
+    from cost_models import save_profile
+
+    mesh = Mesh.parse(args.mesh, device="cpu")
+    config = CalibrationConfig.tiny() if args.quick else CalibrationConfig()
+    profile = calibrate(mesh.shape, mesh.axis_names, config=config, nproc=args.nproc)
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        save_profile(profile, args.out)
+        print(f"profile written to {args.out} (use it with --profile {args.out})")
+    return 0
+
+
+def cmd_bench_cost(args: argparse.Namespace) -> int:
+    from autopar.bench_cost import BenchConfig, bench_cost_cli
+
+    config = BenchConfig(steps=args.steps, op_repeat_s=args.op_time, measure_ops=not args.no_ops)
+    return bench_cost_cli(args, config)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="autopar", description="automatic parallelization for PyTorch")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -100,6 +143,28 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("plan", help="plan JSON file")
     s.add_argument("--explain", nargs="*", default=None, help="node names or parameter FQNs to explain")
     s.set_defaults(func=cmd_show)
+    c = sub.add_parser("compare", help="the auto plan vs each recipe: step time, bytes per axis, memory")
+    _add_plan_options(c)
+    c.add_argument("--baselines", default=None, help="recipes to compare, comma separated (default: all)")
+    c.add_argument("--markdown", action="store_true", help="print a Markdown table")
+    c.set_defaults(func=cmd_compare)
+    k = sub.add_parser("calibrate", help="measure this machine (under torchrun, or --nproc N) and write a profile")
+    k.add_argument("--mesh", required=True, help="mesh shape: 2x2, 4, dp=2,tp=2")
+    k.add_argument("--out", required=True, help="profile JSON to write")
+    k.add_argument("--nproc", type=int, default=None, help="spawn this many gloo ranks on 127.0.0.1 (no torchrun)")
+    k.add_argument("--quick", action="store_true", help="minimal sizes (seconds; for tests)")
+    k.set_defaults(func=cmd_calibrate)
+    b = sub.add_parser("bench-cost", help="predicted vs measured op and step times of the auto plan and recipes")
+    _add_plan_options(b)
+    b.add_argument("--recipes", default="auto,ddp,megatron,fsdp,fsdp+tp", help="plans to run, comma separated")
+    b.add_argument("--steps", type=int, default=5, help="timed training steps per plan")
+    b.add_argument("--op-time", type=float, default=0.01, help="seconds of repeats per op timing")
+    b.add_argument("--no-ops", action="store_true", help="skip the per-op measurements")
+    b.add_argument("--nproc", type=int, default=None, help="spawn gloo ranks here (default: the mesh size, unless under torchrun)")
+    b.add_argument("--plots", default="bench_cost", help="PNG path prefix (PREFIX_ops.png, PREFIX_steps.png)")
+    b.add_argument("--markdown", action="store_true", help="print Markdown tables")
+    b.add_argument("--json", default=None, help="write every figure to this JSON file")
+    b.set_defaults(func=cmd_bench_cost)
     return parser
 
 

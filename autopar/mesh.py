@@ -1,8 +1,8 @@
 """The device mesh as the planner sees it: axis sizes and names, one link per axis, a device.
 
 ``Mesh.spec`` builds one offline (no processes, no GPU) for planning; ``Mesh.parse`` reads the
-CLI's ``--mesh`` text. The live constructor ``Mesh.from_world`` (process groups per axis) belongs
-to the runtime and is added there; this module stays torch-free.
+CLI's ``--mesh`` text. ``Mesh.from_world`` builds a live one inside torch.distributed (one process
+group per axis, kept in ``Mesh.groups``); it imports torch lazily, so planning stays torch-free.
 
 Defaults (DESIGN.md "Mesh axes"): axis names ``("dp", "tp")`` for a 2-D mesh and
 ``("a0", "a1", ...)`` otherwise; links NVLink on the innermost (last) axis and InfiniBand on the
@@ -15,7 +15,7 @@ import math
 import os
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from cost_models.hardware import (
@@ -55,6 +55,9 @@ class Mesh:
     device: DeviceSpec
     links: tuple[LinkSpec, ...]
     """One per axis: the interconnect a collective along that axis runs over."""
+    groups: Any = field(default=None, compare=False, repr=False)
+    """``autopar.runtime.process_groups.AxisGroups`` of a live mesh (``from_world``), else None.
+    Not part of the mesh's identity: equality, hash and ``to_dict`` ignore it."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(self.shape))
@@ -142,6 +145,85 @@ class Mesh:
         return cls(shape=shape_t, axis_names=names, device=dev, links=tuple(resolved))
 
     @classmethod
+    def from_world(
+        cls,
+        shape: int | Sequence[int],
+        axis_names: Sequence[str] | None = None,
+        *,
+        device: str | DeviceSpec | None = None,
+        links: Sequence[LinkArg] | Mapping[str, LinkArg] | None = None,
+        profile: str | os.PathLike[str] | Mapping[str, Any] | Profile | None = None,
+        timeout_s: float | None = None,
+    ) -> Mesh:
+        """A live mesh over the ranks of torch.distributed, with one process group per axis.
+
+        Call it on every rank (it is collective). If no process group is initialized yet and
+        torchrun's environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ...) is set, it
+        initializes one: NCCL when CUDA is available (on device ``LOCAL_RANK``), gloo otherwise.
+        Ranks are laid out row-major: rank r has the coordinate ``numpy.unravel_index(r, shape)``.
+
+        Args:
+            shape, axis_names, links, profile: as in :meth:`spec`.
+            device: the device whose figures the planner uses; default "cpu" under gloo, the
+                matching preset of the local GPU under NCCL ("h100" if it is not recognised).
+                Planning figures do not change how the plan executes.
+            timeout_s: how long a collective on the mesh's groups waits for a peer before it
+                raises (a rank that died or stalled); default the world group's timeout (the
+                ``timeout=`` of ``init_process_group``; torch's default is 30 minutes for gloo,
+                10 for NCCL). See :func:`set_groups_timeout` for TORCH_DISTRIBUTED_DEBUG=DETAIL.
+
+        Raises:
+            ValueError: the shape's product differs from the world size (the message names both).
+            RuntimeError: no process group and no torchrun environment to create one.
+        """
+        from datetime import timedelta
+
+        import torch
+        import torch.distributed as dist
+
+        from autopar.runtime.process_groups import axis_groups
+
+        shape_t = (shape,) if isinstance(shape, int) else tuple(shape)
+        if not dist.is_initialized():
+            if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+                raise RuntimeError(
+                    "Mesh.from_world needs torch.distributed: launch with torchrun (which sets "
+                    "RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) or call "
+                    "torch.distributed.init_process_group first; use Mesh.spec for offline planning"
+                )
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            if backend == "nccl":
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            init_kwargs: dict[str, Any] = {}
+            if timeout_s is not None:
+                init_kwargs["timeout"] = timedelta(seconds=timeout_s)
+            dist.init_process_group(backend, **init_kwargs)
+        world_size = dist.get_world_size()
+        if math.prod(shape_t) != world_size:
+            raise ValueError(
+                f"mesh shape {shape_t} has {math.prod(shape_t)} devices but the world size is "
+                f"{world_size}; give a shape whose product is {world_size} (e.g. ({world_size},)) "
+                f"or launch {math.prod(shape_t)} processes"
+            )
+        backend = dist.get_backend()
+        if device is None:
+            device = "cpu" if backend != "nccl" else _local_gpu_preset()
+        mesh = cls.spec(shape_t, axis_names, device=device, links=links, profile=profile)
+        groups = axis_groups(
+            mesh.shape, mesh.axis_names, device_type="cuda" if backend == "nccl" else "cpu"
+        )
+        if timeout_s is not None:
+            set_groups_timeout(groups, timeout_s)
+        return replace(mesh, groups=groups)
+
+    def set_timeout(self, timeout_s: float) -> None:
+        """Make collectives on this live mesh's groups raise after ``timeout_s`` seconds
+        without their peers (see :func:`set_groups_timeout`)."""
+        if self.groups is None:
+            raise ValueError("an offline mesh (Mesh.spec) has no process groups; use Mesh.from_world")
+        set_groups_timeout(self.groups, timeout_s)
+
+    @classmethod
     def parse(
         cls,
         text: str,
@@ -226,6 +308,37 @@ class Mesh:
             device=DeviceSpec.from_dict(d["device"]),
             links=tuple(LinkSpec.from_dict(x) for x in d["links"]),
         )
+
+
+def set_groups_timeout(groups: Any, timeout_s: float) -> None:
+    """Set the timeout of every per-axis process group of ``groups`` (an ``AxisGroups``).
+
+    A collective whose peer never joins then raises after ``timeout_s`` (gloo: "Timed out
+    waiting ... for recv"; autopar's collectives add the rank, op and axis). Under
+    ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` torch checks every collective with a barrier on a helper
+    group whose timeout is fixed when the group is created (the world's ``timeout=``); there the
+    world's timeout bounds the wait.
+    """
+    from datetime import timedelta
+
+    timeout = timedelta(seconds=timeout_s)
+    for group in groups.groups:
+        for device in group._device_types:
+            backend = group._get_backend(device)
+            while backend is not None:  # unwrap the DETAIL debug wrapper
+                backend.set_timeout(timeout)
+                backend = getattr(backend, "wrapped_pg", None)
+
+
+def _local_gpu_preset() -> str:
+    """The device preset matching this process's GPU (its name contains the preset's)."""
+    import torch
+
+    from cost_models.hardware import DEVICES
+
+    name = torch.cuda.get_device_name().lower().replace(" ", "-")
+    known = sorted(DEVICES, key=len, reverse=True)
+    return next((preset for preset in known if preset in name), "h100")
 
 
 def _axis_of_key(key: str | int, names: tuple[str, ...], what: str) -> int:

@@ -237,7 +237,6 @@ class Plan:
         blocks: dict[str, dict[str, Any]] = defaultdict(
             lambda: {"params": [], "acts": defaultdict(int), "seconds": 0.0, "memory": 0.0, "nodes": 0}
         )
-        fqn_to_block = {}
         for entry in d["nodes"]:
             blk = blocks[block_of(entry["module_path"])]
             blk["nodes"] += 1
@@ -245,10 +244,10 @@ class Plan:
             blk["memory"] += entry["memory_bytes"]
             if entry["kind"] == "op" and entry["outputs"] and entry["outputs"][0] is not None:
                 blk["acts"][entry["outputs"][0]] += 1
-            if entry.get("fqn"):
-                fqn_to_block[entry["fqn"]] = block_of(entry["module_path"])
         for fqn, p in d["params"].items():
-            blocks[block_of(p["module_path"])]["params"].append(f"{fqn.rsplit('.', 2)[-2] if '.' in fqn else fqn}.{fqn.rsplit('.', 1)[-1]}={p['placement']}" if "." in fqn else f"{fqn}={p['placement']}")
+            block = block_of(p["module_path"])
+            name = fqn[len(block) + 1 :] if fqn.startswith(block + ".") else fqn
+            blocks[block]["params"].append(f"{name}={p['placement']}")
         table = Table(title="per layer block", title_justify="left", show_lines=True)
         table.add_column("block")
         table.add_column("parameters (placement per mesh axis)", overflow="fold", max_width=60)

@@ -23,6 +23,7 @@ largest transient (a node's output and its gradient).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import operator
@@ -105,6 +106,9 @@ class StrategySpace:
     index: dict[str, int]
     warnings: list[str] = field(default_factory=list)
     build_s: float = 0.0
+    signatures: dict[str, tuple] = field(default_factory=dict)
+    """Node name -> what its strategies and costs depend on (op, shapes, arguments): nodes
+    with equal signatures have the same strategies and cost arrays (shared objects)."""
 
     def node(self, name: str) -> NodeSpace:
         return self.nodes[self.index[name]]
@@ -242,6 +246,8 @@ def build_space(captured: Captured, mesh: Mesh, options: PlanOptions) -> Strateg
     index: dict[str, int] = {}
     warnings: list[str] = []
     output_users = _output_requirements(captured, mesh, options)
+    op_cache: dict[tuple, NodeSpace] = {}
+    signatures: dict[str, tuple] = {}
 
     for node in gm.graph.nodes:
         if node.op not in ("placeholder", "call_function") or not _tensor_value(node):
@@ -255,13 +261,25 @@ def build_space(captured: Captured, mesh: Mesh, options: PlanOptions) -> Strateg
                 else "buffer" if node.name in captured.buffer_nodes else "input"
             )
             space = _placeholder_space(node, kind, meta, strategies, mesh_shape, pricer)
+            signatures[node.name] = ("placeholder", kind, meta)
             space.fqn = captured.param_nodes.get(node.name) or captured.buffer_nodes.get(node.name)
         else:
-            strategies, warning = strategies_for(node, mesh_shape)
+            # Repeated layers repeat (op, shapes, arguments): strategies and costs are priced
+            # once per signature and shared (the arrays are never written in place).
+            key = _op_signature(node, needs_grad)
+            template = op_cache.get(key)
+            if template is None:
+                strategies, warning = strategies_for(node, mesh_shape)
+                space = _op_space(node, strategies, mesh, options, pricer, needs_grad)
+                if warning is None:
+                    op_cache[key] = dataclasses.replace(space)
+            else:
+                warning = None
+                space = dataclasses.replace(template, name=node.name)
             if warning:
                 warnings.append(warning)
-            space = _op_space(node, strategies, mesh, options, pricer, needs_grad)
             space.warning = warning
+            signatures[node.name] = key
         for out_index, required in output_users.get(node.name, []):
             meta = tensor_meta(node.meta["val"])
             meta = meta[out_index] if isinstance(meta, list) else meta
@@ -271,7 +289,7 @@ def build_space(captured: Captured, mesh: Mesh, options: PlanOptions) -> Strateg
         index[node.name] = len(nodes)
         nodes.append(space)
 
-    edges = _edges(gm, nodes, index, pricer, needs_grad)
+    edges = _edges(gm, nodes, index, pricer, signatures)
     edges.extend(_tie_edges(captured, nodes, index))
     return StrategySpace(
         captured=captured,
@@ -282,6 +300,7 @@ def build_space(captured: Captured, mesh: Mesh, options: PlanOptions) -> Strateg
         index=index,
         warnings=warnings,
         build_s=time.perf_counter() - start,
+        signatures=signatures,
     )
 
 
@@ -407,8 +426,37 @@ def dtype_meta(dtype: torch.dtype) -> TensorMeta:
     return TensorMeta((), dtype)
 
 
-def _edges(gm, nodes, index, pricer, needs_grad) -> list[EdgeSpace]:
+def _freeze(value):
+    """A hashable stand-in for an OpCall's args (lists, dicts, TensorMeta, constants)."""
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(_freeze(v) for v in value))
+    if isinstance(value, dict):
+        return ("dict", tuple((str(k), _freeze(v)) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))))
+    if isinstance(value, float):
+        return ("float", float.hex(value))
+    if isinstance(value, (TensorMeta, bool, int, str, torch.dtype)) or value is None:
+        return value
+    return (type(value).__name__, str(value))
+
+
+def _op_signature(node: fx.Node, needs_grad: set[str]) -> tuple:
+    """Everything an op node's strategies and costs depend on: op, argument structure with
+    tensors as (shape, dtype), outputs, and which inputs carry gradients (and are placeholders)."""
+    call = op_call(node)
+    inputs = input_nodes(node)
+    return (
+        node.target,
+        _freeze(call.args),
+        _freeze(call.kwargs),
+        _freeze(call.outputs),
+        node.name in needs_grad,
+        tuple((inp.name in needs_grad, inp.op == "placeholder") for inp in inputs),
+    )
+
+
+def _edges(gm, nodes, index, pricer, signatures) -> list[EdgeSpace]:
     edges: list[EdgeSpace] = []
+    cache: dict[tuple, np.ndarray] = {}
     for node in gm.graph.nodes:
         if node.name not in index:
             continue
@@ -421,6 +469,11 @@ def _edges(gm, nodes, index, pricer, needs_grad) -> list[EdgeSpace]:
             meta = tensor_meta(inp.meta["val"])
             if isinstance(meta, list):
                 meta = meta[out_index]
+            key = (signatures[inp.name], signatures[node.name], j, out_index)
+            cost = cache.get(key)
+            if cost is not None:
+                edges.append(EdgeSpace(src=src, dst=dst, input_index=j, cost_s=cost))
+                continue
             src_strats = nodes[src].strategies
             dst_strats = nodes[dst].strategies
             cost = np.zeros((len(src_strats), len(dst_strats)))
@@ -431,6 +484,7 @@ def _edges(gm, nodes, index, pricer, needs_grad) -> list[EdgeSpace]:
                     if src_pl is None or dst_pl is None:
                         continue
                     cost[a, b] = pricer.reshard_s(src_pl, dst_pl, meta)
+            cache[key] = cost
             edges.append(EdgeSpace(src=src, dst=dst, input_index=j, cost_s=cost))
     return edges
 
@@ -522,9 +576,12 @@ def build_problem(
     allowed: dict[str, Sequence[int]] | None = None,
     forbid: dict[int, set[tuple[int, int]]] | None = None,
     memory_budget_bytes: float | None,
+    tied: Sequence[Sequence[int]] = (),
 ) -> BuiltProblem:
     """Emit the solver problem. ``allowed`` restricts nodes' strategies (recipes); ``forbid``
-    maps an edge index to (src strategy, dst strategy) pairs that are not allowed."""
+    maps an edge index to (src strategy, dst strategy) pairs that are not allowed; ``tied``
+    lists classes of node indices that must choose alike (``autopar.coarsen.repeated_blocks``);
+    a class whose members are offered different strategies is left untied."""
     allowed_idx: list[tuple[int, ...]] = []
     solver_nodes: list[solver.Node] = []
     for node in space.nodes:
@@ -544,24 +601,37 @@ def build_problem(
         )
         allowed_idx.append(idx)
     solver_edges: list[solver.Edge] = []
+    # Repeated layers share cost arrays: convert each (array, rows, cols, bans) once and share
+    # the tuple, which also lets the solver merge a tied layer's edges by identity.
+    converted: dict[tuple, tuple[tuple[float | None, ...], ...]] = {}
     for e, edge in enumerate(space.edges):
         rows = allowed_idx[edge.src]
         cols = allowed_idx[edge.dst]
         banned = forbid.get(e, set()) if forbid else set()
-        matrix = tuple(
-            tuple(
-                None
-                if (not math.isfinite(edge.cost_s[a, b]) or (a, b) in banned)
-                else float(edge.cost_s[a, b])
-                for b in cols
+        key = (id(edge.cost_s), rows, cols, tuple(sorted(banned)))
+        matrix = converted.get(key)
+        if matrix is None:
+            finite = np.isfinite(edge.cost_s)
+            values = edge.cost_s.tolist()
+            matrix = tuple(
+                tuple(
+                    None if (not finite[a, b] or (a, b) in banned) else values[a][b]
+                    for b in cols
+                )
+                for a in rows
             )
-            for a in rows
-        )
+            converted[key] = matrix
         solver_edges.append(solver.Edge(src=edge.src, dst=edge.dst, cost_s=matrix))
+    classes = tuple(
+        tuple(members)
+        for members in tied
+        if len(members) > 1 and len({allowed_idx[i] for i in members}) == 1
+    )
     problem = solver.Problem(
         nodes=tuple(solver_nodes),
         edges=tuple(solver_edges),
         memory_budget_bytes=memory_budget_bytes,
+        tied=classes,
     )
     return BuiltProblem(problem=problem, allowed=tuple(allowed_idx), zero=zero)
 

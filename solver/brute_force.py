@@ -19,7 +19,8 @@ def brute_force(problem: Problem) -> tuple[tuple[int, ...], float]:
     """The cheapest allowed plan within the budget, by trying every combination.
 
     Returns:
-        (choices, objective_s): the lexicographically first optimal plan (in index order) and
+        (choices, objective_s): the lexicographically first optimal plan (in index order; tie
+        classes choose alike) and
         its step time, summed with math.fsum like Solution.objective_s.
 
     Raises:
@@ -38,6 +39,8 @@ def brute_force(problem: Problem) -> tuple[tuple[int, ...], float]:
     best_objective = math.inf
     min_peak = math.inf
     for choices in itertools.product(*(range(node.num_choices) for node in problem.nodes)):
+        if any(len({choices[i] for i in members}) > 1 for members in problem.tied):
+            continue
         terms = [node.cost_s[c] for node, c in zip(problem.nodes, choices)]
         for edge in problem.edges:
             cost = edge.cost_s[choices[edge.src]][choices[edge.dst]]

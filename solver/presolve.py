@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from solver.errors import InfeasibleError
 from solver.problem import Problem
@@ -22,6 +22,13 @@ class PairEdge:
     dst: int
     cost_s: dict[tuple[int, int], float]
     all_pairs_allowed: bool
+    src_groups: tuple[tuple[int, ...], ...] = ()
+    """Src strategies whose rows (costs and forbidden pairs over the dst strategies) are
+    identical, grouped; the ILP links one pair variable per (src group, dst group)."""
+    dst_groups: tuple[tuple[int, ...], ...] = ()
+    """Dst strategies whose columns are identical, grouped."""
+    group_cost_s: dict[tuple[int, int], float] = field(default_factory=dict)
+    """Cost of each allowed (src group index, dst group index) block."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -155,10 +162,64 @@ def reduce_problem(problem: Problem) -> Reduced:
         if everything and len(costs) == 1:
             constant_s += costs.pop()
             continue
-        kept.append(PairEdge(src=u, dst=v, cost_s=allowed_pairs, all_pairs_allowed=everything))
+        src_groups, dst_groups, group_cost = _group_pairs(
+            sorted(allowed[u]), sorted(allowed[v]), allowed_pairs
+        )
+        if len(src_groups) == 1 or len(dst_groups) == 1:
+            # Every row (or column) is the same: the cost depends on one end only, and arc
+            # consistency already removed the strategies a forbidden line would exclude.
+            if len(src_groups) == 1:
+                s0 = src_groups[0][0]
+                for t in allowed[v]:
+                    node_cost[v][t] += allowed_pairs[s0, t]
+            else:
+                t0 = dst_groups[0][0]
+                for s in allowed[u]:
+                    node_cost[u][s] += allowed_pairs[s, t0]
+            continue
+        kept.append(
+            PairEdge(
+                src=u,
+                dst=v,
+                cost_s=allowed_pairs,
+                all_pairs_allowed=everything,
+                src_groups=src_groups,
+                dst_groups=dst_groups,
+                group_cost_s=group_cost,
+            )
+        )
     return Reduced(
         allowed=tuple(tuple(sorted(a)) for a in allowed),
         node_cost_s=tuple({s: cost[s] for s in sorted(a)} for cost, a in zip(node_cost, allowed)),
         edges=tuple(kept),
         constant_s=constant_s,
     )
+
+
+def _group_pairs(
+    rows: list[int], cols: list[int], pairs: dict[tuple[int, int], float]
+) -> tuple[
+    tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...], dict[tuple[int, int], float]
+]:
+    """Exact edge compression: group identical rows and identical columns of a cost matrix.
+
+    An edge's cost depends only on the producer's output placement and the consumer's input
+    placement, so many strategies of either end share a row or a column. Within a block of
+    (row group, column group) every entry is equal (equal rows, then equal columns), so one
+    pair variable per block, linked to the sum of its group's x, is the same model.
+    """
+    row_key: dict[tuple[float | None, ...], list[int]] = {}
+    for s in rows:
+        row_key.setdefault(tuple(pairs.get((s, t)) for t in cols), []).append(s)
+    col_key: dict[tuple[float | None, ...], list[int]] = {}
+    for t in cols:
+        col_key.setdefault(tuple(pairs.get((s, t)) for s in rows), []).append(t)
+    src_groups = tuple(tuple(g) for g in row_key.values())
+    dst_groups = tuple(tuple(g) for g in col_key.values())
+    group_cost = {}
+    for g, src_group in enumerate(src_groups):
+        for h, dst_group in enumerate(dst_groups):
+            cost = pairs.get((src_group[0], dst_group[0]))
+            if cost is not None:
+                group_cost[g, h] = cost
+    return src_groups, dst_groups, group_cost

@@ -53,6 +53,10 @@ class Problem:
     """Peak bytes per device allowed; None = no memory constraint."""
     memory_offset_bytes: float = 0.0
     """Bytes every plan pays regardless of the choices (counted against the budget)."""
+    tied: tuple[tuple[int, ...], ...] = ()
+    """Classes of nodes that must choose the same strategy (repeated layers): each class is
+    solved as one node whose costs and bytes are the members' sums (solver/tying.py). Members
+    of a class have the same number of strategies; a node is in at most one class."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from autopar.lowering.rewrite import LoweredGraph
 from autopar.placement import Partial, Placements, Shard, format_placements, replicated
 from autopar.runtime.grad_sync import DEFAULT_BUCKET_BYTES, GradReducer
+from autopar.runtime.zero import ZeroEngine, build_zero_engine
 
 __all__ = ["ParallelModule", "gather_full", "local_block"]
 
@@ -101,11 +102,22 @@ class ParallelModule(nn.Module):
         groups: Any,
         *,
         grad_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        zero_stage: int = 0,
+        zero_axes: Sequence[int] | None = None,
+        chunk_bytes: int | None = None,
     ) -> None:
         super().__init__()
         self.lowered = lowered
         self.groups = groups
         self.coords = tuple(int(c) for c in groups.coordinate)
+        # The graph's train/eval mode is fixed at capture (dropout, batch norm): one lowered
+        # graph per mode, the other one built on first use by ``attach_mode_lowering``'s hook.
+        self.training = source.training if isinstance(source, nn.Module) else True
+        self._captured_mode = self.training
+        self._mode_graphs: dict[bool, LoweredGraph] = {self.training: lowered}
+        self._lower_mode: Callable[[bool], LoweredGraph] | None = None
+        self.plan: Any = None
+        """The Plan this module was lowered from (set by ``autopar.autoparallelize``)."""
         num_axes = len(lowered.mesh_shape)
         full, persistent, requires_grad = _full_tensors(source, lowered.non_persistent_buffers)
 
@@ -162,20 +174,89 @@ class ParallelModule(nn.Module):
             _container(self, name).register_parameter(leaf_name, param)
             self._param_placements[name] = placements
 
+        # ZeRO (autopar.runtime.zero): chunk parameters are replaced by their shard views.
+        self.zero: ZeroEngine | None = None
+        if zero_stage:
+            self.zero = build_zero_engine(
+                lowered, self._params, self.coords, self._axis_group,
+                stage=zero_stage, zero_axes=zero_axes, chunk_bytes=chunk_bytes,
+            )
+            for name in self._param_placements:
+                shard = self.zero.shard_params.get(canonical.get(name, name))
+                if shard is not None:
+                    _container(self, name).register_parameter(name.rpartition(".")[2], shard)
+                    self._params[canonical.get(name, name)] = shard
         self.grad_reducer = GradReducer(
             [
                 (self._params[fqn], lowered.param_grad_reduce_axes.get(fqn, ()))
                 for fqn in lowered.param_use_order
-                if fqn in self._params
+                if fqn in self._params and (self.zero is None or fqn not in self.zero.shard_params)
             ],
             self._axis_group,
             bucket_bytes=grad_bucket_bytes,
         )
 
+    def attach_mode_lowering(self, lower_mode: Callable[[bool], LoweredGraph]) -> None:
+        """Let the module switch train/eval: ``lower_mode(training)`` must return the graph of
+        that mode lowered with the SAME parameter, buffer and input placements (collective: it is
+        called on every rank at the first forward in the new mode)."""
+        self._lower_mode = lower_mode
+
+    def _use_mode_graph(self) -> None:
+        """Point ``self.lowered`` at the graph of the current ``self.training`` mode."""
+        mode = self.training
+        lowered = self._mode_graphs.get(mode)
+        if lowered is None:
+            if self._lower_mode is None:
+                captured = "train" if not mode else "eval"
+                raise RuntimeError(
+                    f"this ParallelModule was lowered from a graph captured in {captured} mode "
+                    f"and cannot build the other one; build it with autopar.autoparallelize "
+                    f"(which captures the other mode on first use) or call .train({not mode})"
+                )
+            lowered = self._lower_mode(mode)
+            first = next(iter(self._mode_graphs.values()))
+            if (
+                lowered.param_placements != first.param_placements
+                or lowered.input_placements != first.input_placements
+            ):
+                raise AssertionError("the other mode's graph must keep the parameter layouts")
+            self._mode_graphs[mode] = lowered
+        # The gradient reducer follows the captured mode's graph.
+        reduced_by = self._mode_graphs[self._captured_mode].param_grad_reduce_axes
+        if torch.is_grad_enabled() and lowered.param_grad_reduce_axes != reduced_by:
+            raise RuntimeError(
+                f"in {'train' if mode else 'eval'} mode this plan reduces parameter gradients "
+                f"over other mesh axes than the gradient reducer does; evaluate under "
+                f"torch.no_grad(), or train in the mode the model was captured in"
+            )
+        self.lowered = lowered
+
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Context for all but the last micro-batch of gradient accumulation (as in DDP): the
         backward calls inside skip the gradient reduction; the next one outside reduces the sum."""
-        return self.grad_reducer.no_sync()
+        if self.zero is None:
+            return self.grad_reducer.no_sync()
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.grad_reducer.no_sync())
+        stack.enter_context(self.zero.no_sync())
+        return stack
+
+    def split_groups(self, param: torch.Tensor) -> tuple[Any, ...]:
+        """Process groups over which ``param``'s full value is split (its tensor-parallel Shard
+        axes and, under ZeRO, its chunk's axes): reduce a partial norm over each, once."""
+        names = {id(p): n for n, p in self.named_parameters()}
+        axes = {a for a, p in enumerate(self._param_placements[names[id(param)]]) if isinstance(p, Shard)}
+        if self.zero is not None:
+            axes |= set(self.zero.zero_axes_of(param))
+        return tuple(self._axis_group(a) for a in sorted(axes) if self.lowered.mesh_shape[a] > 1)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip gradients by the global norm over every shard on every axis (replicated parts
+        counted once); returns the total norm (the same on every rank)."""
+        from autopar.optim import clip_grad_norm_
+
+        return clip_grad_norm_(list(self.parameters()), max_norm, norm_type, split_groups=self.split_groups)
 
     def _axis_group(self, axis: int) -> Any:
         return self.groups.groups[axis]
@@ -219,6 +300,7 @@ class ParallelModule(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run on this rank's LOCAL inputs (see :meth:`shard_inputs`)."""
+        self._use_mode_graph()
         leaves, _ = self._flatten_inputs(args, kwargs)
         for i, leaf in enumerate(leaves):
             expected = self.lowered.local_input_shapes[i]
@@ -242,7 +324,8 @@ class ParallelModule(nn.Module):
                 values.append(self.get_buffer(source.fqn))
             else:
                 values.append(leaves[source.index])
-        outputs = self.lowered.gm(*values)
+        run = self.lowered.gm if self.zero is None else self.zero.graph_for(self.lowered)
+        outputs = run(*values)
         return tree_unflatten(list(outputs), self.lowered.out_spec)
 
     # ----------------------------------------------------------------------------------------
@@ -256,9 +339,11 @@ class ParallelModule(nn.Module):
             raise TypeError("ParallelModule.state_dict takes keyword arguments only")
         out: Any = OrderedDict() if destination is None else destination
         gathered: dict[int, torch.Tensor] = {}
+        zero_local = self.zero.local_params() if self.zero is not None else {}
         for name, tensor in self._named_state():
             if name not in self._persistent:
                 continue
+            tensor = zero_local.get(id(tensor), tensor)
             placements = self._param_placements.get(name) or self._buffer_placements[name]
             key = id(tensor)
             if key not in gathered:
@@ -282,9 +367,11 @@ class ParallelModule(nn.Module):
                 if name not in own:
                     continue
                 placements = self._param_placements.get(name) or self._buffer_placements[name]
-                own[name].copy_(
-                    local_block(value, placements, self.lowered.mesh_shape, self.coords)
-                )
+                block = local_block(value, placements, self.lowered.mesh_shape, self.coords)
+                if self.zero is not None and self.zero.manages(own[name]):
+                    self.zero.load_local(own[name], block)
+                else:
+                    own[name].copy_(block)
         return _IncompatibleKeys(missing, unexpected)
 
     def _named_state(self) -> list[tuple[str, torch.Tensor]]:

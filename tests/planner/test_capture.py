@@ -313,3 +313,12 @@ def test_embedding_reads_rows_not_the_table() -> None:
     assert work.family == "embedding" and work.fwd_flops == 0
     assert work.fwd_bytes == 4 * 8 * 8 + 2 * out_bytes
     assert work.bwd_bytes == 1000 * 64 * 4 + 2 * out_bytes
+
+
+def test_fake_tensor_inputs_capture_the_same_graph_as_real_ones():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    model, args, kwargs = tiny_gpt()
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake_args = tuple(mode.from_tensor(t) for t in args)
+    assert capture(model, fake_args, kwargs).graph_hash == capture(model, args, kwargs).graph_hash

@@ -151,3 +151,41 @@ def test_unknown_plan_option_is_an_error():
         autopar.plan(model, autopar.Mesh.spec((2,)), args, budget="1GiB")
     with pytest.raises(ValueError, match="recipe"):
         autopar.plan(model, autopar.Mesh.spec((2,)), args, recipe="zero")
+
+
+class UsesAnOpWithoutRule(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.erfinv(torch.tanh(self.proj(x)) * 0.5).sum()
+
+
+def test_op_without_rule_runs_replicated_and_the_plan_says_so():
+    model = UsesAnOpWithoutRule()
+    x = torch.randn(8, 16)
+    plan = autopar.plan(model, autopar.Mesh.spec((2,), device="cpu"), (x,))
+    assert any("erfinv" in w and "replicated" in w for w in plan.warnings), plan.warnings
+    node = next(n for n in plan.data["nodes"] if "erfinv" in n["op"])
+    assert node["outputs"] == ["R"] and node["inputs"] == ["R"]
+    assert "erfinv" in plan.summary()
+
+
+def test_cli_plans_a_preset_and_shows_the_saved_plan(tmp_path, capsys):
+    from autopar.cli import main
+
+    out = tmp_path / "plan.json"
+    assert main(["plan", "mlp", "--mesh", "2x2", "--device", "a100", "--batch", "16", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "per layer block" in printed and "planned in" in printed
+    plan = Plan.load(out)
+    assert plan.data["mesh"]["shape"] == [2, 2] and plan.data["mesh"]["device"]["name"].startswith("a100")
+    assert main(["show", str(out)]) == 0
+    assert "megatron" in capsys.readouterr().out
+    assert main(["show", str(out), "--explain", "layers.0.weight"]) == 0
+    assert "chosen" in capsys.readouterr().out
+    assert main(["plan", "mlp", "--mesh", "0x2"]) == 2
+    assert "axis" in capsys.readouterr().err
+    assert main(["plan", "no-such-model", "--mesh", "2"]) == 2
+    assert "unknown model" in capsys.readouterr().err

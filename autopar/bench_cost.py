@@ -1,0 +1,543 @@
+"""The cost-model benchmark: predicted vs measured op times, step times and peak memory.
+
+Every rank (spawned here on 127.0.0.1 with gloo, or started by torchrun) builds the model, and:
+
+1. **Per op** (``measure_ops``): for each node of the captured graph that does work, with the
+   shardings of one plan (the auto plan by default), makes random inputs of the node's LOCAL
+   shapes and times the ATen op forward plus backward (backward only where the planner prices
+   one); the prediction is the node's planned compute seconds. Identical calls (repeated layers)
+   are timed once. Ops whose arguments encode global sizes that local inputs contradict are
+   counted as skipped. All ranks time at the same time (the contention a real step sees) and the
+   timings are averaged over ranks.
+2. **Per plan** (``prepare_plan``, ``time_plans``): lowers the captured graph with the plan's strategies
+   (``autopar.lowering.lower``), wraps it in ``ParallelModule`` and times training steps
+   (forward, backward and the gradient reduction; the optimizer step is not priced and not
+   timed); the slowest rank's median step counts. Peak memory: the bytes of the local parameters
+   and optimizer state (AdamW, after a warm-up step) plus the largest growth of allocated memory
+   during forward and backward (``mallinfo2`` sampled after every ATen op; on CUDA the
+   allocator's peak). Plans with ZeRO run only where the runtime supports ZeRO; otherwise they
+   are skipped with a note.
+
+``summarize`` turns the rank-0 results into MAPE per op family, step-time MAPE, Spearman's rank
+correlation between predicted and measured plan ordering, and the memory error.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import inspect
+import math
+import os
+import statistics
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+
+from autopar.calibration import fwd_bwd_callable, spawn_local, time_callable
+from cost_models.calibrate import mape, spearman
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BenchConfig:
+    """How much to measure."""
+
+    steps: int = 5
+    """Timed training steps per plan (after ``warmup`` untimed ones)."""
+    warmup: int = 2
+    op_repeat_s: float = 0.01
+    """Each op timing repeats the op for at least this long."""
+    op_trials: int = 3
+    measure_ops: bool = True
+    ops_plan: str = "auto"
+    """The plan whose shardings the per-op measurement uses."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelSpec:
+    """What every rank builds: ``autopar.presets.build_preset(name, batch=, seq=)`` on CPU."""
+
+    name: str
+    batch: int
+    seq: int
+
+
+# --------------------------------------------------------------------------------------------
+# Memory
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+                     "uordblks", "fordblks", "keepcost")
+    ]  # fmt: skip
+
+
+def _libc_in_use() -> Any:
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        fn = libc.mallinfo2
+    except (OSError, AttributeError):
+        return None
+    fn.restype = _Mallinfo2
+
+    def in_use() -> int:
+        info = fn()
+        return int(info.uordblks + info.hblkhd)
+
+    return in_use
+
+
+class PeakMemory:
+    """Largest growth of allocated bytes while active: CUDA allocator statistics on a GPU,
+    glibc's ``mallinfo2`` sampled after every ATen op on a CPU (None where neither exists)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.peak_delta: int | None = None
+        self._in_use = _libc_in_use() if device.type == "cpu" else None
+
+    def __enter__(self) -> PeakMemory:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._start = torch.cuda.memory_allocated(self.device)
+        elif self._in_use is not None:
+            from torch.utils._python_dispatch import TorchDispatchMode
+
+            start = self._in_use()
+            state = {"peak": start}
+            in_use = self._in_use
+
+            class _Sampler(TorchDispatchMode):
+                def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+                    out = func(*args, **(kwargs or {}))
+                    state["peak"] = max(state["peak"], in_use())
+                    return out
+
+            self._start, self._state = start, state
+            self._mode = _Sampler()
+            self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak_delta = int(torch.cuda.max_memory_allocated(self.device) - self._start)
+        elif self._in_use is not None:
+            self._mode.__exit__(*exc)
+            self.peak_delta = int(self._state["peak"] - self._start)
+
+
+# --------------------------------------------------------------------------------------------
+# Per-op measurement
+
+
+def _loss(output: Any) -> torch.Tensor:
+    return output if isinstance(output, torch.Tensor) else output.loss
+
+
+def measure_ops(
+    captured: Any,
+    plan_data: Mapping[str, Any],
+    config: BenchConfig,
+    device: torch.device,
+) -> dict[str, Any]:
+    """Predicted vs measured forward+backward seconds of every op under the plan's shardings.
+
+    Returns ``{"ops": [{"name", "family", "target", "count", "predicted_s", "measured_s"}],
+    "skipped": [(name, reason)]}`` (measured times of this rank; identical calls share one
+    entry with their ``count``).
+    """
+    from autopar.capture import ASSERT_OPS
+    from autopar.flops import op_family
+    from autopar.placement import local_shape
+    from autopar.plan import Plan
+    from autopar.problem import _needs_grad
+    from autopar.strategies import input_nodes
+
+    plan = Plan(data=dict(plan_data))
+    choices = plan.choices()
+    entries = {e["name"]: e for e in plan_data["nodes"]}
+    mesh_shape = tuple(plan_data["mesh"]["shape"])
+    needs = _needs_grad(captured.gm, captured.param_nodes)
+    groups: dict[Any, dict[str, Any]] = {}
+    skipped: list[tuple[str, str]] = []
+    generator = torch.Generator(device=device).manual_seed(0)
+    for node in captured.gm.graph.nodes:
+        if node.op != "call_function" or node.name not in entries or node.target in ASSERT_OPS:
+            continue
+        family = op_family(node.target)
+        if family == "view":
+            continue
+        strategy = choices[node.name]
+        inputs = input_nodes(node)
+        if not inputs:
+            skipped.append((node.name, "no tensor inputs (a factory)"))
+            continue
+        sigs = []
+        for j, inp in enumerate(inputs):
+            val = inp.meta.get("val")
+            if not isinstance(val, torch.Tensor):
+                sigs = None
+                break
+            placements = strategy.inputs[j] if j < len(strategy.inputs) else None
+            shape = tuple(val.shape) if placements is None else local_shape(tuple(val.shape), placements, mesh_shape)
+            grad = inp.name in needs and val.dtype.is_floating_point and node.name in needs
+            sigs.append((tuple(int(s) for s in shape), val.dtype, grad))
+        if sigs is None:
+            skipped.append((node.name, "an input is not a single tensor"))
+            continue
+        constants = repr(fx.node.map_arg((node.args, node.kwargs), lambda n: None))
+        key = (node.target, tuple(sigs), constants, entries[node.name]["compute_s"])
+        if key in groups:
+            groups[key]["count"] += 1
+            continue
+        real: dict[fx.Node, torch.Tensor] = {}
+        for inp, (shape, dtype, grad) in zip(inputs, sigs):
+            if dtype.is_floating_point:
+                t = torch.randn(shape, dtype=dtype, device=device, generator=generator)
+                real[inp] = t.requires_grad_(grad)
+            else:
+                real[inp] = torch.zeros(shape, dtype=dtype, device=device)
+        args = fx.node.map_arg(node.args, real.__getitem__)
+        kwargs = fx.node.map_arg(node.kwargs, real.__getitem__)
+        try:
+            fn = fwd_bwd_callable(node.target, list(args), dict(kwargs))
+            seconds = time_callable(fn, device=device, min_time_s=config.op_repeat_s, trials=config.op_trials)
+        except Exception as exc:  # noqa: BLE001 - an op that cannot run on local shapes alone
+            skipped.append((node.name, f"{type(exc).__name__}: {str(exc).splitlines()[0][:100]}"))
+            continue
+        groups[key] = {
+            "name": node.name,
+            "family": family,
+            "target": str(node.target),
+            "count": 1,
+            "predicted_s": float(entries[node.name]["compute_s"]),
+            "measured_s": seconds,
+        }
+    return {"ops": list(groups.values()), "skipped": skipped}
+
+
+# --------------------------------------------------------------------------------------------
+# Per-plan execution
+
+
+def zero_supported() -> bool:
+    """Whether ``ParallelModule`` can run ZeRO (the runtime's ZeRO engine is present)."""
+    from autopar.runtime.module import ParallelModule
+
+    return "zero_stage" in inspect.signature(ParallelModule.__init__).parameters
+
+
+@dataclass(kw_only=True)
+class PreparedPlan:
+    """One plan ready to run on this rank: its module, local inputs and optimizer."""
+
+    pmodel: Any
+    optimizer: Any
+    local_args: tuple[Any, ...]
+    local_kwargs: dict[str, Any]
+
+    def step(self) -> None:
+        """Forward, backward and the gradient reduction (what the step time counts)."""
+        _loss(self.pmodel(*self.local_args, **self.local_kwargs)).backward()
+
+    def update(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def state_bytes(self) -> int:
+        """Bytes of the local parameters and optimizer state."""
+        seen: set[int] = set()
+        total = 0
+        for p in self.pmodel.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                total += p.numel() * p.element_size()
+        for state in self.optimizer.state.values():
+            total += sum(
+                t.numel() * t.element_size()
+                for t in state.values()
+                if isinstance(t, torch.Tensor) and t.dim() > 0
+            )
+        return total
+
+
+def prepare_plan(
+    captured: Any,
+    model: torch.nn.Module,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    plan_data: Mapping[str, Any],
+    groups: Any,
+) -> PreparedPlan | str:
+    """Lower one plan and build its ParallelModule and AdamW; a string says why it cannot run."""
+    from autopar.lowering import lower
+    from autopar.plan import Plan
+    from autopar.runtime.module import ParallelModule
+
+    zero = plan_data["zero"]
+    names = list(plan_data["mesh"]["axis_names"])
+    extra: dict[str, Any] = {}
+    if zero["stage"]:
+        if not zero_supported():
+            return f"ZeRO stage {zero['stage']} is not executable by this runtime yet"
+        extra = {"zero_stage": zero["stage"], "zero_axes": [names.index(a) for a in zero["axes"]]}
+    lowered = lower(captured, Plan(data=dict(plan_data)).choices(), groups.mesh_shape, groups.key)
+    pmodel = ParallelModule(lowered, model, groups, **extra)
+    local = pmodel.shard_inputs(*args, **kwargs)
+    local_args, local_kwargs = local if kwargs else (local, {})
+    optimizer = torch.optim.AdamW(pmodel.parameters(), lr=1e-4)
+    return PreparedPlan(pmodel=pmodel, optimizer=optimizer, local_args=tuple(local_args), local_kwargs=dict(local_kwargs))
+
+
+def time_plans(prepared: Mapping[str, PreparedPlan], config: BenchConfig, device: torch.device) -> dict[str, dict[str, Any]]:
+    """Median step seconds and peak bytes per plan on this rank. Steps of the plans are
+    interleaved (one step of each plan in turn), so load from other processes on a shared
+    machine falls on every plan alike instead of on whichever ran at a bad moment."""
+    for plan in prepared.values():
+        for _ in range(config.warmup):
+            plan.step()
+            plan.update()
+    times: dict[str, list[float]] = {name: [] for name in prepared}
+    for _ in range(config.steps):
+        for name, plan in prepared.items():
+            dist.barrier()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            plan.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times[name].append(time.perf_counter() - start)
+            plan.update()
+    out = {}
+    for name, plan in prepared.items():
+        dist.barrier()
+        with PeakMemory(device) as peak:
+            plan.step()
+        plan.optimizer.zero_grad(set_to_none=True)
+        memory = None if peak.peak_delta is None else float(plan.state_bytes() + peak.peak_delta)
+        out[name] = {"step_s": statistics.median(times[name]), "peak_memory_bytes": memory}
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# The job on every rank
+
+
+def _reduce(values: list[float], op: Any) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=op)
+    return t.tolist()
+
+
+def bench_on_rank(model_spec: ModelSpec, plans: Mapping[str, Mapping[str, Any]], config: BenchConfig) -> dict[str, Any]:
+    """Run the benchmark on this rank (inside an initialized process group); the result (the
+    same on every rank) has ``ops`` (per-op entries, timings averaged over ranks), ``skipped_ops``
+    and ``plans`` (per plan: predicted and measured step seconds and peak bytes, or ``skipped``)."""
+    from autopar.capture import capture
+    from autopar.presets import build_preset
+    from autopar.runtime.process_groups import axis_groups
+
+    device = torch.device("cpu")
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    torch.manual_seed(0)
+    model, args, kwargs = build_preset(model_spec.name, batch=model_spec.batch, seq=model_spec.seq, device=device)
+    captured = capture(model, args, kwargs)
+    out: dict[str, Any] = {"ops": [], "skipped_ops": [], "plans": {}}
+    if config.measure_ops and config.ops_plan in plans:
+        ops = measure_ops(captured, plans[config.ops_plan], config, device)
+        mean = _reduce([o["measured_s"] for o in ops["ops"]], dist.ReduceOp.SUM)
+        for entry, total in zip(ops["ops"], mean):
+            entry["measured_s"] = total / dist.get_world_size()
+        out["ops"], out["skipped_ops"] = ops["ops"], ops["skipped"]
+    mesh_groups: dict[tuple, Any] = {}
+    prepared: dict[str, PreparedPlan] = {}
+    skipped: dict[str, str] = {}
+    for name, data in plans.items():
+        if data["model"]["graph_hash"] != captured.graph_hash:
+            raise ValueError(
+                f"plan {name!r} was made for another graph than {model_spec.name} at batch "
+                f"{model_spec.batch}, seq {model_spec.seq}; plan with the same model and sizes"
+            )
+        key = (tuple(data["mesh"]["shape"]), tuple(data["mesh"]["axis_names"]))
+        if key not in mesh_groups:
+            mesh_groups[key] = axis_groups(key[0], key[1], key=f"bench-{len(mesh_groups)}")
+        try:
+            ready = prepare_plan(captured, model, args, kwargs, data, mesh_groups[key])
+        except Exception as exc:  # noqa: BLE001 - a plan the runtime cannot execute is reported
+            ready = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+        if isinstance(ready, str):
+            skipped[name] = ready
+        else:
+            prepared[name] = ready
+    measured = time_plans(prepared, config, device)
+    for name, data in plans.items():
+        if name in skipped:
+            result: dict[str, Any] = {"skipped": skipped[name]}
+        else:
+            m = measured[name]
+            step_s, memory = _reduce([m["step_s"], m["peak_memory_bytes"] or -1.0], dist.ReduceOp.MAX)
+            result = {"step_s": step_s, "peak_memory_bytes": memory if memory >= 0 else None}
+        result["predicted_step_s"] = data["predicted"]["step_s"]
+        result["predicted_breakdown"] = data["predicted"]["breakdown"]
+        result["predicted_peak_memory_bytes"] = data["predicted"]["peak_memory_bytes"]
+        result["mesh"] = "x".join(str(s) for s in data["mesh"]["shape"])
+        out["plans"][name] = result
+    return out
+
+
+def _bench_rank(rank: int, world_size: int, model_spec: ModelSpec, plans: dict, config: BenchConfig) -> dict | None:
+    result = bench_on_rank(model_spec, plans, config)
+    return result if rank == 0 else None
+
+
+def run_bench(
+    model_spec: ModelSpec,
+    plans: Mapping[str, Any],
+    config: BenchConfig,
+    *,
+    nproc: int | None = None,
+) -> dict[str, Any]:
+    """Execute the benchmark for ``plans`` (name -> Plan) on ``nproc`` spawned gloo ranks, or,
+    with ``nproc=None``, on the ranks of the current job (torchrun)."""
+    datas = {name: (p.data if hasattr(p, "data") else dict(p)) for name, p in plans.items()}
+    sizes = {math.prod(d["mesh"]["shape"]) for d in datas.values()}
+    if len(sizes) != 1:
+        raise ValueError(f"every plan must use the same number of devices, got {sorted(sizes)}")
+    if nproc is not None:
+        if nproc not in sizes:
+            raise ValueError(f"the plans need {sizes.pop()} ranks but nproc is {nproc}")
+        return spawn_local(_bench_rank, nproc, model_spec, datas, config)[0]
+    if not dist.is_initialized():
+        import datetime
+
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=datetime.timedelta(seconds=300))
+    return bench_on_rank(model_spec, datas, config)
+
+
+# --------------------------------------------------------------------------------------------
+# Summary
+
+
+def summarize(result: Mapping[str, Any]) -> dict[str, Any]:
+    """MAPE per op family (each node counted, repeated layers included), step-time MAPE,
+    Spearman's rho of predicted vs measured step times, memory MAPE, over the executed plans."""
+    families: dict[str, dict[str, float]] = {}
+    for op in result["ops"]:
+        if op["measured_s"] <= 0 or not math.isfinite(op["measured_s"]):
+            continue
+        f = families.setdefault(op["family"], {"count": 0, "ape_sum": 0.0, "predicted_s": 0.0, "measured_s": 0.0})
+        f["count"] += op["count"]
+        f["ape_sum"] += op["count"] * abs(op["predicted_s"] - op["measured_s"]) / op["measured_s"]
+        f["predicted_s"] += op["count"] * op["predicted_s"]
+        f["measured_s"] += op["count"] * op["measured_s"]
+    for f in families.values():
+        f["mape"] = 100.0 * f.pop("ape_sum") / f["count"]
+    ran = {n: p for n, p in result["plans"].items() if "skipped" not in p}
+    pred = [p["predicted_step_s"] for p in ran.values()]
+    meas = [p["step_s"] for p in ran.values()]
+    mem = [(p["predicted_peak_memory_bytes"], p["peak_memory_bytes"]) for p in ran.values() if p["peak_memory_bytes"]]
+    all_ops = [op for op in result["ops"] if op["measured_s"] > 0]
+    summary = {
+        "families": families,
+        "op_mape": mape([o["predicted_s"] for o in all_ops], [o["measured_s"] for o in all_ops]) if all_ops else math.nan,
+        "step_mape": mape(pred, meas) if ran else math.nan,
+        "spearman": spearman(pred, meas) if len(ran) >= 2 else math.nan,
+        "memory_mape": mape([m[0] for m in mem], [m[1] for m in mem]) if mem else math.nan,
+        "num_plans": len(ran),
+        "skipped_plans": {n: p["skipped"] for n, p in result["plans"].items() if "skipped" in p},
+    }
+    if ran:
+        best = min(ran, key=lambda n: ran[n]["step_s"])
+        summary["fastest_measured"] = best
+        summary["fastest_predicted"] = min(ran, key=lambda n: ran[n]["predicted_step_s"])
+    return summary
+
+
+def report_text(result: Mapping[str, Any], summary: Mapping[str, Any], *, markdown: bool = False, title: str = "") -> str:
+    """The per-family and per-plan tables and the headline figures."""
+    from autopar.options import format_bytes, format_seconds
+    from autopar.report import table
+
+    parts = []
+    if summary["families"]:
+        rows = [
+            [fam, str(int(f["count"])), format_seconds(f["predicted_s"]), format_seconds(f["measured_s"]), f"{f['mape']:.0f}%"]
+            for fam, f in sorted(summary["families"].items(), key=lambda kv: -kv[1]["measured_s"])
+        ]
+        parts.append(table(["op family", "ops", "predicted (sum)", "measured (sum)", "MAPE"], rows,
+                           markdown=markdown, title=f"{title}: per op, forward + backward"))
+    rows = []
+    for name, p in result["plans"].items():
+        if "skipped" in p:
+            rows.append([name, p["mesh"], format_seconds(p["predicted_step_s"]), "skipped", "-",
+                         format_bytes(p["predicted_peak_memory_bytes"]), "-", p["skipped"][:60]])
+            continue
+        err = 100.0 * (p["predicted_step_s"] - p["step_s"]) / p["step_s"]
+        measured_mem = format_bytes(p["peak_memory_bytes"]) if p["peak_memory_bytes"] else "n/a"
+        rows.append([name, p["mesh"], format_seconds(p["predicted_step_s"]), format_seconds(p["step_s"]),
+                     f"{err:+.0f}%", format_bytes(p["predicted_peak_memory_bytes"]), measured_mem, ""])
+    parts.append(table(["plan", "mesh", "predicted step", "measured step", "error", "predicted peak",
+                        "measured peak", "note"], rows, markdown=markdown, title=f"{title}: per plan"))
+    lines = [
+        f"op MAPE {summary['op_mape']:.1f}%, step MAPE {summary['step_mape']:.1f}%, "
+        f"Spearman {summary['spearman']:.3f} over {summary['num_plans']} plans, "
+        f"memory MAPE {summary['memory_mape']:.1f}%",
+    ]
+    if "fastest_measured" in summary:
+        lines.append(f"fastest measured: {summary['fastest_measured']}; fastest predicted: {summary['fastest_predicted']}")
+    if result.get("skipped_ops"):
+        lines.append(f"{len(result['skipped_ops'])} op(s) not timed alone (e.g. {result['skipped_ops'][0][0]}: {result['skipped_ops'][0][1]})")
+    parts.append("\n".join(lines))
+    return "\n\n".join(parts)
+
+
+def bench_cost_cli(args: Any, config: BenchConfig) -> int:
+    """``autopar bench-cost``: plan, execute, print, plot."""
+    import json
+
+    from autopar.capture import capture
+    from autopar.mesh import Mesh
+    from autopar.options import PlanOptions
+    from autopar.presets import build_preset
+    from autopar.report import plans_for_recipes, plot_op_scatter, plot_step_bars
+
+    links = args.links.split(",") if args.links else None
+    device = args.device if args.profile or args.device != "h100" else "cpu"
+    mesh = Mesh.parse(args.mesh, device=device, links=links, profile=args.profile)
+    under_torchrun = "WORLD_SIZE" in os.environ and args.nproc is None
+    rank = int(os.environ.get("RANK", "0")) if under_torchrun else 0
+    options = PlanOptions(memory_budget=args.budget, optimizer=args.optimizer, solver=args.solver,
+                          time_limit_s=args.time_limit, gap=args.gap)
+    model, ex_args, ex_kwargs = build_preset(args.model, batch=args.batch, seq=args.seq)
+    captured = capture(model, ex_args, ex_kwargs)
+    recipes = [r for r in args.recipes.split(",") if r]
+    plans = plans_for_recipes(captured, mesh, options, recipes=recipes, model_name=args.model)
+    nproc = None if under_torchrun else (args.nproc or mesh.num_devices)
+    result = run_bench(ModelSpec(name=args.model, batch=args.batch, seq=args.seq), plans, config, nproc=nproc)
+    if rank != 0:
+        return 0
+    summary = summarize(result)
+    title = f"{args.model} on {mesh.describe()}"
+    print(report_text(result, summary, markdown=args.markdown, title=title))
+    if result["ops"]:
+        plot_op_scatter(result["ops"], f"{args.plots}_ops.png", title=title)
+    ran = [{"plan": n, "predicted_s": p["predicted_step_s"], "measured_s": p["step_s"]}
+           for n, p in result["plans"].items() if "skipped" not in p]
+    if ran:
+        plot_step_bars(ran, f"{args.plots}_steps.png", title=title)
+    print(f"plots written to {args.plots}_ops.png and {args.plots}_steps.png")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"result": result, "summary": summary, "config": asdict(config)}, f, indent=1, default=str)
+    return 0

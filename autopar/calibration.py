@@ -1,0 +1,600 @@
+"""Calibration: time this machine's kernels and collectives and write a hardware profile.
+
+Run on every rank of a job (torchrun, or :func:`spawn_local` for ranks on 127.0.0.1). Every rank
+measures at the same time (so the figures include the contention a real step sees, e.g. ranks
+sharing CPU cores) and the ranks' timings are averaged; collectives are timed on every group of
+each mesh axis at once and the slowest rank counts. The result is a ``cost_models.Profile`` in the
+schema ``cost_models.load_profile`` reads:
+
+- ``device.peak_flops[dtype]``: large-matmul throughput (fp32; bf16 where it runs);
+- ``device.mem_bandwidth_Bps``: large-copy bandwidth (read + write bytes per second);
+- ``device.kernel_overhead_s``: the time of a one-element op;
+- ``device.op_efficiency[family]``: for matmul, attention, pointwise, norm, softmax, embedding,
+  reduction and loss, the fraction of the roofline ``max(flops / peak, bytes / bandwidth)`` that a
+  representative op reaches forward plus backward, with FLOPs from ``autopar.flops`` and bytes
+  counted as the planner counts them (local inputs plus outputs, twice that in backward);
+- ``links[axis].collectives[kind] = (alpha, beta)`` for all_reduce, all_gather, reduce_scatter and
+  all_to_all, fitted by ``cost_models.fit_alpha_beta`` over message sizes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import multiprocessing
+import os
+import platform
+import socket
+import statistics
+import time
+import traceback
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+
+from autopar.flops import node_costs
+from cost_models import DeviceSpec, Profile, fit_alpha_beta
+from cost_models.calibrate import build_profile, fit_efficiency, fit_rate, link_from_fits
+
+aten = torch.ops.aten
+
+CALIBRATED_FAMILIES = (
+    "matmul",
+    "attention",
+    "pointwise",
+    "norm",
+    "softmax",
+    "embedding",
+    "reduction",
+    "loss",
+)
+CALIBRATED_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CalibrationConfig:
+    """How much to measure (defaults: about 30 s for 4 CPU ranks on 2 cores)."""
+
+    matmul_sizes: tuple[int, ...] = (256, 512, 768)
+    """Square matmul sizes n (an n x n by n x n product) for the FLOP/s fit."""
+    copy_bytes: tuple[int, ...] = (16 * 2**20, 64 * 2**20)
+    """Sizes of the copies that measure memory bandwidth."""
+    op_scales: tuple[int, ...] = (1, 2)
+    """Multipliers of each family's base shape (the efficiency fit uses every scale)."""
+    collective_bytes: tuple[int, ...] = (
+        16 * 2**10, 128 * 2**10, 512 * 2**10, 2 * 2**20, 4 * 2**20, 8 * 2**20,
+    )  # fmt: skip
+    """Message sizes (the ``nbytes`` of ``cost_models.collective_time_s``)."""
+    min_time_s: float = 0.02
+    """Each timing repeats its op until this many seconds have passed (at least 2 runs)."""
+    trials: int = 5
+    """Timings per measurement; the median is kept."""
+
+    @classmethod
+    def tiny(cls) -> CalibrationConfig:
+        """Minimal sizes for tests (a couple of seconds)."""
+        return cls(
+            matmul_sizes=(64, 128),
+            copy_bytes=(4 * 2**20, 16 * 2**20),
+            op_scales=(1,),
+            collective_bytes=(4 * 2**10, 64 * 2**10, 256 * 2**10),
+            min_time_s=0.003,
+            trials=2,
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Timing
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_callable(
+    fn: Callable[[], Any], *, device: torch.device, min_time_s: float, trials: int
+) -> float:
+    """Median over ``trials`` of the mean seconds per call, each trial repeating ``fn`` until
+    ``min_time_s`` has passed (after one warm-up call)."""
+    fn()
+    _sync(device)
+    results = []
+    for _ in range(max(trials, 1)):
+        count = 0
+        start = time.perf_counter()
+        while True:
+            fn()
+            count += 1
+            _sync(device)
+            elapsed = time.perf_counter() - start
+            if count >= 2 and elapsed >= min_time_s:
+                break
+        results.append(elapsed / count)
+    return statistics.median(results)
+
+
+def fwd_bwd_callable(
+    target: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any] | None = None
+) -> Callable[[], None]:
+    """A closure that runs ``target(*args, **kwargs)`` and, when some floating input requires
+    a gradient, its backward (a random output gradient, gradients of those inputs only)."""
+    kwargs = kwargs or {}
+    leaves = torch.utils._pytree.tree_leaves((list(args), kwargs))
+    grad_inputs = [a for a in leaves if isinstance(a, torch.Tensor) and a.requires_grad]
+    probe = target(*args, **kwargs)
+    outputs = [probe] if isinstance(probe, torch.Tensor) else list(probe)
+    float_outputs = [i for i, o in enumerate(outputs) if isinstance(o, torch.Tensor) and o.is_floating_point() and o.requires_grad]
+    grads = [torch.randn_like(outputs[i]) for i in float_outputs]
+
+    def run() -> None:
+        out = target(*args, **kwargs)
+        if grad_inputs and float_outputs:
+            outs = [out] if isinstance(out, torch.Tensor) else list(out)
+            torch.autograd.grad(
+                [outs[i] for i in float_outputs], grad_inputs, grads, allow_unused=True
+            )
+
+    return run
+
+
+# --------------------------------------------------------------------------------------------
+# Work of one op, as the planner prices it
+
+
+def op_work(target: Any, args: Sequence[Any], kwargs: dict[str, Any] | None = None) -> tuple[float, float, float, float]:
+    """``(fwd_flops, bwd_flops, fwd_bytes, bwd_bytes)`` of ``target(*args)`` as the planner
+    prices it: FLOPs from ``autopar.flops.node_costs``; bytes = tensor inputs plus outputs (the
+    planner's ``autopar.problem`` convention), twice that in backward."""
+    kwargs = kwargs or {}
+    graph = fx.Graph()
+    node_args: list[Any] = []
+    meta_args: list[Any] = []
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            meta = torch.empty(a.shape, dtype=a.dtype, device="meta").requires_grad_(a.requires_grad)
+            ph = graph.placeholder(f"x{i}")
+            ph.meta["val"] = meta
+            node_args.append(ph)
+            meta_args.append(meta)
+        else:
+            node_args.append(a)
+            meta_args.append(a)
+    node = graph.call_function(target, tuple(node_args), dict(kwargs))
+    with torch.no_grad():
+        node.meta["val"] = target(*meta_args, **kwargs)
+    work = node_costs(node)
+    outs = node.meta["val"]
+    outs = [outs] if isinstance(outs, torch.Tensor) else [o for o in outs if isinstance(o, torch.Tensor)]
+    nbytes = sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
+    nbytes += sum(o.numel() * o.element_size() for o in outs)
+    bwd_bytes = 2.0 * nbytes if work.bwd_flops > 0 or work.bwd_bytes > 0 else 0.0
+    return work.fwd_flops, work.bwd_flops, float(nbytes), bwd_bytes
+
+
+def family_cases(scale: int, device: torch.device) -> dict[str, tuple[Any, list[Any], dict[str, Any]]]:
+    """A representative op per family at size ``scale``: family -> (target, args, kwargs)."""
+
+    def t(*shape: int, grad: bool = True) -> torch.Tensor:
+        return torch.randn(*shape, device=device, requires_grad=grad)
+
+    s = scale
+    tokens = 256 * s
+    return {
+        "matmul": (aten.linear.default, [t(2 * tokens, 256), t(768, 256), t(768)], {}),
+        "attention": (
+            aten.scaled_dot_product_attention.default,
+            [t(2, 4, 64 * s, 32), t(2, 4, 64 * s, 32), t(2, 4, 64 * s, 32)],
+            {"is_causal": True},
+        ),
+        "pointwise": (aten.gelu.default, [t(tokens, 512)], {}),
+        "norm": (aten.layer_norm.default, [t(tokens, 512), [512], t(512), t(512)], {}),
+        "softmax": (aten.softmax.int, [t(tokens, 512), -1], {}),
+        "embedding": (
+            aten.embedding.default,
+            [t(1024, 256), torch.randint(0, 1024, (tokens,), device=device)],
+            {},
+        ),
+        "reduction": (aten.sum.dim_IntList, [t(tokens, 512), [-1]], {}),
+        "loss": (
+            aten.cross_entropy_loss.default,
+            [t(tokens, 512), torch.randint(0, 512, (tokens,), device=device)],
+            {},
+        ),
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# The measurements (every rank runs them at the same time)
+
+
+def _mean_over_ranks(values: list[float], device: torch.device) -> list[float]:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return (t / dist.get_world_size()).tolist()
+
+
+def _max_over_ranks(values: list[float], device: torch.device) -> list[float]:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def _bf16_matmul_works(device: torch.device) -> bool:
+    try:
+        a = torch.ones(8, 8, dtype=torch.bfloat16, device=device)
+        return bool(torch.isfinite((a @ a).float()).all())
+    except RuntimeError:
+        return False
+
+
+def measure_device(
+    config: CalibrationConfig, device: torch.device, log: Callable[[str], None]
+) -> tuple[DeviceSpec, dict[str, Any]]:
+    """Peak FLOP/s per dtype, memory bandwidth, launch overhead and per-family efficiency."""
+    timing = {"device": device, "min_time_s": config.min_time_s, "trials": config.trials}
+    details: dict[str, Any] = {}
+    peak: dict[str, float] = {}
+    dtypes = [torch.float32] + ([torch.bfloat16] if _bf16_matmul_works(device) else [])
+    for dtype in dtypes:
+        flops, times = [], []
+        for n in config.matmul_sizes:
+            a = torch.randn(n, n, device=device, dtype=dtype)
+            b = torch.randn(n, n, device=device, dtype=dtype)
+            times.append(time_callable(lambda a=a, b=b: a @ b, **timing))
+            flops.append(2.0 * n**3)
+        times = _mean_over_ranks(times, device)
+        name = str(dtype).removeprefix("torch.")
+        peak[name] = fit_rate(flops, times, through_origin=True)[0]
+        details[f"matmul_{name}"] = {"flops": flops, "seconds": times}
+        log(f"matmul {name}: {peak[name] / 1e9:.1f} GFLOP/s")
+
+    moved, times = [], []
+    for nbytes in config.copy_bytes:
+        src = torch.empty(nbytes // 4, device=device)
+        dst = torch.empty_like(src)
+        src.uniform_()
+        times.append(time_callable(lambda s=src, d=dst: d.copy_(s), **timing))
+        moved.append(2.0 * nbytes)
+    times = _mean_over_ranks(times, device)
+    bandwidth = fit_rate(moved, times, through_origin=True)[0]
+    details["copy"] = {"bytes": moved, "seconds": times}
+    log(f"memory bandwidth: {bandwidth / 1e9:.2f} GB/s")
+
+    one = torch.ones(1, device=device)
+    overhead = _mean_over_ranks([time_callable(lambda: one.add(1.0), **timing)], device)[0]
+    log(f"kernel overhead: {overhead * 1e6:.1f} us")
+
+    samples: dict[str, tuple[list[float], list[float], list[float]]] = {
+        f: ([], [], []) for f in CALIBRATED_FAMILIES
+    }
+    for scale in config.op_scales:
+        for family, (target, args, kwargs) in family_cases(scale, device).items():
+            fwd_flops, bwd_flops, fwd_bytes, bwd_bytes = op_work(target, args, kwargs)
+            ideal = max(fwd_flops / peak["float32"], fwd_bytes / bandwidth)
+            kernels = 1
+            if bwd_bytes > 0:
+                ideal += max(bwd_flops / peak["float32"], bwd_bytes / bandwidth)
+                kernels = 2
+            ideals, measured, overheads = samples[family]
+            ideals.append(ideal)
+            measured.append(time_callable(fwd_bwd_callable(target, args, kwargs), **timing))
+            overheads.append(kernels * overhead)
+    efficiency: dict[str, float] = {}
+    for family, (ideals, measured, overheads) in samples.items():
+        measured = _mean_over_ranks(measured, device)
+        efficiency[family] = fit_efficiency(ideals, measured, overheads)
+        details[f"op_{family}"] = {"ideal_s": ideals, "seconds": measured}
+    log("op efficiency: " + ", ".join(f"{f} {e:.2f}" for f, e in efficiency.items()))
+
+    spec = DeviceSpec(
+        name=f"calibrated-{device.type}",
+        peak_flops=peak,
+        mem_bandwidth_Bps=bandwidth,
+        mem_capacity_bytes=_memory_capacity(device),
+        matmul_efficiency=efficiency["matmul"],
+        memory_efficiency=efficiency["pointwise"],
+        kernel_overhead_s=overhead,
+        op_efficiency=efficiency,
+        source=f"autopar calibrate on {platform.node()} ({_device_label(device)})",
+    )
+    return spec, details
+
+
+def _device_label(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+
+
+def _memory_capacity(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    return int(total // max(local, 1))
+
+
+def _run_collective(kind: str, nbytes: int, group: Any, size: int, device: torch.device) -> Callable[[], None]:
+    numel = max(nbytes // 4 // size, 1) * size
+    full = torch.randn(numel, device=device)
+    part = torch.randn(numel // size, device=device)
+    parts = [torch.empty_like(part) for _ in range(size)]
+    if kind == "all_reduce":
+        return lambda: dist.all_reduce(full, group=group)
+    if kind == "all_gather":
+        return lambda: dist.all_gather(parts, part, group=group)
+    if kind == "reduce_scatter":
+        chunks = list(full.chunk(size))
+        return lambda: dist.reduce_scatter(part, chunks, group=group)
+    if kind == "all_to_all":
+        out = torch.empty_like(full)
+        return lambda: dist.all_to_all_single(out, full, group=group)
+    raise ValueError(f"unknown collective {kind!r}; known: {CALIBRATED_COLLECTIVES}")
+
+
+def measure_links(
+    config: CalibrationConfig,
+    groups: Any,
+    device: torch.device,
+    log: Callable[[str], None],
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Per mesh axis (size > 1): alpha-beta per collective kind, as a LinkSpec."""
+    links: dict[str, Any] = {}
+    details: dict[str, Any] = {}
+    for axis, (name, size) in enumerate(zip(groups.axis_names, groups.mesh_shape)):
+        if size < 2:
+            continue
+        group = groups.groups[axis]
+        fits: dict[str, tuple[float, float]] = {}
+        for kind in CALIBRATED_COLLECTIVES:
+            sizes = [float(max(b // 4 // size, 1) * size * 4) for b in config.collective_bytes]
+            times = []
+            for nbytes in sizes:
+                fn = _run_collective(kind, int(nbytes), group, size, device)
+                dist.barrier()
+                # Every rank runs the same count of calls: a fixed count from the time rank 0
+                # would pick would need another collective, so time a fixed number instead.
+                times.append(_time_fixed(fn, device, config))
+            times = _max_over_ranks(times, device)
+            details[f"{name}/{kind}"] = {"bytes": sizes, "seconds": times}
+            try:
+                fits[kind] = fit_alpha_beta(sizes, times, kind, size)
+            except ValueError as exc:
+                log(f"axis {name}: {kind} not fitted ({exc})")
+                continue
+            alpha, beta = fits[kind]
+            log(f"axis {name} (size {size}) {kind}: alpha {alpha * 1e6:.1f} us/step, {1 / beta / 1e9:.2f} GB/s")
+        if fits:
+            links[name] = link_from_fits(
+                f"calibrated-{name}", fits, source=f"autopar calibrate, {dist.get_backend()} on {platform.node()}"
+            )
+    return links, details
+
+
+def _time_fixed(fn: Callable[[], Any], device: torch.device, config: CalibrationConfig) -> float:
+    """Collectives must be called the same number of times on every rank: a fixed count
+    (sized by one probe call, agreed by MAX over ranks) instead of ``time_callable``'s loop."""
+    fn()
+    _sync(device)
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    probe = _max_over_ranks([time.perf_counter() - start], device)[0]
+    count = int(min(max(config.min_time_s / max(probe, 1e-7), 2), 200))
+    results = []
+    for _ in range(max(config.trials, 1)):
+        start = time.perf_counter()
+        for _ in range(count):
+            fn()
+        _sync(device)
+        results.append((time.perf_counter() - start) / count)
+    return statistics.median(results)
+
+
+def calibrate_on_rank(
+    mesh_shape: Sequence[int],
+    axis_names: Sequence[str],
+    config: CalibrationConfig,
+    *,
+    verbose: bool = True,
+) -> dict[str, Any]:
+    """Measure on this rank (inside an initialized process group) and return the profile JSON
+    (the same on every rank)."""
+    from rich.console import Console
+
+    from autopar.runtime.process_groups import axis_groups
+
+    start = time.perf_counter()
+    console = Console(stderr=True, highlight=False)
+    rank = dist.get_rank()
+
+    def log(text: str) -> None:
+        if verbose and rank == 0:
+            console.print(f"[{time.perf_counter() - start:5.1f} s] {text}")
+
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    groups = axis_groups(tuple(mesh_shape), tuple(axis_names), key="autopar-calibrate")
+    log(f"calibrating {dist.get_world_size()} ranks ({dist.get_backend()}) on mesh "
+        + " x ".join(f"{n}={s}" for n, s in zip(axis_names, mesh_shape)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        spec, device_details = measure_device(config, device, log)
+        links, link_details = measure_links(config, groups, device, log)
+    profile = build_profile(
+        device=spec,
+        links=links,
+        meta={
+            "measured_by": "autopar calibrate",
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "host": platform.node(),
+            "backend": dist.get_backend(),
+            "world_size": dist.get_world_size(),
+            "mesh": {"shape": list(mesh_shape), "axis_names": list(axis_names)},
+            "torch": torch.__version__,
+            "seconds": time.perf_counter() - start,
+            "measurements": {**device_details, **link_details},
+        },
+    )
+    log(f"done in {time.perf_counter() - start:.1f} s")
+    return profile.to_dict()
+
+
+# --------------------------------------------------------------------------------------------
+# Ranks on this machine
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    """Linux: end this rank when the launching process dies (no orphaned ranks holding ports)."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _spawned_rank(
+    rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], results: Any
+) -> None:
+    os.environ.update(
+        {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "OMP_NUM_THREADS": "1",
+        }
+    )
+    torch.set_num_threads(1)
+    _die_with_parent()
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=120),
+        )
+        results.put((rank, True, fn(rank, world_size, *args)))
+    except BaseException:  # noqa: B036 - the parent reports every rank's failure
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn_local(
+    fn: Callable[..., Any], nproc: int, *args: Any, timeout_s: float = 900.0
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``nproc`` gloo ranks on 127.0.0.1 (one thread
+    each) and return the results by rank. ``fn`` must be a module-level function.
+
+    Raises:
+        RuntimeError: a rank failed (with its traceback) or the run passed ``timeout_s``.
+    """
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_spawned_rank, args=(r, nproc, port, fn, args, results), daemon=True)
+        for r in range(nproc)
+    ]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(out) < nproc:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RuntimeError(f"ranks did not finish within {timeout_s:.0f} s; rerun with fewer sizes")
+            try:
+                rank, ok, payload = results.get(timeout=min(remaining, 1.0))
+            except Exception:  # queue.Empty: check for dead ranks
+                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in out and p.exitcode]
+                if dead:
+                    raise RuntimeError(f"rank(s) {dead} died (exit codes "
+                                       f"{[procs[r].exitcode for r in dead]})") from None
+                continue
+            if not ok:
+                raise RuntimeError(f"rank {rank} failed:\n{payload}")
+            out[rank] = payload
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    return [out[r] for r in range(nproc)]
+
+
+def _calibrate_rank(
+    rank: int, world_size: int, mesh_shape: tuple[int, ...], axis_names: tuple[str, ...],
+    config: CalibrationConfig, verbose: bool,
+) -> dict[str, Any] | None:
+    data = calibrate_on_rank(mesh_shape, axis_names, config, verbose=verbose)
+    return data if rank == 0 else None
+
+
+def calibrate(
+    mesh_shape: Sequence[int],
+    axis_names: Sequence[str],
+    *,
+    config: CalibrationConfig | None = None,
+    nproc: int | None = None,
+    verbose: bool = True,
+) -> Profile:
+    """Calibrate and return the Profile.
+
+    Inside an initialized process group (torchrun: this function initializes it from the
+    environment when ``WORLD_SIZE`` is set) every rank measures; with ``nproc`` the ranks are
+    spawned here on 127.0.0.1 with gloo.
+
+    Raises:
+        ValueError: the mesh's device count differs from the world size or ``nproc``.
+    """
+    from cost_models import load_profile
+
+    config = config or CalibrationConfig()
+    shape, names = tuple(int(s) for s in mesh_shape), tuple(axis_names)
+    devices = math.prod(shape)
+    if nproc is not None:
+        if nproc != devices:
+            raise ValueError(f"mesh {shape} has {devices} devices but --nproc is {nproc}; make them equal")
+        data = spawn_local(_calibrate_rank, nproc, shape, names, config, verbose)[0]
+        return load_profile(data)
+    if not dist.is_initialized():
+        if "WORLD_SIZE" not in os.environ:
+            raise ValueError(
+                "calibrate needs ranks: run it under torchrun (torchrun --nproc-per-node N "
+                "-m autopar.cli calibrate ...) or pass --nproc N to spawn them here"
+            )
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=300))
+    if dist.get_world_size() != devices:
+        raise ValueError(
+            f"mesh {shape} has {devices} devices but the job has {dist.get_world_size()} ranks"
+        )
+    return load_profile(calibrate_on_rank(shape, names, config, verbose=verbose))

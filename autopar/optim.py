@@ -1,0 +1,172 @@
+"""Norm-aware optimization on parameter shards: gradient clipping, LAMB and LARS.
+
+Under tensor parallelism and ZeRO each rank holds pieces of a parameter. A norm of the whole
+parameter is the square root of the sum, over the process groups the parameter is split across,
+of the local sums of squares. ``split_groups(param)`` names those groups
+(:meth:`autopar.runtime.module.ParallelModule.split_groups`); a group a parameter is replicated
+over is not summed over, so replicated parts count once. Without ``split_groups`` (one process)
+the norms are the local ones, so the same code is the single-process reference.
+
+Collectives are issued in the same order on every rank: one all-reduce per distinct group, in
+order of first appearance in the parameter list (every rank holds the same list, in the same
+order, split the same way).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = ["LAMB", "LARS", "clip_grad_norm_", "full_sq_norms"]
+
+SplitGroups = Callable[[Tensor], Sequence[Any]]
+
+
+def full_sq_norms(tensors: Sequence[Tensor], params: Sequence[Tensor], split_groups: SplitGroups | None) -> Tensor:
+    """Squared 2-norms of the FULL tensors whose local pieces are ``tensors`` (``params[i]``
+    tells how ``tensors[i]`` is split). One fp32 value per tensor, the same on every rank."""
+    if not tensors:
+        return torch.zeros(0)
+    sq = torch.stack([t.detach().float().pow(2).sum() for t in tensors])
+    if split_groups is None:
+        return sq
+    groups_per: list[Sequence[Any]] = [tuple(split_groups(p)) for p in params]
+    distinct: list[Any] = []
+    for groups in groups_per:
+        for group in groups:
+            if not any(group is g for g in distinct):
+                distinct.append(group)
+    for group in distinct:
+        mask = torch.tensor([any(group is g for g in groups) for groups in groups_per])
+        part = sq[mask].contiguous()
+        dist.all_reduce(part, group=group)
+        sq[mask] = part
+    return sq
+
+
+def clip_grad_norm_(
+    params: Iterable[Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    *,
+    split_groups: SplitGroups | None = None,
+) -> Tensor:
+    """Scale gradients so that their global 2-norm is at most ``max_norm`` (as
+    ``torch.nn.utils.clip_grad_norm_``, over every shard on every axis). Returns the total norm."""
+    if norm_type != 2.0:
+        raise ValueError(f"clip_grad_norm_ supports the 2-norm only, got norm_type={norm_type}")
+    with_grad = [p for p in params if p.grad is not None]
+    sq = full_sq_norms([p.grad for p in with_grad], with_grad, split_groups)  # type: ignore[misc]
+    total = sq.sum().sqrt()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    with torch.no_grad():
+        for p in with_grad:
+            p.grad.mul_(coef.to(p.grad.dtype))  # type: ignore[union-attr]
+    return total
+
+
+class LAMB(torch.optim.Optimizer):
+    """LAMB (You et al., 2020): Adam's update scaled per parameter by ``||p|| / ||update||``,
+    with both norms over the whole parameter (``split_groups``; module docstring).
+
+    The trust ratio is 1 where either norm is 0. Weight decay is added to the update (decoupled).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.0,
+        *,
+        split_groups: SplitGroups | None = None,
+    ) -> None:
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        self._split_groups = split_groups
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            params = [p for p in group["params"] if p.grad is not None]
+            updates = []
+            for p in params:
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(p)
+                    state["exp_avg_sq"] = torch.zeros_like(p)
+                state["step"] += 1
+                m, v = state["exp_avg"], state["exp_avg_sq"]
+                m.mul_(beta1).add_(p.grad, alpha=1 - beta1)
+                v.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+                m_hat = m / (1 - beta1 ** state["step"])
+                v_hat = v / (1 - beta2 ** state["step"])
+                update = m_hat / (v_hat.sqrt() + group["eps"])
+                if group["weight_decay"]:
+                    update.add_(p, alpha=group["weight_decay"])
+                updates.append(update)
+            norms = full_sq_norms(list(params) + updates, list(params) * 2, self._split_groups).sqrt()
+            w_norms, u_norms = norms[: len(params)], norms[len(params) :]
+            for p, update, w, u in zip(params, updates, w_norms, u_norms):
+                trust = (w / u).item() if w > 0 and u > 0 else 1.0
+                p.add_(update, alpha=-group["lr"] * trust)
+        return loss
+
+
+class LARS(torch.optim.Optimizer):
+    """LARS (You et al., 2017): SGD with momentum whose per-parameter learning rate is scaled by
+    ``trust_coefficient * ||p|| / (||g|| + weight_decay * ||p||)``, norms over the whole
+    parameter (``split_groups``; module docstring). The ratio is 1 where a norm is 0."""
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 0.1,
+        momentum: float = 0.9,
+        weight_decay: float = 0.0,
+        trust_coefficient: float = 0.001,
+        eps: float = 1e-9,
+        *,
+        split_groups: SplitGroups | None = None,
+    ) -> None:
+        defaults = {
+            "lr": lr,
+            "momentum": momentum,
+            "weight_decay": weight_decay,
+            "trust_coefficient": trust_coefficient,
+            "eps": eps,
+        }
+        super().__init__(params, defaults)
+        self._split_groups = split_groups
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            grads = [p.grad for p in params]
+            norms = full_sq_norms(list(params) + grads, list(params) * 2, self._split_groups).sqrt()
+            w_norms, g_norms = norms[: len(params)], norms[len(params) :]
+            wd = group["weight_decay"]
+            for p, grad, w, g in zip(params, grads, w_norms, g_norms):
+                if w > 0 and g > 0:
+                    trust = (group["trust_coefficient"] * w / (g + wd * w + group["eps"])).item()
+                else:
+                    trust = 1.0
+                step = grad.add(p, alpha=wd) if wd else grad.clone()
+                step.mul_(group["lr"] * trust)
+                state = self.state[p]
+                buf = state.get("momentum_buffer")
+                if buf is None:
+                    buf = state["momentum_buffer"] = step
+                else:
+                    buf.mul_(group["momentum"]).add_(step)
+                p.sub_(buf)
+        return loss

@@ -1,0 +1,302 @@
+"""autoparallelize(): one plan for all ranks, lowered and wrapped in a ParallelModule.
+
+Every rank captures the model (the graph hash must agree); rank 0 plans (or reads the plan it
+is given) and broadcasts the plan's JSON; every rank checks the plan against its own capture and
+the mesh, lowers the graph with the plan's strategies and materializes only its own shards of
+the parameters.
+
+Train and eval: the mode is fixed at capture (``torch.export``). The returned module builds the
+other mode's graph on its first forward in that mode: it captures the model again, and rank 0
+chooses strategies for the new graph with every parameter, buffer and input pinned to the
+layout it has in the first graph (the same ILP, restricted), so the parameter shards and the
+inputs a rank is fed do not change.
+
+Timeouts: a collective waits for a missing peer as long as its process group's timeout.
+``Mesh.from_world`` gives the mesh's groups the world's timeout (the ``timeout=`` of
+``torch.distributed.init_process_group``) or its own ``timeout_s=``; ``autoparallelize(...,
+timeout_s=)`` overrides it for the mesh's groups. A collective whose peer died or stalled then
+raises on the waiting ranks naming this rank, the op, the mesh axis and the group's ranks.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten
+
+import solver
+from autopar.api import plan_captured
+from autopar.capture import Captured, capture
+from autopar.errors import PlanMismatchError, PlanningError, UnsupportedModelError
+from autopar.lowering import LoweredGraph, lower
+from autopar.mesh import Mesh, set_groups_timeout
+from autopar.options import PlanOptions
+from autopar.placement import Placements, parse_placements, replicated
+from autopar.plan import Plan
+from autopar.problem import ZeroConfig, build_problem, build_space
+from autopar.runtime.module import ParallelModule
+from autopar.runtime.process_groups import AxisGroups, axis_groups
+from autopar.strategies import Strategy
+
+__all__ = ["autoparallelize", "choices_with_layouts"]
+
+
+def autoparallelize(
+    model: nn.Module,
+    mesh: Mesh,
+    example_inputs: Sequence[Any] = (),
+    example_kwargs: dict[str, Any] | None = None,
+    *,
+    plan: Plan | str | os.PathLike[str] | None = None,
+    timeout_s: float | None = None,
+    model_name: str | None = None,
+    price_baselines: bool = True,
+    **options: Any,
+) -> ParallelModule:
+    """Plan, lower and shard ``model`` on a live mesh; call on every rank with the same model.
+
+    Args:
+        model: the single-device model (same initial weights on every rank, e.g. same seed, or
+            load them later with ``load_state_dict``), in the mode to train (``.train()``).
+        mesh: ``Mesh.from_world(...)`` (or an offline ``Mesh.spec`` inside an initialized process
+            group: its groups are then built here). Its device figures are what the planner
+            prices; they do not change how the plan runs.
+        example_inputs, example_kwargs: the GLOBAL batch of one step (shapes are planned for it).
+        plan: a Plan, or the path of a saved plan (read on rank 0 only); default: rank 0 plans.
+        timeout_s: seconds a collective on the mesh waits for a peer before raising (default:
+            the mesh groups' timeout, see the module docstring).
+        model_name: the name the plan records (default: the model's class name).
+        price_baselines: also price the standard recipes for ``plan.baselines`` (one ILP each
+            on rank 0); False plans faster.
+        options: fields of :class:`autopar.options.PlanOptions` (``recipe``, ``memory_budget``,
+            ``output_placements``, ...), for planning and lowering.
+
+    Returns:
+        A ParallelModule taking this rank's LOCAL inputs (``pmodel.shard_inputs`` cuts a global
+        batch), with ``pmodel.plan`` the Plan.
+
+    Raises:
+        PlanMismatchError: the plan was made for another graph (model, input shapes) or mesh.
+        PlanningError: rank 0 could not plan (every rank raises it).
+        ValueError: the mesh does not match the world size.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "autoparallelize runs inside torch.distributed: launch with torchrun and build the "
+            "mesh with autopar.Mesh.from_world(...); for offline planning use autopar.plan(...)"
+        )
+    opts = PlanOptions.from_kwargs(options)
+    groups = _mesh_groups(mesh, timeout_s)
+    args = tuple(example_inputs)
+    kwargs = dict(example_kwargs or {})
+    captured = capture(model, args, kwargs)
+    name = model_name or type(model).__name__
+
+    def make_plan() -> str:
+        if plan is None:
+            chosen = plan_captured(
+                captured, mesh, opts, model_name=name, price_baselines=price_baselines
+            )
+        elif isinstance(plan, Plan):
+            chosen = plan
+        else:
+            chosen = Plan.load(plan)
+        made[0] = chosen
+        return chosen.to_json()
+
+    made: list[Plan | None] = [None]
+    text = _from_rank0(make_plan, what="planning", graph_hash=captured.graph_hash)
+    chosen = made[0] if made[0] is not None else Plan.from_json(text)
+    check_plan(chosen, captured, mesh)
+
+    output_placements = _output_placements(captured, mesh, chosen, opts)
+    lowered = lower(
+        captured, chosen.choices(), mesh.shape, groups.key, output_placements=output_placements
+    )
+    pmodel = ParallelModule(lowered, model, groups)
+    pmodel.plan = chosen
+    plan_mesh = Mesh.from_dict(chosen.data["mesh"])
+    plan_options = PlanOptions.from_kwargs(chosen.data["options"])
+
+    def lower_mode(training: bool) -> LoweredGraph:
+        was_training = model.training
+        model.train(training)
+        try:
+            other = capture(model, args, kwargs)
+        finally:
+            model.train(was_training)
+        _erase_inactive_dropout(other.gm)
+        first = pmodel._mode_graphs[pmodel._captured_mode]
+        choices = _from_rank0(
+            lambda: choices_with_layouts(other, plan_mesh, plan_options, first),
+            what=f"planning the {'train' if training else 'eval'}-mode graph",
+            graph_hash=other.graph_hash,
+        )
+        return lower(other, choices, mesh.shape, groups.key, output_placements=output_placements)
+
+    pmodel.attach_mode_lowering(lower_mode)
+    return pmodel
+
+
+def check_plan(plan: Plan, captured: Captured, mesh: Mesh) -> None:
+    """Refuse a plan made for another graph or another mesh shape (PlanMismatchError)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if plan.graph_hash != captured.graph_hash:
+        raise PlanMismatchError(
+            f"rank {rank}: the plan was made for another model or other input shapes (plan graph "
+            f"hash {plan.graph_hash[:12]}..., model {plan.data['model']['name']!r}; this model's "
+            f"graph hash is {captured.graph_hash[:12]}...); re-plan for this model and these "
+            f"example inputs, or pass plan=None to let rank 0 plan"
+        )
+    plan_shape = tuple(plan.data["mesh"]["shape"])
+    if plan_shape != tuple(mesh.shape):
+        raise PlanMismatchError(
+            f"rank {rank}: the plan was made for mesh shape {plan_shape} but this mesh has shape "
+            f"{tuple(mesh.shape)}; re-plan for this mesh"
+        )
+
+
+def choices_with_layouts(
+    captured: Captured, mesh: Mesh, options: PlanOptions, reference: LoweredGraph
+) -> dict[str, Strategy]:
+    """Strategies for ``captured`` with every parameter, buffer and input pinned to its layout
+    in ``reference`` (another lowering of the same model): the planner's ILP, restricted.
+
+    Raises:
+        PlanningError: the graph has a parameter, buffer or input the reference lacks, or no
+            strategy keeps a pinned layout.
+    """
+    canonical = {
+        other: fqn for fqn, others in reference.tied_params.items() for other in (fqn, *others)
+    }
+    input_index = {name: i for i, name in enumerate(captured.input_nodes)}
+    space = build_space(captured, mesh, options)
+    allowed: dict[str, list[int]] = {}
+    for node in space.nodes:
+        if node.kind == "op":
+            continue
+        wanted: Placements | None
+        if node.kind == "param":
+            wanted = reference.param_placements.get(canonical.get(node.fqn, node.fqn))
+        elif node.kind == "buffer":
+            wanted = reference.buffer_placements.get(node.fqn, replicated(mesh.ndim))
+        else:
+            index = input_index.get(node.name)
+            wanted = None if index is None else reference.input_placements[index]
+        match = [i for i, s in enumerate(node.strategies) if s.outputs[0] == wanted]
+        if not match:
+            raise PlanningError(
+                f"cannot keep the layout of {node.fqn or node.name} in the other train/eval mode "
+                f"(its graph differs in parameters or inputs); capture and plan the model in that "
+                f"mode separately"
+            )
+        allowed[node.name] = match
+    built = build_problem(space, ZeroConfig(), allowed=allowed, memory_budget_bytes=None)
+    solution = solver.solve(
+        built.problem, backend=options.solver, time_limit_s=options.time_limit_s, gap=options.gap
+    )
+    return {
+        node.name: node.strategies[built.allowed[i][c]]
+        for i, (node, c) in enumerate(zip(space.nodes, solution.choices))
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers
+
+
+def _mesh_groups(mesh: Mesh, timeout_s: float | None) -> AxisGroups:
+    """The mesh's process groups (built now for an offline mesh), with ``timeout_s`` applied."""
+    world_size = dist.get_world_size()
+    if mesh.num_devices != world_size:
+        raise ValueError(
+            f"mesh shape {mesh.shape} has {mesh.num_devices} devices but the world size is "
+            f"{world_size}; build the mesh with autopar.Mesh.from_world for this world"
+        )
+    groups = mesh.groups
+    if groups is None:
+        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        groups = axis_groups(mesh.shape, mesh.axis_names, device_type=device_type)
+    if timeout_s is not None:
+        set_groups_timeout(groups, timeout_s)
+    return groups
+
+
+def _from_rank0(make: Any, *, what: str, graph_hash: str) -> Any:
+    """Run ``make()`` on rank 0 and broadcast its result; every rank raises rank 0's error (as
+    the same class where it is one of autopar's or a ValueError), and a rank whose graph hash
+    differs from rank 0's raises PlanMismatchError."""
+    payload: list[Any] = [None]
+    error: Exception | None = None
+    if dist.get_rank() == 0:
+        try:
+            payload[0] = ("ok", make(), graph_hash)
+        except Exception as exc:  # every rank must learn of it, or they wait for rank 0
+            error = exc
+            payload[0] = ("error", type(exc).__name__, str(exc))
+    dist.broadcast_object_list(payload, src=0)
+    status, value, detail = payload[0]
+    if status == "error":
+        if error is not None:
+            raise error
+        cls = _ERRORS.get(value, PlanningError)
+        raise cls(f"rank 0 failed {what}: {detail}")
+    if detail != graph_hash:
+        raise PlanMismatchError(
+            f"rank {dist.get_rank()} captured a different graph than rank 0 (graph hash "
+            f"{graph_hash[:12]}... vs {detail[:12]}...): every rank must build the same model "
+            f"with the same example input shapes"
+        )
+    return value
+
+
+_ERRORS: dict[str, type[Exception]] = {
+    cls.__name__: cls
+    for cls in (PlanMismatchError, PlanningError, UnsupportedModelError, ValueError)
+}
+
+
+def _erase_inactive_dropout(gm: fx.GraphModule) -> None:
+    """Remove ``aten.dropout(x, p, train=False)`` nodes (identities an eval-mode export keeps)."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.aten.dropout.default:
+            train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train")
+            if train is False:
+                node.replace_all_uses_with(node.args[0])
+                gm.graph.erase_node(node)
+    gm.graph.lint()
+    gm.recompile()
+
+
+def _output_placements(
+    captured: Captured, mesh: Mesh, plan: Plan, options: PlanOptions
+) -> list[Placements] | None:
+    """Per flattened output: the placements asked for (``output_placements=`` here, else the
+    plan's option), Replicate where none is given; None when nothing was asked."""
+    texts = options.output_placements
+    if texts is None:
+        texts = plan.data["options"].get("output_placements")
+    if texts is None:
+        return None
+    output_node = next(n for n in captured.gm.graph.nodes if n.op == "output")
+    num_outputs = sum(isinstance(leaf, fx.Node) for leaf in tree_flatten(output_node.args[0])[0])
+    out: list[Placements] = []
+    for i in range(num_outputs):
+        if i < len(texts):
+            placements = parse_placements(texts[i])
+            if len(placements) != mesh.ndim:
+                raise ValueError(
+                    f"output_placements[{i}] = {texts[i]!r} has {len(placements)} entries but the "
+                    f"mesh has {mesh.ndim} axes; give one placement per axis, e.g. "
+                    f"{','.join(['S0'] * mesh.ndim)!r}"
+                )
+            out.append(placements)
+        else:
+            out.append(replicated(mesh.ndim))
+    return out

@@ -1,0 +1,173 @@
+"""Torch-free fitting for calibration, and the metrics that judge a cost model.
+
+The measuring side (``autopar/calibration.py``) times real kernels and collectives; this module
+turns timings into the numbers of a profile and scores predictions against measurements:
+
+- ``fit_rate``: a throughput (FLOP/s, bytes/s) from ``time = work / rate + overhead`` at several
+  sizes (a least-squares line; its slope is ``1 / rate``).
+- ``fit_efficiency``: the per-family ``op_efficiency`` of ``cost_models.compute``: with a known
+  per-op overhead, ``time - overhead = ideal / e`` is a line through the origin in ``ideal``.
+- ``fit_alpha_beta`` (in ``cost_models.comm``) fits collectives; ``link_from_fits`` turns the
+  fits of one axis into a ``LinkSpec``.
+- ``mape`` and ``spearman``: prediction error and rank agreement.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from cost_models.hardware import DeviceSpec, LinkSpec, Profile
+
+__all__ = [
+    "build_profile",
+    "fit_efficiency",
+    "fit_rate",
+    "link_from_fits",
+    "mape",
+    "rank",
+    "spearman",
+]
+
+
+def _check_pairs(xs: Sequence[float], ys: Sequence[float], what: str) -> None:
+    if len(xs) != len(ys):
+        raise ValueError(f"{what}: {len(xs)} x values but {len(ys)} y values")
+    if not xs:
+        raise ValueError(f"{what}: no data points")
+
+
+def fit_rate(
+    work: Sequence[float], times_s: Sequence[float], *, through_origin: bool = False
+) -> tuple[float, float]:
+    """``(rate, overhead_s)`` of ``time = work / rate + overhead`` by least squares.
+
+    With ``through_origin`` (large sizes, where the overhead is negligible and a two-point
+    slope would amplify noise), with one distinct work size, or when the fitted line has a
+    negative intercept (noise), the line goes through the origin instead (overhead 0).
+
+    Raises:
+        ValueError: mismatched or empty inputs, or times that do not grow with work.
+    """
+    _check_pairs(work, times_s, "fit_rate")
+    n = len(work)
+    mean_w = sum(work) / n
+    mean_t = sum(times_s) / n
+    var = sum((w - mean_w) ** 2 for w in work)
+    slope = sum((w - mean_w) * (t - mean_t) for w, t in zip(work, times_s)) / var if var else 0.0
+    intercept = mean_t - slope * mean_w
+    if through_origin or var == 0 or intercept < 0:
+        intercept = 0.0
+        slope = sum(w * t for w, t in zip(work, times_s)) / sum(w * w for w in work)
+    if slope <= 0:
+        raise ValueError(
+            f"timings do not grow with work (slope {slope:.3g}); measure larger sizes"
+        )
+    return 1.0 / slope, intercept
+
+
+def fit_efficiency(
+    ideal_s: Sequence[float], times_s: Sequence[float], overhead_s: Sequence[float] | float = 0.0
+) -> float:
+    """The fraction ``e`` of the ideal roofline reached: least squares of
+    ``time - overhead = ideal / e`` over the measurements, clamped to [1e-3, 1].
+
+    Args:
+        ideal_s: per measurement, ``max(flops / peak, bytes / bandwidth)`` summed over the
+            kernels timed (forward plus backward), as ``cost_models.compute`` defines it.
+        times_s: the measured seconds.
+        overhead_s: the launch overhead included in each measurement (one value, or one each).
+
+    A family faster than the roofline (its ideal underestimates it, e.g. data that stays in
+    cache) gets ``e = 1``; the clamp keeps the value valid for ``DeviceSpec.op_efficiency``.
+    """
+    _check_pairs(ideal_s, times_s, "fit_efficiency")
+    overheads = (
+        [float(overhead_s)] * len(ideal_s) if isinstance(overhead_s, (int, float)) else list(overhead_s)
+    )
+    _check_pairs(ideal_s, overheads, "fit_efficiency overheads")
+    num = sum(i * i for i in ideal_s)
+    if num <= 0:
+        raise ValueError("fit_efficiency: every ideal time is 0; time ops that do work")
+    den = sum(i * max(t - o, 0.0) for i, t, o in zip(ideal_s, times_s, overheads))
+    if den <= 0:
+        return 1.0
+    return min(1.0, max(1e-3, num / den))
+
+
+def link_from_fits(
+    name: str, fits: Mapping[str, tuple[float, float]], *, source: str = ""
+) -> LinkSpec:
+    """A LinkSpec carrying calibrated ``(alpha, beta)`` per collective; its plain
+    ``latency_s`` / ``bandwidth_Bps`` come from the all-reduce fit (else the first one)."""
+    if not fits:
+        raise ValueError(f"link {name!r}: no collective fits to build it from")
+    alpha, beta = fits.get("all_reduce") or next(iter(fits.values()))
+    return LinkSpec(
+        name=name,
+        bandwidth_Bps=1.0 / beta,
+        latency_s=alpha,
+        collectives=dict(fits),
+        source=source,
+    )
+
+
+def build_profile(
+    *,
+    device: DeviceSpec,
+    links: Mapping[str, LinkSpec],
+    meta: Mapping[str, Any] | None = None,
+) -> Profile:
+    """The calibration's result as a Profile (``save_profile`` writes the JSON that
+    ``load_profile`` and ``Mesh.spec(profile=)`` read)."""
+    return Profile(device=device, links=dict(links), meta=dict(meta or {}))
+
+
+def mape(predicted: Sequence[float], measured: Sequence[float]) -> float:
+    """Mean absolute percentage error, in percent: ``100 * mean(|p - m| / m)``.
+
+    Raises:
+        ValueError: mismatched or empty inputs, or a measured value <= 0.
+    """
+    _check_pairs(predicted, measured, "mape")
+    if any(m <= 0 for m in measured):
+        raise ValueError("mape: measured values must be > 0")
+    return 100.0 * sum(abs(p - m) / m for p, m in zip(predicted, measured)) / len(measured)
+
+
+def rank(values: Sequence[float]) -> list[float]:
+    """Ranks starting at 1, ties sharing their average rank (as Spearman's rho needs)."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    ranks = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2.0 + 1.0
+        i = j + 1
+    return ranks
+
+
+def spearman(xs: Sequence[float], ys: Sequence[float]) -> float:
+    """Spearman's rank correlation: Pearson's correlation of the ranks (ties averaged).
+
+    Returns NaN when either side is constant (no ordering to agree with).
+
+    Raises:
+        ValueError: mismatched inputs or fewer than two points.
+    """
+    _check_pairs(xs, ys, "spearman")
+    if len(xs) < 2:
+        raise ValueError("spearman needs at least two points")
+    rx, ry = rank(xs), rank(ys)
+    n = len(rx)
+    mx, my = sum(rx) / n, sum(ry) / n
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    vx = sum((a - mx) ** 2 for a in rx)
+    vy = sum((b - my) ** 2 for b in ry)
+    if vx == 0 or vy == 0:
+        return math.nan
+    return cov / math.sqrt(vx * vy)

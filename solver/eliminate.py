@@ -1,0 +1,193 @@
+"""Exact variable elimination of leaf and series nodes (budget-free problems only).
+
+Without a memory budget the objective is a sum of node and edge costs over a graph, and a node
+with at most two neighbours can be eliminated exactly by dynamic programming (min-plus):
+
+    leaf v, neighbour u        c_u[s]   += min_t ( E_uv[s,t] + c_v[t] )
+    series v, neighbours u, w  E_uw[s,r] = min_t ( E_uv[s,t] + c_v[t] + E_vw[t,r] )
+    isolated v                 constant += min_t c_v[t]
+
+(forbidden pairs are +inf), remembering the minimising t for each (s) or (s, r); once the
+rest is solved, eliminated nodes take their remembered t in reverse order of elimination.
+Parallel edges are summed as they appear, self-loops fold their diagonal into the node. In a
+transformer this removes every parameter (a leaf feeding one op) and every chain of pointwise
+ops and views (RoPE, casts, transposes), leaving the nodes where data flow branches or joins.
+With a budget the memory row couples all nodes, so nothing is eliminated. Tie classes
+(solver/tying.py) are applied after elimination, to the nodes it keeps: eliminating a tied
+layer's chains first keeps the contracted graph free of the cycles tying would create.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from solver.errors import InfeasibleError
+from solver.problem import Edge, Node, Problem
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Eliminated:
+    problem: Problem
+    """The remaining nodes (strategies with infinite cost dropped) and edges."""
+    kept: tuple[int, ...]
+    """Reduced node index -> original node index."""
+    strategies: tuple[tuple[int, ...], ...]
+    """Per reduced node: reduced strategy index -> original strategy index."""
+    steps: tuple[tuple[int, int, int, np.ndarray], ...]
+    """(node, neighbour u or -1, neighbour w or -1, argmin table) in elimination order."""
+    constant_s: float
+    num_original: int
+
+
+def _matrix(edge: Edge) -> np.ndarray:
+    return np.array(
+        [[math.inf if c is None else c for c in row] for row in edge.cost_s], dtype=np.float64
+    )
+
+
+def eliminate(problem: Problem) -> Eliminated:
+    """Eliminate leaf and series nodes of a budget-free problem (see the module docstring)."""
+    assert problem.memory_budget_bytes is None
+    num = len(problem.nodes)
+    cost = [np.array(n.cost_s, dtype=np.float64) for n in problem.nodes]
+    edges: dict[tuple[int, int], np.ndarray] = {}  # (a, b) with a < b, rows = a's strategies
+    neighbours: list[set[int]] = [set() for _ in range(num)]
+
+    def add_edge(a: int, b: int, matrix: np.ndarray) -> None:
+        if a == b:
+            cost[a] = cost[a] + np.diagonal(matrix)
+            return
+        if a > b:
+            a, b, matrix = b, a, matrix.T
+        if (a, b) in edges:
+            edges[a, b] = edges[a, b] + matrix
+        else:
+            edges[a, b] = matrix
+            neighbours[a].add(b)
+            neighbours[b].add(a)
+
+    def oriented(a: int, b: int) -> np.ndarray:
+        return edges[a, b] if a < b else edges[b, a].T
+
+    def drop(a: int, b: int) -> None:
+        del edges[min(a, b), max(a, b)]
+        neighbours[a].discard(b)
+        neighbours[b].discard(a)
+
+    for edge in problem.edges:
+        add_edge(edge.src, edge.dst, _matrix(edge))
+    alive = [True] * num
+    steps: list[tuple[int, int, int, np.ndarray]] = []
+    constant = 0.0
+    queue = list(range(num))
+    while queue:
+        v = queue.pop()
+        if not alive[v] or len(neighbours[v]) > 2:
+            continue
+        near = sorted(neighbours[v])
+        if not near:
+            t = int(np.argmin(cost[v]))
+            if not math.isfinite(cost[v][t]):
+                raise InfeasibleError(
+                    f"node {problem.nodes[v].name!r} has no strategy left: its edges forbid "
+                    f"every one; allow at least one pair for some strategy of every edge"
+                )
+            constant += float(cost[v][t])
+            steps.append((v, -1, -1, np.array(t)))
+        elif len(near) == 1:
+            (u,) = near
+            total = oriented(u, v) + cost[v][None, :]
+            arg = np.argmin(total, axis=1)
+            cost[u] = cost[u] + total[np.arange(len(arg)), arg]
+            drop(u, v)
+            steps.append((v, u, -1, arg))
+            queue.append(u)
+        else:
+            u, w = near
+            total = (
+                oriented(u, v)[:, :, None] + cost[v][None, :, None] + oriented(v, w)[None, :, :]
+            )
+            arg = np.argmin(total, axis=1)
+            best = np.take_along_axis(total, arg[:, None, :], axis=1)[:, 0, :]
+            drop(u, v)
+            drop(v, w)
+            add_edge(u, w, best)
+            steps.append((v, u, w, arg))
+            queue += [u, w]
+        alive[v] = False
+    kept = tuple(i for i in range(num) if alive[i])
+    position = {i: k for k, i in enumerate(kept)}
+    strategies = []
+    new_nodes = []
+    for i in kept:
+        finite = tuple(int(s) for s in np.flatnonzero(np.isfinite(cost[i])))
+        if not finite:
+            raise InfeasibleError(
+                f"node {problem.nodes[i].name!r} has no strategy left: its edges forbid every "
+                f"one; allow at least one pair for some strategy of every edge"
+            )
+        strategies.append(finite)
+        node = problem.nodes[i]
+        new_nodes.append(
+            Node(
+                name=node.name,
+                cost_s=tuple(float(cost[i][s]) for s in finite),
+                memory_bytes=tuple(node.memory_bytes[s] for s in finite),
+                transient_bytes=tuple(node.transient_bytes[s] for s in finite)
+                if node.transient_bytes
+                else (),
+            )
+        )
+    new_edges = []
+    for (a, b), matrix in sorted(edges.items()):
+        rows, cols = strategies[position[a]], strategies[position[b]]
+        sub = matrix[np.ix_(rows, cols)].tolist()
+        new_edges.append(
+            Edge(
+                src=position[a],
+                dst=position[b],
+                cost_s=tuple(
+                    tuple(c if math.isfinite(c) else None for c in row) for row in sub
+                ),
+            )
+        )
+    # A tie class survives when every member is kept with the same strategies (members of
+    # identical layers are eliminated alike, so this is the usual case).
+    tied = tuple(
+        tuple(position[i] for i in members)
+        for members in problem.tied
+        if all(alive[i] for i in members)
+        and len({strategies[position[i]] for i in members}) == 1
+    )
+    reduced = Problem(
+        nodes=tuple(new_nodes),
+        edges=tuple(new_edges),
+        memory_offset_bytes=problem.memory_offset_bytes,
+        tied=tied,
+    )
+    return Eliminated(
+        problem=reduced,
+        kept=kept,
+        strategies=tuple(strategies),
+        steps=tuple(steps),
+        constant_s=constant,
+        num_original=num,
+    )
+
+
+def back_substitute(elim: Eliminated, choices: tuple[int, ...]) -> tuple[int, ...]:
+    """Original choices from the reduced problem's choices."""
+    full = [-1] * elim.num_original
+    for k, i in enumerate(elim.kept):
+        full[i] = elim.strategies[k][choices[k]]
+    for v, u, w, arg in reversed(elim.steps):
+        if u < 0:
+            full[v] = int(arg)
+        elif w < 0:
+            full[v] = int(arg[full[u]])
+        else:
+            full[v] = int(arg[full[u], full[w]])
+    return tuple(full)

@@ -1,0 +1,122 @@
+"""Repeated-block tying: nodes of structurally identical layers share one set of variables.
+
+A tie class {i_1, ..., i_L} (the same node of L identical layers) is contracted into one node
+whose cost and resident bytes per strategy are the members' sums and whose transient bytes are
+the members' largest; every edge is re-pointed at the contracted nodes, and edges that land on
+the same contracted pair are summed into one matrix (the same matrix object, e.g. the same edge
+of each layer as the autopar bridge shares them, is converted once and multiplied by its
+count). An edge between two members of one class becomes a self-loop, which presolve reduces to
+its diagonal, as the members choose alike. The contracted problem's objective and peak of a
+choice equal the original problem's for the expanded choice (every member takes its class's
+strategy), so solving it solves the tied problem exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from solver.problem import Edge, Node, Problem
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Contracted:
+    problem: Problem
+    """The contracted problem (no tie classes left)."""
+    node_map: tuple[int, ...]
+    """Original node index -> contracted node index."""
+
+
+def contract(problem: Problem) -> Contracted:
+    """Contract ``problem.tied`` (see the module docstring).
+
+    Raises:
+        ValueError: a class names a node out of range, twice, or members whose numbers of
+            strategies differ.
+    """
+    nodes = problem.nodes
+    owner: dict[int, int] = {}
+    for c, members in enumerate(problem.tied):
+        for i in members:
+            if not 0 <= i < len(nodes):
+                raise ValueError(f"tie class {c} names node {i}, out of range")
+            if i in owner:
+                raise ValueError(f"node {i} is in tie classes {owner[i]} and {c}; merge them")
+            if nodes[i].num_choices != nodes[members[0]].num_choices:
+                raise ValueError(
+                    f"tie class {c}: nodes {members[0]} and {i} have different numbers of "
+                    f"strategies; tie only identical nodes"
+                )
+            owner[i] = c
+    node_map: list[int] = []
+    new_nodes: list[Node] = []
+    class_index: dict[int, int] = {}
+    for i, node in enumerate(nodes):
+        c = owner.get(i)
+        if c is None:
+            node_map.append(len(new_nodes))
+            new_nodes.append(node)
+        elif c in class_index:
+            node_map.append(class_index[c])
+        else:
+            class_index[c] = len(new_nodes)
+            node_map.append(len(new_nodes))
+            new_nodes.append(_merge_nodes([nodes[j] for j in problem.tied[c]]))
+    counts: dict[tuple[int, int, int], list] = {}
+    for edge in problem.edges:
+        key = (node_map[edge.src], node_map[edge.dst], id(edge.cost_s))
+        entry = counts.get(key)
+        if entry is None:
+            counts[key] = [edge.cost_s, 1]
+        else:
+            entry[1] += 1
+    # Sum every edge landing on one contracted pair (either orientation) in one array.
+    pairs: dict[tuple[int, int], np.ndarray] = {}
+    for (src, dst, _), (matrix, count) in counts.items():
+        array = np.array(
+            [[math.inf if c is None else c for c in row] for row in matrix], dtype=np.float64
+        ) * count
+        if src > dst:
+            src, dst, array = dst, src, array.T
+        pairs[src, dst] = pairs[src, dst] + array if (src, dst) in pairs else array
+    new_edges = [
+        Edge(
+            src=src,
+            dst=dst,
+            cost_s=tuple(
+                tuple(c if math.isfinite(c) else None for c in row) for row in array.tolist()
+            ),
+        )
+        for (src, dst), array in pairs.items()
+    ]
+    contracted = Problem(
+        nodes=tuple(new_nodes),
+        edges=tuple(new_edges),
+        memory_budget_bytes=problem.memory_budget_bytes,
+        memory_offset_bytes=problem.memory_offset_bytes,
+    )
+    return Contracted(problem=contracted, node_map=tuple(node_map))
+
+
+def _merge_nodes(members: list[Node]) -> Node:
+    first = members[0]
+    num = first.num_choices
+    transient: tuple[float, ...] = ()
+    if any(m.transient_bytes for m in members):
+        transient = tuple(
+            max(m.transient_bytes[s] if m.transient_bytes else 0.0 for m in members)
+            for s in range(num)
+        )
+    return Node(
+        name=f"{first.name}(x{len(members)})",
+        cost_s=tuple(sum(m.cost_s[s] for m in members) for s in range(num)),
+        memory_bytes=tuple(sum(m.memory_bytes[s] for m in members) for s in range(num)),
+        transient_bytes=transient,
+    )
+
+
+def expand(contracted: Contracted, choices: tuple[int, ...]) -> tuple[int, ...]:
+    """The contracted problem's choices, one per original node."""
+    return tuple(choices[c] for c in contracted.node_map)
