@@ -21,7 +21,6 @@ from autopar.errors import PlanningError
 from autopar.mesh import Mesh
 from autopar.options import PlanOptions, format_bytes, parse_bytes
 from autopar.plan import PLAN_VERSION, Plan, strategy_entry
-from autopar.runtime.zero import choose_chunk_bytes
 from autopar.strategies import input_nodes
 from autopar.problem import (
     Evaluation,
@@ -85,15 +84,18 @@ def _solve(
     name: str,
     budget: float | None,
     spec: RecipeSpec | None = None,
-    tied: tuple[tuple[int, ...], ...] = (),
+    tied: Sequence[tuple[tuple[int, ...], ...]] = (),
 ) -> Solved:
+    """Solve one configuration. ``tied`` lists tie-class sets from the most to the least
+    tied (``_tie_levels``); when identical layers forced alike do not fit the budget, the
+    next, looser level is tried, and finally every layer chooses on its own."""
     built = build_problem(
         space,
         zero,
         allowed=spec.allowed if spec else None,
         forbid=spec.forbid if spec else None,
         memory_budget_bytes=budget,
-        tied=tied,
+        tied=tied[0] if tied else (),
     )
     try:
         solution = solver.solve(
@@ -103,14 +105,19 @@ def _solve(
             gap=options.gap,
         )
     except solver.InfeasibleBudgetError:
-        if not built.problem.tied:
+        if not tied:
             raise
-        # Identical layers forced alike do not fit; letting each layer choose might.
-        return _solve(space, zero, options, name=name, budget=budget, spec=spec)
+        return _solve(space, zero, options, name=name, budget=budget, spec=spec, tied=tied[1:])
     choice = tuple(built.allowed[i][c] for i, c in enumerate(solution.choices))
     return Solved(
         name=name, zero=zero, choice=choice, evaluation=evaluate(space, choice, zero), solution=solution
     )
+
+
+def _tie_levels(space: StrategySpace) -> list[tuple[tuple[int, ...], ...]]:
+    """Every layer of a stack tied, then the middle layers only (see autopar.coarsen)."""
+    levels = [repeated_blocks(space, include_ends=True), repeated_blocks(space)]
+    return [level for k, level in enumerate(levels) if level and level not in levels[:k]]
 
 
 def zero_candidates(num_axes: int, mesh_shape: Sequence[int]) -> list[ZeroConfig]:
@@ -130,7 +137,10 @@ def zero_candidates(num_axes: int, mesh_shape: Sequence[int]) -> list[ZeroConfig
 
 
 def _auto(
-    space: StrategySpace, options: PlanOptions, budget: float, tied: tuple[tuple[int, ...], ...] = ()
+    space: StrategySpace,
+    options: PlanOptions,
+    budget: float,
+    tied: Sequence[tuple[tuple[int, ...], ...]] = (),
 ) -> tuple[Solved, list[dict]]:
     mesh = space.mesh
     all_axes = tuple(a for a in range(mesh.ndim) if mesh.shape[a] > 1)
@@ -199,7 +209,7 @@ def plan_captured(
     the chosen recipe, if any), which saves one ILP per recipe."""
     start = time.perf_counter()
     space = build_space(captured, mesh, options)
-    tied = repeated_blocks(space)
+    tied = _tie_levels(space)
     strategies_s = time.perf_counter() - start
     budget = memory_budget_bytes(mesh, options)
 
@@ -275,8 +285,6 @@ def _plan_document(
     nodes = []
     params: dict[str, Any] = {}
     inputs = []
-    zero_numels: list[int] = []  # local elements of each ZeRO-sharded parameter (chunk search)
-    zero_shards = 1
     for i, node in enumerate(space.nodes):
         s = chosen.choice[i]
         strategy = node.strategies[s]
@@ -306,9 +314,6 @@ def _plan_document(
             zero_axes = [
                 mesh.axis_names[a] for a in zero.axes if placements[a].is_replicate() and mesh.shape[a] > 1
             ]
-            if zero_axes and zero.stage > 0:
-                zero_numels.append(int(node.local_numel[s]))
-                zero_shards = max(zero_shards, math.prod(mesh.shape[mesh.axis_names.index(a)] for a in zero_axes))
             params[node.fqn] = {
                 "placement": entry["outputs"][0],
                 "shape": list(fx_node.meta["val"].shape),
@@ -339,7 +344,7 @@ def _plan_document(
         "zero": {
             "stage": zero.stage,
             "axes": [mesh.axis_names[a] for a in zero.axes],
-            "chunk_bytes": choose_chunk_bytes(zero_numels, zero_shards)[0] if zero_numels else None,
+            "chunk_bytes": None,
         },
         "checkpoint": {"mode": space.options.checkpoint, "segments": []},
         "predicted": _figures(chosen.evaluation),

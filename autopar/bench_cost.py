@@ -353,7 +353,7 @@ def bench_on_rank(model_spec: ModelSpec, plans: Mapping[str, Mapping[str, Any]],
     torch.manual_seed(0)
     model, args, kwargs = build_preset(model_spec.name, batch=model_spec.batch, seq=model_spec.seq, device=device)
     captured = capture(model, args, kwargs)
-    out: dict[str, Any] = {"ops": [], "skipped_ops": [], "plans": {}}
+    out: dict[str, Any] = {"ops": [], "skipped_ops": [], "plans": {}, "load_average": list(os.getloadavg())}
     if config.measure_ops and config.ops_plan in plans:
         ops = measure_ops(captured, plans[config.ops_plan], config, device)
         mean = _reduce([o["measured_s"] for o in ops["ops"]], dist.ReduceOp.SUM)

@@ -21,7 +21,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["LAMB", "LARS", "clip_grad_norm_", "full_sq_norms"]
+__all__ = [
+    "LAMB",
+    "LARS",
+    "clip_grad_norm_",
+    "full_optim_state_dict",
+    "full_sq_norms",
+    "load_full_optim_state_dict",
+]
 
 SplitGroups = Callable[[Tensor], Sequence[Any]]
 
@@ -170,3 +177,78 @@ class LARS(torch.optim.Optimizer):
                     buf.mul_(group["momentum"]).add_(step)
                 p.sub_(buf)
         return loss
+
+
+# ---------------------------------------------------------------------------------------------
+# Full (gathered) optimizer state under the original parameter names
+
+
+def full_optim_state_dict(pmodel: Any, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's state with every per-element tensor gathered to the FULL parameter shape,
+    keyed by parameter FQN: ``{"state": {fqn: {key: value}}, "param_groups": [{..., "params":
+    [fqn, ...]}]}``. Independent of the mesh and ZeRO stage; a collective every rank must call.
+    Scalars (such as Adam's ``step``) are copied as they are."""
+    from autopar.runtime.module import gather_full
+
+    names = {id(p): n for n, p in pmodel.named_parameters()}
+    params = [p for p in pmodel.parameters() if p in optimizer.state]
+    keys = sorted({k for p in params for k, v in optimizer.state[p].items()})
+    state: dict[str, dict[str, Any]] = {names[id(p)]: {} for p in params}
+    for key in keys:
+        elementwise = {
+            id(p): optimizer.state[p][key]
+            for p in params
+            if _is_elementwise(optimizer.state[p].get(key), p)
+        }
+        engine = pmodel.zero
+        local = (
+            engine.gather_pieces({id(p): elementwise[id(p)] for p in params if id(p) in elementwise and engine.manages(p)})
+            if engine is not None
+            else {}
+        )
+        for p in params:
+            value = optimizer.state[p].get(key)
+            name = names[id(p)]
+            if id(p) in elementwise:
+                block = local.get(id(p), value)
+                state[name][key] = gather_full(
+                    block, pmodel._param_placements[name], pmodel.groups.groups.__getitem__
+                )
+            elif value is not None:
+                state[name][key] = value.clone() if torch.is_tensor(value) else value
+    groups = [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
+        for g in optimizer.param_groups
+    ]
+    return {"state": state, "param_groups": groups}
+
+
+def load_full_optim_state_dict(
+    pmodel: Any, optimizer: torch.optim.Optimizer, full: dict[str, Any]
+) -> None:
+    """Load :func:`full_optim_state_dict`'s result (from any mesh or stage): each rank keeps the
+    pieces of every per-element tensor that its parameters hold; hyperparameters by group index."""
+    from autopar.runtime.module import local_block
+
+    by_name = dict(pmodel.named_parameters())
+    mesh_shape = pmodel.lowered.mesh_shape
+    for group, saved in zip(optimizer.param_groups, full["param_groups"], strict=True):
+        group.update({k: v for k, v in saved.items() if k != "params"})
+    for name, entries in full["state"].items():
+        param = by_name[name]
+        own: dict[str, Any] = {}
+        for key, value in entries.items():
+            placements = pmodel._param_placements[name]
+            if torch.is_tensor(value) and value.dim() > 0:
+                block = local_block(value, placements, mesh_shape, pmodel.coords)
+                if pmodel.zero is not None and pmodel.zero.manages(param):
+                    block = pmodel.zero.piece_of(param, block)
+                own[key] = block.reshape(param.shape).clone().to(param.dtype)
+            else:
+                own[key] = value.clone() if torch.is_tensor(value) else value
+        optimizer.state[param] = own
+
+
+def _is_elementwise(value: Any, param: Tensor) -> bool:
+    """A state tensor with one entry per parameter element (not a scalar such as ``step``)."""
+    return torch.is_tensor(value) and value.dim() > 0 and value.shape == param.shape

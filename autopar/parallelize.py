@@ -111,9 +111,16 @@ def autoparallelize(
         return chosen.to_json()
 
     made: list[Plan | None] = [None]
-    text = _from_rank0(make_plan, what="planning", graph_hash=captured.graph_hash)
+    text = _from_rank0(make_plan, what="planning")
     chosen = made[0] if made[0] is not None else Plan.from_json(text)
-    check_plan(chosen, captured, mesh)
+    rank0_hash = [captured.graph_hash]
+    dist.broadcast_object_list(rank0_hash, src=0)
+
+    def check() -> None:
+        _same_hash(captured.graph_hash, rank0_hash[0])
+        check_plan(chosen, captured, mesh)
+
+    _agree(check)
 
     output_placements = _output_placements(captured, mesh, chosen, opts)
     lowered = lower(
@@ -132,11 +139,12 @@ def autoparallelize(
         finally:
             model.train(was_training)
         _erase_inactive_dropout(other.gm)
-        first = pmodel._mode_graphs[pmodel._captured_mode]
+        hashes = [other.graph_hash]
+        dist.broadcast_object_list(hashes, src=0)
+        _agree(lambda: _same_hash(other.graph_hash, hashes[0]))
         choices = _from_rank0(
-            lambda: choices_with_layouts(other, plan_mesh, plan_options, first),
+            lambda: choices_with_layouts(other, plan_mesh, plan_options, lowered),
             what=f"planning the {'train' if training else 'eval'}-mode graph",
-            graph_hash=other.graph_hash,
         )
         return lower(other, choices, mesh.shape, groups.key, output_placements=output_placements)
 
@@ -228,15 +236,14 @@ def _mesh_groups(mesh: Mesh, timeout_s: float | None) -> AxisGroups:
     return groups
 
 
-def _from_rank0(make: Any, *, what: str, graph_hash: str) -> Any:
-    """Run ``make()`` on rank 0 and broadcast its result; every rank raises rank 0's error (as
-    the same class where it is one of autopar's or a ValueError), and a rank whose graph hash
-    differs from rank 0's raises PlanMismatchError."""
+def _from_rank0(make: Any, *, what: str) -> Any:
+    """Run ``make()`` on rank 0 and broadcast its result; every rank
+    raises rank 0's error (as the same class where it is one of autopar's or a ValueError)."""
     payload: list[Any] = [None]
     error: Exception | None = None
     if dist.get_rank() == 0:
         try:
-            payload[0] = ("ok", make(), graph_hash)
+            payload[0] = ("ok", make(), "")
         except Exception as exc:  # every rank must learn of it, or they wait for rank 0
             error = exc
             payload[0] = ("error", type(exc).__name__, str(exc))
@@ -247,13 +254,37 @@ def _from_rank0(make: Any, *, what: str, graph_hash: str) -> Any:
             raise error
         cls = _ERRORS.get(value, PlanningError)
         raise cls(f"rank 0 failed {what}: {detail}")
-    if detail != graph_hash:
+    return value
+
+
+def _agree(check: Any) -> None:
+    """Run ``check()`` on every rank; if it raises PlanMismatchError on any rank, raise on every
+    rank (a rank left alone would wait in the first collective until the timeout)."""
+    problem: str | None = None
+    try:
+        check()
+    except PlanMismatchError as exc:
+        problem = str(exc)
+    problems: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, problem)
+    if problem is not None:
+        raise PlanMismatchError(problem)
+    failed = [(r, p) for r, p in enumerate(problems) if p is not None]
+    if failed:
+        rank, message = failed[0]
+        raise PlanMismatchError(
+            f"rank {dist.get_rank()}: ranks {[r for r, _ in failed]} refused the plan; rank "
+            f"{rank} says: {message}"
+        )
+
+
+def _same_hash(graph_hash: str, rank0_hash: str) -> None:
+    if graph_hash != rank0_hash:
         raise PlanMismatchError(
             f"rank {dist.get_rank()} captured a different graph than rank 0 (graph hash "
-            f"{graph_hash[:12]}... vs {detail[:12]}...): every rank must build the same model "
+            f"{graph_hash[:12]}... vs {rank0_hash[:12]}...): every rank must build the same model "
             f"with the same example input shapes"
         )
-    return value
 
 
 _ERRORS: dict[str, type[Exception]] = {

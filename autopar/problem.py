@@ -368,6 +368,8 @@ def _op_space(node, strategies, mesh, options, pricer, needs_grad) -> NodeSpace:
     activation = _zeros(n)
     transient = _zeros(n)
     is_view = work.family in VIEW_FAMILIES
+    # Under mixed precision activations are half precision whatever the captured dtype.
+    precision_scale = pricer.itemsize(TensorMeta((), dtype)) / dtype.itemsize
     for i, strategy in enumerate(strategies):
         factor = _split_factor(strategy, mesh_shape)
         out_bytes = sum(
@@ -375,7 +377,7 @@ def _op_space(node, strategies, mesh, options, pricer, needs_grad) -> NodeSpace:
         )
         in_bytes = sum(_local_bytes(m, p, mesh_shape) for m, p in zip(call.inputs, strategy.inputs))
         if not is_view:
-            fwd_bytes = (in_bytes + out_bytes) * (pricer.itemsize(dtype_meta(dtype)) / dtype.itemsize)
+            fwd_bytes = (in_bytes + out_bytes) * precision_scale
             compute[i] = compute_time_s(
                 flops=work.fwd_flops / factor,
                 bytes_accessed=fwd_bytes,
@@ -391,7 +393,7 @@ def _op_space(node, strategies, mesh, options, pricer, needs_grad) -> NodeSpace:
                     dtype=dtype_name,
                     family=work.family,
                 )
-                activation[i] = out_bytes * pricer.itemsize(dtype_meta(dtype)) / dtype.itemsize
+                activation[i] = out_bytes * precision_scale
             transient[i] = out_bytes * (2 if grad else 1)
         # Partial gradients of Replicate inputs are all-reduced (gradient convention).
         for inp, meta, placements, grad_placements in zip(
@@ -420,10 +422,6 @@ def _op_space(node, strategies, mesh, options, pricer, needs_grad) -> NodeSpace:
         transient_bytes=transient,
         fixed_bytes=_zeros(n),
     )
-
-
-def dtype_meta(dtype: torch.dtype) -> TensorMeta:
-    return TensorMeta((), dtype)
 
 
 def _freeze(value):

@@ -91,17 +91,20 @@ def plans_for_recipes(
 
 
 def _replicated_spec(space: Any) -> Any:
-    """The no-parallelism reference: inputs, parameters and buffers Replicate on every axis, so
-    every device starts from the whole batch (the ILP still chooses the ops' layouts)."""
+    """The no-parallelism reference: every tensor Replicate on every axis (each device computes
+    the whole step); an op with no all-Replicate strategy keeps its choices."""
     from autopar.baselines import RecipeSpec
     from autopar.problem import ZeroConfig
 
     allowed = {}
     for node in space.nodes:
-        if node.kind != "op":
-            allowed[node.name] = [
-                i for i, st in enumerate(node.strategies) if all(p.is_replicate() for p in st.outputs[0])
-            ]
+        whole = [
+            i
+            for i, st in enumerate(node.strategies)
+            if all(p is None or all(x.is_replicate() for x in p) for p in (*st.outputs, *st.inputs))
+        ]
+        if whole:
+            allowed[node.name] = whole
     return RecipeSpec(name="replicated", allowed=allowed, forbid={}, zero=ZeroConfig())
 
 
@@ -290,7 +293,7 @@ def plot_op_scatter(points: Sequence[Mapping[str, Any]], path: str, *, title: st
     ax.set_yscale("log")
     ax.set_xlabel("measured seconds (forward + backward)")
     ax.set_ylabel("predicted seconds")
-    ax.set_title(title or "per-op cost model")
+    ax.set_title(title or "per-op cost model", fontsize=8)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -315,7 +318,7 @@ def plot_step_bars(rows: Sequence[Mapping[str, Any]], path: str, *, title: str =
     ax.set_xticks(list(xs))
     ax.set_xticklabels([r["plan"] for r in rows], rotation=20, ha="right", fontsize=8)
     ax.set_ylabel("step time (ms, forward + backward)")
-    ax.set_title(title or "step time per plan")
+    ax.set_title(title or "step time per plan", fontsize=8)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -88,6 +88,12 @@ class ParallelModule(nn.Module):
         groups: this rank's ``AxisGroups`` (coordinate and process group per mesh axis), the
             one registered under ``lowered.group_key``.
         grad_bucket_bytes: size of the flat buckets of the gradient all-reduce.
+        zero_stage: 0 (gradients all-reduced, as above) or 1-3: ZeRO on ``zero_axes`` with
+            parameters in flat chunks of ``chunk_bytes`` (None: searched), see
+            :mod:`autopar.runtime.zero`; ``parameters()`` then yields 1-D shard views.
+        zero_axes: mesh axes to shard over (None: the axes parameter gradients are summed over).
+        mixed_precision: None or "bf16" (bf16 compute, fp32 master shards and reduction;
+            needs ``zero_stage >= 1``).
 
     Attributes (besides the parameters and buffers under their original names): ``lowered``,
     ``groups``, ``coords`` (this rank's mesh coordinate) and ``grad_reducer`` (the
@@ -105,6 +111,7 @@ class ParallelModule(nn.Module):
         zero_stage: int = 0,
         zero_axes: Sequence[int] | None = None,
         chunk_bytes: int | None = None,
+        mixed_precision: str | None = None,
     ) -> None:
         super().__init__()
         self.lowered = lowered
@@ -176,10 +183,16 @@ class ParallelModule(nn.Module):
 
         # ZeRO (autopar.runtime.zero): chunk parameters are replaced by their shard views.
         self.zero: ZeroEngine | None = None
+        self._split_axes: dict[int, tuple[int, ...]] | None = None
+        if mixed_precision is not None and not zero_stage:
+            raise ValueError(
+                "mixed_precision needs zero_stage >= 1 (fp32 master shards live in ZeRO chunks)"
+            )
         if zero_stage:
             self.zero = build_zero_engine(
                 lowered, self._params, self.coords, self._axis_group,
                 stage=zero_stage, zero_axes=zero_axes, chunk_bytes=chunk_bytes,
+                mixed_precision=mixed_precision,
             )
             for name in self._param_placements:
                 shard = self.zero.shard_params.get(canonical.get(name, name))
@@ -245,11 +258,16 @@ class ParallelModule(nn.Module):
     def split_groups(self, param: torch.Tensor) -> tuple[Any, ...]:
         """Process groups over which ``param``'s full value is split (its tensor-parallel Shard
         axes and, under ZeRO, its chunk's axes): reduce a partial norm over each, once."""
-        names = {id(p): n for n, p in self.named_parameters()}
-        axes = {a for a, p in enumerate(self._param_placements[names[id(param)]]) if isinstance(p, Shard)}
-        if self.zero is not None:
-            axes |= set(self.zero.zero_axes_of(param))
-        return tuple(self._axis_group(a) for a in sorted(axes) if self.lowered.mesh_shape[a] > 1)
+        if self._split_axes is None:
+            self._split_axes = {}
+            for name, p in self.named_parameters():
+                axes = {a for a, x in enumerate(self._param_placements[name]) if isinstance(x, Shard)}
+                if self.zero is not None:
+                    axes |= set(self.zero.zero_axes_of(p))
+                self._split_axes[id(p)] = tuple(sorted(axes))
+        return tuple(
+            self._axis_group(a) for a in self._split_axes[id(param)] if self.lowered.mesh_shape[a] > 1
+        )
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip gradients by the global norm over every shard on every axis (replicated parts

@@ -264,9 +264,15 @@ class _ZeroGraph(nn.Module):
 
     def forward(self, *args: Any) -> Any:
         engine = self.engine
-        if engine.stage < 3:
-            return self.gm(*args)
-        with torch.autograd.graph.saved_tensors_hooks(engine._pack, engine._unpack):
+        with contextlib.ExitStack() as stack:
+            if engine.compute_dtype is not None:
+                device_type = engine.chunks[0].shard.device.type if engine.chunks else "cpu"  # type: ignore[union-attr]
+                stack.enter_context(torch.autocast(device_type, dtype=engine.compute_dtype))
+            if engine.stage < 3:
+                return self.gm(*args)
+            stack.enter_context(
+                torch.autograd.graph.saved_tensors_hooks(engine._pack, engine._unpack)
+            )
             try:
                 return self.gm(*args)
             finally:
@@ -284,6 +290,8 @@ class ZeroEngine:
         coords: this rank's mesh coordinate.
         group_of: mesh axis -> this rank's process group along it.
         chunk_bytes: chunk size; None = :func:`choose_chunk_bytes`.
+        compute_dtype: None (fp32) or ``torch.bfloat16`` (mixed precision: bf16 compute, fp32
+            master shards, optimizer state and gradient reduction).
     """
 
     def __init__(
@@ -295,10 +303,14 @@ class ZeroEngine:
         coords: Sequence[int],
         group_of: Callable[[int], Any],
         chunk_bytes: int | None = None,
+        compute_dtype: torch.dtype | None = None,
     ) -> None:
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3 here (0 is the all-reduce path), got {stage}")
         self.stage = stage
+        self.compute_dtype = compute_dtype
+        """None: compute in fp32 on the chunks; else forward runs under autocast to this dtype
+        with parameters gathered (stage 3) or kept (stages 1-2) in it, from fp32 master shards."""
         self.mesh_shape = tuple(mesh_shape)
         self._coords = tuple(coords)
         self._group_of = group_of
@@ -391,11 +403,13 @@ class ZeroEngine:
             )
             offset += n
         # Stages 1-2 keep the full buffer and the shard is a view of it; stage 3 keeps the shard.
-        if self.stage < 3:
+        if self.stage < 3 and self.compute_dtype is None:
             chunk.full = full
             chunk.shard = full[lo:hi]
         else:
             chunk.shard = full[lo:hi].clone()
+            if self.stage < 3:
+                chunk.full = full.to(self.compute_dtype)
         for k, slot in enumerate(chunk.slots):
             shard_param = nn.Parameter(
                 chunk.shard[slot.shard_lo : slot.shard_hi],
@@ -482,9 +496,10 @@ class ZeroEngine:
         if chunk.prefetch is not None or chunk.full is not None or len(chunk.zero_axes) != 1:
             return
         assert chunk.shard is not None
-        out = torch.empty(chunk.numel, dtype=chunk.shard.dtype, device=chunk.shard.device)
+        shard = self._compute_shard(chunk)
+        out = torch.empty(chunk.numel, dtype=shard.dtype, device=shard.device)
         work = dist.all_gather_single(
-            out, chunk.shard.detach(), group=self._group_of(chunk.zero_axes[0]), async_op=True
+            out, shard, group=self._group_of(chunk.zero_axes[0]), async_op=True
         )
         chunk.prefetch = (work, self._track(out))
 
@@ -505,8 +520,12 @@ class ZeroEngine:
             chunk.prefetch = None
             work.wait()
             return out
+        return self._track(self._gather_flat(self._compute_shard(chunk), chunk.zero_axes))
+
+    def _compute_shard(self, chunk: _Chunk) -> torch.Tensor:
         assert chunk.shard is not None
-        return self._track(self._gather_flat(chunk.shard.detach(), chunk.zero_axes))
+        shard = chunk.shard.detach()
+        return shard if self.compute_dtype is None else shard.to(self.compute_dtype)
 
     def _gather_flat(self, shard: torch.Tensor, zero_axes: tuple[int, ...]) -> torch.Tensor:
         """All-gather a flat shard over ``zero_axes`` (row-major shard index) into the chunk."""
@@ -662,7 +681,7 @@ class ZeroEngine:
         chunk = self.chunks[index]
         assert chunk.full is not None and chunk.shard is not None
         # From a copy: the shard is a view into the buffer being written.
-        chunk.full.copy_(self._gather_flat(chunk.shard.detach().clone(), chunk.zero_axes))
+        chunk.full.copy_(self._gather_flat(self._compute_shard(chunk).clone(), chunk.zero_axes))
 
     # -- state ------------------------------------------------------------------------------------
 
@@ -670,7 +689,10 @@ class ZeroEngine:
         """id(shard parameter) -> this rank's full local block (a collective in stage 3)."""
         out: dict[int, torch.Tensor] = {}
         for chunk in self.chunks:
-            full = chunk.full if self.stage < 3 else self._gathered(chunk)
+            if self.stage < 3 and self.compute_dtype is None:
+                full = chunk.full
+            else:
+                full = self._gather_flat(chunk.shard.detach(), chunk.zero_axes)  # type: ignore[union-attr]
             assert full is not None
             for slot, param in zip(chunk.slots, chunk.params):
                 # A copy: a view would keep the whole gathered chunk alive (and alias the buffer).
@@ -680,16 +702,35 @@ class ZeroEngine:
     def local_grads(self) -> dict[int, torch.Tensor]:
         """id(shard parameter) -> the gradient of this rank's full local block (a collective;
         zeros where no gradient was produced)."""
+        return self.gather_pieces(
+            {id(p): p.grad for c in self.chunks for p in c.params if p.grad is not None}
+        )
+
+    def gather_pieces(self, pieces: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """id(shard parameter) -> full local block, from tensors shaped like the shard
+        parameters (gradients, elementwise optimizer state); a collective over every chunk.
+        Parameters without a piece read as zeros; every rank must pass the same ids."""
         out: dict[int, torch.Tensor] = {}
         for chunk in self.chunks:
+            if not any(id(p) in pieces for p in chunk.params):
+                continue
             flat = torch.zeros(chunk.shard_numel, dtype=torch.float32, device=chunk.shard.device)  # type: ignore[union-attr]
             for slot, param in zip(chunk.slots, chunk.params):
-                if param.grad is not None:
-                    flat[slot.shard_lo : slot.shard_hi].copy_(param.grad)
+                piece = pieces.get(id(param))
+                if piece is not None:
+                    flat[slot.shard_lo : slot.shard_hi].copy_(piece)
             full = self._gather_flat(flat, chunk.zero_axes)
             for slot, param in zip(chunk.slots, chunk.params):
-                out[id(param)] = full[slot.offset : slot.offset + slot.numel].view(slot.shape)
+                if id(param) in pieces:
+                    out[id(param)] = full[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
         return out
+
+    def piece_of(self, param: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
+        """The part of a full local block that this rank's shard parameter ``param`` holds."""
+        index, k = self._chunk_of_param[id(param)]
+        slot = self.chunks[index].slots[k]
+        n = slot.shard_hi - slot.shard_lo
+        return block.detach().reshape(-1)[slot.param_lo : slot.param_lo + n]
 
     @property
     def padding_fraction(self) -> float:
@@ -708,11 +749,9 @@ class ZeroEngine:
         slot = chunk.slots[k]
         flat = block.detach().reshape(-1)
         with torch.no_grad():
+            param.copy_(self.piece_of(param, block))
             if chunk.full is not None and self.stage < 3:
                 chunk.full[slot.offset : slot.offset + slot.numel].copy_(flat)
-            else:
-                n = slot.shard_hi - slot.shard_lo
-                param.copy_(flat[slot.param_lo : slot.param_lo + n])
 
     def zero_axes_of(self, param: torch.Tensor) -> tuple[int, ...]:
         """The mesh axes a managed parameter's shards are split over (empty if not managed)."""
@@ -749,7 +788,14 @@ def _register_optimizer_hooks(engine: ZeroEngine) -> list[Any]:
         if live is not None and live._check_optimizer(optimizer):
             live._after_step(optimizer)
 
-    return [register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)]
+    handles = [register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)]
+    weakref.finalize(engine, _remove_handles, list(handles))
+    return handles
+
+
+def _remove_handles(handles: list[Any]) -> None:
+    for handle in handles:
+        handle.remove()
 
 
 def build_zero_engine(
@@ -761,6 +807,7 @@ def build_zero_engine(
     stage: int,
     zero_axes: Sequence[int] | None = None,
     chunk_bytes: int | None = None,
+    mixed_precision: str | None = None,
 ) -> ZeroEngine:
     """The engine for a ParallelModule's local parameters (canonical FQN -> local block).
 
@@ -768,7 +815,13 @@ def build_zero_engine(
         zero_axes: mesh axes to shard over; None = every axis some parameter gradient is summed
             over (the data-parallel axes). A parameter is sharded over those of them on which
             it is Replicate.
+        mixed_precision: None or "bf16" (see :class:`ZeroEngine`'s ``compute_dtype``).
     """
+    if mixed_precision not in (None, "bf16"):
+        raise ValueError(
+            f"mixed_precision={mixed_precision!r} is not supported by the ZeRO runtime; use None "
+            f"or 'bf16' (fp16 needs loss scaling, which is not implemented)"
+        )
     from autopar.placement import Replicate
 
     mesh_shape = tuple(lowered.mesh_shape)
@@ -795,4 +848,5 @@ def build_zero_engine(
         coords=coords,
         group_of=group_of,
         chunk_bytes=chunk_bytes,
+        compute_dtype=torch.bfloat16 if mixed_precision == "bf16" else None,
     )

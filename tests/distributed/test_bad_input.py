@@ -169,3 +169,28 @@ def test_rank_that_dies_makes_the_others_fail_naming_op_and_rank(tmp_path: Path)
         )
     record = json.loads((tmp_path / "dies.json").read_text())
     _check_lost_rank_error(record)
+
+
+def test_from_world_outside_torchrun_says_how_to_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed as dist
+
+    import autopar
+
+    if dist.is_initialized():
+        pytest.skip("needs a process without a process group")
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(RuntimeError, match="torchrun"):
+        autopar.Mesh.from_world((2,))
+
+
+def test_mesh_groups_are_not_part_of_its_identity() -> None:
+    import dataclasses
+
+    import autopar
+
+    mesh = autopar.Mesh.spec((2, 2))
+    live = dataclasses.replace(mesh, groups=object())
+    assert live == mesh and hash(live) == hash(mesh)
+    assert live.to_dict() == mesh.to_dict()
+    assert "groups" not in repr(live)

@@ -103,10 +103,11 @@ def check_training(model_name: str, recipe: str, mesh: Any) -> dict[str, Any]:
     import autopar
     from autopar.runtime.module import gather_full
 
-    options: dict[str, Any] = {"recipe": recipe, "optimizer": "sgd"}
+    # Only the requested recipe is solved: pricing the others is the planner tests' job.
+    options: dict[str, Any] = {"recipe": recipe, "optimizer": "sgd", "price_baselines": False}
     if recipe == "auto-budget":
         # Budgets are sized for the default optimizer's state (AdamW); ZeRO off forces sharding.
-        options = {"memory_budget": BUDGETS[model_name], "zero_stage": 0}
+        options = {"memory_budget": BUDGETS[model_name], "zero_stage": 0, "price_baselines": False}
     want = _reference(model_name)
     model, args, kwargs = _build(model_name)
     pmodel = autopar.autoparallelize(model, mesh, args, kwargs, **options)
@@ -148,10 +149,10 @@ def check_train_eval(mesh: Any) -> dict[str, Any]:
 
     model, args, kwargs = _build("gpt", dropout=0.5)
     pmodel = autopar.autoparallelize(
-        model, mesh, args, kwargs, memory_budget=BUDGETS["gpt"], zero_stage=0
+        model, mesh, args, kwargs, memory_budget=BUDGETS["gpt"], zero_stage=0, price_baselines=False
     )
     train_graph = pmodel.lowered
-    assert "dropout" in train_graph.gm.code
+    assert "aten.dropout" in train_graph.gm.code or "autopar_dropout" in train_graph.gm.code
     local = pmodel.shard_inputs(*args)
     model.eval()
     with torch.no_grad():
@@ -160,7 +161,7 @@ def check_train_eval(mesh: Any) -> dict[str, Any]:
     with torch.no_grad():
         got = pmodel(*local)
     assert pmodel.lowered is not train_graph
-    assert "dropout" not in pmodel.lowered.gm.code
+    assert "dropout" not in pmodel.lowered.gm.code, pmodel.lowered.gm.code
     assert pmodel.lowered.param_placements == train_graph.param_placements
     _close("eval loss", got, want)
     pmodel.train()
