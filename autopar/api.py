@@ -6,7 +6,7 @@ import itertools
 import math
 import operator
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -176,6 +176,15 @@ def _auto(
     return best, log
 
 
+def _solve_line(name: str, solved: Solved, seconds: float) -> str:
+    sol = solved.solution
+    gap = f", gap {sol.gap:.2%}" if sol.gap > 0 else ""
+    return (
+        f"solve {name}: {sol.status}{gap}, {sol.num_variables:,} variables, step "
+        f"{solved.evaluation.step_s * 1e3:.3f} ms, {seconds:.2f} s"
+    )
+
+
 def _budget_error(budget: float, needed: float, what: str) -> PlanningError:
     return PlanningError(
         f"memory budget {format_bytes(budget)} per device is too small: the smallest budget that "
@@ -203,14 +212,23 @@ def plan_captured(
     model_name: str,
     capture_s: float = 0.0,
     price_baselines: bool = True,
+    progress: Callable[[str], None] | None = None,
 ) -> Plan:
     """Plan an already captured graph (the CLI and autoparallelize share this). With
     ``price_baselines=False`` the recipes are not priced alongside (``plan.baselines`` then holds only
-    the chosen recipe, if any), which saves one ILP per recipe."""
+    the chosen recipe, if any), which saves one ILP per recipe. ``progress`` (e.g. the CLI's
+    stderr display) receives one line per finished stage and per solve; library calls print
+    nothing unless they pass one."""
+    report = progress or (lambda line: None)
     start = time.perf_counter()
     space = build_space(captured, mesh, options)
     tied = _tie_levels(space)
     strategies_s = time.perf_counter() - start
+    report(
+        f"strategies: {len(space.nodes)} nodes, {len(space.edges)} edges, "
+        f"{sum(len(c) for c in tied[0]) if tied else 0} nodes in repeated layers, "
+        f"{strategies_s:.2f} s"
+    )
     budget = memory_budget_bytes(mesh, options)
 
     solve_start = time.perf_counter()
@@ -221,11 +239,18 @@ def plan_captured(
     for recipe in recipes:
         spec = recipe_spec(space, recipe)
         notes.extend(spec.notes)
+        recipe_start = time.perf_counter()
         baselines[recipe] = _solve(
             space, spec.zero, options, name=recipe, budget=None, spec=spec, tied=tied
         )
+        report(_solve_line(recipe, baselines[recipe], time.perf_counter() - recipe_start))
     if options.recipe == "auto":
+        auto_start = time.perf_counter()
         chosen, log = _auto(space, options, budget, tied)
+        report(
+            _solve_line("auto", chosen, time.perf_counter() - auto_start)
+            + f", {len(log)} configuration(s) tried"
+        )
     else:
         chosen = baselines[options.recipe]
         log = [_log_entry(chosen)]
@@ -285,6 +310,7 @@ def _plan_document(
     nodes = []
     params: dict[str, Any] = {}
     inputs = []
+    zero_numels: list[int] = []  # local elements of ZeRO-managed parameters, in graph order
     for i, node in enumerate(space.nodes):
         s = chosen.choice[i]
         strategy = node.strategies[s]
@@ -321,10 +347,18 @@ def _plan_document(
                 "zero": {"stage": zero.stage if zero_axes else 0, "axes": zero_axes},
                 "tied_to": captured.tied_params.get(node.fqn, []),
             }
+            if zero_axes and node.alias_of is None and node.local_numel is not None:
+                zero_numels.append(int(node.local_numel[s]))
         if node.kind == "input":
             inputs.append({"name": node.name, "placements": entry["outputs"][0]})
         nodes.append(entry)
     sol = chosen.solution
+    chunk_bytes = padding_waste = None
+    if zero.stage > 0 and zero_numels:
+        from autopar.runtime.zero import choose_chunk_bytes
+
+        shards = math.prod(mesh.shape[a] for a in zero.axes)
+        chunk_bytes, padding_waste = choose_chunk_bytes(zero_numels, shards)
     return {
         "version": PLAN_VERSION,
         "autopar_version": AUTOPAR_VERSION,
@@ -344,7 +378,8 @@ def _plan_document(
         "zero": {
             "stage": zero.stage,
             "axes": [mesh.axis_names[a] for a in zero.axes],
-            "chunk_bytes": None,
+            "chunk_bytes": chunk_bytes,
+            "padding_waste": padding_waste,
         },
         "checkpoint": {"mode": space.options.checkpoint, "segments": []},
         "predicted": _figures(chosen.evaluation),

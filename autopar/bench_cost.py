@@ -380,7 +380,16 @@ def bench_on_rank(model_spec: ModelSpec, plans: Mapping[str, Mapping[str, Any]],
             skipped[name] = ready
         else:
             prepared[name] = ready
+    # A plan that failed to build on any rank is skipped on every rank (ranks running
+    # different plans would pair mismatched collectives and hang).
+    built = _reduce([1.0 if name in prepared else 0.0 for name in plans], dist.ReduceOp.MIN)
+    for name, ok in zip(list(plans), built):
+        if not ok and name in prepared:
+            del prepared[name]
+            skipped[name] = "failed to build on another rank"
+    probe_start = _matmul_rate(device)
     measured = time_plans(prepared, config, device)
+    out["matmul_flops_during_run"] = (probe_start + _matmul_rate(device)) / 2
     for name, data in plans.items():
         if name in skipped:
             result: dict[str, Any] = {"skipped": skipped[name]}
@@ -394,6 +403,13 @@ def bench_on_rank(model_spec: ModelSpec, plans: Mapping[str, Mapping[str, Any]],
         result["mesh"] = "x".join(str(s) for s in data["mesh"]["shape"])
         out["plans"][name] = result
     return out
+
+
+def _matmul_rate(device: torch.device) -> float:
+    """fp32 FLOP/s of a 512^3 matmul now, averaged over ranks (machine speed drift probe)."""
+    a = torch.randn(512, 512, device=device)
+    seconds = time_callable(lambda: a @ a, device=device, min_time_s=0.05, trials=3)
+    return _reduce([2.0 * 512**3 / seconds], dist.ReduceOp.SUM)[0] / dist.get_world_size()
 
 
 def _bench_rank(rank: int, world_size: int, model_spec: ModelSpec, plans: dict, config: BenchConfig) -> dict | None:
@@ -411,18 +427,19 @@ def run_bench(
     """Execute the benchmark for ``plans`` (name -> Plan) on ``nproc`` spawned gloo ranks, or,
     with ``nproc=None``, on the ranks of the current job (torchrun)."""
     datas = {name: (p.data if hasattr(p, "data") else dict(p)) for name, p in plans.items()}
+    peak = next(iter(datas.values()))["mesh"]["device"]["peak_flops"].get("float32")
     sizes = {math.prod(d["mesh"]["shape"]) for d in datas.values()}
     if len(sizes) != 1:
         raise ValueError(f"every plan must use the same number of devices, got {sorted(sizes)}")
     if nproc is not None:
         if nproc not in sizes:
             raise ValueError(f"the plans need {sizes.pop()} ranks but nproc is {nproc}")
-        return spawn_local(_bench_rank, nproc, model_spec, datas, config)[0]
+        return {**spawn_local(_bench_rank, nproc, model_spec, datas, config)[0], "calibrated_flops": peak}
     if not dist.is_initialized():
         import datetime
 
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=datetime.timedelta(seconds=300))
-    return bench_on_rank(model_spec, datas, config)
+    return {**bench_on_rank(model_spec, datas, config), "calibrated_flops": peak}
 
 
 # --------------------------------------------------------------------------------------------
@@ -457,6 +474,15 @@ def summarize(result: Mapping[str, Any]) -> dict[str, Any]:
         "num_plans": len(ran),
         "skipped_plans": {n: p["skipped"] for n, p in result["plans"].items() if "skipped" in p},
     }
+    # Speed drift: the calibrated peak vs the matmul rate measured during this run (a shared
+    # machine's load changes between calibration and benchmark); a uniform factor leaves the
+    # ranking alone but scales every step time.
+    peak = result.get("calibrated_flops")
+    probe = result.get("matmul_flops_during_run")
+    if peak and probe and ran:
+        drift = peak / probe
+        summary["speed_drift"] = drift
+        summary["step_mape_drift_corrected"] = mape([p * drift for p in pred], meas)
     if ran:
         best = min(ran, key=lambda n: ran[n]["step_s"])
         summary["fastest_measured"] = best
@@ -494,6 +520,12 @@ def report_text(result: Mapping[str, Any], summary: Mapping[str, Any], *, markdo
         f"Spearman {summary['spearman']:.3f} over {summary['num_plans']} plans, "
         f"memory MAPE {summary['memory_mape']:.1f}%",
     ]
+    if "speed_drift" in summary:
+        lines.append(
+            f"machine speed vs calibration (matmul probe): calibrated peak / rate now = "
+            f"{summary['speed_drift']:.2f}; "
+            f"step MAPE with predictions scaled by that: {summary['step_mape_drift_corrected']:.1f}%"
+        )
     if "fastest_measured" in summary:
         lines.append(f"fastest measured: {summary['fastest_measured']}; fastest predicted: {summary['fastest_predicted']}")
     if result.get("skipped_ops"):

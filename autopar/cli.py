@@ -33,6 +33,8 @@ def _add_plan_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--time-limit", type=float, default=None, help="solver time limit in seconds")
     parser.add_argument("--gap", type=float, default=0.0, help="relative optimality gap")
     parser.add_argument("--solver", default="highs", choices=SOLVERS)
+    parser.add_argument("--no-cache", action="store_true",
+                        help="plan again even if the plan cache ($AUTOPAR_CACHE_DIR or ~/.cache/autopar/plans) has this plan")
 
 
 def _build_mesh(args: argparse.Namespace):
@@ -60,11 +62,34 @@ def cmd_plan(args: argparse.Namespace) -> int:
         gap=args.gap,
         solver=args.solver,
     )
+    from rich.console import Console
+
+    from autopar import plan_cache
+    from autopar.api import AUTOPAR_VERSION
+
+    console = Console(stderr=True, highlight=False, log_path=False)  # progress on stderr
     start = time.perf_counter()
-    model, example_args, example_kwargs = build_preset(args.model, batch=args.batch, seq=args.seq)
-    captured = capture(model, example_args, example_kwargs)
+    with console.status("capturing the model"):
+        model, example_args, example_kwargs = build_preset(args.model, batch=args.batch, seq=args.seq)
+        captured = capture(model, example_args, example_kwargs)
     capture_s = time.perf_counter() - start
-    plan = plan_captured(captured, mesh, options, model_name=args.model, capture_s=capture_s)
+    console.log(f"capture: {len(captured.gm.graph.nodes)} nodes, {capture_s:.2f} s")
+    key = plan_cache.cache_key(captured.graph_hash, mesh, options, AUTOPAR_VERSION, args.model)
+    plan = None if args.no_cache else plan_cache.load(key, captured.graph_hash)
+    if plan is not None:
+        console.log(f"plan cache hit: {plan_cache.cache_dir() / (key + '.json')}")
+    else:
+        with console.status("planning: strategies and solves") as status:
+
+            def progress(line: str) -> None:
+                console.log(line)
+                status.update(f"planning: {line.split(':')[0]} done")
+
+            plan = plan_captured(
+                captured, mesh, options, model_name=args.model, capture_s=capture_s, progress=progress
+            )
+        if not args.no_cache:
+            plan_cache.store(key, plan)
     print(plan.summary())
     t = plan.data["timings"]
     print(

@@ -33,7 +33,9 @@ __all__ = [
 SplitGroups = Callable[[Tensor], Sequence[Any]]
 
 
-def full_sq_norms(tensors: Sequence[Tensor], params: Sequence[Tensor], split_groups: SplitGroups | None) -> Tensor:
+def full_sq_norms(
+    tensors: Sequence[Tensor], params: Sequence[Tensor], split_groups: SplitGroups | None
+) -> Tensor:
     """Squared 2-norms of the FULL tensors whose local pieces are ``tensors`` (``params[i]``
     tells how ``tensors[i]`` is split). One fp32 value per tensor, the same on every rank."""
     if not tensors:
@@ -93,7 +95,9 @@ class LAMB(torch.optim.Optimizer):
         *,
         split_groups: SplitGroups | None = None,
     ) -> None:
-        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        super().__init__(
+            params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+        )
         self._split_groups = split_groups
 
     @torch.no_grad()
@@ -119,7 +123,9 @@ class LAMB(torch.optim.Optimizer):
                 if group["weight_decay"]:
                     update.add_(p, alpha=group["weight_decay"])
                 updates.append(update)
-            norms = full_sq_norms(list(params) + updates, list(params) * 2, self._split_groups).sqrt()
+            norms = full_sq_norms(
+                list(params) + updates, list(params) * 2, self._split_groups
+            ).sqrt()
             w_norms, u_norms = norms[: len(params)], norms[len(params) :]
             for p, update, w, u in zip(params, updates, w_norms, u_norms):
                 trust = (w / u).item() if w > 0 and u > 0 else 1.0
@@ -202,7 +208,13 @@ def full_optim_state_dict(pmodel: Any, optimizer: torch.optim.Optimizer) -> dict
         }
         engine = pmodel.zero
         local = (
-            engine.gather_pieces({id(p): elementwise[id(p)] for p in params if id(p) in elementwise and engine.manages(p)})
+            engine.gather_pieces(
+                {
+                    id(p): elementwise[id(p)]
+                    for p in params
+                    if id(p) in elementwise and engine.manages(p)
+                }
+            )
             if engine is not None
             else {}
         )
@@ -217,7 +229,10 @@ def full_optim_state_dict(pmodel: Any, optimizer: torch.optim.Optimizer) -> dict
             elif value is not None:
                 state[name][key] = value.clone() if torch.is_tensor(value) else value
     groups = [
-        {**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
+        {
+            **{k: v for k, v in g.items() if k != "params"},
+            "params": [names[id(p)] for p in g["params"]],
+        }
         for g in optimizer.param_groups
     ]
     return {"state": state, "param_groups": groups}

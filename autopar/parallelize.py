@@ -126,10 +126,19 @@ def autoparallelize(
     lowered = lower(
         captured, chosen.choices(), mesh.shape, groups.key, output_placements=output_placements
     )
-    pmodel = ParallelModule(lowered, model, groups)
-    pmodel.plan = chosen
     plan_mesh = Mesh.from_dict(chosen.data["mesh"])
     plan_options = PlanOptions.from_kwargs(chosen.data["options"])
+    zero = chosen.data["zero"]
+    pmodel = ParallelModule(
+        lowered,
+        model,
+        groups,
+        zero_stage=int(zero["stage"]),
+        zero_axes=[plan_mesh.axis_index(axis) for axis in zero["axes"]] or None,
+        chunk_bytes=zero.get("chunk_bytes"),
+        mixed_precision=plan_options.mixed_precision,
+    )
+    pmodel.plan = chosen
 
     def lower_mode(training: bool) -> LoweredGraph:
         was_training = model.training

@@ -531,9 +531,8 @@ def _solve_tied(
     start = time.perf_counter()
     contracted = contract(problem)
     contract_s = time.perf_counter() - start
-    inner = _solve_model(
-        contracted.problem, backend=backend, time_limit_s=time_limit_s, gap=gap, msg=msg
-    )
+    # Contraction turns a node shared by every layer (RoPE tables) into a leaf: eliminate again.
+    inner = solve(contracted.problem, backend=backend, time_limit_s=time_limit_s, gap=gap, msg=msg)
     choices = expand(contracted, inner.choices)
     objective = plan_objective_s(problem, choices)
     bound = min(objective, inner.bound_s)

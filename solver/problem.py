@@ -54,9 +54,13 @@ class Problem:
     memory_offset_bytes: float = 0.0
     """Bytes every plan pays regardless of the choices (counted against the budget)."""
     tied: tuple[tuple[int, ...], ...] = ()
-    """Classes of nodes that must choose the same strategy (repeated layers): each class is
-    solved as one node whose costs and bytes are the members' sums (solver/tying.py). Members
-    of a class have the same number of strategies; a node is in at most one class."""
+    """Classes of nodes that choose the same strategy (repeated layers): each class is solved
+    as one node whose costs and bytes are the members' sums (solver/tying.py). Members of a
+    class have the same number of strategies; a node is in at most one class. With a budget
+    the plan is the best one whose classes choose alike. Without one, leaf and series nodes
+    are first eliminated exactly and untied (solver/eliminate.py), and the classes tie what
+    remains: the plan is then no worse than the best tied plan (identical layers still come
+    out alike, as they see identical tables)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

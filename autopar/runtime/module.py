@@ -190,8 +190,13 @@ class ParallelModule(nn.Module):
             )
         if zero_stage:
             self.zero = build_zero_engine(
-                lowered, self._params, self.coords, self._axis_group,
-                stage=zero_stage, zero_axes=zero_axes, chunk_bytes=chunk_bytes,
+                lowered,
+                self._params,
+                self.coords,
+                self._axis_group,
+                stage=zero_stage,
+                zero_axes=zero_axes,
+                chunk_bytes=chunk_bytes,
                 mixed_precision=mixed_precision,
             )
             for name in self._param_placements:
@@ -261,12 +266,16 @@ class ParallelModule(nn.Module):
         if self._split_axes is None:
             self._split_axes = {}
             for name, p in self.named_parameters():
-                axes = {a for a, x in enumerate(self._param_placements[name]) if isinstance(x, Shard)}
+                axes = {
+                    a for a, x in enumerate(self._param_placements[name]) if isinstance(x, Shard)
+                }
                 if self.zero is not None:
                     axes |= set(self.zero.zero_axes_of(p))
                 self._split_axes[id(p)] = tuple(sorted(axes))
         return tuple(
-            self._axis_group(a) for a in self._split_axes[id(param)] if self.lowered.mesh_shape[a] > 1
+            self._axis_group(a)
+            for a in self._split_axes[id(param)]
+            if self.lowered.mesh_shape[a] > 1
         )
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -274,7 +283,9 @@ class ParallelModule(nn.Module):
         counted once); returns the total norm (the same on every rank)."""
         from autopar.optim import clip_grad_norm_
 
-        return clip_grad_norm_(list(self.parameters()), max_norm, norm_type, split_groups=self.split_groups)
+        return clip_grad_norm_(
+            list(self.parameters()), max_norm, norm_type, split_groups=self.split_groups
+        )
 
     def _axis_group(self, axis: int) -> Any:
         return self.groups.groups[axis]

@@ -42,6 +42,16 @@ touches them (a global ``torch.optim`` step post-hook, filtered by parameter ide
 
 Gradient accumulation: backward under :meth:`ZeroEngine.no_sync` adds the chunk's flat local
 gradient to a pending buffer and communicates nothing; the next synchronised backward adds it in.
+
+Mixed precision (``compute_dtype=torch.bfloat16``): the shards stay fp32 (the master weights the
+optimizer updates, with fp32 state); stage 3 gathers bf16 copies, stages 1-2 keep bf16 full
+buffers refreshed after each step; the graph runs under ``torch.autocast``; gradients are
+flattened to fp32 before any reduction.
+
+State: ``ParallelModule.state_dict`` reads :meth:`ZeroEngine.local_params` (fp32, gathered);
+:meth:`ZeroEngine.gather_pieces` / :meth:`ZeroEngine.piece_of` turn shard-shaped tensors
+(gradients, elementwise optimizer state) into full local blocks and back, which is what
+``autopar.optim.full_optim_state_dict`` / ``load_full_optim_state_dict`` use.
 """
 
 from __future__ import annotations
@@ -171,7 +181,9 @@ def choose_chunk_bytes(
         candidates.append(hi)
     best_numel, best_waste = lo, math.inf
     for chunk_numel in candidates:
-        capacity = sum(chunk_numels(numels, pack_chunks(numels, chunk_numel), chunk_numel, zero_shards))
+        capacity = sum(
+            chunk_numels(numels, pack_chunks(numels, chunk_numel), chunk_numel, zero_shards)
+        )
         waste = (capacity - total) / capacity
         if waste <= best_waste:
             best_numel, best_waste = chunk_numel, waste
@@ -306,7 +318,9 @@ class ZeroEngine:
         compute_dtype: torch.dtype | None = None,
     ) -> None:
         if stage not in (1, 2, 3):
-            raise ValueError(f"ZeRO stage must be 1, 2 or 3 here (0 is the all-reduce path), got {stage}")
+            raise ValueError(
+                f"ZeRO stage must be 1, 2 or 3 here (0 is the all-reduce path), got {stage}"
+            )
         self.stage = stage
         self.compute_dtype = compute_dtype
         """None: compute in fp32 on the chunks; else forward runs under autocast to this dtype
@@ -339,9 +353,13 @@ class ZeroEngine:
                     f"ZeRO keeps fp32 chunks but {fqn} is {param.dtype}; build the model in fp32 "
                     f"(mixed precision is a runtime option)"
                 )
-            streams.setdefault((tuple(zero_axes), tuple(sorted(reduce_axes))), []).append((fqn, param))
+            streams.setdefault((tuple(zero_axes), tuple(sorted(reduce_axes))), []).append(
+                (fqn, param)
+            )
         first_use = {fqn: i for i, (fqn, _, _, _) in enumerate(params)}
-        pending: list[tuple[int, int, tuple[int, ...], tuple[int, ...], list[tuple[str, torch.Tensor]]]] = []
+        pending: list[
+            tuple[int, int, tuple[int, ...], tuple[int, ...], list[tuple[str, torch.Tensor]]]
+        ] = []
         for (zero_axes, reduce_axes), members in streams.items():
             shards = math.prod(self.mesh_shape[a] for a in zero_axes)
             chunk_numel = max(1, self.chunk_bytes // 4)
@@ -654,10 +672,14 @@ class ZeroEngine:
     # -- optimizer step -------------------------------------------------------------------------
 
     def _check_optimizer(self, optimizer: torch.optim.Optimizer) -> bool:
-        if not any(id(p) in self._chunk_of_param for g in optimizer.param_groups for p in g["params"]):
+        if not any(
+            id(p) in self._chunk_of_param for g in optimizer.param_groups for p in g["params"]
+        ):
             return False
         name = type(optimizer).__name__
-        if name not in ELEMENTWISE_OPTIMIZERS and not getattr(type(optimizer), "autopar_elementwise", False):
+        if name not in ELEMENTWISE_OPTIMIZERS and not getattr(
+            type(optimizer), "autopar_elementwise", False
+        ):
             raise ValueError(
                 f"ZeRO stage {self.stage} gives the optimizer 1-D shards of each parameter, and "
                 f"{name} needs whole parameters; use an elementwise optimizer (SGD, Adam, AdamW, ...) "
@@ -670,7 +692,12 @@ class ZeroEngine:
         if self.stage == 3:
             return
         touched = sorted(
-            {self._chunk_of_param[id(p)][0] for g in optimizer.param_groups for p in g["params"] if id(p) in self._chunk_of_param}
+            {
+                self._chunk_of_param[id(p)][0]
+                for g in optimizer.param_groups
+                for p in g["params"]
+                if id(p) in self._chunk_of_param
+            }
         )
         with torch.no_grad():
             for index in touched:
@@ -696,7 +723,9 @@ class ZeroEngine:
             assert full is not None
             for slot, param in zip(chunk.slots, chunk.params):
                 # A copy: a view would keep the whole gathered chunk alive (and alias the buffer).
-                out[id(param)] = full[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
+                out[id(param)] = (
+                    full[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
+                )
         return out
 
     def local_grads(self) -> dict[int, torch.Tensor]:
@@ -722,7 +751,9 @@ class ZeroEngine:
             full = self._gather_flat(flat, chunk.zero_axes)
             for slot, param in zip(chunk.slots, chunk.params):
                 if id(param) in pieces:
-                    out[id(param)] = full[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
+                    out[id(param)] = (
+                        full[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
+                    )
         return out
 
     def piece_of(self, param: torch.Tensor, block: torch.Tensor) -> torch.Tensor:

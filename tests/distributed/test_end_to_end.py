@@ -9,10 +9,12 @@ SGD steps.
 Matrix (sized to the CI budget of ~4 minutes on 2 cores):
 
 * meshes (2,) and (2, 2): every model (MLP, GPT, LLaMA, HF GPT-2, HF LLaMA) under ``auto``,
-  ``ddp`` and ``megatron``;
+  ``ddp`` and ``megatron``; on (2,) also MLP and GPT under ``fsdp`` (the plan's ZeRO stage
+  reaches the runtime; loss and parameters after the steps are compared);
 * mesh (4,): MLP, GPT and HF LLaMA under the three recipes;
-* mesh (2, 2, 2): MLP and GPT under ``ddp`` and ``megatron``, MLP under ``auto`` (8 ranks on
-  2 cores are slow).
+* mesh (2, 2, 2): MLP under the three recipes. A transformer is left out: enumerating the
+  strategy space of the tiny GPT on a 3-D mesh alone took 267 s on the loaded 2-core machine
+  (``build_space``), past the whole budget and the ranks' 60 s wait for rank 0's plan.
 
 Tiny models under the plain auto plan are all-Replicate (kernel overheads dominate); the
 ``auto-budget`` cases give the planner a memory budget of about 60% of the replicated peak with
@@ -39,14 +41,17 @@ BUDGETS = {"mlp": 340_000, "gpt": 2_100_000}
 
 ALL = ("mlp", "gpt", "llama", "hf_gpt2", "hf_llama")
 MESHES: dict[str, tuple[tuple[int, ...], list[str]]] = {
-    "mesh2": ((2,), [f"{m}/{r}" for m in ALL for r in RECIPES] + ["mlp/auto-budget"]),
+    "mesh2": (
+        (2,),
+        [f"{m}/{r}" for m in ALL for r in RECIPES] + ["mlp/auto-budget", "mlp/fsdp", "gpt/fsdp"],
+    ),
     "mesh2x2": (
         (2, 2),
         [f"{m}/{r}" for m in ALL for r in RECIPES]
         + ["mlp/auto-budget", "gpt/auto-budget", "gpt/train-eval"],
     ),
     "mesh4": ((4,), [f"{m}/{r}" for m in ("mlp", "gpt", "hf_llama") for r in RECIPES]),
-    "mesh2x2x2": ((2, 2, 2), ["mlp/auto", "mlp/ddp", "mlp/megatron", "gpt/ddp", "gpt/megatron"]),
+    "mesh2x2x2": ((2, 2, 2), ["mlp/auto", "mlp/ddp", "mlp/megatron"]),
 }
 
 
@@ -126,7 +131,12 @@ def check_training(model_name: str, recipe: str, mesh: Any) -> dict[str, Any]:
     loss.backward()
     placements = pmodel.lowered.param_placements
     group_of = pmodel.groups.groups.__getitem__
-    for name, param in pmodel.named_parameters():
+    zero_stage = pmodel.plan.zero["stage"]
+    if zero_stage:
+        # ZeRO keeps parameters in chunk shards: the plan reached the runtime, and the state
+        # dict after the SGD steps (below) is compared instead of per-parameter gradients.
+        assert pmodel.zero is not None
+    for name, param in pmodel.named_parameters() if not zero_stage else ():
         grad = gather_full(param.grad, placements[name], group_of)
         _close(f"grad of {name}", grad, want["grads"][name])
     opt = torch.optim.SGD(pmodel.parameters(), lr=LR)
@@ -135,9 +145,9 @@ def check_training(model_name: str, recipe: str, mesh: Any) -> dict[str, Any]:
         opt.zero_grad()
         _loss(pmodel(*local_args, **local_kwargs)).backward()
         opt.step()
-    for name, param in pmodel.named_parameters():
-        full = gather_full(param.detach(), placements[name], group_of)
-        _close(f"{name} after {NUM_STEPS} SGD steps", full, want["params"][name].detach())
+    state = pmodel.state_dict()
+    for name, param in want["params"].items():
+        _close(f"{name} after {NUM_STEPS} SGD steps", state[name], param.detach())
     return {"layouts": layouts, "inputs": [i["placements"] for i in pmodel.plan.data["inputs"]]}
 
 

@@ -89,7 +89,8 @@ def test_recipes_are_plans_in_their_own_right():
     assert megatron.param_placements()["layers.0.weight"] == "R,S0"
     assert megatron.param_placements()["layers.1.weight"] == "R,S1"
     fsdp_tp = autopar.plan(model, mesh, args, recipe="fsdp+tp")
-    assert fsdp_tp.zero == {"stage": 3, "axes": ["dp"], "chunk_bytes": None}
+    assert fsdp_tp.zero["stage"] == 3 and fsdp_tp.zero["axes"] == ["dp"]
+    assert fsdp_tp.zero["chunk_bytes"] > 0 and 0 <= fsdp_tp.zero["padding_waste"] < 0.5
     fsdp = autopar.plan(model, mesh, args, recipe="fsdp")
     assert fsdp.zero["stage"] == 3 and fsdp.zero["axes"] == ["dp", "tp"]
     # The recipe plan's figures equal the baseline entry of the auto plan.

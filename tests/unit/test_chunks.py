@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from autopar.runtime.zero import chunk_numels, choose_chunk_bytes, pack_chunks
+from autopar.runtime.zero import choose_chunk_bytes, chunk_numels, pack_chunks
 
 
 def test_packing_keeps_order_and_never_splits_a_parameter() -> None:
