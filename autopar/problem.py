@@ -43,7 +43,10 @@ from autopar.placement import REPLICATE, Placements, Shard, divides, local_shape
 from autopar.resharding import reshard_steps
 from autopar.strategies import Strategy, input_nodes, strategies_for
 from autopar.strategies.registry import TensorMeta, op_call, tensor_meta
-from cost_models import collective_time_s, compute_time_s, training_state_bytes
+from cost_models import LinkSpec, collective_time_s, compute_time_s, training_state_bytes
+
+GRAD_BUCKET_BYTES = 25 * 2**20
+"""Bucket size of the runtime's chunked gradient all-reduce (autopar.runtime.grad_sync)."""
 
 COMM_KINDS = frozenset({"all_gather", "all_reduce", "reduce_scatter", "all_to_all"})
 VIEW_FAMILIES = frozenset({"view"})
@@ -158,6 +161,14 @@ def _dtype_name(dtype: torch.dtype, mixed_precision: str | None) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _without_latency(link: LinkSpec) -> LinkSpec:
+    return dataclasses.replace(
+        link,
+        latency_s=0.0,
+        collectives={kind: (0.0, beta) for kind, (_, beta) in link.collectives.items()},
+    )
+
+
 class _CommPricer:
     """Prices resharding and all-reduces on a mesh, memoised (layers repeat)."""
 
@@ -210,6 +221,18 @@ class _CommPricer:
 
     def step_s(self, kind: str, axis: int, nbytes: float) -> float:
         return collective_time_s(kind, nbytes, self.mesh.shape[axis], self.mesh.links[axis])
+
+    def grad_sync_s(self, nbytes: float, axis: int) -> float:
+        """A parameter gradient's share of the bucketed all-reduce: its bytes at the link's
+        bandwidth, plus the collective's latency once per ``GRAD_BUCKET_BYTES`` (the runtime
+        reduces parameter gradients in flat buckets, not one collective per parameter)."""
+        size, link = self.mesh.shape[axis], self.mesh.links[axis]
+        bandwidth_only = _without_latency(link)
+        transfer = collective_time_s("all_reduce", nbytes, size, bandwidth_only)
+        latency = collective_time_s("all_reduce", GRAD_BUCKET_BYTES, size, link) - collective_time_s(
+            "all_reduce", GRAD_BUCKET_BYTES, size, bandwidth_only
+        )
+        return transfer + latency * nbytes / GRAD_BUCKET_BYTES
 
     def all_reduce_s(self, nbytes: float, axis: int) -> float:
         return collective_time_s("all_reduce", nbytes, self.mesh.shape[axis], self.mesh.links[axis])
@@ -407,7 +430,7 @@ def _op_space(node, strategies, mesh, options, pricer, needs_grad) -> NodeSpace:
             for axis, p in enumerate(grad_placements):
                 if p.is_partial() and mesh_shape[axis] > 1:
                     if inp.op == "placeholder":
-                        param_grad_comm[i] += pricer.all_reduce_s(nbytes, axis)
+                        param_grad_comm[i] += pricer.grad_sync_s(nbytes, axis)
                     else:
                         grad_comm[i] += pricer.all_reduce_s(nbytes, axis)
     return NodeSpace(

@@ -19,7 +19,8 @@ Matrix (sized to the CI budget of ~4 minutes on 2 cores):
 Tiny models under the plain auto plan are all-Replicate (kernel overheads dominate); the
 ``auto-budget`` cases give the planner a memory budget of about 60% of the replicated peak with
 ZeRO off, which forces sharded layouts, and assert that the plan is not all-Replicate.
-Train/eval switching (eval graph without dropout, under ``torch.no_grad()``) runs on (2, 2).
+Train/eval switching (eval graph without dropout, under ``torch.no_grad()``) runs on (2, 2);
+batch-sharded outputs (``output_placements=``) with a local loss on (2,).
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ ALL = ("mlp", "gpt", "llama", "hf_gpt2", "hf_llama")
 MESHES: dict[str, tuple[tuple[int, ...], list[str]]] = {
     "mesh2": (
         (2,),
-        [f"{m}/{r}" for m in ALL for r in RECIPES] + ["mlp/auto-budget", "mlp/fsdp", "gpt/fsdp"],
+        [f"{m}/{r}" for m in ALL for r in RECIPES]
+        + ["mlp/auto-budget", "mlp/fsdp", "gpt/fsdp", "mlp/sharded-output"],
     ),
     "mesh2x2": (
         (2, 2),
@@ -182,6 +184,36 @@ def check_train_eval(mesh: Any) -> dict[str, Any]:
     return {"eval_loss": float(got)}
 
 
+def check_sharded_output(mesh: Any) -> dict[str, Any]:
+    """``output_placements=("S0",)``: each rank gets its batch block of the MLP's output and a
+    loss on it; gradients follow DDP's convention and equal the global mean loss's."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    import autopar
+    from autopar.runtime.module import gather_full
+
+    model, (x, y), _ = _build("mlp")
+    F.mse_loss(model(x), y).backward()
+    want = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    sharded = ",".join(["S0"] * mesh.ndim)
+    pmodel = autopar.autoparallelize(
+        model, mesh, (x,), recipe="ddp", output_placements=(sharded,), price_baselines=False
+    )
+    (local_x,) = pmodel.shard_inputs(x)
+    out = pmodel(local_x)
+    local_y = y.chunk(dist.get_world_size())[dist.get_rank()]
+    assert out.shape == local_y.shape, (out.shape, local_y.shape)
+    _close("sharded output", out.detach(), model(x).detach().chunk(dist.get_world_size())[dist.get_rank()])
+    F.mse_loss(out, local_y).backward()
+    group_of = pmodel.groups.groups.__getitem__
+    for name, param in pmodel.named_parameters():
+        grad = gather_full(param.grad, pmodel.lowered.param_placements[name], group_of)
+        _close(f"grad of {name} (local loss)", grad, want[name])
+    return {"output_shape": tuple(out.shape)}
+
+
 def run_case(rank: int, world_size: int, case: str, mesh_shape: tuple[int, ...]) -> Any:
     """Body of one case on one rank (raises on the first mismatch)."""
     start = time.perf_counter()
@@ -189,6 +221,8 @@ def run_case(rank: int, world_size: int, case: str, mesh_shape: tuple[int, ...])
     model_name, recipe = case.split("/")
     if recipe == "train-eval":
         out = check_train_eval(mesh)
+    elif recipe == "sharded-output":
+        out = check_sharded_output(mesh)
     else:
         out = check_training(model_name, recipe, mesh)
     return {**out, "seconds": time.perf_counter() - start}
