@@ -80,9 +80,7 @@ def repeated_blocks(
             continue
         tied = [i for i in middle if signatures[i] == common]
         for position in range(len(blocks[prefix, tied[0]])):
-            classes.append(
-                tuple(space.index[blocks[prefix, i][position].name] for i in tied)
-            )
+            classes.append(tuple(space.index[blocks[prefix, i][position].name] for i in tied))
     return tuple(classes)
 
 

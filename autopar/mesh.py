@@ -220,7 +220,9 @@ class Mesh:
         """Make collectives on this live mesh's groups raise after ``timeout_s`` seconds
         without their peers (see :func:`set_groups_timeout`)."""
         if self.groups is None:
-            raise ValueError("an offline mesh (Mesh.spec) has no process groups; use Mesh.from_world")
+            raise ValueError(
+                "an offline mesh (Mesh.spec) has no process groups; use Mesh.from_world"
+            )
         set_groups_timeout(self.groups, timeout_s)
 
     @classmethod

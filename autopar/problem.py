@@ -497,14 +497,24 @@ def _edges(gm, nodes, index, pricer, signatures) -> list[EdgeSpace]:
                 continue
             src_strats = nodes[src].strategies
             dst_strats = nodes[dst].strategies
-            cost = np.zeros((len(src_strats), len(dst_strats)))
-            for a, s in enumerate(src_strats):
-                src_pl = s.outputs[out_index] if out_index < len(s.outputs) else None
-                for b, t in enumerate(dst_strats):
-                    dst_pl = t.inputs[j]
-                    if src_pl is None or dst_pl is None:
-                        continue
-                    cost[a, b] = pricer.reshard_s(src_pl, dst_pl, meta)
+            # Price each distinct (source placement, required placement) pair once: strategies
+            # share placements, so the matrix is a gather from a much smaller table.
+            src_pls = [s.outputs[out_index] if out_index < len(s.outputs) else None for s in src_strats]
+            dst_pls = [t.inputs[j] for t in dst_strats]
+            src_ids = {p: k for k, p in enumerate(dict.fromkeys(src_pls))}
+            dst_ids = {p: k for k, p in enumerate(dict.fromkeys(dst_pls))}
+            table = np.array(
+                [
+                    [
+                        0.0 if sp is None or dp is None else pricer.reshard_s(sp, dp, meta)
+                        for dp in dst_ids
+                    ]
+                    for sp in src_ids
+                ]
+            ).reshape(len(src_ids), len(dst_ids))
+            rows = np.array([src_ids[p] for p in src_pls], dtype=np.intp)
+            cols = np.array([dst_ids[p] for p in dst_pls], dtype=np.intp)
+            cost = table[np.ix_(rows, cols)]
             cache[key] = cost
             edges.append(EdgeSpace(src=src, dst=dst, input_index=j, cost_s=cost))
     return edges

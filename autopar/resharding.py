@@ -295,21 +295,24 @@ def _transitions(
                 )
 
 
-@lru_cache(maxsize=65536)
-def _search(
+_Tree = dict[_Code, tuple[_Code, _RawStep, _RawStep | None]]
+
+
+@lru_cache(maxsize=4096)
+def _routes_from(
     src: _Code,
-    dst: _Code,
     ndim: int,
     mesh_shape: tuple[int, ...],
     divisible: tuple[frozenset[int], ...],
-) -> tuple[tuple[_RawStep, ...], tuple[_RawStep, ...]]:
-    """Cheapest route from ``src`` to ``dst`` over valid single-axis steps (Dijkstra).
+) -> _Tree:
+    """Cheapest routes from ``src`` to every reachable placement (Dijkstra over valid
+    single-axis steps): the predecessor of each state on its cheapest route.
 
     Cost, compared in order: bytes sent per device forward plus backward, number of
-    collectives, number of steps. Depends on the shape only through ``divisible``.
+    collectives, number of steps. One search serves every destination, so pricing all pairs of
+    a node's placements costs one search per source placement. Depends on the shape only
+    through ``divisible``.
     """
-    if src == dst:
-        return (), ()
     full_units = math.prod(mesh_shape) ** 2
 
     def local_units(state: _Code) -> int | None:
@@ -323,12 +326,10 @@ def _search(
 
     counter = itertools.count()
     best: dict[_Code, tuple[int, int, int]] = {src: (0, 0, 0)}
-    came_from: dict[_Code, tuple[_Code, _RawStep, _RawStep | None]] = {}
+    came_from: _Tree = {}
     heap: list[tuple[tuple[int, int, int], int, _Code]] = [((0, 0, 0), next(counter), src)]
     while heap:
         cost, _, state = heapq.heappop(heap)
-        if state == dst:
-            break
         if cost > best[state]:
             continue
         units = local_units(state)
@@ -342,6 +343,21 @@ def _search(
                 best[new_state] = new_cost
                 came_from[new_state] = (state, fwd, bwd)
                 heapq.heappush(heap, (new_cost, next(counter), new_state))
+    return came_from
+
+
+@lru_cache(maxsize=65536)
+def _search(
+    src: _Code,
+    dst: _Code,
+    ndim: int,
+    mesh_shape: tuple[int, ...],
+    divisible: tuple[frozenset[int], ...],
+) -> tuple[tuple[_RawStep, ...], tuple[_RawStep, ...]]:
+    """Cheapest route from ``src`` to ``dst``: (forward steps, backward steps)."""
+    if src == dst:
+        return (), ()
+    came_from = _routes_from(src, ndim, mesh_shape, divisible)
     assert dst in came_from, f"no route {src} -> {dst}"
     forward: list[_RawStep] = []
     backward: list[_RawStep] = []  # collected from the last forward step: already reversed

@@ -34,8 +34,21 @@ from autopar.presets import build_preset  # noqa: E402
 LARGE = [("llama3-8b", "8x8"), ("llama3-70b", "8x16x8"), ("gpt2-xl", "4x4x4")]
 SMALL_MODELS = ("gpt2-small", "llama3-8b-2l", "llama3-8b")
 SMALL_MESHES = ("8", "2x4", "8x8")
-COLUMNS = ("model", "mesh", "nodes", "capture s", "strategies s", "solve s", "total s", "cpu s",
-           "vars (Alpa)", "vars solved", "auto step", "best recipe", "auto / best")
+COLUMNS = (
+    "model",
+    "mesh",
+    "nodes",
+    "capture s",
+    "strategies s",
+    "solve s",
+    "total s",
+    "cpu s",
+    "vars (Alpa)",
+    "vars solved",
+    "auto step",
+    "best recipe",
+    "auto / best",
+)
 
 
 def full_variables(plan) -> int:
@@ -83,13 +96,18 @@ def run(model_name: str, meshes: list[str], args, table: Table, console: Console
             f"{plan.predicted_step_s / best[1]['step_s']:.3f}" if best else "-",
         )
         console.print(
-            f"done: {model_name} on {mesh_text}: {sum(t.values()):.2f} s wall, {cpu_s:.2f} s cpu",
+            f"done: {model_name} on {mesh_text}: {sum(t.values()):.2f} s wall, {cpu_s:.2f} s cpu "
+            f"(capture {t['capture_s']:.2f}, strategies {t['strategies_s']:.2f}, solve "
+            f"{t['solve_s']:.2f}); variables {full_variables(plan):,} -> "
+            f"{plan.data['solver']['num_variables']:,}; auto {plan.predicted_step_s * 1e3:.2f} ms",
             highlight=False,
         )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--set", choices=["large", "small"], default=None)
     parser.add_argument("--models", nargs="+", default=None)
     parser.add_argument("--meshes", nargs="+", default=None)
@@ -103,7 +121,7 @@ def main() -> None:
     parser.add_argument("--gap", type=float, default=0.0)
     args = parser.parse_args()
 
-    console = Console(stderr=False)
+    console = Console(width=200)
     table = Table(title=f"planning time ({args.device}, global batch {args.batch}, seq {args.seq})")
     for col in COLUMNS:
         table.add_column(col, justify="left" if col in ("model", "mesh") else "right")

@@ -77,8 +77,12 @@ def eliminate(problem: Problem) -> Eliminated:
         neighbours[a].discard(b)
         neighbours[b].discard(a)
 
+    converted: dict[int, np.ndarray] = {}  # repeated layers share matrix objects
     for edge in problem.edges:
-        add_edge(edge.src, edge.dst, _matrix(edge))
+        matrix = converted.get(id(edge.cost_s))
+        if matrix is None:
+            matrix = converted[id(edge.cost_s)] = _matrix(edge)
+        add_edge(edge.src, edge.dst, matrix)
     alive = [True] * num
     steps: list[tuple[int, int, int, np.ndarray]] = []
     constant = 0.0
@@ -107,9 +111,7 @@ def eliminate(problem: Problem) -> Eliminated:
             queue.append(u)
         else:
             u, w = near
-            total = (
-                oriented(u, v)[:, :, None] + cost[v][None, :, None] + oriented(v, w)[None, :, :]
-            )
+            total = oriented(u, v)[:, :, None] + cost[v][None, :, None] + oriented(v, w)[None, :, :]
             arg = np.argmin(total, axis=1)
             best = np.take_along_axis(total, arg[:, None, :], axis=1)[:, 0, :]
             drop(u, v)
@@ -149,9 +151,7 @@ def eliminate(problem: Problem) -> Eliminated:
             Edge(
                 src=position[a],
                 dst=position[b],
-                cost_s=tuple(
-                    tuple(c if math.isfinite(c) else None for c in row) for row in sub
-                ),
+                cost_s=tuple(tuple(c if math.isfinite(c) else None for c in row) for row in sub),
             )
         )
     # A tie class survives when every member is kept with the same strategies (members of
@@ -159,8 +159,7 @@ def eliminate(problem: Problem) -> Eliminated:
     tied = tuple(
         tuple(position[i] for i in members)
         for members in problem.tied
-        if all(alive[i] for i in members)
-        and len({strategies[position[i]] for i in members}) == 1
+        if all(alive[i] for i in members) and len({strategies[position[i]] for i in members}) == 1
     )
     reduced = Problem(
         nodes=tuple(new_nodes),

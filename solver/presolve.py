@@ -198,9 +198,7 @@ def reduce_problem(problem: Problem) -> Reduced:
 
 def _group_pairs(
     rows: list[int], cols: list[int], pairs: dict[tuple[int, int], float]
-) -> tuple[
-    tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...], dict[tuple[int, int], float]
-]:
+) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...], dict[tuple[int, int], float]]:
     """Exact edge compression: group identical rows and identical columns of a cost matrix.
 
     An edge's cost depends only on the producer's output placement and the consumer's input

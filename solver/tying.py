@@ -54,16 +54,16 @@ def contract(problem: Problem) -> Contracted:
     new_nodes: list[Node] = []
     class_index: dict[int, int] = {}
     for i, node in enumerate(nodes):
-        c = owner.get(i)
-        if c is None:
+        tie = owner.get(i)
+        if tie is None:
             node_map.append(len(new_nodes))
             new_nodes.append(node)
-        elif c in class_index:
-            node_map.append(class_index[c])
+        elif tie in class_index:
+            node_map.append(class_index[tie])
         else:
-            class_index[c] = len(new_nodes)
+            class_index[tie] = len(new_nodes)
             node_map.append(len(new_nodes))
-            new_nodes.append(_merge_nodes([nodes[j] for j in problem.tied[c]]))
+            new_nodes.append(_merge_nodes([nodes[j] for j in problem.tied[tie]]))
     counts: dict[tuple[int, int, int], list] = {}
     for edge in problem.edges:
         key = (node_map[edge.src], node_map[edge.dst], id(edge.cost_s))
@@ -75,9 +75,12 @@ def contract(problem: Problem) -> Contracted:
     # Sum every edge landing on one contracted pair (either orientation) in one array.
     pairs: dict[tuple[int, int], np.ndarray] = {}
     for (src, dst, _), (matrix, count) in counts.items():
-        array = np.array(
-            [[math.inf if c is None else c for c in row] for row in matrix], dtype=np.float64
-        ) * count
+        array = (
+            np.array(
+                [[math.inf if c is None else c for c in row] for row in matrix], dtype=np.float64
+            )
+            * count
+        )
         if src > dst:
             src, dst, array = dst, src, array.T
         pairs[src, dst] = pairs[src, dst] + array if (src, dst) in pairs else array

@@ -139,7 +139,9 @@ def lost_rank(rank: int, world_size: int, how: str, out_dir: str) -> Any:
 
 def _check_lost_rank_error(record: dict[str, Any]) -> None:
     assert record["error"] is not None, "the forward must fail when a peer is gone"
-    assert re.search(r"rank 0: \w+ over axis 'a0' \(group ranks \[0, 1\]\)", record["error"]), record
+    assert re.search(r"rank 0: \w+ over axis 'a0' \(group ranks \[0, 1\]\)", record["error"]), (
+        record
+    )
     assert record["seconds"] < TIMEOUT_S + 5, record
 
 
@@ -164,7 +166,13 @@ def test_rank_that_dies_makes_the_others_fail_naming_op_and_rank(tmp_path: Path)
 
     with pytest.raises(DistributedRunError, match="rank 1: exited with code 3"):
         run_distributed(
-            lost_rank, 2, "dies", str(tmp_path), timeout_s=60, pg_timeout_s=30, grace_s=20,
+            lost_rank,
+            2,
+            "dies",
+            str(tmp_path),
+            timeout_s=60,
+            pg_timeout_s=30,
+            grace_s=20,
             env=PLAIN,
         )
     record = json.loads((tmp_path / "dies.json").read_text())

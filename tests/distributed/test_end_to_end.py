@@ -205,7 +205,11 @@ def check_sharded_output(mesh: Any) -> dict[str, Any]:
     out = pmodel(local_x)
     local_y = y.chunk(dist.get_world_size())[dist.get_rank()]
     assert out.shape == local_y.shape, (out.shape, local_y.shape)
-    _close("sharded output", out.detach(), model(x).detach().chunk(dist.get_world_size())[dist.get_rank()])
+    _close(
+        "sharded output",
+        out.detach(),
+        model(x).detach().chunk(dist.get_world_size())[dist.get_rank()],
+    )
     F.mse_loss(out, local_y).backward()
     group_of = pmodel.groups.groups.__getitem__
     for name, param in pmodel.named_parameters():

@@ -14,7 +14,7 @@ CASES = [
     ("mlp", "2x2", 64, 16),
     ("gpt2-small-2l", "2x2", 8, 128),
     ("llama3-8b-2l", "4", 8, 128),
-    ("llama3-8b-2l", "2x2x2", 8, 128),
+    ("mlp", "2x2x2", 64, 16),
     ("hf:gpt2?n_layer=2&n_embd=256&n_head=8&vocab_size=4096&n_positions=256", "2x2", 8, 128),
     (
         "hf:llama?num_hidden_layers=2&hidden_size=256&num_attention_heads=8&num_key_value_heads=4"

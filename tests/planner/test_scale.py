@@ -108,11 +108,15 @@ def test_tied_plan_under_a_binding_budget_is_close_to_the_untied_one(space) -> N
     assert untied.objective_s > free.objective_s  # the budget binds
     tied_all = _tie_levels(space)[0]
     try:
-        tied = solver.solve(build_problem(space, zero, memory_budget_bytes=budget, tied=tied_all).problem)
+        tied = solver.solve(
+            build_problem(space, zero, memory_budget_bytes=budget, tied=tied_all).problem
+        )
     except solver.InfeasibleBudgetError:
         pytest.skip("layers forced alike do not fit: the planner falls back to looser tying")
     gap = (tied.objective_s - untied.objective_s) / untied.objective_s
-    print(f"binding budget: tied {tied.objective_s:.6g} s, untied {untied.objective_s:.6g} s, gap {gap:.2%}")
+    print(
+        f"binding budget: tied {tied.objective_s:.6g} s, untied {untied.objective_s:.6g} s, gap {gap:.2%}"
+    )
     assert tied.peak_memory_bytes <= budget
     assert -1e-9 <= gap <= 0.10
 

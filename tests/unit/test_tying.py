@@ -41,7 +41,9 @@ def layered_problems(draw: st.DrawFn) -> Problem:
     cell = st.one_of(st.none(), number, number)
     ab = tuple(tuple(draw(cell) for _ in range(kb)) for _ in range(ka))
     ba = tuple(tuple(draw(cell) for _ in range(ka)) for _ in range(kb))
-    nodes = [Node(name="in", cost_s=tuple(draw(number) for _ in range(k_io)), memory_bytes=(0.0,) * k_io)]
+    nodes = [
+        Node(name="in", cost_s=tuple(draw(number) for _ in range(k_io)), memory_bytes=(0.0,) * k_io)
+    ]
     edges = []
     for layer in range(num_layers):
         a, b = len(nodes), len(nodes) + 1
@@ -53,7 +55,9 @@ def layered_problems(draw: st.DrawFn) -> Problem:
     first_in = tuple(tuple(draw(cell) for _ in range(ka)) for _ in range(k_io))
     edges.append(Edge(src=0, dst=1, cost_s=first_in))
     for _ in range(draw(st.integers(0, 2))):  # a skip edge breaks the chain structure
-        u, v = sorted(draw(st.lists(st.integers(0, len(nodes) - 1), min_size=2, max_size=2, unique=True)))
+        u, v = sorted(
+            draw(st.lists(st.integers(0, len(nodes) - 1), min_size=2, max_size=2, unique=True))
+        )
         edges.append(
             Edge(
                 src=u,
@@ -133,7 +137,11 @@ def test_untied_budget_free_solve_with_elimination_matches_brute_force(problem: 
 
 def chain(num_nodes: int, k: int) -> Problem:
     nodes = tuple(
-        Node(name=f"n{i}", cost_s=tuple(float((i * 7 + s * 3) % 5) for s in range(k)), memory_bytes=(1.0,) * k)
+        Node(
+            name=f"n{i}",
+            cost_s=tuple(float((i * 7 + s * 3) % 5) for s in range(k)),
+            memory_bytes=(1.0,) * k,
+        )
         for i in range(num_nodes)
     )
     reshard = tuple(tuple(0.0 if s == t else 1.5 for t in range(k)) for s in range(k))
