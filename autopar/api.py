@@ -21,7 +21,6 @@ from autopar.errors import PlanningError
 from autopar.mesh import Mesh
 from autopar.options import PlanOptions, format_bytes, parse_bytes
 from autopar.plan import PLAN_VERSION, Plan, strategy_entry
-from autopar.strategies import input_nodes
 from autopar.problem import (
     Evaluation,
     StrategySpace,
@@ -31,6 +30,7 @@ from autopar.problem import (
     evaluate,
     param_state,
 )
+from autopar.strategies import input_nodes
 
 AUTOPAR_VERSION = "0.1.0"
 MEMORY_RESERVE = 0.10

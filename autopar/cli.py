@@ -115,8 +115,8 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from autopar.capture import capture
     from autopar.baselines import BASELINE_RECIPES
+    from autopar.capture import capture
     from autopar.options import PlanOptions
     from autopar.presets import build_preset
     from autopar.report import compare_rows, compare_table, plans_for_recipes

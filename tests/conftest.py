@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ["OMP_NUM_THREADS"] = "1"
+# The CLI caches plans; tests must neither read a stale cache nor write to the user's home.
+os.environ["AUTOPAR_CACHE_DIR"] = tempfile.mkdtemp(prefix="autopar-test-cache-")
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:

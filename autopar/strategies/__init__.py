@@ -1,5 +1,17 @@
 """Sharding strategies per ATen op. Importing this package registers every rule."""
 
+from autopar.strategies import (  # noqa: F401,E402  # noqa: F401,E402
+    attention,
+    dropout,
+    embedding,
+    factory,
+    losses,
+    matmul,
+    norms,
+    pointwise,
+    reductions,
+    views,
+)
 from autopar.strategies.registry import (  # noqa: F401
     AxisStrategy,
     OpCall,
@@ -14,5 +26,3 @@ from autopar.strategies.registry import (  # noqa: F401
     replicate_all,
     strategies_for,
 )
-from autopar.strategies import attention, dropout, embedding, factory, views  # noqa: F401,E402
-from autopar.strategies import losses, matmul, norms, pointwise, reductions  # noqa: F401,E402
