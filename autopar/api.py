@@ -380,6 +380,7 @@ def _plan_document(
             "axes": [mesh.axis_names[a] for a in zero.axes],
             "chunk_bytes": chunk_bytes,
             "padding_waste": padding_waste,
+            "per_stage": _per_stage(space, chosen),
         },
         "checkpoint": {"mode": space.options.checkpoint, "segments": []},
         "predicted": _figures(chosen.evaluation),
@@ -406,6 +407,17 @@ def _plan_document(
         "timings": timings,
         "warnings": warnings,
     }
+
+
+def _per_stage(space: StrategySpace, chosen: Solved) -> dict[str, Any]:
+    """The chosen layouts priced under every ZeRO stage on the same axes (all data-parallel
+    axes when the plan uses none): what each stage would cost in time and keep per device."""
+    axes = chosen.zero.axes or tuple(a for a in range(space.mesh.ndim) if space.mesh.shape[a] > 1)
+    out = {}
+    for stage in range(4):
+        ev = evaluate(space, chosen.choice, ZeroConfig(stage=stage, axes=axes if stage else ()))
+        out[str(stage)] = {"step_s": ev.step_s, "peak_memory_bytes": ev.peak_memory_bytes, "memory": ev.memory}
+    return out
 
 
 def _output_shapes(node) -> list[list[int] | None]:

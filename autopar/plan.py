@@ -228,10 +228,21 @@ class Plan:
                 "yes" if fits else "no",
             )
         console.print(br)
-        mem = Table(title="peak memory per device (this plan)", title_justify="left")
+        mem = Table(title="peak memory per device: these layouts under each ZeRO stage", title_justify="left")
+        mem.add_column("ZeRO stage")
+        mem.add_column("step", justify="right")
         for key in pred["memory"]:
             mem.add_column(key, justify="right")
-        mem.add_row(*(format_bytes(v) for v in pred["memory"].values()))
+        mem.add_column("peak", justify="right")
+        per_stage = zero.get("per_stage") or {str(zero["stage"]): pred}
+        for stage, fig in per_stage.items():
+            mark = " (chosen)" if stage == str(zero["stage"]) else ""
+            mem.add_row(
+                f"{stage}{mark}",
+                format_seconds(fig["step_s"]),
+                *(format_bytes(fig["memory"].get(key, 0.0)) for key in pred["memory"]),
+                format_bytes(fig["peak_memory_bytes"]),
+            )
         console.print(mem)
 
         blocks: dict[str, dict[str, Any]] = defaultdict(
