@@ -43,3 +43,34 @@ def test_tiny_calibration_gives_a_profile_the_planner_uses(tmp_path) -> None:
     kind, (alpha, beta) = next(iter(link.collectives.items()))
     seconds = collective_time_s(kind, 2**20, 2, mesh.link("tp"))
     assert math.isfinite(seconds) and seconds >= alpha
+
+
+@pytest.mark.distributed
+def test_bench_cost_measures_every_plan_and_op_on_two_ranks(tmp_path, capsys) -> None:
+    import json
+
+    from autopar.cli import main
+
+    out = tmp_path / "bench.json"
+    plots = tmp_path / "bench"
+    code = main(
+        [
+            "bench-cost", "tests.models:tiny_factory", "--mesh", "2", "--device", "cpu",
+            "--batch", "4", "--seq", "16", "--nproc", "2", "--steps", "2", "--op-time", "0.002",
+            "--json", str(out), "--plots", str(plots), "--no-cache",
+        ]
+    )  # fmt: skip
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "Spearman" in printed and "step MAPE" in printed
+    data = json.loads(out.read_text())
+    plans = data["result"]["plans"]
+    assert {"auto", "ddp", "megatron"} <= set(plans)
+    for figures in plans.values():
+        assert figures["step_s"] > 0 and figures["predicted_step_s"] > 0
+        assert figures["peak_memory_bytes"] > 0
+    assert data["result"]["ops"], "per-op predicted vs measured times are missing"
+    summary = data["summary"]
+    assert -1.0 <= summary["spearman"] <= 1.0 and math.isfinite(summary["step_mape"])
+    assert (tmp_path / "bench_ops.png").stat().st_size > 0
+    assert (tmp_path / "bench_steps.png").stat().st_size > 0
