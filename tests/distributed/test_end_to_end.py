@@ -32,6 +32,8 @@ from typing import Any
 import pytest
 import torch
 
+from tests.distributed.reference import assert_close_named, model_loss, sgd_reference
+
 RTOL, ATOL = 1e-5, 1e-6
 NUM_STEPS = 3
 LR = 0.1
@@ -75,26 +77,16 @@ def _build(model_name: str, dropout: float = 0.0) -> Any:
     return (builders.get(model_name) or getattr(models, model_name))()
 
 
-def _loss(output: Any) -> torch.Tensor:
-    return output if isinstance(output, torch.Tensor) else output.loss
+_loss = model_loss
 
 
 def _close(what: str, got: torch.Tensor, want: torch.Tensor) -> None:
-    torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {m}")
+    assert_close_named(what, got, want, rtol=RTOL, atol=ATOL)
 
 
 def _reference(model_name: str) -> dict[str, Any]:
     model, args, kwargs = _build(model_name)
-    loss = _loss(model(*args, **kwargs))
-    loss.backward()
-    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    opt.step()
-    for _ in range(NUM_STEPS - 1):
-        opt.zero_grad()
-        _loss(model(*args, **kwargs)).backward()
-        opt.step()
-    return {"loss": loss.detach(), "grads": grads, "params": dict(model.named_parameters())}
+    return sgd_reference(model, args, kwargs, lr=LR, steps=NUM_STEPS)
 
 
 @functools.cache

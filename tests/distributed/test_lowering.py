@@ -39,6 +39,7 @@ from autopar.strategies.registry import (
     replicate_all,
     strategies_for,
 )
+from tests.distributed.reference import assert_close_named, model_loss, sgd_reference
 
 RTOL, ATOL = 1e-5, 1e-6
 NUM_STEPS = 3
@@ -172,25 +173,14 @@ def _is_tensor(captured: Any, name: str) -> bool:
 
 def _reference(build: Callable[[], Any]) -> dict[str, Any]:
     model, args, kwargs = build()
-    loss = _loss(model(*args, **kwargs))
-    loss.backward()
-    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    opt.step()
-    for _ in range(NUM_STEPS - 1):
-        opt.zero_grad()
-        _loss(model(*args, **kwargs)).backward()
-        opt.step()
-    return {"loss": loss.detach(), "grads": grads, "state": model.state_dict()}
+    return sgd_reference(model, args, kwargs, lr=LR, steps=NUM_STEPS)
 
 
-def _loss(output: Any) -> torch.Tensor:
-    """The scalar loss of a model output (Hugging Face models return a ModelOutput)."""
-    return output if isinstance(output, torch.Tensor) else output.loss
+_loss = model_loss
 
 
 def _close(what: str, got: torch.Tensor, want: torch.Tensor) -> None:
-    torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {m}")
+    assert_close_named(what, got, want, rtol=RTOL, atol=ATOL)
 
 
 def check_case(
