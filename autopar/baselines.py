@@ -5,7 +5,10 @@ parameters on their way to an op (they are used where they live); the ILP then c
 cheapest layout of everything else, which for these recipes is the layout the recipe implies
 (batch-parallel activations for ``ddp``; column- then row-parallel matmuls for ``megatron``).
 
-- ``ddp``: inputs Shard(0) (the batch) on every axis, parameters and buffers Replicate.
+- ``ddp``: inputs Shard(0) (the batch) on every axis, parameters and buffers Replicate, and
+  every activation computed from the inputs stays split on the data-parallel axes (no rank
+  recomputes another rank's samples: a tiny model would otherwise be cheaper with every rank
+  running the whole batch, which is not DDP).
 - ``fsdp``: ``ddp`` plus ZeRO-3 on every axis.
 - ``megatron``: on the tensor-parallel axis (named ``tp``, else the innermost), matmul weights
   are column-parallel (output features sharded) or row-parallel (input features sharded),
@@ -62,10 +65,14 @@ def recipe_spec(space: StrategySpace, recipe: str) -> RecipeSpec:
     tensor_parallel = recipe in ("megatron", "fsdp+tp")
     tp = tp_axis(mesh.axis_names) if tensor_parallel else None
     notes: list[str] = []
+    data_axes = tuple(a for a in range(ndim) if a != tp and mesh.shape[a] > 1)
     param_layout = megatron_layout(space, tp, notes) if tp is not None else {}
     allowed: dict[str, list[int]] = {}
+    batch_split = _batch_parallel_ops(space, data_axes)
     for node in space.nodes:
         if node.kind == "op":
+            if node.name in batch_split:
+                allowed[node.name] = batch_split[node.name]
             continue
         wanted = _wanted_layout(node, ndim, tp, param_layout)
         match = [i for i, s in enumerate(node.strategies) if s.outputs[0] == wanted]
@@ -95,6 +102,41 @@ def recipe_spec(space: StrategySpace, recipe: str) -> RecipeSpec:
     else:
         zero = ZeroConfig()
     return RecipeSpec(name=recipe, allowed=allowed, forbid=forbid, zero=zero, notes=notes)
+
+
+def _batch_parallel_ops(space: StrategySpace, data_axes: tuple[int, ...]) -> dict[str, list[int]]:
+    """Op node -> strategies that keep it split on every data-parallel axis, for the non-scalar
+    ops computed from the user inputs (Shard or Partial there, never Replicate). A node without
+    such a strategy (e.g. a dimension too small to split) keeps all of its strategies."""
+    if not data_axes:
+        return {}
+    gm = space.captured.gm
+    from_inputs = {
+        n.name
+        for n in gm.graph.nodes
+        if n.op == "placeholder" and n.name in space.index and space.node(n.name).kind == "input"
+    }
+    restricted: dict[str, list[int]] = {}
+    for fx_node in gm.graph.nodes:
+        if fx_node.op != "call_function":
+            continue
+        if not any(inp.name in from_inputs for inp in input_nodes(fx_node)):
+            continue
+        from_inputs.add(fx_node.name)
+        index = space.index.get(fx_node.name)
+        val = fx_node.meta.get("val")
+        if index is None or not isinstance(val, torch.Tensor) or val.dim() == 0:
+            continue
+        node = space.nodes[index]
+        keep = [
+            i
+            for i, s in enumerate(node.strategies)
+            if s.outputs and s.outputs[0] is not None
+            and all(not s.outputs[0][a].is_replicate() for a in data_axes)
+        ]
+        if keep:
+            restricted[fx_node.name] = keep
+    return restricted
 
 
 def _used_in_place(have: Placements, need: Placements | None) -> bool:

@@ -40,3 +40,33 @@ def test_auto_plan_is_never_slower_than_a_recipe_that_fits(name, mesh, batch, se
             f"auto {plan.predicted_step_s} slower than {recipe} {figures['step_s']}"
         )
     assert plan.predicted_peak_memory_bytes <= plan.data["memory_budget_bytes"]
+
+
+@pytest.mark.parametrize("recipe", ["ddp", "fsdp", "megatron"])
+def test_data_parallel_recipes_never_gather_the_batch(recipe):
+    """Under ddp/fsdp (every axis) and megatron (the non-tp axes) every non-scalar activation
+    computed from the inputs stays split on the data-parallel axes: no rank recomputes the
+    samples of another (on this tiny GPT, replicating the whole batch on every rank is cheaper
+    under the cost model, which is not what the recipe means)."""
+    from tests.models import tiny_gpt
+
+    model, args, kwargs = tiny_gpt()
+    captured = autopar.capture(model, args, kwargs)
+    mesh = autopar.Mesh.parse("2x2", device="cpu")
+    plan = plan_captured(captured, mesh, PlanOptions(recipe=recipe), model_name="tiny_gpt")
+    data_axes = [0, 1] if recipe != "megatron" else [0]
+    from_inputs = {n.name for n in captured.gm.graph.nodes if n.name in captured.input_nodes}
+    checked = 0
+    for node in captured.gm.graph.nodes:
+        if node.op != "call_function" or not any(i.name in from_inputs for i in node.all_input_nodes):
+            continue
+        from_inputs.add(node.name)
+        val = node.meta.get("val")
+        strategy = plan.choices().get(node.name)
+        if strategy is None or not hasattr(val, "dim") or val.dim() == 0:
+            continue
+        checked += 1
+        assert all(not strategy.outputs[0][a].is_replicate() for a in data_axes), (
+            f"{recipe}: {node.name} is replicated on a data-parallel axis"
+        )
+    assert checked > 20
