@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import operator
@@ -16,10 +17,18 @@ import torch.nn as nn
 import solver
 from autopar.baselines import BASELINE_RECIPES, RecipeSpec, recipe_spec
 from autopar.capture import Captured, capture
+from autopar.checkpointing import (
+    Candidate,
+    ChosenSegment,
+    candidate_segments,
+    chosen_segments,
+    solver_segments,
+    with_segments,
+)
 from autopar.coarsen import repeated_blocks
 from autopar.errors import PlanningError
 from autopar.mesh import Mesh
-from autopar.options import PlanOptions, format_bytes, parse_bytes
+from autopar.options import PlanOptions, format_bytes, format_seconds, parse_bytes
 from autopar.plan import PLAN_VERSION, Plan, strategy_entry
 from autopar.problem import (
     Evaluation,
@@ -44,6 +53,8 @@ class Solved:
     choice: tuple[int, ...]
     evaluation: Evaluation
     solution: solver.Solution
+    segments: tuple[ChosenSegment, ...] = ()
+    """Checkpoint segments recomputed (evaluation already includes them)."""
 
 
 def plan(
@@ -85,10 +96,13 @@ def _solve(
     budget: float | None,
     spec: RecipeSpec | None = None,
     tied: Sequence[tuple[tuple[int, ...], ...]] = (),
+    candidates: tuple[Candidate, ...] = (),
 ) -> Solved:
     """Solve one configuration. ``tied`` lists tie-class sets from the most to the least
     tied (``_tie_levels``); when identical layers forced alike do not fit the budget, the
-    next, looser level is tried, and finally every layer chooses on its own."""
+    next, looser level is tried, and finally every layer chooses on its own. ``candidates``
+    (autopar.checkpointing) are checkpoint segments the ILP may recompute (all of them under
+    ``checkpoint='all'``); without a budget only forced ones are."""
     built = build_problem(
         space,
         zero,
@@ -97,9 +111,15 @@ def _solve(
         memory_budget_bytes=budget,
         tied=tied[0] if tied else (),
     )
+    forced = options.checkpoint == "all"
+    problem = built.problem
+    if candidates and (budget is not None or forced):
+        problem = dataclasses.replace(
+            problem, segments=solver_segments(candidates, built.allowed, forced=forced)
+        )
     try:
         solution = solver.solve(
-            built.problem,
+            problem,
             backend=options.solver,
             time_limit_s=options.time_limit_s,
             gap=options.gap,
@@ -107,10 +127,39 @@ def _solve(
     except solver.InfeasibleBudgetError:
         if not tied:
             raise
-        return _solve(space, zero, options, name=name, budget=budget, spec=spec, tied=tied[1:])
+        return _solve(
+            space,
+            zero,
+            options,
+            name=name,
+            budget=budget,
+            spec=spec,
+            tied=tied[1:],
+            candidates=candidates,
+        )
+    if problem.segments and solution.status != "optimal" and not forced:
+        # Stopped by the time limit: the joint ILP is bigger than the sharding one, which
+        # may find a better plan without recompute in the same time.
+        try:
+            plain = solver.solve(
+                built.problem,
+                backend=options.solver,
+                time_limit_s=options.time_limit_s,
+                gap=options.gap,
+            )
+        except (solver.InfeasibleBudgetError, solver.SolverTimeoutError):
+            plain = None
+        if plain is not None and plain.objective_s < solution.objective_s:
+            solution = dataclasses.replace(plain, recomputed=(0,) * len(problem.segments))
     choice = tuple(built.allowed[i][c] for i, c in enumerate(solution.choices))
+    chosen = chosen_segments(candidates, solution.recomputed, choice) if problem.segments else ()
     return Solved(
-        name=name, zero=zero, choice=choice, evaluation=evaluate(space, choice, zero), solution=solution
+        name=name,
+        zero=zero,
+        choice=choice,
+        evaluation=with_segments(evaluate(space, choice, zero), chosen),
+        solution=solution,
+        segments=chosen,
     )
 
 
@@ -120,20 +169,36 @@ def _tie_levels(space: StrategySpace) -> list[tuple[tuple[int, ...], ...]]:
     return [level for k, level in enumerate(levels) if level and level not in levels[:k]]
 
 
-def zero_candidates(num_axes: int, mesh_shape: Sequence[int]) -> list[ZeroConfig]:
-    """ZeRO configurations the auto plan weighs when stage 0 does not fit.
+def zero_configurations(mesh_shape: Sequence[int]) -> list[tuple[ZeroConfig, ZeroConfig | None]]:
+    """Every ZeRO configuration the runtime can run, with the one that dominates it (or None).
 
-    Under the cost model stages 1 and 2 cost the same time as stage 0 (reduce-scatter +
-    all-gather = all-reduce) and stage 2 on every axis uses the least memory of them, so it
-    dominates stages 0-2 on any axis subset; stage 3 trades an extra all-gather for memory, and
-    each subset of axes is a different trade-off (``fsdp+tp`` shards over all but ``tp``).
+    The runtime applies ONE stage to a chosen subset of the data-parallel axes (a mesh axis
+    outside the subset is stage 0), so the space is stage 0 plus every stage 1-3 times every
+    non-empty subset of the axes of size > 1. Under the cost model stages 1 and 2 cost the same
+    time as stage 0 (reduce-scatter + all-gather = all-reduce) and stage 2 on every axis keeps
+    the fewest bytes of them, so it dominates stage 1 on any subset and stage 2 on a smaller one
+    (same step time for every layout, never more memory: its ILP's optimum is at least as good
+    under any budget). Stage 3 trades an all-gather per subset axis for memory, so each subset
+    is a different trade-off and none is pruned. Stage 0 is kept (it is the budget-free lower
+    bound, and wins ties).
     """
-    axes = [a for a in range(num_axes) if mesh_shape[a] > 1]
-    candidates = [ZeroConfig(stage=2, axes=tuple(axes))] if axes else []
-    for r in range(1, len(axes) + 1):
-        for subset in itertools.combinations(axes, r):
-            candidates.append(ZeroConfig(stage=3, axes=subset))
-    return candidates
+    axes = tuple(a for a in range(len(mesh_shape)) if mesh_shape[a] > 1)
+    out: list[tuple[ZeroConfig, ZeroConfig | None]] = [(ZeroConfig(), None)]
+    if not axes:
+        return out
+    top = ZeroConfig(stage=2, axes=axes)
+    for stage in (1, 2, 3):
+        for r in range(1, len(axes) + 1):
+            for subset in itertools.combinations(axes, r):
+                zero = ZeroConfig(stage=stage, axes=subset)
+                out.append((zero, top if stage < 3 and zero != top else None))
+    return out
+
+
+def zero_candidates(num_axes: int, mesh_shape: Sequence[int]) -> list[ZeroConfig]:
+    """ZeRO configurations the auto plan solves when stage 0 does not fit: the undominated ones
+    of :func:`zero_configurations` (stage 2 on every axis, stage 3 on each subset)."""
+    return [z for z, by in zero_configurations(mesh_shape[:num_axes]) if by is None and z.stage]
 
 
 def _auto(
@@ -141,6 +206,7 @@ def _auto(
     options: PlanOptions,
     budget: float,
     tied: Sequence[tuple[tuple[int, ...], ...]] = (),
+    candidates: tuple[Candidate, ...] = (),
 ) -> tuple[Solved, list[dict]]:
     mesh = space.mesh
     all_axes = tuple(a for a in range(mesh.ndim) if mesh.shape[a] > 1)
@@ -148,14 +214,18 @@ def _auto(
     if options.zero_stage is not None:
         zero = ZeroConfig(stage=options.zero_stage, axes=all_axes if options.zero_stage else ())
         try:
-            solved = _solve(space, zero, options, name="auto", budget=budget, tied=tied)
+            solved = _solve(
+                space, zero, options, name="auto", budget=budget, tied=tied, candidates=candidates
+            )
         except solver.InfeasibleBudgetError as e:
             raise _budget_error(budget, e.min_budget_bytes, f"ZeRO stage {options.zero_stage}") from None
         log.append(_log_entry(solved))
         return solved, log
     # Stage 0 without a budget is a lower bound on every configuration's step time (ZeRO only
     # adds communication); if it fits, it is the answer.
-    free = _solve(space, ZeroConfig(), options, name="auto", budget=None, tied=tied)
+    free = _solve(
+        space, ZeroConfig(), options, name="auto", budget=None, tied=tied, candidates=candidates
+    )
     log.append(_log_entry(free, budget_free=True))
     if free.evaluation.peak_memory_bytes <= budget:
         return free, log
@@ -163,10 +233,19 @@ def _auto(
     min_needed = math.inf
     for zero in zero_candidates(mesh.ndim, mesh.shape):
         try:
-            solved = _solve(space, zero, options, name="auto", budget=budget, tied=tied)
+            solved = _solve(
+                space, zero, options, name="auto", budget=budget, tied=tied, candidates=candidates
+            )
         except solver.InfeasibleBudgetError as e:
             min_needed = min(min_needed, e.min_budget_bytes)
-            log.append({"zero_stage": zero.stage, "zero_axes": list(zero.axes), "status": "infeasible"})
+            log.append(
+                {
+                    "zero_stage": zero.stage,
+                    "zero_axes": list(zero.axes),
+                    "status": "infeasible",
+                    "min_budget_bytes": float(e.min_budget_bytes),
+                }
+            )
             continue
         log.append(_log_entry(solved))
         if best is None or solved.evaluation.step_s < best.evaluation.step_s * (1 - 1e-9):
@@ -174,6 +253,96 @@ def _auto(
     if best is None:
         raise _budget_error(budget, min_needed, "any ZeRO stage")
     return best, log
+
+
+def _zero_considered(
+    space: StrategySpace, chosen: Solved, log: list[dict], budget: float
+) -> tuple[list[dict[str, Any]], str]:
+    """Every ZeRO configuration of the mesh with its figures and verdict, and why the chosen one
+    won (the plan JSON's ``zero.considered`` / ``zero.reason``, shown by ``plan.summary()``).
+
+    A configuration the planner solved shows its own optimum; one it did not solve (pruned by
+    dominance, or not needed because an earlier one fitted) shows the chosen layouts priced
+    under it, marked ``"layouts": "chosen"``."""
+    mesh = space.mesh
+    names = mesh.axis_names
+    recipe = space.options.recipe
+    solved_by_key = {(entry["zero_stage"], tuple(entry["zero_axes"])): entry for entry in log}
+    all_axes = tuple(a for a in range(mesh.ndim) if mesh.shape[a] > 1)
+    chosen_key = (chosen.zero.stage, tuple(chosen.zero.axes))
+    stage0_fits = any(
+        e.get("budget_free") and e.get("peak_memory_bytes", math.inf) <= budget for e in log
+    )
+
+    def label(zero: ZeroConfig) -> str:
+        return f"stage {zero.stage}" + (f" on {','.join(names[a] for a in zero.axes)}" if zero.axes else "")
+
+    considered: list[dict[str, Any]] = []
+    for zero, dominated_by in zero_configurations(mesh.shape):
+        key = (zero.stage, tuple(zero.axes))
+        entry = solved_by_key.get(key)
+        row: dict[str, Any] = {"stage": zero.stage, "axes": [names[a] for a in zero.axes]}
+        if entry is not None and entry.get("status") != "infeasible":
+            row.update(
+                layouts="own",
+                step_s=entry["step_s"],
+                peak_memory_bytes=entry["peak_memory_bytes"],
+                memory=entry.get("memory"),
+            )
+        else:
+            ev = with_segments(evaluate(space, chosen.choice, zero), chosen.segments)
+            row.update(
+                layouts="chosen",
+                step_s=ev.step_s,
+                peak_memory_bytes=ev.peak_memory_bytes,
+                memory=ev.memory,
+            )
+        if key == chosen_key:
+            verdict = "chosen"
+        elif recipe != "auto" or space.options.zero_stage is not None:
+            verdict = "not solved: the configuration is fixed"
+        elif entry is not None and entry.get("status") == "infeasible":
+            verdict = (
+                f"no layout fits the budget (needs {format_bytes(entry['min_budget_bytes'])})"
+                if "min_budget_bytes" in entry
+                else "no layout fits the budget"
+            )
+        elif dominated_by is not None:
+            verdict = f"pruned: {label(dominated_by)} is as fast with no more memory"
+        elif stage0_fits:
+            verdict = "not solved: stage 0 fits, and ZeRO never makes a step faster"
+        elif zero.stage == 0 and all_axes:
+            verdict = (
+                f"its fastest layouts are over the budget; under the budget "
+                f"{label(ZeroConfig(stage=2, axes=all_axes))} is as fast with no more memory"
+            )
+        elif entry is not None and entry["peak_memory_bytes"] > budget:
+            verdict = "over the budget"
+        elif entry is not None:
+            verdict = f"slower ({format_seconds(entry['step_s'])} vs {format_seconds(chosen.evaluation.step_s)})"
+        else:
+            verdict = "not solved"
+        row["verdict"] = verdict
+        considered.append(row)
+
+    if recipe != "auto":
+        reason = f"recipe {recipe!r} fixes {label(chosen.zero)}"
+    elif space.options.zero_stage is not None:
+        reason = f"zero_stage={space.options.zero_stage} was asked for"
+    elif chosen.zero.stage == 0:
+        reason = (
+            f"stage 0 fits the budget ({format_bytes(chosen.evaluation.peak_memory_bytes)} of "
+            f"{format_bytes(budget)}) and ZeRO never makes a step faster under the cost model"
+        )
+    else:
+        free = next((e for e in log if e.get("budget_free")), None)
+        need = f" (stage 0 needs {format_bytes(free['peak_memory_bytes'])})" if free else ""
+        reason = (
+            f"stage 0 does not fit the budget of {format_bytes(budget)}{need}; {label(chosen.zero)} "
+            f"has the fastest step ({format_seconds(chosen.evaluation.step_s)}, peak "
+            f"{format_bytes(chosen.evaluation.peak_memory_bytes)}) of the configurations that fit"
+        )
+    return considered, reason
 
 
 def _solve_line(name: str, solved: Solved, seconds: float) -> str:
@@ -200,6 +369,7 @@ def _log_entry(solved: Solved, *, budget_free: bool = False) -> dict:
         "status": solved.solution.status,
         "step_s": solved.evaluation.step_s,
         "peak_memory_bytes": solved.evaluation.peak_memory_bytes,
+        "memory": solved.evaluation.memory,
         "budget_free": budget_free,
     }
 
@@ -223,6 +393,7 @@ def plan_captured(
     start = time.perf_counter()
     space = build_space(captured, mesh, options)
     tied = _tie_levels(space)
+    candidates = candidate_segments(space, options.checkpoint)
     strategies_s = time.perf_counter() - start
     report(
         f"strategies: {len(space.nodes)} nodes, {len(space.edges)} edges, "
@@ -241,18 +412,41 @@ def plan_captured(
         notes.extend(spec.notes)
         recipe_start = time.perf_counter()
         baselines[recipe] = _solve(
-            space, spec.zero, options, name=recipe, budget=None, spec=spec, tied=tied
+            space,
+            spec.zero,
+            options,
+            name=recipe,
+            budget=None,
+            spec=spec,
+            tied=tied,
+            candidates=candidates,
         )
         report(_solve_line(recipe, baselines[recipe], time.perf_counter() - recipe_start))
     if options.recipe == "auto":
         auto_start = time.perf_counter()
-        chosen, log = _auto(space, options, budget, tied)
+        chosen, log = _auto(space, options, budget, tied, candidates)
         report(
             _solve_line("auto", chosen, time.perf_counter() - auto_start)
             + f", {len(log)} configuration(s) tried"
         )
     else:
         chosen = baselines[options.recipe]
+        if chosen.evaluation.peak_memory_bytes > budget and candidates and options.checkpoint == "auto":
+            # The recipe's layouts do not fit: let the ILP recompute segments within them.
+            spec = recipe_spec(space, options.recipe)
+            try:
+                chosen = _solve(
+                    space,
+                    spec.zero,
+                    options,
+                    name=options.recipe,
+                    budget=budget,
+                    spec=spec,
+                    tied=tied,
+                    candidates=candidates,
+                )
+            except solver.InfeasibleBudgetError:
+                pass  # the error below names the recipe's own peak
         log = [_log_entry(chosen)]
         if chosen.evaluation.peak_memory_bytes > budget:
             raise PlanningError(
@@ -285,6 +479,7 @@ def _figures(ev: Evaluation) -> dict[str, Any]:
             "activation_grad_comm_s": ev.activation_grad_comm_s,
             "zero_comm_s": ev.zero_comm_s,
             "output_comm_s": ev.output_comm_s,
+            "recompute_s": ev.recompute_s,
         },
         "peak_memory_bytes": ev.peak_memory_bytes,
         "memory": ev.memory,
@@ -353,12 +548,13 @@ def _plan_document(
             inputs.append({"name": node.name, "placements": entry["outputs"][0]})
         nodes.append(entry)
     sol = chosen.solution
+    considered, reason = _zero_considered(space, chosen, log, budget)
     chunk_bytes = padding_waste = None
     if zero.stage > 0 and zero_numels:
-        from autopar.runtime.zero import choose_chunk_bytes
+        from autopar.runtime.zero import MIN_CHUNKS, choose_chunk_bytes
 
         shards = math.prod(mesh.shape[a] for a in zero.axes)
-        chunk_bytes, padding_waste = choose_chunk_bytes(zero_numels, shards)
+        chunk_bytes, padding_waste = choose_chunk_bytes(zero_numels, shards, min_chunks=MIN_CHUNKS)
     return {
         "version": PLAN_VERSION,
         "autopar_version": AUTOPAR_VERSION,
@@ -381,8 +577,13 @@ def _plan_document(
             "chunk_bytes": chunk_bytes,
             "padding_waste": padding_waste,
             "per_stage": _per_stage(space, chosen),
+            "considered": considered,
+            "reason": reason,
         },
-        "checkpoint": {"mode": space.options.checkpoint, "segments": []},
+        "checkpoint": {
+            "mode": space.options.checkpoint,
+            "segments": [c.to_dict() for c in chosen.segments],
+        },
         "predicted": _figures(chosen.evaluation),
         "baselines": {
             name: {
@@ -415,7 +616,10 @@ def _per_stage(space: StrategySpace, chosen: Solved) -> dict[str, Any]:
     axes = chosen.zero.axes or tuple(a for a in range(space.mesh.ndim) if space.mesh.shape[a] > 1)
     out = {}
     for stage in range(4):
-        ev = evaluate(space, chosen.choice, ZeroConfig(stage=stage, axes=axes if stage else ()))
+        ev = with_segments(
+            evaluate(space, chosen.choice, ZeroConfig(stage=stage, axes=axes if stage else ())),
+            chosen.segments,
+        )
         out[str(stage)] = {"step_s": ev.step_s, "peak_memory_bytes": ev.peak_memory_bytes, "memory": ev.memory}
     return out
 

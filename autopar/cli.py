@@ -74,6 +74,21 @@ def cmd_plan(args: argparse.Namespace) -> int:
         captured = capture(model, example_args, example_kwargs)
     capture_s = time.perf_counter() - start
     console.log(f"capture: {len(captured.gm.graph.nodes)} nodes, {capture_s:.2f} s")
+    if getattr(args, "sweep_budget", None):
+        from autopar.checkpointing import budget_sweep
+        from autopar.report import plot_budget_sweep, sweep_table
+
+        if args.sweep_budget < 2:
+            raise ValueError("--sweep-budget needs at least 2 points")
+        with console.status("planning under each budget"):
+            points = budget_sweep(
+                captured, mesh, options, model_name=args.model, num_points=args.sweep_budget
+            )
+        title = f"{args.model} on {mesh.describe()}: step time vs memory budget (checkpoint={args.checkpoint})"
+        print(sweep_table(points, title=title))
+        plot_budget_sweep(points, args.sweep_plot, title=title)
+        print(f"plot written to {args.sweep_plot}")
+        return 0
     key = plan_cache.cache_key(captured.graph_hash, mesh, options, AUTOPAR_VERSION, args.model)
     plan = None if args.no_cache else plan_cache.load(key, captured.graph_hash)
     if plan is not None:
@@ -163,6 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="plan a model on a mesh offline and print the summary")
     _add_plan_options(p)
     p.add_argument("--out", default=None, help="write the plan JSON here")
+    p.add_argument("--sweep-budget", type=int, nargs="?", const=6, default=None, metavar="POINTS",
+                   help="instead of one plan: plan under POINTS budgets (default 6) from the smallest "
+                   "that fits to the budget-free peak; print step time vs budget and plot it")
+    p.add_argument("--sweep-plot", default="budget_sweep.png", help="PNG written by --sweep-budget")
     p.set_defaults(func=cmd_plan)
     s = sub.add_parser("show", help="print a saved plan's summary, or explain nodes")
     s.add_argument("plan", help="plan JSON file")

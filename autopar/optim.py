@@ -21,6 +21,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+# The sharded (DTensor per state tensor, for torch.distributed.checkpoint) optimizer state dict
+# lives with the model's sharded state dict; re-exported here next to the full form.
+from autopar.runtime.state import load_sharded_optim_state_dict, sharded_optim_state_dict
+
 __all__ = [
     "LAMB",
     "LARS",
@@ -28,6 +32,8 @@ __all__ = [
     "full_optim_state_dict",
     "full_sq_norms",
     "load_full_optim_state_dict",
+    "load_sharded_optim_state_dict",
+    "sharded_optim_state_dict",
 ]
 
 SplitGroups = Callable[[Tensor], Sequence[Any]]

@@ -20,6 +20,7 @@ raises on the waiting ranks naming this rank, the op, the mesh axis and the grou
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -35,6 +36,7 @@ from autopar.api import plan_captured
 from autopar.capture import Captured, capture
 from autopar.errors import PlanMismatchError, PlanningError, UnsupportedModelError
 from autopar.lowering import LoweredGraph, lower
+from autopar.lowering.recompute import checkpoint_lowered
 from autopar.mesh import Mesh, set_groups_timeout
 from autopar.options import PlanOptions
 from autopar.placement import Placements, parse_placements, replicated
@@ -42,6 +44,7 @@ from autopar.plan import Plan
 from autopar.problem import ZeroConfig, build_problem, build_space
 from autopar.runtime.module import ParallelModule
 from autopar.runtime.process_groups import AxisGroups, axis_groups
+from autopar.runtime.state import StateSource
 from autopar.strategies import Strategy
 
 __all__ = ["autoparallelize", "choices_with_layouts"]
@@ -57,6 +60,7 @@ def autoparallelize(
     timeout_s: float | None = None,
     model_name: str | None = None,
     price_baselines: bool = True,
+    state_dict: Any = None,
     **options: Any,
 ) -> ParallelModule:
     """Plan, lower and shard ``model`` on a live mesh; call on every rank with the same model.
@@ -74,6 +78,12 @@ def autoparallelize(
         model_name: the name the plan records (default: the model's class name).
         price_baselines: also price the standard recipes for ``plan.baselines`` (one ILP each
             on rank 0); False plans faster.
+        state_dict: the weights of a model built on the meta device (``with
+            torch.device("meta"): model = ...``): a full state dict, the path of a
+            ``.safetensors`` file (read lazily, only this rank's slices), or a list of those
+            (the first holding a name wins, e.g. ``[path, {"rope_cos": ...}]`` for
+            non-persistent buffers the file lacks), or a :class:`autopar.runtime.state.StateSource`.
+            Each rank materializes only its shards. None: take the weights from ``model``.
         options: fields of :class:`autopar.options.PlanOptions` (``recipe``, ``memory_budget``,
             ``output_placements``, ...), for planning and lowering.
 
@@ -122,10 +132,17 @@ def autoparallelize(
 
     _agree(check)
 
+    if state_dict is not None:
+        # A model built on meta: the tensors its graph creates (arange, ...) must live where
+        # its shards are materialized.
+        _retarget_factories(captured.gm, _runtime_device())
     output_placements = _output_placements(captured, mesh, chosen, opts)
     lowered = lower(
         captured, chosen.choices(), mesh.shape, groups.key, output_placements=output_placements
     )
+    if model.training:
+        # The plan's recomputed segments (the eval graph, lowered on demand, has none).
+        lowered = checkpoint_lowered(lowered, chosen.checkpoint_segments())
     plan_mesh = Mesh.from_dict(chosen.data["mesh"])
     plan_options = PlanOptions.from_kwargs(chosen.data["options"])
     zero = chosen.data["zero"]
@@ -137,17 +154,31 @@ def autoparallelize(
         zero_axes=[plan_mesh.axis_index(axis) for axis in zero["axes"]] or None,
         chunk_bytes=zero.get("chunk_bytes"),
         mixed_precision=plan_options.mixed_precision,
+        state_source=(
+            state_dict
+            if state_dict is None or isinstance(state_dict, StateSource)
+            else StateSource(state_dict)
+        ),
+        device=_runtime_device(),
     )
-    pmodel.plan = chosen
+    # Keep nothing that pins the original model's tensors: the plan without its live strategy
+    # space (whose capture references every original parameter), and a meta-device skeleton of
+    # the model to capture the other train/eval mode from.
+    pmodel.plan = chosen if chosen.space is None else Plan(data=chosen.data)
+    try:
+        skeleton = _meta_skeleton(model)
+    except Exception:  # an attribute deepcopy refuses (a lock, a handle): keep the model itself
+        skeleton = model
 
     def lower_mode(training: bool) -> LoweredGraph:
-        was_training = model.training
-        model.train(training)
+        was_training = skeleton.training
+        skeleton.train(training)
         try:
-            other = capture(model, args, kwargs)
+            other = capture(skeleton, args, kwargs)
         finally:
-            model.train(was_training)
+            skeleton.train(was_training)
         _erase_inactive_dropout(other.gm)
+        _retarget_factories(other.gm, _runtime_device())
         hashes = [other.graph_hash]
         dist.broadcast_object_list(hashes, src=0)
         _agree(lambda: _same_hash(other.graph_hash, hashes[0]))
@@ -159,6 +190,39 @@ def autoparallelize(
 
     pmodel.attach_mode_lowering(lower_mode)
     return pmodel
+
+
+def _meta_skeleton(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers are meta tensors (same shapes, same
+    tying): enough to capture the graph again, holding none of the model's memory."""
+    memo: dict[int, Any] = {}
+    for tensor in (*model.parameters(), *model.buffers()):
+        if id(tensor) in memo:
+            continue
+        meta = torch.empty_like(tensor, device="meta")
+        if isinstance(tensor, nn.Parameter):
+            meta = nn.Parameter(meta, requires_grad=tensor.requires_grad)
+        memo[id(tensor)] = meta
+    return copy.deepcopy(model, memo)
+
+
+def _runtime_device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _retarget_factories(gm: fx.GraphModule, device: torch.device) -> None:
+    """Point ``device=meta`` arguments (factory ops such as ``arange`` in a capture of the meta
+    skeleton) at the device the graph runs on."""
+    meta = torch.device("meta")
+    changed = False
+    for node in gm.graph.nodes:
+        if node.kwargs.get("device") == meta:
+            node.update_kwarg("device", device)
+            changed = True
+    if changed:
+        gm.recompile()
 
 
 def check_plan(plan: Plan, captured: Captured, mesh: Mesh) -> None:

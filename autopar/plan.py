@@ -17,6 +17,7 @@ from typing import Any
 
 import jsonschema
 
+from autopar.checkpointing import CheckpointSegment
 from autopar.errors import PlanMismatchError
 from autopar.options import format_bytes, format_seconds
 from autopar.placement import format_placements, parse_placements
@@ -82,6 +83,19 @@ class Plan:
     @property
     def baselines(self) -> dict[str, Any]:
         return self.data["baselines"]
+
+    def checkpoint_segments(self) -> tuple[CheckpointSegment, ...]:
+        """Segments to recompute in backward (JSON ``checkpoint.segments``), in plan order;
+        empty when nothing is recomputed. They never overlap."""
+        return tuple(
+            CheckpointSegment(
+                module_path=seg["module_path"],
+                nodes=tuple(seg["nodes"]),
+                keep=tuple(seg["keep"]),
+                policy=seg["policy"],
+            )
+            for seg in self.data.get("checkpoint", {}).get("segments", [])
+        )
 
     def param_placements(self) -> dict[str, str]:
         return {fqn: p["placement"] for fqn, p in self.data["params"].items()}
@@ -204,6 +218,19 @@ class Plan:
             f"{format_bytes(d['memory_budget_bytes'])}; ZeRO stage {zero['stage']}"
             + (f" on {', '.join(zero['axes'])}" if zero["axes"] else "")
         )
+        segments = d["checkpoint"]["segments"]
+        console.print(
+            f"checkpointing ({d['checkpoint'].get('mode', 'auto')}): {len(segments)} segment(s) "
+            f"recomputed"
+            + (
+                f" ({', '.join(seg['module_path'] + ('' if seg['policy'] == 'full' else ' [selective]') for seg in segments[:6])}"
+                f"{', ...' if len(segments) > 6 else ''}), "
+                f"{format_bytes(sum(seg['saved_bytes'] for seg in segments))} of activations saved, "
+                f"+{format_seconds(sum(seg['recompute_s'] for seg in segments))} recompute per step"
+                if segments
+                else ""
+            )
+        )
         s = d["solver"]
         console.print(
             f"solver {s['backend']}: {s['status']}, gap {s['gap']:.2%}, {s['num_variables']:,} "
@@ -244,6 +271,28 @@ class Plan:
                 format_bytes(fig["peak_memory_bytes"]),
             )
         console.print(mem)
+        considered = zero.get("considered")
+        if considered:
+            keys = list(pred["memory"])
+            cfg = Table(
+                title="ZeRO configurations considered (layouts: own = solved for it, chosen = "
+                "this plan's priced under it)",
+                title_justify="left",
+            )
+            for col in ("configuration", "layouts", "step", *keys, "peak", "verdict"):
+                cfg.add_column(col, justify="left" if col in ("configuration", "verdict") else "right")
+            for row in considered:
+                memory = row.get("memory") or {}
+                cfg.add_row(
+                    f"stage {row['stage']}" + (f" on {','.join(row['axes'])}" if row["axes"] else ""),
+                    row["layouts"],
+                    format_seconds(row["step_s"]),
+                    *(format_bytes(memory[k]) if k in memory else "-" for k in keys),
+                    format_bytes(row["peak_memory_bytes"]),
+                    row["verdict"],
+                )
+            console.print(cfg)
+            console.print(f"ZeRO choice: {zero['reason']}")
 
         blocks: dict[str, dict[str, Any]] = defaultdict(
             lambda: {"params": [], "acts": defaultdict(int), "seconds": 0.0, "memory": 0.0, "nodes": 0}

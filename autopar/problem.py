@@ -41,6 +41,7 @@ from autopar.mesh import Mesh
 from autopar.options import PlanOptions
 from autopar.placement import REPLICATE, Placements, Shard, divides, local_shape
 from autopar.resharding import reshard_steps
+from autopar.saved_activations import SavedRule, saved_rules
 from autopar.strategies import Strategy, input_nodes, strategies_for
 from autopar.strategies.registry import TensorMeta, op_call, tensor_meta
 from cost_models import LinkSpec, collective_time_s, compute_time_s, training_state_bytes
@@ -86,6 +87,8 @@ class NodeSpace:
     warning: str | None = None
     alias_of: str | None = None
     """For a tied parameter lifted twice: the placeholder that owns its state."""
+    forward_s: np.ndarray | None = None
+    """Ops: the forward part of ``compute_s`` (what recomputing the node costs again)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -265,6 +268,8 @@ def build_space(captured: Captured, mesh: Mesh, options: PlanOptions) -> Strateg
     act_itemsize = 2 if options.mixed_precision else None
     pricer = _CommPricer(mesh, act_itemsize)
     needs_grad = _needs_grad(gm, captured.param_nodes)
+    # What each node adds to the activations kept for backward (depends on its consumers).
+    saved = saved_rules(gm.graph, needs_grad)
     nodes: list[NodeSpace] = []
     index: dict[str, int] = {}
     warnings: list[str] = []
@@ -289,11 +294,13 @@ def build_space(captured: Captured, mesh: Mesh, options: PlanOptions) -> Strateg
         else:
             # Repeated layers repeat (op, shapes, arguments): strategies and costs are priced
             # once per signature and shared (the arrays are never written in place).
-            key = _op_signature(node, needs_grad)
+            key = (*_op_signature(node, needs_grad), saved.get(node.name))
             template = op_cache.get(key)
             if template is None:
                 strategies, warning = strategies_for(node, mesh_shape)
-                space = _op_space(node, strategies, mesh, options, pricer, needs_grad)
+                space = _op_space(
+                    node, strategies, mesh, options, pricer, needs_grad, saved.get(node.name)
+                )
                 if warning is None:
                     op_cache[key] = dataclasses.replace(space)
             else:
@@ -376,7 +383,9 @@ def _placeholder_space(node, kind, meta, strategies, mesh_shape, pricer) -> Node
     )
 
 
-def _op_space(node, strategies, mesh, options, pricer, needs_grad) -> NodeSpace:
+def _op_space(
+    node, strategies, mesh, options, pricer, needs_grad, saved_rule: SavedRule | None = None
+) -> NodeSpace:
     mesh_shape = mesh.shape
     work = node_costs(node)
     call = op_call(node)
@@ -390,6 +399,7 @@ def _op_space(node, strategies, mesh, options, pricer, needs_grad) -> NodeSpace:
     param_grad_comm = _zeros(n)
     activation = _zeros(n)
     transient = _zeros(n)
+    forward = _zeros(n)
     is_view = work.family in VIEW_FAMILIES
     # Under mixed precision activations are half precision whatever the captured dtype.
     precision_scale = pricer.itemsize(TensorMeta((), dtype)) / dtype.itemsize
@@ -408,6 +418,7 @@ def _op_space(node, strategies, mesh, options, pricer, needs_grad) -> NodeSpace:
                 dtype=dtype_name,
                 family=work.family,
             )
+            forward[i] = compute[i]
             if grad:
                 compute[i] += compute_time_s(
                     flops=work.bwd_flops / factor,
@@ -416,7 +427,17 @@ def _op_space(node, strategies, mesh, options, pricer, needs_grad) -> NodeSpace:
                     dtype=dtype_name,
                     family=work.family,
                 )
-                activation[i] = out_bytes * precision_scale
+                if saved_rule is not None:
+                    # autopar.saved_activations: the output when some backward saves it, plus
+                    # internals (layer_norm statistics, sdpa logsumexp, log_softmax, masks).
+                    first_in = (
+                        _local_bytes(call.inputs[0], strategy.inputs[0], mesh_shape)
+                        if call.inputs and strategy.inputs and strategy.inputs[0] is not None
+                        else 0.0
+                    )
+                    activation[i] = (
+                        saved_rule.output * out_bytes + saved_rule.first_input * first_in
+                    ) * precision_scale
             transient[i] = out_bytes * (2 if grad else 1)
         # Partial gradients of Replicate inputs are all-reduced (gradient convention).
         for inp, meta, placements, grad_placements in zip(
@@ -444,6 +465,7 @@ def _op_space(node, strategies, mesh, options, pricer, needs_grad) -> NodeSpace:
         activation_bytes=activation,
         transient_bytes=transient,
         fixed_bytes=_zeros(n),
+        forward_s=forward,
     )
 
 
@@ -686,6 +708,8 @@ class Evaluation:
     memory: dict[str, float]
     node_s: tuple[float, ...]
     """Per node: its own seconds plus its incoming edges' resharding seconds."""
+    recompute_s: float = 0.0
+    """Forward seconds spent again in recomputed checkpoint segments (autopar.checkpointing)."""
 
 
 def evaluate(space: StrategySpace, choice: Sequence[int], zero: ZeroConfig) -> Evaluation:

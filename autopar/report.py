@@ -323,3 +323,41 @@ def plot_step_bars(rows: Sequence[Mapping[str, Any]], path: str, *, title: str =
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def sweep_table(points: Sequence[Any], *, title: str = "step time vs memory budget") -> str:
+    """A budget sweep (autopar.checkpointing.budget_sweep) as a table."""
+    body = [
+        [
+            format_bytes(p.budget_bytes),
+            format_seconds(p.step_s) if p.step_s is not None else "does not fit",
+            format_bytes(p.peak_memory_bytes) if p.peak_memory_bytes is not None else "-",
+            format_seconds(p.recompute_s),
+            str(p.num_segments),
+            "-" if p.zero_stage is None else str(p.zero_stage),
+        ]
+        for p in points
+    ]
+    header = ["budget", "step", "peak memory", "recompute", "segments", "ZeRO stage"]
+    return table(header, body, title=title)
+
+
+def plot_budget_sweep(points: Sequence[Any], path: str, *, title: str = "") -> None:
+    """Predicted step time (and its recompute part) against the memory budget."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fits = [p for p in points if p.step_s is not None]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    xs = [p.budget_bytes / 2**20 for p in fits]
+    ax.plot(xs, [p.step_s * 1e3 for p in fits], marker="o", label="predicted step")
+    ax.plot(xs, [p.recompute_s * 1e3 for p in fits], marker="x", label="of which recompute")
+    ax.set_xlabel("memory budget per device (MiB)")
+    ax.set_ylabel("ms per step")
+    ax.set_title(title or "step time vs memory budget", fontsize=8)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -9,14 +9,17 @@ One row per (model, mesh): wall seconds for capture, strategies (enumeration and
 solve (every ILP the plan needs: four recipes and the auto plan's configurations), the total
 wall and CPU seconds (wall time is inflated on a shared, loaded machine; CPU time is not),
 the number of ILP variables of the auto plan as Alpa's formulation states it (one x per node
-strategy, one e per allowed pair of every edge) and as solved (after presolve, edge
-compression, elimination and tying), and the predicted step time against the best recipe.
+strategy, one e per allowed pair of every edge) and as solved (after presolve, dominance
+pruning, edge compression, elimination and tying), the predicted step time against the best
+recipe, and the process's peak resident memory so far (ru_maxrss: the largest of the runs
+before it in the same process too).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -27,6 +30,7 @@ from rich.table import Table  # noqa: E402
 
 from autopar.api import plan_captured  # noqa: E402
 from autopar.capture import capture  # noqa: E402
+from autopar.errors import PlanningError  # noqa: E402
 from autopar.mesh import Mesh  # noqa: E402
 from autopar.options import PlanOptions  # noqa: E402
 from autopar.presets import build_preset  # noqa: E402
@@ -48,6 +52,7 @@ COLUMNS = (
     "auto step",
     "best recipe",
     "auto / best",
+    "peak RSS GiB",
 )
 
 
@@ -74,8 +79,23 @@ def run(model_name: str, meshes: list[str], args, table: Table, console: Console
     for mesh_text in meshes:
         cpu1 = time.process_time()
         mesh = Mesh.parse(mesh_text, device=args.device)
-        options = PlanOptions(time_limit_s=args.time_limit, gap=args.gap)
-        plan = plan_captured(captured, mesh, options, model_name=model_name, capture_s=capture_s)
+        options = PlanOptions(
+            time_limit_s=args.time_limit, gap=args.gap, checkpoint=args.checkpoint
+        )
+        try:
+            plan = plan_captured(
+                captured,
+                mesh,
+                options,
+                model_name=model_name,
+                capture_s=capture_s,
+                price_baselines=not args.no_baselines,
+            )
+        except PlanningError as e:
+            console.print(f"{model_name} on {mesh_text}: no plan: {e}", highlight=False)
+            table.add_row(model_name, mesh_text, *["-"] * (len(COLUMNS) - 3), "no plan fits")
+            continue
+        peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
         cpu_s = capture_cpu + time.process_time() - cpu1
         t = plan.data["timings"]
         fitting = {k: v for k, v in plan.baselines.items() if v["fits"]}
@@ -94,12 +114,14 @@ def run(model_name: str, meshes: list[str], args, table: Table, console: Console
             f"{plan.predicted_step_s * 1e3:.2f} ms",
             f"{best[0]} {best[1]['step_s'] * 1e3:.2f} ms" if best else "none fits",
             f"{plan.predicted_step_s / best[1]['step_s']:.3f}" if best else "-",
+            f"{peak_gib:.2f}",
         )
         console.print(
             f"done: {model_name} on {mesh_text}: {sum(t.values()):.2f} s wall, {cpu_s:.2f} s cpu "
             f"(capture {t['capture_s']:.2f}, strategies {t['strategies_s']:.2f}, solve "
             f"{t['solve_s']:.2f}); variables {full_variables(plan):,} -> "
-            f"{plan.data['solver']['num_variables']:,}; auto {plan.predicted_step_s * 1e3:.2f} ms",
+            f"{plan.data['solver']['num_variables']:,}; auto {plan.predicted_step_s * 1e3:.2f} ms; "
+            f"peak RSS {peak_gib:.2f} GiB",
             highlight=False,
         )
 
@@ -119,10 +141,22 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--time-limit", type=float, default=None)
     parser.add_argument("--gap", type=float, default=0.0)
+    parser.add_argument(
+        "--checkpoint",
+        default="auto",
+        choices=["auto", "none", "all"],
+        help="activation checkpointing mode of the plans (segments add rows to budgeted ILPs)",
+    )
+    parser.add_argument(
+        "--no-baselines", action="store_true", help="solve the auto plan only, not the recipes"
+    )
     args = parser.parse_args()
 
     console = Console(width=200)
-    table = Table(title=f"planning time ({args.device}, global batch {args.batch}, seq {args.seq})")
+    table = Table(
+        title=f"planning time ({args.device}, global batch {args.batch}, seq {args.seq}, "
+        f"checkpoint {args.checkpoint})"
+    )
     for col in COLUMNS:
         table.add_column(col, justify="left" if col in ("model", "mesh") else "right")
     if args.depth:

@@ -20,7 +20,9 @@ turn on the same 4 ranks (mesh of 4, pure data or pure tensor parallelism):
 
 Step time: per step, every rank waits at a barrier, then times forward + backward + optimizer
 step; a step's time is the slowest rank's; the figure is the median over the timed steps after
-warm-up. Memory: peak resident set size during the steps (Linux VmHWM, reset through
+warm-up. Before the first variant every rank runs one step of a tiny GPT under DDP, FSDP2 and
+autopar, so one-time costs (imports of torch.export and DTensor, gloo and allocator set-up) land
+on no variant. Memory: peak resident set size during the steps (Linux VmHWM, reset through
 /proc/self/clear_refs after the variant's setup) minus the resident size at the variant's
 start, the largest over ranks (setup's own peak, which includes planning on rank 0, is a
 separate column); glibc is
@@ -227,6 +229,32 @@ def _local(param: Any) -> Any:
     return param.to_local() if hasattr(param, "to_local") else param
 
 
+def warm_up(mesh: Any) -> None:
+    """One step of a tiny GPT under torch DDP, FSDP2 and autopar (capture, plan, ZeRO-3), so
+    that one-time costs (module imports: torch.export, DTensor; the autograd engine; gloo
+    buffers; allocator arenas) are paid before any variant's memory is measured; collective."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    import autopar
+
+    tiny = argparse.Namespace(vocab=64, seq=8, layers=1, heads=4, n_embd=32, batch=WORLD_SIZE)
+    batch = batch_for(0, tiny)
+    DistributedDataParallel(build_model(tiny))(*batch).backward()
+    sharded = build_model(tiny)
+    fully_shard(sharded, mesh=init_device_mesh("cpu", (WORLD_SIZE,)))
+    sharded(*batch).backward()
+    pmodel = autopar.autoparallelize(
+        build_model(tiny), mesh, batch, recipe="fsdp", price_baselines=False
+    )
+    pmodel(*pmodel.shard_inputs(*batch)).backward()
+    torch.optim.AdamW(pmodel.parameters()).step()
+    del pmodel, sharded
+    gc.collect()
+
+
 def reference_losses(args: argparse.Namespace) -> list[float]:
     import torch
 
@@ -253,6 +281,7 @@ def run_rank(rank: int, port: int, args: argparse.Namespace, results: Any) -> No
         mesh = autopar.Mesh.from_world((WORLD_SIZE,))
         want = reference_losses(args)
         batches = [batch_for(i, args) for i in range(args.warmup + args.steps)]
+        warm_up(mesh)
         rows = {}
         for name in args.variants:
             gc.collect()

@@ -11,12 +11,14 @@ import math
 
 from solver.errors import InfeasibleBudgetError, InfeasibleError
 from solver.problem import Problem
+from solver.recompute import counts_allowed, recompute_terms
 
 MAX_COMBINATIONS = 200_000
 
 
 def brute_force(problem: Problem) -> tuple[tuple[int, ...], float]:
-    """The cheapest allowed plan within the budget, by trying every combination.
+    """The cheapest allowed plan within the budget, by trying every combination (with
+    checkpoint segments: of strategies and of copies recomputed, see brute_force_recompute).
 
     Returns:
         (choices, objective_s): the lexicographically first optimal plan (in index order; tie
@@ -28,7 +30,29 @@ def brute_force(problem: Problem) -> tuple[tuple[int, ...], float]:
         InfeasibleBudgetError: no allowed plan fits; min_budget_bytes is the smallest peak.
         InfeasibleError: the edges forbid every combination.
     """
-    num_combinations = math.prod(node.num_choices for node in problem.nodes)
+    choices, objective, _ = brute_force_recompute(problem)
+    return choices, objective
+
+
+def brute_force_recompute(problem: Problem) -> tuple[tuple[int, ...], float, tuple[int, ...]]:
+    """brute_force, also returning the copies recomputed per Problem.segments entry.
+
+    Every vector of recomputed copies within [min_copies, copies] that respects the overlap
+    cliques (solver/recompute.py) is tried with every combination of strategies; a plan's time
+    adds r_k T_k(x) and its peak subtracts r_k A_k(x) and adds the largest A_k(x) recomputed.
+    Without a budget and forced copies nothing is recomputed (it only costs time).
+    """
+    segments = problem.segments
+    if segments and problem.memory_budget_bytes is None and not any(
+        s.min_copies for s in segments
+    ):
+        segments = ()
+    vectors = [
+        v
+        for v in itertools.product(*(range(s.min_copies, s.copies + 1) for s in segments))
+        if counts_allowed(segments, v)
+    ]
+    num_combinations = math.prod(node.num_choices for node in problem.nodes) * len(vectors)
     if num_combinations > MAX_COMBINATIONS:
         raise ValueError(
             f"{num_combinations} combinations is too many for brute force (at most "
@@ -36,6 +60,7 @@ def brute_force(problem: Problem) -> tuple[tuple[int, ...], float]:
         )
     budget = problem.memory_budget_bytes
     best: tuple[int, ...] | None = None
+    best_vector: tuple[int, ...] = ()
     best_objective = math.inf
     min_peak = math.inf
     for choices in itertools.product(*(range(node.num_choices) for node in problem.nodes)):
@@ -60,12 +85,17 @@ def brute_force(problem: Problem) -> tuple[tuple[int, ...], float]:
                     max([0.0, *transients]),
                 ]
             )
-            min_peak = min(min_peak, peak)
-            if budget is not None and peak > budget:
-                continue
-            objective = math.fsum(terms)
-            if objective < best_objective:
-                best, best_objective = choices, objective
+            for vector in vectors:
+                extra_s, freed, again = (
+                    recompute_terms(problem, choices, vector) if segments else (0.0, 0.0, 0.0)
+                )
+                vector_peak = math.fsum([peak, -freed, again])
+                min_peak = min(min_peak, vector_peak)
+                if budget is not None and vector_peak > budget:
+                    continue
+                objective = math.fsum([*terms, extra_s])
+                if objective < best_objective:
+                    best, best_objective, best_vector = choices, objective, vector
     if best is None:
         if min_peak == math.inf:
             raise InfeasibleError(
@@ -73,4 +103,4 @@ def brute_force(problem: Problem) -> tuple[tuple[int, ...], float]:
             )
         assert budget is not None
         raise InfeasibleBudgetError(min_budget_bytes=min_peak, budget_bytes=budget)
-    return best, best_objective
+    return best, best_objective, best_vector if segments else (0,) * len(problem.segments)

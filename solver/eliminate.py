@@ -48,6 +48,50 @@ def _matrix(edge: Edge) -> np.ndarray:
     )
 
 
+_CHUNK_ELEMENTS = 1 << 22
+"""Entries of the (s, t, r) min-plus tensor formed at once (32 MiB of float64)."""
+
+
+class _Memo:
+    """Series eliminations by content: identical layers present identical (E_uv, c_v, E_vw)
+    one layer after another, so the min-plus product is formed once per layer position (the
+    inputs are compared in full on a hit, so a hash collision cannot change the result)."""
+
+    def __init__(self) -> None:
+        self._done: dict[tuple, list] = {}
+
+    @staticmethod
+    def _key(*arrays: np.ndarray) -> tuple:
+        return tuple((a.shape, hash(a.tobytes())) for a in arrays)
+
+    def series(
+        self, uv: np.ndarray, cv: np.ndarray, vw: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        uv, vw = np.ascontiguousarray(uv), np.ascontiguousarray(vw)
+        key = self._key(uv, cv, vw)
+        for inputs, result in self._done.get(key, ()):
+            if all(np.array_equal(a, b) for a, b in zip(inputs, (uv, cv, vw), strict=True)):
+                return result
+        result = _series(uv, cv, vw)
+        self._done.setdefault(key, []).append(((uv, cv.copy(), vw), result))
+        return result
+
+
+def _series(uv: np.ndarray, cv: np.ndarray, vw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """best[s, r] = min_t uv[s, t] + cv[t] + vw[t, r] and its argmin t, in row blocks."""
+    rows, mid = uv.shape
+    cols = vw.shape[1]
+    best = np.empty((rows, cols))
+    arg = np.empty((rows, cols), dtype=np.intp)
+    step = max(1, _CHUNK_ELEMENTS // max(1, mid * cols))
+    for lo in range(0, rows, step):
+        total = (uv[lo : lo + step] + cv[None, :])[:, :, None] + vw[None, :, :]
+        a = np.argmin(total, axis=1)
+        arg[lo : lo + step] = a
+        best[lo : lo + step] = np.take_along_axis(total, a[:, None, :], axis=1)[:, 0, :]
+    return best, arg
+
+
 def eliminate(problem: Problem) -> Eliminated:
     """Eliminate leaf and series nodes of a budget-free problem (see the module docstring)."""
     assert problem.memory_budget_bytes is None
@@ -84,6 +128,7 @@ def eliminate(problem: Problem) -> Eliminated:
             matrix = converted[id(edge.cost_s)] = _matrix(edge)
         add_edge(edge.src, edge.dst, matrix)
     alive = [True] * num
+    memo = _Memo()
     steps: list[tuple[int, int, int, np.ndarray]] = []
     constant = 0.0
     queue = list(range(num))
@@ -111,9 +156,7 @@ def eliminate(problem: Problem) -> Eliminated:
             queue.append(u)
         else:
             u, w = near
-            total = oriented(u, v)[:, :, None] + cost[v][None, :, None] + oriented(v, w)[None, :, :]
-            arg = np.argmin(total, axis=1)
-            best = np.take_along_axis(total, arg[:, None, :], axis=1)[:, 0, :]
+            best, arg = memo.series(oriented(u, v), cost[v], oriented(v, w))
             drop(u, v)
             drop(v, w)
             add_edge(u, w, best)
@@ -154,13 +197,19 @@ def eliminate(problem: Problem) -> Eliminated:
                 cost_s=tuple(tuple(c if math.isfinite(c) else None for c in row) for row in sub),
             )
         )
-    # A tie class survives when every member is kept with the same strategies (members of
-    # identical layers are eliminated alike, so this is the usual case).
-    tied = tuple(
-        tuple(position[i] for i in members)
-        for members in problem.tied
-        if all(alive[i] for i in members) and len({strategies[position[i]] for i in members}) == 1
-    )
+    # A tie class keeps its members that survive with the strategies most of them have
+    # (members of identical layers are eliminated alike; an end layer may differ).
+    tied_list = []
+    for members in problem.tied:
+        by_strategies: dict[tuple[int, ...], list[int]] = {}
+        for i in members:
+            if alive[i]:
+                by_strategies.setdefault(strategies[position[i]], []).append(position[i])
+        if by_strategies:
+            largest = max(by_strategies.values(), key=len)
+            if len(largest) > 1:
+                tied_list.append(tuple(largest))
+    tied = tuple(tied_list)
     reduced = Problem(
         nodes=tuple(new_nodes),
         edges=tuple(new_edges),

@@ -19,6 +19,10 @@ Constraints (family: the function that builds it)
     edge-dst    sum_g e[k,g,h] = sum_{t in h} x[v_k,t]    every k, group h    _add_edge_links
     transient   T >= sum_s r_i[s] x[i,s]                  every i with r_i    _add_memory
     memory      M0 + sum_i sum_s m_i[s] x[i,s] + T <= B   if B is not None    _add_memory
+    checkpoint  per segment bit: F <= A(x), F <= M b, P >= F, R >= T(x) - M (1 - b);
+                memory -= 2^j F, += P; objective += 2^j R;
+                one row per clique of overlapping segments               _add_segments
+                (Problem.segments; the model in solver/recompute.py)
 
 Groups (exact edge compression, presolve._group_pairs): the src strategies of edge k are
 partitioned into groups g of identical rows of C_k (same costs, same forbidden pairs), the dst
@@ -48,6 +52,12 @@ are eliminated by min-plus dynamic programming (solver/eliminate.py: parameters,
 chains); tie classes (Problem.tied, repeated layers) are contracted into one node each
 (solver/tying.py), and elimination runs again on the contracted graph. The choices are
 expanded back and objective_s and peak_memory_bytes recomputed on the original problem.
+With a budget (HiGHS, no checkpoint segments) tie classes are solved as counts per strategy
+instead (tying.solve_counts, _solve_counts): layers may differ, the model's size does not
+depend on depth, and its bound is a lower bound on the untied optimum; a mixed plan is
+realised by a small ILP over each member's class strategies. Presolve also removes dominated
+strategies (presolve._prune_dominated). With HiGHS the model is handed over in bulk
+(solver/highs_direct.py) unless the problem has checkpoint segments (then pulp builds it).
 
 Determinism: the model is built in a fixed order from the Problem alone and both solvers are
 deterministic for a fixed model (single search, fixed seeds), so a Problem always gets the same
@@ -67,10 +77,12 @@ import os
 import re
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import pulp
 
+from solver import highs_direct
 from solver.eliminate import Eliminated, back_substitute, eliminate
 from solver.errors import InfeasibleBudgetError, InfeasibleError, SolverTimeoutError
 from solver.presolve import (
@@ -80,8 +92,14 @@ from solver.presolve import (
     reduce_problem,
     validate,
 )
-from solver.problem import Problem, Solution
-from solver.tying import contract, expand
+from solver.problem import Problem, SegmentEdge, Solution
+from solver.recompute import (
+    conflict_cliques,
+    contract_segments,
+    expand_recomputed,
+    validate_segments,
+)
+from solver.tying import ACCEPT_GAP, contract, expand, restrict, solve_counts
 
 BACKENDS = ("highs", "cbc")
 
@@ -111,6 +129,8 @@ class _Model:
     """Only for nodes with two or more allowed strategies."""
     objective_scale: float
     num_variables: int
+    segment_bits: tuple[tuple[tuple[pulp.LpVariable, int], ...], ...] = ()
+    """Per Problem.segments entry: (bit, weight) pairs whose sum is the copies recomputed."""
 
 
 def _add_one_hot(
@@ -165,11 +185,14 @@ def _add_memory(
     red: Reduced,
     x: dict[tuple[int, int], pulp.LpVariable],
     budget: float | None,
+    extra: Sequence[tuple[pulp.LpVariable, float]] = (),
 ) -> pulp.LpAffineExpression:
-    """Transient rows and (with a budget) the memory row; returns the scaled peak expression."""
+    """Transient rows and (with a budget) the memory row; returns the scaled peak expression.
+    ``extra`` adds (variable, bytes per unit) terms to the peak (checkpoint segments)."""
     nodes = problem.nodes
     scale = _power_of_two_scale(
         [problem.memory_offset_bytes, budget or 0.0]
+        + [c for _, c in extra]
         + [b for n in nodes for b in n.memory_bytes]
         + [b for n in nodes for b in n.transient_bytes]
     )
@@ -205,12 +228,203 @@ def _add_memory(
                     0.0,
                 )
             )
-    peak = pulp.LpAffineExpression([*resident, (transient, 1.0)])
+    peak = pulp.LpAffineExpression([*resident, (transient, 1.0), *((v, c / scale) for v, c in extra)])
     if budget is not None:
         lp.addConstraint(
             pulp.LpConstraint(peak, pulp.LpConstraintLE, "memory", (budget - fixed_bytes) / scale)
         )
     return peak
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _SegmentRows:
+    memory: list[tuple[pulp.LpVariable, float]]
+    """(variable, bytes per unit) terms of the peak."""
+    time: list[tuple[pulp.LpVariable, float]]
+    """(variable, seconds per unit) terms of the objective."""
+    bits: tuple[tuple[tuple[pulp.LpVariable, int], ...], ...]
+    num_variables: int
+
+
+def _choice_expr(
+    red: Reduced, x: dict[tuple[int, int], pulp.LpVariable], i: int, values, scale: float
+) -> pulp.LpAffineExpression:
+    """sum_s values[s] x[i,s] / scale; a constant when presolve left node i one strategy."""
+    allowed = red.allowed[i]
+    if len(allowed) == 1:
+        return pulp.LpAffineExpression(constant=values[allowed[0]] / scale)
+    return pulp.LpAffineExpression([(x[i, s], values[s] / scale) for s in allowed if values[s]])
+
+
+def _segment_edge_expr(
+    lp: pulp.LpProblem,
+    red: Reduced,
+    x: dict[tuple[int, int], pulp.LpVariable],
+    edge: SegmentEdge,
+    scale: float,
+    name: str,
+    pair_vars: dict[tuple[int, int, int], pulp.LpVariable],
+    pair_index: dict[tuple[int, int], int],
+) -> tuple[pulp.LpAffineExpression, int]:
+    """Forward seconds of a segment edge: linear where one end is fixed; else through the
+    model's pair variables e[k,g,h] where the forward cost is constant on each block; else
+    one variable z: with X_g (X_h) the indicator of
+    the src (dst) strategies of row group g (column group h) of identical costs c[g][h],
+
+        z >= sum_g c[g][h] X_g - M_h (1 - X_h)   for every h,  M_h = max_g c[g][h]
+
+    is exactly z >= c[g*][h*] at the chosen pair (the other rows are <= 0), and z is pushed
+    down by the recompute row it feeds. One variable per edge, one row per column group."""
+    if edge.src == edge.dst:
+        diagonal = [edge.cost_s[s][s] for s in range(len(edge.cost_s))]
+        return _choice_expr(red, x, edge.src, diagonal, scale), 0
+    src_allowed, dst_allowed = red.allowed[edge.src], red.allowed[edge.dst]
+    if len(src_allowed) == 1 or len(dst_allowed) == 1:  # linear in the other end
+        if len(src_allowed) == 1:
+            row = [edge.cost_s[src_allowed[0]][t] for t in range(len(edge.cost_s[0]))]
+            return _choice_expr(red, x, edge.dst, row, scale), 0
+        column = [edge.cost_s[s][dst_allowed[0]] for s in range(len(edge.cost_s))]
+        return _choice_expr(red, x, edge.src, column, scale), 0
+    k = pair_index.get((min(edge.src, edge.dst), max(edge.src, edge.dst)))
+    if k is not None:  # the model's pair variables, where the forward cost is constant per block
+        pair = red.edges[k]
+        flip = pair.src != edge.src
+        terms = []
+        for (g, h), _ in sorted(pair.group_cost_s.items()):
+            values = {
+                edge.cost_s[t][s] if flip else edge.cost_s[s][t]
+                for s in pair.src_groups[g]
+                for t in pair.dst_groups[h]
+                if (s, t) in pair.cost_s
+            }
+            if len(values) != 1:
+                break
+            if (value := values.pop()) > 0.0:
+                terms.append((pair_vars[k, g, h], value / scale))
+        else:
+            return pulp.LpAffineExpression(terms), 0
+    rows_of: dict[tuple, list[int]] = {}
+    cols_of: dict[tuple, list[int]] = {}
+    for s in src_allowed:
+        rows_of.setdefault(tuple(edge.cost_s[s][t] for t in dst_allowed), []).append(s)
+    for t in dst_allowed:
+        cols_of.setdefault(tuple(edge.cost_s[s][t] for s in src_allowed), []).append(t)
+
+    def indicator(i: int, group: list[int], weight: float) -> list[tuple[pulp.LpVariable, float]]:
+        return [] if len(red.allowed[i]) == 1 else [(x[i, s], weight) for s in group]
+
+    z = pulp.LpVariable(f"{name}_z", lowBound=0.0)
+    for h, dst_group in enumerate(cols_of.values()):
+        costs = [(g, edge.cost_s[g[0]][dst_group[0]] / scale) for g in rows_of.values()]
+        big = max(c for _, c in costs)
+        if big <= 0.0:
+            continue
+        terms = [(z, 1.0)]
+        constant = 0.0
+        for group, c in costs:
+            if c:
+                if len(red.allowed[edge.src]) == 1:
+                    constant += c  # src fixed: its only group is chosen
+                else:
+                    terms += indicator(edge.src, group, -c)
+        if len(red.allowed[edge.dst]) == 1:
+            rhs = constant  # dst fixed: X_h = 1
+        else:
+            terms += indicator(edge.dst, dst_group, -big)
+            rhs = constant - big
+        lp.addConstraint(
+            pulp.LpConstraint(pulp.LpAffineExpression(terms), pulp.LpConstraintGE, f"{name}_{h}", rhs)
+        )
+    return pulp.LpAffineExpression([(z, 1.0)]), 1
+
+
+def _add_segments(
+    lp: pulp.LpProblem,
+    problem: Problem,
+    red: Reduced,
+    x: dict[tuple[int, int], pulp.LpVariable],
+    pair_vars: dict[tuple[int, int, int], pulp.LpVariable] | None,
+) -> _SegmentRows:
+    """Checkpoint rows (solver/recompute.py). For segment k with L copies, bits b_j (j <
+    bit_length(L)) give the copies recomputed r = sum 2^j b_j <= L, and per bit, exactly
+    without pair variables (A_k, T_k linear in x; P the peak term):
+
+        f_j <= A_k(x),  f_j <= M_A b_j,  P >= f_j        memory  -= 2^j f_j, += P
+        t_j >= T_k(x) - M_T (1 - b_j),  t_j >= 0         time    += 2^j t_j
+
+    Each clique C of overlapping segments: sum_{k in C} r_k lcm/L_k <= lcm (all L_k).
+    Without ``pair_vars`` (the minimum-peak model) the time rows are left out."""
+    segments = problem.segments
+    mem_scale = _power_of_two_scale([b for seg in segments for row in seg.freed_bytes for b in row])
+    time_scale = _power_of_two_scale(
+        [t for seg in segments for row in seg.recompute_s for t in row]
+        + [c for seg in segments for e in seg.edges for row in e.cost_s for c in row]
+    )
+    peak = pulp.LpVariable("ckpt_peak", lowBound=0.0)
+    memory: list[tuple[pulp.LpVariable, float]] = [(peak, mem_scale)]
+    time_terms: list[tuple[pulp.LpVariable, float]] = []
+    all_bits = []
+    num_variables = 1
+    pair_index = {(e.src, e.dst): k for k, e in enumerate(red.edges)}
+    for k, seg in enumerate(segments):
+        freed = pulp.lpSum(
+            _choice_expr(red, x, n, row, mem_scale) for n, row in zip(seg.nodes, seg.freed_bytes)
+        )
+        again = pulp.lpSum(
+            _choice_expr(red, x, n, row, time_scale) for n, row in zip(seg.nodes, seg.recompute_s)
+        )
+        for e, edge in enumerate(seg.edges):
+            if pair_vars is None:  # the minimum-peak model prices no time
+                break
+            expr, num = _segment_edge_expr(
+                lp, red, x, edge, time_scale, f"ckpt_{k}_e{e}", pair_vars, pair_index
+            )
+            again += expr
+            num_variables += num
+        big_freed = math.fsum(max(row) for row in seg.freed_bytes) / mem_scale
+        big_time = (
+            math.fsum(max(row) for row in seg.recompute_s)
+            + math.fsum(max(max(row) for row in e.cost_s) for e in seg.edges)
+        ) / time_scale
+        bits = []
+        for j in range(seg.copies.bit_length()):
+            b = pulp.LpVariable(f"ckpt_b_{k}_{j}", cat=pulp.LpBinary)
+            f = pulp.LpVariable(f"ckpt_f_{k}_{j}", lowBound=0.0)
+            num_variables += 2
+            lp.addConstraint(f - freed <= 0.0, f"ckpt_freed_{k}_{j}")
+            lp.addConstraint(f - big_freed * b <= 0.0, f"ckpt_on_{k}_{j}")
+            lp.addConstraint(peak - f >= 0.0, f"ckpt_peak_{k}_{j}")
+            memory.append((f, -(2**j) * mem_scale))
+            bits.append((b, 2**j))
+            if pair_vars is not None:
+                t = pulp.LpVariable(f"ckpt_t_{k}_{j}", lowBound=0.0)
+                num_variables += 1
+                lp.addConstraint(t - again - big_time * b >= -big_time, f"ckpt_time_{k}_{j}")
+                time_terms.append((t, 2**j * time_scale))
+        count = pulp.LpAffineExpression([(b, float(w)) for b, w in bits])
+        if seg.copies < 2 ** len(bits) - 1:
+            lp.addConstraint(count <= seg.copies, f"ckpt_copies_{k}")
+        if seg.min_copies:
+            lp.addConstraint(count >= seg.min_copies, f"ckpt_min_{k}")
+        all_bits.append(tuple(bits))
+    for c, clique in enumerate(conflict_cliques(segments)):
+        lcm = math.lcm(*(segments[k].copies for k in clique))
+        lp.addConstraint(
+            pulp.LpAffineExpression(
+                [(b, float(w * (lcm // segments[k].copies))) for k in clique for b, w in all_bits[k]]
+            )
+            <= lcm,
+            f"ckpt_overlap_{c}",
+        )
+    return _SegmentRows(
+        memory=memory, time=time_terms, bits=tuple(all_bits), num_variables=num_variables
+    )
+
+
+def _decode_recomputed(model: _Model) -> tuple[int, ...]:
+    return tuple(
+        sum(w for b, w in bits if (b.varValue or 0.0) > 0.5) for bits in model.segment_bits
+    )
 
 
 def _build(problem: Problem, red: Reduced, *, minimise_peak: bool) -> _Model:
@@ -227,12 +441,25 @@ def _build(problem: Problem, red: Reduced, *, minimise_peak: bool) -> _Model:
         pair_vars = _add_edge_links(
             lp, red, x, [k for k, e in enumerate(red.edges) if not e.all_pairs_allowed]
         )
-        lp.setObjective(_add_memory(lp, problem, red, x, None))
-        return _Model(lp=lp, x=x, objective_scale=1.0, num_variables=len(x) + len(pair_vars) + 1)
+        seg = _add_segments(lp, problem, red, x, None) if problem.segments else None
+        seg_memory = seg.memory if seg else []
+        seg_bits = seg.bits if seg else ()
+        seg_variables = seg.num_variables if seg else 0
+        lp.setObjective(_add_memory(lp, problem, red, x, None, seg_memory))
+        return _Model(
+            lp=lp,
+            x=x,
+            objective_scale=1.0,
+            num_variables=len(x) + len(pair_vars) + 1 + seg_variables,
+            segment_bits=seg_bits,
+        )
     pair_vars = _add_edge_links(lp, red, x, list(range(len(red.edges))))
-    num_variables = len(x) + len(pair_vars)
+    seg = _add_segments(lp, problem, red, x, pair_vars) if problem.segments else None
+    seg_memory = seg.memory if seg else []
+    seg_bits = seg.bits if seg else ()
+    num_variables = len(x) + len(pair_vars) + (seg.num_variables if seg else 0)
     if problem.memory_budget_bytes is not None:
-        _add_memory(lp, problem, red, x, problem.memory_budget_bytes)
+        _add_memory(lp, problem, red, x, problem.memory_budget_bytes, seg_memory)
         num_variables += 1
     terms = [
         (x[i, s], c)
@@ -241,9 +468,13 @@ def _build(problem: Problem, red: Reduced, *, minimise_peak: bool) -> _Model:
         for s, c in costs.items()
     ]
     terms += [(var, red.edges[k].group_cost_s[g, h]) for (k, g, h), var in pair_vars.items()]
+    if seg:
+        terms += seg.time
     scale = _power_of_two_scale([c for _, c in terms])
     lp.setObjective(pulp.LpAffineExpression([(v, c / scale) for v, c in terms if c]))
-    return _Model(lp=lp, x=x, objective_scale=scale, num_variables=num_variables)
+    return _Model(
+        lp=lp, x=x, objective_scale=scale, num_variables=num_variables, segment_bits=seg_bits
+    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -318,7 +549,7 @@ def _decode(red: Reduced, model: _Model) -> tuple[int, ...]:
 
 
 def _polish(
-    problem: Problem, red: Reduced, choices: tuple[int, ...]
+    problem: Problem, red: Reduced, choices: tuple[int, ...], recomputed: tuple[int, ...] = ()
 ) -> tuple[tuple[int, ...], int]:
     """Single-node moves: to a strictly cheaper strategy, or to a lower index at equal cost.
 
@@ -326,8 +557,14 @@ def _polish(
     summed with math.fsum, whose correctly rounded result has the sign of the exact change, so
     no move raises the exact objective. This removes what the solver's tolerances leave behind
     (costs below ~1e-9 of the largest one) and breaks ties the same way on every run. Returns
-    the choices and the number of moves.
+    the choices and the number of moves. Nodes of recomputed segments (and their edges'
+    ends) stay put: their choice also sets the freed bytes and recompute seconds.
     """
+    frozen: set[int] = set()
+    for seg, count in zip(problem.segments, recomputed):
+        if count:
+            frozen.update(seg.nodes)
+            frozen.update(n for e in seg.edges for n in (e.src, e.dst))
     incident: list[list[int]] = [[] for _ in problem.nodes]
     for k, edge in enumerate(problem.edges):
         incident[edge.src].append(k)
@@ -339,6 +576,8 @@ def _polish(
     for _ in range(_MAX_POLISH_PASSES):
         moved = False
         for i, node in enumerate(problem.nodes):
+            if i in frozen:
+                continue
             old = current[i]
             best, best_change = old, 0.0
             for s in red.allowed[i]:
@@ -366,7 +605,7 @@ def _polish(
                             or node.transient_bytes[s] <= node.transient_bytes[old]
                         )
                     )
-                    or plan_peak_memory_bytes(problem, tuple(current)) <= budget
+                    or plan_peak_memory_bytes(problem, tuple(current), recomputed) <= budget
                 ):
                     best, best_change = s, total
             current[i] = best
@@ -414,7 +653,20 @@ def solve(
         raise ValueError(f"gap must be >= 0, got {gap}")
     if time_limit_s is not None and time_limit_s <= 0.0:
         raise ValueError(f"time_limit_s must be positive or None, got {time_limit_s}")
-    if problem.memory_budget_bytes is None and problem.edges:
+    if problem.segments:
+        validate_segments(problem)
+        if problem.memory_budget_bytes is None and not any(
+            seg.min_copies for seg in problem.segments
+        ):  # recomputing only costs time: without a budget nothing is recomputed
+            inner = solve(
+                dataclasses.replace(problem, segments=()),
+                backend=backend,
+                time_limit_s=time_limit_s,
+                gap=gap,
+                msg=msg,
+            )
+            return dataclasses.replace(inner, recomputed=(0,) * len(problem.segments))
+    if problem.memory_budget_bytes is None and problem.edges and not problem.segments:
         validate(problem)
         start = time.perf_counter()
         elim = eliminate(problem)
@@ -430,6 +682,10 @@ def solve(
             )
     if problem.tied:
         validate(problem)
+        if problem.memory_budget_bytes is not None and backend == "highs":
+            counted = _solve_counts(problem, time_limit_s=time_limit_s, gap=gap, msg=msg)
+            if counted is not None:
+                return counted
         return _solve_tied(problem, backend=backend, time_limit_s=time_limit_s, gap=gap, msg=msg)
     return _solve_model(problem, backend=backend, time_limit_s=time_limit_s, gap=gap, msg=msg)
 
@@ -442,9 +698,23 @@ def _solve_model(
     start = time.perf_counter()
     validate(problem)
     red = reduce_problem(problem)
-    model = _build(problem, red, minimise_peak=False)
+    # HiGHS gets the model in bulk (solver/highs_direct.py) unless fields it lacks are used.
+    direct = backend == "highs" and highs_direct.supports(problem)
+    if direct:
+        model = highs_direct.build(problem, red, minimise_peak=False)
+    else:
+        model = _build(problem, red, minimise_peak=False)
     built = time.perf_counter()
-    outcome = _run(model, backend=backend, time_limit_s=time_limit_s, gap=gap, msg=msg)
+    if direct:
+        outcome = highs_direct.run(
+            model,
+            time_limit_s=time_limit_s,
+            gap=gap,
+            abs_gap=_ABS_GAP if gap == 0.0 else None,
+            msg=msg,
+        )
+    else:
+        outcome = _run(model, backend=backend, time_limit_s=time_limit_s, gap=gap, msg=msg)
     if outcome.status == "timeout":
         raise SolverTimeoutError(
             f"{backend} found no plan within {time_limit_s} s ({len(problem.nodes)} nodes); raise "
@@ -452,9 +722,11 @@ def _solve_model(
         )
     if outcome.status == "infeasible":
         _raise_infeasible(problem, red, backend=backend, time_limit_s=time_limit_s, msg=msg)
-    choices, moves = _polish(problem, red, _decode(red, model))
+    recomputed = () if direct else _decode_recomputed(model)
+    decoded = highs_direct.decode(red, model, outcome.values) if direct else _decode(red, model)
+    choices, moves = _polish(problem, red, decoded, recomputed)
     solved = time.perf_counter()
-    objective = plan_objective_s(problem, choices)
+    objective = plan_objective_s(problem, choices, recomputed)
     bound = objective
     if outcome.bound is not None:
         bound = min(
@@ -476,12 +748,13 @@ def _solve_model(
         gap=0.0 if relative_gap < _ZERO_GAP else relative_gap,
         status=outcome.status,
         backend=backend,
-        peak_memory_bytes=plan_peak_memory_bytes(problem, choices),
+        peak_memory_bytes=plan_peak_memory_bytes(problem, choices, recomputed),
         num_variables=model.num_variables,
-        num_constraints=len(model.lp.constraints),
+        num_constraints=model.num_constraints if direct else len(model.lp.constraints),
         build_s=built - start,
         solve_s=solved - built,
         details=details,
+        recomputed=recomputed,
     )
 
 
@@ -530,17 +803,85 @@ def _solve_eliminated(
     )
 
 
+def _solve_counts(
+    problem: Problem, *, time_limit_s: float | None, gap: float, msg: bool
+) -> Solution | None:
+    """Tie classes under a budget as counts per strategy (solver/tying.py solve_counts): the
+    members of a class may choose differently. A mixed plan further than tying.ACCEPT_GAP
+    from the counts bound is compared with the classes forced alike and the better kept; the
+    bound reported is the counts bound, a lower bound on the untied optimum. None when the
+    counts model does not apply (the caller forces the classes alike)."""
+    if not highs_direct.supports(problem):
+        return None
+    out = solve_counts(problem, time_limit_s=time_limit_s, gap=gap, msg=msg)
+    if out is None:
+        return None
+    choices, objective = out.choices, out.objective_s
+    details = {"counts_mixed_classes": float(out.mixed_classes), "tied_classes": float(len(problem.tied))}
+    build_s, solve_s = out.build_s, out.solve_s
+    if out.mixed_classes and (choices is None or objective > out.bound_s + _ZERO_GAP * abs(objective)):
+        # The best plan whose members take only their class's strategies (a small ILP: the
+        # other nodes are fixed); the realised counts are one of its points.
+        keep = out.used
+        if choices is not None:
+            keep = tuple(k if len(k) > 1 else (c,) for k, c in zip(keep, choices, strict=True))
+        try:
+            inner = _solve_model(
+                restrict(problem, keep), backend="highs", time_limit_s=time_limit_s, gap=gap, msg=msg
+            )
+        except InfeasibleError:
+            inner = None
+        if inner is not None:
+            realised = tuple(k[c] for k, c in zip(keep, inner.choices, strict=True))
+            value = plan_objective_s(problem, realised)
+            build_s += inner.build_s
+            solve_s += inner.solve_s
+            details["counts_realised_by_ilp"] = 1.0
+            if choices is None or value < objective:
+                choices, objective = realised, value
+    if choices is None or (out.mixed_classes and objective > out.bound_s + ACCEPT_GAP * abs(objective)):
+        forced = _solve_tied(problem, backend="highs", time_limit_s=time_limit_s, gap=gap, msg=msg)
+        build_s += forced.build_s
+        solve_s += forced.solve_s
+        details["counts_forced_compared"] = 1.0
+        if choices is None or forced.objective_s < objective:
+            choices, objective = forced.choices, forced.objective_s
+    relative_gap = (objective - out.bound_s) / abs(objective) if objective else 0.0
+    return Solution(
+        choices=choices,
+        objective_s=objective,
+        bound_s=min(out.bound_s, objective),
+        gap=0.0 if relative_gap < _ZERO_GAP or out.bound_s >= objective else relative_gap,
+        status=out.status,
+        backend="highs",
+        peak_memory_bytes=plan_peak_memory_bytes(problem, choices),
+        num_variables=out.num_variables,
+        num_constraints=out.num_constraints,
+        build_s=build_s,
+        solve_s=solve_s,
+        details=details,
+    )
+
+
 def _solve_tied(
     problem: Problem, *, backend: str, time_limit_s: float | None, gap: float, msg: bool
 ) -> Solution:
     """Solve the contracted problem (solver/tying.py) and expand its choices to every node."""
     start = time.perf_counter()
     contracted = contract(problem)
+    inner_problem = contracted.problem
+    groups: tuple[tuple[int, ...], ...] = ()
+    if problem.segments:  # L identical layers' segments become one with L copies
+        segments, groups = contract_segments(problem, contracted.node_map)
+        inner_problem = dataclasses.replace(inner_problem, segments=segments)
     contract_s = time.perf_counter() - start
     # Contraction turns a node shared by every layer (RoPE tables) into a leaf: eliminate again.
-    inner = solve(contracted.problem, backend=backend, time_limit_s=time_limit_s, gap=gap, msg=msg)
+    inner = solve(inner_problem, backend=backend, time_limit_s=time_limit_s, gap=gap, msg=msg)
     choices = expand(contracted, inner.choices)
-    objective = plan_objective_s(problem, choices)
+    recomputed = (
+        expand_recomputed(problem, groups, inner.recomputed) if problem.segments else ()
+    )
+    objective = plan_objective_s(problem, choices, recomputed)
     bound = min(objective, inner.bound_s)
     details = dict(inner.details)
     details["tied_classes"] = float(len(problem.tied))
@@ -553,7 +894,8 @@ def _solve_tied(
         objective_s=objective,
         bound_s=bound,
         gap=inner.gap,  # the same plan's objective, summed in another order
-        peak_memory_bytes=plan_peak_memory_bytes(problem, choices),
+        peak_memory_bytes=plan_peak_memory_bytes(problem, choices, recomputed),
+        recomputed=recomputed,
         build_s=inner.build_s + contract_s,
         details=details,
     )
@@ -586,7 +928,7 @@ def _raise_infeasible(
         )
     choices = _decode(red, model)
     raise InfeasibleBudgetError(
-        min_budget_bytes=plan_peak_memory_bytes(problem, choices),
+        min_budget_bytes=plan_peak_memory_bytes(problem, choices, _decode_recomputed(model)),
         budget_bytes=budget,
         proven=outcome.status == "optimal",
     )

@@ -10,8 +10,11 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from solver.errors import InfeasibleError
 from solver.problem import Problem
+from solver.recompute import recompute_terms
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -43,8 +46,11 @@ class Reduced:
     constant_s: float
 
 
-def plan_objective_s(problem: Problem, choices: tuple[int, ...]) -> float:
-    """Exact step time of a plan: node costs plus edge costs, summed with math.fsum.
+def plan_objective_s(
+    problem: Problem, choices: tuple[int, ...], recomputed: tuple[int, ...] = ()
+) -> float:
+    """Exact step time of a plan: node costs plus edge costs (plus the recompute seconds of
+    the segments ``recomputed``, solver/recompute.py), summed with math.fsum.
 
     Raises:
         InfeasibleError: an edge forbids the chosen pair.
@@ -58,11 +64,16 @@ def plan_objective_s(problem: Problem, choices: tuple[int, ...]) -> float:
                 f" forbids the pair ({choices[edge.src]}, {choices[edge.dst]})"
             )
         terms.append(cost)
+    if recomputed:
+        terms.append(recompute_terms(problem, choices, recomputed)[0])
     return math.fsum(terms)
 
 
-def plan_peak_memory_bytes(problem: Problem, choices: tuple[int, ...]) -> float:
-    """Exact peak bytes of a plan: offset + resident memory + the largest transient (>= 0)."""
+def plan_peak_memory_bytes(
+    problem: Problem, choices: tuple[int, ...], recomputed: tuple[int, ...] = ()
+) -> float:
+    """Exact peak bytes of a plan: offset + resident memory + the largest transient (>= 0),
+    less what the ``recomputed`` segments free plus one of them alive again."""
     largest_transient = max(
         (
             n.transient_bytes[c]
@@ -72,6 +83,9 @@ def plan_peak_memory_bytes(problem: Problem, choices: tuple[int, ...]) -> float:
         default=0.0,
     )
     resident = [n.memory_bytes[c] for n, c in zip(problem.nodes, choices, strict=True)]
+    if recomputed:
+        _, freed, again = recompute_terms(problem, choices, recomputed)
+        resident += [-freed, again]
     return math.fsum([problem.memory_offset_bytes, *resident, max(largest_transient, 0.0)])
 
 
@@ -145,6 +159,7 @@ def reduce_problem(problem: Problem) -> Reduced:
                     queue.append(other)
                     queued.add(other)
 
+    _prune_dominated(problem, allowed, node_cost, merged)
     constant_s = 0.0
     kept = []
     for (u, v), table in sorted(merged.items()):
@@ -221,3 +236,78 @@ def _group_pairs(
             if cost is not None:
                 group_cost[g, h] = cost
     return src_groups, dst_groups, group_cost
+
+
+_DOMINANCE_ROUNDS = 2
+
+
+def _prune_dominated(
+    problem: Problem,
+    allowed: list[set[int]],
+    node_cost: list[dict[int, float]],
+    merged: dict[tuple[int, int], dict[tuple[int, int], float | None]],
+) -> None:
+    """Remove dominated strategies, exactly (in place).
+
+    Strategy s of node i is dominated by s' when s' is no worse in cost, resident bytes and
+    transient bytes, and its cost to every allowed strategy of every neighbour is no higher
+    (a forbidden pair only under s' where s also forbids it). Any plan using s then does at
+    least as well with s' (same pairs allowed, objective and peak no higher), so an optimum
+    without s exists. Between equal strategies the lower index stays. Nodes named by a
+    checkpoint segment are left alone (their segment rows depend on the strategy too)."""
+    nodes = problem.nodes
+    fixed = {i for seg in getattr(problem, "segments", ()) for i in seg.nodes}
+    incident: dict[int, list[tuple[int, int]]] = {}
+    for key in merged:
+        incident.setdefault(key[0], []).append(key)
+        incident.setdefault(key[1], []).append(key)
+    for _ in range(_DOMINANCE_ROUNDS):
+        changed = False
+        for i, node in enumerate(nodes):
+            if len(allowed[i]) < 2 or i in fixed:
+                continue
+            strategies = sorted(allowed[i])
+            columns = [
+                [node_cost[i][s] for s in strategies],
+                [node.memory_bytes[s] for s in strategies],
+            ]
+            if node.transient_bytes:
+                columns.append([node.transient_bytes[s] for s in strategies])
+            for key in incident.get(i, ()):
+                table = merged[key]
+                if key[0] == i:
+                    for t in sorted(allowed[key[1]]):
+                        columns.append([_finite(table.get((s, t))) for s in strategies])
+                else:
+                    for t in sorted(allowed[key[0]]):
+                        columns.append([_finite(table.get((t, s))) for s in strategies])
+            features = np.array(columns, dtype=np.float64).T  # strategies x features
+            dead = _dominated_rows(features)
+            if dead:
+                allowed[i] -= {strategies[k] for k in dead}
+                changed = True
+        if not changed:
+            break
+
+
+def _finite(cost: float | None) -> float:
+    return math.inf if cost is None else cost
+
+
+def _dominated_rows(features: np.ndarray) -> set[int]:
+    """Rows k for which another live row is <= everywhere and (< somewhere or lower index)."""
+    dead: set[int] = set()
+    num = len(features)
+    for k in range(num):
+        others = [j for j in range(num) if j != k and j not in dead]
+        if not others:
+            continue
+        block = features[others]
+        no_worse = np.all(block <= features[k], axis=1)
+        if not no_worse.any():
+            continue
+        better = np.any(block < features[k], axis=1)
+        earlier = np.array(others) < k
+        if np.any(no_worse & (better | earlier)):
+            dead.add(k)
+    return dead

@@ -46,6 +46,38 @@ class Edge:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class SegmentEdge:
+    """Forward resharding seconds of an edge consumed inside a segment: re-issued on
+    recompute. ``cost_s[s][t]`` for the (src choice, dst choice) pair."""
+
+    src: int
+    dst: int
+    cost_s: tuple[tuple[float, ...], ...]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Segment:
+    """An activation-checkpoint candidate: a set of nodes whose saved activations can be freed
+    and recomputed in backward (solver/recompute.py; the rows in ilp._add_segments)."""
+
+    name: str
+    nodes: tuple[int, ...]
+    """Node indices in the segment (used to find overlapping segments)."""
+    freed_bytes: tuple[tuple[float, ...], ...]
+    """Per node of ``nodes``, per strategy: activation bytes freed when recomputed."""
+    recompute_s: tuple[tuple[float, ...], ...]
+    """Per node of ``nodes``, per strategy: forward seconds spent again when recomputed."""
+    edges: tuple[SegmentEdge, ...] = ()
+    copies: int = 1
+    """Identical copies (tied layers): the solver picks how many, 0..copies, to recompute."""
+    min_copies: int = 0
+    """Copies that must be recomputed (checkpoint='all')."""
+    footprint: tuple[int, ...] = ()
+    """What overlap is judged on (two segments overlap when their footprints intersect);
+    empty means ``nodes``. Tie contraction sets it to the original nodes of every copy."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Problem:
     nodes: tuple[Node, ...]
     edges: tuple[Edge, ...] = ()
@@ -61,6 +93,11 @@ class Problem:
     are first eliminated exactly and untied (solver/eliminate.py), and the classes tie what
     remains: the plan is then no worse than the best tied plan (identical layers still come
     out alike, as they see identical tables)."""
+    segments: tuple[Segment, ...] = ()
+    """Checkpoint candidates: a recomputed segment frees its ``freed_bytes`` and adds its
+    ``recompute_s`` (and its edges' forward seconds) to the step; while the backward runs one
+    recomputed segment's freed bytes are alive again (the largest one counts toward the
+    peak). Overlapping segments are never both recomputed. Without a budget nothing is."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -80,3 +117,6 @@ class Solution:
     build_s: float
     solve_s: float
     details: dict[str, float] = field(default_factory=dict)
+    recomputed: tuple[int, ...] = ()
+    """Per Problem.segments entry: copies recomputed (0 or 1 unless copies > 1); () without
+    segments."""

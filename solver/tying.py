@@ -14,10 +14,12 @@ strategy), so solving it solves the tied problem exactly.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import numpy as np
 
+from solver.errors import InfeasibleError
 from solver.problem import Edge, Node, Problem
 
 
@@ -123,3 +125,508 @@ def _merge_nodes(members: list[Node]) -> Node:
 def expand(contracted: Contracted, choices: tuple[int, ...]) -> tuple[int, ...]:
     """The contracted problem's choices, one per original node."""
     return tuple(choices[c] for c in contracted.node_map)
+
+
+# --------------------------------------------------------------------------------------------
+# Counts per strategy under a memory budget
+
+ACCEPT_GAP = 1e-3
+"""A decoded mixed plan within this relative distance of the counts bound is kept as is;
+otherwise the forced tie is solved too and the better plan kept."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CountsOutcome:
+    """A plan from the counts model (see ``solve_counts``)."""
+
+    choices: tuple[int, ...] | None
+    """Per original node; None when the counts could not be realised without a forbidden
+    pair (the bound still holds)."""
+    objective_s: float
+    bound_s: float
+    """The counts model's bound: a lower bound on the untied optimum."""
+    status: str
+    num_variables: int
+    num_constraints: int
+    build_s: float
+    solve_s: float
+    mixed_classes: int
+    """Tie classes whose members chose different strategies."""
+    used: tuple[tuple[int, ...], ...] = ()
+    """Per original node: the strategies its class uses (an untied node: its choice)."""
+
+
+@dataclass(slots=True)
+class _Family:
+    """Edges between the same two contracted nodes with the same matrix and layer offset."""
+
+    src: int
+    dst: int
+    matrix: tuple[tuple[float | None, ...], ...]
+    offset: int | None
+    count: int = 0
+    src_members: dict[int, int] | None = None
+    dst_members: dict[int, int] | None = None
+
+
+def _identical_members(problem: Problem) -> bool:
+    for members in problem.tied:
+        first = problem.nodes[members[0]]
+        for i in members[1:]:
+            node = problem.nodes[i]
+            if (node.cost_s, node.memory_bytes, node.transient_bytes) != (
+                first.cost_s,
+                first.memory_bytes,
+                first.transient_bytes,
+            ):
+                return False
+    return True
+
+
+def solve_counts(
+    problem: Problem, *, time_limit_s: float | None, gap: float, msg: bool
+) -> CountsOutcome | None:
+    """Tie classes under a budget as counts: how many members use each strategy.
+
+    Every tie class becomes one integer n[c,s] in [0, L] per strategy (sum L), an untied node
+    one binary per strategy; node costs and resident bytes are linear in n (members are
+    identical). Edges are grouped into families: the same two contracted nodes, the same cost
+    matrix and the same layer offset between their members (0 inside a layer, 1 from a layer
+    to the next); a family of c edges gets pair variables p[s,t] >= 0 (blocks of identical
+    rows/columns, as in the ILP) counting its edges by pair, whose row sums equal the members
+    using s times how often each member occurs in the family (or are at most that, with
+    sum c, when the family covers only some members, as the edges between consecutive layers
+    do). Transients: T >= r[s] y[c,s] with y binary, n[c,s] <= L y[c,s]. Every untied plan is a
+    point of this model with the same objective and bytes, so its bound is a lower bound on the
+    untied optimum, and the model's size does not depend on the number of layers.
+
+    The counts are realised layer by layer: each class's members take its multiset of
+    strategies (so resident bytes and the largest transient are exactly the model's: the plan
+    fits), aligned along the families inside a layer with their pair counts, then members of a
+    class swap strategies while that lowers the edges' cost (which keeps the bytes). Returns
+    None when the problem is outside this model (members with different costs, a self-loop on
+    a member) or when no counts fit; ``choices`` is None when the realised plan still uses a
+    forbidden pair. The caller then forces the classes alike.
+    """
+    from solver import highs_direct
+    from solver.presolve import _group_pairs, plan_objective_s, plan_peak_memory_bytes
+
+    if not highs_direct.available() or not problem.tied or not _identical_members(problem):
+        return None
+    import highspy
+
+    start = time.perf_counter()
+    nodes = problem.nodes
+    budget = problem.memory_budget_bytes
+    owner: dict[int, int] = {}
+    position: dict[int, int] = {}
+    for c, members in enumerate(problem.tied):
+        for k, i in enumerate(members):
+            owner[i] = c
+            position[i] = k
+    node_map: list[int] = []
+    groups: list[tuple[int, ...]] = []  # contracted node -> its original nodes
+    class_node: dict[int, int] = {}
+    for i in range(len(nodes)):
+        c = owner.get(i)
+        if c is None:
+            node_map.append(len(groups))
+            groups.append((i,))
+        elif c in class_node:
+            node_map.append(class_node[c])
+        else:
+            class_node[c] = len(groups)
+            node_map.append(len(groups))
+            groups.append(problem.tied[c])
+    size = [len(g) for g in groups]
+    extra_cost = [np.zeros(nodes[g[0]].num_choices) for g in groups]
+    banned: list[set[int]] = [set() for _ in groups]
+    families: dict[tuple, _Family] = {}
+    for edge in problem.edges:
+        u, v = node_map[edge.src], node_map[edge.dst]
+        if edge.src == edge.dst:
+            if size[u] > 1:
+                return None
+            for s in range(nodes[edge.src].num_choices):
+                diag = edge.cost_s[s][s]
+                if diag is None:
+                    banned[u].add(s)
+                else:
+                    extra_cost[u][s] += diag
+            continue
+        offset = None
+        if size[u] > 1 and size[v] > 1 and size[u] == size[v]:
+            offset = position[edge.dst] - position[edge.src]
+        key = (u, v, id(edge.cost_s), offset)
+        family = families.get(key)
+        if family is None:
+            family = families[key] = _Family(
+                src=u, dst=v, matrix=edge.cost_s, offset=offset, src_members={}, dst_members={}
+            )
+        family.count += 1
+        family.src_members[edge.src] = family.src_members.get(edge.src, 0) + 1
+        family.dst_members[edge.dst] = family.dst_members.get(edge.dst, 0) + 1
+
+    inf = highspy.kHighsInf
+    col_lower: list[float] = []
+    col_upper: list[float] = []
+    col_cost: list[float] = []
+    integer: list[int] = []
+    n_col: list[list[int]] = []
+    for j, g in enumerate(groups):
+        node = nodes[g[0]]
+        cols = []
+        for s in range(node.num_choices):
+            cols.append(len(col_lower))
+            integer.append(len(col_lower))
+            col_lower.append(0.0)
+            col_upper.append(0.0 if s in banned[j] else float(size[j]))
+            col_cost.append(node.cost_s[s] + extra_cost[j][s])
+        n_col.append(cols)
+    row_start: list[int] = []
+    row_index: list[int] = []
+    row_value: list[float] = []
+    row_lower: list[float] = []
+    row_upper: list[float] = []
+
+    def add_row(cols, vals, lo: float, hi: float) -> None:
+        row_start.append(len(row_index))
+        row_index.extend(cols)
+        row_value.extend(vals)
+        row_lower.append(lo)
+        row_upper.append(hi)
+
+    for j, cols in enumerate(n_col):  # every member chooses one strategy
+        add_row(cols, [1.0] * len(cols), float(size[j]), float(size[j]))
+    within: list[tuple[_Family, tuple, tuple, dict, int]] = []  # for the realisation
+    for family in families.values():
+        rows_n, cols_n = len(family.matrix), len(family.matrix[0])
+        pairs = {
+            (s, t): c
+            for s, row in enumerate(family.matrix)
+            for t, c in enumerate(row)
+            if c is not None
+        }
+        src_groups, dst_groups, block_cost = _group_pairs(
+            list(range(rows_n)), list(range(cols_n)), pairs
+        )
+        first = len(col_lower)
+        blocks = sorted(block_cost)
+        for b in blocks:
+            col_lower.append(0.0)
+            col_upper.append(float(family.count))
+            col_cost.append(block_cost[b])
+        by_src: list[list[int]] = [[] for _ in src_groups]
+        by_dst: list[list[int]] = [[] for _ in dst_groups]
+        for k, (g, h) in enumerate(blocks):
+            by_src[g].append(first + k)
+            by_dst[h].append(first + k)
+        exact_sides = 0
+        for node, members, side_groups, side_pairs in (
+            (family.src, family.src_members, src_groups, by_src),
+            (family.dst, family.dst_members, dst_groups, by_dst),
+        ):
+            counts = set(members.values())
+            exact = len(members) == size[node] and len(counts) == 1
+            multiple = float(max(counts))
+            exact_sides += exact
+            for group, pair_cols in zip(side_groups, side_pairs, strict=True):
+                xs = [n_col[node][s] for s in group]
+                add_row(
+                    [*xs, *pair_cols],
+                    [-multiple] * len(xs) + [1.0] * len(pair_cols),
+                    0.0 if exact else -inf,
+                    0.0,
+                )
+        if not exact_sides:
+            add_row(
+                [first + k for k in range(len(blocks))],
+                [1.0] * len(blocks),
+                float(family.count),
+                float(family.count),
+            )
+        if family.offset == 0 and exact_sides == 2:
+            within.append(
+                (
+                    family,
+                    src_groups,
+                    dst_groups,
+                    dict(zip(blocks, range(first, first + len(blocks)))),
+                    first,
+                )
+            )
+    num_cols_before_memory = len(col_lower)
+    mem_scale = 1.0
+    if budget is not None:
+        mem_scale = _power_of_two(
+            [problem.memory_offset_bytes, budget]
+            + [b for n in nodes for b in n.memory_bytes]
+            + [b for n in nodes for b in n.transient_bytes]
+        )
+        t_col = len(col_lower)
+        fixed_transient = 0.0
+        col_lower.append(0.0)
+        col_upper.append(inf)
+        col_cost.append(0.0)
+        memory_cols: list[int] = []
+        memory_vals: list[float] = []
+        for j, g in enumerate(groups):
+            node = nodes[g[0]]
+            for s in range(node.num_choices):
+                if node.memory_bytes[s]:
+                    memory_cols.append(n_col[j][s])
+                    memory_vals.append(node.memory_bytes[s] / mem_scale)
+            transient = node.transient_bytes
+            if not transient:
+                continue
+            if len(set(transient)) == 1:
+                fixed_transient = max(fixed_transient, transient[0])
+            elif size[j] == 1:
+                add_row([t_col, *n_col[j]], [1.0, *(-b / mem_scale for b in transient)], 0.0, inf)
+            else:
+                for s, b in enumerate(transient):
+                    if b <= 0.0:
+                        continue
+                    y = len(col_lower)
+                    integer.append(y)
+                    col_lower.append(0.0)
+                    col_upper.append(1.0)
+                    col_cost.append(0.0)
+                    add_row([n_col[j][s], y], [1.0, -float(size[j])], -inf, 0.0)
+                    add_row([t_col, y], [1.0, -b / mem_scale], 0.0, inf)
+        col_lower[t_col] = fixed_transient / mem_scale
+        add_row(
+            [*memory_cols, t_col],
+            [*memory_vals, 1.0],
+            -inf,
+            (budget - problem.memory_offset_bytes) / mem_scale,
+        )
+    del num_cols_before_memory
+    cost_scale = _power_of_two(col_cost)
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", bool(msg))
+    num_cols = len(col_lower)
+    h.addCols(
+        num_cols,
+        np.array(col_cost, dtype=np.float64) / cost_scale,
+        np.array(col_lower, dtype=np.float64),
+        np.array(col_upper, dtype=np.float64),
+        0,
+        np.zeros(0, dtype=np.int32),
+        np.zeros(0, dtype=np.int32),
+        np.zeros(0, dtype=np.float64),
+    )
+    h.addRows(
+        len(row_start),
+        np.array(row_lower, dtype=np.float64),
+        np.array(row_upper, dtype=np.float64),
+        len(row_index),
+        np.array(row_start, dtype=np.int32),
+        np.array(row_index, dtype=np.int32),
+        np.array(row_value, dtype=np.float64),
+    )
+    h.changeColsIntegrality(
+        len(integer),
+        np.array(integer, dtype=np.int32),
+        np.full(len(integer), highspy.HighsVarType.kInteger.value, dtype=np.uint8),
+    )
+    h.setOptionValue("mip_rel_gap", float(gap))
+    if gap == 0.0:
+        h.setOptionValue("mip_abs_gap", 1e-9)
+    if time_limit_s is not None:
+        h.setOptionValue("time_limit", float(time_limit_s))
+    built = time.perf_counter()
+    h.run()
+    status = h.getModelStatus()
+    info = h.getInfo()
+    if info.primal_solution_status != 2:  # infeasible, or no plan within the time limit
+        return None
+    kind = "optimal" if status == highspy.HighsModelStatus.kOptimal else "feasible"
+    values = np.asarray(h.getSolution().col_value)
+    counts = [[int(round(values[c])) for c in cols] for cols in n_col]
+    if any(sum(cnt) != size[j] for j, cnt in enumerate(counts)):
+        return None
+    assigned = _realise(groups, counts, within, values)
+    choices = [0] * len(nodes)
+    for j, g in enumerate(groups):
+        for k, i in enumerate(g):
+            choices[i] = assigned[j][k]
+    _swap_members(problem, choices)
+    bound = info.mip_dual_bound * cost_scale if math.isfinite(info.mip_dual_bound) else -math.inf
+    realised: tuple[int, ...] | None = tuple(choices)
+    try:
+        objective = plan_objective_s(problem, tuple(choices))
+    except InfeasibleError:
+        realised, objective = None, math.inf
+    if budget is not None and plan_peak_memory_bytes(problem, tuple(choices)) > budget * (
+        1 + 1e-12
+    ):
+        realised, objective = None, math.inf
+    return CountsOutcome(
+        choices=realised,
+        objective_s=objective,
+        bound_s=min(objective, bound),
+        status=kind,
+        num_variables=num_cols,
+        num_constraints=len(row_start),
+        build_s=built - start,
+        solve_s=time.perf_counter() - built,
+        mixed_classes=sum(1 for j, cnt in enumerate(counts) if size[j] > 1 and max(cnt) < size[j]),
+        used=tuple(
+            tuple(s for s, c in enumerate(counts[node_map[i]]) if c > 0) for i in range(len(nodes))
+        ),
+    )
+
+
+def _realise(groups, counts, within, values) -> list[list[int]]:
+    """Members' strategies per contracted node: each class's multiset of strategies, aligned
+    along the families inside a layer (breadth first) by their pair counts."""
+    assigned: list[list[int] | None] = [None] * len(groups)
+    adjacent: dict[int, list] = {}
+    for entry in within:
+        family = entry[0]
+        adjacent.setdefault(family.src, []).append(entry)
+        adjacent.setdefault(family.dst, []).append(entry)
+    for j, cnt in enumerate(counts):
+        if assigned[j] is not None:
+            continue
+        assigned[j] = [s for s, c in enumerate(cnt) for _ in range(c)]
+        queue = [j]
+        while queue:
+            a = queue.pop(0)
+            for family, src_groups, dst_groups, block_col, _ in adjacent.get(a, []):
+                forward = family.src == a
+                b = family.dst if forward else family.src
+                if assigned[b] is not None:
+                    continue
+                mine, theirs = (src_groups, dst_groups) if forward else (dst_groups, src_groups)
+                my_group = {s: g for g, grp in enumerate(mine) for s in grp}
+                their_group = {t: h for h, grp in enumerate(theirs) for t in grp}
+                left = {
+                    (g, h) if forward else (h, g): int(round(values[col]))
+                    for (g, h), col in block_col.items()
+                }
+                remaining = dict(enumerate(counts[b]))
+                out = []
+                for s in assigned[a]:
+                    g = my_group[s]
+                    pick = None
+                    for t in sorted(t for t, c in remaining.items() if c > 0):
+                        if left.get((g, their_group[t]) if forward else (g, their_group[t]), 0) > 0:
+                            pick = t
+                            break
+                    if pick is None:
+                        finite = [
+                            t
+                            for t, c in remaining.items()
+                            if c > 0
+                            and (family.matrix[s][t] if forward else family.matrix[t][s])
+                            is not None
+                        ]
+                        pool = finite or [t for t, c in remaining.items() if c > 0]
+                        pick = min(
+                            pool,
+                            key=lambda t: (
+                                (family.matrix[s][t] if forward else family.matrix[t][s])
+                                if (family.matrix[s][t] if forward else family.matrix[t][s])
+                                is not None
+                                else math.inf,
+                                t,
+                            ),
+                        )
+                    else:
+                        key = (g, their_group[pick])
+                        left[key] -= 1
+                    remaining[pick] -= 1
+                    out.append(pick)
+                assigned[b] = out
+                queue.append(b)
+    return [list(a) for a in assigned]  # type: ignore[arg-type]
+
+
+_FORBIDDEN = 1e30
+"""Stand-in cost of a forbidden pair while swapping (repairs come first)."""
+
+_MAX_SWAP_PASSES = 4
+
+
+def _swap_members(problem: Problem, choices: list[int]) -> None:
+    """Exchange the strategies of two members of a class while that lowers the edges' cost
+    (a forbidden pair counts as _FORBIDDEN, so swaps first repair them). A swap keeps every
+    class's multiset of strategies, hence its node costs, resident bytes and transients: the
+    plan stays within the budget. In place."""
+    incident: dict[int, list[int]] = {}
+    for k, edge in enumerate(problem.edges):
+        incident.setdefault(edge.src, []).append(k)
+        if edge.dst != edge.src:
+            incident.setdefault(edge.dst, []).append(k)
+    edges = problem.edges
+
+    def cost(ks) -> float:
+        total = 0.0
+        for k in ks:
+            c = edges[k].cost_s[choices[edges[k].src]][choices[edges[k].dst]]
+            total += _FORBIDDEN if c is None else c
+        return total
+
+    for _ in range(_MAX_SWAP_PASSES):
+        improved = False
+        for members in problem.tied:
+            if len({choices[i] for i in members}) == 1:
+                continue
+            for x in range(len(members)):
+                for y in range(x + 1, len(members)):
+                    a, b = members[x], members[y]
+                    if choices[a] == choices[b]:
+                        continue
+                    ks = sorted(set(incident.get(a, ())) | set(incident.get(b, ())))
+                    before = cost(ks)
+                    choices[a], choices[b] = choices[b], choices[a]
+                    after = cost(ks)
+                    if after < before - 1e-12 * abs(before):
+                        improved = True
+                    else:
+                        choices[a], choices[b] = choices[b], choices[a]
+        if not improved:
+            break
+
+
+def _power_of_two(values) -> float:
+    largest = max((abs(v) for v in values), default=0.0)
+    return (
+        1.0
+        if largest == 0.0 or not math.isfinite(largest)
+        else math.ldexp(1.0, math.frexp(largest)[1])
+    )
+
+
+def restrict(problem: Problem, keep: tuple[tuple[int, ...], ...]) -> Problem:
+    """``problem`` without ties, each node offered only the strategies ``keep[i]`` (ascending):
+    solving it realises a counts plan exactly where members may differ (the counts model's
+    plan is one of its points), with every layer free to take either of its class's
+    strategies within the budget."""
+    nodes = tuple(
+        Node(
+            name=node.name,
+            cost_s=tuple(node.cost_s[s] for s in k),
+            memory_bytes=tuple(node.memory_bytes[s] for s in k),
+            transient_bytes=tuple(node.transient_bytes[s] for s in k)
+            if node.transient_bytes
+            else (),
+        )
+        for node, k in zip(problem.nodes, keep, strict=True)
+    )
+    edges = tuple(
+        Edge(
+            src=e.src,
+            dst=e.dst,
+            cost_s=tuple(tuple(e.cost_s[s][t] for t in keep[e.dst]) for s in keep[e.src]),
+        )
+        for e in problem.edges
+    )
+    return Problem(
+        nodes=nodes,
+        edges=edges,
+        memory_budget_bytes=problem.memory_budget_bytes,
+        memory_offset_bytes=problem.memory_offset_bytes,
+    )

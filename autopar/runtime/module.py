@@ -13,7 +13,10 @@ training step is ``loss.backward(); opt.step()``.
 
 ``state_dict()`` returns the FULL unsharded tensors (all-gathered over the sharded axes, a
 collective every rank must call); ``load_state_dict(full)`` takes full tensors and keeps this
-rank's slice.
+rank's slice. ``state_dict(sharded=True)`` returns per-FQN DTensors of this rank's real shards
+for ``torch.distributed.checkpoint``, and ``load_state_dict`` takes that form back
+(:mod:`autopar.runtime.state`). A model built on the meta device is materialized shard by shard
+from a ``state_source`` (a full state dict or a safetensors file).
 """
 
 from __future__ import annotations
@@ -26,13 +29,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import _IncompatibleKeys
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from autopar.lowering.rewrite import LoweredGraph
 from autopar.placement import Partial, Placements, Shard, format_placements, replicated
 from autopar.runtime.grad_sync import DEFAULT_BUCKET_BYTES, GradReducer
-from autopar.runtime.zero import ZeroEngine, build_zero_engine
+from autopar.runtime.state import (
+    StateSource,
+    block_index,
+    load_sharded_state_dict,
+    sharded_state_dict,
+)
+from autopar.runtime.zero import ShardedGradScaler, ZeroEngine, build_zero_engine
 
 __all__ = ["ParallelModule", "gather_full", "local_block"]
 
@@ -92,8 +102,15 @@ class ParallelModule(nn.Module):
             parameters in flat chunks of ``chunk_bytes`` (None: searched), see
             :mod:`autopar.runtime.zero`; ``parameters()`` then yields 1-D shard views.
         zero_axes: mesh axes to shard over (None: the axes parameter gradients are summed over).
-        mixed_precision: None or "bf16" (bf16 compute, fp32 master shards and reduction;
-            needs ``zero_stage >= 1``).
+        mixed_precision: None, "bf16" or "fp16" (half compute, fp32 master shards and
+            reduction; needs ``zero_stage >= 1``; fp16 also needs loss scaling with
+            ``grad_scaler`` / ``scale_loss``).
+        state_source: where the values come from when ``source`` is a model built on the
+            meta device (:class:`~autopar.runtime.state.StateSource`: a full state dict or a
+            safetensors file): each rank reads only its blocks (under ZeRO stage 3 only the
+            rows covering its chunk pieces) onto ``device`` (default: this rank's CUDA device
+            under NCCL, else CPU). Non-persistent buffers it lacks are taken from ``source``
+            if they are not on meta, else refused by name.
 
     Attributes (besides the parameters and buffers under their original names): ``lowered``,
     ``groups``, ``coords`` (this rank's mesh coordinate) and ``grad_reducer`` (the
@@ -112,6 +129,8 @@ class ParallelModule(nn.Module):
         zero_axes: Sequence[int] | None = None,
         chunk_bytes: int | None = None,
         mixed_precision: str | None = None,
+        state_source: StateSource | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
         self.lowered = lowered
@@ -127,6 +146,9 @@ class ParallelModule(nn.Module):
         """The Plan this module was lowered from (set by ``autopar.autoparallelize``)."""
         num_axes = len(lowered.mesh_shape)
         full, persistent, requires_grad = _full_tensors(source, lowered.non_persistent_buffers)
+        if device is None:
+            on_cuda = groups.device_mesh.device_type == "cuda"
+            device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else "cpu"
 
         # Canonical name of every parameter name (tied parameters share one canonical name).
         canonical: dict[str, str] = {}
@@ -153,6 +175,7 @@ class ParallelModule(nn.Module):
                 f"(non-persistent buffers are not in its state_dict) or a complete state dict"
             )
 
+        read_as = _check_state_source(state_source, full, persistent, canonical, is_param)
         self._params: dict[str, nn.Parameter] = {}
         self._buffer_placements: dict[str, Placements] = {}
         self._param_placements: dict[str, Placements] = {}
@@ -161,9 +184,13 @@ class ParallelModule(nn.Module):
             leaf_name = name.rpartition(".")[2]
             if not is_param[name]:
                 placements = lowered.buffer_placements.get(name, replicated(num_axes))
-                block = local_block(
-                    tensor.detach(), placements, lowered.mesh_shape, self.coords
-                ).clone()
+                if state_source is not None and name in state_source:
+                    index = block_index(tensor.shape, placements, lowered.mesh_shape, self.coords)
+                    block = state_source.read(name, index).to(device=device, dtype=tensor.dtype)
+                else:
+                    block = local_block(
+                        tensor.detach(), placements, lowered.mesh_shape, self.coords
+                    ).clone()
                 _container(self, name).register_buffer(
                     leaf_name, block, persistent=name in persistent
                 )
@@ -173,9 +200,9 @@ class ParallelModule(nn.Module):
             placements = lowered.param_placements.get(key, replicated(num_axes))
             param = self._params.get(key)
             if param is None:
-                block = local_block(
-                    tensor.detach(), placements, lowered.mesh_shape, self.coords
-                ).clone()
+                block = local_block(tensor.detach(), placements, lowered.mesh_shape, self.coords)
+                # From a state source: a meta placeholder now, read below (or by ZeRO).
+                block = block.clone() if state_source is None else block.to("meta")
                 param = nn.Parameter(block, requires_grad=requires_grad.get(name, True))
                 self._params[key] = param
             _container(self, name).register_parameter(leaf_name, param)
@@ -188,6 +215,17 @@ class ParallelModule(nn.Module):
             raise ValueError(
                 "mixed_precision needs zero_stage >= 1 (fp32 master shards live in ZeRO chunks)"
             )
+
+        def index_of(key: str) -> tuple[slice, ...]:
+            placements = lowered.param_placements.get(key, replicated(num_axes))
+            shape = full[read_as[key]].shape
+            return block_index(shape, placements, lowered.mesh_shape, self.coords)
+
+        def read_flat(key: str, lo: int, hi: int) -> torch.Tensor:
+            assert state_source is not None
+            value = state_source.read_flat(read_as[key], index_of(key), lo, hi)
+            return value.to(torch.float32)
+
         if zero_stage:
             self.zero = build_zero_engine(
                 lowered,
@@ -198,12 +236,32 @@ class ParallelModule(nn.Module):
                 zero_axes=zero_axes,
                 chunk_bytes=chunk_bytes,
                 mixed_precision=mixed_precision,
+                read_flat=None if state_source is None else read_flat,
+                device=device,
             )
             for name in self._param_placements:
                 shard = self.zero.shard_params.get(canonical.get(name, name))
                 if shard is not None:
                     _container(self, name).register_parameter(name.rpartition(".")[2], shard)
                     self._params[canonical.get(name, name)] = shard
+        if state_source is not None:
+            # Parameters ZeRO does not hold are read as their whole tensor-parallel block.
+            for key, param in list(self._params.items()):
+                if param.is_meta:
+                    value = state_source.read(read_as[key], index_of(key))
+                    self._params[key] = nn.Parameter(
+                        value.to(device=device, dtype=param.dtype),
+                        requires_grad=param.requires_grad,
+                    )
+            for name in self._param_placements:
+                param = self._params[canonical.get(name, name)]
+                _container(self, name).register_parameter(name.rpartition(".")[2], param)
+        self.grad_scaler = ShardedGradScaler(
+            [self._axis_group(a) for a, n in enumerate(lowered.mesh_shape) if n > 1],
+            enabled=mixed_precision == "fp16",
+        )
+        """Loss scaling (:class:`~autopar.runtime.zero.ShardedGradScaler`): enabled under fp16
+        mixed precision, a pass-through otherwise."""
         self.grad_reducer = GradReducer(
             [
                 (self._params[fqn], lowered.param_grad_reduce_axes.get(fqn, ()))
@@ -259,6 +317,11 @@ class ParallelModule(nn.Module):
         stack.enter_context(self.grad_reducer.no_sync())
         stack.enter_context(self.zero.no_sync())
         return stack
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the fp16 loss scale (``self.grad_scaler.scale``; identity unless
+        ``mixed_precision="fp16"``); then ``self.grad_scaler.step(opt)`` and ``.update()``."""
+        return self.grad_scaler.scale(loss)
 
     def split_groups(self, param: torch.Tensor) -> tuple[Any, ...]:
         """Process groups over which ``param``'s full value is split (its tensor-parallel Shard
@@ -361,12 +424,26 @@ class ParallelModule(nn.Module):
     # Full state dict <-> local shards
 
     def state_dict(
-        self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False
+        self,
+        *args: Any,
+        destination: Any = None,
+        prefix: str = "",
+        keep_vars: bool = False,
+        sharded: bool = False,
     ) -> Any:
-        """The FULL (unsharded) state dict under the original names; every rank must call it."""
+        """The FULL (unsharded) state dict under the original names; every rank must call it.
+
+        With ``sharded=True``: per FQN a DTensor of this rank's shard, nothing gathered (what
+        ``torch.distributed.checkpoint`` saves and loads across meshes; see
+        :func:`autopar.runtime.state.sharded_state_dict`).
+        """
         if args:
             raise TypeError("ParallelModule.state_dict takes keyword arguments only")
         out: Any = OrderedDict() if destination is None else destination
+        if sharded:
+            shards = sharded_state_dict(self)
+            out.update((prefix + name, value) for name, value in shards.items())
+            return out
         gathered: dict[int, torch.Tensor] = {}
         zero_local = self.zero.local_params() if self.zero is not None else {}
         for name, tensor in self._named_state():
@@ -383,7 +460,10 @@ class ParallelModule(nn.Module):
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
     ) -> Any:
-        """Load FULL tensors; each rank keeps its block."""
+        """Load FULL tensors (each rank keeps its block), or the sharded form of
+        ``state_dict(sharded=True)`` (DTensors, e.g. filled by ``dcp.load``; a collective)."""
+        if any(isinstance(v, DTensor) for v in state_dict.values()):
+            return load_sharded_state_dict(self, state_dict, strict=strict)
         own = dict(self._named_state())
         missing = [name for name in own if name in self._persistent and name not in state_dict]
         unexpected = [name for name in state_dict if name not in own]
@@ -449,6 +529,60 @@ def _full_tensors(
         return full, persistent, requires_grad
     full = dict(source)
     return full, set(full) - non_persistent, {}
+
+
+def _check_state_source(
+    source: StateSource | None,
+    full: Mapping[str, torch.Tensor],
+    persistent: set[str],
+    canonical: Mapping[str, str],
+    is_param: Mapping[str, bool],
+) -> dict[str, str]:
+    """Canonical parameter name -> the name the source holds it under (any of its tied
+    names); ValueError on a meta model without a source, missing or unexpected keys, or
+    shapes that differ."""
+    if source is None:
+        meta = [name for name, tensor in full.items() if tensor.is_meta]
+        if meta:
+            raise ValueError(
+                f"the model is on the meta device ({', '.join(meta[:4])}, ...): pass its weights "
+                f"with state_dict= (a full state dict or a .safetensors path) so that each rank "
+                f"materializes its own shards"
+            )
+        return {}
+    read_as: dict[str, str] = {}
+    for name in full:
+        if is_param[name] and name in source:
+            read_as.setdefault(canonical.get(name, name), name)
+    missing = [
+        name
+        for name, tensor in full.items()
+        if (canonical.get(name, name) not in read_as if is_param[name] else name not in source)
+        and (is_param[name] or name in persistent or tensor.is_meta)
+    ]
+    unexpected = [name for name in source.keys() if name not in full]
+    if missing or unexpected:
+        buffers = [name for name in missing if name not in persistent and not is_param[name]]
+        hint = (
+            f"; {buffers} are non-persistent buffers (not in a saved state dict) and the model "
+            f"holds them on meta: add them to the state dict, pass state_dict=[path, "
+            f"{{name: tensor}}], or build the model so that those buffers are real"
+            if buffers
+            else ""
+        )
+        raise ValueError(
+            f"state_dict= does not match the model: missing keys {missing}, unexpected keys "
+            f"{unexpected}{hint}"
+        )
+    mismatched = [
+        f"{name}: {tuple(source.shape(name))} in the state dict, {tuple(full[name].shape)} in "
+        f"the model"
+        for name in full
+        if name in source and tuple(source.shape(name)) != tuple(full[name].shape)
+    ]
+    if mismatched:
+        raise ValueError(f"state_dict= has other shapes than the model: {'; '.join(mismatched)}")
+    return read_as
 
 
 def _container(root: nn.Module, fqn: str) -> nn.Module:

@@ -43,10 +43,12 @@ touches them (a global ``torch.optim`` step post-hook, filtered by parameter ide
 Gradient accumulation: backward under :meth:`ZeroEngine.no_sync` adds the chunk's flat local
 gradient to a pending buffer and communicates nothing; the next synchronised backward adds it in.
 
-Mixed precision (``compute_dtype=torch.bfloat16``): the shards stay fp32 (the master weights the
+Mixed precision (``compute_dtype=torch.bfloat16`` or ``torch.float16``): the shards stay fp32 (the master weights the
 optimizer updates, with fp32 state); stage 3 gathers bf16 copies, stages 1-2 keep bf16 full
 buffers refreshed after each step; the graph runs under ``torch.autocast``; gradients are
-flattened to fp32 before any reduction.
+flattened to fp32 before any reduction. fp16 needs loss scaling (its range is small):
+:class:`ShardedGradScaler` scales the loss, unscales the shard gradients and skips a step on
+every rank when any rank's shard overflowed.
 
 State: ``ParallelModule.state_dict`` reads :meth:`ZeroEngine.local_params` (fp32, gathered);
 :meth:`ZeroEngine.gather_pieces` / :meth:`ZeroEngine.piece_of` turn shard-shaped tensors
@@ -72,6 +74,8 @@ from torch.autograd import Variable
 __all__ = [
     "DEFAULT_MAX_CHUNK_BYTES",
     "ELEMENTWISE_OPTIMIZERS",
+    "MIN_CHUNKS",
+    "ShardedGradScaler",
     "ZeroEngine",
     "build_zero_engine",
     "chunk_numels",
@@ -81,6 +85,12 @@ __all__ = [
 
 DEFAULT_MAX_CHUNK_BYTES = 32 * 2**20
 """Upper end of the chunk-size search (the largest parameter raises it)."""
+
+MIN_CHUNKS = 8
+"""The chunk-size search stops at 1/8 of the parameters (or the largest parameter): stage 3
+gathers about two chunks at a time (the one in use and the prefetched one), not the model, and
+in every stage a chunk's gradients are reduced while backward goes on, with one chunk of
+flattened gradients in flight rather than the whole model's."""
 
 ELEMENTWISE_OPTIMIZERS: frozenset[str] = frozenset(
     {
@@ -150,6 +160,7 @@ def choose_chunk_bytes(
     itemsize: int = 4,
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
     num_candidates: int = 512,
+    min_chunks: int = 1,
 ) -> tuple[int, float]:
     """The chunk size (bytes) that minimises padding waste, and that waste as a fraction.
 
@@ -166,6 +177,8 @@ def choose_chunk_bytes(
         param_local_numels: elements of each parameter's local (tensor-parallel) block, in order
             of first use.
         zero_shards: number of shards of a chunk (product of the ZeRO axes' sizes).
+        min_chunks: cap the size at ``1/min_chunks`` of the total (never below the largest
+            parameter); the runtime and the planner pass :data:`MIN_CHUNKS`.
     """
     if zero_shards < 1:
         raise ValueError(f"zero_shards must be >= 1, got {zero_shards}")
@@ -174,7 +187,8 @@ def choose_chunk_bytes(
         return _round_up(max_chunk_bytes // itemsize, zero_shards) * itemsize, 0.0
     total = sum(numels)
     lo = _round_up(max(numels), zero_shards)
-    hi = max(lo, _round_up(min(max_chunk_bytes // itemsize, total), zero_shards))
+    cap = min(max_chunk_bytes // itemsize, total, -(-total // max(1, min_chunks)))
+    hi = max(lo, _round_up(cap, zero_shards))
     step = max(zero_shards, _round_up(max(1, (hi - lo) // num_candidates), zero_shards))
     candidates = list(range(lo, hi + 1, step))
     if candidates[-1] != hi:
@@ -302,8 +316,13 @@ class ZeroEngine:
         coords: this rank's mesh coordinate.
         group_of: mesh axis -> this rank's process group along it.
         chunk_bytes: chunk size; None = :func:`choose_chunk_bytes`.
-        compute_dtype: None (fp32) or ``torch.bfloat16`` (mixed precision: bf16 compute, fp32
-            master shards, optimizer state and gradient reduction).
+        compute_dtype: None (fp32), ``torch.bfloat16`` or ``torch.float16`` (mixed precision:
+            half compute, fp32 master shards, optimizer state and gradient reduction).
+        read_flat: for parameters on the meta device, ``read_flat(fqn, lo, hi)`` returns flat
+            elements [lo, hi) of the parameter's local block (see
+            :class:`autopar.runtime.state.StateSource`); chunks are then allocated on ``device``
+            and filled from it, stage 3 reading only this rank's pieces.
+        device: where ``read_flat``'s chunks live.
     """
 
     def __init__(
@@ -316,6 +335,8 @@ class ZeroEngine:
         group_of: Callable[[int], Any],
         chunk_bytes: int | None = None,
         compute_dtype: torch.dtype | None = None,
+        read_flat: Callable[[str, int, int], torch.Tensor] | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
         if stage not in (1, 2, 3):
             raise ValueError(
@@ -328,6 +349,8 @@ class ZeroEngine:
         self.mesh_shape = tuple(mesh_shape)
         self._coords = tuple(coords)
         self._group_of = group_of
+        self._read_flat = read_flat
+        self._device = torch.device(device) if device is not None else None
         self.chunks: list[_Chunk] = []
         self.shard_params: dict[str, nn.Parameter] = {}
         self._chunk_of_param: dict[int, tuple[int, int]] = {}
@@ -342,7 +365,11 @@ class ZeroEngine:
             shards = max(
                 (math.prod(self.mesh_shape[a] for a in axes) for _, _, axes, _ in params), default=1
             )
-            chunk_bytes, _ = choose_chunk_bytes([p.numel() for _, p, _, _ in params], shards)
+            chunk_bytes, _ = choose_chunk_bytes(
+                [p.numel() for _, p, _, _ in params],
+                shards,
+                min_chunks=MIN_CHUNKS,
+            )
         self.chunk_bytes = int(chunk_bytes)
 
         # One stream of chunks per (zero axes, partial axes, dtype), each in first-use order.
@@ -399,12 +426,18 @@ class ZeroEngine:
             shard_numel=shard_numel,
             shard_index=shard_index,
         )
-        full = torch.zeros(numel, dtype=torch.float32, device=members[0][1].device)
+        read = self._read_flat
+        device = members[0][1].device if read is None else self._device
+        # Materializing from a state source at stage 3: only this rank's pieces are read.
+        pieces_only = read is not None and self.stage == 3
+        full = None if pieces_only else torch.zeros(numel, dtype=torch.float32, device=device)
         lo, hi = shard_index * shard_numel, (shard_index + 1) * shard_numel
         offset = 0
         for fqn, param in members:
             n = param.numel()
-            full[offset : offset + n].copy_(param.detach().reshape(-1))
+            if full is not None:
+                value = param.detach() if read is None else read(fqn, 0, n)
+                full[offset : offset + n].copy_(value.reshape(-1))
             a, b = max(offset, lo), min(offset + n, hi)
             if a >= b:
                 a = b = lo
@@ -421,7 +454,15 @@ class ZeroEngine:
             )
             offset += n
         # Stages 1-2 keep the full buffer and the shard is a view of it; stage 3 keeps the shard.
-        if self.stage < 3 and self.compute_dtype is None:
+        if full is None:
+            assert read is not None
+            chunk.shard = torch.zeros(shard_numel, dtype=torch.float32, device=device)
+            for slot in chunk.slots:
+                width = slot.shard_hi - slot.shard_lo
+                if width:
+                    piece = read(slot.fqn, slot.param_lo, slot.param_lo + width)
+                    chunk.shard[slot.shard_lo : slot.shard_hi].copy_(piece)
+        elif self.stage < 3 and self.compute_dtype is None:
             chunk.full = full
             chunk.shard = full[lo:hi]
         else:
@@ -578,8 +619,10 @@ class ZeroEngine:
             return packed
         chunk = self.chunks[packed.chunk]
         if chunk.full is None:
-            live = chunk.full_ref() if chunk.full_ref is not None else None
-            chunk.full = live if live is not None else self._gathered(chunk)
+            # Always gathered again, even if forward's buffer is still alive: whether it is can
+            # depend on when Python's cycle collector ran, which differs between ranks, and
+            # every rank must issue the same collectives.
+            chunk.full = self._gathered(chunk)
             if packed.chunk > 0:
                 self._start_prefetch(self.chunks[packed.chunk - 1])
         return chunk.full.as_strided(packed.size, packed.stride, packed.offset)
@@ -773,6 +816,12 @@ class ZeroEngine:
     def manages(self, param: torch.Tensor) -> bool:
         return id(param) in self._chunk_of_param
 
+    def slot_of(self, param: torch.Tensor) -> tuple[_Chunk, _Slot]:
+        """The chunk of a managed shard parameter and its slot there (layout for
+        :mod:`autopar.runtime.state`)."""
+        index, k = self._chunk_of_param[id(param)]
+        return self.chunks[index], self.chunks[index].slots[k]
+
     def load_local(self, param: torch.Tensor, block: torch.Tensor) -> None:
         """Set a managed parameter from this rank's full local block."""
         index, k = self._chunk_of_param[id(param)]
@@ -829,6 +878,132 @@ def _remove_handles(handles: list[Any]) -> None:
         handle.remove()
 
 
+class ShardedGradScaler:
+    """Dynamic loss scaling for fp16 mixed precision on a mesh, with ``torch.amp.GradScaler``'s
+    API: ``scaler.scale(loss).backward(); scaler.step(optimizer); scaler.update()``.
+
+    ``unscale_(optimizer)`` divides the optimizer's gradients (this rank's shards) by the scale
+    in place and looks for inf/NaN; the verdict is all-reduced (max) over every mesh axis, so
+    every rank and every shard agree to skip or take the step. ``step`` unscales if
+    ``unscale_`` was not called (call it yourself before ``pmodel.clip_grad_norm_``) and runs
+    ``optimizer.step()`` only when no rank overflowed. ``update`` multiplies the scale by
+    ``backoff_factor`` after a skipped step and by ``growth_factor`` after ``growth_interval``
+    clean steps in a row. Disabled (``enabled=False``, fp32 / bf16), it passes through.
+
+    Args:
+        groups: the process groups whose ranks must agree (one per mesh axis of size > 1).
+    """
+
+    def __init__(
+        self,
+        groups: Sequence[Any],
+        *,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+    ) -> None:
+        if not 0.0 < backoff_factor < 1.0 or growth_factor <= 1.0 or growth_interval < 1:
+            raise ValueError(
+                f"need 0 < backoff_factor < 1 < growth_factor and growth_interval >= 1, got "
+                f"{backoff_factor}, {growth_factor}, {growth_interval}"
+            )
+        self._groups = tuple(groups)
+        self._scale = float(init_scale)
+        self.growth_factor = float(growth_factor)
+        self.backoff_factor = float(backoff_factor)
+        self.growth_interval = int(growth_interval)
+        self.enabled = bool(enabled)
+        self._growth_tracker = 0
+        self._found_inf: dict[int, bool] = {}
+        """id(optimizer) -> overflow verdict, for optimizers unscaled since the last update."""
+        self.skipped_steps = 0
+        """Optimizer steps skipped for overflow so far."""
+
+    def get_scale(self) -> float:
+        return self._scale if self.enabled else 1.0
+
+    def is_enabled(self) -> bool:
+        return self.enabled
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the current scale (unchanged when disabled)."""
+        return loss * self._scale if self.enabled else loss
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Divide ``optimizer``'s gradients by the scale; returns whether ANY rank found an
+        inf/NaN (a collective over the mesh: every rank must call it)."""
+        if not self.enabled:
+            return False
+        if id(optimizer) in self._found_inf:
+            raise RuntimeError(
+                "unscale_() was already called on this optimizer since the last update(); call "
+                "it once per step, before step()"
+            )
+        inverse = 1.0 / self._scale
+        grads = [
+            p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None
+        ]
+        device = grads[0].device if grads else torch.device("cpu")
+        if dist.is_initialized() and dist.get_backend() == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+        found = torch.zeros(1, dtype=torch.float32, device=device)
+        with torch.no_grad():
+            for grad in grads:
+                grad.mul_(inverse)
+                if grad.numel() and not bool(torch.isfinite(grad).all()):
+                    found.fill_(1.0)
+            for group in self._groups:
+                dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
+        self._found_inf[id(optimizer)] = bool(found.item() > 0)
+        return self._found_inf[id(optimizer)]
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """``optimizer.step()`` unless some rank's gradients overflowed (then None)."""
+        if not self.enabled:
+            return optimizer.step(*args, **kwargs)
+        if id(optimizer) not in self._found_inf:
+            self.unscale_(optimizer)
+        if self._found_inf[id(optimizer)]:
+            self.skipped_steps += 1
+            return None
+        return optimizer.step(*args, **kwargs)
+
+    def update(self, new_scale: float | None = None) -> None:
+        """Adjust the scale after the step(s) of this iteration (same on every rank)."""
+        if not self.enabled:
+            return
+        if new_scale is not None:
+            self._scale = float(new_scale)
+            self._growth_tracker = 0
+        elif any(self._found_inf.values()):
+            self._scale *= self.backoff_factor
+            self._growth_tracker = 0
+        elif self._found_inf:
+            self._growth_tracker += 1
+            if self._growth_tracker >= self.growth_interval:
+                self._scale *= self.growth_factor
+                self._growth_tracker = 0
+        self._found_inf = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "scale": self._scale,
+            "growth_factor": self.growth_factor,
+            "backoff_factor": self.backoff_factor,
+            "growth_interval": self.growth_interval,
+            "_growth_tracker": self._growth_tracker,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._scale = float(state["scale"])
+        self.growth_factor = float(state["growth_factor"])
+        self.backoff_factor = float(state["backoff_factor"])
+        self.growth_interval = int(state["growth_interval"])
+        self._growth_tracker = int(state["_growth_tracker"])
+
+
 def build_zero_engine(
     lowered: Any,
     params: dict[str, nn.Parameter],
@@ -839,6 +1014,8 @@ def build_zero_engine(
     zero_axes: Sequence[int] | None = None,
     chunk_bytes: int | None = None,
     mixed_precision: str | None = None,
+    read_flat: Callable[[str, int, int], torch.Tensor] | None = None,
+    device: torch.device | str | None = None,
 ) -> ZeroEngine:
     """The engine for a ParallelModule's local parameters (canonical FQN -> local block).
 
@@ -846,12 +1023,14 @@ def build_zero_engine(
         zero_axes: mesh axes to shard over; None = every axis some parameter gradient is summed
             over (the data-parallel axes). A parameter is sharded over those of them on which
             it is Replicate.
-        mixed_precision: None or "bf16" (see :class:`ZeroEngine`'s ``compute_dtype``).
+        mixed_precision: None, "bf16" or "fp16" (see :class:`ZeroEngine`'s ``compute_dtype``;
+            fp16 needs loss scaling: :class:`ShardedGradScaler`).
+        read_flat, device: materialize meta-device parameters (see :class:`ZeroEngine`).
     """
-    if mixed_precision not in (None, "bf16"):
+    if mixed_precision not in (None, "bf16", "fp16"):
         raise ValueError(
-            f"mixed_precision={mixed_precision!r} is not supported by the ZeRO runtime; use None "
-            f"or 'bf16' (fp16 needs loss scaling, which is not implemented)"
+            f"mixed_precision={mixed_precision!r} is not supported by the ZeRO runtime; use None, "
+            f"'bf16' or 'fp16' (fp16: scale the loss with pmodel.grad_scaler)"
         )
     from autopar.placement import Replicate
 
@@ -879,5 +1058,10 @@ def build_zero_engine(
         coords=coords,
         group_of=group_of,
         chunk_bytes=chunk_bytes,
-        compute_dtype=torch.bfloat16 if mixed_precision == "bf16" else None,
+        compute_dtype=_COMPUTE_DTYPES.get(mixed_precision),
+        read_flat=read_flat,
+        device=device,
     )
+
+
+_COMPUTE_DTYPES: dict[str | None, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}

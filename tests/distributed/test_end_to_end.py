@@ -11,7 +11,9 @@ Matrix (sized to the CI budget of ~4 minutes on 2 cores):
 * meshes (2,) and (2, 2): every model (MLP, GPT, LLaMA, HF GPT-2, HF LLaMA) under ``auto``,
   ``ddp`` and ``megatron``; on (2,) also MLP and GPT under ``fsdp`` (the plan's ZeRO stage
   reaches the runtime; loss and parameters after the steps are compared);
-* mesh (4,): MLP, GPT and HF LLaMA under the three recipes;
+* mesh (4,): MLP, GPT, HF GPT-2 and HF LLaMA under the three recipes; and ``gpt/memory``:
+  after ``autoparallelize`` and ``del model`` the original parameters are freed and the new live
+  tensor storages are the plan's shards (the module once kept the whole original model);
 * mesh (2, 2, 2): MLP and GPT under the three recipes (the tiny GPT plans in about 7 s on a
   3-D mesh; the tiny LLaMA, whose rotary tables make the ILP far larger there, is left out).
 
@@ -53,7 +55,11 @@ MESHES: dict[str, tuple[tuple[int, ...], list[str]]] = {
         [f"{m}/{r}" for m in ALL for r in RECIPES]
         + ["mlp/auto-budget", "gpt/auto-budget", "gpt/train-eval"],
     ),
-    "mesh4": ((4,), [f"{m}/{r}" for m in ("mlp", "gpt", "hf_llama") for r in RECIPES]),
+    "mesh4": (
+        (4,),
+        [f"{m}/{r}" for m in ("mlp", "gpt", "hf_gpt2", "hf_llama") for r in RECIPES]
+        + ["gpt/memory"],
+    ),
     "mesh2x2x2": ((2, 2, 2), [f"{m}/{r}" for m in ("mlp", "gpt") for r in RECIPES]),
 }
 
@@ -209,6 +215,56 @@ def check_sharded_output(mesh: Any) -> dict[str, Any]:
     return {"output_shape": tuple(out.shape)}
 
 
+def _live_storages() -> dict[int, int]:
+    """data pointer -> bytes of every live CPU tensor storage the garbage collector can see."""
+    import gc
+
+    gc.collect()
+    out: dict[int, int] = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
+            try:
+                storage = obj.untyped_storage()
+                out[storage.data_ptr()] = storage.nbytes()
+            except (RuntimeError, NotImplementedError):  # fake / functional tensors
+                continue
+    return out
+
+
+def check_memory(mesh: Any) -> dict[str, Any]:
+    """After autoparallelize (megatron plan: parameters sharded 4 ways) and ``del model``, the
+    original parameters are freed and the new live tensor storages on this rank are the plan's
+    shards (+10%: buffers, small graph constants), not the full model."""
+    import weakref
+
+    import autopar
+
+    model, args, kwargs = _build("gpt")
+    full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    before = _live_storages()
+    originals = [weakref.ref(p) for p in model.parameters()]
+    pmodel = autopar.autoparallelize(
+        model, mesh, args, kwargs, recipe="megatron", optimizer="sgd", price_baselines=False
+    )
+    del model
+    new = sum(n for ptr, n in _live_storages().items() if ptr not in before)
+    alive = sum(ref() is not None for ref in originals)
+    assert alive == 0, f"{alive} original parameters are kept alive by the ParallelModule"
+    shard_bytes = 0
+    for name, _ in pmodel.named_parameters():  # tied parameters once
+        info = pmodel.plan.data["params"][name]
+        numel = math.prod(info["shape"])
+        for axis, p in enumerate(info["placement"].split(",")):
+            if p.startswith("S"):
+                numel //= pmodel.lowered.mesh_shape[axis]
+        shard_bytes += numel * 4
+    held = sum(p.numel() * 4 for p in pmodel.parameters())
+    assert held == shard_bytes, (held, shard_bytes)
+    assert shard_bytes < 0.6 * full_bytes, (shard_bytes, full_bytes)
+    assert new <= 1.1 * shard_bytes + 65536, (new, shard_bytes, full_bytes)
+    return {"new_bytes": new, "shard_bytes": shard_bytes, "full_bytes": full_bytes}
+
+
 def run_case(rank: int, world_size: int, case: str, mesh_shape: tuple[int, ...]) -> Any:
     """Body of one case on one rank (raises on the first mismatch)."""
     start = time.perf_counter()
@@ -218,6 +274,8 @@ def run_case(rank: int, world_size: int, case: str, mesh_shape: tuple[int, ...])
         out = check_train_eval(mesh)
     elif recipe == "sharded-output":
         out = check_sharded_output(mesh)
+    elif recipe == "memory":
+        out = check_memory(mesh)
     else:
         out = check_training(model_name, recipe, mesh)
     return {**out, "seconds": time.perf_counter() - start}

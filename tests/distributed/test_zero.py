@@ -4,6 +4,8 @@ Meshes (one spawn each):
 
 * ``(2,)``: the tiny GPT data parallel (every input batch-split, parameters Replicate), ZeRO on
   the one axis; stage 3 also from the ``fsdp`` recipe's plan.
+* ``(4,)`` inside the 2x2 spawn (its 4 ranks): data parallel, ZeRO 4 ways, stages 0-3, 5 SGD
+  and 5 AdamW steps against one process (same tolerances as below).
 * ``(2, 2)``: the ``fsdp+tp`` recipe's plan (Megatron tensor parallelism on ``tp``, batch split
   on ``dp``) with ZeRO on ``dp`` (the plan's ``zero`` entry), stages 0-3; and the batch split
   over both axes with ZeRO over both (4 shards per chunk, gathered and scattered axis by axis).
@@ -20,7 +22,10 @@ gradient and optimizer-state storages per rank follow the stage (stage 3 ~ 1/N) 
 On 2x2 stage 3: clip_grad_norm_ + autopar.optim.LAMB / LARS for 3 steps equal one process; the
 full (gathered, by FQN) AdamW state equals one process's and, loaded into a stage-1 module,
 continues training as one process does. bf16 mixed precision (stages 2, 3 on (2,)) is within
-bf16 tolerance of one process under autocast with fp32 weights.
+bf16 tolerance of one process under autocast with fp32 weights; fp16 with dynamic loss scaling
+(stages 1, 3 on (2,)) within fp16 tolerance of one process under autocast(fp16) +
+torch.amp.GradScaler, and an inf injected on one rank skips the step on every rank and halves
+the scale.
 """
 
 from __future__ import annotations
@@ -225,6 +230,16 @@ def run_case(
             ATOL,
         )
         return None
+    if kind in ("sgd4", "adamw4"):
+        # A 1-D mesh of all 4 ranks inside the 2x2 spawn: data parallel, ZeRO 4 ways.
+        model, args, pmodel = _build(None, (4,), stage)
+        if stage:
+            assert all(c.zero_axes == (0,) for c in pmodel.zero.chunks)
+        optimizer = kind[:-1]
+        rtol, atol = (RTOL, ATOL) if optimizer == "sgd" else (ADAM_RTOL, ADAM_ATOL)
+        got = _train(pmodel, args, optimizer, NUM_STEPS)
+        _compare(f"{optimizer} on (4,) stage {stage}", got, _reference(optimizer, NUM_STEPS), rtol, atol)
+        return {"losses": got["losses"], "bytes": _state_bytes(pmodel, got["opt"])}
     if kind in ("sgd", "adamw"):
         model, args, pmodel = _build(plan, mesh_shape, stage)
         got = _train(pmodel, args, kind, NUM_STEPS)
@@ -299,6 +314,8 @@ def run_case(
         return _check_optim_state(plan, mesh_shape, stage)
     if kind == "bf16":
         return _check_bf16(plan, mesh_shape, stage)
+    if kind == "fp16":
+        return _check_fp16(plan, mesh_shape, stage)
     if kind in ("lamb", "lars"):
         model, args, pmodel = _build(plan, mesh_shape, stage)
         _compare(
@@ -414,6 +431,61 @@ def _check_bf16(plan: str | None, mesh_shape: tuple[int, ...], stage: int) -> No
         )
 
 
+def _check_fp16(plan: str | None, mesh_shape: tuple[int, ...], stage: int) -> None:
+    """fp16 compute with fp32 master shards and dynamic loss scaling vs one process under
+    autocast(fp16) + torch.amp.GradScaler with fp32 weights: 3 SGD steps (the scale grows
+    after 2 clean steps in both), losses within 1e-3 (fp16 epsilon 9.8e-4), parameters within
+    1e-3. Then an inf injected into rank 0's gradient shard only: every rank skips the step
+    (parameters unchanged bit for bit) and the scale halves on every rank."""
+    import torch.distributed as dist
+
+    from tests.models import tiny_gpt
+
+    model, args, pmodel = _build(plan, mesh_shape, stage, mixed_precision="fp16")
+    ref, _, _ = tiny_gpt()
+    opt = torch.optim.SGD(pmodel.parameters(), lr=LR)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    scaler = pmodel.grad_scaler
+    scaler.growth_interval = 2
+    ref_scaler = torch.amp.GradScaler("cpu", growth_interval=2)
+    assert scaler.is_enabled() and scaler.get_scale() == ref_scaler.get_scale()
+    local = pmodel.shard_inputs(*args)
+    for step in range(3):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        loss = pmodel(*local)
+        pmodel.scale_loss(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        with torch.autocast("cpu", dtype=torch.float16):
+            want = ref(*args)
+        ref_scaler.scale(want).backward()
+        ref_scaler.step(ref_opt)
+        ref_scaler.update()
+        torch.testing.assert_close(loss, want, rtol=1e-3, atol=1e-3)
+        assert scaler.get_scale() == ref_scaler.get_scale(), (step, scaler.get_scale())
+        if step == 0:
+            assert abs(loss.item() - tiny_gpt()[0](*args).item()) > 1e-6, "fp16 was not used"
+    assert scaler.get_scale() == 2.0**17 and scaler.skipped_steps == 0
+    assert all(p.dtype == torch.float32 for p in pmodel.parameters()), "master shards are fp32"
+    state = pmodel.state_dict()
+    for name, value in ref.state_dict().items():
+        torch.testing.assert_close(
+            state[name], value, rtol=0, atol=1e-3, msg=lambda m, name=name: f"{name}: {m}"
+        )
+    # Overflow on one rank only: the verdict is global.
+    opt.zero_grad()
+    pmodel.scale_loss(pmodel(*local)).backward()
+    if dist.get_rank() == 0:
+        victim = next(p for p in pmodel.parameters() if p.grad is not None and p.grad.numel())
+        victim.grad[0] = float("inf")
+    assert scaler.step(opt) is None, "the step was taken despite an overflow"
+    scaler.update()
+    assert scaler.get_scale() == 2.0**16 and scaler.skipped_steps == 1
+    for name, value in pmodel.state_dict().items():
+        assert torch.equal(value, state[name]), f"{name} changed in a skipped step"
+
+
 STAGES = (0, 1, 2, 3)
 CASES_1D = (
     [(f"sgd/{s}", ("sgd", s)) for s in STAGES]
@@ -424,6 +496,8 @@ CASES_1D = (
         ("refuse/3", ("refuse", 3)),
         ("bf16/2", ("bf16", 2)),
         ("bf16/3", ("bf16", 3)),
+        ("fp16/1", ("fp16", 1)),
+        ("fp16/3", ("fp16", 3)),
         ("recipe/fsdp", ("recipe", 3)),
     ]
 )
@@ -437,6 +511,8 @@ CASES_2D = [(f"sgd/{s}", ("sgd", s)) for s in STAGES] + [
     ("lars/3", ("lars", 3)),
     ("recipe/fsdp+tp", ("recipe", 3)),
 ]
+CASES_2D += [(f"mesh4-sgd/{s}", ("sgd4", s)) for s in STAGES]
+CASES_2D += [(f"mesh4-adamw/{s}", ("adamw4", s)) for s in STAGES]
 MESHES = {"mesh2": (2,), "mesh2x2": (2, 2)}
 
 

@@ -1,0 +1,517 @@
+"""Activation checkpointing: candidate segments, their pricing, and the segments a plan chose.
+
+A segment is a set of forward nodes of the captured graph (one module's sub-graph, e.g. a
+transformer block, its attention or its MLP). A recomputed segment keeps only its inputs (and,
+under the selective policy, the outputs of its ``keep`` nodes) for backward and runs its forward
+again during backward.
+
+Candidates (``candidate_segments``): every layer of a stack of repeated blocks (module paths
+``<stack>.<i>``, the names autopar.coarsen ties), each as
+
+- ``full``: the whole block recomputed;
+- ``selective``: the block with matmul / SDPA outputs kept, pointwise ops recomputed;
+- ``full`` on each child module holding a matmul (attention, MLP).
+
+Pricing per node strategy s (the arrays of autopar.problem's strategy space):
+- freed bytes: the node's saved activation, for nodes not kept, less its output storage where
+  a backward outside the segment saves that (the segment's outputs; found with
+  autopar.saved_activations, the rules the activation bytes follow). Segment inputs that no op
+  saved before (checkpoint saves them) are not charged: a block's input is its first norm's
+  saved input anyway;
+- recompute seconds: the node's forward compute, for nodes not kept, plus the forward
+  resharding of every edge into such a node (conversions run inside the recomputed region and
+  are re-issued), priced per (producer, consumer) strategy pair.
+
+The solver (solver/recompute.py, solver/ilp.py ``_add_segments``) chooses which to recompute
+jointly with the sharding, under one memory budget.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import re
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+import torch.fx as fx
+
+from autopar.coarsen import STACK_NAMES
+from autopar.problem import COMM_KINDS, Evaluation, StrategySpace, _local_bytes, _needs_grad
+from autopar.resharding import reshard_steps
+from autopar.strategies.registry import op_call, tensor_meta
+from cost_models import collective_time_s
+from solver.problem import Segment, SegmentEdge
+
+POLICIES = ("full", "selective")
+_BLOCK = re.compile(r"(?:^|\.)(?:" + "|".join(STACK_NAMES) + r")\.\d+(?=\.|$)")
+_aten = torch.ops.aten
+KEPT_OPS = frozenset(
+    {
+        _aten.linear.default,
+        _aten.mm.default,
+        _aten.bmm.default,
+        _aten.matmul.default,
+        _aten.addmm.default,
+        _aten.baddbmm.default,
+        _aten.scaled_dot_product_attention.default,
+    }
+)
+"""Ops whose outputs the selective policy keeps (expensive to recompute, cheap to store
+relative to their FLOPs); everything else in the segment is recomputed."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CheckpointSegment:
+    """One recomputed segment, as recorded in the plan JSON's ``checkpoint.segments``."""
+
+    module_path: str
+    """Module path of the segment (e.g. ``blocks.3`` or ``blocks.3.mlp``)."""
+    nodes: tuple[str, ...]
+    """Forward node names of the captured graph in the segment, in graph order."""
+    keep: tuple[str, ...] = ()
+    """Nodes of the segment whose outputs are saved anyway (selective policy: matmul outputs)."""
+    policy: str = "full"
+    """``full`` (recompute every node) or ``selective`` (keep ``keep``, recompute the rest)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Candidate:
+    """A priced checkpoint candidate on one strategy space."""
+
+    segment: CheckpointSegment
+    node_index: tuple[int, ...]
+    """Space indices of the segment's nodes."""
+    freed_bytes: tuple[np.ndarray, ...]
+    """Per node, per space strategy: bytes freed."""
+    recompute_s: tuple[np.ndarray, ...]
+    """Per node, per space strategy: forward seconds spent again."""
+    edges: tuple[tuple[int, int, np.ndarray], ...]
+    """(src, dst, [src strategy, dst strategy] forward resharding seconds) re-issued."""
+    block: bool
+    """Whether the candidate is a whole block (``checkpoint='all'`` recomputes those)."""
+
+
+def stack_blocks(gm: fx.GraphModule) -> dict[str, list[fx.Node]]:
+    """Module path of every layer of a stack of two or more -> its op nodes, in graph order."""
+    blocks: dict[str, list[fx.Node]] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        match = _BLOCK.search(node.meta.get("autopar_module_path") or "")
+        if match is not None:
+            blocks.setdefault(node.meta["autopar_module_path"][: match.end()], []).append(node)
+    stacks: dict[str, int] = {}
+    for path in blocks:
+        stacks[path.rpartition(".")[0]] = stacks.get(path.rpartition(".")[0], 0) + 1
+    return {path: nodes for path, nodes in blocks.items() if stacks[path.rpartition(".")[0]] > 1}
+
+
+class _ForwardPricer:
+    """Forward-only resharding seconds (what a recomputed conversion costs again)."""
+
+    def __init__(self, space: StrategySpace) -> None:
+        self.mesh = space.mesh
+        self.graph_nodes = {n.name: n for n in space.captured.gm.graph.nodes}
+        self.matrices: dict[tuple, np.ndarray] = {}
+        from autopar.saved_activations import _saves  # it imports CheckpointSegment from here
+
+        gm = space.captured.gm
+        needs_grad = _needs_grad(gm, space.captured.param_nodes)
+        # (consumer, storages its backward saves): what stays saved outside a segment.
+        self.saves = [
+            (node.name, {root.name for root in _saves(node, needs_grad)[0]})
+            for node in gm.graph.nodes
+        ]
+        self.model_outputs = {
+            n.name for n in gm.graph.nodes if any(u.op == "output" for u in n.users)
+        }
+        self.act_itemsize = 2 if space.options.mixed_precision else None
+        self._cache: dict[tuple, float] = {}
+
+    def seconds(self, src, dst, meta) -> float:
+        if src is None or dst is None or src == dst:
+            return 0.0
+        key = (src, dst, meta.shape, meta.dtype)
+        cost = self._cache.get(key)
+        if cost is None:
+            itemsize = (
+                self.act_itemsize
+                if self.act_itemsize is not None and meta.dtype.is_floating_point
+                else meta.dtype.itemsize
+            )
+            try:
+                fwd, _ = reshard_steps(src, dst, meta.shape, itemsize, self.mesh.shape)
+            except ValueError:
+                cost = 0.0  # an impossible pair is never chosen
+            else:
+                cost = sum(
+                    collective_time_s(
+                        step.kind,
+                        step.nbytes,
+                        self.mesh.shape[step.axis],
+                        self.mesh.links[step.axis],
+                    )
+                    for step in fwd
+                    if step.kind in COMM_KINDS
+                )
+            self._cache[key] = cost
+        return cost
+
+
+def _output_bytes(space: StrategySpace, node: fx.Node) -> np.ndarray:
+    """Per strategy: the node's local output bytes as saved (half precision under mixed
+    precision), i.e. the part of its saved activation that is its output storage."""
+    ns = space.node(node.name)
+    call = op_call(node)
+    dtype = next((m.dtype for m in call.outputs if m is not None), torch.float32)
+    scale = 2 / dtype.itemsize if space.options.mixed_precision and dtype.is_floating_point else 1.0
+    return np.array(
+        [
+            scale
+            * sum(_local_bytes(m, p, space.mesh.shape) for m, p in zip(call.outputs, st.outputs))
+            for st in ns.strategies
+        ]
+    )
+
+
+def _saved_outside(space: StrategySpace, pricer: _ForwardPricer, names: set[str]) -> set[str]:
+    """Nodes of the segment whose output storage a backward outside the segment saves (so
+    recomputing the segment does not free it), by the rules of autopar.saved_activations (the
+    ones the activation bytes follow), or the model's outputs."""
+    outside = {
+        root
+        for consumer, roots in pricer.saves
+        if consumer not in names
+        for root in roots
+        if root in names
+    }
+    outside.update(name for name in pricer.model_outputs if name in names)
+    return outside
+
+
+def _price(
+    space: StrategySpace,
+    pricer: _ForwardPricer,
+    path: str,
+    nodes: list[fx.Node],
+    policy: str,
+    block: bool,
+    incoming: dict[int, list[int]],
+) -> Candidate | None:
+    names = {n.name for n in nodes}
+    outside = _saved_outside(space, pricer, names)
+    members = [n for n in nodes if n.name in space.index]
+    keep = tuple(n.name for n in members if policy == "selective" and n.target in KEPT_OPS)
+    freed, again, index = [], [], []
+    recomputed: set[int] = set()
+    for node in members:
+        i = space.index[node.name]
+        ns = space.nodes[i]
+        index.append(i)
+        zeros = np.zeros(len(ns.strategies))
+        if node.name in keep:
+            freed.append(zeros)
+            again.append(zeros)
+            continue
+        recomputed.add(i)
+        if node.name in outside:  # its output stays; its internals are rebuilt
+            freed.append(np.maximum(ns.activation_bytes - _output_bytes(space, node), 0.0))
+        else:
+            freed.append(ns.activation_bytes)
+        again.append(ns.forward_s if ns.forward_s is not None else zeros)
+    if not any(f.any() for f in freed):
+        return None
+    edges = []
+    for i in sorted(recomputed):
+        for e in incoming.get(i, []):
+            edge = space.edges[e]
+            matrix = _forward_matrix(space, pricer, edge)
+            if matrix.any():
+                edges.append((edge.src, edge.dst, matrix))
+    return Candidate(
+        segment=CheckpointSegment(
+            module_path=path,
+            nodes=tuple(n.name for n in members),
+            keep=keep,
+            policy=policy,
+        ),
+        node_index=tuple(index),
+        freed_bytes=tuple(freed),
+        recompute_s=tuple(again),
+        edges=tuple(edges),
+        block=block,
+    )
+
+
+def _forward_matrix(space: StrategySpace, pricer: _ForwardPricer, edge) -> np.ndarray:
+    """[src strategy, dst strategy] forward resharding seconds of ``edge`` (0 where the pair
+    is impossible), priced once per distinct (strategies, input, shape) of repeated layers."""
+    src, dst = space.nodes[edge.src], space.nodes[edge.dst]
+    gm_nodes = pricer.graph_nodes
+    consumer = gm_nodes[dst.name]
+    out_index = consumer.args[1] if consumer.target is operator.getitem else 0
+    meta = tensor_meta(gm_nodes[src.name].meta["val"])
+    if isinstance(meta, list):
+        meta = meta[out_index]
+    # Repeated nodes share their strategy lists: the matrix depends on nothing else here.
+    key = (id(src.strategies), id(dst.strategies), edge.input_index, out_index, meta)
+    cached = pricer.matrices.get(key)
+    if cached is not None:
+        return cached
+    src_pls = [s.outputs[out_index] if out_index < len(s.outputs) else None for s in src.strategies]
+    dst_pls = [t.inputs[edge.input_index] for t in dst.strategies]
+    src_ids = {p: k for k, p in enumerate(dict.fromkeys(src_pls))}
+    dst_ids = {q: k for k, q in enumerate(dict.fromkeys(dst_pls))}
+    table = np.array([[pricer.seconds(p, q, meta) for q in dst_ids] for p in src_ids]).reshape(
+        len(src_ids), len(dst_ids)
+    )
+    rows = np.array([src_ids[p] for p in src_pls], dtype=np.intp)
+    cols = np.array([dst_ids[q] for q in dst_pls], dtype=np.intp)
+    matrix = np.where(np.isfinite(edge.cost_s), table[np.ix_(rows, cols)], 0.0)
+    pricer.matrices[key] = matrix
+    return matrix
+
+
+def candidate_segments(space: StrategySpace, mode: str) -> tuple[Candidate, ...]:
+    """Priced candidates for ``checkpoint=mode``: none for 'none', whole blocks for 'all',
+    blocks (full and selective) and their matmul-holding children for 'auto'."""
+    if mode == "none":
+        return ()
+    blocks = stack_blocks(space.captured.gm)
+    pricer = _ForwardPricer(space)
+    incoming: dict[int, list[int]] = {}
+    for e, edge in enumerate(space.edges):
+        if edge.input_index >= 0:
+            incoming.setdefault(edge.dst, []).append(e)
+    out: list[Candidate] = []
+    for path, nodes in blocks.items():
+        options = [(path, nodes, "full", True)]
+        if mode == "auto":
+            options.append((path, nodes, "selective", False))
+            children: dict[str, list[fx.Node]] = {}
+            for node in nodes:
+                rest = node.meta["autopar_module_path"][len(path) :]
+                if rest.startswith("."):
+                    children.setdefault(path + "." + rest[1:].split(".")[0], []).append(node)
+            for child, child_nodes in children.items():
+                if any(n.target in KEPT_OPS for n in child_nodes) and len(child_nodes) < len(nodes):
+                    options.append((child, child_nodes, "full", False))
+        seen: set[tuple] = set()
+        for child_path, child_nodes, policy, block in options:
+            candidate = _price(space, pricer, child_path, child_nodes, policy, block, incoming)
+            if candidate is None:
+                continue
+            key = (candidate.segment.nodes, candidate.segment.keep)
+            if key not in seen:
+                seen.add(key)
+                out.append(candidate)
+    return tuple(out)
+
+
+def block_group_candidates(space: StrategySpace, group_size: int) -> tuple[Candidate, ...]:
+    """Consecutive blocks of each stack, ``group_size`` at a time, each group one full segment
+    (Chen et al.'s sqrt(n) checkpointing with ``group_size = ceil(sqrt(n))``); module path
+    ``<first block>:<count>``."""
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    pricer = _ForwardPricer(space)
+    incoming: dict[int, list[int]] = {}
+    for e, edge in enumerate(space.edges):
+        if edge.input_index >= 0:
+            incoming.setdefault(edge.dst, []).append(e)
+    stacks: dict[str, list[str]] = {}
+    blocks = stack_blocks(space.captured.gm)
+    for path in blocks:
+        stacks.setdefault(path.rpartition(".")[0], []).append(path)
+    out = []
+    for paths in stacks.values():
+        for k in range(0, len(paths), group_size):
+            group = paths[k : k + group_size]
+            nodes = [n for path in group for n in blocks[path]]
+            candidate = _price(
+                space, pricer, f"{group[0]}:{len(group)}", nodes, "full", True, incoming
+            )
+            if candidate is not None:
+                out.append(candidate)
+    return tuple(out)
+
+
+def solver_segments(
+    candidates: tuple[Candidate, ...], allowed: tuple[tuple[int, ...], ...], *, forced: bool
+) -> tuple[Segment, ...]:
+    """The candidates as solver segments over the offered strategies (``BuiltProblem.allowed``);
+    ``forced`` makes every candidate recomputed (``checkpoint='all'``)."""
+    converted: dict[tuple, tuple] = {}
+
+    def row(values: np.ndarray, idx: tuple[int, ...]) -> tuple[float, ...]:
+        key = (id(values), idx)
+        out = converted.get(key)
+        if out is None:
+            out = converted[key] = tuple(float(values[i]) for i in idx)
+        return out
+
+    segments = []
+    for c in candidates:
+        segments.append(
+            Segment(
+                name=c.segment.module_path + ("" if c.segment.policy == "full" else "[selective]"),
+                nodes=c.node_index,
+                freed_bytes=tuple(row(f, allowed[n]) for n, f in zip(c.node_index, c.freed_bytes)),
+                recompute_s=tuple(row(t, allowed[n]) for n, t in zip(c.node_index, c.recompute_s)),
+                edges=tuple(
+                    SegmentEdge(
+                        src=src,
+                        dst=dst,
+                        cost_s=tuple(
+                            tuple(float(matrix[a, b]) for b in allowed[dst]) for a in allowed[src]
+                        ),
+                    )
+                    for src, dst, matrix in c.edges
+                ),
+                min_copies=1 if forced else 0,
+            )
+        )
+    return tuple(segments)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ChosenSegment:
+    """A recomputed candidate under the plan's strategies."""
+
+    segment: CheckpointSegment
+    saved_bytes: float
+    recompute_s: float
+
+    def to_dict(self) -> dict:
+        return {
+            "module_path": self.segment.module_path,
+            "nodes": list(self.segment.nodes),
+            "keep": list(self.segment.keep),
+            "policy": self.segment.policy,
+            "saved_bytes": self.saved_bytes,
+            "recompute_s": self.recompute_s,
+        }
+
+
+def chosen_segments(
+    candidates: tuple[Candidate, ...], recomputed: tuple[int, ...], choice: tuple[int, ...]
+) -> tuple[ChosenSegment, ...]:
+    """The recomputed candidates priced under ``choice`` (strategy index per space node)."""
+    out = []
+    for c, count in zip(candidates, recomputed):
+        if not count:
+            continue
+        freed = math.fsum(float(f[choice[n]]) for n, f in zip(c.node_index, c.freed_bytes))
+        seconds = math.fsum(
+            [
+                *(float(t[choice[n]]) for n, t in zip(c.node_index, c.recompute_s)),
+                *(float(m[choice[s], choice[d]]) for s, d, m in c.edges),
+            ]
+        )
+        out.append(ChosenSegment(segment=c.segment, saved_bytes=freed, recompute_s=seconds))
+    return tuple(out)
+
+
+def with_segments(evaluation: Evaluation, chosen: tuple[ChosenSegment, ...]) -> Evaluation:
+    """The evaluation with recompute: activations less the freed bytes, one segment's freed
+    bytes alive again during backward (memory key 'recompute_peak'), step plus recompute."""
+    if not chosen:
+        return evaluation
+    freed = math.fsum(c.saved_bytes for c in chosen)
+    again = max(c.saved_bytes for c in chosen)
+    seconds = math.fsum(c.recompute_s for c in chosen)
+    memory = dict(evaluation.memory)
+    memory["activations"] -= freed
+    memory["recompute_peak"] = again
+    return replace(
+        evaluation,
+        step_s=evaluation.step_s + seconds,
+        peak_memory_bytes=evaluation.peak_memory_bytes - freed + again,
+        memory=memory,
+        recompute_s=seconds,
+    )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SweepPoint:
+    """One plan of a memory-budget sweep (``autopar plan --sweep-budget``)."""
+
+    budget_bytes: float
+    step_s: float | None
+    """Predicted step time; None where no plan fits."""
+    peak_memory_bytes: float | None
+    recompute_s: float
+    num_segments: int
+    zero_stage: int | None
+
+
+def budget_sweep(
+    captured,
+    mesh,
+    options,
+    *,
+    model_name: str,
+    num_points: int = 6,
+) -> list[SweepPoint]:
+    """Plan under ``num_points`` budgets evenly spaced from the smallest that fits (with the
+    options' checkpoint mode) to the budget-free plan's peak; the step-time vs memory curve.
+
+    Args:
+        captured: autopar.capture.Captured.
+        mesh: autopar.mesh.Mesh.
+        options: PlanOptions (its memory_budget is replaced by each point's).
+    """
+    from autopar.api import plan_captured
+    from autopar.errors import PlanningError
+
+    def solve(budget: float):
+        return plan_captured(
+            captured,
+            mesh,
+            replace(options, memory_budget=int(budget)),
+            model_name=model_name,
+            price_baselines=False,
+        )
+
+    top = solve(mesh.device.mem_capacity_bytes * 1e3).predicted_peak_memory_bytes
+    try:
+        solve(1.0)
+        raise AssertionError("a 1-byte budget fitted")
+    except PlanningError as e:
+        found = re.search(r"\((\d+) bytes\)", str(e))
+        if found is None:
+            raise
+        bottom = float(found.group(1))
+    if bottom >= top:
+        budgets = [top]
+    else:
+        budgets = [bottom + (top - bottom) * k / (num_points - 1) for k in range(num_points)]
+    points = []
+    for budget in budgets:
+        try:
+            plan = solve(math.ceil(budget))
+        except PlanningError:
+            points.append(
+                SweepPoint(
+                    budget_bytes=budget,
+                    step_s=None,
+                    peak_memory_bytes=None,
+                    recompute_s=0.0,
+                    num_segments=0,
+                    zero_stage=None,
+                )
+            )
+            continue
+        points.append(
+            SweepPoint(
+                budget_bytes=budget,
+                step_s=plan.predicted_step_s,
+                peak_memory_bytes=plan.predicted_peak_memory_bytes,
+                recompute_s=plan.data["predicted"]["breakdown"].get("recompute_s", 0.0),
+                num_segments=len(plan.checkpoint_segments()),
+                zero_stage=plan.zero["stage"],
+            )
+        )
+    return points

@@ -1,0 +1,600 @@
+"""Sharded state dicts for ``torch.distributed.checkpoint`` and lazy loading of full checkpoints.
+
+Sharded form. :func:`sharded_state_dict` returns, per FQN, a ``DTensor`` whose local tensor is
+this rank's real shard and whose placements say where it lies in the full tensor, so that
+``torch.distributed.checkpoint`` (DCP) saves each element once and loads it onto any other mesh,
+plan or ZeRO stage (or into plain tensors on one process). Nothing is gathered whole:
+
+* a parameter or buffer that is not ZeRO-managed is its tensor-parallel block, with the plan's
+  placements on a ``DeviceMesh`` built from autopar's own per-axis process groups;
+* a ZeRO-managed parameter lives in flat chunk pieces (any elements of the block, cut at chunk
+  boundaries). It is re-partitioned into an even split of the block's rows (dim 0) over its
+  ZeRO axes, ``torch.chunk`` style (uneven splits allowed, as DTensor's ``Shard`` allows), by
+  one uneven all-to-all in which a rank exchanges with its ZeRO group only (each element
+  moves at most once; no rank holds more than its pieces and its rows). In DTensor terms that is
+  ``Shard(0)`` on each ZeRO axis, nested INSIDE the tensor-parallel shards; DTensor nests
+  shards of one dim in mesh-axis order, so the ``DeviceMesh`` of such a tensor lists the
+  non-ZeRO axes first and the ZeRO axes last (the same ranks and groups, axes permuted).
+  A 0-d parameter is the exception: it is Replicate on the ZeRO axes (one element).
+
+Loading (:func:`load_sharded_state_dict`) runs the exchange backwards; the DTensors must have
+this module's layout (what :func:`sharded_state_dict` returns, filled by ``dcp.load``). The
+optimizer's state follows the same rules per state tensor (:func:`sharded_optim_state_dict`,
+:func:`load_sharded_optim_state_dict`), in the FQN-keyed format of
+``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``, so a plain module on one
+process loads it with ``set_optimizer_state_dict``.
+
+Lazy full loading. :class:`StateSource` reads blocks of full tensors by name from a dict (one
+tensor at a time: the caller keeps only the block) or from a safetensors file through
+``safe_open(...).get_slice(name)``, which reads only the requested rows and columns from disk.
+:class:`~autopar.runtime.module.ParallelModule` uses it to materialize a model built on the meta
+device: each rank reads only its tensor-parallel blocks, and under ZeRO stage 3 only the rows
+that cover its chunk pieces.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.nn.modules.module import _IncompatibleKeys
+
+from autopar.placement import Placements, format_placements
+
+__all__ = [
+    "StateSource",
+    "block_index",
+    "global_shape",
+    "load_sharded_optim_state_dict",
+    "load_sharded_state_dict",
+    "sharded_optim_state_dict",
+    "sharded_state_dict",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# Geometry
+
+
+def global_shape(
+    local_shape: Sequence[int], placements: Placements, mesh_shape: Sequence[int]
+) -> tuple[int, ...]:
+    """The full shape of a tensor-parallel block (plan placements split dims evenly)."""
+    shape = list(local_shape)
+    for axis, p in enumerate(placements):
+        if isinstance(p, Shard):
+            shape[p.dim] *= mesh_shape[axis]
+    return tuple(shape)
+
+
+def block_index(
+    full_shape: Sequence[int],
+    placements: Placements,
+    mesh_shape: Sequence[int],
+    coords: Sequence[int],
+) -> tuple[slice, ...]:
+    """Per dim, the slice of the full tensor that is this rank's tensor-parallel block (the
+    region :func:`autopar.runtime.module.local_block` cuts: axis 0 outermost)."""
+    start = [0] * len(full_shape)
+    size = list(full_shape)
+    for axis, p in enumerate(placements):
+        if isinstance(p, Shard):
+            if size[p.dim] % mesh_shape[axis]:
+                raise ValueError(
+                    f"dim {p.dim} of shape {tuple(full_shape)} does not split {mesh_shape[axis]} "
+                    f"ways (placements {format_placements(placements)})"
+                )
+            size[p.dim] //= mesh_shape[axis]
+            start[p.dim] += coords[axis] * size[p.dim]
+    return tuple(slice(a, a + n) for a, n in zip(start, size))
+
+
+def _nested_rows(num_rows: int, splits: Iterable[tuple[int, int]]) -> tuple[int, int]:
+    """Rows [start, stop) of a member after nested ``torch.chunk`` splits ``(size, coord)``,
+    outermost first (DTensor's uneven ``Shard`` semantics)."""
+    start, length = 0, num_rows
+    for size, coord in splits:
+        full = -(-length // size)
+        offset = min(full * coord, length)
+        new_length = max(0, min(length, offset + full) - offset)
+        start, length = start + offset, new_length
+    return start, start + length
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _ZeroGroup:
+    """Where a ZeRO-managed parameter's elements are, over the ranks of its ZeRO group."""
+
+    ranks: tuple[int, ...]
+    """Global ranks of the group, by shard index (row-major over the ZeRO axes)."""
+    have: tuple[tuple[int, int], ...]
+    """Per member: flat range of the tensor-parallel block its chunk piece holds."""
+    want: tuple[tuple[int, int], ...]
+    """Per member: flat range its row shard covers."""
+    me: int
+    """This rank's index in ``ranks``."""
+    rows_shape: tuple[int, ...]
+    """Shape of this rank's row shard."""
+
+
+class _Layouts:
+    """The sharded-form layout of every local tensor of one ParallelModule."""
+
+    def __init__(self, pmodel: Any) -> None:
+        self.pmodel = pmodel
+        self.groups = pmodel.groups
+        self.mesh_shape = tuple(pmodel.lowered.mesh_shape)
+        self.coords = tuple(pmodel.coords)
+        self._meshes: dict[tuple[int, ...], DeviceMesh] = {}
+
+    def device_mesh(self, order: tuple[int, ...]) -> DeviceMesh:
+        """The mesh's DeviceMesh with its axes in ``order`` (same ranks and groups)."""
+        mesh = self._meshes.get(order)
+        if mesh is None:
+            base = self.groups.device_mesh
+            if order == tuple(range(len(self.mesh_shape))):
+                mesh = base
+            else:
+                grid = torch.arange(math.prod(self.mesh_shape)).view(self.mesh_shape)
+                names = tuple(self.groups.axis_names[a] for a in order)
+                mesh = DeviceMesh.from_group(
+                    [self.groups.groups[a] for a in order],
+                    base.device_type,
+                    mesh=grid.permute(order).contiguous(),
+                    mesh_dim_names=names,
+                )
+            self._meshes[order] = mesh
+        return mesh
+
+    def zero_group(self, param: torch.Tensor) -> _ZeroGroup | None:
+        """The ZeRO geometry of a managed shard parameter (None if not managed)."""
+        engine = self.pmodel.zero
+        if engine is None or not engine.manages(param):
+            return None
+        chunk, slot = engine.slot_of(param)
+        axes = chunk.zero_axes
+        sizes = [self.mesh_shape[a] for a in axes]
+        num_rows = slot.shape[0] if len(slot.shape) else 1
+        row_numel = math.prod(slot.shape[1:]) if len(slot.shape) else 1
+        ranks, have, want = [], [], []
+        me = -1
+        for k in range(math.prod(sizes)):
+            member = list(self.coords)
+            rest = k
+            for axis, size in zip(reversed(axes), reversed(sizes)):
+                member[axis] = rest % size
+                rest //= size
+            rank = 0
+            for c, m in zip(member, self.mesh_shape):
+                rank = rank * m + c
+            ranks.append(rank)
+            if tuple(member) == self.coords:
+                me = k
+            lo = max(k * chunk.shard_numel - slot.offset, 0)
+            hi = min((k + 1) * chunk.shard_numel - slot.offset, slot.numel)
+            have.append((lo, max(lo, hi)))
+            if len(slot.shape):
+                r0, r1 = _nested_rows(num_rows, zip(sizes, (member[a] for a in axes)))
+            else:
+                r0, r1 = 0, 1
+            want.append((r0 * row_numel, r1 * row_numel))
+        assert me >= 0
+        rows = (want[me][1] - want[me][0]) // row_numel
+        rows_shape = (rows, *slot.shape[1:]) if len(slot.shape) else ()
+        return _ZeroGroup(
+            ranks=tuple(ranks), have=tuple(have), want=tuple(want), me=me, rows_shape=rows_shape
+        )
+
+    def placements(
+        self, name: str, param: torch.Tensor, zero: _ZeroGroup | None
+    ) -> tuple[tuple[int, ...], tuple[Any, ...], tuple[int, ...]]:
+        """(mesh axis order, DTensor placements in that order, global shape) of one tensor."""
+        pmodel = self.pmodel
+        tp = pmodel._param_placements.get(name) or pmodel._buffer_placements[name]
+        num_axes = len(self.mesh_shape)
+        if zero is None:
+            return tuple(range(num_axes)), tuple(tp), global_shape(param.shape, tp, self.mesh_shape)
+        engine = pmodel.zero
+        chunk, slot = engine.slot_of(param)
+        zero_axes = chunk.zero_axes
+        order = tuple(a for a in range(num_axes) if a not in zero_axes) + tuple(zero_axes)
+        row_split = Shard(0) if len(slot.shape) else Replicate()
+        placements = tuple(tp[a] if a not in zero_axes else row_split for a in order)
+        return order, placements, global_shape(slot.shape, tp, self.mesh_shape)
+
+
+def _exchange(
+    items: Sequence[tuple[_ZeroGroup, torch.Tensor]], *, backwards: bool = False
+) -> list[torch.Tensor]:
+    """Move ZeRO-managed elements between the chunk-piece layout and the row layout.
+
+    ``items``: (geometry, flat local data). Forwards the data is each member's ``have`` range
+    and the result its ``want`` range; backwards the other way round. What goes to one peer is
+    the pieces of every item concatenated in item order (every rank computes every range, so
+    both ends agree on sizes and order). A collective: every rank must call it with the same
+    items (its own geometry of each)."""
+    me = dist.get_rank()
+    outs: list[torch.Tensor] = []
+    sends: dict[int, list[torch.Tensor]] = {}
+    recvs: dict[int, list[tuple[int, int, int]]] = {}
+    for i, (group, data) in enumerate(items):
+        have, want = (group.want, group.have) if backwards else (group.have, group.want)
+        my_have, my_want = have[group.me], want[group.me]
+        out = torch.empty(my_want[1] - my_want[0], dtype=data.dtype, device=data.device)
+        outs.append(out)
+        for k, peer in enumerate(group.ranks):
+            lo, hi = max(my_have[0], want[k][0]), min(my_have[1], want[k][1])
+            if hi > lo:
+                piece = data[lo - my_have[0] : hi - my_have[0]]
+                if peer == me:
+                    out[lo - my_want[0] : hi - my_want[0]].copy_(piece)
+                else:
+                    sends.setdefault(peer, []).append(piece)
+            lo, hi = max(have[k][0], my_want[0]), min(have[k][1], my_want[1])
+            if hi > lo and peer != me:
+                recvs.setdefault(peer, []).append((i, lo - my_want[0], hi - my_want[0]))
+    dtypes = {data.dtype for _, data in items}
+    if len(dtypes) > 1:
+        raise AssertionError(f"one exchange per dtype, got {dtypes}")
+    if not items:
+        return outs
+    # One all_to_all over the world (uneven splits, zero for ranks outside the ZeRO groups):
+    # a collective keeps every rank's sequence of operations on the group the same, which
+    # point-to-point messages of rank-dependent counts would not.
+    world = dist.get_world_size()
+    send_sizes = [sum(p.numel() for p in sends.get(r, [])) for r in range(world)]
+    recv_sizes = [sum(hi - lo for _, lo, hi in recvs.get(r, [])) for r in range(world)]
+    dtype, device = outs[0].dtype, outs[0].device
+    pieces = [p for r in range(world) for p in sends.get(r, [])]
+    send = torch.cat(pieces) if pieces else torch.empty(0, dtype=dtype, device=device)
+    recv = torch.empty(sum(recv_sizes), dtype=dtype, device=device)
+    dist.all_to_all_single(recv, send, recv_sizes, send_sizes)
+    at = 0
+    for r in range(world):
+        for i, lo, hi in recvs.get(r, []):
+            outs[i][lo:hi].copy_(recv[at : at + hi - lo])
+            at += hi - lo
+    return outs
+
+
+# ---------------------------------------------------------------------------------------------
+# Model state
+
+
+def sharded_state_dict(pmodel: Any) -> dict[str, DTensor]:
+    """Per persistent FQN, a DTensor of this rank's shard (module docstring); a collective
+    (ZeRO-managed parameters are exchanged among their ZeRO group). Tied parameters appear
+    under each of their names. ``dcp.save`` it; to load, fill a fresh one with ``dcp.load``
+    and pass it to ``pmodel.load_state_dict``."""
+    layouts = _Layouts(pmodel)
+    named = [(n, t) for n, t in pmodel._named_state() if n in pmodel._persistent]
+    return _to_dtensors(layouts, [(name, tensor, tensor) for name, tensor in named])
+
+
+def _to_dtensors(
+    layouts: _Layouts, entries: Sequence[tuple[str, torch.Tensor, torch.Tensor]]
+) -> dict[str, Any]:
+    """(name, shard parameter or buffer, local value shaped like it) -> name -> DTensor."""
+    out: dict[str, Any] = {}
+    done: dict[int, DTensor] = {}
+    zero_items: dict[torch.dtype, list[tuple[str, _ZeroGroup, torch.Tensor, torch.Tensor]]] = {}
+    for name, param, value in entries:
+        if id(value) in done:
+            out[name] = done[id(value)]
+            continue
+        zero = layouts.zero_group(param)
+        if zero is None:
+            out[name] = done[id(value)] = _dtensor(layouts, name, param, value.detach(), None)
+        else:
+            zero_items.setdefault(value.dtype, []).append((name, zero, param, value))
+    for dtype in sorted(zero_items, key=str):
+        items = zero_items[dtype]
+        rows = _exchange([(z, v.detach().reshape(-1)) for _, z, _, v in items])
+        for (name, zero, param, value), flat in zip(items, rows):
+            dt = _dtensor(layouts, name, param, flat.view(zero.rows_shape), zero)
+            out[name] = done[id(value)] = dt
+    return {name: out[name] for name, _, _ in entries}
+
+
+def _dtensor(
+    layouts: _Layouts, name: str, param: torch.Tensor, local: torch.Tensor, zero: _ZeroGroup | None
+) -> DTensor:
+    order, placements, shape = layouts.placements(name, param, zero)
+    mesh = layouts.device_mesh(order)
+    stride = torch.empty(shape, device="meta").stride()
+    expected, _ = compute_local_shape_and_global_offset(shape, mesh, placements)
+    assert tuple(expected) == tuple(local.shape), (name, expected, local.shape)
+    return DTensor.from_local(
+        local, mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride
+    )
+
+
+def _local_of(layouts: _Layouts, name: str, param: torch.Tensor, value: Any) -> torch.Tensor:
+    """The local tensor of a DTensor that must have this module's sharded layout."""
+    if not isinstance(value, DTensor):
+        raise TypeError(f"{name}: expected a DTensor of the sharded form, got {type(value)}")
+    zero = layouts.zero_group(param)
+    order, placements, shape = layouts.placements(name, param, zero)
+    mesh = layouts.device_mesh(order)
+    same_mesh = value.device_mesh.mesh.tolist() == mesh.mesh.tolist()
+    if tuple(value.shape) != tuple(shape):
+        raise ValueError(
+            f"{name}: the checkpoint has shape {tuple(value.shape)} but the model has "
+            f"{tuple(shape)}; load a checkpoint of this model"
+        )
+    if not same_mesh or tuple(value.placements) != placements:
+        raise ValueError(
+            f"{name}: this sharded state dict has another layout ({value.placements} on "
+            f"{value.device_mesh}) than this module ({placements} on {mesh}); load it through "
+            f"torch.distributed.checkpoint: sd = pmodel.state_dict(sharded=True); "
+            f"dcp.load(sd, checkpoint_id=...); pmodel.load_state_dict(sd)"
+        )
+    return value.to_local()
+
+
+def load_sharded_state_dict(
+    pmodel: Any, state_dict: Mapping[str, Any], strict: bool = True
+) -> _IncompatibleKeys:
+    """Load :func:`sharded_state_dict`'s form (of this module's layout); a collective.
+
+    Plain tensors in ``state_dict`` are taken as FULL tensors (``load_state_dict``'s other
+    form)."""
+    layouts = _Layouts(pmodel)
+    own = dict(pmodel._named_state())
+    missing = [n for n in own if n in pmodel._persistent and n not in state_dict]
+    unexpected = [n for n in state_dict if n not in own]
+    if strict and (missing or unexpected):
+        raise RuntimeError(
+            f"ParallelModule.load_state_dict: missing keys {missing}, unexpected keys "
+            f"{unexpected}; a sharded state dict must come from pmodel.state_dict(sharded=True)"
+        )
+    full = {n: v for n, v in state_dict.items() if n in own and not isinstance(v, DTensor)}
+    if full:
+        pmodel.load_state_dict(full, strict=False)
+    entries = [(n, own[n], v) for n, v in state_dict.items() if n in own and n not in full]
+    _store(layouts, entries, lambda param, local: _copy_into(param, local))
+    return _IncompatibleKeys(missing, unexpected)
+
+
+def _copy_into(target: torch.Tensor, local: torch.Tensor) -> None:
+    with torch.no_grad():
+        target.copy_(local.reshape(target.shape))
+
+
+def _store(
+    layouts: _Layouts,
+    entries: Sequence[tuple[str, torch.Tensor, Any]],
+    put: Callable[[torch.Tensor, torch.Tensor], None],
+) -> None:
+    """For (name, shard parameter or buffer, DTensor): ``put(param, local value shaped like
+    the parameter)``, exchanging ZeRO-managed ones back to chunk pieces; a collective."""
+    engine = layouts.pmodel.zero
+    zero_items: dict[torch.dtype, list[tuple[_ZeroGroup, torch.Tensor, torch.Tensor]]] = {}
+    seen: set[tuple[int, int]] = set()
+    for name, param, value in entries:
+        local = _local_of(layouts, name, param, value)
+        if (id(param), id(value)) in seen:
+            continue  # a tied parameter's other name
+        seen.add((id(param), id(value)))
+        zero = layouts.zero_group(param)
+        if zero is None:
+            put(param, local)
+        else:
+            zero_items.setdefault(local.dtype, []).append((zero, param, local))
+    touched: set[int] = set()
+    for dtype in sorted(zero_items, key=str):
+        items = zero_items[dtype]
+        pieces = _exchange([(z, v.reshape(-1)) for z, _, v in items], backwards=True)
+        for (_, param, _), piece in zip(items, pieces):
+            put(param, piece)
+            touched.add(engine.slot_of(param)[0].index)
+    if engine is not None and engine.stage < 3:
+        for index in sorted(touched):
+            engine.sync_full(index)
+
+
+# ---------------------------------------------------------------------------------------------
+# Optimizer state
+
+
+def _init_optim_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the state of parameters that have none by a step with zero gradients and a zero
+    learning rate (as ``torch.distributed.checkpoint.state_dict`` does), so a fresh optimizer
+    has the tensors ``dcp.load`` fills. The parameters do not change."""
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    if all(p in optimizer.state for p in params):
+        return
+    saved_lr = [g["lr"] for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        g["lr"] = torch.tensor(0.0) if torch.is_tensor(g["lr"]) else 0.0
+    had_grad = {id(p) for p in params if p.grad is not None}
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    try:
+        optimizer.step()
+    finally:
+        for g, lr in zip(optimizer.param_groups, saved_lr):
+            g["lr"] = lr
+        for p in params:
+            if id(p) not in had_grad:
+                p.grad = None
+
+
+def sharded_optim_state_dict(pmodel: Any, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's state in ``get_optimizer_state_dict``'s FQN-keyed form, with every
+    per-element state tensor a DTensor laid out like its parameter's sharded form:
+    ``{"state": {fqn: {key: DTensor | scalar}}, "param_groups": [{..., "params": [fqn]}]}``.
+    A collective; a fresh optimizer gets its state created first (zero-learning-rate step),
+    so the result is also the template ``dcp.load`` fills before
+    :func:`load_sharded_optim_state_dict`."""
+    _init_optim_state(optimizer)
+    layouts = _Layouts(pmodel)
+    names = {id(p): n for n, p in pmodel.named_parameters()}
+    params = [p for g in optimizer.param_groups for p in g["params"] if p in optimizer.state]
+    state: dict[str, dict[str, Any]] = {names[id(p)]: {} for p in params}
+    keys = sorted({k for p in params for k in optimizer.state[p]})
+    for key in keys:
+        entries = []
+        for p in params:
+            value = optimizer.state[p].get(key)
+            if _is_elementwise(value, p):
+                entries.append((names[id(p)], p, value))
+            elif value is not None:
+                state[names[id(p)]][key] = value.clone() if torch.is_tensor(value) else value
+        for name, dt in _to_dtensors(layouts, entries).items():
+            state[name][key] = dt
+    groups = [
+        {
+            **{k: v for k, v in g.items() if k != "params"},
+            "params": [names[id(p)] for p in g["params"]],
+        }
+        for g in optimizer.param_groups
+    ]
+    return {"state": state, "param_groups": groups}
+
+
+def load_sharded_optim_state_dict(
+    pmodel: Any, optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any]
+) -> None:
+    """Load :func:`sharded_optim_state_dict`'s form (this module's layout, e.g. filled by
+    ``dcp.load``); a collective. Hyperparameters are taken by group index."""
+    layouts = _Layouts(pmodel)
+    by_name = dict(pmodel.named_parameters())
+    saved_groups = state_dict["param_groups"]
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise ValueError(
+            f"the state dict has {len(saved_groups)} param groups but the optimizer has "
+            f"{len(optimizer.param_groups)}; build the optimizer with the same groups"
+        )
+    for group, saved in zip(optimizer.param_groups, saved_groups):
+        group.update({k: v for k, v in saved.items() if k != "params"})
+    unknown = sorted(set(state_dict["state"]) - set(by_name))
+    if unknown:
+        raise ValueError(f"optimizer state for unknown parameters {unknown[:8]}")
+    keys = sorted({k for entries in state_dict["state"].values() for k in entries})
+    new_state: dict[torch.Tensor, dict[str, Any]] = {}
+    for key in keys:
+        entries = []
+        for name, saved in state_dict["state"].items():
+            value = saved.get(key)
+            param = by_name[name]
+            own = new_state.setdefault(param, {})
+            if isinstance(value, DTensor):
+                entries.append((name, param, value))
+            elif value is not None:
+                own[key] = value.clone() if torch.is_tensor(value) else value
+
+        def put(param: torch.Tensor, local: torch.Tensor, key: str = key) -> None:
+            new_state[param][key] = local.reshape(param.shape).clone().to(param.dtype)
+
+        _store(layouts, entries, put)
+    for param, own in new_state.items():
+        optimizer.state[param] = own
+
+
+def _is_elementwise(value: Any, param: torch.Tensor) -> bool:
+    return torch.is_tensor(value) and value.dim() > 0 and value.shape == param.shape
+
+
+# ---------------------------------------------------------------------------------------------
+# Lazy full state: a dict or a safetensors file
+
+
+class StateSource:
+    """Reads blocks of FULL tensors by name, one tensor at a time.
+
+    Args:
+        sources: a state dict (name -> full tensor), the path of a ``.safetensors`` file, or a
+            sequence of those (the first one holding a name wins; e.g. a file plus a dict of
+            the non-persistent buffers it lacks).
+
+    ``read(name, index)`` returns a copy of ``full[index]``: from a safetensors file only those
+    elements are read (``safe_open(...).get_slice(name)``). ``read_bytes`` counts the bytes
+    read so far and ``max_read_bytes`` the largest single read (what a rank holds at most
+    besides its shards while materializing).
+    """
+
+    def __init__(
+        self,
+        sources: Mapping[str, torch.Tensor]
+        | str
+        | os.PathLike[str]
+        | Sequence[Mapping[str, torch.Tensor] | str | os.PathLike[str]],
+    ) -> None:
+        if isinstance(sources, (Mapping, str, os.PathLike)):
+            sources = [sources]
+        self._dicts: list[Mapping[str, torch.Tensor]] = []
+        self._where: dict[str, tuple[str, Any]] = {}
+        self._files: list[Any] = []
+        self.read_bytes = 0
+        self.max_read_bytes = 0
+        for source in sources:
+            if isinstance(source, Mapping):
+                for name in source:
+                    self._where.setdefault(name, ("dict", source))
+            elif isinstance(source, (str, os.PathLike)):
+                try:
+                    from safetensors import safe_open
+                except ImportError as exc:  # pragma: no cover - a dependency
+                    raise ImportError(
+                        "reading a safetensors file needs the safetensors package: "
+                        "pip install safetensors"
+                    ) from exc
+                handle = safe_open(os.fspath(source), framework="pt", device="cpu")
+                self._files.append(handle)
+                for name in handle.keys():
+                    self._where.setdefault(name, ("file", handle))
+            else:
+                raise TypeError(
+                    f"state_dict= takes a dict of full tensors, a .safetensors path or a list of "
+                    f"those, got {type(source).__name__}"
+                )
+
+    def keys(self) -> list[str]:
+        return list(self._where)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._where
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        kind, source = self._where[name]
+        if kind == "dict":
+            return tuple(source[name].shape)
+        return tuple(source.get_slice(name).get_shape())
+
+    def read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
+        """A copy of ``full[index]`` (``index``: one slice per dim; () for a 0-d tensor)."""
+        kind, source = self._where[name]
+        if kind == "dict":
+            value = source[name].detach()[index].clone() if index else source[name].detach().clone()
+        elif index:
+            value = source.get_slice(name)[index]
+        else:
+            value = source.get_tensor(name)
+        nbytes = value.numel() * value.element_size()
+        self.read_bytes += nbytes
+        self.max_read_bytes = max(self.max_read_bytes, nbytes)
+        return value
+
+    def read_flat(self, name: str, block: tuple[slice, ...], lo: int, hi: int) -> torch.Tensor:
+        """Flat elements [lo, hi) of the block ``full[block]`` (read as the rows covering them)."""
+        if not block:
+            return self.read(name, ()).reshape(-1)[lo:hi]
+        row_numel = math.prod(s.stop - s.start for s in block[1:])
+        r0 = lo // max(row_numel, 1)
+        r1 = -(-hi // max(row_numel, 1)) if row_numel else r0
+        start = block[0].start
+        rows = self.read(name, (slice(start + r0, start + r1), *block[1:])).reshape(-1)
+        return rows[lo - r0 * row_numel : hi - r0 * row_numel]
+
+    def close(self) -> None:
+        self._files.clear()

@@ -1,0 +1,469 @@
+"""autopar's ZeRO stages against PyTorch's DDP, ZeroRedundancyOptimizer and FSDP2, on 4 gloo
+ranks (CPU), in one run.
+
+    python benchmarks/zero_vs_fsdp.py                        # the default run (about 3 min)
+    python benchmarks/zero_vs_fsdp.py --steps 10 --n-embd 384
+
+Same GPT (autopar.models.GPT, fixed seed), same global batch split 4 ways, same AdamW step, each
+variant in turn on the same 4 ranks (mesh of 4, pure data parallelism), paired as:
+
+==========================  ===================================================================
+autopar stage 0             torch DDP (DistributedDataParallel)
+autopar stage 1             torch DDP + torch.distributed.optim.ZeroRedundancyOptimizer
+autopar stage 2             FSDP2 ``fully_shard(reshard_after_forward=False)`` (NOT like for
+                            like: FSDP2 keeps gathered parameters from forward to backward but
+                            still shards them between steps, so it holds 1/N parameters at
+                            rest; ZeRO-2 keeps the full parameters all the time and gathers
+                            nothing in forward)
+autopar stage 3             FSDP2 ``fully_shard`` (default: reshard after forward), per block
+                            and at the root
+==========================  ===================================================================
+
+autopar's stages 1-3 run the ``ddp`` recipe's plan (batch split, parameters Replicate) with the
+plan's ``zero`` entry set to the stage on the one axis; ``chunk_bytes`` is the runtime's own
+choice (``--chunk search``: the padding search, capped at 1/8 of the parameters) or
+one transformer block (``--chunk block``, FSDP2's wrapping unit here) or a byte count. Each variant runs in a fresh spawn of the 4 ranks (after a throwaway warm-up step), so
+memory figures do not depend on the order of the variants, and every spawn first runs one
+step of a tiny GPT under DDP, FSDP2 and autopar (``runtime_vs_torch.warm_up``) so that one-time
+costs (imports of torch.export and DTensor, gloo and allocator set-up) land on no variant.
+
+Step time: per step, every rank waits at a barrier, then times forward + backward + optimizer
+step; a step's time is the slowest rank's; the figure is the median over the timed steps after
+warm-up. Memory, two figures per variant, largest over ranks:
+
+* ``state MiB``: bytes of the distinct live storages of parameters (autopar: the shard
+  parameters, whose storage is the chunk buffer in stages 1-2; DTensor: local shards),
+  gradients and optimizer state after the last step (what the stages shard; DDP's gradient
+  buckets and FSDP2's transient all-gather buffers are not parameters and are not counted);
+* ``peak MiB``: peak resident set size during the steps (Linux VmHWM, reset through
+  /proc/self/clear_refs after setup) over the resident size at the variant's start
+  (MALLOC_MMAP_THRESHOLD_=64 KiB so it follows tensor allocations): state plus activations and
+  communication buffers.
+
+"loss err" is the largest difference between the variant's losses and one process's.
+
+Prints a rich table and writes benchmarks/out/zero_vs_fsdp.png and .json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import socket
+import statistics
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from runtime_vs_torch import (  # noqa: E402
+    WORLD_SIZE,
+    _local,
+    _memory_kib,
+    _reset_peak,
+    batch_for,
+    build_model,
+    warm_up,
+)
+
+OUT_DIR = Path(__file__).resolve().parent / "out"
+VARIANTS = (
+    "torch DDP",
+    "autopar stage 0",
+    "DDP + ZeroRedundancyOptimizer",
+    "autopar stage 1",
+    "FSDP2 no reshard",
+    "autopar stage 2",
+    "FSDP2",
+    "autopar stage 3",
+)
+PEERS = {
+    "autopar stage 0": "torch DDP",
+    "autopar stage 1": "DDP + ZeroRedundancyOptimizer",
+    "autopar stage 2": "FSDP2 no reshard",
+    "autopar stage 3": "FSDP2",
+}
+
+
+def _adamw(params: Any, args: argparse.Namespace) -> Any:
+    import torch
+
+    return torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01)
+
+
+def _local_step(model: Any, opt: Any, rank: int) -> Any:
+    """Step on this rank's quarter of the global batch (each rank's mean loss: DDP / FSDP
+    average gradients, so this is the global-mean-loss step); returns the global mean loss."""
+    import torch
+    import torch.distributed as dist
+
+    def step(idx: Any, targets: Any) -> float:
+        local = idx.shape[0] // WORLD_SIZE
+        part = slice(rank * local, (rank + 1) * local)
+        loss = model(idx[part], targets[part])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        total = loss.detach().reshape(1).clone()
+        dist.all_reduce(total)
+        return float(total.item()) / WORLD_SIZE
+
+    del torch
+    return step
+
+
+def torch_ddp(args: argparse.Namespace, rank: int, mesh: Any, zero_optim: bool) -> Any:
+    import torch
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = DistributedDataParallel(build_model(args))
+    if zero_optim:
+        opt = ZeroRedundancyOptimizer(
+            model.parameters(), optimizer_class=torch.optim.AdamW, lr=args.lr, weight_decay=0.01
+        )
+        state = lambda: opt.optim.state  # noqa: E731 - this rank's partition
+    else:
+        opt = _adamw(model.parameters(), args)
+        state = lambda: opt.state  # noqa: E731
+    return _local_step(model, opt, rank), model, state
+
+
+def fsdp2(args: argparse.Namespace, rank: int, mesh: Any, reshard: bool) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = build_model(args)
+    device_mesh = init_device_mesh("cpu", (WORLD_SIZE,))
+    for block in model.blocks:
+        fully_shard(block, mesh=device_mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=device_mesh, reshard_after_forward=reshard)
+    opt = _adamw(model.parameters(), args)
+    return _local_step(model, opt, rank), model, lambda: opt.state
+
+
+def autopar_stage(args: argparse.Namespace, rank: int, mesh: Any, stage: int) -> Any:
+    import torch.distributed as dist
+
+    import autopar
+
+    model = build_model(args)
+    batch = batch_for(0, args)
+    plan = None
+    if dist.get_rank() == 0:
+        plan = autopar.plan(model, mesh, batch, recipe="ddp", optimizer="adamw")
+        plan.data["zero"] = {**plan.data["zero"], "stage": stage, "axes": list(mesh.axis_names)}
+        plan.data["zero"]["chunk_bytes"] = _chunk_bytes(args, model)
+    pmodel = autopar.autoparallelize(
+        model, mesh, batch, plan=plan, recipe="ddp", optimizer="adamw", price_baselines=False
+    )
+    del model
+    if stage:
+        assert pmodel.zero is not None and pmodel.zero.stage == stage
+    opt = _adamw(pmodel.parameters(), args)
+
+    def step(idx: Any, targets: Any) -> float:
+        loss = pmodel(*pmodel.shard_inputs(idx, targets))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        return float(loss.item())
+
+    return step, pmodel, lambda: opt.state
+
+
+def _chunk_bytes(args: argparse.Namespace, model: Any) -> int | None:
+    """``--chunk``: "block" = one transformer block's bytes (FSDP2's unit here), "search" = the
+    runtime's padding search (None), or a byte count."""
+    if args.chunk == "search":
+        return None
+    if args.chunk == "block":
+        return sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
+    return int(args.chunk)
+
+
+def setup(name: str, args: argparse.Namespace, rank: int, mesh: Any) -> Any:
+    if name == "torch DDP":
+        return torch_ddp(args, rank, mesh, zero_optim=False)
+    if name == "DDP + ZeroRedundancyOptimizer":
+        return torch_ddp(args, rank, mesh, zero_optim=True)
+    if name == "FSDP2":
+        return fsdp2(args, rank, mesh, reshard=True)
+    if name == "FSDP2 no reshard":
+        return fsdp2(args, rank, mesh, reshard=False)
+    return autopar_stage(args, rank, mesh, int(name.rsplit(" ", 1)[1]))
+
+
+def state_bytes(module: Any, optim_state: Any) -> dict[str, int]:
+    """Bytes of distinct live storages: parameters, gradients, optimizer state (this rank)."""
+    import torch
+
+    seen: set[int] = set()
+
+    def count(tensors: Any) -> int:
+        total = 0
+        for t in tensors:
+            storage = _local(t).untyped_storage()
+            if storage.data_ptr() not in seen and storage.nbytes():
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+        return total
+
+    params = list(module.parameters())
+    state = [
+        v for s in optim_state.values() for v in s.values() if torch.is_tensor(v) and v.dim()
+    ]
+    return {
+        "params": count(params),
+        "grads": count(p.grad for p in params if p.grad is not None),
+        "optimizer": count(state),
+    }
+
+
+def reference_losses(args: argparse.Namespace) -> list[float]:
+    model = build_model(args)
+    opt = _adamw(model.parameters(), args)
+    out = []
+    for i in range(args.warmup + args.steps):
+        loss = model(*batch_for(i, args))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out.append(float(loss.item()))
+    return out
+
+
+def run_rank(
+    rank: int, port: int, args: argparse.Namespace, name: str, want: list[float], results: Any
+) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import autopar
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=WORLD_SIZE,
+        timeout=timedelta(seconds=300),
+    )
+    try:
+        mesh = autopar.Mesh.from_world((WORLD_SIZE,), ("dp",))
+        batches = [batch_for(i, args) for i in range(args.warmup + args.steps)]
+        # One-time costs (imports, gloo and allocator set-up) land on no variant.
+        warm_up(mesh)
+        dist.barrier()
+        _reset_peak()
+        start_kib, _ = _memory_kib()
+        started = time.perf_counter()
+        step, module, optim_state = setup(name, args, rank, mesh)
+        setup_s = time.perf_counter() - started
+        _reset_peak()
+        times, losses = [], []
+        for i, (idx, targets) in enumerate(batches):
+            dist.barrier()
+            t0 = time.perf_counter()
+            losses.append(step(idx, targets))
+            if i >= args.warmup:
+                times.append(time.perf_counter() - t0)
+        _, peak_kib = _memory_kib()
+        held = state_bytes(module, optim_state())
+        step_times = torch.tensor(times, dtype=torch.float64)
+        dist.all_reduce(step_times, op=dist.ReduceOp.MAX)
+        figures = torch.tensor(
+            [
+                float(peak_kib - start_kib),
+                float(held["params"]),
+                float(held["grads"]),
+                float(held["optimizer"]),
+                setup_s,
+            ],
+            dtype=torch.float64,
+        )
+        dist.all_reduce(figures, op=dist.ReduceOp.MAX)
+        row = {
+            "median_step_s": statistics.median(step_times.tolist()),
+            "step_times_s": step_times.tolist(),
+            "peak_mib": float(figures[0]) / 1024,
+            "params_mib": float(figures[1]) / 2**20,
+            "grads_mib": float(figures[2]) / 2**20,
+            "optimizer_mib": float(figures[3]) / 2**20,
+            "state_mib": float(figures[1] + figures[2] + figures[3]) / 2**20,
+            "setup_s": float(figures[4]),
+            "loss_err": max(abs(a - b) for a, b in zip(losses, want)),
+            "losses": losses,
+        }
+        if rank == 0:
+            results.put(("ok", row))
+    except BaseException as exc:  # noqa: B036 - the parent prints it
+        import traceback
+
+        results.put(("error", f"rank {rank}: {exc!r}\n{traceback.format_exc()}"))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(args: argparse.Namespace, name: str, want: list[float]) -> dict[str, Any]:
+    """One variant in a fresh spawn of 4 ranks (so memory figures do not depend on order)."""
+    import multiprocessing
+    import os
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.update({"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"})
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(target=run_rank, args=(rank, port, args, name, want, results), daemon=True)
+        for rank in range(WORLD_SIZE)
+    ]
+    for proc in procs:
+        proc.start()
+    try:
+        status, payload = results.get(timeout=args.timeout)
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+    if status != "ok":
+        raise RuntimeError(f"benchmark variant {name!r} failed:\n{payload}")
+    return payload
+
+
+def report(rows: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    title = (
+        f"GPT {args.layers}x{args.n_embd} (vocab {args.vocab}), global batch {args.batch}x"
+        f"{args.seq}, AdamW, 4 gloo ranks on CPU, median of {args.steps} steps after "
+        f"{args.warmup}"
+    )
+    table = Table(title=title)
+    columns = (
+        "variant",
+        "step ms",
+        "vs",
+        "time ratio",
+        "params",
+        "grads",
+        "optim",
+        "state MiB",
+        "state ratio",
+        "peak MiB",
+        "peak ratio",
+        "loss err",
+    )
+    for col in columns:
+        table.add_column(col, justify="left" if col in ("variant", "vs") else "right")
+    for name, row in rows.items():
+        peer = PEERS.get(name)
+        ratios = ["-", "-", "-"]
+        if peer in rows:
+            other = rows[peer]
+            ratios = [
+                f"{row['median_step_s'] / other['median_step_s']:.2f}x",
+                f"{row['state_mib'] / max(other['state_mib'], 1e-9):.2f}x",
+                f"{row['peak_mib'] / max(other['peak_mib'], 1e-9):.2f}x",
+            ]
+        table.add_row(
+            name,
+            f"{1000 * row['median_step_s']:.1f}",
+            peer or "",
+            ratios[0],
+            f"{row['params_mib']:.2f}",
+            f"{row['grads_mib']:.2f}",
+            f"{row['optimizer_mib']:.2f}",
+            f"{row['state_mib']:.2f}",
+            ratios[1],
+            f"{row['peak_mib']:.1f}",
+            ratios[2],
+            f"{row['loss_err']:.1e}",
+        )
+    Console(width=160).print(table)
+    print("ratios: the autopar variant's figure over its peer's (below 1 is better); state MiB:")
+    print("live parameter + gradient + optimizer-state storages per rank after the steps; peak")
+    print("MiB: peak resident memory during the steps over the variant's start; largest rank.")
+    print("autopar stage 2 vs FSDP2 no reshard is not like for like (see the module docstring).")
+
+
+def plot(rows: dict[str, dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(rows)
+    colors = ["#1f77b4" if n.startswith("autopar") else "#888888" for n in names]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 5.5))
+    figures = (
+        ("median step time (ms)", [1000 * rows[n]["median_step_s"] for n in names]),
+        ("param + grad + optimizer storages (MiB)", [rows[n]["state_mib"] for n in names]),
+        ("peak resident memory over start (MiB)", [rows[n]["peak_mib"] for n in names]),
+    )
+    for ax, (label, values) in zip(axes, figures):
+        ax.bar(names, values, color=colors)
+        ax.set_ylabel(label)
+        ax.tick_params(axis="x", rotation=45)
+        for tick in ax.get_xticklabels():
+            tick.set_horizontalalignment("right")
+    fig.suptitle("autopar ZeRO stages (blue) vs DDP / ZeroRedundancyOptimizer / FSDP2 (grey)")
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--n-embd", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=1024)
+    parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=8, help="global batch (divisible by 4)")
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per variant")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument(
+        "--chunk",
+        default="search",
+        help="autopar chunk size: 'block' (one transformer block, FSDP2's unit), 'search' "
+        "(the runtime's padding search) or bytes",
+    )
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per variant")
+    args = parser.parse_args()
+    if args.batch % WORLD_SIZE or args.n_embd % args.heads:
+        parser.error("--batch must be divisible by 4, --n-embd by --heads")
+
+    started = time.perf_counter()
+    import torch
+
+    torch.set_num_threads(1)
+    want = reference_losses(args)
+    rows = {name: launch(args, name, want) for name in args.variants}
+    report(rows, args)
+    OUT_DIR.mkdir(exist_ok=True)
+    png = OUT_DIR / "zero_vs_fsdp.png"
+    plot(rows, png)
+    (OUT_DIR / "zero_vs_fsdp.json").write_text(
+        json.dumps({"args": vars(args), "results": rows}, indent=1)
+    )
+    print(f"wrote {png} and {png.with_suffix('.json')} in {time.perf_counter() - started:.0f} s")
+    if not math.isfinite(sum(row["median_step_s"] for row in rows.values())):
+        raise SystemExit("a step time is not finite")
+
+
+if __name__ == "__main__":
+    main()

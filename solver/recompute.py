@@ -1,0 +1,211 @@
+"""Activation-checkpoint segments: exact evaluation, conflicts, and contraction over tie classes.
+
+A segment k (Problem.segments) with ``copies`` L_k identical copies is recomputed r_k times,
+0 <= r_k <= L_k. For node choices x, let A_k(x) = sum_n freed_bytes[n][x_n] (bytes freed per
+copy) and T_k(x) = sum_n recompute_s[n][x_n] + sum_e edge.cost_s[x_src][x_dst] (seconds spent
+again per copy). Then
+
+    step time  = (plan without segments) + sum_k r_k T_k(x)
+    peak bytes = (plan without segments) - sum_k r_k A_k(x) + max_{k : r_k > 0} A_k(x)
+
+(the last term: while the backward runs, one recomputed copy's activations are alive again).
+Two segments overlap when they share a node (of the original problem: ``Segment.footprint``); the copies recomputed in a clique C of pairwise
+overlapping segments satisfy sum_{k in C} r_k / L_k <= 1 (for the nested module segments
+autopar proposes, block > attention / MLP, with equal L this is exactly what a layer-by-layer
+assignment can realise; ``expand_recomputed`` builds that assignment).
+
+Tied layers (solver/tying.py) contract each segment onto the contracted nodes; segments that
+become identical are one segment with their copies summed, so the decision over L identical
+layers is one integer, whatever L (ilp._add_segments writes it in binary). A segment that stays
+apart (the first layer's, whose input edge comes from the embedding) keeps its own count; the
+overlap rows then treat it and a merged one as overlapping when any of their copies do, which
+is safe (never a plan that cannot be laid out) but may forbid mixes such as "block 0 whole,
+attention elsewhere".
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from solver.problem import Problem, Segment, SegmentEdge
+
+
+def freed_bytes(segment: Segment, choices: Sequence[int]) -> float:
+    """Bytes one copy of ``segment`` frees under ``choices``."""
+    return math.fsum(row[choices[n]] for n, row in zip(segment.nodes, segment.freed_bytes))
+
+
+def recompute_s(segment: Segment, choices: Sequence[int]) -> float:
+    """Seconds one copy of ``segment`` spends again under ``choices``."""
+    return math.fsum(
+        [
+            *(row[choices[n]] for n, row in zip(segment.nodes, segment.recompute_s)),
+            *(e.cost_s[choices[e.src]][choices[e.dst]] for e in segment.edges),
+        ]
+    )
+
+
+def recompute_terms(
+    problem: Problem, choices: Sequence[int], recomputed: Sequence[int]
+) -> tuple[float, float, float]:
+    """(seconds added, bytes freed, bytes alive again at the peak) of a recompute choice."""
+    if not problem.segments or not recomputed:
+        return 0.0, 0.0, 0.0
+    seconds, freed, again = [], [], 0.0
+    for segment, count in zip(problem.segments, recomputed, strict=True):
+        if count:
+            per_copy = freed_bytes(segment, choices)
+            seconds.append(count * recompute_s(segment, choices))
+            freed.append(count * per_copy)
+            again = max(again, per_copy)
+    return math.fsum(seconds), math.fsum(freed), again
+
+
+def validate_segments(problem: Problem) -> None:
+    """Raise ValueError for a segment naming a missing node or with mis-shaped tables."""
+    num = len(problem.nodes)
+    for k, seg in enumerate(problem.segments):
+        if not seg.nodes or len(set(seg.nodes)) != len(seg.nodes):
+            raise ValueError(f"segment {k} ({seg.name!r}) needs distinct nodes")
+        if len(seg.freed_bytes) != len(seg.nodes) or len(seg.recompute_s) != len(seg.nodes):
+            raise ValueError(f"segment {k}: freed_bytes and recompute_s need one row per node")
+        if not 0 <= seg.min_copies <= seg.copies or seg.copies < 1:
+            raise ValueError(f"segment {k}: need 0 <= min_copies <= copies and copies >= 1")
+        for n, freed, again in zip(seg.nodes, seg.freed_bytes, seg.recompute_s):
+            if not 0 <= n < num:
+                raise ValueError(f"segment {k} names node {n}, out of range")
+            if len(freed) != problem.nodes[n].num_choices or len(again) != len(freed):
+                raise ValueError(f"segment {k}: node {n} needs one value per strategy")
+        for e in seg.edges:
+            if not (0 <= e.src < num and 0 <= e.dst < num):
+                raise ValueError(f"segment {k}: an edge names a node out of range")
+
+
+def conflict_cliques(segments: Sequence[Segment]) -> list[tuple[int, ...]]:
+    """Maximal cliques (two or more segments) of the overlap graph (Bron-Kerbosch, pivoting)."""
+    owners: dict[int, list[int]] = {}
+    for k, seg in enumerate(segments):
+        for n in seg.footprint or seg.nodes:
+            owners.setdefault(n, []).append(k)
+    adjacent: list[set[int]] = [set() for _ in segments]
+    for ks in owners.values():
+        for a in ks:
+            adjacent[a].update(b for b in ks if b != a)
+    cliques: list[tuple[int, ...]] = []
+
+    def grow(r: set[int], p: set[int], x: set[int]) -> None:
+        if not p and not x:
+            if len(r) > 1:
+                cliques.append(tuple(sorted(r)))
+            return
+        pivot = max(p | x, key=lambda v: len(adjacent[v] & p))
+        for v in sorted(p - adjacent[pivot]):
+            grow(r | {v}, p & adjacent[v], x & adjacent[v])
+            p = p - {v}
+            x = x | {v}
+
+    grow(set(), {k for k in range(len(segments)) if adjacent[k]}, set())
+    return sorted(cliques)
+
+
+def counts_allowed(segments: Sequence[Segment], recomputed: Sequence[int]) -> bool:
+    """Whether a vector of recomputed copies respects the bounds and every overlap clique."""
+    if any(not s.min_copies <= r <= s.copies for s, r in zip(segments, recomputed, strict=True)):
+        return False
+    for clique in conflict_cliques(segments):
+        lcm = math.lcm(*(segments[k].copies for k in clique))
+        if sum(recomputed[k] * (lcm // segments[k].copies) for k in clique) > lcm:
+            return False
+    return True
+
+
+def contract_segments(
+    problem: Problem, node_map: Sequence[int]
+) -> tuple[tuple[Segment, ...], tuple[tuple[int, ...], ...]]:
+    """Segments on the contracted nodes, identical ones merged (copies summed).
+
+    Returns:
+        (segments, groups): groups[g] lists the original segment indices merged into
+        segments[g].
+    """
+    keys: dict[tuple, int] = {}
+    merged: list[Segment] = []
+    groups: list[list[int]] = []
+    for k, seg in enumerate(problem.segments):
+        # A segment spanning several tied layers lands twice on one contracted node: the
+        # members choose alike, so its rows add up.
+        rows: dict[int, tuple[list[float], list[float]]] = {}
+        for n, freed, again in zip(seg.nodes, seg.freed_bytes, seg.recompute_s):
+            entry = rows.setdefault(node_map[n], ([0.0] * len(freed), [0.0] * len(again)))
+            entry[0][:] = [a + b for a, b in zip(entry[0], freed)]
+            entry[1][:] = [a + b for a, b in zip(entry[1], again)]
+        nodes = tuple(rows)
+        freed_rows = tuple(tuple(f) for f, _ in rows.values())
+        again_rows = tuple(tuple(t) for _, t in rows.values())
+        edges = tuple(
+            SegmentEdge(src=node_map[e.src], dst=node_map[e.dst], cost_s=e.cost_s)
+            for e in seg.edges
+        )
+        key = (nodes, freed_rows, again_rows, tuple((e.src, e.dst, e.cost_s) for e in edges))
+        g = keys.get(key)
+        if g is None:
+            keys[key] = len(merged)
+            merged.append(
+                Segment(
+                    name=seg.name,
+                    nodes=nodes,
+                    freed_bytes=freed_rows,
+                    recompute_s=again_rows,
+                    edges=edges,
+                    copies=seg.copies,
+                    min_copies=seg.min_copies,
+                    footprint=seg.footprint or seg.nodes,
+                )
+            )
+            groups.append([k])
+        else:
+            old = merged[g]
+            merged[g] = Segment(
+                name=old.name,
+                nodes=old.nodes,
+                freed_bytes=old.freed_bytes,
+                recompute_s=old.recompute_s,
+                edges=old.edges,
+                copies=old.copies + seg.copies,
+                min_copies=old.min_copies + seg.min_copies,
+                footprint=old.footprint + (seg.footprint or seg.nodes),
+            )
+            groups[g].append(k)
+    return tuple(merged), tuple(tuple(g) for g in groups)
+
+
+def expand_recomputed(
+    problem: Problem, groups: Sequence[Sequence[int]], counts: Sequence[int]
+) -> tuple[int, ...]:
+    """Spread each merged segment's recomputed copies over its original segments.
+
+    Groups are served from the largest segment (most nodes) down; each takes the first members,
+    in index order, that overlap no segment already recomputed and must recompute, then any
+    free one. For nested module segments whose counts respect the overlap cliques (as the ILP
+    ensures) every count is placed."""
+    segments = problem.segments
+    taken: set[int] = set()
+    out = [0] * len(segments)
+    order = sorted(range(len(groups)), key=lambda g: -len(segments[groups[g][0]].nodes))
+    for g in order:
+        members = groups[g]
+        need = counts[g]
+        for forced_first in (True, False):
+            for k in members:
+                if need <= 0:
+                    break
+                seg = segments[k]
+                if out[k] >= seg.copies or (forced_first and not seg.min_copies):
+                    continue
+                if taken.isdisjoint(seg.nodes):
+                    take = min(need, seg.copies - out[k])
+                    out[k] += take
+                    need -= take
+                    taken.update(seg.nodes)
+    return tuple(out)

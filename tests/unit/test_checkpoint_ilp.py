@@ -1,0 +1,300 @@
+"""Checkpoint segments in the ILP: known optima, exhaustive search, tied layers (torch-free)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from solver import Edge, InfeasibleBudgetError, Node, Problem, brute_force, solve
+from solver.brute_force import brute_force_recompute
+from solver.problem import Segment, SegmentEdge
+from solver.recompute import conflict_cliques, counts_allowed, recompute_terms
+
+ACT = 100.0
+"""Activation bytes of one layer."""
+RECOMPUTE_S = 0.25
+
+
+def homogeneous_chain(num_layers: int, *, budget: float | None, tied: bool) -> Problem:
+    """One node per layer (compute 1 s, ACT bytes saved) and one segment per layer."""
+    nodes = tuple(
+        Node(name=f"l{i}", cost_s=(1.0,), memory_bytes=(ACT,), transient_bytes=(0.0,))
+        for i in range(num_layers)
+    )
+    edges = tuple(Edge(src=i, dst=i + 1, cost_s=((0.0,),)) for i in range(num_layers - 1))
+    segments = tuple(
+        Segment(name=f"l{i}", nodes=(i,), freed_bytes=((ACT,),), recompute_s=((RECOMPUTE_S,),))
+        for i in range(num_layers)
+    )
+    return Problem(
+        nodes=nodes,
+        edges=edges,
+        memory_budget_bytes=budget,
+        segments=segments,
+        tied=(tuple(range(num_layers)),) if tied else (),
+    )
+
+
+def fewest_layers_that_fit(num_layers: int, budget: float) -> int:
+    for k in range(num_layers + 1):
+        if num_layers * ACT - k * ACT + (ACT if k else 0.0) <= budget:
+            return k
+    raise AssertionError("does not fit")
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("num_layers,budget", [(8, 800.0), (8, 650.0), (8, 200.0), (13, 555.0)])
+def test_homogeneous_chain_recomputes_the_fewest_layers_that_fit(
+    num_layers: int, budget: float, tied: bool
+) -> None:
+    problem = homogeneous_chain(num_layers, budget=budget, tied=tied)
+    sol = solve(problem)
+    k = fewest_layers_that_fit(num_layers, budget)
+    assert sum(sol.recomputed) == k
+    assert math.isclose(sol.objective_s, num_layers * 1.0 + k * RECOMPUTE_S)
+    assert sol.peak_memory_bytes <= budget
+    assert counts_allowed(problem.segments, sol.recomputed)
+
+
+def test_too_small_budget_reports_the_smallest_that_fits_with_recompute() -> None:
+    # Recomputing every layer frees all, but one layer is alive again during its backward.
+    with pytest.raises(InfeasibleBudgetError) as err:
+        solve(homogeneous_chain(8, budget=50.0, tied=True))
+    assert err.value.min_budget_bytes == pytest.approx(ACT)
+
+
+def test_without_a_budget_nothing_is_recomputed_unless_forced() -> None:
+    free = solve(homogeneous_chain(6, budget=None, tied=False))
+    assert free.recomputed == (0,) * 6
+    problem = homogeneous_chain(6, budget=None, tied=True)
+    forced = Problem(
+        nodes=problem.nodes,
+        edges=problem.edges,
+        tied=problem.tied,
+        segments=tuple(
+            Segment(
+                name=s.name,
+                nodes=s.nodes,
+                freed_bytes=s.freed_bytes,
+                recompute_s=s.recompute_s,
+                min_copies=1,
+            )
+            for s in problem.segments
+        ),
+    )
+    sol = solve(forced)
+    assert sol.recomputed == (1,) * 6
+    assert math.isclose(sol.objective_s, 6 + 6 * RECOMPUTE_S)
+
+
+def nested_layers(num_layers: int, *, budget: float | None) -> Problem:
+    """Per layer two nodes (attention, MLP) with two strategies each (fast and big, slow and
+    small); segments: the whole layer, and each sub-block. Every layer is tied."""
+    nodes = []
+    segments = []
+    for i in range(num_layers):
+        a, m = 2 * i, 2 * i + 1
+        nodes.append(Node(name=f"attn{i}", cost_s=(1.0, 1.6), memory_bytes=(60.0, 30.0)))
+        nodes.append(Node(name=f"mlp{i}", cost_s=(1.0, 1.3), memory_bytes=(80.0, 40.0)))
+        segments += [
+            Segment(
+                name=f"layer{i}",
+                nodes=(a, m),
+                freed_bytes=((50.0, 25.0), (70.0, 35.0)),
+                recompute_s=((0.4, 0.5), (0.3, 0.4)),
+                edges=(SegmentEdge(src=a, dst=m, cost_s=((0.0, 0.05), (0.05, 0.0))),),
+            ),
+            Segment(
+                name=f"attn{i}",
+                nodes=(a,),
+                freed_bytes=((50.0, 25.0),),
+                recompute_s=((0.45, 0.55),),
+            ),
+            Segment(
+                name=f"mlp{i}", nodes=(m,), freed_bytes=((70.0, 35.0),), recompute_s=((0.35, 0.45),)
+            ),
+        ]
+    edges = [
+        Edge(src=2 * i, dst=2 * i + 1, cost_s=((0.0, 0.1), (0.1, 0.0))) for i in range(num_layers)
+    ]
+    edges += [
+        Edge(src=2 * i + 1, dst=2 * i + 2, cost_s=((0.0, 0.1), (0.1, 0.0)))
+        for i in range(num_layers - 1)
+    ]
+    return Problem(
+        nodes=tuple(nodes),
+        edges=tuple(edges),
+        memory_budget_bytes=budget,
+        segments=tuple(segments),
+        tied=(tuple(range(0, 2 * num_layers, 2)), tuple(range(1, 2 * num_layers, 2))),
+    )
+
+
+@pytest.mark.parametrize("backend", ["highs", "cbc"])
+def test_overlapping_segments_are_never_both_recomputed(backend: str) -> None:
+    problem = nested_layers(3, budget=330.0)
+    sol = solve(problem, backend=backend)
+    assert counts_allowed(problem.segments, sol.recomputed)
+    for clique in conflict_cliques(problem.segments):
+        assert sum(sol.recomputed[k] for k in clique) <= 1
+    choices, objective, recomputed = brute_force_recompute(problem)
+    assert math.isclose(sol.objective_s, objective, rel_tol=1e-9)
+    assert sol.peak_memory_bytes <= 330.0
+
+
+def test_tighter_budget_recomputes_more() -> None:
+    freed = []
+    for budget in (420.0, 360.0, 300.0, 240.0):
+        problem = nested_layers(3, budget=budget)
+        sol = solve(problem)
+        freed.append(recompute_terms(problem, sol.choices, sol.recomputed)[1])
+        assert sol.peak_memory_bytes <= budget
+    assert freed == sorted(freed) and freed[-1] > freed[0]
+
+
+def test_tied_layers_decide_a_count_whose_variables_do_not_grow_with_depth() -> None:
+    counts = {}
+    for num_layers in (4, 16, 64):
+        sol = solve(nested_layers(num_layers, budget=60.0 * num_layers + 120.0))
+        assert sol.peak_memory_bytes <= 60.0 * num_layers + 120.0
+        assert sum(sol.recomputed) > 0
+        counts[num_layers] = sol.num_variables
+    # One integer per segment class, in binary: 3 classes x 3 variables per extra bit.
+    assert counts[16] - counts[4] <= 3 * 3 * ((16).bit_length() - (4).bit_length())
+    assert counts[64] - counts[16] <= 3 * 3 * ((64).bit_length() - (16).bit_length())
+
+
+@st.composite
+def chains(draw: st.DrawFn) -> Problem:
+    """Small heterogeneous chains with segments over random ranges, some overlapping."""
+    num_nodes = draw(st.integers(2, 4))
+    sizes = [draw(st.integers(1, 3)) for _ in range(num_nodes)]
+    money = st.integers(0, 8).map(float)
+    nodes = tuple(
+        Node(
+            name=f"n{i}",
+            cost_s=tuple(draw(money) for _ in range(k)),
+            memory_bytes=tuple(draw(st.integers(1, 8)) * 10.0 for _ in range(k)),
+        )
+        for i, k in enumerate(sizes)
+    )
+    edges = tuple(
+        Edge(
+            src=i,
+            dst=i + 1,
+            cost_s=tuple(
+                tuple(draw(money) / 2 for _ in range(sizes[i + 1])) for _ in range(sizes[i])
+            ),
+        )
+        for i in range(num_nodes - 1)
+    )
+    segments = []
+    # Single nodes (disjoint, so that several can be recomputed) and up to two random ranges
+    # (overlapping them).
+    ranges = [(i, i + 1) for i in range(num_nodes) if draw(st.booleans())]
+    for _ in range(draw(st.integers(0 if ranges else 1, 2))):
+        start = draw(st.integers(0, num_nodes - 1))
+        ranges.append((start, draw(st.integers(start + 1, num_nodes))))
+    for k, (start, stop) in enumerate(ranges):
+        members = tuple(range(start, stop))
+        seg_edges = tuple(
+            SegmentEdge(
+                src=e.src, dst=e.dst, cost_s=tuple(tuple(c / 4 for c in row) for row in e.cost_s)
+            )
+            for e in edges
+            if e.dst in members and e.src in members and draw(st.booleans())
+        )
+        segments.append(
+            Segment(
+                name=f"s{k}",
+                nodes=members,
+                # at most the node's own bytes: a segment frees only what the node saved
+                freed_bytes=tuple(
+                    tuple(
+                        b * draw(st.sampled_from([0.0, 0.5, 1.0, 1.0]))
+                        for b in nodes[n].memory_bytes
+                    )
+                    for n in members
+                ),
+                recompute_s=tuple(tuple(draw(money) / 2 for _ in range(sizes[n])) for n in members),
+                edges=seg_edges,
+            )
+        )
+    # A budget between the smallest peak with recompute and the smallest without (where
+    # recompute decides), or a little above (where it may not be needed).
+    smallest = []
+    for segs in (tuple(segments), ()):
+        try:
+            brute_force_recompute(
+                Problem(nodes=nodes, edges=edges, segments=segs, memory_budget_bytes=-1.0)
+            )
+        except InfeasibleBudgetError as e:
+            smallest.append(e.min_budget_bytes)
+    budget = draw(st.floats(min_value=smallest[0], max_value=smallest[1] + 5.0))
+    return Problem(nodes=nodes, edges=edges, segments=tuple(segments), memory_budget_bytes=budget)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chains())
+def test_heterogeneous_chains_match_exhaustive_search(problem: Problem) -> None:
+    sol = solve(problem)
+    _, objective, _ = brute_force_recompute(problem)
+    assert math.isclose(sol.objective_s, objective, rel_tol=1e-6, abs_tol=1e-9)
+    assert sol.peak_memory_bytes <= problem.memory_budget_bytes * (1 + 1e-9) + 1e-6
+    assert counts_allowed(problem.segments, sol.recomputed)
+    assert brute_force(problem)[1] == objective
+
+
+def test_segments_spanning_tied_layers_add_their_rows() -> None:
+    # Chen-style segments of two tied layers each: contracted, each lands twice on a node.
+    base = nested_layers(4, budget=None)
+    pairs = tuple(
+        Segment(
+            name=f"layers{i}-{i + 1}",
+            nodes=(2 * i, 2 * i + 1, 2 * i + 2, 2 * i + 3),
+            freed_bytes=((50.0, 25.0), (70.0, 35.0), (50.0, 25.0), (70.0, 35.0)),
+            recompute_s=((0.4, 0.5), (0.3, 0.4), (0.4, 0.5), (0.3, 0.4)),
+        )
+        for i in (0, 2)
+    )
+    recomputed = []
+    for budget in (400.0, 270.0, 240.0):
+        problem = Problem(
+            nodes=base.nodes,
+            edges=base.edges,
+            tied=base.tied,
+            segments=pairs,
+            memory_budget_bytes=budget,
+        )
+        sol = solve(problem)
+        _, objective, _ = brute_force_recompute(problem)
+        assert math.isclose(sol.objective_s, objective, rel_tol=1e-9)
+        assert sol.peak_memory_bytes <= budget
+        recomputed.append(sum(sol.recomputed))
+    assert recomputed[0] == 0 and recomputed[-1] > 0
+
+
+def test_presolve_keeps_strategies_that_only_segments_tell_apart() -> None:
+    # Strategies 0 and 1 of each node look alike to the sharding model (same seconds, bytes
+    # and edges); only strategy 1 can be freed by recompute. Dominance pruning or elimination
+    # that ignored the segments would keep strategy 0 and find no plan within the budget.
+    nodes = tuple(
+        Node(name=f"n{i}", cost_s=(1.0, 1.0), memory_bytes=(100.0, 100.0)) for i in range(3)
+    )
+    edges = tuple(Edge(src=i, dst=i + 1, cost_s=((0.0, 0.0), (0.0, 0.0))) for i in range(2))
+    segments = tuple(
+        Segment(name=f"s{i}", nodes=(i,), freed_bytes=((0.0, 100.0),), recompute_s=((0.5, 0.5),))
+        for i in range(3)
+    )
+    problem = Problem(nodes=nodes, edges=edges, segments=segments, memory_budget_bytes=200.0)
+    sol = solve(problem)
+    assert sol.peak_memory_bytes <= 200.0
+    assert sum(sol.recomputed) >= 2
+    assert all(sol.choices[seg.nodes[0]] == 1 for seg, r in zip(segments, sol.recomputed) if r)
+    assert math.isclose(sol.objective_s, brute_force_recompute(problem)[1])
+    # Without a budget the same problem recomputes nothing (elimination may run).
+    free = solve(Problem(nodes=nodes, edges=edges, segments=segments))
+    assert free.recomputed == (0, 0, 0) and free.objective_s == 3.0
