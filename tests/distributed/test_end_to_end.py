@@ -11,7 +11,7 @@ Matrix (sized to the CI budget of ~4 minutes on 2 cores):
 * meshes (2,) and (2, 2): every model (MLP, GPT, LLaMA, HF GPT-2, HF LLaMA) under ``auto``,
   ``ddp`` and ``megatron``; on (2,) also MLP and GPT under ``fsdp`` (the plan's ZeRO stage
   reaches the runtime; loss and parameters after the steps are compared);
-* mesh (4,): MLP, GPT, HF GPT-2 and HF LLaMA under the three recipes; and ``gpt/memory``:
+* mesh (4,): every model under the three recipes; and ``gpt/memory``:
   after ``autoparallelize`` and ``del model`` the original parameters are freed and the new live
   tensor storages are the plan's shards (the module once kept the whole original model);
 * mesh (2, 2, 2): MLP and GPT under the three recipes (the tiny GPT plans in about 7 s on a
@@ -57,8 +57,7 @@ MESHES: dict[str, tuple[tuple[int, ...], list[str]]] = {
     ),
     "mesh4": (
         (4,),
-        [f"{m}/{r}" for m in ("mlp", "gpt", "hf_gpt2", "hf_llama") for r in RECIPES]
-        + ["gpt/memory"],
+        [f"{m}/{r}" for m in ALL for r in RECIPES] + ["gpt/memory"],
     ),
     "mesh2x2x2": ((2, 2, 2), [f"{m}/{r}" for m in ("mlp", "gpt") for r in RECIPES]),
 }
