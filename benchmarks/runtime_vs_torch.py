@@ -335,7 +335,9 @@ def run_rank(rank: int, port: int, args: argparse.Namespace, results: Any) -> No
 # Parent
 
 
-def launch(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+def spawn_ranks(target: Any, extra: tuple[Any, ...], timeout_s: float, what: str) -> Any:
+    """Run ``target(rank, port, *extra, results)`` on WORLD_SIZE spawned ranks and return the
+    payload the first rank puts on ``results`` as ("ok", payload) (else raise with its text)."""
     import multiprocessing
 
     with socket.socket() as sock:
@@ -347,21 +349,25 @@ def launch(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     procs = [
-        ctx.Process(target=run_rank, args=(rank, port, args, results), daemon=True)
+        ctx.Process(target=target, args=(rank, port, *extra, results), daemon=True)
         for rank in range(WORLD_SIZE)
     ]
     for proc in procs:
         proc.start()
     try:
-        status, payload = results.get(timeout=args.timeout)
+        status, payload = results.get(timeout=timeout_s)
     finally:
         for proc in procs:
             proc.join(timeout=30)
             if proc.is_alive():
                 proc.kill()
     if status != "ok":
-        raise RuntimeError(f"benchmark failed:\n{payload}")
+        raise RuntimeError(f"{what} failed:\n{payload}")
     return payload
+
+
+def launch(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    return spawn_ranks(run_rank, (args,), args.timeout, "benchmark")
 
 
 def report(rows: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:

@@ -50,7 +50,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import socket
 import statistics
 import sys
 import time
@@ -67,6 +66,7 @@ from runtime_vs_torch import (  # noqa: E402
     _reset_peak,
     batch_for,
     build_model,
+    spawn_ranks,
     warm_up,
 )
 
@@ -312,31 +312,7 @@ def run_rank(
 
 def launch(args: argparse.Namespace, name: str, want: list[float]) -> dict[str, Any]:
     """One variant in a fresh spawn of 4 ranks (so memory figures do not depend on order)."""
-    import multiprocessing
-    import os
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    os.environ.update({"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"})
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    procs = [
-        ctx.Process(target=run_rank, args=(rank, port, args, name, want, results), daemon=True)
-        for rank in range(WORLD_SIZE)
-    ]
-    for proc in procs:
-        proc.start()
-    try:
-        status, payload = results.get(timeout=args.timeout)
-    finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
-    if status != "ok":
-        raise RuntimeError(f"benchmark variant {name!r} failed:\n{payload}")
-    return payload
+    return spawn_ranks(run_rank, (args, name, want), args.timeout, f"benchmark variant {name!r}")
 
 
 def report(rows: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
