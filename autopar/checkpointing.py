@@ -13,11 +13,14 @@ Candidates (``candidate_segments``): every layer of a stack of repeated blocks (
 - ``full`` on each child module holding a matmul (attention, MLP).
 
 Pricing per node strategy s (the arrays of autopar.problem's strategy space):
-- freed bytes: the node's saved activation, for nodes not kept, less its output storage where
-  a backward outside the segment saves that (the segment's outputs; found with
-  autopar.saved_activations, the rules the activation bytes follow). Segment inputs that no op
-  saved before (checkpoint saves them) are not charged: a block's input is its first norm's
-  saved input anyway;
+- freed bytes: the node's saved activation, for nodes not kept, less the storages a backward
+  outside the segment saves too (its own output, or an input it owns; found with
+  autopar.saved_activations, the rules the activation bytes follow). Checkpoint keeps every
+  segment input as it enters, i.e. at its PRODUCER's layout (conversions run inside): unless a
+  consumer outside the segment owns that storage anyway, the producer's output bytes are
+  charged as a negative row on the producer (``Candidate.node_index`` lists the segment's
+  nodes, then those producers; ``footprint`` only the segment's nodes, for overlap). This also
+  charges inputs that no backward saved before (e.g. a residual consumed only by ``add``);
 - recompute seconds: the node's forward compute, for nodes not kept, plus the forward
   resharding of every edge into such a node (conversions run inside the recomputed region and
   are re-issued), priced per (producer, consumer) strategy pair.
@@ -40,7 +43,8 @@ import torch.fx as fx
 from autopar.coarsen import STACK_NAMES
 from autopar.problem import COMM_KINDS, Evaluation, StrategySpace, _local_bytes, _needs_grad
 from autopar.resharding import reshard_steps
-from autopar.strategies.registry import op_call, tensor_meta
+from autopar.strategies import input_nodes
+from autopar.strategies.registry import TensorMeta, op_call, tensor_meta
 from cost_models import collective_time_s
 from solver.problem import Segment, SegmentEdge
 
@@ -82,7 +86,11 @@ class Candidate:
 
     segment: CheckpointSegment
     node_index: tuple[int, ...]
-    """Space indices of the segment's nodes."""
+    """Space indices of the segment's nodes, then of the producers of segment inputs it keeps
+    (their rows charge the kept storage)."""
+    footprint: tuple[int, ...] = ()
+    """Space indices of the segment's own nodes (overlap is judged on them); empty means
+    ``node_index``."""
     freed_bytes: tuple[np.ndarray, ...]
     """Per node, per space strategy: bytes freed."""
     recompute_s: tuple[np.ndarray, ...]
@@ -115,7 +123,8 @@ class _ForwardPricer:
         self.mesh = space.mesh
         self.graph_nodes = {n.name: n for n in space.captured.gm.graph.nodes}
         self.matrices: dict[tuple, np.ndarray] = {}
-        from autopar.saved_activations import _saves  # it imports CheckpointSegment from here
+        # it imports CheckpointSegment from here
+        from autopar.saved_activations import _root, _saves, saved_owners, saved_rules
 
         gm = space.captured.gm
         needs_grad = _needs_grad(gm, space.captured.param_nodes)
@@ -124,6 +133,14 @@ class _ForwardPricer:
             (node.name, {root.name for root in _saves(node, needs_grad)[0]})
             for node in gm.graph.nodes
         ]
+        # Saved-bytes rules (which inputs a node's activation bytes own, at its input layout),
+        # nodes whose own backward saves their output, and every root some backward saves.
+        self.rules = saved_rules(gm.graph, needs_grad)
+        self.self_saved = {name for name, roots in self.saves if name in roots}
+        # Root name -> the node whose activation bytes price its storage.
+        self.owner = saved_owners(gm.graph, needs_grad)
+        self.saved_any = {root for _, roots in self.saves for root in roots}
+        self.root_of = _root
         self.model_outputs = {
             n.name for n in gm.graph.nodes if any(u.op == "output" for u in n.users)
         }
@@ -176,6 +193,24 @@ def _output_bytes(space: StrategySpace, node: fx.Node) -> np.ndarray:
     )
 
 
+def _input_bytes(space: StrategySpace, node: fx.Node, position: int) -> np.ndarray:
+    """Per strategy: local bytes of ``node``'s input ``position`` under the strategy's input
+    layout, as saved (half precision under mixed precision)."""
+    meta = op_call(node).inputs[position]
+    if not isinstance(meta, TensorMeta):
+        return np.zeros(len(space.node(node.name).strategies))
+    floating = meta.dtype.is_floating_point
+    scale = 2 / meta.dtype.itemsize if space.options.mixed_precision and floating else 1.0
+    return np.array(
+        [
+            scale * _local_bytes(meta, st.inputs[position], space.mesh.shape)
+            if position < len(st.inputs)
+            else 0.0
+            for st in space.node(node.name).strategies
+        ]
+    )
+
+
 def _saved_outside(space: StrategySpace, pricer: _ForwardPricer, names: set[str]) -> set[str]:
     """Nodes of the segment whose output storage a backward outside the segment saves (so
     recomputing the segment does not free it), by the rules of autopar.saved_activations (the
@@ -216,12 +251,39 @@ def _price(
             again.append(zeros)
             continue
         recomputed.add(i)
-        if node.name in outside:  # its output stays; its internals are rebuilt
-            freed.append(np.maximum(ns.activation_bytes - _output_bytes(space, node), 0.0))
-        else:
-            freed.append(ns.activation_bytes)
+        kept = np.zeros(len(ns.strategies))
+        if node.name in outside and node.name in pricer.self_saved:
+            kept += _output_bytes(space, node)  # its output stays; its internals are rebuilt
+        # Inputs it owns (priced at its input layouts) stay when a backward outside the
+        # segment saves them too; segment inputs are freed here (see below).
+        rule = pricer.rules.get(node.name)
+        for position in rule.inputs if rule is not None else ():
+            root = pricer.root_of(input_nodes(node)[position]).name
+            if root in names and root in outside:
+                kept += _input_bytes(space, node, position)
+        freed.append(np.maximum(ns.activation_bytes - kept, 0.0))
         again.append(ns.forward_s if ns.forward_s is not None else zeros)
-    if not any(f.any() for f in freed):
+    # Checkpoint saves every segment input as it enters (conversions sit inside the segment):
+    # the producer's output at the PRODUCER's layout, charged (negative freed bytes) on the
+    # producer, unless a backward outside the segment owns that storage anyway (priced there).
+    charged: set[str] = set()
+    for node in members:
+        for inp in input_nodes(node):
+            root = pricer.root_of(inp)
+            owner = pricer.owner.get(root.name)
+            if (
+                root.name in names
+                or root.op != "call_function"
+                or root.name in charged
+                or root.name not in space.index
+                or (owner is not None and owner not in names)
+            ):
+                continue
+            charged.add(root.name)
+            index.append(space.index[root.name])
+            freed.append(-_output_bytes(space, root))
+            again.append(np.zeros(len(space.node(root.name).strategies)))
+    if not any((f > 0).any() for f in freed):
         return None
     edges = []
     for i in sorted(recomputed):
@@ -238,6 +300,7 @@ def _price(
             policy=policy,
         ),
         node_index=tuple(index),
+        footprint=tuple(space.index[n.name] for n in members),
         freed_bytes=tuple(freed),
         recompute_s=tuple(again),
         edges=tuple(edges),
@@ -371,6 +434,7 @@ def solver_segments(
                     for src, dst, matrix in c.edges
                 ),
                 min_copies=1 if forced else 0,
+                footprint=c.footprint,
             )
         )
     return tuple(segments)

@@ -435,8 +435,13 @@ def _op_space(
                         if call.inputs and strategy.inputs and strategy.inputs[0] is not None
                         else 0.0
                     )
+                    # Saved inputs it owns: at ITS input layouts (a converted copy is kept).
+                    owned = sum(
+                        _local_bytes(call.inputs[j], strategy.inputs[j], mesh_shape)
+                        for j in saved_rule.inputs
+                    )
                     activation[i] = (
-                        saved_rule.output * out_bytes + saved_rule.first_input * first_in
+                        saved_rule.output * out_bytes + saved_rule.first_input * first_in + owned
                     ) * precision_scale
             transient[i] = out_bytes * (2 if grad else 1)
         # Partial gradients of Replicate inputs are all-reduced (gradient convention).

@@ -15,14 +15,23 @@ once):
 * Tensors created inside an op and kept: ``layer_norm`` mean and rstd (2 floats per row),
   ``sdpa`` logsumexp (one float per query row and head), ``cross_entropy_loss`` the log-softmax of
   its logits (the input's size), ``dropout`` with ``p > 0`` its mask (the output's size: autopar's
-  dropout multiplies by a mask of the input's dtype).
+  dropout multiplies by a mask of the input's dtype); ``sdpa`` with ``dropout_p > 0`` runs its
+  math path (eager CPU), which keeps copies of q and k (and of v unless it is contiguous) and
+  three (batch, heads, Tq, Tk) tensors instead of its output and logsumexp.
 * Ops without a rule here are assumed to save their tensor inputs (conservative).
 
 ``autopar.problem`` prices every op strategy's saved-activation bytes with :func:`saved_rules`;
 :func:`predicted_saved_bytes` and :func:`predicted_saved_bytes_with_segments` give global
 per-node figures (without / with recomputed segments) that tests compare with measurements.
-Not modelled: a tensor converted by the lowering (e.g. all-gathered) before a consumer saves it
-is priced at its producer's layout, not the consumer's.
+Where a saved storage is priced: each saved root (a node's output storage) is charged once, to
+its OWNER: the node itself when its own backward saves it, else its first saving consumer in
+graph order, which prices the inputs it reads from that root under its own strategy's input
+layouts (:attr:`SavedRule.inputs`): a tensor converted by the lowering (all-gathered, sliced)
+before the consumer saves it is priced at the consumer's layout, which is the copy kept; when
+the layouts match the conversion is a no-op and this is the producer's storage. Later savers add
+nothing (they share the owner's storage when their layout matches). Not modelled: a second saver
+reading the root under a different layout than the owner (a second converted copy), and an
+owner whose inputs cover only part of the root (then the producer's layout is used).
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ __all__ = [
     "SavedRule",
     "predicted_saved_bytes",
     "predicted_saved_bytes_with_segments",
+    "saved_owners",
     "saved_rules",
 ]
 
@@ -58,6 +68,11 @@ class SavedRule:
     sized like the output)."""
     first_input: float = 0.0
     """Multiple of the node's first tensor input's local bytes (internals sized like it)."""
+    inputs: tuple[int, ...] = ()
+    """Positions (in ``autopar.strategies.input_nodes`` order) of inputs this node owns as
+    saved tensors, priced under the node strategy's INPUT layouts: when the lowering converts
+    a tensor (e.g. all-gathers it) before a consumer that saves it, the converted copy is what
+    stays alive, so the consumer's layout gives its size."""
 
 
 # Ops whose output aliases their first input (or is a view of it).
@@ -196,6 +211,11 @@ def _is_alias(node: fx.Node) -> bool:
     return False
 
 
+def _sdpa_dropout(node: fx.Node) -> float:
+    p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
+    return float(p) if isinstance(p, (int, float)) else 0.0
+
+
 def _root(node: fx.Node) -> fx.Node:
     while _is_alias(node):
         node = node.args[0]
@@ -216,6 +236,17 @@ def _saves(node: fx.Node, needs_grad: Collection[str]) -> tuple[list[fx.Node], f
         return [], 1.0, 0.0  # the mask
     if name in _SAVES_OUTPUT:
         return [_root(node)], 0.0, 0.0
+    if name == "scaled_dot_product_attention" and _sdpa_dropout(node) > 0.0 and out is not None:
+        # Math path with dropout (eager CPU): copies of q and k, v (a copy unless it is
+        # contiguous, then its root), and three (batch, heads, Tq, Tk) tensors: the
+        # probabilities, the mask and the dropped probabilities.
+        q, k, v = (_val(n) for n in inputs[:3])
+        if q is None or k is None or v is None:
+            return [_root(n) for n in inputs[:3]], 0.0, 0.0
+        scores = q.numel() // int(q.shape[-1]) * int(k.shape[-2])
+        copied = q.numel() + k.numel() + (0 if v.is_contiguous() else v.numel())
+        roots = [_root(inputs[2])] if v.is_contiguous() else []
+        return roots, (copied + 3 * scores) / out.numel(), 0.0
     if name == "scaled_dot_product_attention":
         extra = 1.0 / int(out.shape[-1]) if out is not None and out.dim() and out.shape[-1] else 0.0
         return [*(_root(n) for n in inputs[:3]), node], extra, 0.0  # + logsumexp
@@ -260,25 +291,81 @@ def saved_rules(graph: fx.Graph, needs_grad: Collection[str]) -> dict[str, Saved
         graph: a captured graph (ATen training IR with ``meta["val"]``).
         needs_grad: names of the nodes whose value needs a gradient (parameters included).
     """
-    saved_roots: set[fx.Node] = set()
+
+    owner: dict[fx.Node, fx.Node] = {}
     first_input: dict[str, float] = {}
     extra_output: dict[str, float] = {}
     for node in graph.nodes:
         roots, extra_out, extra_in = _saves(node, needs_grad)
-        saved_roots.update(roots)
+        for root in roots:
+            owner.setdefault(root, node)  # graph order: a self-saving root owns itself
         if extra_out:
             extra_output[node.name] = extra_out
         if extra_in:
             first_input[node.name] = extra_in
+    own_output: set[fx.Node] = set()
+    owned_inputs: dict[str, list[int]] = {}
+    for root, positions in _owners(owner).items():
+        if positions:
+            owned_inputs.setdefault(owner[root].name, []).extend(positions)
+        else:
+            own_output.add(root)
     rules: dict[str, SavedRule] = {}
     for node in graph.nodes:
         if node.op != "call_function":
             continue
-        output = (1.0 if node in saved_roots else 0.0) + extra_output.get(node.name, 0.0)
-        rule = SavedRule(output=output, first_input=first_input.get(node.name, 0.0))
-        if rule.output or rule.first_input:
+        output = (1.0 if node in own_output else 0.0) + extra_output.get(node.name, 0.0)
+        rule = SavedRule(
+            output=output,
+            first_input=first_input.get(node.name, 0.0),
+            inputs=tuple(sorted(owned_inputs.get(node.name, ()))),
+        )
+        if rule.output or rule.first_input or rule.inputs:
             rules[node.name] = rule
     return rules
+
+
+def _owners(owner: Mapping[fx.Node, fx.Node]) -> dict[fx.Node, list[int]]:
+    """Saved activation root -> positions of its owner's inputs that price it ([] = priced
+    at the root's own output layout)."""
+    from autopar.strategies import input_nodes
+
+    out: dict[fx.Node, list[int]] = {}
+    for root, saver in owner.items():
+        if root.op != "call_function":
+            continue  # parameters, buffers and inputs are not activations
+        out[root] = _owned_positions(saver, root, input_nodes(saver)) if saver is not root else []
+    return out
+
+
+def saved_owners(graph: fx.Graph, needs_grad: Collection[str]) -> dict[str, str]:
+    """Saved activation root name -> name of the node whose activation bytes price its
+    storage (itself, or the consumer owning it; see the module docstring)."""
+    owner: dict[fx.Node, fx.Node] = {}
+    for node in graph.nodes:
+        for root in _saves(node, needs_grad)[0]:
+            owner.setdefault(root, node)
+    return {
+        root.name: (owner[root].name if positions else root.name)
+        for root, positions in _owners(owner).items()
+    }
+
+
+def _owned_positions(saver: fx.Node, root: fx.Node, inputs: Sequence[fx.Node]) -> list[int]:
+    """Positions of ``saver``'s distinct inputs that alias ``root`` when together they cover
+    it (same element count), else [] (the root is then priced at its producer's layout)."""
+    positions: list[int] = []
+    seen: set[fx.Node] = set()
+    for position, inp in enumerate(inputs):
+        if inp in seen or _val(inp) is None or _root(inp) is not root:
+            continue
+        seen.add(inp)
+        positions.append(position)
+    root_val = _val(root)
+    if root_val is None or not positions:
+        return []
+    covered = sum(_val(inputs[p]).numel() for p in positions)
+    return positions if covered == root_val.numel() else []
 
 
 def predicted_saved_bytes(graph: fx.Graph, needs_grad: Collection[str]) -> dict[str, float]:
@@ -295,7 +382,18 @@ def predicted_saved_bytes(graph: fx.Graph, needs_grad: Collection[str]) -> dict[
         out_bytes = val.numel() * val.element_size() if val is not None else 0
         src = _val(inputs[0]) if inputs else None
         in_bytes = src.numel() * src.element_size() if src is not None else 0
-        out[node.name] = rule.output * out_bytes + rule.first_input * in_bytes
+        out[node.name] = out.get(node.name, 0.0) + rule.output * out_bytes
+        out[node.name] += rule.first_input * in_bytes
+        if rule.inputs:
+            from autopar.strategies import input_nodes
+
+            owned = input_nodes(node)
+            for position in rule.inputs:
+                inp = owned[position]
+                val_in = _val(inp)
+                root = _root(inp).name
+                if val_in is not None:
+                    out[root] = out.get(root, 0.0) + val_in.numel() * val_in.element_size()
     return out
 
 

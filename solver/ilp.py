@@ -56,8 +56,9 @@ With a budget (HiGHS, no checkpoint segments) tie classes are solved as counts p
 instead (tying.solve_counts, _solve_counts): layers may differ, the model's size does not
 depend on depth, and its bound is a lower bound on the untied optimum; a mixed plan is
 realised by a small ILP over each member's class strategies. Presolve also removes dominated
-strategies (presolve._prune_dominated). With HiGHS the model is handed over in bulk
-(solver/highs_direct.py) unless the problem has checkpoint segments (then pulp builds it).
+strategies (presolve._prune_dominated). With HiGHS the model, checkpoint rows included, is
+handed over in bulk (solver/highs_direct.py); pulp builds it for CBC and for the minimum-peak
+model that reports the smallest budget.
 
 Determinism: the model is built in a fixed order from the Problem alone and both solvers are
 deterministic for a fixed model (single search, fixed seeds), so a Problem always gets the same
@@ -698,7 +699,7 @@ def _solve_model(
     start = time.perf_counter()
     validate(problem)
     red = reduce_problem(problem)
-    # HiGHS gets the model in bulk (solver/highs_direct.py) unless fields it lacks are used.
+    # HiGHS gets the model in bulk (solver/highs_direct.py), checkpoint segments included.
     direct = backend == "highs" and highs_direct.supports(problem)
     if direct:
         model = highs_direct.build(problem, red, minimise_peak=False)
@@ -722,8 +723,11 @@ def _solve_model(
         )
     if outcome.status == "infeasible":
         _raise_infeasible(problem, red, backend=backend, time_limit_s=time_limit_s, msg=msg)
-    recomputed = () if direct else _decode_recomputed(model)
-    decoded = highs_direct.decode(red, model, outcome.values) if direct else _decode(red, model)
+    if direct:
+        recomputed = highs_direct.decode_recomputed(model, outcome.values)
+        decoded = highs_direct.decode(red, model, outcome.values)
+    else:
+        recomputed, decoded = _decode_recomputed(model), _decode(red, model)
     choices, moves = _polish(problem, red, decoded, recomputed)
     solved = time.perf_counter()
     objective = plan_objective_s(problem, choices, recomputed)
@@ -811,8 +815,8 @@ def _solve_counts(
     from the counts bound is compared with the classes forced alike and the better kept; the
     bound reported is the counts bound, a lower bound on the untied optimum. None when the
     counts model does not apply (the caller forces the classes alike)."""
-    if not highs_direct.supports(problem):
-        return None
+    if problem.segments or not highs_direct.supports(problem):
+        return None  # segments: the classes are forced alike (tying.solve_counts docstring)
     out = solve_counts(problem, time_limit_s=time_limit_s, gap=gap, msg=msg)
     if out is None:
         return None

@@ -86,13 +86,22 @@ class Problem:
     memory_offset_bytes: float = 0.0
     """Bytes every plan pays regardless of the choices (counted against the budget)."""
     tied: tuple[tuple[int, ...], ...] = ()
-    """Classes of nodes that choose the same strategy (repeated layers): each class is solved
-    as one node whose costs and bytes are the members' sums (solver/tying.py). Members of a
-    class have the same number of strategies; a node is in at most one class. With a budget
-    the plan is the best one whose classes choose alike. Without one, leaf and series nodes
-    are first eliminated exactly and untied (solver/eliminate.py), and the classes tie what
-    remains: the plan is then no worse than the best tied plan (identical layers still come
-    out alike, as they see identical tables)."""
+    """Classes of nodes of repeated layers (members have the same number of strategies; a
+    node is in at most one class). How they are used depends on the problem:
+
+    - Without a budget: leaf and series nodes are first eliminated exactly and untied
+      (solver/eliminate.py), then each class of what remains is solved as one node whose
+      costs and bytes are the members' sums (solver/tying.py contract): the plan is no worse
+      than the best plan whose classes choose alike (identical layers still come out alike,
+      as they see identical tables).
+    - With a budget, backend 'highs' and no ``segments``: each class is solved as counts per
+      strategy (tying.solve_counts; when the members' tables are identical, else as below),
+      so members MAY choose differently (e.g. some layers sharded to fit, others not); the
+      bound is a lower bound on the untied optimum, and a mixed plan that falls short of it
+      is compared with the classes forced alike.
+    - With a budget and ``segments``, or backend 'cbc': the classes choose alike (one
+      contracted node each; identical segments become one with their copies summed), so the
+      plan is the best one whose classes choose alike."""
     segments: tuple[Segment, ...] = ()
     """Checkpoint candidates: a recomputed segment frees its ``freed_bytes`` and adds its
     ``recompute_s`` (and its edges' forward seconds) to the step; while the backward runs one

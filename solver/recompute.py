@@ -203,9 +203,9 @@ def expand_recomputed(
                 seg = segments[k]
                 if out[k] >= seg.copies or (forced_first and not seg.min_copies):
                     continue
-                if taken.isdisjoint(seg.nodes):
+                if taken.isdisjoint(seg.footprint or seg.nodes):
                     take = min(need, seg.copies - out[k])
                     out[k] += take
                     need -= take
-                    taken.update(seg.nodes)
+                    taken.update(seg.footprint or seg.nodes)
     return tuple(out)

@@ -207,6 +207,17 @@ def solve_counts(
     None when the problem is outside this model (members with different costs, a self-loop on
     a member) or when no counts fit; ``choices`` is None when the realised plan still uses a
     forbidden pair. The caller then forces the classes alike.
+
+    Problems with checkpoint segments are not given to this model (ilp._solve_counts forces
+    their classes alike) because it cannot price them exactly: a segment's freed bytes A(x)
+    and recompute seconds T(x) are sums over ONE layer's nodes under that layer's joint
+    choices, and its peak term is the largest A over the recomputed copies. Counts keep only
+    how many members of each class take each strategy (and, per edge family, how many pairs),
+    not which strategies sit together in one layer, so "r copies recomputed" has no linear
+    price: it would need counts per (whole-layer assignment, recomputed or not), exponential
+    in the segment's nodes (a LLaMA block segment has about 70), or a relaxation whose
+    realised plan may not fit the budget. Splitting each count into recomputed / kept parts
+    is exact only for one-node segments, which autopar does not propose.
     """
     from solver import highs_direct
     from solver.presolve import _group_pairs, plan_objective_s, plan_peak_memory_bytes

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
+from collections.abc import Iterator
+from unittest import mock
 
+import pulp
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from solver import Edge, InfeasibleBudgetError, Node, Problem, brute_force, solve
+from solver import Edge, InfeasibleBudgetError, Node, Problem, brute_force, highs_direct, ilp, solve
 from solver.brute_force import brute_force_recompute
+from solver.presolve import plan_objective_s, reduce_problem
 from solver.problem import Segment, SegmentEdge
 from solver.recompute import conflict_cliques, counts_allowed, recompute_terms
 
@@ -298,3 +304,169 @@ def test_presolve_keeps_strategies_that_only_segments_tell_apart() -> None:
     # Without a budget the same problem recomputes nothing (elimination may run).
     free = solve(Problem(nodes=nodes, edges=edges, segments=segments))
     assert free.recomputed == (0, 0, 0) and free.objective_s == 3.0
+
+
+@contextlib.contextmanager
+def pulp_model() -> Iterator[None]:
+    """Build every model through pulp (the only path for segments before highs_direct had
+    them)."""
+    with mock.patch.object(highs_direct, "supports", lambda problem: False):
+        yield
+
+
+@st.composite
+def layered(draw: st.DrawFn) -> Problem:
+    """1-3 layers of 1-2 nodes in a chain, a segment per layer (and per node of a two-node
+    layer, overlapping it) whose edges re-price the reshards consumed inside it, the incoming
+    one from the previous layer included: at a third of the model's cost (the model's pair
+    columns express them) or independent costs (the z rows). Sometimes transients, layer 0
+    forced, nodes presolve fixes (one strategy), or every layer tied (counts in binary)."""
+    num_layers = draw(st.integers(1, 3))
+    width = draw(st.integers(1, 2))
+    tied = num_layers > 1 and draw(st.booleans())
+    most = 3 if num_layers * width < 4 else 2
+    sizes = [draw(st.integers(1, most)) for _ in range(width)]
+    money = st.integers(0, 8).map(float)
+    transients = draw(st.booleans())
+
+    def node(name: str, k: int) -> Node:
+        return Node(
+            name=name,
+            cost_s=tuple(draw(money) for _ in range(k)),
+            memory_bytes=tuple(draw(st.integers(1, 8)) * 10.0 for _ in range(k)),
+            transient_bytes=tuple(draw(st.integers(0, 4)) * 10.0 for _ in range(k))
+            if transients
+            else (),
+        )
+
+    first = [node(f"p{j}", k) for j, k in enumerate(sizes)]
+    nodes = tuple(
+        dataclasses.replace(first[j], name=f"l{i}p{j}") if tied or i == 0 else node(f"l{i}p{j}", k)
+        for i in range(num_layers)
+        for j, k in enumerate(sizes)
+    )
+    num = len(nodes)
+    # One matrix per position, shared by every layer (as autopar shares an edge's matrix);
+    # a flat one is folded away by presolve, so only z rows can price its segment edge.
+    flat = [draw(st.booleans()) for _ in range(width)]
+    matrices = [
+        tuple(
+            tuple(0.5 if flat[j] else draw(money) / 2 for _ in range(sizes[(j + 1) % width]))
+            for _ in range(sizes[j])
+        )
+        for j in range(width)
+    ]
+    edges = tuple(Edge(src=i, dst=i + 1, cost_s=matrices[i % width]) for i in range(num - 1))
+    independent = draw(st.booleans())
+    forward = [
+        tuple(tuple(draw(money) / 4 if independent else c / 3 for c in row) for row in m)
+        for m in matrices
+    ]
+    freed_share = [
+        tuple(draw(st.sampled_from([0.0, 0.5, 1.0, 1.0])) for _ in range(k)) for k in sizes
+    ]
+    again = [tuple(draw(money) / 2 for _ in range(k)) for k in sizes]
+    forced = draw(st.integers(0, 3)) == 0
+    segments = []
+    for i in range(num_layers):
+        layer = tuple(range(i * width, (i + 1) * width))
+        for span in [layer, *([(n,) for n in layer] if width > 1 else [])]:
+            segments.append(
+                Segment(
+                    name=f"l{i}{span}",
+                    nodes=span,
+                    freed_bytes=tuple(
+                        tuple(b * f for b, f in zip(nodes[n].memory_bytes, freed_share[n % width]))
+                        for n in span
+                    ),
+                    recompute_s=tuple(again[n % width] for n in span),
+                    edges=tuple(
+                        SegmentEdge(src=e.src, dst=e.dst, cost_s=forward[e.src % width])
+                        for e in edges
+                        if e.dst in span
+                    ),
+                    min_copies=int(forced and i == 0 and span == layer),
+                )
+            )
+    ties = tuple(tuple(range(j, num, width)) for j in range(width)) if tied else ()
+    smallest = []
+    for segs in (tuple(segments), ()):
+        try:
+            brute_force_recompute(
+                Problem(
+                    nodes=nodes, edges=edges, segments=segs, memory_budget_bytes=-1.0, tied=ties
+                )
+            )
+        except InfeasibleBudgetError as e:
+            smallest.append(e.min_budget_bytes)
+    budget = draw(st.floats(min_value=smallest[0], max_value=max(smallest) + 5.0))
+    return Problem(
+        nodes=nodes, edges=edges, segments=tuple(segments), memory_budget_bytes=budget, tied=ties
+    )
+
+
+def _same_plan_value(problem: Problem, sol, objective: float) -> None:
+    assert math.isclose(sol.objective_s, objective, rel_tol=1e-6, abs_tol=1e-9)
+    assert sol.peak_memory_bytes <= problem.memory_budget_bytes * (1 + 1e-9) + 1e-6
+    assert counts_allowed(problem.segments, sol.recomputed)
+    assert all(r >= s.min_copies for s, r in zip(problem.segments, sol.recomputed))
+    assert math.isclose(
+        plan_objective_s(problem, sol.choices, sol.recomputed), sol.objective_s, rel_tol=1e-12
+    )
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(layered(), chains()))
+def test_direct_highs_model_has_the_optimum_of_pulp_cbc_and_brute_force(problem: Problem) -> None:
+    _, objective, _ = brute_force_recompute(problem)
+    direct = solve(problem)
+    with pulp_model():
+        through_pulp = solve(problem)
+    cbc = solve(problem, backend="cbc")
+    for sol in (direct, through_pulp, cbc):
+        _same_plan_value(problem, sol, objective)
+    assert direct.num_variables == through_pulp.num_variables
+    assert direct.num_constraints == through_pulp.num_constraints
+
+
+def test_direct_model_is_pulps_model_row_for_row() -> None:
+    # Same columns and rows, and the same LP relaxation, on a problem with every kind of
+    # segment edge: fixed end, the model's pair columns, and z rows.
+    problem = nested_layers(2, budget=300.0)
+    problem = dataclasses.replace(
+        problem,
+        segments=(
+            *problem.segments,
+            Segment(
+                name="cross",
+                nodes=(1, 2),
+                freed_bytes=((70.0, 35.0), (50.0, 25.0)),
+                recompute_s=((0.3, 0.4), (0.4, 0.5)),
+                edges=(SegmentEdge(src=1, dst=2, cost_s=((0.2, 0.0), (0.07, 0.01))),),
+            ),
+        ),
+        tied=(),
+    )
+    red = reduce_problem(problem)
+    direct = highs_direct.build(problem, red, minimise_peak=False)
+    model = ilp._build(problem, red, minimise_peak=False)
+    assert direct.num_variables == model.num_variables
+    assert direct.num_constraints == len(model.lp.constraints)
+    h = direct.highs
+    h.setOptionValue("solve_relaxation", True)
+    h.run()
+    relaxed = h.getInfo().objective_function_value * direct.objective_scale
+    for v in model.lp.variables():
+        v.cat = "Continuous"
+    model.lp.solve(pulp.HiGHS(msg=False))
+    assert math.isclose(
+        relaxed, pulp.value(model.lp.objective) * model.objective_scale, rel_tol=1e-9
+    )
+
+
+def test_segment_problems_are_built_directly() -> None:
+    problem = nested_layers(3, budget=330.0)
+    with mock.patch.object(ilp, "_build", side_effect=AssertionError("pulp model built")):
+        sol = solve(problem)
+    assert sum(sol.recomputed) > 0
+    assert math.isclose(sol.objective_s, brute_force_recompute(problem)[1], rel_tol=1e-9)
