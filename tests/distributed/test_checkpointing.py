@@ -75,13 +75,17 @@ and planning it costs seconds): the three segment kinds with collectives inside 
 PLANNED: list[tuple[str, dict[str, Any]]] = [
     ("gpt/planner/all", {"model": "gpt", "recipe": "megatron", "segments": "planner-all"}),
     ("gpt/planner/budget", {"model": "gpt", "recipe": "megatron", "segments": "planner-budget"}),
+    (
+        "llama/planner/budget",
+        {"model": "llama", "recipe": "megatron", "segments": "planner-budget"},
+    ),
 ]
 """Segments chosen by the planner under the ``megatron`` layouts: ``checkpoint="all"`` (planned
 in the parent), and ``autoparallelize(..., checkpoint="auto", memory_budget=B)`` planned on rank
 0, with ``B`` = the peak without checkpointing minus half its activations, so the ILP must
 recompute; the plan must fit ``B``. The plan's predicted activation memory (which accounts for
-its segments) is compared with the measured bytes. (A tight budget for the tiny LLaMA takes the
-ILP about 2 minutes: left out of CI.)"""
+its segments) is compared with the measured bytes. (The tiny LLaMA's tight-budget ILP takes
+about a minute on rank 0 of this spawn: the slowest case of the file, kept for coverage.)"""
 
 
 # --------------------------------------------------------------------------------------------
@@ -371,7 +375,10 @@ def _results() -> dict[str, Any]:
         math.prod(MESH_SHAPE),
         [(name, (name, case)) for name, case in CASES + PLANNED],
         _plans(),
-        timeout_s=300,
+        timeout_s=600,
+        # Rank 0 plans the LLaMA tight-budget case (about a minute) while the others wait in
+        # the plan's broadcast: the process group's timeout must outlast it.
+        pg_timeout_s=300,
     )
 
 
