@@ -23,7 +23,12 @@ from torch import Tensor
 
 # The sharded (DTensor per state tensor, for torch.distributed.checkpoint) optimizer state dict
 # lives with the model's sharded state dict; re-exported here next to the full form.
-from autopar.runtime.state import load_sharded_optim_state_dict, sharded_optim_state_dict
+from autopar.runtime.state import (
+    load_param_groups,
+    load_sharded_optim_state_dict,
+    named_param_groups,
+    sharded_optim_state_dict,
+)
 
 __all__ = [
     "LAMB",
@@ -234,14 +239,7 @@ def full_optim_state_dict(pmodel: Any, optimizer: torch.optim.Optimizer) -> dict
                 )
             elif value is not None:
                 state[name][key] = value.clone() if torch.is_tensor(value) else value
-    groups = [
-        {
-            **{k: v for k, v in g.items() if k != "params"},
-            "params": [names[id(p)] for p in g["params"]],
-        }
-        for g in optimizer.param_groups
-    ]
-    return {"state": state, "param_groups": groups}
+    return {"state": state, "param_groups": named_param_groups(optimizer, names)}
 
 
 def load_full_optim_state_dict(
@@ -253,8 +251,7 @@ def load_full_optim_state_dict(
 
     by_name = dict(pmodel.named_parameters())
     mesh_shape = pmodel.lowered.mesh_shape
-    for group, saved in zip(optimizer.param_groups, full["param_groups"], strict=True):
-        group.update({k: v for k, v in saved.items() if k != "params"})
+    load_param_groups(optimizer, full["param_groups"])
     for name, entries in full["state"].items():
         param = by_name[name]
         own: dict[str, Any] = {}

@@ -42,9 +42,11 @@ def tiny_mlp() -> Built:
     return model, (x, y), {}
 
 
-def tiny_gpt() -> Built:
+def tiny_gpt(dropout: float = 0.0) -> Built:
     torch.manual_seed(0)
-    config = GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=LAYERS, n_head=HEADS, n_embd=WIDTH)
+    config = GPTConfig(
+        vocab_size=VOCAB, block_size=SEQ, n_layer=LAYERS, n_head=HEADS, n_embd=WIDTH, dropout=dropout
+    )
     return GPT(config), _tokens(1), {}
 
 

@@ -452,14 +452,30 @@ def sharded_optim_state_dict(pmodel: Any, optimizer: torch.optim.Optimizer) -> d
                 state[names[id(p)]][key] = value.clone() if torch.is_tensor(value) else value
         for name, dt in _to_dtensors(layouts, entries).items():
             state[name][key] = dt
-    groups = [
+    return {"state": state, "param_groups": named_param_groups(optimizer, names)}
+
+
+def named_param_groups(optimizer: torch.optim.Optimizer, names: Mapping[int, str]) -> list[dict]:
+    """The optimizer's param groups with parameters replaced by their FQNs (``names`` maps a
+    parameter's ``id`` to its name), as torch's optimizer state dicts store them by FQN."""
+    return [
         {
             **{k: v for k, v in g.items() if k != "params"},
             "params": [names[id(p)] for p in g["params"]],
         }
         for g in optimizer.param_groups
     ]
-    return {"state": state, "param_groups": groups}
+
+
+def load_param_groups(optimizer: torch.optim.Optimizer, saved_groups: Sequence[Mapping]) -> None:
+    """Hyperparameters of saved groups onto the optimizer's, by group index."""
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise ValueError(
+            f"the state dict has {len(saved_groups)} param groups but the optimizer has "
+            f"{len(optimizer.param_groups)}; build the optimizer with the same groups"
+        )
+    for group, saved in zip(optimizer.param_groups, saved_groups):
+        group.update({k: v for k, v in saved.items() if k != "params"})
 
 
 def load_sharded_optim_state_dict(
@@ -469,14 +485,7 @@ def load_sharded_optim_state_dict(
     ``dcp.load``); a collective. Hyperparameters are taken by group index."""
     layouts = _Layouts(pmodel)
     by_name = dict(pmodel.named_parameters())
-    saved_groups = state_dict["param_groups"]
-    if len(saved_groups) != len(optimizer.param_groups):
-        raise ValueError(
-            f"the state dict has {len(saved_groups)} param groups but the optimizer has "
-            f"{len(optimizer.param_groups)}; build the optimizer with the same groups"
-        )
-    for group, saved in zip(optimizer.param_groups, saved_groups):
-        group.update({k: v for k, v in saved.items() if k != "params"})
+    load_param_groups(optimizer, state_dict["param_groups"])
     unknown = sorted(set(state_dict["state"]) - set(by_name))
     if unknown:
         raise ValueError(f"optimizer state for unknown parameters {unknown[:8]}")

@@ -93,20 +93,10 @@ about a minute on rank 0 of this spawn: the slowest case of the file, kept for c
 
 
 def _build(model_name: str) -> Any:
-    from autopar.models import GPT, GPTConfig
     from tests import models
 
     if model_name == "gpt-dropout":
-        torch.manual_seed(0)
-        config = GPTConfig(
-            vocab_size=models.VOCAB,
-            block_size=models.SEQ,
-            n_layer=models.LAYERS,
-            n_head=models.HEADS,
-            n_embd=models.WIDTH,
-            dropout=0.1,
-        )
-        return GPT(config), models._tokens(1), {}
+        return models.tiny_gpt(dropout=0.1)
     return {"gpt": models.tiny_gpt, "llama": models.tiny_llama}[model_name]()
 
 

@@ -64,20 +64,10 @@ MESHES: dict[str, tuple[tuple[int, ...], list[str]]] = {
 
 
 def _build(model_name: str, dropout: float = 0.0) -> Any:
-    from autopar.models import GPT, GPTConfig
     from tests import models
 
     if model_name == "gpt" and dropout:
-        torch.manual_seed(0)
-        config = GPTConfig(
-            vocab_size=models.VOCAB,
-            block_size=models.SEQ,
-            n_layer=models.LAYERS,
-            n_head=models.HEADS,
-            n_embd=models.WIDTH,
-            dropout=dropout,
-        )
-        return GPT(config), models._tokens(1), {}
+        return models.tiny_gpt(dropout=dropout)
     builders = {"mlp": models.tiny_mlp, "gpt": models.tiny_gpt, "llama": models.tiny_llama}
     return (builders.get(model_name) or getattr(models, model_name))()
 
