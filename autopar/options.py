@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -57,6 +57,35 @@ def format_seconds(seconds: float) -> str:
     return f"{seconds * 1e6:.1f} us"
 
 
+def _zero_spec(spec: Any) -> int | tuple[int, ...] | tuple[tuple[str, int], ...] | None:
+    """A ``zero_stage`` value in its stored form (mesh-free checks; the planner checks the
+    length and the axis names against the mesh)."""
+    valid = "an int 0-3, one stage 0-3 per mesh axis, or {axis name: stage 0-3}"
+    if spec is None:
+        return None
+    if isinstance(spec, bool):
+        raise ValueError(f"zero_stage must be {valid}, got {spec!r}")
+    if isinstance(spec, int):
+        if spec not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage must be 0, 1, 2 or 3 (or per axis: {valid}), got {spec}")
+        return spec
+    if isinstance(spec, Mapping):
+        pairs = tuple(sorted((str(k), v) for k, v in spec.items()))
+        bad = [f"{k}={v!r}" for k, v in pairs if not isinstance(v, int) or v not in (0, 1, 2, 3)]
+        if bad or not pairs:
+            raise ValueError(f"zero_stage must be {valid}; bad: {bad or spec!r}")
+        return pairs
+    if isinstance(spec, Sequence) and not isinstance(spec, str):
+        items = tuple(spec)
+        if items and all(isinstance(x, Sequence) and not isinstance(x, str) for x in items):
+            return _zero_spec(dict(items))  # (name, stage) pairs, as stored
+        bad = [x for x in items if isinstance(x, bool) or not isinstance(x, int) or x not in (0, 1, 2, 3)]
+        if bad or not items:
+            raise ValueError(f"zero_stage must be {valid}; bad stages: {bad or list(items)}")
+        return items
+    raise ValueError(f"zero_stage must be {valid}, got {spec!r}")
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PlanOptions:
     """How to plan. Every field has a default; see DESIGN.md (Conventions: Options)."""
@@ -69,8 +98,10 @@ class PlanOptions:
     """Optimizer whose state is counted in memory: 'adamw', 'adam', 'sgd', 'sgd-momentum', ..."""
     mixed_precision: str | None = None
     """None (parameters' dtype throughout) or 'bf16' / 'fp16' (fp32 master weights)."""
-    zero_stage: int | None = None
-    """ZeRO stage on data-parallel axes; None = the planner decides (0-3)."""
+    zero_stage: int | tuple[int, ...] | tuple[tuple[str, int], ...] | None = None
+    """ZeRO stage on the data-parallel axes (0-3); or one stage per mesh axis (a sequence, or a
+    mapping {axis name: stage}, kept as sorted (name, stage) pairs; unnamed axes get 0); None =
+    the planner decides a stage per axis."""
     checkpoint: str = "auto"
     """Activation checkpointing: 'auto', 'none' or 'all'."""
     output_placements: tuple[str, ...] | None = None
@@ -91,8 +122,7 @@ class PlanOptions:
             )
         if self.solver not in SOLVERS:
             raise ValueError(f"unknown solver {self.solver!r}; choose one of {', '.join(SOLVERS)}")
-        if self.zero_stage is not None and self.zero_stage not in (0, 1, 2, 3):
-            raise ValueError(f"zero_stage must be 0, 1, 2 or 3 (or None), got {self.zero_stage}")
+        object.__setattr__(self, "zero_stage", _zero_spec(self.zero_stage))
         if self.mixed_precision not in (None, "bf16", "fp16"):
             raise ValueError(f"mixed_precision must be None, 'bf16' or 'fp16', got {self.mixed_precision!r}")
         if self.memory_budget is not None:
@@ -115,6 +145,9 @@ class PlanOptions:
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
+        if isinstance(self.zero_stage, tuple):
+            pairs = self.zero_stage and isinstance(self.zero_stage[0], tuple)
+            out["zero_stage"] = dict(self.zero_stage) if pairs else list(self.zero_stage)
         if out["output_placements"] is not None:
             out["output_placements"] = list(out["output_placements"])
         return out

@@ -146,12 +146,16 @@ def autoparallelize(
     plan_mesh = Mesh.from_dict(chosen.data["mesh"])
     plan_options = PlanOptions.from_kwargs(chosen.data["options"])
     zero = chosen.data["zero"]
+    zero_config = ZeroConfig.from_json(zero, plan_mesh.axis_names)
     pmodel = ParallelModule(
         lowered,
         model,
         groups,
-        zero_stage=int(zero["stage"]),
-        zero_axes=[plan_mesh.axis_index(axis) for axis in zero["axes"]] or None,
+        # Uniform stages as (stage, axes); per-axis stages as one stage per mesh axis.
+        zero_stage=zero_config.stage
+        if zero_config.is_uniform
+        else tuple(zero_config.stage_of(a) for a in range(plan_mesh.ndim)),
+        zero_axes=list(zero_config.axes) or None if zero_config.is_uniform else None,
         chunk_bytes=zero.get("chunk_bytes"),
         mixed_precision=plan_options.mixed_precision,
         state_source=(

@@ -26,6 +26,23 @@ from autopar.strategies import Strategy
 PLAN_VERSION = 1
 
 
+def zero_label(entry: dict[str, Any]) -> str:
+    """'stage 3 on dp,tp', or 'stages dp=2,tp=3' when the axes differ, of a plan JSON ``zero``
+    entry (or a ``zero.considered`` row); plans without ``stages`` read as stage on axes."""
+    stages = entry.get("stages") or {}
+    if len({v for v in stages.values() if v}) > 1:
+        return "stages " + ",".join(f"{name}={v}" for name, v in stages.items())
+    return f"stage {entry['stage']}" + (f" on {','.join(entry['axes'])}" if entry["axes"] else "")
+
+
+def _per_stage_key(entry: dict[str, Any]) -> str:
+    """The chosen configuration's key in ``zero.per_stage`` (see api._per_stage)."""
+    stages = entry.get("stages") or {}
+    if len({v for v in stages.values() if v}) > 1:
+        return ",".join(f"{name}={v}" for name, v in stages.items())
+    return str(entry["stage"])
+
+
 def plan_schema() -> dict[str, Any]:
     return json.loads(resources.files("autopar").joinpath("plan_schema.json").read_text())
 
@@ -215,8 +232,7 @@ class Plan:
         console.print(
             f"predicted step {format_seconds(pred['step_s'])}, peak memory "
             f"{format_bytes(pred['peak_memory_bytes'])} of budget "
-            f"{format_bytes(d['memory_budget_bytes'])}; ZeRO stage {zero['stage']}"
-            + (f" on {', '.join(zero['axes'])}" if zero["axes"] else "")
+            f"{format_bytes(d['memory_budget_bytes'])}; ZeRO {zero_label(zero)}"
         )
         segments = d["checkpoint"]["segments"]
         console.print(
@@ -261,9 +277,10 @@ class Plan:
         for key in pred["memory"]:
             mem.add_column(key, justify="right")
         mem.add_column("peak", justify="right")
-        per_stage = zero.get("per_stage") or {str(zero["stage"]): pred}
+        chosen_key = _per_stage_key(zero)
+        per_stage = zero.get("per_stage") or {chosen_key: pred}
         for stage, fig in per_stage.items():
-            mark = " (chosen)" if stage == str(zero["stage"]) else ""
+            mark = " (chosen)" if stage == chosen_key else ""
             mem.add_row(
                 f"{stage}{mark}",
                 format_seconds(fig["step_s"]),
@@ -284,7 +301,7 @@ class Plan:
             for row in considered:
                 memory = row.get("memory") or {}
                 cfg.add_row(
-                    f"stage {row['stage']}" + (f" on {','.join(row['axes'])}" if row["axes"] else ""),
+                    zero_label(row),
                     row["layouts"],
                     format_seconds(row["step_s"]),
                     *(format_bytes(memory[k]) if k in memory else "-" for k in keys),
@@ -362,9 +379,7 @@ class Plan:
         space = self.space
         i = space.index[name]
         node = space.nodes[i]
-        zero = ZeroConfig(stage=self.data["zero"]["stage"], axes=tuple(
-            space.mesh.axis_index(a) for a in self.data["zero"]["axes"]
-        ))
+        zero = ZeroConfig.from_json(self.data["zero"], space.mesh.axis_names)
         own_s, memory = node_cost_vector(space, node, zero)
         totals = []
         for s in range(len(node.strategies)):

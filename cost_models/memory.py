@@ -7,7 +7,8 @@ Per parameter element, before ZeRO (``p`` = param dtype bytes, ``k`` = optimizer
     "bf16" / "fp16"   2        4       4        k * 4     (fp32 grads, master copy and state)
 
 ZeRO over ``zero_shards`` devices divides: stage >= 1 the optimizer state and the master copy,
-stage >= 2 also the gradients, stage 3 also the parameters. Under ZeRO-3 the gathered working copy
+stage >= 2 also the gradients, stage 3 also the parameters. With a stage per mesh axis each kind
+of state has its own shard count (``param_shards``, ``grad_shards``, ``state_shards``). Under ZeRO-3 the gathered working copy
 of a parameter is a transient of the op that uses it and is not counted here.
 """
 
@@ -74,6 +75,9 @@ def training_state_bytes(
     mixed_precision: str | None = None,
     zero_stage: int = 0,
     zero_shards: int = 1,
+    param_shards: int | None = None,
+    grad_shards: int | None = None,
+    state_shards: int | None = None,
 ) -> MemoryBreakdown:
     """Bytes per device of the training state of ``num_elements`` parameter elements.
 
@@ -85,6 +89,10 @@ def training_state_bytes(
         mixed_precision: None, "bf16" or "fp16" (see the module docstring).
         zero_stage: 0-3.
         zero_shards: devices the ZeRO state is split over (product of the ZeRO axes' sizes).
+        param_shards, grad_shards, state_shards: per-axis ZeRO stages
+            (``autopar.runtime.zero``): the devices the parameters (P axes), the gradients (G)
+            and the optimizer state with the master copy (O) are split over; each given one
+            overrides what ``zero_stage`` / ``zero_shards`` imply for that kind of state.
     """
     if num_elements < 0:
         raise ValueError(f"num_elements must be >= 0, got {num_elements}")
@@ -94,6 +102,17 @@ def training_state_bytes(
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
     if zero_shards < 1:
         raise ValueError(f"zero_shards must be >= 1, got {zero_shards}")
+    if param_shards is None:
+        param_shards = zero_shards if zero_stage >= 3 else 1
+    if grad_shards is None:
+        grad_shards = zero_shards if zero_stage >= 2 else 1
+    if state_shards is None:
+        state_shards = zero_shards if zero_stage >= 1 else 1
+    if min(param_shards, grad_shards, state_shards) < 1:
+        raise ValueError(
+            f"shard counts must be >= 1, got params {param_shards}, grads {grad_shards}, "
+            f"state {state_shards}"
+        )
     num_buffers = optimizer_state_buffers(optimizer)
     if mixed_precision is None:
         param_b, grad_b, master_b, state_b = (
@@ -112,11 +131,8 @@ def training_state_bytes(
     grads = float(num_elements * grad_b)
     master = float(num_elements * master_b)
     optimizer_bytes = float(num_elements * state_b * num_buffers)
-    if zero_stage >= 1:
-        optimizer_bytes /= zero_shards
-        master /= zero_shards
-    if zero_stage >= 2:
-        grads /= zero_shards
-    if zero_stage >= 3:
-        params /= zero_shards
+    optimizer_bytes /= state_shards
+    master /= state_shards
+    grads /= grad_shards
+    params /= param_shards
     return MemoryBreakdown(params=params, grads=grads, optimizer=optimizer_bytes, master=master)

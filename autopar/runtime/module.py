@@ -100,7 +100,8 @@ class ParallelModule(nn.Module):
         grad_bucket_bytes: size of the flat buckets of the gradient all-reduce.
         zero_stage: 0 (gradients all-reduced, as above) or 1-3: ZeRO on ``zero_axes`` with
             parameters in flat chunks of ``chunk_bytes`` (None: searched), see
-            :mod:`autopar.runtime.zero`; ``parameters()`` then yields 1-D shard views.
+            :mod:`autopar.runtime.zero`; ``parameters()`` then yields 1-D shard views. Or one
+            stage per mesh axis (a sequence; ``zero_axes`` must then be None).
         zero_axes: mesh axes to shard over (None: the axes parameter gradients are summed over).
         mixed_precision: None, "bf16" or "fp16" (half compute, fp32 master shards and
             reduction; needs ``zero_stage >= 1``; fp16 also needs loss scaling with
@@ -125,7 +126,7 @@ class ParallelModule(nn.Module):
         groups: Any,
         *,
         grad_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        zero_stage: int = 0,
+        zero_stage: int | Sequence[int] = 0,
         zero_axes: Sequence[int] | None = None,
         chunk_bytes: int | None = None,
         mixed_precision: str | None = None,
@@ -211,7 +212,8 @@ class ParallelModule(nn.Module):
         # ZeRO (autopar.runtime.zero): chunk parameters are replaced by their shard views.
         self.zero: ZeroEngine | None = None
         self._split_axes: dict[int, tuple[int, ...]] | None = None
-        if mixed_precision is not None and not zero_stage:
+        zero_on = bool(zero_stage) if isinstance(zero_stage, int) else any(zero_stage)
+        if mixed_precision is not None and not zero_on:
             raise ValueError(
                 "mixed_precision needs zero_stage >= 1 (fp32 master shards live in ZeRO chunks)"
             )
@@ -226,13 +228,13 @@ class ParallelModule(nn.Module):
             value = state_source.read_flat(read_as[key], index_of(key), lo, hi)
             return value.to(torch.float32)
 
-        if zero_stage:
+        if zero_on:
             self.zero = build_zero_engine(
                 lowered,
                 self._params,
                 self.coords,
                 self._axis_group,
-                stage=zero_stage,
+                stage=zero_stage if isinstance(zero_stage, int) else tuple(zero_stage),
                 zero_axes=zero_axes,
                 chunk_bytes=chunk_bytes,
                 mixed_precision=mixed_precision,

@@ -396,7 +396,7 @@ def _store(
         for (_, param, _), piece in zip(items, pieces):
             put(param, piece)
             touched.add(engine.slot_of(param)[0].index)
-    if engine is not None and engine.stage < 3:
+    if engine is not None:
         for index in sorted(touched):
             engine.sync_full(index)
 

@@ -1,54 +1,73 @@
-"""Chunk-managed ZeRO (stages 1, 2, 3) over the data-parallel mesh axes.
+"""Chunk-managed ZeRO over the data-parallel mesh axes, with a stage per mesh axis.
 
 Parameters (this rank's tensor-parallel blocks, as ``ParallelModule`` holds them) are packed in
-order of first use in forward into flat fp32 chunks. Every chunk is sharded evenly over its ZeRO
-axes (the chosen axes on which its parameters are Replicate; padded to a multiple of the shard
-count). Sharding is hierarchical over several axes: the first ZeRO axis is outermost, so this
-rank's shard is the contiguous piece at its row-major index over those axes.
+order of first use in forward into flat fp32 chunks (sizes: :mod:`autopar.runtime.chunks`).
+
+Stages per mesh axis. Each mesh axis ``a`` has a stage ``s[a]`` in {0, 1, 2, 3}. For a
+parameter whose placement is Replicate on the set ``R`` of mesh axes of size > 1:
+
+* ``P = {a in R: s[a] == 3}``: the parameters are sharded over P (all-gathered before use,
+  freed after, gathered again for backward);
+* ``G = {a in R: s[a] >= 2}``: the gradients are reduce-scattered over G (this rank keeps the
+  piece of the chunk at its G coordinate) and all-reduced over the axes of ``R \\ G`` on which
+  the gradient is a partial sum;
+* ``O = {a in R: s[a] >= 1}``: the optimizer state (and the shard parameters the optimizer
+  sees) is sharded over O.
+
+``P <= G <= O``. A chunk (its parameters share R) is split hierarchically with P's axes
+outermost, then ``G \\ P``, then ``O \\ G`` (each group in mesh-axis order; ``Chunk.zero_axes``
+is that order), so this rank's O-shard is a contiguous sub-range of its G-shard, which is a
+contiguous sub-range of its P-shard (the "kept" buffer). Per rank, ``N`` = chunk elements:
+
+================  =================================  =====================================
+state             kept                               collectives per step
+================  =================================  =====================================
+parameters        N / |P| (the kept buffer)          all-gather over P before forward and
+                                                     again before backward (none if P = {})
+gradients         N / |G|                            reduce-scatter over G, all-reduce over
+                                                     the partial axes outside G
+optimizer state   N / |O| (views into the O-shard)   all-gather of the updated O-shards over
+                                                     ``O \\ P`` into the kept buffer after
+                                                     each optimizer step
+================  =================================  =====================================
+
+The uniform configurations are the classic stages: stage k on axes S is ``s[a] = k`` for a in S
+and 0 elsewhere (stage 1: P = G = {}; stage 2: P = {}; stage 3: P = G = O), and run exactly as
+they did before per-axis stages existed. HSDP / ZeRO++ style is stage 3 on the intra-node axis and
+2 (or 1, or 0) on the inter-node one: parameters are gathered only inside a node.
 
 What the optimizer sees: one ``nn.Parameter`` per original parameter, a 1-D view of the part of
-the parameter that lies in this rank's chunk shard (possibly empty). Only elementwise optimizers
+the parameter that lies in this rank's O-shard (possibly empty). Only elementwise optimizers
 give the single-process result on such pieces (and ``autopar.optim``'s LAMB / LARS, which take
 their norms over every piece); others are refused when they step.
 
-Per stage, on one rank (``N`` = shards of a chunk):
+Mechanism. :func:`autopar.runtime.zero_graph.rewrite_graph` copies the lowered graph and
+inserts, before the first use of each chunk, one call of an autograd function that takes the
+shard parameters and returns the full local parameters as views of the chunk's compute buffer
+(P non-empty: all-gathered there, prefetching the next chunk; P empty: the kept buffer). Its
+backward runs once every gradient of the chunk is complete: it flattens them and launches the
+chunk's reduce-scatters over G and the first all-reduce (asynchronous, overlapped with the rest
+of backward); a callback queued on the autograd engine waits for them at the end of backward,
+runs the remaining all-reduces and sets the shard parameters' ``.grad`` (views of this rank's
+O-shard of the reduced G-shard).
 
-======  ===================================  ======================  ======================
-stage   compute parameters                   gradients               optimizer state
-======  ===================================  ======================  ======================
-1       full chunk buffers, kept             full chunk, all-reduce  1/N (on the shard)
-2       full chunk buffers, kept             1/N, reduce-scatter     1/N
-3       1/N; a chunk is all-gathered before  1/N, reduce-scatter     1/N
-        its first use and freed after its
-        last use in forward, gathered again
-        for backward
-======  ===================================  ======================  ======================
-
-Mechanism. :meth:`ZeroEngine.rewrite` copies the lowered graph and inserts, before the first use
-of each chunk, one call of a :class:`_UseChunk` autograd function that takes the shard parameters
-and returns the full local parameters as views of the chunk buffer (stage 3: all-gathered there,
-prefetching the next chunk; stages 1-2: the kept buffer). Its backward runs once every gradient of
-the chunk is complete: it flattens them and launches the chunk's asynchronous reduce-scatter
-(stage 1: all-reduce), overlapped with the rest of backward; a callback queued on the autograd
-engine waits for them at the end of backward and sets the shard parameters' ``.grad``.
-
-Stage 3 frees a gathered chunk when the graph's last view of it dies (fx drops dead values);
-tensors that autograd saves for backward are packed by a ``saved_tensors_hooks`` pair as
+A gathered chunk (P non-empty) is freed when the graph's last view of it dies (fx drops dead
+values); tensors that autograd saves for backward are packed by a ``saved_tensors_hooks`` pair as
 (chunk, size, stride, offset) instead of the tensor, and unpacking in backward all-gathers the
 chunk again (prefetching the previous one); it is freed when the chunk's backward ran.
 
-Stages 1-2 copy the updated shards back into the full buffers after every optimizer step that
-touches them (a global ``torch.optim`` step post-hook, filtered by parameter identity).
+After every optimizer step that touches a chunk (a global ``torch.optim`` step post-hook,
+filtered by parameter identity) the updated O-shards are all-gathered over ``O \\ P`` into the
+kept buffer (nothing to do when O = P).
 
 Gradient accumulation: backward under :meth:`ZeroEngine.no_sync` adds the chunk's flat local
 gradient to a pending buffer and communicates nothing; the next synchronised backward adds it in.
 
-Mixed precision (``compute_dtype=torch.bfloat16`` or ``torch.float16``): the shards stay fp32 (the master weights the
-optimizer updates, with fp32 state); stage 3 gathers bf16 copies, stages 1-2 keep bf16 full
-buffers refreshed after each step; the graph runs under ``torch.autocast``; gradients are
-flattened to fp32 before any reduction. fp16 needs loss scaling (its range is small):
-:class:`ShardedGradScaler` scales the loss, unscales the shard gradients and skips a step on
-every rank when any rank's shard overflowed.
+Mixed precision (``compute_dtype=torch.bfloat16`` or ``torch.float16``): the O-shards stay fp32
+(the master weights the optimizer updates, with fp32 state); the kept buffer is held in the
+compute dtype (refreshed after each step; when O = P there is none and the shard is cast before
+gathering); the graph runs under ``torch.autocast``; gradients are flattened to fp32 before any
+reduction. fp16 needs loss scaling: :class:`autopar.runtime.grad_scaler.ShardedGradScaler`.
 
 State: ``ParallelModule.state_dict`` reads :meth:`ZeroEngine.local_params` (fp32, gathered);
 :meth:`ZeroEngine.gather_pieces` / :meth:`ZeroEngine.piece_of` turn shard-shaped tensors
@@ -62,14 +81,24 @@ import contextlib
 import math
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.fx as fx
 import torch.nn as nn
 from torch.autograd import Variable
+
+from autopar.runtime.chunks import (
+    DEFAULT_MAX_CHUNK_BYTES,
+    MIN_CHUNKS,
+    choose_chunk_bytes,
+    chunk_numels,
+    pack_chunks,
+    round_up,
+)
+from autopar.runtime.grad_scaler import ShardedGradScaler
+from autopar.runtime.zero_graph import Packed, rewrite_graph
+from autopar.runtime.zero_layout import Chunk, Slot, resolve_stages
 
 __all__ = [
     "DEFAULT_MAX_CHUNK_BYTES",
@@ -81,16 +110,8 @@ __all__ = [
     "chunk_numels",
     "choose_chunk_bytes",
     "pack_chunks",
+    "resolve_stages",
 ]
-
-DEFAULT_MAX_CHUNK_BYTES = 32 * 2**20
-"""Upper end of the chunk-size search (the largest parameter raises it)."""
-
-MIN_CHUNKS = 8
-"""The chunk-size search stops at 1/8 of the parameters (or the largest parameter): stage 3
-gathers about two chunks at a time (the one in use and the prefetched one), not the model, and
-in every stage a chunk's gradients are reduced while backward goes on, with one chunk of
-flattened gradients in flight rather than the whole model's."""
 
 ELEMENTWISE_OPTIMIZERS: frozenset[str] = frozenset(
     {
@@ -113,254 +134,75 @@ ELEMENTWISE_OPTIMIZERS: frozenset[str] = frozenset(
 autopar.optim's, which reduce their norms over every shard)."""
 
 
-# ---------------------------------------------------------------------------------------------
-# Chunk-size search (torch-free: the planner calls it)
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
-def pack_chunks(numels: Sequence[int], chunk_numel: int) -> list[list[int]]:
-    """Indices of ``numels`` per chunk: in order, a new chunk when the next one does not fit.
-
-    A parameter larger than ``chunk_numel`` gets a chunk of its own (of its size).
-    """
-    chunks: list[list[int]] = []
-    current: list[int] = []
-    used = 0
-    for i, n in enumerate(numels):
-        if current and used + n > chunk_numel:
-            chunks.append(current)
-            current, used = [], 0
-        current.append(i)
-        used += n
-    if current:
-        chunks.append(current)
-    return chunks
-
-
-def chunk_numels(
-    numels: Sequence[int], chunks: Sequence[Sequence[int]], chunk_numel: int, shards: int
-) -> list[int]:
-    """Buffer size of each chunk: ``chunk_numel`` (fixed-size chunks) or its content if larger,
-    the last one trimmed to its content; all rounded up to a multiple of ``shards``."""
-    sizes = []
-    for k, members in enumerate(chunks):
-        used = sum(numels[i] for i in members)
-        size = used if k == len(chunks) - 1 else max(chunk_numel, used)
-        sizes.append(_round_up(max(size, 1), shards))
-    return sizes
-
-
-def choose_chunk_bytes(
-    param_local_numels: Sequence[int],
-    zero_shards: int,
-    *,
-    itemsize: int = 4,
-    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
-    num_candidates: int = 512,
-    min_chunks: int = 1,
-) -> tuple[int, float]:
-    """The chunk size (bytes) that minimises padding waste, and that waste as a fraction.
-
-    Candidates run from the largest parameter (a parameter never spans chunks) to
-    ``max_chunk_bytes``, in about ``num_candidates`` steps that are multiples of the shard count.
-    Waste is measured for fixed-size buffers of the chosen size (a pool of equal buffers, as in
-    ColossalAI's Gemini): the unused tail of every chunk plus the padding of the last one to a
-    multiple of ``zero_shards``, over the total buffer size. Ties go to the larger chunk (fewer
-    collectives). The size is the capacity the runtime packs parameters up to; it allocates each
-    chunk at its content rounded up to the shard count (balanced shards, under ``zero_shards``
-    elements of padding per chunk), so the returned fraction bounds its padding from above.
-
-    Args:
-        param_local_numels: elements of each parameter's local (tensor-parallel) block, in order
-            of first use.
-        zero_shards: number of shards of a chunk (product of the ZeRO axes' sizes).
-        min_chunks: cap the size at ``1/min_chunks`` of the total (never below the largest
-            parameter); the runtime and the planner pass :data:`MIN_CHUNKS`.
-    """
-    if zero_shards < 1:
-        raise ValueError(f"zero_shards must be >= 1, got {zero_shards}")
-    numels = [int(n) for n in param_local_numels if n > 0]
-    if not numels:
-        return _round_up(max_chunk_bytes // itemsize, zero_shards) * itemsize, 0.0
-    total = sum(numels)
-    lo = _round_up(max(numels), zero_shards)
-    cap = min(max_chunk_bytes // itemsize, total, -(-total // max(1, min_chunks)))
-    hi = max(lo, _round_up(cap, zero_shards))
-    step = max(zero_shards, _round_up(max(1, (hi - lo) // num_candidates), zero_shards))
-    candidates = list(range(lo, hi + 1, step))
-    if candidates[-1] != hi:
-        candidates.append(hi)
-    best_numel, best_waste = lo, math.inf
-    for chunk_numel in candidates:
-        capacity = sum(
-            chunk_numels(numels, pack_chunks(numels, chunk_numel), chunk_numel, zero_shards)
-        )
-        waste = (capacity - total) / capacity
-        if waste <= best_waste:
-            best_numel, best_waste = chunk_numel, waste
-    return best_numel * itemsize, float(best_waste)
-
-
-# ---------------------------------------------------------------------------------------------
-# Runtime
-
-
-@dataclass(slots=True)
-class _Slot:
-    fqn: str
-    shape: torch.Size
-    offset: int
-    numel: int
-    shard_lo: int
-    """Range of this parameter's elements inside this rank's shard (shard-relative)."""
-    shard_hi: int
-    param_lo: int
-    """Range of the parameter's flat elements that this rank's shard holds."""
-
-
-@dataclass(slots=True)
-class _Chunk:
-    index: int
-    zero_axes: tuple[int, ...]
-    scatter_axes: tuple[int, ...]
-    """ZeRO axes on which the gradient is Partial (reduce-scatter); on the others, slice."""
-    other_axes: tuple[int, ...]
-    """Non-ZeRO axes on which the gradient is Partial (all-reduce of the shard)."""
-    numel: int
-    shard_numel: int
-    shard_index: int
-    slots: list[_Slot] = field(default_factory=list)
-    shard: torch.Tensor | None = None
-    full: torch.Tensor | None = None
-    """Stages 1-2: the kept compute buffer. Stage 3: the gathered buffer while backward needs it."""
-    full_ref: Any = None
-    """Stage 3: weak reference to the buffer gathered for forward."""
-    prefetch: tuple[Any, torch.Tensor] | None = None
-    grad_full: torch.Tensor | None = None
-    pending: torch.Tensor | None = None
-    work: Any = None
-    reduced: torch.Tensor | None = None
-    params: list[nn.Parameter] = field(default_factory=list)
-
-
-@dataclass(frozen=True, slots=True)
-class _Packed:
-    """A saved tensor that is a view of a gathered stage-3 chunk, kept as its geometry."""
-
-    chunk: int
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    offset: int
-
-
-class _UseChunk(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, engine: ZeroEngine, index: int, *shards: torch.Tensor) -> Any:
-        ctx.engine = engine
-        ctx.index = index
-        ctx.num_shards = len(shards)
-        ctx.set_materialize_grads(False)
-        return engine._forward_views(index)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
-        ctx.engine._chunk_backward(ctx.index, grads)
-        return (None, None) + (None,) * ctx.num_shards
-
-
-class _UseChunkModule(nn.Module):
-    """The graph's handle on the engine (a call_module node: fx cannot print the engine)."""
-
-    def __init__(self, engine: ZeroEngine) -> None:
-        super().__init__()
-        self.engine = engine
-
-    def forward(self, index: int, *shards: torch.Tensor) -> Any:
-        return _UseChunk.apply(self.engine, index, *shards)
-
-
-class _ZeroGraph(nn.Module):
-    def __init__(self, gm: fx.GraphModule, engine: ZeroEngine) -> None:
-        super().__init__()
-        self.gm = gm
-        self.engine = engine
-
-    def forward(self, *args: Any) -> Any:
-        engine = self.engine
-        with contextlib.ExitStack() as stack:
-            if engine.compute_dtype is not None:
-                device_type = engine.chunks[0].shard.device.type if engine.chunks else "cpu"  # type: ignore[union-attr]
-                stack.enter_context(torch.autocast(device_type, dtype=engine.compute_dtype))
-            if engine.stage < 3:
-                return self.gm(*args)
-            stack.enter_context(
-                torch.autograd.graph.saved_tensors_hooks(engine._pack, engine._unpack)
-            )
-            try:
-                return self.gm(*args)
-            finally:
-                engine._end_forward()
-
-
 class ZeroEngine:
     """Owns the chunks of one ParallelModule (module docstring).
 
     Args:
-        stage: 1, 2 or 3.
-        params: ``(canonical fqn, local parameter, zero axes, grad-reduce axes)`` in order of first
-            use; only parameters with at least one ZeRO axis (of size > 1).
+        params: ``(canonical fqn, local parameter, replicate axes R, grad-reduce axes)`` in
+            order of first use; R lists the mesh axes of size > 1 with a ZeRO stage >= 1 on
+            which the parameter is Replicate (non-empty).
         mesh_shape: size of each mesh axis.
         coords: this rank's mesh coordinate.
         group_of: mesh axis -> this rank's process group along it.
+        stages: the ZeRO stage of each mesh axis (0-3; module docstring).
+        stage: shorthand for the same stage on every axis; with ``stages``, only the label
+            :attr:`stage` (the largest stage by default).
         chunk_bytes: chunk size; None = :func:`choose_chunk_bytes`.
         compute_dtype: None (fp32), ``torch.bfloat16`` or ``torch.float16`` (mixed precision:
             half compute, fp32 master shards, optimizer state and gradient reduction).
         read_flat: for parameters on the meta device, ``read_flat(fqn, lo, hi)`` returns flat
             elements [lo, hi) of the parameter's local block (see
             :class:`autopar.runtime.state.StateSource`); chunks are then allocated on ``device``
-            and filled from it, stage 3 reading only this rank's pieces.
+            and filled from it, reading only the range of this rank's kept buffer.
         device: where ``read_flat``'s chunks live.
     """
 
     def __init__(
         self,
         *,
-        stage: int,
         params: Sequence[tuple[str, torch.Tensor, tuple[int, ...], tuple[int, ...]]],
         mesh_shape: Sequence[int],
         coords: Sequence[int],
         group_of: Callable[[int], Any],
+        stages: Sequence[int] | None = None,
+        stage: int | None = None,
         chunk_bytes: int | None = None,
         compute_dtype: torch.dtype | None = None,
         read_flat: Callable[[str, int, int], torch.Tensor] | None = None,
         device: torch.device | str | None = None,
     ) -> None:
-        if stage not in (1, 2, 3):
+        if stages is None and stage is None:
+            raise ValueError("give ZeroEngine stages= (one per mesh axis) or stage=")
+        self.stages = resolve_stages(stage if stages is None else stages, len(mesh_shape))  # type: ignore[arg-type]
+        self.stage = int(stage) if stage is not None else max(self.stages, default=0)
+        """The largest per-axis stage (or the ``stage=`` given)."""
+        if self.stage not in (1, 2, 3):
             raise ValueError(
-                f"ZeRO stage must be 1, 2 or 3 here (0 is the all-reduce path), got {stage}"
+                f"ZeRO stages {list(self.stages)} put no axis at stage 1-3 (stage 0 everywhere "
+                f"is the all-reduce path: build no engine)"
             )
-        self.stage = stage
         self.compute_dtype = compute_dtype
         """None: compute in fp32 on the chunks; else forward runs under autocast to this dtype
-        with parameters gathered (stage 3) or kept (stages 1-2) in it, from fp32 master shards."""
+        with parameters gathered or kept in it, from fp32 master shards."""
         self.mesh_shape = tuple(mesh_shape)
         self._coords = tuple(coords)
         self._group_of = group_of
         self._read_flat = read_flat
         self._device = torch.device(device) if device is not None else None
-        self.chunks: list[_Chunk] = []
+        self.chunks: list[Chunk] = []
         self.shard_params: dict[str, nn.Parameter] = {}
         self._chunk_of_param: dict[int, tuple[int, int]] = {}
         self._sync = True
         self._callback_queued = False
-        self._graphs: dict[int, tuple[fx.GraphModule, nn.Module]] = {}
+        self._graphs: dict[int, tuple[Any, nn.Module]] = {}
         self.gathered_bytes = 0
-        """Bytes of stage-3 chunk buffers gathered and still alive."""
+        """Bytes of gathered chunk buffers (P non-empty) still alive."""
         self.peak_gathered_bytes = 0
         """The most ``gathered_bytes`` has been (reset it to measure a step)."""
+        for fqn, _, axes, _ in params:
+            bad = [a for a in axes if self.stages[a] < 1 or self.mesh_shape[a] < 2]
+            if not axes or bad:
+                raise ValueError(f"{fqn}: ZeRO axes {axes} must be non-empty axes of stage >= 1")
         if chunk_bytes is None:
             shards = max(
                 (math.prod(self.mesh_shape[a] for a in axes) for _, _, axes, _ in params), default=1
@@ -372,77 +214,98 @@ class ZeroEngine:
             )
         self.chunk_bytes = int(chunk_bytes)
 
-        # One stream of chunks per (zero axes, partial axes, dtype), each in first-use order.
+        # One stream of chunks per (replicate axes, partial axes), each in first-use order.
         streams: dict[tuple[Any, ...], list[tuple[str, torch.Tensor]]] = {}
-        for fqn, param, zero_axes, reduce_axes in params:
+        for fqn, param, axes, reduce_axes in params:
             if param.dtype != torch.float32:
                 raise ValueError(
                     f"ZeRO keeps fp32 chunks but {fqn} is {param.dtype}; build the model in fp32 "
                     f"(mixed precision is a runtime option)"
                 )
-            streams.setdefault((tuple(zero_axes), tuple(sorted(reduce_axes))), []).append(
-                (fqn, param)
-            )
+            streams.setdefault((tuple(axes), tuple(sorted(reduce_axes))), []).append((fqn, param))
         first_use = {fqn: i for i, (fqn, _, _, _) in enumerate(params)}
         pending: list[
             tuple[int, int, tuple[int, ...], tuple[int, ...], list[tuple[str, torch.Tensor]]]
         ] = []
-        for (zero_axes, reduce_axes), members in streams.items():
-            shards = math.prod(self.mesh_shape[a] for a in zero_axes)
+        for (axes, reduce_axes), members in streams.items():
+            shards = math.prod(self.mesh_shape[a] for a in axes)
             chunk_numel = max(1, self.chunk_bytes // 4)
             numels = [p.numel() for _, p in members]
-            groups = pack_chunks(numels, chunk_numel)
-            for group in groups:
+            for group in pack_chunks(numels, chunk_numel):
                 # Content-sized buffers: shards stay balanced (a fixed-size chunk's empty tail
                 # would all land on the last ranks' shards).
-                numel = _round_up(max(1, sum(numels[i] for i in group)), shards)
+                numel = round_up(max(1, sum(numels[i] for i in group)), shards)
                 first = first_use[members[group[0]][0]]
-                pending.append((first, numel, zero_axes, reduce_axes, [members[i] for i in group]))
+                pending.append((first, numel, axes, reduce_axes, [members[i] for i in group]))
         pending.sort(key=lambda item: item[0])
-        for _, numel, zero_axes, reduce_axes, members in pending:
-            self._build_chunk(numel, zero_axes, reduce_axes, members)
+        for _, numel, axes, reduce_axes, members in pending:
+            self._build_chunk(numel, axes, reduce_axes, members)
+        self.gathers = any(c.num_param_axes for c in self.chunks)
+        """Whether some chunk is gathered for use (P non-empty): forward packs saved views."""
         self._handles = _register_optimizer_hooks(self)
 
     # -- construction ---------------------------------------------------------------------------
 
+    def _index(self, axes: Sequence[int]) -> int:
+        """This rank's row-major index over ``axes``."""
+        index = 0
+        for a in axes:
+            index = index * self.mesh_shape[a] + self._coords[a]
+        return index
+
     def _build_chunk(
         self,
         numel: int,
-        zero_axes: tuple[int, ...],
+        axes: tuple[int, ...],
         reduce_axes: tuple[int, ...],
         members: list[tuple[str, torch.Tensor]],
     ) -> None:
+        stages = self.stages
+        by_stage = [tuple(a for a in axes if stages[a] == s) for s in (3, 2, 1)]
+        zero_axes = by_stage[0] + by_stage[1] + by_stage[2]
+        num_p, num_g = len(by_stage[0]), len(by_stage[0]) + len(by_stage[1])
+        grad_axes = zero_axes[:num_g]
         shards = math.prod(self.mesh_shape[a] for a in zero_axes)
         shard_numel = numel // shards
-        shard_index = 0
-        for a in zero_axes:
-            shard_index = shard_index * self.mesh_shape[a] + self._coords[a]
-        chunk = _Chunk(
+        kept_numel = numel // math.prod(self.mesh_shape[a] for a in zero_axes[:num_p])
+        chunk = Chunk(
             index=len(self.chunks),
             zero_axes=zero_axes,
-            scatter_axes=tuple(a for a in zero_axes if a in reduce_axes),
-            other_axes=tuple(a for a in reduce_axes if a not in zero_axes),
+            num_param_axes=num_p,
+            num_grad_axes=num_g,
+            scatter_axes=tuple(a for a in grad_axes if a in reduce_axes),
+            allreduce_axes=tuple(a for a in zero_axes[num_g:] if a in reduce_axes)
+            + tuple(a for a in reduce_axes if a not in zero_axes),
             numel=numel,
             shard_numel=shard_numel,
-            shard_index=shard_index,
+            shard_index=self._index(zero_axes),
+            kept_numel=kept_numel,
+            kept_index=self._index(zero_axes[:num_p]),
+            shard_in_kept=self._index(zero_axes[num_p:]) * shard_numel,
+            shard_in_grad=self._index(zero_axes[num_g:]) * shard_numel,
         )
         read = self._read_flat
         device = members[0][1].device if read is None else self._device
-        # Materializing from a state source at stage 3: only this rank's pieces are read.
-        pieces_only = read is not None and self.stage == 3
-        full = None if pieces_only else torch.zeros(numel, dtype=torch.float32, device=device)
-        lo, hi = shard_index * shard_numel, (shard_index + 1) * shard_numel
+        kept = torch.zeros(kept_numel, dtype=torch.float32, device=device)
+        kept_lo = chunk.kept_index * kept_numel
+        lo = chunk.shard_index * shard_numel
+        hi = lo + shard_numel
         offset = 0
         for fqn, param in members:
             n = param.numel()
-            if full is not None:
-                value = param.detach() if read is None else read(fqn, 0, n)
-                full[offset : offset + n].copy_(value.reshape(-1))
+            # Only the kept range is filled (from a state source, only it is read).
+            a, b = max(offset, kept_lo), min(offset + n, kept_lo + kept_numel)
+            if a < b:
+                if read is None:
+                    value = param.detach().reshape(-1)[a - offset : b - offset]
+                else:
+                    value = read(fqn, a - offset, b - offset)
+                kept[a - kept_lo : b - kept_lo].copy_(value.reshape(-1))
             a, b = max(offset, lo), min(offset + n, hi)
             if a >= b:
                 a = b = lo
             chunk.slots.append(
-                _Slot(
+                Slot(
                     fqn=fqn,
                     shape=param.shape,
                     offset=offset,
@@ -453,22 +316,15 @@ class ZeroEngine:
                 )
             )
             offset += n
-        # Stages 1-2 keep the full buffer and the shard is a view of it; stage 3 keeps the shard.
-        if full is None:
-            assert read is not None
-            chunk.shard = torch.zeros(shard_numel, dtype=torch.float32, device=device)
-            for slot in chunk.slots:
-                width = slot.shard_hi - slot.shard_lo
-                if width:
-                    piece = read(slot.fqn, slot.param_lo, slot.param_lo + width)
-                    chunk.shard[slot.shard_lo : slot.shard_hi].copy_(piece)
-        elif self.stage < 3 and self.compute_dtype is None:
-            chunk.full = full
-            chunk.shard = full[lo:hi]
+        s0 = chunk.shard_in_kept
+        if self.compute_dtype is None:
+            chunk.kept = kept
+            chunk.shard = kept[s0 : s0 + shard_numel]
         else:
-            chunk.shard = full[lo:hi].clone()
-            if self.stage < 3:
-                chunk.full = full.to(self.compute_dtype)
+            chunk.shard = kept[s0 : s0 + shard_numel].clone()
+            chunk.kept = kept.to(self.compute_dtype) if len(zero_axes) > num_p else None
+        if num_p == 0:
+            chunk.full = chunk.kept
         for k, slot in enumerate(chunk.slots):
             shard_param = nn.Parameter(
                 chunk.shard[slot.shard_lo : slot.shard_hi],
@@ -491,57 +347,15 @@ class ZeroEngine:
                 for node, source in zip(holders, lowered.placeholders, strict=True)
                 if source.kind == "param"
             }
-            cached = (lowered.gm, self.rewrite(lowered.gm, names))
+            cached = (lowered.gm, rewrite_graph(self, lowered.gm, names))
             self._graphs[key] = cached
         return cached[1]
-
-    def rewrite(self, gm: fx.GraphModule, param_placeholders: dict[str, str]) -> nn.Module:
-        """A copy of ``gm`` whose chunk parameters come from the engine (module docstring).
-
-        Args:
-            gm: the lowered graph; its parameter placeholders will receive the shard parameters.
-            param_placeholders: placeholder node name -> canonical parameter FQN.
-        """
-        graph = fx.Graph()
-        env: dict[fx.Node, fx.Node] = {}
-        for node in gm.graph.nodes:
-            env[node] = graph.node_copy(node, lambda n: env[n])
-        new_gm = fx.GraphModule(gm, graph)
-        new_gm.add_submodule("autopar_zero_use_chunk", _UseChunkModule(self))
-        holders_of: dict[str, list[fx.Node]] = {}
-        for node in graph.nodes:
-            fqn = param_placeholders.get(node.name) if node.op == "placeholder" else None
-            if fqn is not None:
-                holders_of.setdefault(fqn, []).append(node)
-        order = {n: i for i, n in enumerate(graph.nodes)}
-        for chunk in self.chunks:
-            # Tied parameters have one placeholder per name; the first stands for the chunk input.
-            holders = [holders_of.get(slot.fqn, []) for slot in chunk.slots]
-            if any(not h for h in holders):
-                raise AssertionError(f"chunk {chunk.index}: a parameter has no placeholder")
-            users = [u for hs in holders for h in hs for u in h.users]
-            if not users:
-                continue
-            first = min(users, key=order.__getitem__)
-            with graph.inserting_before(first):
-                call = graph.call_module(
-                    "autopar_zero_use_chunk", (chunk.index, *(hs[0] for hs in holders))
-                )
-                views = [graph.call_function(_getitem, (call, k)) for k in range(len(holders))]
-            for hs, view in zip(holders, views):
-                for holder in hs:
-                    for user in list(holder.users):
-                        if user is not call:
-                            user.replace_input_with(holder, view)
-        graph.lint()
-        new_gm.recompile()
-        return _ZeroGraph(new_gm, self)
 
     # -- forward --------------------------------------------------------------------------------
 
     def _forward_views(self, index: int) -> tuple[torch.Tensor, ...]:
         chunk = self.chunks[index]
-        if self.stage < 3:
+        if not chunk.num_param_axes:
             full = chunk.full
             assert full is not None
         else:
@@ -551,14 +365,13 @@ class ZeroEngine:
                 self._start_prefetch(self.chunks[index + 1])
         return tuple(full[s.offset : s.offset + s.numel].view(s.shape) for s in chunk.slots)
 
-    def _start_prefetch(self, chunk: _Chunk) -> None:
-        if chunk.prefetch is not None or chunk.full is not None or len(chunk.zero_axes) != 1:
+    def _start_prefetch(self, chunk: Chunk) -> None:
+        if chunk.prefetch is not None or chunk.full is not None or chunk.num_param_axes != 1:
             return
-        assert chunk.shard is not None
-        shard = self._compute_shard(chunk)
-        out = torch.empty(chunk.numel, dtype=shard.dtype, device=shard.device)
+        kept = self._compute_kept(chunk)
+        out = torch.empty(chunk.numel, dtype=kept.dtype, device=kept.device)
         work = dist.all_gather_single(
-            out, shard, group=self._group_of(chunk.zero_axes[0]), async_op=True
+            out, kept, group=self._group_of(chunk.zero_axes[0]), async_op=True
         )
         chunk.prefetch = (work, self._track(out))
 
@@ -572,24 +385,31 @@ class ZeroEngine:
     def _untrack(self, nbytes: int) -> None:
         self.gathered_bytes -= nbytes
 
-    def _gathered(self, chunk: _Chunk) -> torch.Tensor:
-        """The chunk's full buffer (all-gathered now unless prefetched)."""
+    def _gathered(self, chunk: Chunk) -> torch.Tensor:
+        """The chunk's full buffer (all-gathered over P now unless prefetched)."""
         if chunk.prefetch is not None:
             work, out = chunk.prefetch
             chunk.prefetch = None
             work.wait()
             return out
-        return self._track(self._gather_flat(self._compute_shard(chunk), chunk.zero_axes))
+        return self._track(self._gather_flat(self._compute_kept(chunk), chunk.param_axes))
 
-    def _compute_shard(self, chunk: _Chunk) -> torch.Tensor:
+    def _compute_shard(self, chunk: Chunk) -> torch.Tensor:
+        """The O-shard in the compute dtype."""
         assert chunk.shard is not None
         shard = chunk.shard.detach()
         return shard if self.compute_dtype is None else shard.to(self.compute_dtype)
 
-    def _gather_flat(self, shard: torch.Tensor, zero_axes: tuple[int, ...]) -> torch.Tensor:
-        """All-gather a flat shard over ``zero_axes`` (row-major shard index) into the chunk."""
+    def _compute_kept(self, chunk: Chunk) -> torch.Tensor:
+        """The P-level buffer in the compute dtype (cast from the master shard when O = P)."""
+        if chunk.kept is not None:
+            return chunk.kept.detach()
+        return self._compute_shard(chunk)
+
+    def _gather_flat(self, shard: torch.Tensor, zero_axes: Sequence[int]) -> torch.Tensor:
+        """All-gather a flat shard over ``zero_axes`` (row-major shard index) into one buffer."""
         value = shard
-        # Innermost ZeRO axis first: its pieces are adjacent in the chunk.
+        # Innermost axis first: its pieces are adjacent in the chunk.
         for axis in reversed(zero_axes):
             size = self.mesh_shape[axis]
             out = torch.empty(value.numel() * size, dtype=value.dtype, device=value.device)
@@ -611,11 +431,11 @@ class ZeroEngine:
         for chunk in self.chunks:
             ref = chunk.full_ref
             if ref is not None and ref() is base:
-                return _Packed(chunk.index, tuple(t.size()), tuple(t.stride()), t.storage_offset())
+                return Packed(chunk.index, tuple(t.size()), tuple(t.stride()), t.storage_offset())
         return t
 
     def _unpack(self, packed: Any) -> torch.Tensor:
-        if not isinstance(packed, _Packed):
+        if not isinstance(packed, Packed):
             return packed
         chunk = self.chunks[packed.chunk]
         if chunk.full is None:
@@ -640,7 +460,7 @@ class ZeroEngine:
 
     def _chunk_backward(self, index: int, grads: Sequence[torch.Tensor | None]) -> None:
         chunk = self.chunks[index]
-        if self.stage == 3:
+        if chunk.num_param_axes:
             chunk.full = None  # every use of the chunk in backward is done
         flat = torch.zeros(chunk.numel, dtype=torch.float32, device=chunk.shard.device)  # type: ignore[union-attr]
         for slot, grad in zip(chunk.slots, grads):
@@ -655,20 +475,16 @@ class ZeroEngine:
         if not self._callback_queued:
             self._callback_queued = True
             Variable._execution_engine.queue_callback(self._finish_backward)
-        if self.stage == 1:
-            axes = chunk.scatter_axes + chunk.other_axes
-            if axes:
-                chunk.work = dist.all_reduce(flat, group=self._group_of(axes[0]), async_op=True)
-            chunk.reduced = flat
-            return
-        # Reduce-scatter (or slice, where the gradient is already whole) over the ZeRO axes.
+        # Reduce-scatter (or slice, where the gradient is already whole) over G; the last
+        # collective launched here runs asynchronously, overlapped with the rest of backward.
         value = flat
-        for axis in chunk.zero_axes:
+        last_scatter = chunk.scatter_axes[-1] if chunk.scatter_axes else None
+        for axis in chunk.grad_axes:
             size = self.mesh_shape[axis]
             part = value.numel() // size
             if axis in chunk.scatter_axes:
                 out = torch.empty(part, dtype=value.dtype, device=value.device)
-                if axis == chunk.zero_axes[-1] and not chunk.other_axes:
+                if axis == last_scatter and not chunk.allreduce_axes:
                     chunk.work = dist.reduce_scatter_single(
                         out, value, group=self._group_of(axis), async_op=True
                     )
@@ -677,6 +493,10 @@ class ZeroEngine:
                 value = out
             else:
                 value = value[self._coords[axis] * part : (self._coords[axis] + 1) * part].clone()
+        if chunk.allreduce_axes:
+            chunk.work = dist.all_reduce(
+                value, group=self._group_of(chunk.allreduce_axes[0]), async_op=True
+            )
         chunk.reduced = value
 
     def _finish_backward(self) -> None:
@@ -687,17 +507,12 @@ class ZeroEngine:
             if chunk.work is not None:
                 chunk.work.wait()
                 chunk.work = None
-            if self.stage == 1:
-                axes = chunk.scatter_axes + chunk.other_axes
-                for axis in axes[1:]:
-                    dist.all_reduce(chunk.reduced, group=self._group_of(axis))
-                chunk.grad_full = chunk.reduced
-                lo = chunk.shard_index * chunk.shard_numel
-                grad_shard = chunk.reduced[lo : lo + chunk.shard_numel]
-            else:
-                for axis in chunk.other_axes:
-                    dist.all_reduce(chunk.reduced, group=self._group_of(axis))
-                grad_shard = chunk.reduced
+            for axis in chunk.allreduce_axes[1:]:
+                dist.all_reduce(chunk.reduced, group=self._group_of(axis))
+            # The optimizer's gradient is the O-shard of the reduced G-shard (a view: the G-shard
+            # stays alive as the gradient storage, as the memory model counts it).
+            lo = chunk.shard_in_grad
+            grad_shard = chunk.reduced[lo : lo + chunk.shard_numel]
             chunk.reduced = None
             for slot, param in zip(chunk.slots, chunk.params):
                 grad = grad_shard[slot.shard_lo : slot.shard_hi]
@@ -706,7 +521,7 @@ class ZeroEngine:
                 else:
                     param.grad.add_(grad)
         for chunk in self.chunks:
-            if self.stage == 3:
+            if chunk.num_param_axes:
                 chunk.full = None
             if chunk.prefetch is not None:
                 chunk.prefetch[0].wait()
@@ -732,8 +547,6 @@ class ZeroEngine:
         return True
 
     def _after_step(self, optimizer: torch.optim.Optimizer) -> None:
-        if self.stage == 3:
-            return
         touched = sorted(
             {
                 self._chunk_of_param[id(p)][0]
@@ -747,23 +560,28 @@ class ZeroEngine:
                 self.sync_full(index)
 
     def sync_full(self, index: int) -> None:
-        """Stages 1-2: all-gather the chunk's shards into its kept full buffer."""
+        """All-gather the chunk's updated O-shards over ``O \\ P`` into its kept buffer (a
+        collective over those axes; nothing when O = P)."""
         chunk = self.chunks[index]
-        assert chunk.full is not None and chunk.shard is not None
+        rest = chunk.zero_axes[chunk.num_param_axes :]
+        if not rest:
+            return
+        assert chunk.kept is not None and chunk.shard is not None
         # From a copy: the shard is a view into the buffer being written.
-        chunk.full.copy_(self._gather_flat(self._compute_shard(chunk).clone(), chunk.zero_axes))
+        chunk.kept.copy_(self._gather_flat(self._compute_shard(chunk).clone(), rest))
 
     # -- state ------------------------------------------------------------------------------------
 
     def local_params(self) -> dict[int, torch.Tensor]:
-        """id(shard parameter) -> this rank's full local block (a collective in stage 3)."""
+        """id(shard parameter) -> this rank's full local block (a collective when some chunk
+        is sharded over P, or under mixed precision)."""
         out: dict[int, torch.Tensor] = {}
         for chunk in self.chunks:
-            if self.stage < 3 and self.compute_dtype is None:
-                full = chunk.full
+            if self.compute_dtype is None:
+                assert chunk.kept is not None
+                full = self._gather_flat(chunk.kept.detach(), chunk.param_axes)
             else:
                 full = self._gather_flat(chunk.shard.detach(), chunk.zero_axes)  # type: ignore[union-attr]
-            assert full is not None
             for slot, param in zip(chunk.slots, chunk.params):
                 # A copy: a view would keep the whole gathered chunk alive (and alias the buffer).
                 out[id(param)] = (
@@ -816,7 +634,7 @@ class ZeroEngine:
     def manages(self, param: torch.Tensor) -> bool:
         return id(param) in self._chunk_of_param
 
-    def slot_of(self, param: torch.Tensor) -> tuple[_Chunk, _Slot]:
+    def slot_of(self, param: torch.Tensor) -> tuple[Chunk, Slot]:
         """The chunk of a managed shard parameter and its slot there (layout for
         :mod:`autopar.runtime.state`)."""
         index, k = self._chunk_of_param[id(param)]
@@ -830,11 +648,19 @@ class ZeroEngine:
         flat = block.detach().reshape(-1)
         with torch.no_grad():
             param.copy_(self.piece_of(param, block))
-            if chunk.full is not None and self.stage < 3:
-                chunk.full[slot.offset : slot.offset + slot.numel].copy_(flat)
+            if chunk.kept is not None:
+                # The part of the parameter inside this rank's kept range.
+                kept_lo = chunk.kept_index * chunk.kept_numel
+                a = max(slot.offset, kept_lo)
+                b = min(slot.offset + slot.numel, kept_lo + chunk.kept_numel)
+                if a < b:
+                    chunk.kept[a - kept_lo : b - kept_lo].copy_(
+                        flat[a - slot.offset : b - slot.offset]
+                    )
 
     def zero_axes_of(self, param: torch.Tensor) -> tuple[int, ...]:
-        """The mesh axes a managed parameter's shards are split over (empty if not managed)."""
+        """The mesh axes a managed parameter's optimizer shards are split over (O, in split
+        order; empty if not managed)."""
         entry = self._chunk_of_param.get(id(param))
         return self.chunks[entry[0]].zero_axes if entry is not None else ()
 
@@ -844,8 +670,6 @@ class ZeroEngine:
         self._handles = []
 
 
-def _getitem(values: Any, index: int) -> Any:
-    return values[index]
 
 
 def _register_optimizer_hooks(engine: ZeroEngine) -> list[Any]:
@@ -878,139 +702,13 @@ def _remove_handles(handles: list[Any]) -> None:
         handle.remove()
 
 
-class ShardedGradScaler:
-    """Dynamic loss scaling for fp16 mixed precision on a mesh, with ``torch.amp.GradScaler``'s
-    API: ``scaler.scale(loss).backward(); scaler.step(optimizer); scaler.update()``.
-
-    ``unscale_(optimizer)`` divides the optimizer's gradients (this rank's shards) by the scale
-    in place and looks for inf/NaN; the verdict is all-reduced (max) over every mesh axis, so
-    every rank and every shard agree to skip or take the step. ``step`` unscales if
-    ``unscale_`` was not called (call it yourself before ``pmodel.clip_grad_norm_``) and runs
-    ``optimizer.step()`` only when no rank overflowed. ``update`` multiplies the scale by
-    ``backoff_factor`` after a skipped step and by ``growth_factor`` after ``growth_interval``
-    clean steps in a row. Disabled (``enabled=False``, fp32 / bf16), it passes through.
-
-    Args:
-        groups: the process groups whose ranks must agree (one per mesh axis of size > 1).
-    """
-
-    def __init__(
-        self,
-        groups: Sequence[Any],
-        *,
-        init_scale: float = 2.0**16,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 2000,
-        enabled: bool = True,
-    ) -> None:
-        if not 0.0 < backoff_factor < 1.0 or growth_factor <= 1.0 or growth_interval < 1:
-            raise ValueError(
-                f"need 0 < backoff_factor < 1 < growth_factor and growth_interval >= 1, got "
-                f"{backoff_factor}, {growth_factor}, {growth_interval}"
-            )
-        self._groups = tuple(groups)
-        self._scale = float(init_scale)
-        self.growth_factor = float(growth_factor)
-        self.backoff_factor = float(backoff_factor)
-        self.growth_interval = int(growth_interval)
-        self.enabled = bool(enabled)
-        self._growth_tracker = 0
-        self._found_inf: dict[int, bool] = {}
-        """id(optimizer) -> overflow verdict, for optimizers unscaled since the last update."""
-        self.skipped_steps = 0
-        """Optimizer steps skipped for overflow so far."""
-
-    def get_scale(self) -> float:
-        return self._scale if self.enabled else 1.0
-
-    def is_enabled(self) -> bool:
-        return self.enabled
-
-    def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss`` times the current scale (unchanged when disabled)."""
-        return loss * self._scale if self.enabled else loss
-
-    def unscale_(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Divide ``optimizer``'s gradients by the scale; returns whether ANY rank found an
-        inf/NaN (a collective over the mesh: every rank must call it)."""
-        if not self.enabled:
-            return False
-        if id(optimizer) in self._found_inf:
-            raise RuntimeError(
-                "unscale_() was already called on this optimizer since the last update(); call "
-                "it once per step, before step()"
-            )
-        inverse = 1.0 / self._scale
-        grads = [
-            p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None
-        ]
-        device = grads[0].device if grads else torch.device("cpu")
-        if dist.is_initialized() and dist.get_backend() == "nccl":
-            device = torch.device("cuda", torch.cuda.current_device())
-        found = torch.zeros(1, dtype=torch.float32, device=device)
-        with torch.no_grad():
-            for grad in grads:
-                grad.mul_(inverse)
-                if grad.numel() and not bool(torch.isfinite(grad).all()):
-                    found.fill_(1.0)
-            for group in self._groups:
-                dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
-        self._found_inf[id(optimizer)] = bool(found.item() > 0)
-        return self._found_inf[id(optimizer)]
-
-    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
-        """``optimizer.step()`` unless some rank's gradients overflowed (then None)."""
-        if not self.enabled:
-            return optimizer.step(*args, **kwargs)
-        if id(optimizer) not in self._found_inf:
-            self.unscale_(optimizer)
-        if self._found_inf[id(optimizer)]:
-            self.skipped_steps += 1
-            return None
-        return optimizer.step(*args, **kwargs)
-
-    def update(self, new_scale: float | None = None) -> None:
-        """Adjust the scale after the step(s) of this iteration (same on every rank)."""
-        if not self.enabled:
-            return
-        if new_scale is not None:
-            self._scale = float(new_scale)
-            self._growth_tracker = 0
-        elif any(self._found_inf.values()):
-            self._scale *= self.backoff_factor
-            self._growth_tracker = 0
-        elif self._found_inf:
-            self._growth_tracker += 1
-            if self._growth_tracker >= self.growth_interval:
-                self._scale *= self.growth_factor
-                self._growth_tracker = 0
-        self._found_inf = {}
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "scale": self._scale,
-            "growth_factor": self.growth_factor,
-            "backoff_factor": self.backoff_factor,
-            "growth_interval": self.growth_interval,
-            "_growth_tracker": self._growth_tracker,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._scale = float(state["scale"])
-        self.growth_factor = float(state["growth_factor"])
-        self.backoff_factor = float(state["backoff_factor"])
-        self.growth_interval = int(state["growth_interval"])
-        self._growth_tracker = int(state["_growth_tracker"])
-
-
 def build_zero_engine(
     lowered: Any,
     params: dict[str, nn.Parameter],
     coords: Sequence[int],
     group_of: Callable[[int], Any],
     *,
-    stage: int,
+    stage: int | Sequence[int],
     zero_axes: Sequence[int] | None = None,
     chunk_bytes: int | None = None,
     mixed_precision: str | None = None,
@@ -1020,9 +718,10 @@ def build_zero_engine(
     """The engine for a ParallelModule's local parameters (canonical FQN -> local block).
 
     Args:
-        zero_axes: mesh axes to shard over; None = every axis some parameter gradient is summed
-            over (the data-parallel axes). A parameter is sharded over those of them on which
-            it is Replicate.
+        stage: one stage for ``zero_axes``, or one stage per mesh axis (module docstring).
+        zero_axes: with an int ``stage``: the mesh axes to shard over; None = every axis some
+            parameter gradient is summed over (the data-parallel axes). A parameter is sharded
+            over those of them on which it is Replicate.
         mixed_precision: None, "bf16" or "fp16" (see :class:`ZeroEngine`'s ``compute_dtype``;
             fp16 needs loss scaling: :class:`ShardedGradScaler`).
         read_flat, device: materialize meta-device parameters (see :class:`ZeroEngine`).
@@ -1035,24 +734,25 @@ def build_zero_engine(
     from autopar.placement import Replicate
 
     mesh_shape = tuple(lowered.mesh_shape)
-    if zero_axes is None:
-        axes = sorted({a for reduce in lowered.param_grad_reduce_axes.values() for a in reduce})
-    else:
-        axes = sorted(int(a) for a in zero_axes)
-        bad = [a for a in axes if not 0 <= a < len(mesh_shape)]
-        if bad:
-            raise ValueError(f"zero_axes {bad} are not axes of the mesh {mesh_shape}")
+    if isinstance(stage, int) and zero_axes is None:
+        zero_axes = sorted({a for reduce in lowered.param_grad_reduce_axes.values() for a in reduce})
+    stages = resolve_stages(stage, len(mesh_shape), zero_axes)
     entries = []
     for fqn in lowered.param_use_order:
         param = params.get(fqn)
         if param is None or not param.requires_grad:
             continue
         placements = lowered.param_placements[fqn]
-        own = tuple(a for a in axes if isinstance(placements[a], Replicate) and mesh_shape[a] > 1)
+        own = tuple(
+            a
+            for a in range(len(mesh_shape))
+            if stages[a] >= 1 and isinstance(placements[a], Replicate) and mesh_shape[a] > 1
+        )
         if own:
             entries.append((fqn, param, own, tuple(lowered.param_grad_reduce_axes.get(fqn, ()))))
     return ZeroEngine(
-        stage=stage,
+        stages=stages,
+        stage=stage if isinstance(stage, int) else None,
         params=entries,
         mesh_shape=mesh_shape,
         coords=coords,

@@ -1,0 +1,102 @@
+"""Per-axis ZeRO stages and the geometry of one chunk (see :mod:`autopar.runtime.zero`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+__all__ = ["Chunk", "Slot", "resolve_stages"]
+
+
+def resolve_stages(
+    stage: int | Sequence[int], num_axes: int, axes: Sequence[int] | None = None
+) -> tuple[int, ...]:
+    """The per-axis stages of a ``stage`` argument: an int (that stage on ``axes``, every axis
+    if None) or one stage per mesh axis.
+
+    Raises:
+        ValueError: a stage outside 0-3, a sequence of the wrong length, an axis out of range.
+    """
+    if isinstance(stage, int):
+        if stage not in (0, 1, 2, 3):
+            raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
+        chosen = range(num_axes) if axes is None else [int(a) for a in axes]
+        bad = [a for a in chosen if not 0 <= a < num_axes]
+        if bad:
+            raise ValueError(f"zero axes {bad} are not axes of a {num_axes}-axis mesh")
+        return tuple(stage if a in chosen else 0 for a in range(num_axes))
+    stages = tuple(int(s) for s in stage)
+    if len(stages) != num_axes:
+        raise ValueError(
+            f"per-axis ZeRO stages {list(stages)} need one stage per mesh axis ({num_axes})"
+        )
+    if any(s not in (0, 1, 2, 3) for s in stages):
+        raise ValueError(f"ZeRO stages must each be 0, 1, 2 or 3, got {list(stages)}")
+    if axes is not None:
+        raise ValueError("give either per-axis stages or an int stage with zero_axes, not both")
+    return stages
+
+
+@dataclass(slots=True)
+class Slot:
+    fqn: str
+    shape: torch.Size
+    offset: int
+    numel: int
+    shard_lo: int
+    """Range of this parameter's elements inside this rank's O-shard (shard-relative)."""
+    shard_hi: int
+    param_lo: int
+    """Range of the parameter's flat elements that this rank's shard holds."""
+
+
+@dataclass(slots=True)
+class Chunk:
+    index: int
+    zero_axes: tuple[int, ...]
+    """O's axes in split order: P, then G \\ P, then O \\ G (module docstring)."""
+    num_param_axes: int
+    """|P| as a count of leading ``zero_axes``."""
+    num_grad_axes: int
+    """|G| as a count of leading ``zero_axes``."""
+    scatter_axes: tuple[int, ...]
+    """G axes on which the gradient is Partial (reduce-scatter); on the others, slice."""
+    allreduce_axes: tuple[int, ...]
+    """Axes outside G on which the gradient is Partial (all-reduce of the G-shard)."""
+    numel: int
+    shard_numel: int
+    shard_index: int
+    """Row-major index of this rank's O-shard over ``zero_axes``."""
+    kept_numel: int
+    kept_index: int
+    shard_in_kept: int
+    """Offset of the O-shard in the kept (P-level) buffer."""
+    shard_in_grad: int
+    """Offset of the O-shard in the reduced (G-level) gradient."""
+    slots: list[Slot] = field(default_factory=list)
+    shard: torch.Tensor | None = None
+    """The fp32 O-shard (master weights): a view of ``kept`` unless mixed precision."""
+    kept: torch.Tensor | None = None
+    """The P-level buffer in the compute dtype (None under mixed precision when O = P)."""
+    full: torch.Tensor | None = None
+    """P empty: the kept buffer (the compute buffer). P non-empty: the buffer gathered for
+    backward while backward needs it."""
+    full_ref: Any = None
+    """P non-empty: weak reference to the buffer gathered for forward."""
+    prefetch: tuple[Any, torch.Tensor] | None = None
+    pending: torch.Tensor | None = None
+    work: Any = None
+    reduced: torch.Tensor | None = None
+    params: list[nn.Parameter] = field(default_factory=list)
+
+    @property
+    def param_axes(self) -> tuple[int, ...]:
+        return self.zero_axes[: self.num_param_axes]
+
+    @property
+    def grad_axes(self) -> tuple[int, ...]:
+        return self.zero_axes[: self.num_grad_axes]
