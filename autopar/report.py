@@ -48,7 +48,7 @@ def plans_for_recipes(
         PlanningError: the auto plan fits no ZeRO configuration within the budget.
     """
     from autopar import api
-    from autopar.baselines import BASELINE_RECIPES, recipe_spec
+    from autopar.baselines import BASELINE_RECIPES
     from autopar.problem import ZeroConfig, build_space
 
     unknown = [r for r in recipes if r not in ("auto", "replicated") and r not in BASELINE_RECIPES]
@@ -58,23 +58,20 @@ def plans_for_recipes(
         )
     space = build_space(captured, mesh, options)
     budget = api.memory_budget_bytes(mesh, options)
-    baselines = {}
-    notes: list[str] = []
-    for recipe in BASELINE_RECIPES:
-        spec = recipe_spec(space, recipe)
-        notes.extend(spec.notes)
-        baselines[recipe] = api._solve(space, spec.zero, options, name=recipe, budget=None, spec=spec)
+    baselines, notes = api.solve_recipes(space, options, BASELINE_RECIPES)
     plans: dict[str, Plan] = {}
     for recipe in recipes:
         if recipe == "auto":
-            solved, log = api._auto(space, options, budget)
+            solved, log = api.solve_auto(space, options, budget)
         elif recipe == "replicated":
-            solved = api._solve(space, ZeroConfig(), options, name=recipe, budget=None, spec=_replicated_spec(space))
-            log = [api._log_entry(solved)]
+            solved = api.solve_configuration(
+                space, ZeroConfig(), options, name=recipe, budget=None, spec=_replicated_spec(space)
+            )
+            log = [api.log_entry(solved)]
         else:
             solved = baselines[recipe]
-            log = [api._log_entry(solved)]
-        data = api._plan_document(
+            log = [api.log_entry(solved)]
+        data = api.plan_document(
             space,
             solved,
             baselines,

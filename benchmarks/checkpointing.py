@@ -212,7 +212,7 @@ def sweep_rows(
     layers: int, points: int, *, low: float = 0.5, time_limit_s: float = 60.0
 ) -> list[dict]:
     """Predicted step time and recompute seconds per policy and budget (module docstring)."""
-    from autopar.api import _solve, _tie_levels
+    from autopar.api import _tie_levels, solve_configuration
     from autopar.capture import capture
     from autopar.checkpointing import block_group_candidates, candidate_segments
     from autopar.mesh import Mesh
@@ -239,7 +239,7 @@ def sweep_rows(
     def run(name: str, budget: float | None):
         options, candidates = policies[name]
         try:
-            return _solve(
+            return solve_configuration(
                 space,
                 ZeroConfig(),
                 options,

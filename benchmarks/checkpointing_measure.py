@@ -233,15 +233,15 @@ def _demo() -> None:
 
 def plan_json_of(space: Any, solved: Any, budget: float) -> str:
     """Plan JSON of one of ``benchmarks/checkpointing.py``'s solved rows (``api.Solved``)."""
-    from autopar.api import _log_entry, _plan_document
+    from autopar.api import log_entry, plan_document
 
-    data = _plan_document(
+    data = plan_document(
         space,
         solved,
         {},
         budget=budget,
         model_name="GPT",
-        log=[_log_entry(solved)],
+        log=[log_entry(solved)],
         warnings=[],
         timings={"capture_s": 0.0, "strategies_s": 0.0, "solve_s": 0.0},
     )

@@ -38,54 +38,36 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import math
-import os
-import re
-import socket
 import statistics
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-WORLD_SIZE = 4
-OUT_DIR = Path(__file__).resolve().parent / "out"
+from common import (
+    WORLD_SIZE,
+    Rows,
+    StepFn,
+    add_model_options,
+    batch_for,
+    build_model,
+    gloo_rank,
+    local_tensor,
+    memory_kib,
+    plot_bars,
+    ratio,
+    reset_peak,
+    spawn_ranks,
+    table,
+    timed_steps,
+    warm_up,
+    write_outputs,
+)
+
 PEERS = {"autopar ddp": "torch DDP", "autopar megatron": "DTensor TP", "autopar auto": "torch DDP"}
 VARIANTS = ("torch DDP", "autopar ddp", "DTensor TP", "autopar megatron", "autopar auto")
 
-StepFn = Callable[[Any, Any], float]
 Setup = Callable[[argparse.Namespace, int, Any], tuple[StepFn, Any]]
-
-
-# --------------------------------------------------------------------------------------------
-# Model and data (identical on every rank)
-
-
-def build_model(args: argparse.Namespace) -> Any:
-    import torch
-
-    from autopar.models import GPT, GPTConfig
-
-    torch.manual_seed(0)
-    config = GPTConfig(
-        vocab_size=args.vocab,
-        block_size=args.seq,
-        n_layer=args.layers,
-        n_head=args.heads,
-        n_embd=args.n_embd,
-    )
-    return GPT(config)
-
-
-def batch_for(step: int, args: argparse.Namespace) -> tuple[Any, Any]:
-    import torch
-
-    gen = torch.Generator().manual_seed(100 + step)
-    idx = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen)
-    targets = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen)
-    return idx, targets
 
 
 # --------------------------------------------------------------------------------------------
@@ -214,47 +196,6 @@ SETUPS: dict[str, Setup] = {
 # One rank
 
 
-def _memory_kib() -> tuple[int, int]:
-    """(resident, peak resident) KiB of this process."""
-    status = Path("/proc/self/status").read_text()
-    return tuple(int(re.search(rf"{key}:\s+(\d+)", status).group(1)) for key in ("VmRSS", "VmHWM"))
-
-
-def _reset_peak() -> None:
-    Path("/proc/self/clear_refs").write_text("5")
-
-
-def _local(param: Any) -> Any:
-    """A DTensor parameter's local shard; a plain tensor itself."""
-    return param.to_local() if hasattr(param, "to_local") else param
-
-
-def warm_up(mesh: Any) -> None:
-    """One step of a tiny GPT under torch DDP, FSDP2 and autopar (capture, plan, ZeRO-3), so
-    that one-time costs (module imports: torch.export, DTensor; the autograd engine; gloo
-    buffers; allocator arenas) are paid before any variant's memory is measured; collective."""
-    import torch
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.nn.parallel import DistributedDataParallel
-
-    import autopar
-
-    tiny = argparse.Namespace(vocab=64, seq=8, layers=1, heads=4, n_embd=32, batch=WORLD_SIZE)
-    batch = batch_for(0, tiny)
-    DistributedDataParallel(build_model(tiny))(*batch).backward()
-    sharded = build_model(tiny)
-    fully_shard(sharded, mesh=init_device_mesh("cpu", (WORLD_SIZE,)))
-    sharded(*batch).backward()
-    pmodel = autopar.autoparallelize(
-        build_model(tiny), mesh, batch, recipe="fsdp", price_baselines=False
-    )
-    pmodel(*pmodel.shard_inputs(*batch)).backward()
-    torch.optim.AdamW(pmodel.parameters()).step()
-    del pmodel, sharded
-    gc.collect()
-
-
 def reference_losses(args: argparse.Namespace) -> list[float]:
     import torch
 
@@ -269,15 +210,7 @@ def run_rank(rank: int, port: int, args: argparse.Namespace, results: Any) -> No
 
     import autopar
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD_SIZE,
-        timeout=timedelta(seconds=300),
-    )
-    try:
+    with gloo_rank(rank, port, results):
         mesh = autopar.Mesh.from_world((WORLD_SIZE,))
         want = reference_losses(args)
         batches = [batch_for(i, args) for i in range(args.warmup + args.steps)]
@@ -285,22 +218,16 @@ def run_rank(rank: int, port: int, args: argparse.Namespace, results: Any) -> No
         rows = {}
         for name in args.variants:
             gc.collect()
-            _reset_peak()
-            start_kib, _ = _memory_kib()
+            reset_peak()
+            start_kib, _ = memory_kib()
             started = time.perf_counter()
             step, module = SETUPS[name](args, rank, mesh)
             setup_s = time.perf_counter() - started
-            _, setup_peak_kib = _memory_kib()
-            _reset_peak()
-            local_params = sum(_local(p).numel() for p in module.parameters())
-            times, losses = [], []
-            for i, (idx, targets) in enumerate(batches):
-                dist.barrier()
-                t0 = time.perf_counter()
-                losses.append(step(idx, targets))
-                if i >= args.warmup:
-                    times.append(time.perf_counter() - t0)
-            _, peak_kib = _memory_kib()
+            _, setup_peak_kib = memory_kib()
+            reset_peak()
+            local_params = sum(local_tensor(p).numel() for p in module.parameters())
+            times, losses = timed_steps(step, batches, args.warmup)
+            _, peak_kib = memory_kib()
             # Slowest rank per step, largest memory over ranks, in one all_reduce each.
             step_times = torch.tensor(times, dtype=torch.float64)
             dist.all_reduce(step_times, op=dist.ReduceOp.MAX)
@@ -322,87 +249,45 @@ def run_rank(rank: int, port: int, args: argparse.Namespace, results: Any) -> No
             del step, module
         if rank == 0:
             results.put(("ok", rows))
-    except BaseException as exc:  # noqa: B036 - the parent prints it
-        import traceback
-
-        results.put(("error", f"rank {rank}: {exc!r}\n{traceback.format_exc()}"))
-        raise
-    finally:
-        dist.destroy_process_group()
 
 
 # --------------------------------------------------------------------------------------------
 # Parent
 
 
-def spawn_ranks(target: Any, extra: tuple[Any, ...], timeout_s: float, what: str) -> Any:
-    """Run ``target(rank, port, *extra, results)`` on WORLD_SIZE spawned ranks and return the
-    payload the first rank puts on ``results`` as ("ok", payload) (else raise with its text)."""
-    import multiprocessing
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    # Children inherit these: one thread per rank, and glibc returning >= 64 KiB blocks on free
-    # so that resident-size peaks follow tensor allocations.
-    os.environ.update({"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"})
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    procs = [
-        ctx.Process(target=target, args=(rank, port, *extra, results), daemon=True)
-        for rank in range(WORLD_SIZE)
-    ]
-    for proc in procs:
-        proc.start()
-    try:
-        status, payload = results.get(timeout=timeout_s)
-    finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
-    if status != "ok":
-        raise RuntimeError(f"{what} failed:\n{payload}")
-    return payload
-
-
-def launch(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+def launch(args: argparse.Namespace) -> Rows:
     return spawn_ranks(run_rank, (args,), args.timeout, "benchmark")
 
 
-def report(rows: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
+def report(rows: Rows, args: argparse.Namespace) -> None:
     from rich.console import Console
-    from rich.table import Table
 
-    title = (
-        f"GPT {args.layers}x{args.n_embd} (vocab {args.vocab}), global batch {args.batch}x"
-        f"{args.seq}, 4 gloo ranks on CPU, median of {args.steps} steps after {args.warmup}"
+    out = table(
+        args,
+        (
+            "variant",
+            "step ms",
+            "vs",
+            "time ratio",
+            "peak MiB",
+            "mem ratio",
+            "local params",
+            "loss err",
+            "setup s",
+            "setup MiB",
+        ),
     )
-    table = Table(title=title)
-    for col in (
-        "variant",
-        "step ms",
-        "vs",
-        "time ratio",
-        "peak MiB",
-        "mem ratio",
-        "local params",
-        "loss err",
-        "setup s",
-        "setup MiB",
-    ):
-        table.add_column(col, justify="left" if col in ("variant", "vs") else "right")
     for name, row in rows.items():
         peer = PEERS.get(name)
-        ratio = mem_ratio = "-"
+        time_ratio = mem_ratio = "-"
         if peer in rows:
-            ratio = f"{row['median_step_s'] / rows[peer]['median_step_s']:.2f}x"
-            mem_ratio = f"{row['peak_mib'] / max(rows[peer]['peak_mib'], 1e-9):.2f}x"
-        table.add_row(
+            time_ratio = ratio(row["median_step_s"], rows[peer]["median_step_s"])
+            mem_ratio = ratio(row["peak_mib"], rows[peer]["peak_mib"])
+        out.add_row(
             name,
             f"{1000 * row['median_step_s']:.1f}",
             peer or "",
-            ratio,
+            time_ratio,
             f"{row['peak_mib']:.1f}",
             mem_ratio,
             f"{row['local_params'] / 1e6:.2f}M",
@@ -410,48 +295,39 @@ def report(rows: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
             f"{row['setup_s']:.1f}",
             f"{row['setup_peak_mib']:.1f}",
         )
-    Console(width=140).print(table)
+    Console(width=140).print(out)
     print("time ratio / mem ratio: the variant's figure over its peer's (below 1 is better);")
     print("peak MiB: peak resident memory during the steps over the variant's start (model,")
     print("shards, gradients, activations, buffers), largest rank; setup: capture + plan + shard.")
 
 
-def plot(rows: dict[str, dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = list(rows)
-    colors = ["#888888" if not n.startswith("autopar") else "#1f77b4" for n in names]
-    fig, (ax_time, ax_mem) = plt.subplots(1, 2, figsize=(11, 4))
-    ax_time.bar(names, [1000 * rows[n]["median_step_s"] for n in names], color=colors)
-    ax_time.set_ylabel("median step time (ms)")
-    ax_mem.bar(names, [rows[n]["peak_mib"] for n in names], color=colors)
-    ax_mem.set_ylabel("peak resident memory over start (MiB)")
-    for ax in (ax_time, ax_mem):
-        ax.tick_params(axis="x", rotation=30)
-    fig.suptitle("autopar (blue) vs PyTorch DDP / DTensor TP (grey), 4 gloo ranks, CPU")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+def plot(rows: Rows, path: Path) -> None:
+    plot_bars(
+        rows,
+        (
+            ("median step time (ms)", "median_step_s", 1000.0),
+            ("peak resident memory over start (MiB)", "peak_mib", 1.0),
+        ),
+        title="autopar (blue) vs PyTorch DDP / DTensor TP (grey), 4 gloo ranks, CPU",
+        path=path,
+        figsize=(11, 4),
+        rotation=30,
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--n-embd", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=1024)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=8, help="global batch (divisible by 4)")
-    parser.add_argument("--steps", type=int, default=6, help="timed steps per variant")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
-    parser.add_argument("--timeout", type=float, default=900.0, help="seconds for the whole run")
+    add_model_options(
+        parser,
+        variants=VARIANTS,
+        layers=2,
+        seq=64,
+        lr=0.05,
+        timeout_s=900.0,
+        timeout_help="seconds for the whole run",
+    )
     args = parser.parse_args()
     if args.batch % WORLD_SIZE or args.n_embd % args.heads or args.heads % WORLD_SIZE:
         parser.error("--batch and --heads must be divisible by 4, --n-embd by --heads")
@@ -459,15 +335,7 @@ def main() -> None:
     started = time.perf_counter()
     rows = launch(args)
     report(rows, args)
-    OUT_DIR.mkdir(exist_ok=True)
-    png = OUT_DIR / "runtime_vs_torch.png"
-    plot(rows, png)
-    (OUT_DIR / "runtime_vs_torch.json").write_text(
-        json.dumps({"args": vars(args), "results": rows}, indent=1)
-    )
-    print(f"wrote {png} and {png.with_suffix('.json')} in {time.perf_counter() - started:.0f} s")
-    if not math.isfinite(sum(row["median_step_s"] for row in rows.values())):
-        raise SystemExit("a step time is not finite")
+    write_outputs(rows, args, "runtime_vs_torch", plot, started)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ plan's ``zero`` entry set to the stage on the one axis; ``chunk_bytes`` is the r
 choice (``--chunk search``: the padding search, capped at 1/8 of the parameters) or
 one transformer block (``--chunk block``, FSDP2's wrapping unit here) or a byte count. Each variant runs in a fresh spawn of the 4 ranks (after a throwaway warm-up step), so
 memory figures do not depend on the order of the variants, and every spawn first runs one
-step of a tiny GPT under DDP, FSDP2 and autopar (``runtime_vs_torch.warm_up``) so that one-time
+step of a tiny GPT under DDP, FSDP2 and autopar (``common.warm_up``) so that one-time
 costs (imports of torch.export and DTensor, gloo and allocator set-up) land on no variant.
 
 Step time: per step, every rank waits at a barrier, then times forward + backward + optimizer
@@ -48,29 +48,33 @@ Prints a rich table and writes benchmarks/out/zero_vs_fsdp.png and .json.
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import statistics
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from runtime_vs_torch import (  # noqa: E402
+from common import (  # noqa: E402
     WORLD_SIZE,
-    _local,
-    _memory_kib,
-    _reset_peak,
+    Rows,
+    add_model_options,
     batch_for,
     build_model,
+    gloo_rank,
+    local_tensor,
+    memory_kib,
+    plot_bars,
+    ratio,
+    reset_peak,
     spawn_ranks,
+    table,
+    timed_steps,
     warm_up,
+    write_outputs,
 )
 
-OUT_DIR = Path(__file__).resolve().parent / "out"
 VARIANTS = (
     "torch DDP",
     "autopar stage 0",
@@ -207,16 +211,14 @@ def state_bytes(module: Any, optim_state: Any) -> dict[str, int]:
     def count(tensors: Any) -> int:
         total = 0
         for t in tensors:
-            storage = _local(t).untyped_storage()
+            storage = local_tensor(t).untyped_storage()
             if storage.data_ptr() not in seen and storage.nbytes():
                 seen.add(storage.data_ptr())
                 total += storage.nbytes()
         return total
 
     params = list(module.parameters())
-    state = [
-        v for s in optim_state.values() for v in s.values() if torch.is_tensor(v) and v.dim()
-    ]
+    state = [v for s in optim_state.values() for v in s.values() if torch.is_tensor(v) and v.dim()]
     return {
         "params": count(params),
         "grads": count(p.grad for p in params if p.grad is not None),
@@ -245,34 +247,20 @@ def run_rank(
 
     import autopar
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD_SIZE,
-        timeout=timedelta(seconds=300),
-    )
-    try:
+    with gloo_rank(rank, port, results):
         mesh = autopar.Mesh.from_world((WORLD_SIZE,), ("dp",))
         batches = [batch_for(i, args) for i in range(args.warmup + args.steps)]
         # One-time costs (imports, gloo and allocator set-up) land on no variant.
         warm_up(mesh)
         dist.barrier()
-        _reset_peak()
-        start_kib, _ = _memory_kib()
+        reset_peak()
+        start_kib, _ = memory_kib()
         started = time.perf_counter()
         step, module, optim_state = setup(name, args, rank, mesh)
         setup_s = time.perf_counter() - started
-        _reset_peak()
-        times, losses = [], []
-        for i, (idx, targets) in enumerate(batches):
-            dist.barrier()
-            t0 = time.perf_counter()
-            losses.append(step(idx, targets))
-            if i >= args.warmup:
-                times.append(time.perf_counter() - t0)
-        _, peak_kib = _memory_kib()
+        reset_peak()
+        times, losses = timed_steps(step, batches, args.warmup)
+        _, peak_kib = memory_kib()
         held = state_bytes(module, optim_state())
         step_times = torch.tensor(times, dtype=torch.float64)
         dist.all_reduce(step_times, op=dist.ReduceOp.MAX)
@@ -301,13 +289,6 @@ def run_rank(
         }
         if rank == 0:
             results.put(("ok", row))
-    except BaseException as exc:  # noqa: B036 - the parent prints it
-        import traceback
-
-        results.put(("error", f"rank {rank}: {exc!r}\n{traceback.format_exc()}"))
-        raise
-    finally:
-        dist.destroy_process_group()
 
 
 def launch(args: argparse.Namespace, name: str, want: list[float]) -> dict[str, Any]:
@@ -315,43 +296,36 @@ def launch(args: argparse.Namespace, name: str, want: list[float]) -> dict[str, 
     return spawn_ranks(run_rank, (args, name, want), args.timeout, f"benchmark variant {name!r}")
 
 
-def report(rows: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
+def report(rows: Rows, args: argparse.Namespace) -> None:
     from rich.console import Console
-    from rich.table import Table
 
-    title = (
-        f"GPT {args.layers}x{args.n_embd} (vocab {args.vocab}), global batch {args.batch}x"
-        f"{args.seq}, AdamW, 4 gloo ranks on CPU, median of {args.steps} steps after "
-        f"{args.warmup}"
+    out = table(
+        args,
+        (
+            "variant",
+            "step ms",
+            "vs",
+            "time ratio",
+            "params",
+            "grads",
+            "optim",
+            "state MiB",
+            "state ratio",
+            "peak MiB",
+            "peak ratio",
+            "loss err",
+        ),
+        optimizer="AdamW",
     )
-    table = Table(title=title)
-    columns = (
-        "variant",
-        "step ms",
-        "vs",
-        "time ratio",
-        "params",
-        "grads",
-        "optim",
-        "state MiB",
-        "state ratio",
-        "peak MiB",
-        "peak ratio",
-        "loss err",
-    )
-    for col in columns:
-        table.add_column(col, justify="left" if col in ("variant", "vs") else "right")
     for name, row in rows.items():
         peer = PEERS.get(name)
         ratios = ["-", "-", "-"]
         if peer in rows:
-            other = rows[peer]
             ratios = [
-                f"{row['median_step_s'] / other['median_step_s']:.2f}x",
-                f"{row['state_mib'] / max(other['state_mib'], 1e-9):.2f}x",
-                f"{row['peak_mib'] / max(other['peak_mib'], 1e-9):.2f}x",
+                ratio(row[key], rows[peer][key])
+                for key in ("median_step_s", "state_mib", "peak_mib")
             ]
-        table.add_row(
+        out.add_row(
             name,
             f"{1000 * row['median_step_s']:.1f}",
             peer or "",
@@ -365,60 +339,47 @@ def report(rows: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
             ratios[2],
             f"{row['loss_err']:.1e}",
         )
-    Console(width=160).print(table)
+    Console(width=160).print(out)
     print("ratios: the autopar variant's figure over its peer's (below 1 is better); state MiB:")
     print("live parameter + gradient + optimizer-state storages per rank after the steps; peak")
     print("MiB: peak resident memory during the steps over the variant's start; largest rank.")
     print("autopar stage 2 vs FSDP2 no reshard is not like for like (see the module docstring).")
 
 
-def plot(rows: dict[str, dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = list(rows)
-    colors = ["#1f77b4" if n.startswith("autopar") else "#888888" for n in names]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 5.5))
-    figures = (
-        ("median step time (ms)", [1000 * rows[n]["median_step_s"] for n in names]),
-        ("param + grad + optimizer storages (MiB)", [rows[n]["state_mib"] for n in names]),
-        ("peak resident memory over start (MiB)", [rows[n]["peak_mib"] for n in names]),
+def plot(rows: Rows, path: Path) -> None:
+    plot_bars(
+        rows,
+        (
+            ("median step time (ms)", "median_step_s", 1000.0),
+            ("param + grad + optimizer storages (MiB)", "state_mib", 1.0),
+            ("peak resident memory over start (MiB)", "peak_mib", 1.0),
+        ),
+        title="autopar ZeRO stages (blue) vs DDP / ZeroRedundancyOptimizer / FSDP2 (grey)",
+        path=path,
+        figsize=(15, 5.5),
+        rotation=45,
     )
-    for ax, (label, values) in zip(axes, figures):
-        ax.bar(names, values, color=colors)
-        ax.set_ylabel(label)
-        ax.tick_params(axis="x", rotation=45)
-        for tick in ax.get_xticklabels():
-            tick.set_horizontalalignment("right")
-    fig.suptitle("autopar ZeRO stages (blue) vs DDP / ZeroRedundancyOptimizer / FSDP2 (grey)")
-    fig.tight_layout(rect=(0, 0, 1, 0.93))
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--n-embd", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=1024)
-    parser.add_argument("--seq", type=int, default=32)
-    parser.add_argument("--batch", type=int, default=8, help="global batch (divisible by 4)")
-    parser.add_argument("--steps", type=int, default=6, help="timed steps per variant")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    add_model_options(
+        parser,
+        variants=VARIANTS,
+        layers=4,
+        seq=32,
+        lr=1e-3,
+        timeout_s=300.0,
+        timeout_help="seconds per variant",
+    )
     parser.add_argument(
         "--chunk",
         default="search",
         help="autopar chunk size: 'block' (one transformer block, FSDP2's unit), 'search' "
         "(the runtime's padding search) or bytes",
     )
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per variant")
     args = parser.parse_args()
     if args.batch % WORLD_SIZE or args.n_embd % args.heads:
         parser.error("--batch must be divisible by 4, --n-embd by --heads")
@@ -430,15 +391,7 @@ def main() -> None:
     want = reference_losses(args)
     rows = {name: launch(args, name, want) for name in args.variants}
     report(rows, args)
-    OUT_DIR.mkdir(exist_ok=True)
-    png = OUT_DIR / "zero_vs_fsdp.png"
-    plot(rows, png)
-    (OUT_DIR / "zero_vs_fsdp.json").write_text(
-        json.dumps({"args": vars(args), "results": rows}, indent=1)
-    )
-    print(f"wrote {png} and {png.with_suffix('.json')} in {time.perf_counter() - started:.0f} s")
-    if not math.isfinite(sum(row["median_step_s"] for row in rows.values())):
-        raise SystemExit("a step time is not finite")
+    write_outputs(rows, args, "zero_vs_fsdp", plot, started)
 
 
 if __name__ == "__main__":

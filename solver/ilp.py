@@ -13,8 +13,8 @@ Variables
 Objective
     minimise  sum_i sum_s c_i[s] x[i,s]  +  sum_k sum_{(g,h) allowed} C_k[g][h] e[k,g,h]
 
-Constraints (family: the function that builds it)
-    one-hot     sum_s x[i,s] = 1                          every node i        _add_one_hot
+Constraints (family: the function of solver/rows.py that builds it)
+    one-hot     sum_s x[i,s] = 1                          every node i        build_rows
     edge-src    sum_h e[k,g,h] = sum_{s in g} x[u_k,s]    every k, group g    _add_edge_links
     edge-dst    sum_g e[k,g,h] = sum_{t in h} x[v_k,t]    every k, group h    _add_edge_links
     transient   T >= sum_s r_i[s] x[i,s]                  every i with r_i    _add_memory
@@ -56,9 +56,10 @@ With a budget (HiGHS, no checkpoint segments) tie classes are solved as counts p
 instead (tying.solve_counts, _solve_counts): layers may differ, the model's size does not
 depend on depth, and its bound is a lower bound on the untied optimum; a mixed plan is
 realised by a small ILP over each member's class strategies. Presolve also removes dominated
-strategies (presolve._prune_dominated). With HiGHS the model, checkpoint rows included, is
-handed over in bulk (solver/highs_direct.py); pulp builds it for CBC and for the minimum-peak
-model that reports the smallest budget.
+strategies (presolve._prune_dominated). solver/rows.py writes the model once for both
+backends: with HiGHS, checkpoint rows included, it is handed over in bulk
+(solver/highs_direct.py); pulp holds it for CBC and for the minimum-peak model that reports the
+smallest budget.
 
 Determinism: the model is built in a fixed order from the Problem alone and both solvers are
 deterministic for a fixed model (single search, fixed seeds), so a Problem always gets the same
@@ -93,13 +94,13 @@ from solver.presolve import (
     reduce_problem,
     validate,
 )
-from solver.problem import Problem, SegmentEdge, Solution
+from solver.problem import Problem, Solution
 from solver.recompute import (
-    conflict_cliques,
     contract_segments,
     expand_recomputed,
     validate_segments,
 )
+from solver.rows import build_rows
 from solver.tying import ACCEPT_GAP, contract, expand, restrict, solve_counts
 
 BACKENDS = ("highs", "cbc")
@@ -113,16 +114,6 @@ _ZERO_GAP = 1e-9
 _MAX_POLISH_PASSES = 8
 
 
-def _power_of_two_scale(values: list[float]) -> float:
-    """A power of two near the largest magnitude, so dividing by it is exact."""
-    largest = max((abs(v) for v in values), default=0.0)
-    return (
-        1.0
-        if largest == 0.0 or not math.isfinite(largest)
-        else math.ldexp(1.0, math.frexp(largest)[1])
-    )
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class _Model:
     lp: pulp.LpProblem
@@ -134,292 +125,37 @@ class _Model:
     """Per Problem.segments entry: (bit, weight) pairs whose sum is the copies recomputed."""
 
 
-def _add_one_hot(
-    lp: pulp.LpProblem, red: Reduced, x: dict[tuple[int, int], pulp.LpVariable]
-) -> None:
-    for i, choices in enumerate(red.allowed):
-        if len(choices) > 1:
-            lp.addConstraint(
-                pulp.LpConstraint(
-                    pulp.LpAffineExpression([(x[i, s], 1.0) for s in choices]),
-                    pulp.LpConstraintEQ,
-                    f"onehot_{i}",
-                    1.0,
-                )
-            )
+class _PulpSink:
+    """solver/rows.py's Sink on a pulp model: columns are LpVariables, rows LpConstraints."""
 
+    def __init__(self, lp: pulp.LpProblem) -> None:
+        self.lp = lp
+        self.num_variables = 0
 
-def _add_edge_links(
-    lp: pulp.LpProblem, red: Reduced, x: dict[tuple[int, int], pulp.LpVariable], edges: list[int]
-) -> dict[tuple[int, int, int], pulp.LpVariable]:
-    """Alpa's linearization over grouped strategies; returns the pair variables e[k,g,h]."""
-    pair_vars = {}
-    for k in edges:
-        edge = red.edges[k]
-        by_src: list[list[tuple[pulp.LpVariable, float]]] = [
-            [(x[edge.src, s], -1.0) for s in group] for group in edge.src_groups
-        ]
-        by_dst: list[list[tuple[pulp.LpVariable, float]]] = [
-            [(x[edge.dst, t], -1.0) for t in group] for group in edge.dst_groups
-        ]
-        for g, h in sorted(edge.group_cost_s):
-            var = pulp.LpVariable(f"e_{k}_{g}_{h}", lowBound=0.0, upBound=1.0)
-            pair_vars[k, g, h] = var
-            by_src[g].append((var, 1.0))
-            by_dst[h].append((var, 1.0))
-        for family, rows in (("src", by_src), ("dst", by_dst)):
-            for g, terms in enumerate(rows):
-                lp.addConstraint(
-                    pulp.LpConstraint(
-                        pulp.LpAffineExpression(terms),
-                        pulp.LpConstraintEQ,
-                        f"{family}_{k}_{g}",
-                        0.0,
-                    )
-                )
-    return pair_vars
+    def column(
+        self, name: str, lower: float, upper: float | None, *, integer: bool = False
+    ) -> pulp.LpVariable:
+        self.num_variables += 1
+        cat = pulp.LpInteger if integer else pulp.LpContinuous
+        return pulp.LpVariable(name, lowBound=lower, upBound=upper, cat=cat)
 
-
-def _add_memory(
-    lp: pulp.LpProblem,
-    problem: Problem,
-    red: Reduced,
-    x: dict[tuple[int, int], pulp.LpVariable],
-    budget: float | None,
-    extra: Sequence[tuple[pulp.LpVariable, float]] = (),
-) -> pulp.LpAffineExpression:
-    """Transient rows and (with a budget) the memory row; returns the scaled peak expression.
-    ``extra`` adds (variable, bytes per unit) terms to the peak (checkpoint segments)."""
-    nodes = problem.nodes
-    scale = _power_of_two_scale(
-        [problem.memory_offset_bytes, budget or 0.0]
-        + [c for _, c in extra]
-        + [b for n in nodes for b in n.memory_bytes]
-        + [b for n in nodes for b in n.transient_bytes]
-    )
-    fixed_bytes = problem.memory_offset_bytes
-    fixed_transient = 0.0
-    resident = []
-    for i, choices in enumerate(red.allowed):
-        if len(choices) == 1:
-            fixed_bytes += nodes[i].memory_bytes[choices[0]]
+    def row(
+        self,
+        name: str,
+        terms: Sequence[tuple[pulp.LpVariable, float]],
+        lower: float | None,
+        upper: float | None,
+    ) -> None:
+        if lower is None:
+            sense, rhs = pulp.LpConstraintLE, upper
+        elif upper is None:
+            sense, rhs = pulp.LpConstraintGE, lower
         else:
-            resident += [
-                (x[i, s], nodes[i].memory_bytes[s] / scale)
-                for s in choices
-                if nodes[i].memory_bytes[s]
-            ]
-        transients = (
-            [nodes[i].transient_bytes[s] for s in choices] if nodes[i].transient_bytes else []
+            assert lower == upper, f"ranged row {name}: pulp takes one sense per row"
+            sense, rhs = pulp.LpConstraintEQ, lower
+        self.lp.addConstraint(
+            pulp.LpConstraint(pulp.LpAffineExpression(list(terms)), sense, name, rhs)
         )
-        if len(set(transients)) == 1:  # the same whatever the choice: a lower bound on T
-            fixed_transient = max(fixed_transient, transients[0])
-    transient = pulp.LpVariable("transient", lowBound=fixed_transient / scale)
-    for i, choices in enumerate(red.allowed):
-        transients = (
-            [nodes[i].transient_bytes[s] for s in choices] if nodes[i].transient_bytes else []
-        )
-        if len(choices) > 1 and len(set(transients)) > 1:
-            terms = [(x[i, s], -b / scale) for s, b in zip(choices, transients) if b]
-            lp.addConstraint(
-                pulp.LpConstraint(
-                    pulp.LpAffineExpression([(transient, 1.0), *terms]),
-                    pulp.LpConstraintGE,
-                    f"transient_{i}",
-                    0.0,
-                )
-            )
-    peak = pulp.LpAffineExpression([*resident, (transient, 1.0), *((v, c / scale) for v, c in extra)])
-    if budget is not None:
-        lp.addConstraint(
-            pulp.LpConstraint(peak, pulp.LpConstraintLE, "memory", (budget - fixed_bytes) / scale)
-        )
-    return peak
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class _SegmentRows:
-    memory: list[tuple[pulp.LpVariable, float]]
-    """(variable, bytes per unit) terms of the peak."""
-    time: list[tuple[pulp.LpVariable, float]]
-    """(variable, seconds per unit) terms of the objective."""
-    bits: tuple[tuple[tuple[pulp.LpVariable, int], ...], ...]
-    num_variables: int
-
-
-def _choice_expr(
-    red: Reduced, x: dict[tuple[int, int], pulp.LpVariable], i: int, values, scale: float
-) -> pulp.LpAffineExpression:
-    """sum_s values[s] x[i,s] / scale; a constant when presolve left node i one strategy."""
-    allowed = red.allowed[i]
-    if len(allowed) == 1:
-        return pulp.LpAffineExpression(constant=values[allowed[0]] / scale)
-    return pulp.LpAffineExpression([(x[i, s], values[s] / scale) for s in allowed if values[s]])
-
-
-def _segment_edge_expr(
-    lp: pulp.LpProblem,
-    red: Reduced,
-    x: dict[tuple[int, int], pulp.LpVariable],
-    edge: SegmentEdge,
-    scale: float,
-    name: str,
-    pair_vars: dict[tuple[int, int, int], pulp.LpVariable],
-    pair_index: dict[tuple[int, int], int],
-) -> tuple[pulp.LpAffineExpression, int]:
-    """Forward seconds of a segment edge: linear where one end is fixed; else through the
-    model's pair variables e[k,g,h] where the forward cost is constant on each block; else
-    one variable z: with X_g (X_h) the indicator of
-    the src (dst) strategies of row group g (column group h) of identical costs c[g][h],
-
-        z >= sum_g c[g][h] X_g - M_h (1 - X_h)   for every h,  M_h = max_g c[g][h]
-
-    is exactly z >= c[g*][h*] at the chosen pair (the other rows are <= 0), and z is pushed
-    down by the recompute row it feeds. One variable per edge, one row per column group."""
-    if edge.src == edge.dst:
-        diagonal = [edge.cost_s[s][s] for s in range(len(edge.cost_s))]
-        return _choice_expr(red, x, edge.src, diagonal, scale), 0
-    src_allowed, dst_allowed = red.allowed[edge.src], red.allowed[edge.dst]
-    if len(src_allowed) == 1 or len(dst_allowed) == 1:  # linear in the other end
-        if len(src_allowed) == 1:
-            row = [edge.cost_s[src_allowed[0]][t] for t in range(len(edge.cost_s[0]))]
-            return _choice_expr(red, x, edge.dst, row, scale), 0
-        column = [edge.cost_s[s][dst_allowed[0]] for s in range(len(edge.cost_s))]
-        return _choice_expr(red, x, edge.src, column, scale), 0
-    k = pair_index.get((min(edge.src, edge.dst), max(edge.src, edge.dst)))
-    if k is not None:  # the model's pair variables, where the forward cost is constant per block
-        pair = red.edges[k]
-        flip = pair.src != edge.src
-        terms = []
-        for (g, h), _ in sorted(pair.group_cost_s.items()):
-            values = {
-                edge.cost_s[t][s] if flip else edge.cost_s[s][t]
-                for s in pair.src_groups[g]
-                for t in pair.dst_groups[h]
-                if (s, t) in pair.cost_s
-            }
-            if len(values) != 1:
-                break
-            if (value := values.pop()) > 0.0:
-                terms.append((pair_vars[k, g, h], value / scale))
-        else:
-            return pulp.LpAffineExpression(terms), 0
-    rows_of: dict[tuple, list[int]] = {}
-    cols_of: dict[tuple, list[int]] = {}
-    for s in src_allowed:
-        rows_of.setdefault(tuple(edge.cost_s[s][t] for t in dst_allowed), []).append(s)
-    for t in dst_allowed:
-        cols_of.setdefault(tuple(edge.cost_s[s][t] for s in src_allowed), []).append(t)
-
-    def indicator(i: int, group: list[int], weight: float) -> list[tuple[pulp.LpVariable, float]]:
-        return [] if len(red.allowed[i]) == 1 else [(x[i, s], weight) for s in group]
-
-    z = pulp.LpVariable(f"{name}_z", lowBound=0.0)
-    for h, dst_group in enumerate(cols_of.values()):
-        costs = [(g, edge.cost_s[g[0]][dst_group[0]] / scale) for g in rows_of.values()]
-        big = max(c for _, c in costs)
-        if big <= 0.0:
-            continue
-        terms = [(z, 1.0)]
-        constant = 0.0
-        for group, c in costs:
-            if c:
-                if len(red.allowed[edge.src]) == 1:
-                    constant += c  # src fixed: its only group is chosen
-                else:
-                    terms += indicator(edge.src, group, -c)
-        if len(red.allowed[edge.dst]) == 1:
-            rhs = constant  # dst fixed: X_h = 1
-        else:
-            terms += indicator(edge.dst, dst_group, -big)
-            rhs = constant - big
-        lp.addConstraint(
-            pulp.LpConstraint(pulp.LpAffineExpression(terms), pulp.LpConstraintGE, f"{name}_{h}", rhs)
-        )
-    return pulp.LpAffineExpression([(z, 1.0)]), 1
-
-
-def _add_segments(
-    lp: pulp.LpProblem,
-    problem: Problem,
-    red: Reduced,
-    x: dict[tuple[int, int], pulp.LpVariable],
-    pair_vars: dict[tuple[int, int, int], pulp.LpVariable] | None,
-) -> _SegmentRows:
-    """Checkpoint rows (solver/recompute.py). For segment k with L copies, bits b_j (j <
-    bit_length(L)) give the copies recomputed r = sum 2^j b_j <= L, and per bit, exactly
-    without pair variables (A_k, T_k linear in x; P the peak term):
-
-        f_j <= A_k(x),  f_j <= M_A b_j,  P >= f_j        memory  -= 2^j f_j, += P
-        t_j >= T_k(x) - M_T (1 - b_j),  t_j >= 0         time    += 2^j t_j
-
-    Each clique C of overlapping segments: sum_{k in C} r_k lcm/L_k <= lcm (all L_k).
-    Without ``pair_vars`` (the minimum-peak model) the time rows are left out."""
-    segments = problem.segments
-    mem_scale = _power_of_two_scale([b for seg in segments for row in seg.freed_bytes for b in row])
-    time_scale = _power_of_two_scale(
-        [t for seg in segments for row in seg.recompute_s for t in row]
-        + [c for seg in segments for e in seg.edges for row in e.cost_s for c in row]
-    )
-    peak = pulp.LpVariable("ckpt_peak", lowBound=0.0)
-    memory: list[tuple[pulp.LpVariable, float]] = [(peak, mem_scale)]
-    time_terms: list[tuple[pulp.LpVariable, float]] = []
-    all_bits = []
-    num_variables = 1
-    pair_index = {(e.src, e.dst): k for k, e in enumerate(red.edges)}
-    for k, seg in enumerate(segments):
-        freed = pulp.lpSum(
-            _choice_expr(red, x, n, row, mem_scale) for n, row in zip(seg.nodes, seg.freed_bytes)
-        )
-        again = pulp.lpSum(
-            _choice_expr(red, x, n, row, time_scale) for n, row in zip(seg.nodes, seg.recompute_s)
-        )
-        for e, edge in enumerate(seg.edges):
-            if pair_vars is None:  # the minimum-peak model prices no time
-                break
-            expr, num = _segment_edge_expr(
-                lp, red, x, edge, time_scale, f"ckpt_{k}_e{e}", pair_vars, pair_index
-            )
-            again += expr
-            num_variables += num
-        big_freed = math.fsum(max(row) for row in seg.freed_bytes) / mem_scale
-        big_time = (
-            math.fsum(max(row) for row in seg.recompute_s)
-            + math.fsum(max(max(row) for row in e.cost_s) for e in seg.edges)
-        ) / time_scale
-        bits = []
-        for j in range(seg.copies.bit_length()):
-            b = pulp.LpVariable(f"ckpt_b_{k}_{j}", cat=pulp.LpBinary)
-            f = pulp.LpVariable(f"ckpt_f_{k}_{j}", lowBound=0.0)
-            num_variables += 2
-            lp.addConstraint(f - freed <= 0.0, f"ckpt_freed_{k}_{j}")
-            lp.addConstraint(f - big_freed * b <= 0.0, f"ckpt_on_{k}_{j}")
-            lp.addConstraint(peak - f >= 0.0, f"ckpt_peak_{k}_{j}")
-            memory.append((f, -(2**j) * mem_scale))
-            bits.append((b, 2**j))
-            if pair_vars is not None:
-                t = pulp.LpVariable(f"ckpt_t_{k}_{j}", lowBound=0.0)
-                num_variables += 1
-                lp.addConstraint(t - again - big_time * b >= -big_time, f"ckpt_time_{k}_{j}")
-                time_terms.append((t, 2**j * time_scale))
-        count = pulp.LpAffineExpression([(b, float(w)) for b, w in bits])
-        if seg.copies < 2 ** len(bits) - 1:
-            lp.addConstraint(count <= seg.copies, f"ckpt_copies_{k}")
-        if seg.min_copies:
-            lp.addConstraint(count >= seg.min_copies, f"ckpt_min_{k}")
-        all_bits.append(tuple(bits))
-    for c, clique in enumerate(conflict_cliques(segments)):
-        lcm = math.lcm(*(segments[k].copies for k in clique))
-        lp.addConstraint(
-            pulp.LpAffineExpression(
-                [(b, float(w * (lcm // segments[k].copies))) for k in clique for b, w in all_bits[k]]
-            )
-            <= lcm,
-            f"ckpt_overlap_{c}",
-        )
-    return _SegmentRows(
-        memory=memory, time=time_terms, bits=tuple(all_bits), num_variables=num_variables
-    )
 
 
 def _decode_recomputed(model: _Model) -> tuple[int, ...]:
@@ -429,52 +165,18 @@ def _decode_recomputed(model: _Model) -> tuple[int, ...]:
 
 
 def _build(problem: Problem, red: Reduced, *, minimise_peak: bool) -> _Model:
-    """The time model (with the budget row if any) or the minimum-peak model (no budget)."""
+    """The time model (with the budget row if any) or the minimum-peak model (no budget),
+    written by solver/rows.py into pulp."""
     lp = pulp.LpProblem("autopar_peak" if minimise_peak else "autopar_time", pulp.LpMinimize)
-    x = {
-        (i, s): pulp.LpVariable(f"x_{i}_{s}", cat=pulp.LpBinary)
-        for i, choices in enumerate(red.allowed)
-        if len(choices) > 1
-        for s in choices
-    }
-    _add_one_hot(lp, red, x)
-    if minimise_peak:  # edges whose pairs are all allowed cannot change the peak
-        pair_vars = _add_edge_links(
-            lp, red, x, [k for k, e in enumerate(red.edges) if not e.all_pairs_allowed]
-        )
-        seg = _add_segments(lp, problem, red, x, None) if problem.segments else None
-        seg_memory = seg.memory if seg else []
-        seg_bits = seg.bits if seg else ()
-        seg_variables = seg.num_variables if seg else 0
-        lp.setObjective(_add_memory(lp, problem, red, x, None, seg_memory))
-        return _Model(
-            lp=lp,
-            x=x,
-            objective_scale=1.0,
-            num_variables=len(x) + len(pair_vars) + 1 + seg_variables,
-            segment_bits=seg_bits,
-        )
-    pair_vars = _add_edge_links(lp, red, x, list(range(len(red.edges))))
-    seg = _add_segments(lp, problem, red, x, pair_vars) if problem.segments else None
-    seg_memory = seg.memory if seg else []
-    seg_bits = seg.bits if seg else ()
-    num_variables = len(x) + len(pair_vars) + (seg.num_variables if seg else 0)
-    if problem.memory_budget_bytes is not None:
-        _add_memory(lp, problem, red, x, problem.memory_budget_bytes, seg_memory)
-        num_variables += 1
-    terms = [
-        (x[i, s], c)
-        for i, costs in enumerate(red.node_cost_s)
-        if len(costs) > 1
-        for s, c in costs.items()
-    ]
-    terms += [(var, red.edges[k].group_cost_s[g, h]) for (k, g, h), var in pair_vars.items()]
-    if seg:
-        terms += seg.time
-    scale = _power_of_two_scale([c for _, c in terms])
-    lp.setObjective(pulp.LpAffineExpression([(v, c / scale) for v, c in terms if c]))
+    sink = _PulpSink(lp)
+    rows = build_rows(problem, red, sink, minimise_peak=minimise_peak)
+    lp.setObjective(pulp.LpAffineExpression(rows.objective))
     return _Model(
-        lp=lp, x=x, objective_scale=scale, num_variables=num_variables, segment_bits=seg_bits
+        lp=lp,
+        x=rows.x,
+        objective_scale=rows.objective_scale,
+        num_variables=sink.num_variables,
+        segment_bits=rows.segment_bits,
     )
 
 
@@ -821,9 +523,14 @@ def _solve_counts(
     if out is None:
         return None
     choices, objective = out.choices, out.objective_s
-    details = {"counts_mixed_classes": float(out.mixed_classes), "tied_classes": float(len(problem.tied))}
+    details = {
+        "counts_mixed_classes": float(out.mixed_classes),
+        "tied_classes": float(len(problem.tied)),
+    }
     build_s, solve_s = out.build_s, out.solve_s
-    if out.mixed_classes and (choices is None or objective > out.bound_s + _ZERO_GAP * abs(objective)):
+    if out.mixed_classes and (
+        choices is None or objective > out.bound_s + _ZERO_GAP * abs(objective)
+    ):
         # The best plan whose members take only their class's strategies (a small ILP: the
         # other nodes are fixed); the realised counts are one of its points.
         keep = out.used
@@ -831,7 +538,11 @@ def _solve_counts(
             keep = tuple(k if len(k) > 1 else (c,) for k, c in zip(keep, choices, strict=True))
         try:
             inner = _solve_model(
-                restrict(problem, keep), backend="highs", time_limit_s=time_limit_s, gap=gap, msg=msg
+                restrict(problem, keep),
+                backend="highs",
+                time_limit_s=time_limit_s,
+                gap=gap,
+                msg=msg,
             )
         except InfeasibleError:
             inner = None
@@ -843,7 +554,9 @@ def _solve_counts(
             details["counts_realised_by_ilp"] = 1.0
             if choices is None or value < objective:
                 choices, objective = realised, value
-    if choices is None or (out.mixed_classes and objective > out.bound_s + ACCEPT_GAP * abs(objective)):
+    if choices is None or (
+        out.mixed_classes and objective > out.bound_s + ACCEPT_GAP * abs(objective)
+    ):
         forced = _solve_tied(problem, backend="highs", time_limit_s=time_limit_s, gap=gap, msg=msg)
         build_s += forced.build_s
         solve_s += forced.solve_s
@@ -882,9 +595,7 @@ def _solve_tied(
     # Contraction turns a node shared by every layer (RoPE tables) into a leaf: eliminate again.
     inner = solve(inner_problem, backend=backend, time_limit_s=time_limit_s, gap=gap, msg=msg)
     choices = expand(contracted, inner.choices)
-    recomputed = (
-        expand_recomputed(problem, groups, inner.recomputed) if problem.segments else ()
-    )
+    recomputed = expand_recomputed(problem, groups, inner.recomputed) if problem.segments else ()
     objective = plan_objective_s(problem, choices, recomputed)
     bound = min(objective, inner.bound_s)
     details = dict(inner.details)

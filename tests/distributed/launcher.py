@@ -21,45 +21,31 @@ their results picklable. Children come from a forkserver that imported torch onc
 there is none): after the first run, starting 4 ranks takes well under a second instead of
 importing torch in every child (3-10 s each on a busy machine).
 
-Every run is bounded: the gloo timeout bounds a collective a peer never joins, and ``timeout_s``
-bounds the whole run (children still alive then are killed). When a rank fails, the others get
-``grace_s`` to report and are then killed, so a failure never hangs.
-
-Environment of every rank: ``OMP_NUM_THREADS=1`` and ``torch.set_num_threads(1)`` (the test
-machines have few cores), ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (gloo then checks that ranks pass
-matching shapes), a fresh free port picked in the parent (a taken port makes ranks other than 0
-hang in init forever), plus ``env``. torch is already imported when ``env`` is applied (it is
-preloaded in the forkserver), so variables torch reads only at import have no effect; the debug
-level is re-read.
+Both run through autopar.runtime.spawn.spawn_ranks (read its docstring: every run is bounded,
+a failing rank's peers get ``grace_s`` and are then killed, the error names every rank's story;
+each rank has ``OMP_NUM_THREADS=1``, one torch thread and a fresh free port). This harness adds
+a forkserver that imported torch once and ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (gloo then checks
+that ranks pass matching shapes) under ``env``. torch is already imported when ``env`` is
+applied (it is preloaded in the forkserver), so variables torch reads only at import have no
+effect; the debug level is re-read.
 """
 
 from __future__ import annotations
 
 import multiprocessing
-import os
 import pickle
-import queue as queue_lib
-import socket
-import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from autopar.runtime.spawn import SpawnError, free_port, spawn_ranks
+
 __all__ = ["CaseResult", "DistributedRunError", "free_port", "run_cases", "run_distributed"]
 
-
-class DistributedRunError(RuntimeError):
-    """A rank failed, died, or the run passed its timeout; the message has every rank's story."""
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (bind to port 0, read, release)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
+DistributedRunError = SpawnError
+"""A rank failed, died, or the run passed its timeout; the message has every rank's story."""
 
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "autopar.resharding"]
 
@@ -75,50 +61,6 @@ def _context() -> Any:
     return ctx
 
 
-def _worker(
-    rank: int,
-    world_size: int,
-    port: int,
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    env: dict[str, str],
-    pg_timeout_s: float,
-    results: Any,
-) -> None:
-    os.environ.update(
-        {
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(world_size),
-            "OMP_NUM_THREADS": "1",
-            "TORCH_DISTRIBUTED_DEBUG": "DETAIL",
-            **env,
-        }
-    )
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.set_debug_level_from_env()  # torch.distributed read the variable at import time
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=pg_timeout_s),
-        )
-        payload = pickle.dumps(fn(rank, world_size, *args))
-        results.put((rank, True, payload))
-    except BaseException:  # noqa: B036 - report everything, the parent decides
-        results.put((rank, False, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
 def run_distributed(
     fn: Callable[..., Any],
     world_size: int,
@@ -128,85 +70,23 @@ def run_distributed(
     pg_timeout_s: float = 60.0,
     grace_s: float = 5.0,
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; each rank's result.
-
-    Args:
-        fn: a module-level function; its return value must be picklable.
-        timeout_s: bound on the whole run; ranks still running then are killed.
-        env: extra environment variables for every rank.
-        pg_timeout_s: the process group's timeout (a collective a peer never joins raises).
-        grace_s: how long the other ranks may still report after one failed (they may be
-            blocked in a collective with it) before they are killed.
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; each rank's result
+    (autopar.runtime.spawn.spawn_ranks: the same arguments; ``env`` over the debug level).
 
     Raises:
         DistributedRunError: with each failing rank's traceback, the ranks that died without
             reporting, or the ranks still running at the timeout.
     """
-    ctx = _context()
-    results = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(
-            target=_worker,
-            args=(rank, world_size, port, fn, args, dict(env or {}), pg_timeout_s, results),
-            name=f"autopar-rank{rank}",
-            daemon=True,
-        )
-        for rank in range(world_size)
-    ]
-    for proc in procs:
-        proc.start()
-    outcomes: dict[int, tuple[bool, Any]] = {}
-    deadline = time.monotonic() + timeout_s
-    first_failure: float | None = None
-    try:
-        while len(outcomes) < world_size:
-            now = time.monotonic()
-            if now > deadline:
-                break
-            if first_failure is not None and now > first_failure + grace_s:
-                break
-            try:
-                rank, ok, payload = results.get(timeout=0.2)
-            except queue_lib.Empty:
-                dead = [
-                    r for r, p in enumerate(procs) if r not in outcomes and p.exitcode is not None
-                ]
-                for r in dead:
-                    # A last chance for a result still in the pipe, then count it as died.
-                    time.sleep(0.5)
-                    if r not in outcomes and results.empty():
-                        outcomes[r] = (
-                            False,
-                            f"exited with code {procs[r].exitcode} without reporting",
-                        )
-                        first_failure = first_failure or time.monotonic()
-                continue
-            outcomes[rank] = (ok, payload)
-            if not ok and first_failure is None:
-                first_failure = time.monotonic()
-    finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-        for proc in procs:
-            proc.join(timeout=10)
-        results.close()
-
-    failures = [f"rank {r}: {outcomes[r][1]}" for r in sorted(outcomes) if not outcomes[r][0]]
-    missing = [r for r in range(world_size) if r not in outcomes]
-    if failures or missing:
-        if missing:
-            why = (
-                "killed after another rank failed"
-                if failures
-                else f"still running at the {timeout_s:g} s timeout, killed"
-            )
-            failures.append(f"ranks {missing}: {why}")
-        raise DistributedRunError(
-            f"{fn.__name__} on {world_size} ranks failed:\n" + "\n".join(failures)
-        )
-    return [pickle.loads(outcomes[r][1]) for r in range(world_size)]
+    return spawn_ranks(
+        fn,
+        world_size,
+        *args,
+        timeout_s=timeout_s,
+        env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL", **(env or {})},
+        pg_timeout_s=pg_timeout_s,
+        grace_s=grace_s,
+        context=_context(),
+    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -25,15 +25,21 @@ def sgd_reference(
     loss = model_loss(model(*args, **kwargs))
     loss.backward()
     grads = {name: p.grad.clone() for name, p in model.named_parameters()}
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    opt.step()
-    for _ in range(steps - 1):
-        opt.zero_grad()
-        model_loss(model(*args, **kwargs)).backward()
-        opt.step()
+    sgd_steps(model, args, kwargs, lr=lr, steps=steps)
     return {
         "loss": loss.detach(),
         "grads": grads,
         "params": dict(model.named_parameters()),
         "state": model.state_dict(),
     }
+
+
+def sgd_steps(model: torch.nn.Module, args: tuple, kwargs: dict, *, lr: float, steps: int) -> None:
+    """``steps`` SGD steps: the first on the gradients the caller's backward left, each later
+    one after a fresh forward and backward of ``(args, kwargs)``."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    opt.step()
+    for _ in range(steps - 1):
+        opt.zero_grad()
+        model_loss(model(*args, **kwargs)).backward()
+        opt.step()

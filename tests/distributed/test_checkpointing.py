@@ -37,7 +37,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.distributed.reference import assert_close_named, model_loss, sgd_reference
+from tests.distributed.reference import assert_close_named, model_loss, sgd_reference, sgd_steps
 
 RTOL, ATOL = 1e-5, 1e-6
 NUM_STEPS = 3
@@ -256,12 +256,7 @@ def _train(
         assert pmodel.zero.gathered_bytes == 0, pmodel.zero.gathered_bytes
     loss.backward()
     grads = _full_grads(pmodel)
-    opt = torch.optim.SGD(pmodel.parameters(), lr=LR)
-    opt.step()
-    for _ in range(NUM_STEPS - 1):
-        opt.zero_grad()
-        model_loss(pmodel(*local_args, **local_kwargs)).backward()
-        opt.step()
+    sgd_steps(pmodel, local_args, local_kwargs, lr=LR, steps=NUM_STEPS)
     with torch.no_grad():
         eval_loss = model_loss(pmodel(*local_args, **local_kwargs))
     if check_eval:

@@ -34,7 +34,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.distributed.reference import assert_close_named, model_loss, sgd_reference
+from tests.distributed.reference import assert_close_named, model_loss, sgd_reference, sgd_steps
 
 RTOL, ATOL = 1e-5, 1e-6
 NUM_STEPS = 3
@@ -127,12 +127,7 @@ def check_training(model_name: str, recipe: str, mesh: Any) -> dict[str, Any]:
     for name, param in pmodel.named_parameters() if not zero_stage else ():
         grad = gather_full(param.grad, placements[name], group_of)
         _close(f"grad of {name}", grad, want["grads"][name])
-    opt = torch.optim.SGD(pmodel.parameters(), lr=LR)
-    opt.step()
-    for _ in range(NUM_STEPS - 1):
-        opt.zero_grad()
-        _loss(pmodel(*local_args, **local_kwargs)).backward()
-        opt.step()
+    sgd_steps(pmodel, local_args, local_kwargs, lr=LR, steps=NUM_STEPS)
     state = pmodel.state_dict()
     for name, param in want["params"].items():
         _close(f"{name} after {NUM_STEPS} SGD steps", state[name], param.detach())

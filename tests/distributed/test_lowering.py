@@ -39,7 +39,7 @@ from autopar.strategies.registry import (
     replicate_all,
     strategies_for,
 )
-from tests.distributed.reference import assert_close_named, model_loss, sgd_reference
+from tests.distributed.reference import assert_close_named, model_loss, sgd_reference, sgd_steps
 
 RTOL, ATOL = 1e-5, 1e-6
 NUM_STEPS = 3
@@ -226,12 +226,7 @@ def check_case(
     for name, param in pmodel.named_parameters():
         _close(f"accumulated grad of {name}", param.grad, grads[name])
 
-    opt = torch.optim.SGD(pmodel.parameters(), lr=LR)
-    opt.step()
-    for _ in range(NUM_STEPS - 1):
-        opt.zero_grad()
-        _loss(pmodel(*local_args, **local_kwargs)).backward()
-        opt.step()
+    sgd_steps(pmodel, local_args, local_kwargs, lr=LR, steps=NUM_STEPS)
     state = pmodel.state_dict()
     assert list(state) == list(want["state"]), (list(state), list(want["state"]))
     for name, value in want["state"].items():
