@@ -7,7 +7,7 @@ import itertools
 import math
 import operator
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +31,7 @@ from autopar.mesh import Mesh
 from autopar.options import PlanOptions, format_bytes, format_seconds, parse_bytes
 from autopar.plan import PLAN_VERSION, Plan, strategy_entry
 from autopar.problem import (
+    BuiltProblem,
     Evaluation,
     StrategySpace,
     ZeroConfig,
@@ -40,6 +41,7 @@ from autopar.problem import (
     param_state,
 )
 from autopar.strategies import input_nodes
+from solver.parallel import solve_all
 
 AUTOPAR_VERSION = "0.1.0"
 MEMORY_RESERVE = 0.10
@@ -87,7 +89,7 @@ def memory_budget_bytes(mesh: Mesh, options: PlanOptions) -> float:
     return mesh.device.mem_capacity_bytes * (1 - MEMORY_RESERVE)
 
 
-def _solve(
+def solve_configuration(
     space: StrategySpace,
     zero: ZeroConfig,
     options: PlanOptions,
@@ -98,25 +100,12 @@ def _solve(
     tied: Sequence[tuple[tuple[int, ...], ...]] = (),
     candidates: tuple[Candidate, ...] = (),
 ) -> Solved:
-    """Solve one configuration. ``tied`` lists tie-class sets from the most to the least
+    """Solve one ZeRO configuration (and recipe, with ``spec``). ``tied`` lists tie-class sets from the most to the least
     tied (``_tie_levels``); when identical layers forced alike do not fit the budget, the
     next, looser level is tried, and finally every layer chooses on its own. ``candidates``
     (autopar.checkpointing) are checkpoint segments the ILP may recompute (all of them under
     ``checkpoint='all'``); without a budget only forced ones are."""
-    built = build_problem(
-        space,
-        zero,
-        allowed=spec.allowed if spec else None,
-        forbid=spec.forbid if spec else None,
-        memory_budget_bytes=budget,
-        tied=tied[0] if tied else (),
-    )
-    forced = options.checkpoint == "all"
-    problem = built.problem
-    if candidates and (budget is not None or forced):
-        problem = dataclasses.replace(
-            problem, segments=solver_segments(candidates, built.allowed, forced=forced)
-        )
+    built, problem = _prepare(space, zero, options, budget=budget, spec=spec, tied=tied, candidates=candidates)
     try:
         solution = solver.solve(
             problem,
@@ -127,7 +116,7 @@ def _solve(
     except solver.InfeasibleBudgetError:
         if not tied:
             raise
-        return _solve(
+        return solve_configuration(
             space,
             zero,
             options,
@@ -137,6 +126,49 @@ def _solve(
             tied=tied[1:],
             candidates=candidates,
         )
+    return _finish(space, zero, options, name, built, problem, solution, candidates)
+
+
+def _prepare(
+    space: StrategySpace,
+    zero: ZeroConfig,
+    options: PlanOptions,
+    *,
+    budget: float | None,
+    spec: RecipeSpec | None,
+    tied: Sequence[tuple[tuple[int, ...], ...]],
+    candidates: tuple[Candidate, ...],
+) -> tuple[BuiltProblem, solver.Problem]:
+    """The solver problem of one configuration (with checkpoint segments when they apply)."""
+    built = build_problem(
+        space,
+        zero,
+        allowed=spec.allowed if spec else None,
+        forbid=spec.forbid if spec else None,
+        memory_budget_bytes=budget,
+        tied=tied[0] if tied else (),
+    )
+    problem = built.problem
+    if candidates and (budget is not None or options.checkpoint == "all"):
+        problem = dataclasses.replace(
+            problem,
+            segments=solver_segments(candidates, built.allowed, forced=options.checkpoint == "all"),
+        )
+    return built, problem
+
+
+def _finish(
+    space: StrategySpace,
+    zero: ZeroConfig,
+    options: PlanOptions,
+    name: str,
+    built: BuiltProblem,
+    problem: solver.Problem,
+    solution: solver.Solution,
+    candidates: tuple[Candidate, ...],
+) -> Solved:
+    """The Solved of one configuration from its solution."""
+    forced = options.checkpoint == "all"
     if problem.segments and solution.status != "optimal" and not forced:
         # Stopped by the time limit: the joint ILP is bigger than the sharding one, which
         # may find a better plan without recompute in the same time.
@@ -163,6 +195,42 @@ def _solve(
     )
 
 
+def solve_configurations(
+    space: StrategySpace,
+    jobs: Sequence[tuple[str, ZeroConfig, RecipeSpec | None, float | None]],
+    options: PlanOptions,
+    *,
+    tied: Sequence[tuple[tuple[int, ...], ...]] = (),
+    candidates: tuple[Candidate, ...] = (),
+) -> list[Solved]:
+    """:func:`solve_configuration` of each ``(name, zero, spec, budget)`` job, the ILPs solved
+    side by side on the machine's cores when they are large (:func:`solver.parallel.solve_all`);
+    the same plans as solving them one after another."""
+    prepared = [
+        _prepare(space, zero, options, budget=budget, spec=spec, tied=tied, candidates=candidates)
+        for _, zero, spec, budget in jobs
+    ]
+    try:
+        solutions = solve_all(
+            [problem for _, problem in prepared],
+            backend=options.solver,
+            time_limit_s=options.time_limit_s,
+            gap=options.gap,
+        )
+    except solver.InfeasibleError:
+        # A tie level that does not fit: solve_configuration walks the looser levels.
+        return [
+            solve_configuration(
+                space, zero, options, name=name, budget=budget, spec=spec, tied=tied, candidates=candidates
+            )
+            for name, zero, spec, budget in jobs
+        ]
+    return [
+        _finish(space, zero, options, name, built, problem, solution, candidates)
+        for (name, zero, _, _), (built, problem), solution in zip(jobs, prepared, solutions, strict=True)
+    ]
+
+
 def _tie_levels(space: StrategySpace) -> list[tuple[tuple[int, ...], ...]]:
     """Every layer of a stack tied, then the middle layers only (see autopar.coarsen)."""
     levels = [repeated_blocks(space, include_ends=True), repeated_blocks(space)]
@@ -172,68 +240,153 @@ def _tie_levels(space: StrategySpace) -> list[tuple[tuple[int, ...], ...]]:
 def zero_configurations(mesh_shape: Sequence[int]) -> list[tuple[ZeroConfig, ZeroConfig | None]]:
     """Every ZeRO configuration the runtime can run, with the one that dominates it (or None).
 
-    The runtime applies ONE stage to a chosen subset of the data-parallel axes (a mesh axis
-    outside the subset is stage 0), so the space is stage 0 plus every stage 1-3 times every
-    non-empty subset of the axes of size > 1. Under the cost model stages 1 and 2 cost the same
-    time as stage 0 (reduce-scatter + all-gather = all-reduce) and stage 2 on every axis keeps
-    the fewest bytes of them, so it dominates stage 1 on any subset and stage 2 on a smaller one
-    (same step time for every layout, never more memory: its ILP's optimum is at least as good
-    under any budget). Stage 3 trades an all-gather per subset axis for memory, so each subset
-    is a different trade-off and none is pruned. Stage 0 is kept (it is the budget-free lower
-    bound, and wins ties).
+    The runtime takes a stage per mesh axis (``autopar.runtime.zero``), so the space is every
+    assignment of a stage 0-3 to each axis of size > 1 (axes of size 1 stay 0), stage 0
+    everywhere first. Under the cost model stages 0, 1 and 2 on an axis cost the same time
+    (reduce-scatter + all-gather = all-reduce; no parameter gathers), and stage 2 keeps the fewest
+    bytes of the three (it shards the gradients and the optimizer state over the axis, stage 1
+    only the state, stage 0 neither). So raising every axis at stage 0 or 1 to 2 gives the same
+    step time for every layout with never more memory: that configuration dominates (its ILP's
+    optimum is at least as good under any budget). Stage 3 on an axis trades an all-gather over
+    it for parameter memory, a different trade-off per axis, so the candidates are every
+    choice of 2 or 3 per axis (2^k of them on k axes). Stage 0 everywhere is kept (it is the
+    budget-free lower bound, and wins ties).
     """
     axes = tuple(a for a in range(len(mesh_shape)) if mesh_shape[a] > 1)
     out: list[tuple[ZeroConfig, ZeroConfig | None]] = [(ZeroConfig(), None)]
-    if not axes:
-        return out
-    top = ZeroConfig(stage=2, axes=axes)
-    for stage in (1, 2, 3):
-        for r in range(1, len(axes) + 1):
-            for subset in itertools.combinations(axes, r):
-                zero = ZeroConfig(stage=stage, axes=subset)
-                out.append((zero, top if stage < 3 and zero != top else None))
+    ndim = len(mesh_shape)
+    for values in itertools.product((0, 1, 2, 3), repeat=len(axes)):
+        if not any(values):
+            continue
+        stages = [0] * ndim
+        top = [0] * ndim
+        for a, x in zip(axes, values):
+            stages[a] = x
+            top[a] = 2 if x < 2 else x
+        zero = ZeroConfig(stages=stages)
+        dominating = ZeroConfig(stages=top)
+        out.append((zero, dominating if dominating != zero else None))
     return out
 
 
 def zero_candidates(num_axes: int, mesh_shape: Sequence[int]) -> list[ZeroConfig]:
     """ZeRO configurations the auto plan solves when stage 0 does not fit: the undominated ones
-    of :func:`zero_configurations` (stage 2 on every axis, stage 3 on each subset)."""
+    of :func:`zero_configurations` (stage 2 or 3 on each data-parallel axis)."""
     return [z for z, by in zero_configurations(mesh_shape[:num_axes]) if by is None and z.stage]
 
 
-def _auto(
+def forced_zero(spec: int | Sequence[int] | Mapping[str, int], mesh: Mesh) -> ZeroConfig:
+    """The ZeroConfig of a user's ``zero_stage``: an int (that stage on every axis of size > 1),
+    one stage per mesh axis, or {axis name: stage} (axes not named: 0).
+
+    Raises:
+        ValueError: a wrong length, an unknown axis name or a stage outside 0-3 (the message
+            lists what is valid).
+    """
+    names = mesh.axis_names
+    if isinstance(spec, tuple) and spec and isinstance(spec[0], tuple):
+        spec = dict(spec)  # PlanOptions keeps a mapping as (name, stage) pairs
+    if isinstance(spec, int):
+        if spec not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {spec}")
+        return ZeroConfig(stage=spec, axes=tuple(a for a in range(mesh.ndim) if mesh.shape[a] > 1))
+    if isinstance(spec, Mapping):
+        unknown = sorted(set(spec) - set(names))
+        if unknown:
+            raise ValueError(
+                f"zero_stage names unknown mesh axes {unknown}; the mesh's axes are {list(names)}"
+            )
+        values = [spec.get(name, 0) for name in names]
+    else:
+        values = list(spec)
+        if len(values) != mesh.ndim:
+            raise ValueError(
+                f"zero_stage {values} has {len(values)} stages but the mesh has {mesh.ndim} axes "
+                f"({', '.join(names)}): give one stage per axis, or {{axis name: stage}}"
+            )
+    bad = [v for v in values if not isinstance(v, int) or v not in (0, 1, 2, 3)]
+    if bad:
+        raise ValueError(f"zero_stage per-axis stages must each be 0, 1, 2 or 3, got {bad}")
+    # An axis of size 1 shards nothing: its stage has no effect.
+    return ZeroConfig(stages=[v if mesh.shape[a] > 1 else 0 for a, v in enumerate(values)])
+
+
+FREE_AUTO = "auto (stage 0, no budget)"
+"""solve_recipes' key of the auto plan's budget-free stage-0 solution."""
+
+
+def solve_recipes(
+    space: StrategySpace,
+    options: PlanOptions,
+    recipes: Sequence[str],
+    *,
+    tied: Sequence[tuple[tuple[int, ...], ...]] = (),
+    candidates: tuple[Candidate, ...] = (),
+    progress: Callable[[str], None] | None = None,
+    free_auto: bool = False,
+) -> tuple[dict[str, Solved], list[str]]:
+    """Each baseline recipe of ``recipes`` solved without a budget (its fit is judged later),
+    and the recipes' notes; ``progress`` gets one line per solve. ``free_auto`` adds the auto
+    plan's first configuration (ZeRO stage 0, no budget: see :func:`solve_auto`) under the key
+    :data:`FREE_AUTO`. The ILPs are solved side by side (:func:`solve_configurations`)."""
+    notes: list[str] = []
+    jobs: list[tuple[str, ZeroConfig, RecipeSpec | None, float | None]] = []
+    for recipe in recipes:
+        spec = recipe_spec(space, recipe)
+        notes.extend(spec.notes)
+        jobs.append((recipe, spec.zero, spec, None))
+    keys = list(recipes)
+    if free_auto:
+        jobs.append(("auto", ZeroConfig(), None, None))
+        keys.append(FREE_AUTO)
+    start = time.perf_counter()
+    solved = solve_configurations(space, jobs, options, tied=tied, candidates=candidates)
+    baselines = dict(zip(keys, solved, strict=True))
+    if progress is not None:
+        seconds = time.perf_counter() - start
+        for name in recipes:
+            progress(_solve_line(name, baselines[name], seconds) + (" (side by side)" if len(jobs) > 1 else ""))
+    return baselines, notes
+
+
+def solve_auto(
     space: StrategySpace,
     options: PlanOptions,
     budget: float,
     tied: Sequence[tuple[tuple[int, ...], ...]] = (),
     candidates: tuple[Candidate, ...] = (),
+    free: Solved | None = None,
 ) -> tuple[Solved, list[dict]]:
+    """The auto plan: the fastest ZeRO configuration that fits ``budget`` (stage 0 without a
+    budget first: it bounds every other's step time), or the one ``options.zero_stage`` forces;
+    with the solver log (one :func:`log_entry` per configuration tried). ``free``: that first
+    solve when it was already made (``solve_recipes(..., free_auto=True)``)."""
     mesh = space.mesh
-    all_axes = tuple(a for a in range(mesh.ndim) if mesh.shape[a] > 1)
     log: list[dict] = []
     if options.zero_stage is not None:
-        zero = ZeroConfig(stage=options.zero_stage, axes=all_axes if options.zero_stage else ())
+        zero = forced_zero(options.zero_stage, mesh)
         try:
-            solved = _solve(
+            solved = solve_configuration(
                 space, zero, options, name="auto", budget=budget, tied=tied, candidates=candidates
             )
         except solver.InfeasibleBudgetError as e:
-            raise _budget_error(budget, e.min_budget_bytes, f"ZeRO stage {options.zero_stage}") from None
-        log.append(_log_entry(solved))
+            raise _budget_error(budget, e.min_budget_bytes, f"ZeRO {zero.label(mesh.axis_names)}") from None
+        log.append(log_entry(solved))
         return solved, log
     # Stage 0 without a budget is a lower bound on every configuration's step time (ZeRO only
     # adds communication); if it fits, it is the answer.
-    free = _solve(
-        space, ZeroConfig(), options, name="auto", budget=None, tied=tied, candidates=candidates
-    )
-    log.append(_log_entry(free, budget_free=True))
+    if free is None:
+        free = solve_configuration(
+            space, ZeroConfig(), options, name="auto", budget=None, tied=tied, candidates=candidates
+        )
+    log.append(log_entry(free, budget_free=True))
     if free.evaluation.peak_memory_bytes <= budget:
         return free, log
     best: Solved | None = None
     min_needed = math.inf
     for zero in zero_candidates(mesh.ndim, mesh.shape):
         try:
-            solved = _solve(
+            solved = solve_configuration(
                 space, zero, options, name="auto", budget=budget, tied=tied, candidates=candidates
             )
         except solver.InfeasibleBudgetError as e:
@@ -242,12 +395,13 @@ def _auto(
                 {
                     "zero_stage": zero.stage,
                     "zero_axes": list(zero.axes),
+                    "zero_stages": list(zero.stages),
                     "status": "infeasible",
                     "min_budget_bytes": float(e.min_budget_bytes),
                 }
             )
             continue
-        log.append(_log_entry(solved))
+        log.append(log_entry(solved))
         if best is None or solved.evaluation.step_s < best.evaluation.step_s * (1 - 1e-9):
             best = solved
     if best is None:
@@ -267,21 +421,21 @@ def _zero_considered(
     mesh = space.mesh
     names = mesh.axis_names
     recipe = space.options.recipe
-    solved_by_key = {(entry["zero_stage"], tuple(entry["zero_axes"])): entry for entry in log}
+    solved_by_key = {_log_key(entry): entry for entry in log}
     all_axes = tuple(a for a in range(mesh.ndim) if mesh.shape[a] > 1)
-    chosen_key = (chosen.zero.stage, tuple(chosen.zero.axes))
+    chosen_key = chosen.zero
     stage0_fits = any(
         e.get("budget_free") and e.get("peak_memory_bytes", math.inf) <= budget for e in log
     )
 
     def label(zero: ZeroConfig) -> str:
-        return f"stage {zero.stage}" + (f" on {','.join(names[a] for a in zero.axes)}" if zero.axes else "")
+        return zero.label(names)
 
     considered: list[dict[str, Any]] = []
     for zero, dominated_by in zero_configurations(mesh.shape):
-        key = (zero.stage, tuple(zero.axes))
+        key = zero
         entry = solved_by_key.get(key)
-        row: dict[str, Any] = {"stage": zero.stage, "axes": [names[a] for a in zero.axes]}
+        row: dict[str, Any] = zero.to_json(names)
         if entry is not None and entry.get("status") != "infeasible":
             row.update(
                 layouts="own",
@@ -328,7 +482,12 @@ def _zero_considered(
     if recipe != "auto":
         reason = f"recipe {recipe!r} fixes {label(chosen.zero)}"
     elif space.options.zero_stage is not None:
-        reason = f"zero_stage={space.options.zero_stage} was asked for"
+        spec = space.options.zero_stage
+        reason = (
+            f"zero_stage={spec} was asked for"
+            if isinstance(spec, int)
+            else f"zero_stage was asked for: {label(chosen.zero)}"
+        )
     elif chosen.zero.stage == 0:
         reason = (
             f"stage 0 fits the budget ({format_bytes(chosen.evaluation.peak_memory_bytes)} of "
@@ -362,16 +521,25 @@ def _budget_error(budget: float, needed: float, what: str) -> PlanningError:
     )
 
 
-def _log_entry(solved: Solved, *, budget_free: bool = False) -> dict:
+def log_entry(solved: Solved, *, budget_free: bool = False) -> dict:
+    """The plan JSON's ``solver_log`` entry of one solved configuration."""
     return {
         "zero_stage": solved.zero.stage,
         "zero_axes": list(solved.zero.axes),
+        "zero_stages": list(solved.zero.stages),
         "status": solved.solution.status,
         "step_s": solved.evaluation.step_s,
         "peak_memory_bytes": solved.evaluation.peak_memory_bytes,
         "memory": solved.evaluation.memory,
         "budget_free": budget_free,
     }
+
+
+def _log_key(entry: dict) -> ZeroConfig:
+    """The configuration of a solver log entry (``zero_stages``; older entries: stage on axes)."""
+    if "zero_stages" in entry:
+        return ZeroConfig(stages=entry["zero_stages"])
+    return ZeroConfig(stage=entry["zero_stage"], axes=tuple(entry["zero_axes"]))
 
 
 def plan_captured(
@@ -403,28 +571,16 @@ def plan_captured(
     budget = memory_budget_bytes(mesh, options)
 
     solve_start = time.perf_counter()
-    baselines: dict[str, Solved] = {}
-    notes: list[str] = []
     # Otherwise only the requested recipe is solved (autoparallelize at start-up).
     recipes = BASELINE_RECIPES if price_baselines else [r for r in BASELINE_RECIPES if r == options.recipe]
-    for recipe in recipes:
-        spec = recipe_spec(space, recipe)
-        notes.extend(spec.notes)
-        recipe_start = time.perf_counter()
-        baselines[recipe] = _solve(
-            space,
-            spec.zero,
-            options,
-            name=recipe,
-            budget=None,
-            spec=spec,
-            tied=tied,
-            candidates=candidates,
-        )
-        report(_solve_line(recipe, baselines[recipe], time.perf_counter() - recipe_start))
+    free_auto = options.recipe == "auto" and options.zero_stage is None
+    baselines, notes = solve_recipes(
+        space, options, recipes, tied=tied, candidates=candidates, progress=report, free_auto=free_auto
+    )
+    free = baselines.pop(FREE_AUTO, None)
     if options.recipe == "auto":
         auto_start = time.perf_counter()
-        chosen, log = _auto(space, options, budget, tied, candidates)
+        chosen, log = solve_auto(space, options, budget, tied, candidates, free=free)
         report(
             _solve_line("auto", chosen, time.perf_counter() - auto_start)
             + f", {len(log)} configuration(s) tried"
@@ -435,7 +591,7 @@ def plan_captured(
             # The recipe's layouts do not fit: let the ILP recompute segments within them.
             spec = recipe_spec(space, options.recipe)
             try:
-                chosen = _solve(
+                chosen = solve_configuration(
                     space,
                     spec.zero,
                     options,
@@ -447,7 +603,7 @@ def plan_captured(
                 )
             except solver.InfeasibleBudgetError:
                 pass  # the error below names the recipe's own peak
-        log = [_log_entry(chosen)]
+        log = [log_entry(chosen)]
         if chosen.evaluation.peak_memory_bytes > budget:
             raise PlanningError(
                 f"recipe {options.recipe!r} needs {format_bytes(chosen.evaluation.peak_memory_bytes)} "
@@ -456,7 +612,7 @@ def plan_captured(
             )
     solve_s = time.perf_counter() - solve_start
 
-    data = _plan_document(
+    data = plan_document(
         space,
         chosen,
         baselines,
@@ -486,7 +642,7 @@ def _figures(ev: Evaluation) -> dict[str, Any]:
     }
 
 
-def _plan_document(
+def plan_document(
     space: StrategySpace,
     chosen: Solved,
     baselines: dict[str, Solved],
@@ -497,6 +653,8 @@ def _plan_document(
     warnings: list[str],
     timings: dict[str, float],
 ) -> dict[str, Any]:
+    """The Plan's JSON document (autopar/plan_schema.json) for ``chosen``, with ``baselines``
+    priced alongside and the solver ``log``."""
     captured = space.captured
     mesh = space.mesh
     gm = captured.gm
@@ -532,14 +690,18 @@ def _plan_document(
             mem, _, _ = param_state(space, node, s, zero)
             entry["memory_bytes"] = mem
             placements = strategy.outputs[0]
-            zero_axes = [
-                mesh.axis_names[a] for a in zero.axes if placements[a].is_replicate() and mesh.shape[a] > 1
-            ]
+            replicate = [a for a in range(mesh.ndim) if placements[a].is_replicate() and mesh.shape[a] > 1]
+            own = zero.split(replicate)[2]
+            zero_axes = [mesh.axis_names[a] for a in own]
             params[node.fqn] = {
                 "placement": entry["outputs"][0],
                 "shape": list(fx_node.meta["val"].shape),
                 "module_path": _param_module(node.fqn),
-                "zero": {"stage": zero.stage if zero_axes else 0, "axes": zero_axes},
+                "zero": {
+                    "stage": max((zero.stage_of(a) for a in own), default=0),
+                    "axes": zero_axes,
+                    "stages": {mesh.axis_names[a]: zero.stage_of(a) for a in own},
+                },
                 "tied_to": captured.tied_params.get(node.fqn, []),
             }
             if zero_axes and node.alias_of is None and node.local_numel is not None:
@@ -572,8 +734,7 @@ def _plan_document(
         "nodes": nodes,
         "params": params,
         "zero": {
-            "stage": zero.stage,
-            "axes": [mesh.axis_names[a] for a in zero.axes],
+            **zero.to_json(mesh.axis_names),
             "chunk_bytes": chunk_bytes,
             "padding_waste": padding_waste,
             "per_stage": _per_stage(space, chosen),
@@ -589,7 +750,7 @@ def _plan_document(
             name: {
                 **_figures(b.evaluation),
                 "fits": bool(b.evaluation.peak_memory_bytes <= budget),
-                "zero": {"stage": b.zero.stage, "axes": [mesh.axis_names[a] for a in b.zero.axes]},
+                "zero": b.zero.to_json(mesh.axis_names),
             }
             for name, b in baselines.items()
         },
@@ -612,7 +773,8 @@ def _plan_document(
 
 def _per_stage(space: StrategySpace, chosen: Solved) -> dict[str, Any]:
     """The chosen layouts priced under every ZeRO stage on the same axes (all data-parallel
-    axes when the plan uses none): what each stage would cost in time and keep per device."""
+    axes when the plan uses none): what each stage would cost in time and keep per device; a
+    plan with different stages per axis adds its own row (keyed "axis=stage,...")."""
     axes = chosen.zero.axes or tuple(a for a in range(space.mesh.ndim) if space.mesh.shape[a] > 1)
     out = {}
     for stage in range(4):
@@ -621,6 +783,12 @@ def _per_stage(space: StrategySpace, chosen: Solved) -> dict[str, Any]:
             chosen.segments,
         )
         out[str(stage)] = {"step_s": ev.step_s, "peak_memory_bytes": ev.peak_memory_bytes, "memory": ev.memory}
+    if not chosen.zero.is_uniform:
+        # The chosen per-axis stages too, keyed like "dp=2,tp=3".
+        names = space.mesh.axis_names
+        key = ",".join(f"{names[a]}={chosen.zero.stage_of(a)}" for a in range(space.mesh.ndim))
+        ev = chosen.evaluation
+        out[key] = {"step_s": ev.step_s, "peak_memory_bytes": ev.peak_memory_bytes, "memory": ev.memory}
     return out
 
 

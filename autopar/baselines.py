@@ -83,17 +83,24 @@ def recipe_spec(space: StrategySpace, recipe: str) -> RecipeSpec:
             notes.append(f"{recipe}: {node.fqn or node.name} kept replicated (shape not divisible)")
         allowed[node.name] = match
     forbid: dict[int, set[tuple[int, int]]] = {}
+    # Repeated layers share strategy lists (autopar.problem): ban pairs once per layer position.
+    banned_by: dict[tuple, set[tuple[int, int]]] = {}
     for e, edge in enumerate(space.edges):
         src = space.nodes[edge.src]
         if src.kind != "param" or edge.input_index < 0:
             continue
         dst = space.nodes[edge.dst]
-        banned = {
-            (a, b)
-            for a in allowed[src.name]
-            for b in range(len(dst.strategies))
-            if not _used_in_place(src.strategies[a].outputs[0], dst.strategies[b].inputs[edge.input_index])
-        }
+        key = (id(src.strategies), id(dst.strategies), edge.input_index, tuple(allowed[src.name]))
+        banned = banned_by.get(key)
+        if banned is None:
+            banned = banned_by[key] = {
+                (a, b)
+                for a in allowed[src.name]
+                for b in range(len(dst.strategies))
+                if not _used_in_place(
+                    src.strategies[a].outputs[0], dst.strategies[b].inputs[edge.input_index]
+                )
+            }
         forbid[e] = banned
     if recipe == "fsdp":
         zero = ZeroConfig(stage=3, axes=tuple(range(ndim)))
@@ -117,6 +124,7 @@ def _batch_parallel_ops(space: StrategySpace, data_axes: tuple[int, ...]) -> dic
         if n.op == "placeholder" and n.name in space.index and space.node(n.name).kind == "input"
     }
     restricted: dict[str, list[int]] = {}
+    kept_by: dict[int, list[int]] = {}  # repeated layers share strategy lists
     for fx_node in gm.graph.nodes:
         if fx_node.op != "call_function":
             continue
@@ -128,12 +136,14 @@ def _batch_parallel_ops(space: StrategySpace, data_axes: tuple[int, ...]) -> dic
         if index is None or not isinstance(val, torch.Tensor) or val.dim() == 0:
             continue
         node = space.nodes[index]
-        keep = [
-            i
-            for i, s in enumerate(node.strategies)
-            if s.outputs and s.outputs[0] is not None
-            and all(not s.outputs[0][a].is_replicate() for a in data_axes)
-        ]
+        keep = kept_by.get(id(node.strategies))
+        if keep is None:
+            keep = kept_by[id(node.strategies)] = [
+                i
+                for i, s in enumerate(node.strategies)
+                if s.outputs and s.outputs[0] is not None
+                and all(not s.outputs[0][a].is_replicate() for a in data_axes)
+            ]
         if keep:
             restricted[fx_node.name] = keep
     return restricted

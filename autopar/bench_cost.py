@@ -288,7 +288,11 @@ def prepare_plan(
     if zero["stage"]:
         if not zero_supported():
             return f"ZeRO stage {zero['stage']} is not executable by this runtime yet"
-        extra = {"zero_stage": zero["stage"], "zero_axes": [names.index(a) for a in zero["axes"]]}
+        stages = zero.get("stages") or {}
+        if len({v for v in stages.values() if v}) > 1:  # per-axis stages
+            extra = {"zero_stage": tuple(stages.get(n, 0) for n in names)}
+        else:
+            extra = {"zero_stage": zero["stage"], "zero_axes": [names.index(a) for a in zero["axes"]]}
     lowered = lower(captured, Plan(data=dict(plan_data)).choices(), groups.mesh_shape, groups.key)
     pmodel = ParallelModule(lowered, model, groups, **extra)
     local = pmodel.shard_inputs(*args, **kwargs)
@@ -333,7 +337,10 @@ def time_plans(prepared: Mapping[str, PreparedPlan], config: BenchConfig, device
 
 
 def _reduce(values: list[float], op: Any) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64)
+    # NCCL reduces CUDA tensors only (gloo either).
+    nccl = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else None
+    t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=op)
     return t.tolist()
 
@@ -406,10 +413,12 @@ def bench_on_rank(model_spec: ModelSpec, plans: Mapping[str, Mapping[str, Any]],
 
 
 def _matmul_rate(device: torch.device) -> float:
-    """fp32 FLOP/s of a 512^3 matmul now, averaged over ranks (machine speed drift probe)."""
-    a = torch.randn(512, 512, device=device)
+    """fp32 FLOP/s of a square matmul now (512 on CPU, 8192 on a GPU: sizes near the
+    calibration's largest), averaged over ranks (machine speed drift probe)."""
+    n = 8192 if device.type == "cuda" else 512
+    a = torch.randn(n, n, device=device)
     seconds = time_callable(lambda: a @ a, device=device, min_time_s=0.05, trials=3)
-    return _reduce([2.0 * 512**3 / seconds], dist.ReduceOp.SUM)[0] / dist.get_world_size()
+    return _reduce([2.0 * n**3 / seconds], dist.ReduceOp.SUM)[0] / dist.get_world_size()
 
 
 def _bench_rank(rank: int, world_size: int, model_spec: ModelSpec, plans: dict, config: BenchConfig) -> dict | None:

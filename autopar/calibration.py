@@ -21,13 +21,10 @@ from __future__ import annotations
 
 import datetime
 import math
-import multiprocessing
 import os
 import platform
-import socket
 import statistics
 import time
-import traceback
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -38,6 +35,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from autopar.flops import node_costs
+from autopar.runtime.spawn import spawn_ranks
 from cost_models import DeviceSpec, Profile, collective_steps_and_wire_bytes, fit_alpha_beta
 from cost_models.calibrate import build_profile, fit_efficiency, fit_rate, link_from_fits
 
@@ -76,6 +74,19 @@ class CalibrationConfig:
     """Timings per measurement; the median is kept."""
 
     @classmethod
+    def for_gpu(cls) -> CalibrationConfig:
+        """Sizes for a data-center GPU: matmuls and copies large enough to leave launch
+        overhead behind (8192^3 bf16 is about 1 ms on an H100), op shapes 16-64x the CPU's."""
+        return cls(
+            matmul_sizes=(2048, 4096, 8192),
+            copy_bytes=(256 * 2**20, 1024 * 2**20),
+            op_scales=(16, 64),
+            collective_bytes=(1 * 2**20, 8 * 2**20, 32 * 2**20, 128 * 2**20),
+            min_time_s=0.05,
+            trials=5,
+        )
+
+    @classmethod
     def tiny(cls) -> CalibrationConfig:
         """Minimal sizes for tests (a couple of seconds)."""
         return cls(
@@ -101,9 +112,25 @@ def time_callable(
     fn: Callable[[], Any], *, device: torch.device, min_time_s: float, trials: int
 ) -> float:
     """Median over ``trials`` of the mean seconds per call, each trial repeating ``fn`` until
-    ``min_time_s`` has passed (after one warm-up call)."""
+    ``min_time_s`` has passed (after one warm-up call). On a GPU the calls of a trial are
+    queued back to back and synchronised once at the end, as a training step runs them: a
+    synchronisation per call would time the host round trip, not the kernel."""
     fn()
     _sync(device)
+    if device.type == "cuda":
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        once = max(time.perf_counter() - start, 1e-6)
+        count = max(2, int(min_time_s / once))
+        results = []
+        for _ in range(max(trials, 1)):
+            start = time.perf_counter()
+            for _ in range(count):
+                fn()
+            _sync(device)
+            results.append((time.perf_counter() - start) / count)
+        return statistics.median(results)
     results = []
     for _ in range(max(trials, 1)):
         count = 0
@@ -460,97 +487,18 @@ def calibrate_on_rank(
 # Ranks on this machine
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _die_with_parent() -> None:
-    """Linux: end this rank when the launching process dies (no orphaned ranks holding ports)."""
-    try:
-        import ctypes
-        import signal
-
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-def _spawned_rank(
-    rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], results: Any
-) -> None:
-    os.environ.update(
-        {
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(world_size),
-            "LOCAL_WORLD_SIZE": str(world_size),
-            "OMP_NUM_THREADS": "1",
-        }
-    )
-    torch.set_num_threads(1)
-    _die_with_parent()
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=120),
-        )
-        results.put((rank, True, fn(rank, world_size, *args)))
-    except BaseException:  # noqa: B036 - the parent reports every rank's failure
-        results.put((rank, False, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
 def spawn_local(
     fn: Callable[..., Any], nproc: int, *args: Any, timeout_s: float = 900.0
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``nproc`` gloo ranks on 127.0.0.1 (one thread
-    each) and return the results by rank. ``fn`` must be a module-level function.
+    each; autopar.runtime.spawn) and return the results by rank. ``fn`` must be a module-level
+    function.
 
     Raises:
-        RuntimeError: a rank failed (with its traceback) or the run passed ``timeout_s``.
+        SpawnError: a rank failed (with its traceback) or the run passed ``timeout_s`` (rerun
+            with fewer sizes).
     """
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_spawned_rank, args=(r, nproc, port, fn, args, results), daemon=True)
-        for r in range(nproc)
-    ]
-    for p in procs:
-        p.start()
-    out: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout_s
-    try:
-        while len(out) < nproc:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise RuntimeError(f"ranks did not finish within {timeout_s:.0f} s; rerun with fewer sizes")
-            try:
-                rank, ok, payload = results.get(timeout=min(remaining, 1.0))
-            except Exception:  # queue.Empty: check for dead ranks
-                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in out and p.exitcode]
-                if dead:
-                    raise RuntimeError(f"rank(s) {dead} died (exit codes "
-                                       f"{[procs[r].exitcode for r in dead]})") from None
-                continue
-            if not ok:
-                raise RuntimeError(f"rank {rank} failed:\n{payload}")
-            out[rank] = payload
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-    return [out[r] for r in range(nproc)]
+    return spawn_ranks(fn, nproc, *args, timeout_s=timeout_s, pg_timeout_s=120.0, grace_s=5.0)
 
 
 def _calibrate_rank(

@@ -41,11 +41,16 @@ import torch
 import torch.fx as fx
 
 from autopar.coarsen import STACK_NAMES
-from autopar.problem import COMM_KINDS, Evaluation, StrategySpace, _local_bytes, _needs_grad
-from autopar.resharding import reshard_steps
+from autopar.problem import (
+    CommPricer,
+    Evaluation,
+    StrategySpace,
+    _local_bytes,
+    _needs_grad,
+    pair_table,
+)
 from autopar.strategies import input_nodes
 from autopar.strategies.registry import TensorMeta, op_call, tensor_meta
-from cost_models import collective_time_s
 from solver.problem import Segment, SegmentEdge
 
 POLICIES = ("full", "selective")
@@ -123,6 +128,7 @@ class _ForwardPricer:
         self.mesh = space.mesh
         self.graph_nodes = {n.name: n for n in space.captured.gm.graph.nodes}
         self.matrices: dict[tuple, np.ndarray] = {}
+        self.bytes_memo: dict[tuple, np.ndarray] = {}
         # it imports CheckpointSegment from here
         from autopar.saved_activations import _root, _saves, saved_owners, saved_rules
 
@@ -144,42 +150,23 @@ class _ForwardPricer:
         self.model_outputs = {
             n.name for n in gm.graph.nodes if any(u.op == "output" for u in n.users)
         }
-        self.act_itemsize = 2 if space.options.mixed_precision else None
-        self._cache: dict[tuple, float] = {}
-
-    def seconds(self, src, dst, meta) -> float:
-        if src is None or dst is None or src == dst:
-            return 0.0
-        key = (src, dst, meta.shape, meta.dtype)
-        cost = self._cache.get(key)
-        if cost is None:
-            itemsize = (
-                self.act_itemsize
-                if self.act_itemsize is not None and meta.dtype.is_floating_point
-                else meta.dtype.itemsize
-            )
-            try:
-                fwd, _ = reshard_steps(src, dst, meta.shape, itemsize, self.mesh.shape)
-            except ValueError:
-                cost = 0.0  # an impossible pair is never chosen
-            else:
-                cost = sum(
-                    collective_time_s(
-                        step.kind,
-                        step.nbytes,
-                        self.mesh.shape[step.axis],
-                        self.mesh.links[step.axis],
-                    )
-                    for step in fwd
-                    if step.kind in COMM_KINDS
-                )
-            self._cache[key] = cost
-        return cost
+        self.comm = CommPricer(space.mesh, 2 if space.options.mixed_precision else None)
 
 
-def _output_bytes(space: StrategySpace, node: fx.Node) -> np.ndarray:
+def _output_bytes(space: StrategySpace, node: fx.Node, memo: dict | None = None) -> np.ndarray:
     """Per strategy: the node's local output bytes as saved (half precision under mixed
-    precision), i.e. the part of its saved activation that is its output storage."""
+    precision), i.e. the part of its saved activation that is its output storage. ``memo``
+    shares the result between nodes of equal signature (repeated layers)."""
+    key = ("out", space.signatures.get(node.name, node.name))
+    if memo is not None and key in memo:
+        return memo[key]
+    out = _output_bytes_of(space, node)
+    if memo is not None:
+        memo[key] = out
+    return out
+
+
+def _output_bytes_of(space: StrategySpace, node: fx.Node) -> np.ndarray:
     ns = space.node(node.name)
     call = op_call(node)
     dtype = next((m.dtype for m in call.outputs if m is not None), torch.float32)
@@ -193,9 +180,21 @@ def _output_bytes(space: StrategySpace, node: fx.Node) -> np.ndarray:
     )
 
 
-def _input_bytes(space: StrategySpace, node: fx.Node, position: int) -> np.ndarray:
+def _input_bytes(
+    space: StrategySpace, node: fx.Node, position: int, memo: dict | None = None
+) -> np.ndarray:
     """Per strategy: local bytes of ``node``'s input ``position`` under the strategy's input
-    layout, as saved (half precision under mixed precision)."""
+    layout, as saved (half precision under mixed precision); ``memo`` as for _output_bytes."""
+    key = ("in", space.signatures.get(node.name, node.name), position)
+    if memo is not None and key in memo:
+        return memo[key]
+    out = _input_bytes_of(space, node, position)
+    if memo is not None:
+        memo[key] = out
+    return out
+
+
+def _input_bytes_of(space: StrategySpace, node: fx.Node, position: int) -> np.ndarray:
     meta = op_call(node).inputs[position]
     if not isinstance(meta, TensorMeta):
         return np.zeros(len(space.node(node.name).strategies))
@@ -253,14 +252,15 @@ def _price(
         recomputed.add(i)
         kept = np.zeros(len(ns.strategies))
         if node.name in outside and node.name in pricer.self_saved:
-            kept += _output_bytes(space, node)  # its output stays; its internals are rebuilt
+            # Its output stays; its internals are rebuilt.
+            kept += _output_bytes(space, node, pricer.bytes_memo)
         # Inputs it owns (priced at its input layouts) stay when a backward outside the
         # segment saves them too; segment inputs are freed here (see below).
         rule = pricer.rules.get(node.name)
         for position in rule.inputs if rule is not None else ():
             root = pricer.root_of(input_nodes(node)[position]).name
             if root in names and root in outside:
-                kept += _input_bytes(space, node, position)
+                kept += _input_bytes(space, node, position, pricer.bytes_memo)
         freed.append(np.maximum(ns.activation_bytes - kept, 0.0))
         again.append(ns.forward_s if ns.forward_s is not None else zeros)
     # Checkpoint saves every segment input as it enters (conversions sit inside the segment):
@@ -281,7 +281,7 @@ def _price(
                 continue
             charged.add(root.name)
             index.append(space.index[root.name])
-            freed.append(-_output_bytes(space, root))
+            freed.append(-_output_bytes(space, root, pricer.bytes_memo))
             again.append(np.zeros(len(space.node(root.name).strategies)))
     if not any((f > 0).any() for f in freed):
         return None
@@ -318,8 +318,8 @@ def _forward_matrix(space: StrategySpace, pricer: _ForwardPricer, edge) -> np.nd
     meta = tensor_meta(gm_nodes[src.name].meta["val"])
     if isinstance(meta, list):
         meta = meta[out_index]
-    # Repeated nodes share their strategy lists: the matrix depends on nothing else here.
-    key = (id(src.strategies), id(dst.strategies), edge.input_index, out_index, meta)
+    # Repeated layers share their edges' cost arrays (one per signature): key on that.
+    key = (id(edge.cost_s), edge.input_index, out_index)
     cached = pricer.matrices.get(key)
     if cached is not None:
         return cached
@@ -327,12 +327,12 @@ def _forward_matrix(space: StrategySpace, pricer: _ForwardPricer, edge) -> np.nd
     dst_pls = [t.inputs[edge.input_index] for t in dst.strategies]
     src_ids = {p: k for k, p in enumerate(dict.fromkeys(src_pls))}
     dst_ids = {q: k for k, q in enumerate(dict.fromkeys(dst_pls))}
-    table = np.array([[pricer.seconds(p, q, meta) for q in dst_ids] for p in src_ids]).reshape(
-        len(src_ids), len(dst_ids)
-    )
+    table = pair_table(pricer.comm, list(src_ids), list(dst_ids), meta, forward_only=True)
     rows = np.array([src_ids[p] for p in src_pls], dtype=np.intp)
     cols = np.array([dst_ids[q] for q in dst_pls], dtype=np.intp)
+    # An impossible pair is never chosen (the edge forbids it): price it 0 here.
     matrix = np.where(np.isfinite(edge.cost_s), table[np.ix_(rows, cols)], 0.0)
+    matrix = np.where(np.isfinite(matrix), matrix, 0.0)
     pricer.matrices[key] = matrix
     return matrix
 

@@ -13,6 +13,28 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+
+def parse_zero(text: str) -> int | tuple[int, ...] | dict[str, int]:
+    """``--zero``: '3', '3,2' (one stage per mesh axis) or 'dp=3,tp=0' (per axis name)."""
+    usage = "use a stage 0-3 ('3'), one per mesh axis ('3,2') or per axis name ('dp=3,tp=0')"
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    try:
+        if parts and all("=" in p for p in parts):
+            named = {k.strip(): int(v) for k, v in (p.split("=", 1) for p in parts)}
+            values = list(named.values())
+            result: int | tuple[int, ...] | dict[str, int] = named
+        elif len(parts) == 1:
+            values = [int(parts[0])]
+            result = values[0]
+        else:
+            values = [int(p) for p in parts]
+            result = tuple(values)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad --zero {text!r}: {usage}") from None
+    if not parts or any(v not in (0, 1, 2, 3) for v in values):
+        raise argparse.ArgumentTypeError(f"bad --zero {text!r}: stages must be 0-3; {usage}")
+    return result
+
 def _add_plan_options(parser: argparse.ArgumentParser) -> None:
     from autopar.options import CHECKPOINT_MODES, RECIPES, SOLVERS
 
@@ -28,7 +50,13 @@ def _add_plan_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recipe", default="auto", choices=RECIPES)
     parser.add_argument("--optimizer", default="adamw")
     parser.add_argument("--mixed-precision", default=None, choices=["bf16", "fp16"])
-    parser.add_argument("--zero", type=int, default=None, choices=[0, 1, 2, 3], help="force a ZeRO stage")
+    parser.add_argument(
+        "--zero",
+        type=parse_zero,
+        default=None,
+        help="force ZeRO: a stage 0-3 on every data-parallel axis, one stage per mesh axis "
+        "('3,2'), or per axis name ('dp=3,tp=0'; unnamed axes 0)",
+    )
     parser.add_argument("--checkpoint", default="auto", choices=CHECKPOINT_MODES)
     parser.add_argument("--time-limit", type=float, default=None, help="solver time limit in seconds")
     parser.add_argument("--gap", type=float, default=0.0, help="relative optimality gap")
@@ -155,7 +183,14 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from cost_models import save_profile
 
     mesh = Mesh.parse(args.mesh, device="cpu")
-    config = CalibrationConfig.tiny() if args.quick else CalibrationConfig()
+    import torch
+
+    if args.quick:
+        config = CalibrationConfig.tiny()
+    elif torch.cuda.is_available() and args.nproc is None:  # torchrun ranks on GPUs (NCCL)
+        config = CalibrationConfig.for_gpu()
+    else:
+        config = CalibrationConfig()
     profile = calibrate(mesh.shape, mesh.axis_names, config=config, nproc=args.nproc)
     import torch.distributed as dist
 

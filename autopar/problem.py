@@ -12,9 +12,10 @@ Cost model per node strategy (seconds, per device, one training step):
   outputs; backward priced only for nodes that need a gradient.
 - gradient all-reduce: a Replicate input whose gradient is Partial on an axis (the gradient
   convention) is all-reduced over it; for parameters this is the data-parallel gradient sync.
-- ZeRO (per parameter, on the ZeRO axes where the parameter is Replicate): stage 1 and 2 turn
-  the all-reduce into reduce-scatter + all-gather (same volume); stage 3 adds one all-gather
-  (parameters are gathered before forward and again before backward).
+- ZeRO (a stage per mesh axis, per parameter on the axes where it is Replicate; see
+  ``ZeroConfig``): stages 1 and 2 turn the all-reduce into reduce-scatter + all-gather (same
+  volume); each stage-3 axis adds one all-gather (parameters are gathered before forward and
+  again before backward).
 Edge cost: forward plus backward conversion steps from ``autopar.resharding``.
 Memory per device: parameter, gradient and optimizer state (after ZeRO), activations saved for
 backward (outputs of non-view ops that need a gradient), user inputs and buffers, plus the
@@ -29,6 +30,7 @@ import math
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -40,7 +42,7 @@ from autopar.flops import node_costs
 from autopar.mesh import Mesh
 from autopar.options import PlanOptions
 from autopar.placement import REPLICATE, Placements, Shard, divides, local_shape
-from autopar.resharding import reshard_steps
+from autopar.resharding import placement_code, route_table
 from autopar.saved_activations import SavedRule, saved_rules
 from autopar.strategies import Strategy, input_nodes, strategies_for
 from autopar.strategies.registry import TensorMeta, op_call, tensor_meta
@@ -53,12 +55,90 @@ COMM_KINDS = frozenset({"all_gather", "all_reduce", "reduce_scatter", "all_to_al
 VIEW_FAMILIES = frozenset({"view"})
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class ZeroConfig:
-    """ZeRO stage applied on a set of mesh axes (to parameters Replicate on those axes)."""
+    """A ZeRO stage per mesh axis (semantics: ``autopar.runtime.zero``'s module docstring).
 
-    stage: int = 0
-    axes: tuple[int, ...] = ()
+    ``ZeroConfig(stage=k, axes=S)`` is the uniform configuration (stage k on the axes S, 0
+    elsewhere); ``ZeroConfig(stages=(2, 3))`` gives one stage per mesh axis. For a parameter
+    Replicate on the axes R it shards the parameters over P = {a in R: stage 3}, the gradients
+    over G = {a in R: stage >= 2} and the optimizer state over O = {a in R: stage >= 1}.
+    """
+
+    stages: tuple[int, ...]
+    """Stage of each mesh axis, trailing zeros dropped (so both spellings compare equal)."""
+
+    def __init__(
+        self, *, stage: int = 0, axes: Sequence[int] = (), stages: Sequence[int] | None = None
+    ) -> None:
+        if stages is not None:
+            if stage or axes:
+                raise ValueError("give ZeroConfig either stages= or stage= with axes=, not both")
+            values = [int(x) for x in stages]
+        else:
+            values = [0] * (max(axes) + 1 if axes else 0)
+            for a in axes:
+                values[a] = int(stage)
+        if any(x not in (0, 1, 2, 3) for x in values) or stage not in (0, 1, 2, 3):
+            raise ValueError(f"ZeRO stages must be 0, 1, 2 or 3, got {values or stage}")
+        while values and values[-1] == 0:
+            values.pop()
+        object.__setattr__(self, "stages", tuple(values))
+
+    @property
+    def stage(self) -> int:
+        """The largest stage of any axis."""
+        return max(self.stages, default=0)
+
+    @property
+    def axes(self) -> tuple[int, ...]:
+        """The axes with a stage >= 1."""
+        return tuple(a for a, x in enumerate(self.stages) if x >= 1)
+
+    @property
+    def is_uniform(self) -> bool:
+        """One stage on every axis that has one (the classic ZeRO stages)."""
+        return len({x for x in self.stages if x}) <= 1
+
+    def stage_of(self, axis: int) -> int:
+        return self.stages[axis] if axis < len(self.stages) else 0
+
+    def split(
+        self, replicate_axes: Sequence[int]
+    ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        """(P, G, O) of a parameter Replicate on ``replicate_axes`` (mesh axes of size > 1)."""
+        return (
+            tuple(a for a in replicate_axes if self.stage_of(a) == 3),
+            tuple(a for a in replicate_axes if self.stage_of(a) >= 2),
+            tuple(a for a in replicate_axes if self.stage_of(a) >= 1),
+        )
+
+    def label(self, axis_names: Sequence[str]) -> str:
+        """'stage 3 on dp', or 'stages dp=3,tp=2' when the axes differ."""
+        if self.is_uniform:
+            on = f" on {','.join(axis_names[a] for a in self.axes)}" if self.axes else ""
+            return f"stage {self.stage}{on}"
+        return "stages " + ",".join(
+            f"{axis_names[a]}={self.stage_of(a)}" for a in range(len(axis_names))
+        )
+
+    def to_json(self, axis_names: Sequence[str]) -> dict[str, Any]:
+        """``stage`` (the largest), ``axes`` (stage >= 1) and ``stages`` (per axis name)."""
+        return {
+            "stage": self.stage,
+            "axes": [axis_names[a] for a in self.axes],
+            "stages": {name: self.stage_of(a) for a, name in enumerate(axis_names)},
+        }
+
+    @classmethod
+    def from_json(cls, entry: dict[str, Any], axis_names: Sequence[str]) -> ZeroConfig:
+        """From a plan JSON's ``zero`` entry (``stages`` if present, else ``stage`` on ``axes``,
+        as plans written before per-axis stages have it)."""
+        index = {name: a for a, name in enumerate(axis_names)}
+        stages = entry.get("stages")
+        if stages:
+            return cls(stages=[int(stages.get(name, 0)) for name in axis_names])
+        return cls(stage=int(entry["stage"]), axes=tuple(index[a] for a in entry.get("axes", ())))
 
 
 @dataclass(kw_only=True, slots=True)
@@ -172,14 +252,13 @@ def _without_latency(link: LinkSpec) -> LinkSpec:
     )
 
 
-class _CommPricer:
+class CommPricer:
     """Prices resharding and all-reduces on a mesh, memoised (layers repeat)."""
 
     def __init__(self, mesh: Mesh, act_itemsize: int | None) -> None:
         self.mesh = mesh
         self.act_itemsize = act_itemsize
         self._reshard: dict[tuple, float] = {}
-        self._steps_cache: dict[tuple, list[tuple[str, int, float]] | None] = {}
         self._num_devices = math.prod(mesh.shape)
 
     def itemsize(self, meta: TensorMeta) -> int:
@@ -188,39 +267,52 @@ class _CommPricer:
         return meta.dtype.itemsize
 
     def reshard_s(self, src: Placements, dst: Placements, meta: TensorMeta) -> float:
+        """Seconds of converting ``src`` to ``dst`` (forward and backward steps)."""
         if src == dst:
             return 0.0
         key = (src, dst, meta.shape, meta.dtype)
         cost = self._reshard.get(key)
         if cost is None:
-            steps = self._steps(src, dst, meta.shape)
-            if steps is None:
-                cost = math.inf
-            else:
-                total_bytes = float(math.prod(meta.shape)) * self.itemsize(meta)
-                cost = sum(self.step_s(kind, axis, fraction * total_bytes) for kind, axis, fraction in steps)
-            self._reshard[key] = cost
+            cost = self._reshard[key] = float(self.reshard_table([src], [dst], meta)[0, 0])
         return cost
 
-    def _steps(self, src: Placements, dst: Placements, shape: tuple[int, ...]):
-        """Conversion steps as (kind, axis, bytes per full-tensor byte), memoised on the
-        shape's divisibility pattern: which steps apply depends on the shape only through
-        gcd(dim size, devices), and every step's bytes scale with the tensor's size."""
-        pattern = tuple(math.gcd(size, self._num_devices) for size in shape)
-        key = (src, dst, pattern)
-        if key not in self._steps_cache:
-            try:
-                fwd, bwd = reshard_steps(src, dst, pattern, 1, self.mesh.shape)
-            except ValueError:
-                self._steps_cache[key] = None
-            else:
-                total = float(math.prod(pattern))
-                self._steps_cache[key] = [
-                    (step.kind, step.axis, step.nbytes / total)
-                    for step in (*fwd, *bwd)
-                    if step.kind in COMM_KINDS
-                ]
-        return self._steps_cache[key]
+    def reshard_table(
+        self,
+        srcs: Sequence[Placements],
+        dsts: Sequence[Placements],
+        meta: TensorMeta,
+        *,
+        forward_only: bool = False,
+    ) -> np.ndarray:
+        """[src, dst] seconds of converting each of ``srcs`` to each of ``dsts`` (inf where
+        impossible): one route search per source serves the whole row
+        (:func:`autopar.resharding.price_routes`). Routes depend on the shape only through
+        gcd(dim size, devices); bytes scale with the tensor's size."""
+        total_bytes = float(math.prod(meta.shape)) * self.itemsize(meta)
+        pattern = tuple(math.gcd(size, self._num_devices) for size in meta.shape)
+        mesh = self.mesh
+        mesh_shape = tuple(mesh.shape)
+
+        def step_s(kind: str, axis: int, fraction: float) -> float:
+            nbytes = fraction * total_bytes
+            return collective_time_s(kind, nbytes, mesh.shape[axis], mesh.links[axis])
+
+        dst_codes = [placement_code(dst, pattern, mesh_shape) for dst in dsts]
+        same = {dst: j for j, dst in enumerate(dsts)}
+        table = np.full((len(srcs), len(dsts)), math.inf)
+        for i, src in enumerate(srcs):
+            index, fwd, bwd = route_table(
+                placement_code(src, pattern, mesh_shape), pattern, mesh_shape, step_s
+            )
+            if index:
+                rows = np.array([index.get(c, -1) for c in dst_codes], dtype=np.intp)
+                found = rows >= 0
+                cost = fwd if forward_only else fwd + bwd
+                table[i, found] = cost[rows[found]]
+            j = same.get(src)
+            if j is not None:
+                table[i, j] = 0.0
+        return table
 
     def step_s(self, kind: str, axis: int, nbytes: float) -> float:
         return collective_time_s(kind, nbytes, self.mesh.shape[axis], self.mesh.links[axis])
@@ -266,7 +358,7 @@ def build_space(captured: Captured, mesh: Mesh, options: PlanOptions) -> Strateg
     gm = captured.gm
     mesh_shape = mesh.shape
     act_itemsize = 2 if options.mixed_precision else None
-    pricer = _CommPricer(mesh, act_itemsize)
+    pricer = CommPricer(mesh, act_itemsize)
     needs_grad = _needs_grad(gm, captured.param_nodes)
     # What each node adds to the activations kept for backward (depends on its consumers).
     saved = saved_rules(gm.graph, needs_grad)
@@ -282,14 +374,21 @@ def build_space(captured: Captured, mesh: Mesh, options: PlanOptions) -> Strateg
             continue
         if node.op == "placeholder":
             meta = tensor_meta(node.meta["val"])
-            strategies = placeholder_strategies(meta, mesh_shape)
             kind = (
                 "param"
                 if node.name in captured.param_nodes
                 else "buffer" if node.name in captured.buffer_nodes else "input"
             )
-            space = _placeholder_space(node, kind, meta, strategies, mesh_shape, pricer)
-            signatures[node.name] = ("placeholder", kind, meta)
+            # Each layer's parameters repeat (kind, shape, dtype): priced once, shared.
+            key = ("placeholder", kind, meta)
+            template = op_cache.get(key)
+            if template is None:
+                strategies = placeholder_strategies(meta, mesh_shape)
+                space = _placeholder_space(node, kind, meta, strategies, mesh_shape, pricer)
+                op_cache[key] = dataclasses.replace(space)
+            else:
+                space = dataclasses.replace(template, name=node.name)
+            signatures[node.name] = key
             space.fqn = captured.param_nodes.get(node.name) or captured.buffer_nodes.get(node.name)
         else:
             # Repeated layers repeat (op, shapes, arguments): strategies and costs are priced
@@ -530,21 +629,27 @@ def _edges(gm, nodes, index, pricer, signatures) -> list[EdgeSpace]:
             dst_pls = [t.inputs[j] for t in dst_strats]
             src_ids = {p: k for k, p in enumerate(dict.fromkeys(src_pls))}
             dst_ids = {p: k for k, p in enumerate(dict.fromkeys(dst_pls))}
-            table = np.array(
-                [
-                    [
-                        0.0 if sp is None or dp is None else pricer.reshard_s(sp, dp, meta)
-                        for dp in dst_ids
-                    ]
-                    for sp in src_ids
-                ]
-            ).reshape(len(src_ids), len(dst_ids))
+            table = pair_table(pricer, list(src_ids), list(dst_ids), meta)
             rows = np.array([src_ids[p] for p in src_pls], dtype=np.intp)
             cols = np.array([dst_ids[p] for p in dst_pls], dtype=np.intp)
             cost = table[np.ix_(rows, cols)]
             cache[key] = cost
             edges.append(EdgeSpace(src=src, dst=dst, input_index=j, cost_s=cost))
     return edges
+
+
+def pair_table(
+    pricer: CommPricer, srcs: list, dsts: list, meta: TensorMeta, *, forward_only: bool = False
+) -> np.ndarray:
+    """[src, dst] resharding seconds; a None placement (no such output / input) costs 0."""
+    table = np.zeros((len(srcs), len(dsts)))
+    rows = [i for i, p in enumerate(srcs) if p is not None]
+    cols = [j for j, q in enumerate(dsts) if q is not None]
+    if rows and cols:
+        table[np.ix_(rows, cols)] = pricer.reshard_table(
+            [srcs[i] for i in rows], [dsts[j] for j in cols], meta, forward_only=forward_only
+        )
+    return table
 
 
 def _tie_edges(captured: Captured, nodes: list[NodeSpace], index: dict[str, int]) -> list[EdgeSpace]:
@@ -591,8 +696,11 @@ def param_state(
     if node.alias_of is not None:
         return 0.0, 0.0, {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "master": 0.0, "total": 0.0}
     placements = node.strategies[s].outputs[0]
-    zero_axes = [a for a in zero.axes if placements[a].is_replicate() and mesh.shape[a] > 1]
-    shards = math.prod(mesh.shape[a] for a in zero_axes) if zero.stage > 0 else 1
+    replicate = [a for a in range(mesh.ndim) if placements[a].is_replicate() and mesh.shape[a] > 1]
+    # Per-axis stages: parameters sharded over P, gradients over G, optimizer state over O.
+    # Stages 1-2 cost no time (reduce-scatter + all-gather = the all-reduce already priced);
+    # each P axis adds one all-gather of the parameter.
+    param_axes, grad_axes, state_axes = zero.split(replicate)
     assert node.local_numel is not None
     numel = float(node.local_numel[s])
     breakdown = training_state_bytes(
@@ -600,16 +708,16 @@ def param_state(
         param_dtype_bytes=node.itemsize,
         optimizer=options.optimizer,
         mixed_precision=options.mixed_precision,
-        zero_stage=zero.stage if zero_axes else 0,
-        zero_shards=shards,
+        param_shards=math.prod(mesh.shape[a] for a in param_axes),
+        grad_shards=math.prod(mesh.shape[a] for a in grad_axes),
+        state_shards=math.prod(mesh.shape[a] for a in state_axes),
     )
     comm = 0.0
-    if zero.stage == 3:
-        gather_itemsize = 2 if options.mixed_precision else node.itemsize
-        for axis in zero_axes:
-            comm += collective_time_s(
-                "all_gather", numel * gather_itemsize, mesh.shape[axis], mesh.links[axis]
-            )
+    gather_itemsize = 2 if options.mixed_precision else node.itemsize
+    for axis in param_axes:
+        comm += collective_time_s(
+            "all_gather", numel * gather_itemsize, mesh.shape[axis], mesh.links[axis]
+        )
     return breakdown.total, comm, breakdown.to_dict()
 
 
@@ -625,6 +733,9 @@ def node_cost_vector(space: StrategySpace, node: NodeSpace, zero: ZeroConfig) ->
         cost = cost + extra_cost
         memory = memory + extra_mem
     return cost, memory
+
+
+_NO_BANS: frozenset[tuple[int, int]] = frozenset()
 
 
 def build_problem(
@@ -665,8 +776,9 @@ def build_problem(
     for e, edge in enumerate(space.edges):
         rows = allowed_idx[edge.src]
         cols = allowed_idx[edge.dst]
-        banned = forbid.get(e, set()) if forbid else set()
-        key = (id(edge.cost_s), rows, cols, tuple(sorted(banned)))
+        banned = forbid.get(e, _NO_BANS) if forbid else _NO_BANS
+        # Recipes share one banned set per layer position (alive in ``forbid``: ids are stable).
+        key = (id(edge.cost_s), rows, cols, id(banned))
         matrix = converted.get(key)
         if matrix is None:
             finite = np.isfinite(edge.cost_s)

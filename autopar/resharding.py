@@ -44,10 +44,11 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
+import numpy as np
 import torch
 
 from autopar.placement import (
@@ -67,6 +68,9 @@ __all__ = [
     "assemble",
     "gradient_placements",
     "is_supported_pair",
+    "placement_code",
+    "price_routes",
+    "route_table",
     "reshard_steps",
     "shard_full",
     "simulate_steps",
@@ -247,6 +251,115 @@ def reshard_steps(
     return to_steps(forward), to_steps(backward)
 
 
+def price_routes(
+    src: Sequence[Placement],
+    dsts: Sequence[Sequence[Placement]],
+    shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    step_s: Callable[[str, int, float], float],
+) -> list[tuple[float, float]]:
+    """Seconds of converting ``src`` to each of ``dsts``: ``(forward, backward)`` per
+    destination, the sum of ``step_s(kind, axis, bytes per full-tensor byte)`` over the
+    collective steps of :func:`reshard_steps`'s route (steps on axes of size 1 left out); inf
+    where :func:`reshard_steps` raises. One route search serves every destination."""
+    shape_t = tuple(int(s) for s in shape)
+    mesh_t = tuple(int(m) for m in mesh_shape)
+    index, fwd, bwd = route_table(placement_code(src, shape_t, mesh_t), shape_t, mesh_t, step_s)
+    out: list[tuple[float, float]] = []
+    for dst in dsts:
+        row = index.get(placement_code(dst, shape_t, mesh_t))  # type: ignore[arg-type]
+        out.append((math.inf, math.inf) if row is None else (float(fwd[row]), float(bwd[row])))
+    return out
+
+
+def placement_code(
+    placements: Sequence[Placement], shape: tuple[int, ...], mesh_shape: tuple[int, ...]
+) -> _Code | None:
+    """The placements as :func:`route_table` indexes them, or None where :func:`reshard_steps`
+    would raise (non-sum Partial, bad dim or length, a sharding that does not divide)."""
+    return _checked_code(tuple(placements), shape, mesh_shape)
+
+
+def route_table(
+    src_code: _Code | None,
+    shape: tuple[int, ...],
+    mesh_shape: tuple[int, ...],
+    step_s: Callable[[str, int, float], float],
+) -> tuple[dict[_Code, int], np.ndarray, np.ndarray]:
+    """Every placement reachable from ``src_code`` (:func:`placement_code`) on its cheapest
+    route: ``(code -> row, forward seconds, backward seconds)`` per row, priced by ``step_s``
+    once per distinct (kind, axis, bytes) step. Empty for an invalid source."""
+    if src_code is None:
+        return {}, np.zeros(0), np.zeros(0)
+    index, keys, fwd_counts, bwd_counts = _route_counts(
+        src_code, len(shape), mesh_shape, _divisible_counts(shape, mesh_shape)
+    )
+    unit_div = float(math.prod(mesh_shape) ** 2)
+    prices = np.array([step_s(kind, axis, units / unit_div) for kind, axis, units in keys])
+    if not keys:
+        zeros = np.zeros(len(index))
+        return index, zeros, zeros
+    return index, fwd_counts @ prices, bwd_counts @ prices
+
+
+@lru_cache(maxsize=8192)
+def _route_counts(
+    src: _Code,
+    ndim: int,
+    mesh_shape: tuple[int, ...],
+    divisible: tuple[frozenset[int], ...],
+) -> tuple[dict[_Code, int], tuple[tuple[str, int, int], ...], np.ndarray, np.ndarray]:
+    """The cheapest routes from ``src`` as step counts: (state -> row, distinct priced steps
+    (kind, axis, units), [row, step] forward counts, [row, step] backward counts). Only
+    collectives on axes of size > 1 are counted (the others cost nothing)."""
+    came_from = _routes_from(src, ndim, mesh_shape, divisible)
+    states = [src, *came_from]
+    index = {state: k for k, state in enumerate(states)}
+    key_of: dict[tuple[str, int, int], int] = {}
+    routes: dict[_Code, tuple[list[int], list[int]]] = {src: ([], [])}
+
+    def priced(raw: _RawStep | None) -> list[int]:
+        if raw is None or raw[0] not in _COLLECTIVE_KINDS or mesh_shape[raw[1]] == 1:
+            return []
+        return [key_of.setdefault((raw[0], raw[1], raw[4]), len(key_of))]
+
+    def route(state: _Code) -> tuple[list[int], list[int]]:
+        chain: list[_Code] = []
+        while state not in routes:
+            chain.append(state)
+            state = came_from[state][0]
+        for node in reversed(chain):
+            parent, fwd, bwd = came_from[node]
+            before = routes[parent]
+            routes[node] = (before[0] + priced(fwd), before[1] + priced(bwd))
+        return routes[chain[0]] if chain else routes[state]
+
+    for state in states:
+        route(state)
+    fwd_counts = np.zeros((len(states), len(key_of)))
+    bwd_counts = np.zeros((len(states), len(key_of)))
+    for state, (fwd, bwd) in routes.items():
+        for k in fwd:
+            fwd_counts[index[state], k] += 1
+        for k in bwd:
+            bwd_counts[index[state], k] += 1
+    return index, tuple(key_of), fwd_counts, bwd_counts
+
+
+@lru_cache(maxsize=65536)
+def _checked_code(
+    placements: tuple[Placement, ...], shape: tuple[int, ...], mesh_shape: tuple[int, ...]
+) -> _Code | None:
+    """The encoded, normalised placements, or None where :func:`reshard_steps` would raise
+    (non-sum Partial, bad dim or length, a sharding that does not divide the shape)."""
+    try:
+        normal = _normalize(placements, len(shape), mesh_shape)
+        local_shape(shape, normal, mesh_shape)
+    except ValueError:
+        return None
+    return _encode(normal)
+
+
 def _transitions(
     state: _Code, mesh_shape: tuple[int, ...], ndim: int, units: int
 ) -> Iterator[tuple[int, _RawStep, _RawStep | None, int]]:
@@ -314,15 +427,20 @@ def _routes_from(
     through ``divisible``.
     """
     full_units = math.prod(mesh_shape) ** 2
+    units_of: dict[_Code, int | None] = {}
 
     def local_units(state: _Code) -> int | None:
+        if state in units_of:
+            return units_of[state]
         counts = [1] * ndim
         for axis, p in enumerate(state):
             if p >= 0:
                 counts[p] *= mesh_shape[axis]
-        if any(c not in divisible[dim] for dim, c in enumerate(counts)):
-            return None
-        return full_units // math.prod(counts)
+        units = None
+        if all(c in divisible[dim] for dim, c in enumerate(counts)):
+            units = full_units // math.prod(counts)
+        units_of[state] = units
+        return units
 
     counter = itertools.count()
     best: dict[_Code, tuple[int, int, int]] = {src: (0, 0, 0)}

@@ -77,6 +77,27 @@ class _Memo:
         return result
 
 
+class _TupleMemo:
+    """Matrices as the solver's nested tuples (None = forbidden), by content: the edges of
+    identical layers come out of elimination equal, and share one tuple (which the solver's
+    builders and tying also merge by identity)."""
+
+    def __init__(self) -> None:
+        self._done: dict[tuple, list[tuple[np.ndarray, tuple]]] = {}
+
+    def __call__(self, matrix: np.ndarray) -> tuple[tuple[float | None, ...], ...]:
+        matrix = np.ascontiguousarray(matrix)
+        key = (matrix.shape, hash(matrix.tobytes()))
+        for seen, out in self._done.get(key, ()):
+            if np.array_equal(seen, matrix):
+                return out
+        values = matrix.astype(object)
+        values[~np.isfinite(matrix)] = None
+        out = tuple(map(tuple, values.tolist()))
+        self._done.setdefault(key, []).append((matrix, out))
+        return out
+
+
 def _series(uv: np.ndarray, cv: np.ndarray, vw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """best[s, r] = min_t uv[s, t] + cv[t] + vw[t, r] and its argmin t, in row blocks."""
     rows, mid = uv.shape
@@ -187,14 +208,14 @@ def eliminate(problem: Problem) -> Eliminated:
             )
         )
     new_edges = []
+    as_tuples = _TupleMemo()
     for (a, b), matrix in sorted(edges.items()):
         rows, cols = strategies[position[a]], strategies[position[b]]
-        sub = matrix[np.ix_(rows, cols)].tolist()
         new_edges.append(
             Edge(
                 src=position[a],
                 dst=position[b],
-                cost_s=tuple(tuple(c if math.isfinite(c) else None for c in row) for row in sub),
+                cost_s=as_tuples(matrix[np.ix_(rows, cols)]),
             )
         )
     # A tie class keeps its members that survive with the strategies most of them have

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -135,10 +136,21 @@ def tensor_meta(value: Any) -> Any:
     return value
 
 
+_INPUTS: weakref.WeakKeyDictionary[fx.Node, tuple[Any, Any, list[fx.Node]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 def input_nodes(node: fx.Node) -> list[fx.Node]:
-    """The node's input nodes in the order Strategy.inputs uses."""
+    """The node's input nodes in the order Strategy.inputs uses (memoised while the node's
+    args and kwargs are the same objects: fx replaces them when a node is rewired)."""
+    cached = _INPUTS.get(node)
+    if cached is not None and cached[0] is node.args and cached[1] is node.kwargs:
+        return list(cached[2])
     leaves, _ = tree_flatten((node.args, node.kwargs))
-    return [leaf for leaf in leaves if isinstance(leaf, fx.Node)]
+    found = [leaf for leaf in leaves if isinstance(leaf, fx.Node)]
+    _INPUTS[node] = (node.args, node.kwargs, found)
+    return list(found)
 
 
 def output_metas(value: Any) -> tuple[TensorMeta | None, ...]:

@@ -21,6 +21,7 @@ from autopar.resharding import (
     assemble,
     gradient_placements,
     is_supported_pair,
+    price_routes,
     reshard_steps,
     shard_full,
     simulate_steps,
@@ -190,3 +191,34 @@ def test_shard_full_follows_dtensor_chunk_order_for_a_dim_over_two_axes() -> Non
         [4.0, 5.0],
         [6.0, 7.0],
     ]
+
+
+@given(reshard_cases())
+@settings(max_examples=150, deadline=None)
+def test_price_routes_prices_reshard_steps_routes(case) -> None:
+    """One search per source prices every destination as reshard_steps' own route does."""
+    mesh, shape, src, dst = case
+
+    def step_s(kind: str, axis: int, fraction: float) -> float:
+        # Distinct weight per kind and axis so a wrong route or a dropped step shows.
+        return fraction * (1 + STEP_WEIGHT[kind]) * (axis + 1) ** 2
+
+    dsts = [dst, src, tuple(Partial("max") for _ in mesh)]
+    (fwd_s, bwd_s), (same_f, same_b), (bad_f, bad_b) = price_routes(src, dsts, shape, mesh, step_s)
+    fwd, bwd = reshard_steps(src, dst, shape, 1, mesh)
+    total = math.prod(shape)
+    want_f = sum(step_s(s.kind, s.axis, s.nbytes / total) for s in fwd if s.is_collective)
+    want_b = sum(step_s(s.kind, s.axis, s.nbytes / total) for s in bwd if s.is_collective)
+    assert fwd_s == pytest.approx(want_f, rel=1e-12, abs=1e-15)
+    assert bwd_s == pytest.approx(want_b, rel=1e-12, abs=1e-15)
+    assert (same_f, same_b) == (0.0, 0.0)
+    assert math.isinf(bad_f) and math.isinf(bad_b)  # reshard_steps refuses non-sum Partial
+
+
+STEP_WEIGHT = {"all_gather": 1, "all_reduce": 2, "reduce_scatter": 3, "all_to_all": 4}
+
+
+def test_price_routes_refuses_what_reshard_steps_refuses() -> None:
+    """A source the shape cannot divide prices every destination inf."""
+    row = price_routes((Shard(0),), [(Replicate(),), (Shard(0),)], (3,), (2,), lambda *a: 1.0)
+    assert all(math.isinf(f) and math.isinf(b) for f, b in row)

@@ -1,0 +1,100 @@
+"""Solve several independent problems at once, one worker process each.
+
+A plan solves one ILP per baseline recipe and per ZeRO configuration; they share nothing, so on
+a machine with several cores they run side by side. Each worker is a fresh interpreter started
+with ``python -m solver.parallel`` (this package is torch-free, so it starts in well under a
+second) that reads one pickled job on stdin and writes the pickled result on stdout. Nothing is
+forked (the caller's threads, torch's and HiGHS's, never cross a fork) and the caller's
+``__main__`` is never re-imported (a training script without a ``__main__`` guard stays safe).
+
+Results equal ``solver.solve``'s in this process: same input, same solver, same options. A job
+whose worker fails (an infeasible budget, a timeout without a plan, a crashed interpreter) is
+solved again here, so its exception is the one ``solver.solve`` raises, with its attributes.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from solver.ilp import solve
+from solver.problem import Problem, Solution
+
+__all__ = ["MIN_PARALLEL_ENTRIES", "problem_entries", "solve_all"]
+
+MIN_PARALLEL_ENTRIES = 2_000_000
+"""Below this many cost-matrix entries in all problems together a worker's start (about half a
+second) costs more than it saves: they are solved one after another in this process."""
+
+
+def problem_entries(problem: Problem) -> int:
+    """Cost entries of a problem (node strategies plus distinct edge matrices' pairs): a
+    size that tracks presolve, elimination and model-building time."""
+    seen: set[int] = set()
+    total = sum(len(n.cost_s) for n in problem.nodes)
+    for edge in problem.edges:
+        if id(edge.cost_s) not in seen:
+            seen.add(id(edge.cost_s))
+            total += sum(len(row) for row in edge.cost_s)
+    return total
+
+
+def solve_all(
+    problems: Sequence[Problem],
+    *,
+    workers: int | None = None,
+    **options: Any,
+) -> list[Solution]:
+    """``[solve(p, **options) for p in problems]``, up to ``workers`` at a time (default: the
+    usable cores) when the problems are large enough to gain (:data:`MIN_PARALLEL_ENTRIES`).
+
+    Raises what ``solve`` raises, for the first failing problem in order.
+    """
+    if workers is None:
+        workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    workers = min(workers, len(problems))
+    if workers < 2 or sum(problem_entries(p) for p in problems) < MIN_PARALLEL_ENTRIES:
+        return [solve(p, **options) for p in problems]
+    env = dict(os.environ)
+    # The worker imports this package from where this process found it.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    env.setdefault("OMP_NUM_THREADS", "1")
+
+    def run(problem: Problem) -> Solution:
+        payload = pickle.dumps((problem, options), protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            done = subprocess.run(
+                [sys.executable, "-m", "solver.parallel"],
+                input=payload,
+                capture_output=True,
+                env=env,
+                check=False,
+            )
+            status, value = pickle.loads(done.stdout)
+        except Exception:  # noqa: BLE001 - a crashed worker: solve it here instead
+            status, value = "error", None
+        return value if status == "ok" else solve(problem, **options)
+
+    # Threads only wait on the workers' pipes; each job starts as soon as a worker is free.
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        return list(pool.map(run, problems))
+
+
+def _worker() -> None:
+    problem, options = pickle.load(sys.stdin.buffer)
+    try:
+        answer: tuple[str, Any] = ("ok", solve(problem, **options))
+    except Exception:  # noqa: BLE001 - the caller re-solves and raises it with its attributes
+        answer = ("error", None)
+    pickle.dump(answer, sys.stdout.buffer, protocol=pickle.HIGHEST_PROTOCOL)
+    sys.stdout.buffer.flush()
+
+
+if __name__ == "__main__":
+    _worker()

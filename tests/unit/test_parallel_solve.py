@@ -1,0 +1,63 @@
+"""solver.parallel.solve_all: worker processes give solve's answers, and its errors."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+import solver.parallel as parallel
+from solver import Edge, InfeasibleBudgetError, Node, Problem, solve
+
+
+def chain(seed: int, *, budget: float | None = None) -> Problem:
+    """A random chain of 12 nodes with 4 strategies each and dense resharding costs."""
+    rng = random.Random(seed)
+    nodes = tuple(
+        Node(
+            name=f"n{i}",
+            cost_s=tuple(rng.uniform(0, 5) for _ in range(4)),
+            memory_bytes=tuple(float(rng.randint(1, 9)) for _ in range(4)),
+        )
+        for i in range(12)
+    )
+    edges = tuple(
+        Edge(
+            src=i,
+            dst=i + 1,
+            cost_s=tuple(tuple(0.0 if s == t else rng.uniform(0, 3) for t in range(4)) for s in range(4)),
+        )
+        for i in range(11)
+    )
+    return Problem(nodes=nodes, edges=edges, memory_budget_bytes=budget)
+
+
+def test_workers_return_what_solve_returns(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(parallel, "MIN_PARALLEL_ENTRIES", 0)  # use workers even for small ones
+    problems = [chain(seed) for seed in range(3)] + [chain(7, budget=40.0)]
+    got = parallel.solve_all(problems, workers=2)
+    for problem, solution in zip(problems, got, strict=True):
+        want = solve(problem)
+        assert solution.choices == want.choices
+        assert solution.objective_s == pytest.approx(want.objective_s, rel=1e-12)
+
+
+def test_a_failing_job_raises_solves_error_with_its_attributes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(parallel, "MIN_PARALLEL_ENTRIES", 0)
+    problems = [chain(1), chain(2, budget=1.0)]  # every node needs >= 1 byte: 12 at least
+    with pytest.raises(InfeasibleBudgetError) as caught:
+        parallel.solve_all(problems, workers=2)
+    assert caught.value.min_budget_bytes >= 12.0
+
+
+def test_small_problems_stay_in_this_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_workers(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a worker was started for a small problem")
+
+    monkeypatch.setattr(parallel.subprocess, "run", no_workers)
+    problems = [chain(3), chain(4)]
+    assert [s.choices for s in parallel.solve_all(problems, workers=2)] == [
+        solve(p).choices for p in problems
+    ]
