@@ -158,14 +158,14 @@ def measure_ops(
     from autopar.flops import op_family
     from autopar.placement import local_shape
     from autopar.plan import Plan
-    from autopar.problem import _needs_grad
+    from autopar.space import grad_nodes
     from autopar.strategies import input_nodes
 
     plan = Plan(data=dict(plan_data))
     choices = plan.choices()
     entries = {e["name"]: e for e in plan_data["nodes"]}
     mesh_shape = tuple(plan_data["mesh"]["shape"])
-    needs = _needs_grad(captured.gm, captured.param_nodes)
+    needs = grad_nodes(captured.gm, captured.param_nodes)
     groups: dict[Any, dict[str, Any]] = {}
     skipped: list[tuple[str, str]] = []
     generator = torch.Generator(device=device).manual_seed(0)

@@ -41,14 +41,9 @@ import torch
 import torch.fx as fx
 
 from autopar.coarsen import STACK_NAMES
-from autopar.problem import (
-    CommPricer,
-    Evaluation,
-    StrategySpace,
-    _local_bytes,
-    _needs_grad,
-    pair_table,
-)
+from autopar.pricing import CommPricer, pair_table
+from autopar.problem import Evaluation, StrategySpace
+from autopar.space import grad_nodes, local_bytes
 from autopar.strategies import input_nodes
 from autopar.strategies.registry import TensorMeta, op_call, tensor_meta
 from solver.problem import Segment, SegmentEdge
@@ -133,7 +128,7 @@ class _ForwardPricer:
         from autopar.saved_activations import _root, _saves, saved_owners, saved_rules
 
         gm = space.captured.gm
-        needs_grad = _needs_grad(gm, space.captured.param_nodes)
+        needs_grad = grad_nodes(gm, space.captured.param_nodes)
         # (consumer, storages its backward saves): what stays saved outside a segment.
         self.saves = [
             (node.name, {root.name for root in _saves(node, needs_grad)[0]})
@@ -174,7 +169,7 @@ def _output_bytes_of(space: StrategySpace, node: fx.Node) -> np.ndarray:
     return np.array(
         [
             scale
-            * sum(_local_bytes(m, p, space.mesh.shape) for m, p in zip(call.outputs, st.outputs))
+            * sum(local_bytes(m, p, space.mesh.shape) for m, p in zip(call.outputs, st.outputs))
             for st in ns.strategies
         ]
     )
@@ -202,7 +197,7 @@ def _input_bytes_of(space: StrategySpace, node: fx.Node, position: int) -> np.nd
     scale = 2 / meta.dtype.itemsize if space.options.mixed_precision and floating else 1.0
     return np.array(
         [
-            scale * _local_bytes(meta, st.inputs[position], space.mesh.shape)
+            scale * local_bytes(meta, st.inputs[position], space.mesh.shape)
             if position < len(st.inputs)
             else 0.0
             for st in space.node(node.name).strategies

@@ -535,15 +535,15 @@ def test_saved_rules_predict_the_measured_bytes_in_one_process(model_name: str) 
     """autopar.saved_activations (the planner's per-node rule) vs saved_tensors_hooks, without
     and with each kind of segments."""
     from autopar.lowering.recompute import checkpoint_graph
-    from autopar.problem import _needs_grad
     from autopar.saved_activations import (
         predicted_saved_bytes,
         predicted_saved_bytes_with_segments,
     )
+    from autopar.space import grad_nodes
 
     captured, run = _captured_runner(model_name)
     _, _, measured = run(captured.gm)
-    needs_grad = _needs_grad(captured.gm, captured.param_nodes)
+    needs_grad = grad_nodes(captured.gm, captured.param_nodes)
     predicted = sum(predicted_saved_bytes(captured.gm.graph, needs_grad).values())
     assert abs(predicted / measured - 1) < 0.01, (predicted, measured)
     for kind in ("blocks", "sub", "selective"):

@@ -1,0 +1,463 @@
+"""The strategy space: every node's strategies and the costs that depend on nothing global.
+
+``build_space`` enumerates each graph node's strategies (``autopar.strategies``) and prices what
+does not depend on the ZeRO configuration or a recipe: compute (roofline on local work), the
+resharding of every edge, gradient all-reduces, activation and transient memory. Repeated
+layers share strategy lists and cost arrays (one pricing per signature). The cost model itself
+is described in :mod:`autopar.problem`, which turns a space into a ``solver.Problem``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.fx as fx
+
+from autopar.capture import Captured
+from autopar.flops import node_costs
+from autopar.mesh import Mesh
+from autopar.options import PlanOptions
+from autopar.placement import REPLICATE, Placements, Shard, divides, local_shape
+from autopar.pricing import CommPricer, pair_table
+from autopar.saved_activations import SavedRule, saved_rules
+from autopar.strategies import Strategy, input_nodes, strategies_for
+from autopar.strategies.registry import TensorMeta, op_call, tensor_meta
+from cost_models import compute_time_s
+
+VIEW_FAMILIES = frozenset({"view"})
+
+
+@dataclass(kw_only=True, slots=True)
+class NodeSpace:
+    """A decision node: one graph node, its strategies and their zero-independent costs."""
+
+    name: str
+    kind: str
+    """'param', 'buffer', 'input' or 'op'."""
+    strategies: list[Strategy]
+    compute_s: np.ndarray
+    grad_comm_s: np.ndarray
+    """Gradient all-reduces of activations (Partial gradients of Replicate inputs)."""
+    param_grad_comm_s: np.ndarray
+    """Gradient all-reduces of parameters (the data-parallel sync)."""
+    output_comm_s: np.ndarray
+    """Converting a model output to its required placement (forward + backward)."""
+    activation_bytes: np.ndarray
+    transient_bytes: np.ndarray
+    fixed_bytes: np.ndarray
+    """Inputs and buffers (zero-independent resident bytes)."""
+    fqn: str | None = None
+    local_numel: np.ndarray | None = None
+    """Parameters: local element count per strategy (before ZeRO)."""
+    itemsize: int = 4
+    warning: str | None = None
+    alias_of: str | None = None
+    """For a tied parameter lifted twice: the placeholder that owns its state."""
+    forward_s: np.ndarray | None = None
+    """Ops: the forward part of ``compute_s`` (what recomputing the node costs again)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class EdgeSpace:
+    src: int
+    dst: int
+    input_index: int
+    cost_s: np.ndarray
+    """[src strategy, dst strategy] seconds; inf where the pair is impossible."""
+
+
+@dataclass(kw_only=True, slots=True)
+class StrategySpace:
+    """Every node's strategies and costs on one mesh (independent of ZeRO and recipe)."""
+
+    captured: Captured
+    mesh: Mesh
+    options: PlanOptions
+    nodes: list[NodeSpace]
+    edges: list[EdgeSpace]
+    index: dict[str, int]
+    warnings: list[str] = field(default_factory=list)
+    build_s: float = 0.0
+    signatures: dict[str, tuple] = field(default_factory=dict)
+    """Node name -> what its strategies and costs depend on (op, shapes, arguments): nodes
+    with equal signatures have the same strategies and cost arrays (shared objects)."""
+
+    def node(self, name: str) -> NodeSpace:
+        return self.nodes[self.index[name]]
+
+
+# --------------------------------------------------------------------------------------------
+# Strategy space
+
+
+def _tensor_value(node: fx.Node) -> bool:
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return True
+    return isinstance(val, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in val)
+
+
+def placeholder_strategies(meta: TensorMeta, mesh_shape: Sequence[int]) -> list[Strategy]:
+    """Every layout of a graph input: Replicate or Shard(d) per axis, divisible ones only."""
+    per_axis = [REPLICATE, *(Shard(d) for d in range(meta.ndim))]
+    out: list[Strategy] = []
+    for combo in itertools.product(*[per_axis if size > 1 else [REPLICATE] for size in mesh_shape]):
+        if divides(meta.shape, combo, mesh_shape):
+            out.append(Strategy(outputs=(tuple(combo),), inputs=(), input_grads=()))
+    return out
+
+
+def local_bytes(meta: TensorMeta | None, placements: Placements | None, mesh_shape) -> float:
+    if meta is None or placements is None or not isinstance(meta, TensorMeta):
+        return 0.0
+    return float(math.prod(local_shape(meta.shape, placements, mesh_shape))) * meta.dtype.itemsize
+
+
+def _split_factor(strategy: Strategy, mesh_shape: Sequence[int]) -> int:
+    factor = 1
+    for axis, size in enumerate(mesh_shape):
+        placements = [p[axis] for p in (*strategy.inputs, *strategy.outputs) if p is not None]
+        if any(isinstance(p, Shard) for p in placements):
+            factor *= size
+    return factor
+
+
+def _dtype_name(dtype: torch.dtype, mixed_precision: str | None) -> str:
+    if mixed_precision == "bf16" and dtype.is_floating_point:
+        return "bfloat16"
+    if mixed_precision == "fp16" and dtype.is_floating_point:
+        return "float16"
+    return str(dtype).removeprefix("torch.")
+
+
+def grad_nodes(gm: fx.GraphModule, param_nodes: dict[str, str]) -> set[str]:
+    """Names of the parameters and the ops computed from them that need a gradient."""
+    needs: set[str] = set()
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if node.op == "placeholder":
+            if node.name in param_nodes and isinstance(val, torch.Tensor) and val.is_floating_point():
+                needs.add(node.name)
+        elif node.op == "call_function" and any(inp.name in needs for inp in input_nodes(node)):
+            floats = [val] if isinstance(val, torch.Tensor) else list(val or ())
+            if any(isinstance(v, torch.Tensor) and v.is_floating_point() for v in floats):
+                needs.add(node.name)
+    return needs
+
+
+def build_space(captured: Captured, mesh: Mesh, options: PlanOptions) -> StrategySpace:
+    """Enumerate strategies of every node and price what does not depend on ZeRO or recipe."""
+    import time
+
+    start = time.perf_counter()
+    gm = captured.gm
+    mesh_shape = mesh.shape
+    act_itemsize = 2 if options.mixed_precision else None
+    pricer = CommPricer(mesh, act_itemsize)
+    needs_grad = grad_nodes(gm, captured.param_nodes)
+    # What each node adds to the activations kept for backward (depends on its consumers).
+    saved = saved_rules(gm.graph, needs_grad)
+    nodes: list[NodeSpace] = []
+    index: dict[str, int] = {}
+    warnings: list[str] = []
+    output_users = _output_requirements(captured, mesh, options)
+    op_cache: dict[tuple, NodeSpace] = {}
+    signatures: dict[str, tuple] = {}
+
+    for node in gm.graph.nodes:
+        if node.op not in ("placeholder", "call_function") or not _tensor_value(node):
+            continue
+        if node.op == "placeholder":
+            meta = tensor_meta(node.meta["val"])
+            kind = (
+                "param"
+                if node.name in captured.param_nodes
+                else "buffer" if node.name in captured.buffer_nodes else "input"
+            )
+            # Each layer's parameters repeat (kind, shape, dtype): priced once, shared.
+            key = ("placeholder", kind, meta)
+            template = op_cache.get(key)
+            if template is None:
+                strategies = placeholder_strategies(meta, mesh_shape)
+                space = _placeholder_space(node, kind, meta, strategies, mesh_shape, pricer)
+                op_cache[key] = dataclasses.replace(space)
+            else:
+                space = dataclasses.replace(template, name=node.name)
+            signatures[node.name] = key
+            space.fqn = captured.param_nodes.get(node.name) or captured.buffer_nodes.get(node.name)
+        else:
+            # Repeated layers repeat (op, shapes, arguments): strategies and costs are priced
+            # once per signature and shared (the arrays are never written in place).
+            key = (*_op_signature(node, needs_grad), saved.get(node.name))
+            template = op_cache.get(key)
+            if template is None:
+                strategies, warning = strategies_for(node, mesh_shape)
+                space = _op_space(
+                    node, strategies, mesh, options, pricer, needs_grad, saved.get(node.name)
+                )
+                if warning is None:
+                    op_cache[key] = dataclasses.replace(space)
+            else:
+                warning = None
+                space = dataclasses.replace(template, name=node.name)
+            if warning:
+                warnings.append(warning)
+            space.warning = warning
+            signatures[node.name] = key
+        for out_index, required in output_users.get(node.name, []):
+            meta = tensor_meta(node.meta["val"])
+            meta = meta[out_index] if isinstance(meta, list) else meta
+            space.output_comm_s = space.output_comm_s + np.array(
+                [pricer.reshard_s(s.outputs[out_index], required, meta) for s in space.strategies]
+            )
+        index[node.name] = len(nodes)
+        nodes.append(space)
+
+    edges = _edges(gm, nodes, index, pricer, signatures)
+    edges.extend(_tie_edges(captured, nodes, index))
+    return StrategySpace(
+        captured=captured,
+        mesh=mesh,
+        options=options,
+        nodes=nodes,
+        edges=edges,
+        index=index,
+        warnings=warnings,
+        build_s=time.perf_counter() - start,
+        signatures=signatures,
+    )
+
+
+def _output_requirements(
+    captured: Captured, mesh: Mesh, options: PlanOptions
+) -> dict[str, list[tuple[int, Placements]]]:
+    """Producer name -> [(output index, required placement)] for the model's outputs."""
+    from autopar.placement import parse_placements
+
+    out_node = next(n for n in captured.gm.graph.nodes if n.op == "output")
+    leaves = [leaf for leaf in torch.utils._pytree.tree_flatten(out_node.args)[0]]
+    tensor_leaves = [leaf for leaf in leaves if isinstance(leaf, fx.Node) and _tensor_value(leaf)]
+    user_outputs = tensor_leaves[len(tensor_leaves) - len(captured.output_names) :]
+    requirements: dict[str, list[tuple[int, Placements]]] = {}
+    for i, leaf in enumerate(user_outputs):
+        if options.output_placements is not None and i < len(options.output_placements):
+            required = parse_placements(options.output_placements[i])
+            if len(required) != mesh.ndim:
+                raise ValueError(
+                    f"output_placements[{i}] = {options.output_placements[i]!r} has "
+                    f"{len(required)} entries but the mesh has {mesh.ndim} axes"
+                )
+        else:
+            required = (REPLICATE,) * mesh.ndim
+        requirements.setdefault(leaf.name, []).append((0, required))
+    return requirements
+
+
+def _zeros(n: int) -> np.ndarray:
+    return np.zeros(n, dtype=np.float64)
+
+
+def _placeholder_space(node, kind, meta, strategies, mesh_shape, pricer) -> NodeSpace:
+    n = len(strategies)
+    nbytes = np.array([local_bytes(meta, s.outputs[0], mesh_shape) for s in strategies])
+    local_numel = nbytes / meta.dtype.itemsize
+    return NodeSpace(
+        name=node.name,
+        kind=kind,
+        strategies=strategies,
+        compute_s=_zeros(n),
+        grad_comm_s=_zeros(n),
+        param_grad_comm_s=_zeros(n),
+        output_comm_s=_zeros(n),
+        activation_bytes=_zeros(n),
+        transient_bytes=_zeros(n),
+        fixed_bytes=_zeros(n) if kind == "param" else nbytes,
+        local_numel=local_numel if kind == "param" else None,
+        itemsize=meta.dtype.itemsize,
+    )
+
+
+def _op_space(
+    node, strategies, mesh, options, pricer, needs_grad, saved_rule: SavedRule | None = None
+) -> NodeSpace:
+    mesh_shape = mesh.shape
+    work = node_costs(node)
+    call = op_call(node)
+    dtype = next((m.dtype for m in call.outputs if m is not None), torch.float32)
+    dtype_name = _dtype_name(dtype, options.mixed_precision)
+    grad = node.name in needs_grad
+    inputs = input_nodes(node)
+    n = len(strategies)
+    compute = _zeros(n)
+    grad_comm = _zeros(n)
+    param_grad_comm = _zeros(n)
+    activation = _zeros(n)
+    transient = _zeros(n)
+    forward = _zeros(n)
+    is_view = work.family in VIEW_FAMILIES
+    # Under mixed precision activations are half precision whatever the captured dtype.
+    precision_scale = pricer.itemsize(TensorMeta((), dtype)) / dtype.itemsize
+    for i, strategy in enumerate(strategies):
+        factor = _split_factor(strategy, mesh_shape)
+        out_bytes = sum(
+            local_bytes(m, p, mesh_shape) for m, p in zip(call.outputs, strategy.outputs)
+        )
+        in_bytes = sum(local_bytes(m, p, mesh_shape) for m, p in zip(call.inputs, strategy.inputs))
+        if not is_view:
+            fwd_bytes = (in_bytes + out_bytes) * precision_scale
+            compute[i] = compute_time_s(
+                flops=work.fwd_flops / factor,
+                bytes_accessed=fwd_bytes,
+                device=mesh.device,
+                dtype=dtype_name,
+                family=work.family,
+            )
+            forward[i] = compute[i]
+            if grad:
+                compute[i] += compute_time_s(
+                    flops=work.bwd_flops / factor,
+                    bytes_accessed=2 * fwd_bytes,
+                    device=mesh.device,
+                    dtype=dtype_name,
+                    family=work.family,
+                )
+                if saved_rule is not None:
+                    # autopar.saved_activations: the output when some backward saves it, plus
+                    # internals (layer_norm statistics, sdpa logsumexp, log_softmax, masks).
+                    first_in = (
+                        local_bytes(call.inputs[0], strategy.inputs[0], mesh_shape)
+                        if call.inputs and strategy.inputs and strategy.inputs[0] is not None
+                        else 0.0
+                    )
+                    # Saved inputs it owns: at ITS input layouts (a converted copy is kept).
+                    owned = sum(
+                        local_bytes(call.inputs[j], strategy.inputs[j], mesh_shape)
+                        for j in saved_rule.inputs
+                    )
+                    activation[i] = (
+                        saved_rule.output * out_bytes + saved_rule.first_input * first_in + owned
+                    ) * precision_scale
+            transient[i] = out_bytes * (2 if grad else 1)
+        # Partial gradients of Replicate inputs are all-reduced (gradient convention).
+        for inp, meta, placements, grad_placements in zip(
+            inputs, call.inputs, strategy.inputs, strategy.input_grads
+        ):
+            if grad_placements is None or inp.name not in needs_grad or placements is None:
+                continue
+            nbytes = local_bytes(meta, placements, mesh_shape)
+            if inp.op != "placeholder":
+                nbytes *= pricer.itemsize(meta) / meta.dtype.itemsize
+            for axis, p in enumerate(grad_placements):
+                if p.is_partial() and mesh_shape[axis] > 1:
+                    if inp.op == "placeholder":
+                        param_grad_comm[i] += pricer.grad_sync_s(nbytes, axis)
+                    else:
+                        grad_comm[i] += pricer.all_reduce_s(nbytes, axis)
+    return NodeSpace(
+        name=node.name,
+        kind="op",
+        strategies=strategies,
+        compute_s=compute,
+        grad_comm_s=grad_comm,
+        param_grad_comm_s=param_grad_comm,
+        output_comm_s=_zeros(n),
+        activation_bytes=activation,
+        transient_bytes=transient,
+        fixed_bytes=_zeros(n),
+        forward_s=forward,
+    )
+
+
+def _freeze(value):
+    """A hashable stand-in for an OpCall's args (lists, dicts, TensorMeta, constants)."""
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(_freeze(v) for v in value))
+    if isinstance(value, dict):
+        return ("dict", tuple((str(k), _freeze(v)) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))))
+    if isinstance(value, float):
+        return ("float", float.hex(value))
+    if isinstance(value, (TensorMeta, bool, int, str, torch.dtype)) or value is None:
+        return value
+    return (type(value).__name__, str(value))
+
+
+def _op_signature(node: fx.Node, needs_grad: set[str]) -> tuple:
+    """Everything an op node's strategies and costs depend on: op, argument structure with
+    tensors as (shape, dtype), outputs, and which inputs carry gradients (and are placeholders)."""
+    call = op_call(node)
+    inputs = input_nodes(node)
+    return (
+        node.target,
+        _freeze(call.args),
+        _freeze(call.kwargs),
+        _freeze(call.outputs),
+        node.name in needs_grad,
+        tuple((inp.name in needs_grad, inp.op == "placeholder") for inp in inputs),
+    )
+
+
+def _edges(gm, nodes, index, pricer, signatures) -> list[EdgeSpace]:
+    edges: list[EdgeSpace] = []
+    cache: dict[tuple, np.ndarray] = {}
+    for node in gm.graph.nodes:
+        if node.name not in index:
+            continue
+        dst = index[node.name]
+        for j, inp in enumerate(input_nodes(node)):
+            if inp.name not in index:
+                continue
+            src = index[inp.name]
+            out_index = node.args[1] if node.target is operator.getitem else 0
+            meta = tensor_meta(inp.meta["val"])
+            if isinstance(meta, list):
+                meta = meta[out_index]
+            key = (signatures[inp.name], signatures[node.name], j, out_index)
+            cost = cache.get(key)
+            if cost is not None:
+                edges.append(EdgeSpace(src=src, dst=dst, input_index=j, cost_s=cost))
+                continue
+            src_strats = nodes[src].strategies
+            dst_strats = nodes[dst].strategies
+            # Price each distinct (source placement, required placement) pair once: strategies
+            # share placements, so the matrix is a gather from a much smaller table.
+            src_pls = [s.outputs[out_index] if out_index < len(s.outputs) else None for s in src_strats]
+            dst_pls = [t.inputs[j] for t in dst_strats]
+            src_ids = {p: k for k, p in enumerate(dict.fromkeys(src_pls))}
+            dst_ids = {p: k for k, p in enumerate(dict.fromkeys(dst_pls))}
+            table = pair_table(pricer, list(src_ids), list(dst_ids), meta)
+            rows = np.array([src_ids[p] for p in src_pls], dtype=np.intp)
+            cols = np.array([dst_ids[p] for p in dst_pls], dtype=np.intp)
+            cost = table[np.ix_(rows, cols)]
+            cache[key] = cost
+            edges.append(EdgeSpace(src=src, dst=dst, input_index=j, cost_s=cost))
+    return edges
+
+
+def _tie_edges(captured: Captured, nodes: list[NodeSpace], index: dict[str, int]) -> list[EdgeSpace]:
+    """Tied parameters lifted as separate placeholders (HF GPT-2's wte / lm_head) are one
+    parameter: the same layout is forced by an edge allowing equal placements only, and the
+    later placeholder's state is not counted again (``NodeSpace.alias_of``)."""
+    by_fqn = {node.fqn: i for i, node in enumerate(nodes) if node.kind == "param"}
+    edges: list[EdgeSpace] = []
+    for fqn, others in captured.tied_params.items():
+        if fqn not in by_fqn:
+            continue
+        first = by_fqn[fqn]
+        for other in others:
+            j = by_fqn.get(other)
+            if j is None or j <= first or nodes[j].alias_of is not None:
+                continue
+            nodes[j].alias_of = nodes[first].name
+            a, b = nodes[first].strategies, nodes[j].strategies
+            cost = np.array(
+                [[0.0 if sa.outputs == sb.outputs else math.inf for sb in b] for sa in a]
+            )
+            edges.append(EdgeSpace(src=first, dst=j, input_index=-1, cost_s=cost))
+    return edges
