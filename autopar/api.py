@@ -206,13 +206,27 @@ def solve_configurations(
     """:func:`solve_configuration` of each ``(name, zero, spec, budget)`` job, the ILPs solved
     side by side on the machine's cores when they are large (:func:`solver.parallel.solve_all`);
     the same plans as solving them one after another."""
-    prepared = [
-        _prepare(space, zero, options, budget=budget, spec=spec, tied=tied, candidates=candidates)
-        for _, zero, spec, budget in jobs
-    ]
+    # A recipe that fixes every parameter's layout prices its ZeRO configuration as a constant
+    # (the ZeRO terms are per parameter strategy; activations do not see them), so without a
+    # budget recipes with the same restrictions (ddp and fsdp, megatron and fsdp+tp) have the
+    # same optimal layouts: solve once, evaluate under each one's ZeRO.
+    same_as: dict[int, int] = {}
+    for k, (_, _, spec, budget) in enumerate(jobs):
+        for j in range(k):
+            other = jobs[j]
+            if j not in same_as and _same_fixed_recipe(space, spec, budget, other[2], other[3]):
+                same_as[k] = j
+                break
+    unique = [k for k in range(len(jobs)) if k not in same_as]
+    prepared = {
+        k: _prepare(
+            space, jobs[k][1], options, budget=jobs[k][3], spec=jobs[k][2], tied=tied, candidates=candidates
+        )
+        for k in unique
+    }
     try:
         solutions = solve_all(
-            [problem for _, problem in prepared],
+            [prepared[k][1] for k in unique],
             backend=options.solver,
             time_limit_s=options.time_limit_s,
             gap=options.gap,
@@ -225,10 +239,43 @@ def solve_configurations(
             )
             for name, zero, spec, budget in jobs
         ]
-    return [
-        _finish(space, zero, options, name, built, problem, solution, candidates)
-        for (name, zero, _, _), (built, problem), solution in zip(jobs, prepared, solutions, strict=True)
-    ]
+    solution_of = dict(zip(unique, solutions, strict=True))
+    out: list[Solved] = []
+    for k, (name, zero, _, _) in enumerate(jobs):
+        j = same_as.get(k, k)
+        built, problem = prepared[j]
+        solved = _finish(space, zero, options, name, built, problem, solution_of[j], candidates)
+        if j != k:  # the objective differs from the one solved by a constant
+            shift = solved.evaluation.step_s - out[j].evaluation.step_s
+            solved = dataclasses.replace(
+                solved,
+                solution=dataclasses.replace(
+                    solved.solution,
+                    objective_s=solved.solution.objective_s + shift,
+                    bound_s=solved.solution.bound_s + shift,
+                ),
+            )
+        out.append(solved)
+    return out
+
+
+def _same_fixed_recipe(
+    space: StrategySpace,
+    spec: RecipeSpec | None,
+    budget: float | None,
+    other: RecipeSpec | None,
+    other_budget: float | None,
+) -> bool:
+    """Two budget-free recipes with the same restrictions and every parameter fixed."""
+    if spec is None or other is None or budget is not None or other_budget is not None:
+        return False
+    if spec.allowed != other.allowed or spec.forbid != other.forbid:
+        return False
+    return all(
+        len(spec.allowed.get(node.name, node.strategies)) == 1
+        for node in space.nodes
+        if node.kind == "param"
+    )
 
 
 def _tie_levels(space: StrategySpace) -> list[tuple[tuple[int, ...], ...]]:
