@@ -122,15 +122,7 @@ def time_callable(
         fn()
         _sync(device)
         once = max(time.perf_counter() - start, 1e-6)
-        count = max(2, int(min_time_s / once))
-        results = []
-        for _ in range(max(trials, 1)):
-            start = time.perf_counter()
-            for _ in range(count):
-                fn()
-            _sync(device)
-            results.append((time.perf_counter() - start) / count)
-        return statistics.median(results)
+        return _time_queued(fn, device, max(2, int(min_time_s / once)), trials)
     results = []
     for _ in range(max(trials, 1)):
         count = 0
@@ -421,8 +413,14 @@ def _time_fixed(fn: Callable[[], Any], device: torch.device, config: Calibration
     _sync(device)
     probe = _max_over_ranks([time.perf_counter() - start], device)[0]
     count = int(min(max(config.min_time_s / max(probe, 1e-7), 2), 200))
+    return _time_queued(fn, device, count, config.trials)
+
+
+def _time_queued(fn: Callable[[], Any], device: torch.device, count: int, trials: int) -> float:
+    """Median over ``trials`` of the mean seconds per call of ``count`` calls queued back to
+    back and synchronised once."""
     results = []
-    for _ in range(max(config.trials, 1)):
+    for _ in range(max(trials, 1)):
         start = time.perf_counter()
         for _ in range(count):
             fn()
