@@ -298,11 +298,17 @@ class Evaluation:
     """Forward seconds spent again in recomputed checkpoint segments (autopar.checkpointing)."""
 
 
-def evaluate(space: StrategySpace, choice: Sequence[int], zero: ZeroConfig) -> Evaluation:
-    compute = grad_sync = act_comm = zero_comm = out_comm = 0.0
-    memory = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "master": 0.0, "activations": 0.0, "inputs_buffers": 0.0}
+def _zero_free_sums(space: StrategySpace, choice: tuple[int, ...]) -> dict[str, Any]:
+    """The parts of :func:`evaluate` that no ZeRO configuration changes, memoised per choice
+    (the plan prices one choice under every configuration it considered)."""
+    cache = space.evaluation_cache
+    key = choice
+    if key in cache:
+        return cache[key]
+    compute = grad_sync = act_comm = out_comm = transient = 0.0
+    memory = dict.fromkeys(("params", "grads", "optimizer", "master", "activations", "inputs_buffers"), 0.0)
     node_s = [0.0] * len(space.nodes)
-    transient = 0.0
+    params = []
     for i, node in enumerate(space.nodes):
         s = choice[i]
         compute += node.compute_s[s]
@@ -316,16 +322,41 @@ def evaluate(space: StrategySpace, choice: Sequence[int], zero: ZeroConfig) -> E
         memory["inputs_buffers"] += node.fixed_bytes[s]
         transient = max(transient, float(node.transient_bytes[s]))
         if node.kind == "param":
-            _, comm, breakdown = param_state(space, node, s, zero)
-            zero_comm += comm
-            node_s[i] += comm
-            for key in ("params", "grads", "optimizer", "master"):
-                memory[key] += breakdown[key]
+            params.append(i)
     resharding = 0.0
     for edge in space.edges:
         c = float(edge.cost_s[choice[edge.src], choice[edge.dst]])
         resharding += c
         node_s[edge.dst] += c
+    if len(cache) >= 8:
+        cache.clear()
+    cache[key] = out = {
+        "compute": compute,
+        "grad_sync": grad_sync,
+        "act_comm": act_comm,
+        "out_comm": out_comm,
+        "transient": transient,
+        "memory": memory,
+        "node_s": node_s,
+        "params": params,
+        "resharding": resharding,
+    }
+    return out
+
+
+def evaluate(space: StrategySpace, choice: Sequence[int], zero: ZeroConfig) -> Evaluation:
+    base = _zero_free_sums(space, tuple(choice))
+    memory = dict(base["memory"])
+    node_s = list(base["node_s"])
+    zero_comm = 0.0
+    for i in base["params"]:
+        _, comm, breakdown = param_state(space, space.nodes[i], choice[i], zero)
+        zero_comm += comm
+        node_s[i] += comm
+        for key in ("params", "grads", "optimizer", "master"):
+            memory[key] += breakdown[key]
+    compute, resharding, grad_sync = base["compute"], base["resharding"], base["grad_sync"]
+    act_comm, out_comm, transient = base["act_comm"], base["out_comm"], base["transient"]
     memory["transient"] = transient
     peak = sum(memory.values())
     step = compute + resharding + grad_sync + act_comm + zero_comm + out_comm

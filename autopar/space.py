@@ -88,6 +88,8 @@ class StrategySpace:
     signatures: dict[str, tuple] = field(default_factory=dict)
     """Node name -> what its strategies and costs depend on (op, shapes, arguments): nodes
     with equal signatures have the same strategies and cost arrays (shared objects)."""
+    evaluation_cache: dict[tuple[int, ...], dict] = field(default_factory=dict, repr=False)
+    """autopar.problem.evaluate's ZeRO-independent sums per choice (a few, recent)."""
 
     def node(self, name: str) -> NodeSpace:
         return self.nodes[self.index[name]]
