@@ -411,6 +411,43 @@ def _transitions(
 _Tree = dict[_Code, tuple[_Code, _RawStep, _RawStep | None]]
 
 
+@lru_cache(maxsize=256)
+def _state_graph(
+    ndim: int, mesh_shape: tuple[int, ...], divisible: tuple[frozenset[int], ...]
+) -> dict[_Code, list[tuple[_Code, _RawStep, _RawStep | None, int, int]]]:
+    """Every valid placement (each dim's shard count divides it) and its valid single-axis
+    steps: (new placement, forward step, backward step, price, 1 if a collective), in
+    :func:`_transitions`' order. Shared by every route search on this mesh and pattern."""
+    full_units = math.prod(mesh_shape) ** 2
+    units_of: dict[_Code, int | None] = {}
+
+    def local_units(state: _Code) -> int | None:
+        if state not in units_of:
+            counts = [1] * ndim
+            for axis, p in enumerate(state):
+                if p >= 0:
+                    counts[p] *= mesh_shape[axis]
+            units = None
+            if all(c in divisible[dim] for dim, c in enumerate(counts)):
+                units = full_units // math.prod(counts)
+            units_of[state] = units
+        return units_of[state]
+
+    codes = (_CODE_R, _CODE_P, *range(ndim))
+    graph: dict[_Code, list[tuple[_Code, _RawStep, _RawStep | None, int, int]]] = {}
+    for state in itertools.product(codes, repeat=len(mesh_shape)):
+        units = local_units(state)
+        if units is None:
+            continue
+        steps = []
+        for new_p, fwd, bwd, price in _transitions(state, mesh_shape, ndim, units):
+            new_state = state[: fwd[1]] + (new_p,) + state[fwd[1] + 1 :]
+            if local_units(new_state) is not None:
+                steps.append((new_state, fwd, bwd, price, int(fwd[0] in _COLLECTIVE_KINDS)))
+        graph[state] = steps
+    return graph
+
+
 @lru_cache(maxsize=4096)
 def _routes_from(
     src: _Code,
@@ -426,22 +463,7 @@ def _routes_from(
     a node's placements costs one search per source placement. Depends on the shape only
     through ``divisible``.
     """
-    full_units = math.prod(mesh_shape) ** 2
-    units_of: dict[_Code, int | None] = {}
-
-    def local_units(state: _Code) -> int | None:
-        if state in units_of:
-            return units_of[state]
-        counts = [1] * ndim
-        for axis, p in enumerate(state):
-            if p >= 0:
-                counts[p] *= mesh_shape[axis]
-        units = None
-        if all(c in divisible[dim] for dim, c in enumerate(counts)):
-            units = full_units // math.prod(counts)
-        units_of[state] = units
-        return units
-
+    graph = _state_graph(ndim, mesh_shape, divisible)
     counter = itertools.count()
     best: dict[_Code, tuple[int, int, int]] = {src: (0, 0, 0)}
     came_from: _Tree = {}
@@ -450,13 +472,8 @@ def _routes_from(
         cost, _, state = heapq.heappop(heap)
         if cost > best[state]:
             continue
-        units = local_units(state)
-        assert units is not None
-        for new_p, fwd, bwd, price in _transitions(state, mesh_shape, ndim, units):
-            new_state = state[: fwd[1]] + (new_p,) + state[fwd[1] + 1 :]
-            if local_units(new_state) is None:
-                continue
-            new_cost = (cost[0] + price, cost[1] + (fwd[0] in _COLLECTIVE_KINDS), cost[2] + 1)
+        for new_state, fwd, bwd, price, collective in graph[state]:
+            new_cost = (cost[0] + price, cost[1] + collective, cost[2] + 1)
             if new_state not in best or new_cost < best[new_state]:
                 best[new_state] = new_cost
                 came_from[new_state] = (state, fwd, bwd)
