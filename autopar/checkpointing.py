@@ -141,6 +141,11 @@ class _ForwardPricer:
         # Root name -> the node whose activation bytes price its storage.
         self.owner = saved_owners(gm.graph, needs_grad)
         self.saved_any = {root for _, roots in self.saves for root in roots}
+        # Root -> the consumers whose backward saves it.
+        self.savers: dict[str, set[str]] = {}
+        for consumer, roots in self.saves:
+            for root in roots:
+                self.savers.setdefault(root, set()).add(consumer)
         self.root_of = _root
         self.model_outputs = {
             n.name for n in gm.graph.nodes if any(u.op == "output" for u in n.users)
@@ -211,10 +216,8 @@ def _saved_outside(space: StrategySpace, pricer: _ForwardPricer, names: set[str]
     ones the activation bytes follow), or the model's outputs."""
     outside = {
         root
-        for consumer, roots in pricer.saves
-        if consumer not in names
-        for root in roots
-        if root in names
+        for root in names
+        if any(consumer not in names for consumer in pricer.savers.get(root, ()))
     }
     outside.update(name for name in pricer.model_outputs if name in names)
     return outside
