@@ -169,9 +169,13 @@ def _finish(
 ) -> Solved:
     """The Solved of one configuration from its solution."""
     forced = options.checkpoint == "all"
-    if problem.segments and solution.status != "optimal" and not forced:
-        # Stopped by the time limit: the joint ILP is bigger than the sharding one, which
-        # may find a better plan without recompute in the same time.
+    # Under a budget, tied layers with checkpoint segments are forced alike (solver/tying.py
+    # solve_counts cannot price segments); without segments they are solved as counts, which
+    # may mix strategies across layers and beat the joint plan: solve that too, keep the
+    # better. Also when the joint ILP stopped at the time limit: it is bigger than the
+    # sharding one, which may find a better plan without recompute in the same time.
+    counted = problem.memory_budget_bytes is not None and bool(built.problem.tied)
+    if problem.segments and not forced and (counted or solution.status != "optimal"):
         try:
             plain = solver.solve(
                 built.problem,

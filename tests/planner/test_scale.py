@@ -167,3 +167,28 @@ def test_solved_model_does_not_grow_with_depth() -> None:
         problem = build_problem(space, ZeroConfig(), memory_budget_bytes=None, tied=tied).problem
         sizes[layers] = solver.solve(problem).num_variables
     assert sizes[4] == sizes[8] > 0
+
+
+def test_checkpoint_auto_under_a_binding_budget_is_no_worse_than_counts(space) -> None:
+    """With checkpoint segments the joint ILP forces tied layers alike (counts cannot price a
+    segment); the planner also solves the counts model without segments and keeps the better,
+    so checkpoint='auto' is never behind layer-mixing counts under a binding budget."""
+    from autopar.api import solve_configuration
+    from autopar.checkpointing import candidate_segments
+
+    zero = ZeroConfig()
+    free = solver.solve(build_problem(space, zero, memory_budget_bytes=None).problem)
+    try:
+        solver.solve(build_problem(space, zero, memory_budget_bytes=1.0).problem)
+    except solver.InfeasibleBudgetError as e:
+        smallest = e.min_budget_bytes
+    budget = smallest + 0.25 * (free.peak_memory_bytes - smallest)
+    tied = _tie_levels(space)
+    counts = solver.solve(build_problem(space, zero, memory_budget_bytes=budget, tied=tied[0]).problem)
+    options = PlanOptions(checkpoint="auto")
+    joint = solve_configuration(
+        space, zero, options, name="auto", budget=budget, tied=tied,
+        candidates=candidate_segments(space, "auto"),
+    )  # fmt: skip
+    assert joint.evaluation.peak_memory_bytes <= budget
+    assert joint.evaluation.step_s <= counts.objective_s * (1 + 1e-9)
