@@ -176,11 +176,17 @@ def _finish(
     # sharding one, which may find a better plan without recompute in the same time.
     counted = problem.memory_budget_bytes is not None and bool(built.problem.tied)
     if problem.segments and not forced and (counted or solution.status != "optimal"):
+        limit = options.time_limit_s
+        if solution.status == "optimal":
+            # An alternative, not the answer: no longer than about the joint solve took (a
+            # budget only recompute meets makes it prove infeasibility, which can be slow).
+            spent = max(10.0, solution.build_s + solution.solve_s)
+            limit = spent if limit is None else min(limit, spent)
         try:
             plain = solver.solve(
                 built.problem,
                 backend=options.solver,
-                time_limit_s=options.time_limit_s,
+                time_limit_s=limit,
                 gap=options.gap,
             )
         except (solver.InfeasibleBudgetError, solver.SolverTimeoutError):
