@@ -90,25 +90,34 @@ class DirectOutcome:
 
 
 class _HighsSink:
-    """solver/rows.py's Sink for HiGHS: columns are indices, rows a CSR matrix with bounds."""
+    """solver/rows.py's Sink (and BulkSink) for HiGHS: columns are indices, rows a CSR matrix
+    with bounds, kept as chunks of arrays (one per call or block) and joined once."""
 
     def __init__(self) -> None:
-        self.col_lower: list[float] = []
-        self.col_upper: list[float] = []
+        self.num_cols = 0
+        self.col_lower: list[np.ndarray] = []
+        self.col_upper: list[np.ndarray] = []
         self.integer: list[int] = []
-        self.starts: list[int] = []
-        self.index: list[int] = []
-        self.value: list[float] = []
-        self.row_lower: list[float] = []
-        self.row_upper: list[float] = []
+        self.num_rows = 0
+        self.num_nonzeros = 0
+        self.starts: list[np.ndarray] = []
+        self.index: list[np.ndarray] = []
+        self.value: list[np.ndarray] = []
+        self.row_lower: list[np.ndarray] = []
+        self.row_upper: list[np.ndarray] = []
 
     def column(self, name: str, lower: float, upper: float | None, *, integer: bool = False) -> int:
-        col = len(self.col_lower)
-        self.col_lower.append(lower)
-        self.col_upper.append(highspy.kHighsInf if upper is None else upper)
+        col = self.column_block(1, lower, highspy.kHighsInf if upper is None else upper)
         if integer:
             self.integer.append(col)
         return col
+
+    def column_block(self, count: int, lower: float, upper: float) -> int:
+        first = self.num_cols
+        self.num_cols += count
+        self.col_lower.append(np.full(count, lower, dtype=np.float64))
+        self.col_upper.append(np.full(count, upper, dtype=np.float64))
+        return first
 
     def row(
         self,
@@ -117,11 +126,28 @@ class _HighsSink:
         lower: float | None,
         upper: float | None,
     ) -> None:
-        self.starts.append(len(self.index))
-        self.index.extend(c for c, _ in terms)
-        self.value.extend(v for _, v in terms)
-        self.row_lower.append(-highspy.kHighsInf if lower is None else lower)
-        self.row_upper.append(highspy.kHighsInf if upper is None else upper)
+        self.row_block(
+            np.zeros(1, dtype=np.int64),
+            np.array([c for c, _ in terms], dtype=np.int64),
+            np.array([v for _, v in terms], dtype=np.float64),
+            -highspy.kHighsInf if lower is None else lower,
+            highspy.kHighsInf if upper is None else upper,
+        )
+
+    def row_block(
+        self, starts: np.ndarray, index: np.ndarray, value: np.ndarray, lower: float, upper: float
+    ) -> None:
+        self.starts.append(np.asarray(starts, dtype=np.int64) + self.num_nonzeros)
+        self.index.append(np.asarray(index, dtype=np.int64))
+        self.value.append(np.asarray(value, dtype=np.float64))
+        self.row_lower.append(np.full(len(starts), lower, dtype=np.float64))
+        self.row_upper.append(np.full(len(starts), upper, dtype=np.float64))
+        self.num_rows += len(starts)
+        self.num_nonzeros += len(index)
+
+
+def _joined(chunks: list[np.ndarray], dtype: type) -> np.ndarray:
+    return np.concatenate(chunks).astype(dtype, copy=False) if chunks else np.zeros(0, dtype)
 
 
 def _check(status, call: str) -> None:
@@ -137,10 +163,12 @@ def build(problem: Problem, red: Reduced, *, minimise_peak: bool) -> DirectModel
     """The time model (with the budget row if any) or the minimum-peak model (no budget)."""
     sink = _HighsSink()
     rows = build_rows(problem, red, sink, minimise_peak=minimise_peak)
-    num_cols = len(sink.col_lower)
+    num_cols = sink.num_cols
     objective = np.zeros(num_cols)
     for c, v in rows.objective:
         objective[c] += v
+    if rows.objective_block is not None:
+        np.add.at(objective, *rows.objective_block)
     h = highspy.Highs()
     h.setOptionValue("output_flag", False)
     if problem.memory_budget_bytes is None and not problem.segments:
@@ -154,8 +182,8 @@ def build(problem: Problem, red: Reduced, *, minimise_peak: bool) -> DirectModel
         h.addCols(
             num_cols,
             objective,
-            np.array(sink.col_lower, dtype=np.float64),
-            np.array(sink.col_upper, dtype=np.float64),
+            _joined(sink.col_lower, np.float64),
+            _joined(sink.col_upper, np.float64),
             0,
             np.zeros(0, dtype=np.int32),
             np.zeros(0, dtype=np.int32),
@@ -163,16 +191,16 @@ def build(problem: Problem, red: Reduced, *, minimise_peak: bool) -> DirectModel
         ),
         "addCols",
     )
-    if sink.starts:
+    if sink.num_rows:
         _check(
             h.addRows(
-                len(sink.starts),
-                np.array(sink.row_lower, dtype=np.float64),
-                np.array(sink.row_upper, dtype=np.float64),
-                len(sink.index),
-                np.array(sink.starts, dtype=np.int32),
-                np.array(sink.index, dtype=np.int32),
-                np.array(sink.value, dtype=np.float64),
+                sink.num_rows,
+                _joined(sink.row_lower, np.float64),
+                _joined(sink.row_upper, np.float64),
+                sink.num_nonzeros,
+                _joined(sink.starts, np.int32),
+                _joined(sink.index, np.int32),
+                _joined(sink.value, np.float64),
             ),
             "addRows",
         )
@@ -191,7 +219,7 @@ def build(problem: Problem, red: Reduced, *, minimise_peak: bool) -> DirectModel
         segment_bits=rows.segment_bits,
         objective_scale=rows.objective_scale,
         num_variables=num_cols,
-        num_constraints=len(sink.starts),
+        num_constraints=sink.num_rows,
     )
 
 

@@ -24,7 +24,7 @@ Constraints (family: the function of solver/rows.py that builds it)
                 one row per clique of overlapping segments               _add_segments
                 (Problem.segments; the model in solver/recompute.py)
 
-Groups (exact edge compression, presolve._group_pairs): the src strategies of edge k are
+Groups (exact edge compression, presolve._line_groups): the src strategies of edge k are
 partitioned into groups g of identical rows of C_k (same costs, same forbidden pairs), the dst
 strategies into groups h of identical columns; every entry of a block (g, h) is then the same,
 C_k[g][h]. An edge's cost depends only on the producer's output and the consumer's input

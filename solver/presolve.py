@@ -1,13 +1,16 @@
 """Checks and exact presolve of a Problem, and exact evaluation of a plan.
 
-Everything here is plain Python on the Problem; ilp.py builds its model from the Reduced result
-(see the presolve paragraph of its module docstring).
+Presolve works on numpy arrays: each merged edge is a dense (src strategies x dst strategies)
+float64 matrix with +inf for a forbidden pair, each node's remaining strategies a boolean mask;
+ilp.py (through solver/rows.py) builds its model from the Reduced result (see the presolve
+paragraph of its module docstring). Plan evaluation is plain Python with math.fsum.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -17,21 +20,32 @@ from solver.problem import Problem
 from solver.recompute import recompute_terms
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True, eq=False)
 class PairEdge:
-    """A merged edge that keeps variables: cost of each allowed (src, dst) strategy pair."""
+    """A merged edge that keeps variables. Arrays are +inf where a pair is forbidden."""
 
     src: int
     dst: int
-    cost_s: dict[tuple[int, int], float]
+    cost_s: np.ndarray
+    """Cost of every (src strategy, dst strategy) pair, indexed by strategy: the merged
+    table of the edges between the two nodes, +inf for a forbidden pair, strategies presolve
+    removed included (``allows`` leaves them out). Shared: never write to it."""
+    src_allowed: np.ndarray
+    """Mask of the src strategies presolve kept."""
+    dst_allowed: np.ndarray
+    """Mask of the dst strategies presolve kept."""
     all_pairs_allowed: bool
     src_groups: tuple[tuple[int, ...], ...] = ()
     """Src strategies whose rows (costs and forbidden pairs over the dst strategies) are
     identical, grouped; the ILP links one pair variable per (src group, dst group)."""
     dst_groups: tuple[tuple[int, ...], ...] = ()
     """Dst strategies whose columns are identical, grouped."""
-    group_cost_s: dict[tuple[int, int], float] = field(default_factory=dict)
-    """Cost of each allowed (src group index, dst group index) block."""
+    group_cost_s: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
+    """Cost of each (src group index, dst group index) block; +inf for a forbidden block."""
+
+    def allows(self, s: int, t: int) -> bool:
+        """Whether the pair (src strategy s, dst strategy t) is allowed and both are kept."""
+        return bool(self.src_allowed[s] and self.dst_allowed[t] and np.isfinite(self.cost_s[s, t]))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -92,40 +106,54 @@ def plan_peak_memory_bytes(
 def validate(problem: Problem) -> None:
     """Raise ValueError for an edge that names a missing node or has a mis-shaped matrix."""
     num_nodes = len(problem.nodes)
+    checked: set[tuple[int, int, int]] = set()  # (id(cost_s), rows, cols): shared tables once
     for k, edge in enumerate(problem.edges):
         if not (0 <= edge.src < num_nodes and 0 <= edge.dst < num_nodes):
             raise ValueError(f"edge {k} ({edge.src} -> {edge.dst}) names a node out of range")
         rows, cols = problem.nodes[edge.src].num_choices, problem.nodes[edge.dst].num_choices
+        key = (id(edge.cost_s), rows, cols)
+        if key in checked:
+            continue
+        checked.add(key)
         if len(edge.cost_s) != rows or any(len(row) != cols for row in edge.cost_s):
             raise ValueError(f"edge {k}: cost_s must be {rows} x {cols} (src x dst choices)")
 
 
+def cost_matrix(cost_s: Sequence[Sequence[float | None]]) -> np.ndarray:
+    """An edge's cost table as a float64 array, +inf for a forbidden (None) pair."""
+    matrix = np.array(cost_s, dtype=np.float64)  # None becomes nan
+    matrix[np.isnan(matrix)] = np.inf
+    return matrix
+
+
 def reduce_problem(problem: Problem) -> Reduced:
-    """Presolve (see the module docstring); raises InfeasibleError when a node loses all."""
+    """Presolve (see the module docstring); raises InfeasibleError when a node loses all.
+
+    Edge tables are dense arrays (+inf forbids a pair) and the strategies still possible are
+    boolean masks; the steps and their order are those of ilp.py's presolve paragraph."""
     nodes = problem.nodes
-    allowed = [set(range(n.num_choices)) for n in nodes]
-    node_cost = [dict(enumerate(n.cost_s)) for n in nodes]
-    merged: dict[tuple[int, int], dict[tuple[int, int], float | None]] = {}
+    allowed = [np.ones(n.num_choices, dtype=bool) for n in nodes]
+    node_cost = [np.array(n.cost_s, dtype=np.float64) for n in nodes]
+    merged: dict[tuple[int, int], np.ndarray] = {}
+    converted: dict[int, np.ndarray] = {}  # id(cost_s) -> matrix: shared tables convert once
     for edge in problem.edges:
+        matrix = converted.get(id(edge.cost_s))
+        if matrix is None:
+            matrix = converted[id(edge.cost_s)] = cost_matrix(edge.cost_s)
         if edge.src == edge.dst:  # a self-loop only ever sees the diagonal
-            for s in range(nodes[edge.src].num_choices):
-                diag = edge.cost_s[s][s]
-                if diag is None:
-                    allowed[edge.src].discard(s)
-                else:
-                    node_cost[edge.src][s] += diag
+            diag = np.diagonal(matrix)
+            finite = np.isfinite(diag)
+            allowed[edge.src] &= finite
+            node_cost[edge.src] += np.where(finite, diag, 0.0)
             continue
         flip = edge.src > edge.dst
         key = (edge.dst, edge.src) if flip else (edge.src, edge.dst)
-        table = merged.setdefault(key, {})
-        for s, row in enumerate(edge.cost_s):
-            for t, cost in enumerate(row):
-                pair = (t, s) if flip else (s, t)
-                previous = table.get(pair, 0.0)
-                table[pair] = None if cost is None or previous is None else previous + cost
+        previous = merged.get(key)
+        table = matrix.T if flip else matrix
+        merged[key] = table if previous is None else previous + table  # never written to
 
     def check(i: int, why: str) -> None:
-        if not allowed[i]:
+        if not allowed[i].any():
             raise InfeasibleError(
                 f"node {nodes[i].name!r} (index {i}) has no strategy left: {why}; allow at least "
                 f"one pair (a non-None cost) for some strategy of every edge"
@@ -135,6 +163,7 @@ def reduce_problem(problem: Problem) -> Reduced:
         check(i, "its self-edges forbid every strategy")
     # Arc consistency (AC-3): drop strategies that no allowed pair of some edge supports, and
     # revisit the edges of a node whenever it loses one.
+    finite = {key: np.isfinite(table) for key, table in merged.items()}
     incident: dict[int, list[tuple[int, int]]] = {}
     for key in merged:
         for i in key:
@@ -144,15 +173,11 @@ def reduce_problem(problem: Problem) -> Reduced:
     while queue:
         u, v = key = queue.popleft()
         queued.discard(key)
-        ok = [
-            (s, t)
-            for (s, t), c in merged[key].items()
-            if c is not None and s in allowed[u] and t in allowed[v]
-        ]
-        for i, supported in ((u, {s for s, _ in ok}), (v, {t for _, t in ok})):
-            if supported == allowed[i]:
+        ok = finite[key] & allowed[u][:, None] & allowed[v][None, :]
+        for i, supported in ((u, ok.any(axis=1)), (v, ok.any(axis=0))):
+            if np.array_equal(supported, allowed[i]):
                 continue
-            allowed[i] &= supported
+            allowed[i] = supported
             check(i, f"the edges between {nodes[u].name!r} and {nodes[v].name!r} forbid the rest")
             for other in incident[i]:
                 if other != key and other not in queued:
@@ -160,55 +185,77 @@ def reduce_problem(problem: Problem) -> Reduced:
                     queued.add(other)
 
     _prune_dominated(problem, allowed, node_cost, merged)
+    index = [np.flatnonzero(a) for a in allowed]
     constant_s = 0.0
     kept = []
-    for (u, v), table in sorted(merged.items()):
-        pairs = {(s, t): c for (s, t), c in table.items() if s in allowed[u] and t in allowed[v]}
-        allowed_pairs = {p: c for p, c in pairs.items() if c is not None}
-        if len(allowed[u]) == 1 or len(allowed[v]) == 1:  # linear in the other end
-            for (s, t), c in allowed_pairs.items():
-                if len(allowed[u]) == 1:
-                    node_cost[v][t] += c
-                else:
-                    node_cost[u][s] += c
+    for (u, v), table in sorted(merged.items(), key=lambda item: item[0]):
+        rows, cols = index[u], index[v]
+        sub = table[np.ix_(rows, cols)]
+        if len(rows) == 1:  # linear in the other end (arc consistency left it all allowed)
+            node_cost[v][cols] += sub[0]
             continue
-        everything = len(allowed_pairs) == len(pairs)
-        costs = set(allowed_pairs.values())
-        if everything and len(costs) == 1:
-            constant_s += costs.pop()
+        if len(cols) == 1:
+            node_cost[u][rows] += sub[:, 0]
             continue
-        src_groups, dst_groups, group_cost = _group_pairs(
-            sorted(allowed[u]), sorted(allowed[v]), allowed_pairs
-        )
-        if len(src_groups) == 1 or len(dst_groups) == 1:
+        everything = bool(np.isfinite(sub).all())
+        if everything and bool((sub == sub[0, 0]).all()):
+            constant_s += float(sub[0, 0])
+            continue
+        row_label, row_first = _line_groups(sub)
+        col_label, col_first = _line_groups(sub.T)
+        if len(row_first) == 1 or len(col_first) == 1:
             # Every row (or column) is the same: the cost depends on one end only, and arc
             # consistency already removed the strategies a forbidden line would exclude.
-            if len(src_groups) == 1:
-                s0 = src_groups[0][0]
-                for t in allowed[v]:
-                    node_cost[v][t] += allowed_pairs[s0, t]
+            if len(row_first) == 1:
+                node_cost[v][cols] += sub[0]
             else:
-                t0 = dst_groups[0][0]
-                for s in allowed[u]:
-                    node_cost[u][s] += allowed_pairs[s, t0]
+                node_cost[u][rows] += sub[:, 0]
             continue
         kept.append(
             PairEdge(
                 src=u,
                 dst=v,
-                cost_s=allowed_pairs,
+                cost_s=table,
+                src_allowed=allowed[u].copy(),
+                dst_allowed=allowed[v].copy(),
                 all_pairs_allowed=everything,
-                src_groups=src_groups,
-                dst_groups=dst_groups,
-                group_cost_s=group_cost,
+                src_groups=_members(rows, row_label, len(row_first)),
+                dst_groups=_members(cols, col_label, len(col_first)),
+                group_cost_s=sub[np.ix_(row_first, col_first)],
             )
         )
     return Reduced(
-        allowed=tuple(tuple(sorted(a)) for a in allowed),
-        node_cost_s=tuple({s: cost[s] for s in sorted(a)} for cost, a in zip(node_cost, allowed)),
+        allowed=tuple(tuple(a.tolist()) for a in index),
+        node_cost_s=tuple(
+            dict(zip(a.tolist(), cost[a].tolist(), strict=True))
+            for cost, a in zip(node_cost, index, strict=True)
+        ),
         edges=tuple(kept),
         constant_s=constant_s,
     )
+
+
+def _line_groups(matrix: np.ndarray) -> tuple[np.ndarray, list[int]]:
+    """Identical rows of ``matrix`` (equal values, -0.0 == 0.0, inf == inf): the group label
+    of each row, groups numbered by first appearance, and each group's first row."""
+    # -0.0 + 0.0 is 0.0, so (without nan) rows are equal exactly when their bytes are.
+    normal = np.ascontiguousarray(matrix + 0.0)
+    rows = normal.view(np.dtype((np.void, normal.dtype.itemsize * normal.shape[1])))[:, 0]
+    _, first, inverse = np.unique(rows, return_index=True, return_inverse=True)
+    order = np.argsort(first)  # unique (sorted) index -> rank by first appearance
+    rank = np.empty_like(order)
+    rank[order] = np.arange(len(order))
+    return rank[inverse.reshape(-1)], first[order].tolist()
+
+
+def _members(
+    strategies: np.ndarray, labels: np.ndarray, num_groups: int
+) -> tuple[tuple[int, ...], ...]:
+    """Per group (in label order): its strategies, ascending."""
+    order = np.argsort(labels, kind="stable")
+    bounds = np.searchsorted(labels[order], np.arange(num_groups + 1))
+    ordered = strategies[order].tolist()
+    return tuple(tuple(ordered[bounds[g] : bounds[g + 1]]) for g in range(num_groups))
 
 
 def _group_pairs(
@@ -240,14 +287,21 @@ def _group_pairs(
 
 _DOMINANCE_ROUNDS = 2
 
+_FIRST_CHUNK = 4
+_LARGEST_CHUNK = 256
+_PAIR_ELEMENTS = 1 << 22
+"""Features compared per step while candidate (dominator, dominated) pairs are filtered: few
+at first (most pairs fail on cost or bytes), more as the candidates thin out, and at most
+_PAIR_ELEMENTS comparisons at a time (bounded memory)."""
+
 
 def _prune_dominated(
     problem: Problem,
-    allowed: list[set[int]],
-    node_cost: list[dict[int, float]],
-    merged: dict[tuple[int, int], dict[tuple[int, int], float | None]],
+    allowed: list[np.ndarray],
+    node_cost: list[np.ndarray],
+    merged: dict[tuple[int, int], np.ndarray],
 ) -> None:
-    """Remove dominated strategies, exactly (in place).
+    """Remove dominated strategies, exactly (in place on the ``allowed`` masks).
 
     Strategy s of node i is dominated by s' when s' is no worse in cost, resident bytes and
     transient bytes, and its cost to every allowed strategy of every neighbour is no higher
@@ -261,53 +315,63 @@ def _prune_dominated(
     for key in merged:
         incident.setdefault(key[0], []).append(key)
         incident.setdefault(key[1], []).append(key)
+    memory = [np.array(n.memory_bytes, dtype=np.float64) for n in nodes]
+    # A node is looked at again only once a neighbour has lost a strategy since its last look:
+    # otherwise its rows are those it kept, none of which another row dominated.
+    stale = set(range(len(nodes)))
     for _ in range(_DOMINANCE_ROUNDS):
         changed = False
         for i, node in enumerate(nodes):
-            if len(allowed[i]) < 2 or i in fixed:
+            if i not in stale or i in fixed or np.count_nonzero(allowed[i]) < 2:
                 continue
-            strategies = sorted(allowed[i])
-            columns = [
-                [node_cost[i][s] for s in strategies],
-                [node.memory_bytes[s] for s in strategies],
-            ]
+            stale.discard(i)
+            strategies = np.flatnonzero(allowed[i])
+            columns = [node_cost[i][strategies, None], memory[i][strategies, None]]
             if node.transient_bytes:
-                columns.append([node.transient_bytes[s] for s in strategies])
+                transient = np.array(node.transient_bytes, dtype=np.float64)
+                columns.append(transient[strategies, None])
             for key in incident.get(i, ()):
                 table = merged[key]
                 if key[0] == i:
-                    for t in sorted(allowed[key[1]]):
-                        columns.append([_finite(table.get((s, t))) for s in strategies])
+                    columns.append(table[np.ix_(strategies, allowed[key[1]])])
                 else:
-                    for t in sorted(allowed[key[0]]):
-                        columns.append([_finite(table.get((t, s))) for s in strategies])
-            features = np.array(columns, dtype=np.float64).T  # strategies x features
-            dead = _dominated_rows(features)
-            if dead:
-                allowed[i] -= {strategies[k] for k in dead}
+                    columns.append(table[np.ix_(allowed[key[0]], strategies)].T)
+            dead = _dominated_rows(np.hstack(columns))
+            if dead.any():
+                allowed[i][strategies[dead]] = False
                 changed = True
+                stale.update(v if u == i else u for u, v in incident.get(i, ()))
         if not changed:
             break
 
 
-def _finite(cost: float | None) -> float:
-    return math.inf if cost is None else cost
+def _dominated_rows(features: np.ndarray) -> np.ndarray:
+    """Mask of the rows k for which another row j is <= everywhere and (< somewhere or j < k).
 
-
-def _dominated_rows(features: np.ndarray) -> set[int]:
-    """Rows k for which another live row is <= everywhere and (< somewhere or lower index)."""
-    dead: set[int] = set()
+    That relation is a strict partial order (irreflexive, transitive), so every dominated row
+    has an undominated dominator: the rows to drop do not depend on the order they are found
+    in. Candidate pairs (j, k) are filtered one feature at a time on the whole square while
+    many survive, then a chunk of features at a time on the survivors."""
     num = len(features)
-    for k in range(num):
-        others = [j for j in range(num) if j != k and j not in dead]
-        if not others:
-            continue
-        block = features[others]
-        no_worse = np.all(block <= features[k], axis=1)
-        if not no_worse.any():
-            continue
-        better = np.any(block < features[k], axis=1)
-        earlier = np.array(others) < k
-        if np.any(no_worse & (better | earlier)):
-            dead.add(k)
+    varying = features[:, np.any(features != features[:1], axis=0)]  # the rest tell none apart
+    no_worse = ~np.eye(num, dtype=bool)
+    start = 0
+    while start < varying.shape[1] and 4 * np.count_nonzero(no_worse) > no_worse.size:
+        column = varying[:, start]
+        no_worse &= column[:, None] <= column[None, :]
+        start += 1
+    j, k = np.nonzero(no_worse)
+    chunk = _FIRST_CHUNK
+    while start < varying.shape[1] and len(j):
+        width = max(1, min(chunk, _PAIR_ELEMENTS // len(j)))
+        block = varying[:, start : start + width]
+        keep = np.all(block[j] <= block[k], axis=1)
+        j, k = j[keep], k[keep]
+        start, chunk = start + width, min(2 * chunk, _LARGEST_CHUNK)
+    wins = j < k  # no worse and earlier; a later row must be better somewhere
+    later = ~wins
+    if later.any():
+        wins[later] = np.any(varying[j[later]] < varying[k[later]], axis=1)
+    dead = np.zeros(num, dtype=bool)
+    dead[k[wins]] = True
     return dead

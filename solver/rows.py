@@ -8,6 +8,12 @@ columns (nodes in order), one-hot rows, per kept edge its pair columns and link 
 checkpoint columns and rows (``_add_segments``), the transient column T and its rows, the memory
 row. The objective comes back as terms, divided by a power of two (exact) so that the solvers'
 absolute tolerances act on numbers of order one.
+
+A ``BulkSink`` (solver/highs_direct.py) also takes a block of columns and a CSR block of rows
+in one call each: the edge links, most of the model (a pair column per allowed block of every
+kept edge: 626k columns for llama3-70b on 8x16x8), are then written per edge with numpy from
+presolve's group arrays, the same columns and rows in the same order with the same terms, and
+their objective comes back as arrays (``Rows.objective_block``).
 """
 
 from __future__ import annotations
@@ -15,7 +21,9 @@ from __future__ import annotations
 import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar, runtime_checkable
+
+import numpy as np
 
 from solver.presolve import Reduced
 from solver.problem import Problem, SegmentEdge
@@ -40,6 +48,24 @@ class Sink(Protocol[K]):
         ...
 
 
+@runtime_checkable
+class BulkSink(Protocol):
+    """A Sink whose columns are consecutive integers and that also takes blocks of them in
+    bulk (solver/highs_direct.py): the edge links are then written with numpy, in the same
+    order and with the same terms as one ``column``/``row`` call each."""
+
+    def column_block(self, count: int, lower: float, upper: float) -> int:
+        """``count`` new continuous columns; returns the first one's index."""
+        ...
+
+    def row_block(
+        self, starts: np.ndarray, index: np.ndarray, value: np.ndarray, lower: float, upper: float
+    ) -> None:
+        """Rows in CSR form (``starts`` of each row into ``index``/``value``), all with the
+        same bounds."""
+        ...
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Rows(Generic[K]):
     """What decoding and the objective need from a built model."""
@@ -48,6 +74,9 @@ class Rows(Generic[K]):
     """(node, strategy) -> column, only for nodes with two or more allowed strategies."""
     objective: list[tuple[K, float]]
     """(column, coefficient) of the scaled objective; no column twice."""
+    objective_block: tuple[np.ndarray, np.ndarray] | None = None
+    """More of the objective for a BulkSink: (column indices, coefficients) of the edge pair
+    columns, scaled, none of them in ``objective``."""
     objective_scale: float
     """Model objective times this is seconds (1.0 for the minimum-peak model: bytes)."""
     segment_bits: tuple[tuple[tuple[K, int], ...], ...] = ()
@@ -100,13 +129,27 @@ def build_rows(problem: Problem, red: Reduced, sink: Sink[K], *, minimise_peak: 
         if len(costs) > 1
         for s, c in costs.items()
     ]
-    terms += [(var, red.edges[k].group_cost_s[g, h]) for (k, g, h), var in pair.items()]
-    if seg:
-        terms += seg.time
-    scale = power_of_two_scale([c for _, c in terms])
+    # The pair columns of each edge, in creation order (row-major over the allowed blocks).
+    pair_keys = [keys[np.isfinite(red.edges[k].group_cost_s)] for k, keys in pair.items()]
+    pair_costs = [red.edges[k].group_cost_s[np.isfinite(red.edges[k].group_cost_s)] for k in pair]
+    bulk = isinstance(sink, BulkSink)
+    if not bulk:
+        terms += [(v, float(c)) for ks, cs in zip(pair_keys, pair_costs) for v, c in zip(ks, cs)]
+    seg_time = seg.time if seg else []
+    largest_pair = max((float(np.abs(cs).max()) for cs in pair_costs if len(cs)), default=0.0)
+    scale = power_of_two_scale(
+        [c for _, c in terms] + [c for _, c in seg_time] + ([largest_pair] if bulk else [])
+    )
+    terms += seg_time
+    block = None
+    if bulk:
+        keys = np.concatenate([np.zeros(0, dtype=np.int64), *pair_keys])
+        costs = np.concatenate([np.zeros(0), *pair_costs]) / scale
+        block = (keys[costs != 0.0], costs[costs != 0.0])
     return Rows(
         x=x,
         objective=[(v, c / scale) for v, c in terms if c],
+        objective_block=block,
         objective_scale=scale,
         segment_bits=bits,
     )
@@ -114,9 +157,13 @@ def build_rows(problem: Problem, red: Reduced, sink: Sink[K], *, minimise_peak: 
 
 def _add_edge_links(
     red: Reduced, x: dict[tuple[int, int], K], edges: Sequence[int], sink: Sink[K]
-) -> dict[tuple[int, int, int], K]:
-    """Alpa's linearization over grouped strategies; returns the pair columns e[k,g,h]."""
-    pair: dict[tuple[int, int, int], K] = {}
+) -> dict[int, np.ndarray]:
+    """Alpa's linearization over grouped strategies. Returns, per edge k, the array of its
+    pair columns e[k,g,h] over its (src group, dst group) blocks: int64 with -1 at forbidden
+    blocks for a BulkSink, else an object array with None there."""
+    if isinstance(sink, BulkSink):
+        return _add_edge_links_bulk(red, x, edges, sink)
+    pair: dict[int, np.ndarray] = {}
     for k in edges:
         edge = red.edges[k]
         by_src: list[Terms[K]] = [
@@ -125,15 +172,69 @@ def _add_edge_links(
         by_dst: list[Terms[K]] = [
             [(x[edge.dst, t], -1.0) for t in group] for group in edge.dst_groups
         ]
-        for g, h in sorted(edge.group_cost_s):
+        keys = np.full(edge.group_cost_s.shape, None, dtype=object)
+        for g, h in zip(*np.nonzero(np.isfinite(edge.group_cost_s)), strict=True):
             var = sink.column(f"e_{k}_{g}_{h}", 0.0, 1.0)
-            pair[k, g, h] = var
+            keys[g, h] = var
             by_src[g].append((var, 1.0))
             by_dst[h].append((var, 1.0))
+        pair[k] = keys
         for family, rows in (("src", by_src), ("dst", by_dst)):
             for g, terms in enumerate(rows):
                 sink.row(f"{family}_{k}_{g}", terms, 0.0, 0.0)
     return pair
+
+
+def _add_edge_links_bulk(
+    red: Reduced, x: dict[tuple[int, int], int], edges: Sequence[int], sink: BulkSink
+) -> dict[int, np.ndarray]:
+    """_add_edge_links for a BulkSink: the same columns and rows (same order, same terms in
+    each row) written as one block of columns and two blocks of rows per edge."""
+    x_col: dict[int, np.ndarray] = {}  # node -> column per strategy (-1: no column)
+
+    def columns_of(node: int) -> np.ndarray:
+        cols = x_col.get(node)
+        if cols is None:
+            choices = red.allowed[node]
+            cols = x_col[node] = np.full(max(choices) + 1, -1, dtype=np.int64)
+            cols[list(choices)] = [x[node, s] for s in choices]
+        return cols
+
+    pair: dict[int, np.ndarray] = {}
+    for k in edges:
+        edge = red.edges[k]
+        g_of, h_of = np.nonzero(np.isfinite(edge.group_cost_s))  # row-major: sorted blocks
+        first = sink.column_block(len(g_of), 0.0, 1.0)
+        cols = np.arange(first, first + len(g_of), dtype=np.int64)
+        keys = np.full(edge.group_cost_s.shape, -1, dtype=np.int64)
+        keys[g_of, h_of] = cols
+        pair[k] = keys
+        for groups, node, side in (
+            (edge.src_groups, edge.src, g_of),
+            (edge.dst_groups, edge.dst, h_of),
+        ):
+            _link_rows(sink, groups, columns_of(node), side, cols)
+    return pair
+
+
+def _link_rows(
+    sink: BulkSink,
+    groups: tuple[tuple[int, ...], ...],
+    x_cols: np.ndarray,
+    block_group: np.ndarray,
+    block_cols: np.ndarray,
+) -> None:
+    """One row per group g: -x of g's strategies (in group order), then +e of the blocks of
+    group g (ascending column): sum e = sum x."""
+    members = np.fromiter((s for group in groups for s in group), dtype=np.int64)
+    member_group = np.repeat(np.arange(len(groups)), [len(group) for group in groups])
+    row = np.concatenate([member_group, block_group])
+    part = np.concatenate([np.zeros(len(members), np.int8), np.ones(len(block_cols), np.int8)])
+    index = np.concatenate([x_cols[members], block_cols])
+    order = np.lexsort((np.arange(len(index)), part, row))  # stable within a row
+    value = np.concatenate([np.full(len(members), -1.0), np.ones(len(block_cols))])
+    starts = np.searchsorted(row[order], np.arange(len(groups)))
+    sink.row_block(starts, index[order], value[order], 0.0, 0.0)
 
 
 def _add_memory(
@@ -200,6 +301,11 @@ def _choice_terms(
     return [(x[i, s], values[s] / scale) for s in allowed if values[s]], 0.0
 
 
+def _key(key: object) -> object:
+    """A pair column's key as the sink made it (an int for a BulkSink's int64 arrays)."""
+    return int(key) if isinstance(key, np.integer) else key
+
+
 def _merged(terms: Terms[K]) -> Terms[K]:
     """Terms on one column summed (a row names each column once)."""
     out: dict[K, float] = {}
@@ -214,7 +320,7 @@ def _segment_edge_terms(
     edge: SegmentEdge,
     scale: float,
     name: str,
-    pair: dict[tuple[int, int, int], K],
+    pair: dict[int, np.ndarray],
     pair_index: dict[tuple[int, int], int],
     sink: Sink[K],
 ) -> tuple[Terms[K], float]:
@@ -242,17 +348,17 @@ def _segment_edge_terms(
         kept = red.edges[k]
         flip = kept.src != edge.src
         terms: Terms[K] = []
-        for g, h in sorted(kept.group_cost_s):
+        for g, h in zip(*np.nonzero(np.isfinite(kept.group_cost_s)), strict=True):
             values = {
                 edge.cost_s[t][s] if flip else edge.cost_s[s][t]
                 for s in kept.src_groups[g]
                 for t in kept.dst_groups[h]
-                if (s, t) in kept.cost_s
+                if kept.allows(s, t)
             }
             if len(values) != 1:
                 break
             if (value := values.pop()) > 0.0:
-                terms.append((pair[k, g, h], value / scale))
+                terms.append((_key(pair[k][g, h]), value / scale))
         else:
             return terms, 0.0
     rows_of: dict[tuple, list[int]] = {}
@@ -280,7 +386,7 @@ def _add_segments(
     problem: Problem,
     red: Reduced,
     x: dict[tuple[int, int], K],
-    pair: dict[tuple[int, int, int], K] | None,
+    pair: dict[int, np.ndarray] | None,
     sink: Sink[K],
 ) -> _SegmentRows[K]:
     """Checkpoint rows (solver/recompute.py). For segment k with L copies, bits b_j (j <
