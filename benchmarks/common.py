@@ -199,7 +199,7 @@ def spawn_ranks(target: Any, extra: tuple[Any, ...], timeout_s: float, what: str
     for proc in procs:
         proc.start()
     try:
-        status, payload = results.get(timeout=timeout_s)
+        status, payload = _first_result(results, procs, timeout_s)
     finally:
         for proc in procs:
             proc.join(timeout=30)
@@ -208,6 +208,25 @@ def spawn_ranks(target: Any, extra: tuple[Any, ...], timeout_s: float, what: str
     if status != "ok":
         raise RuntimeError(f"{what} failed:\n{payload}")
     return payload
+
+
+def _first_result(results: Any, procs: Sequence[Any], timeout_s: float) -> tuple[str, Any]:
+    """The first (status, payload) on ``results``; ("error", ...) as soon as every rank has
+    exited without one (a crash before ``gloo_rank``, e.g. an import error) or on timeout."""
+    import queue
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            return results.get(timeout=1.0)
+        except queue.Empty:
+            if all(not proc.is_alive() for proc in procs):
+                try:
+                    return results.get(timeout=1.0)
+                except queue.Empty:
+                    codes = [proc.exitcode for proc in procs]
+                    return "error", f"every rank exited (codes {codes}) without a result"
+    return "error", f"no result within {timeout_s:.0f} s"
 
 
 # --------------------------------------------------------------------------------------------

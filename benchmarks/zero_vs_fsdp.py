@@ -5,7 +5,8 @@ ranks (CPU), in one run.
     python benchmarks/zero_vs_fsdp.py --steps 10 --n-embd 384
 
 Same GPT (autopar.models.GPT, fixed seed), same global batch split 4 ways, same AdamW step, each
-variant in turn on the same 4 ranks (mesh of 4, pure data parallelism), paired as:
+variant in turn on the same 4 ranks (pure data parallelism; a mesh of 4, or 2x2 for the last
+pair), paired as:
 
 ==========================  ===================================================================
 autopar stage 0             torch DDP (DistributedDataParallel)
@@ -17,13 +18,19 @@ autopar stage 2             FSDP2 ``fully_shard(reshard_after_forward=False)`` (
                             nothing in forward)
 autopar stage 3             FSDP2 ``fully_shard`` (default: reshard after forward), per block
                             and at the root
+autopar stages 2x3          FSDP2 HSDP 2x2: ``fully_shard`` on a 2-D DeviceMesh (replicate over
+(2x2: stage 2 outer,        the outer axis, shard over the inner one), resharding after forward
+3 inner)                    (NOT like for like: ZeRO-2 on the outer axis also shards gradients
+                            and optimizer state over it, 4 ways in all; HSDP keeps them 2-way
+                            sharded, replicated over the outer axis)
 ==========================  ===================================================================
 
 autopar's stages 1-3 run the ``ddp`` recipe's plan (batch split, parameters Replicate) with the
-plan's ``zero`` entry set to the stage on the one axis; ``chunk_bytes`` is the runtime's own
+plan's ``zero`` entry set to the stage per mesh axis (``ZeroConfig.to_json``); ``chunk_bytes`` is the runtime's own
 choice (``--chunk search``: the padding search, capped at 1/8 of the parameters) or
-one transformer block (``--chunk block``, FSDP2's wrapping unit here) or a byte count. Each variant runs in a fresh spawn of the 4 ranks (after a throwaway warm-up step), so
-memory figures do not depend on the order of the variants, and every spawn first runs one
+one transformer block (``--chunk block``, FSDP2's wrapping unit here) or a byte count. Each
+variant runs in a fresh spawn of the 4 ranks (after a throwaway warm-up step), so memory
+figures do not depend on the order of the variants, and every spawn first runs one
 step of a tiny GPT under DDP, FSDP2 and autopar (``common.warm_up``) so that one-time
 costs (imports of torch.export and DTensor, gloo and allocator set-up) land on no variant.
 
@@ -36,9 +43,11 @@ warm-up. Memory, two figures per variant, largest over ranks:
   gradients and optimizer state after the last step (what the stages shard; DDP's gradient
   buckets and FSDP2's transient all-gather buffers are not parameters and are not counted);
 * ``peak MiB``: peak resident set size during the steps (Linux VmHWM, reset through
-  /proc/self/clear_refs after setup) over the resident size at the variant's start
-  (MALLOC_MMAP_THRESHOLD_=64 KiB so it follows tensor allocations): state plus activations and
-  communication buffers.
+  /proc/self/clear_refs after setup and a ``gc.collect()``) over the resident size at the
+  variant's start (MALLOC_MMAP_THRESHOLD_=64 KiB so it follows tensor allocations): state plus
+  activations and communication buffers. Without the collection, the autopar variants' peak
+  included the dropped user model (about one model of parameters, left in reference cycles of
+  the capture until Python's cycle collector runs), which is set-up garbage, not the step's.
 
 "loss err" is the largest difference between the variant's losses and one process's.
 
@@ -48,6 +57,7 @@ Prints a rich table and writes benchmarks/out/zero_vs_fsdp.png and .json.
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import time
@@ -84,13 +94,18 @@ VARIANTS = (
     "autopar stage 2",
     "FSDP2",
     "autopar stage 3",
+    "FSDP2 HSDP 2x2",
+    "autopar stages 2x3",
 )
 PEERS = {
     "autopar stage 0": "torch DDP",
     "autopar stage 1": "DDP + ZeroRedundancyOptimizer",
     "autopar stage 2": "FSDP2 no reshard",
     "autopar stage 3": "FSDP2",
+    "autopar stages 2x3": "FSDP2 HSDP 2x2",
 }
+HSDP = ("FSDP2 HSDP 2x2", "autopar stages 2x3")
+"""Variants on a 2x2 mesh (outer, inner); the others run on a mesh of 4."""
 
 
 def _adamw(params: Any, args: argparse.Namespace) -> Any:
@@ -138,11 +153,13 @@ def torch_ddp(args: argparse.Namespace, rank: int, mesh: Any, zero_optim: bool) 
 
 
 def fsdp2(args: argparse.Namespace, rank: int, mesh: Any, reshard: bool) -> Any:
+    """FSDP2 on ``mesh``'s shape: 1-D shards over it, 2-D is HSDP (replicate outer, shard
+    inner)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     model = build_model(args)
-    device_mesh = init_device_mesh("cpu", (WORLD_SIZE,))
+    device_mesh = init_device_mesh("cpu", tuple(mesh.shape), mesh_dim_names=mesh.axis_names)
     for block in model.blocks:
         fully_shard(block, mesh=device_mesh, reshard_after_forward=reshard)
     fully_shard(model, mesh=device_mesh, reshard_after_forward=reshard)
@@ -150,24 +167,31 @@ def fsdp2(args: argparse.Namespace, rank: int, mesh: Any, reshard: bool) -> Any:
     return _local_step(model, opt, rank), model, lambda: opt.state
 
 
-def autopar_stage(args: argparse.Namespace, rank: int, mesh: Any, stage: int) -> Any:
+def autopar_stage(args: argparse.Namespace, rank: int, mesh: Any, stages: tuple[int, ...]) -> Any:
+    """The ``ddp`` recipe's plan (batch split over every axis) with ZeRO ``stages`` per mesh
+    axis."""
     import torch.distributed as dist
 
     import autopar
+    from autopar.problem import ZeroConfig
 
     model = build_model(args)
     batch = batch_for(0, args)
     plan = None
     if dist.get_rank() == 0:
         plan = autopar.plan(model, mesh, batch, recipe="ddp", optimizer="adamw")
-        plan.data["zero"] = {**plan.data["zero"], "stage": stage, "axes": list(mesh.axis_names)}
-        plan.data["zero"]["chunk_bytes"] = _chunk_bytes(args, model)
+        config = ZeroConfig(stages=stages)
+        plan.data["zero"] = {
+            **plan.data["zero"],
+            **config.to_json(mesh.axis_names),
+            "chunk_bytes": _chunk_bytes(args, model),
+        }
     pmodel = autopar.autoparallelize(
         model, mesh, batch, plan=plan, recipe="ddp", optimizer="adamw", price_baselines=False
     )
     del model
-    if stage:
-        assert pmodel.zero is not None and pmodel.zero.stage == stage
+    if any(stages):
+        assert pmodel.zero is not None and pmodel.zero.stages == stages, pmodel.zero
     opt = _adamw(pmodel.parameters(), args)
 
     def step(idx: Any, targets: Any) -> float:
@@ -197,9 +221,11 @@ def setup(name: str, args: argparse.Namespace, rank: int, mesh: Any) -> Any:
         return torch_ddp(args, rank, mesh, zero_optim=True)
     if name == "FSDP2":
         return fsdp2(args, rank, mesh, reshard=True)
-    if name == "FSDP2 no reshard":
-        return fsdp2(args, rank, mesh, reshard=False)
-    return autopar_stage(args, rank, mesh, int(name.rsplit(" ", 1)[1]))
+    if name in ("FSDP2 no reshard", "FSDP2 HSDP 2x2"):
+        return fsdp2(args, rank, mesh, reshard=name != "FSDP2 no reshard")
+    if name == "autopar stages 2x3":
+        return autopar_stage(args, rank, mesh, (2, 3))
+    return autopar_stage(args, rank, mesh, (int(name.rsplit(" ", 1)[1]),))
 
 
 def state_bytes(module: Any, optim_state: Any) -> dict[str, int]:
@@ -248,16 +274,21 @@ def run_rank(
     import autopar
 
     with gloo_rank(rank, port, results):
-        mesh = autopar.Mesh.from_world((WORLD_SIZE,), ("dp",))
+        flat = autopar.Mesh.from_world((WORLD_SIZE,), ("dp",))
+        mesh = autopar.Mesh.from_world((2, 2), ("out", "in")) if name in HSDP else flat
         batches = [batch_for(i, args) for i in range(args.warmup + args.steps)]
         # One-time costs (imports, gloo and allocator set-up) land on no variant.
-        warm_up(mesh)
+        warm_up(flat)
         dist.barrier()
         reset_peak()
         start_kib, _ = memory_kib()
         started = time.perf_counter()
         step, module, optim_state = setup(name, args, rank, mesh)
         setup_s = time.perf_counter() - started
+        # Set-up garbage is no step's memory: autoparallelize leaves the user's model (which the
+        # autopar variants drop) in reference cycles of its capture, about one model of
+        # parameters until Python's cycle collector happens to run, during the steps or not.
+        gc.collect()
         reset_peak()
         times, losses = timed_steps(step, batches, args.warmup)
         _, peak_kib = memory_kib()
@@ -343,7 +374,8 @@ def report(rows: Rows, args: argparse.Namespace) -> None:
     print("ratios: the autopar variant's figure over its peer's (below 1 is better); state MiB:")
     print("live parameter + gradient + optimizer-state storages per rank after the steps; peak")
     print("MiB: peak resident memory during the steps over the variant's start; largest rank.")
-    print("autopar stage 2 vs FSDP2 no reshard is not like for like (see the module docstring).")
+    print("autopar stage 2 vs FSDP2 no reshard and autopar stages 2x3 vs FSDP2 HSDP are not like")
+    print("for like (see the module docstring).")
 
 
 def plot(rows: Rows, path: Path) -> None:
@@ -389,9 +421,17 @@ def main() -> None:
 
     torch.set_num_threads(1)
     want = reference_losses(args)
-    rows = {name: launch(args, name, want) for name in args.variants}
+    rows, failed = {}, []
+    for name in args.variants:
+        try:
+            rows[name] = launch(args, name, want)
+        except RuntimeError as exc:  # the other variants still run and report
+            print(exc, file=sys.stderr)
+            failed.append(name)
     report(rows, args)
     write_outputs(rows, args, "zero_vs_fsdp", plot, started)
+    if failed:
+        raise SystemExit(f"variants failed: {failed}")
 
 
 if __name__ == "__main__":

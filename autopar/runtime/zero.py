@@ -56,10 +56,6 @@ values); tensors that autograd saves for backward are packed by a ``saved_tensor
 (chunk, size, stride, offset) instead of the tensor, and unpacking in backward all-gathers the
 chunk again (prefetching the previous one); it is freed when the chunk's backward ran.
 
-After every optimizer step that touches a chunk (a global ``torch.optim`` step post-hook,
-filtered by parameter identity) the updated O-shards are all-gathered over ``O \\ P`` into the
-kept buffer (nothing to do when O = P).
-
 Gradient accumulation: backward under :meth:`ZeroEngine.no_sync` adds the chunk's flat local
 gradient to a pending buffer and communicates nothing; the next synchronised backward adds it in.
 
@@ -69,24 +65,20 @@ compute dtype (refreshed after each step; when O = P there is none and the shard
 gathering); the graph runs under ``torch.autocast``; gradients are flattened to fp32 before any
 reduction. fp16 needs loss scaling: :class:`autopar.runtime.grad_scaler.ShardedGradScaler`.
 
-State: ``ParallelModule.state_dict`` reads :meth:`ZeroEngine.local_params` (fp32, gathered);
-:meth:`ZeroEngine.gather_pieces` / :meth:`ZeroEngine.piece_of` turn shard-shaped tensors
-(gradients, elementwise optimizer state) into full local blocks and back, which is what
-``autopar.optim.full_optim_state_dict`` / ``load_full_optim_state_dict`` use.
+The engine's backward, optimizer-step and state methods live in :mod:`.zero_backward`,
+:mod:`.zero_step` and :mod:`.zero_state` (mixins of :class:`ZeroEngine`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.autograd import Variable
 
 from autopar.runtime.chunks import (
     DEFAULT_MAX_CHUNK_BYTES,
@@ -97,12 +89,20 @@ from autopar.runtime.chunks import (
     round_up,
 )
 from autopar.runtime.grad_scaler import ShardedGradScaler
+from autopar.runtime.zero_backward import MAX_IN_FLIGHT, ZeroBackwardMixin
 from autopar.runtime.zero_graph import Packed, rewrite_graph
 from autopar.runtime.zero_layout import Chunk, Slot, resolve_stages
+from autopar.runtime.zero_state import ZeroStateMixin
+from autopar.runtime.zero_step import (
+    ELEMENTWISE_OPTIMIZERS,
+    ZeroStepMixin,
+    register_optimizer_hooks,
+)
 
 __all__ = [
     "DEFAULT_MAX_CHUNK_BYTES",
     "ELEMENTWISE_OPTIMIZERS",
+    "MAX_IN_FLIGHT",
     "MIN_CHUNKS",
     "ShardedGradScaler",
     "ZeroEngine",
@@ -113,28 +113,8 @@ __all__ = [
     "resolve_stages",
 ]
 
-ELEMENTWISE_OPTIMIZERS: frozenset[str] = frozenset(
-    {
-        "SGD",
-        "Adam",
-        "AdamW",
-        "Adamax",
-        "Adagrad",
-        "Adadelta",
-        "ASGD",
-        "NAdam",
-        "RAdam",
-        "RMSprop",
-        "Rprop",
-        "LAMB",
-        "LARS",
-    }
-)
-"""Optimizer class names whose update of an element depends only on that element (LAMB / LARS:
-autopar.optim's, which reduce their norms over every shard)."""
 
-
-class ZeroEngine:
+class ZeroEngine(ZeroBackwardMixin, ZeroStepMixin, ZeroStateMixin):
     """Owns the chunks of one ParallelModule (module docstring).
 
     Args:
@@ -194,6 +174,8 @@ class ZeroEngine:
         self._chunk_of_param: dict[int, tuple[int, int]] = {}
         self._sync = True
         self._callback_queued = False
+        self._in_flight: list[Chunk] = []
+        """Chunks whose asynchronous gradient reduction is launched and not yet waited for."""
         self._graphs: dict[int, tuple[Any, nn.Module]] = {}
         self.gathered_bytes = 0
         """Bytes of gathered chunk buffers (P non-empty) still alive."""
@@ -242,7 +224,7 @@ class ZeroEngine:
             self._build_chunk(numel, axes, reduce_axes, members)
         self.gathers = any(c.num_param_axes for c in self.chunks)
         """Whether some chunk is gathered for use (P non-empty): forward packs saved views."""
-        self._handles = _register_optimizer_hooks(self)
+        self._handles = register_optimizer_hooks(self)
 
     # -- construction ---------------------------------------------------------------------------
 
@@ -447,260 +429,6 @@ class ZeroEngine:
                 self._start_prefetch(self.chunks[packed.chunk - 1])
         return chunk.full.as_strided(packed.size, packed.stride, packed.offset)
 
-    # -- backward -------------------------------------------------------------------------------
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Backward calls inside accumulate local gradients without communicating."""
-        previous, self._sync = self._sync, False
-        try:
-            yield
-        finally:
-            self._sync = previous
-
-    def _chunk_backward(self, index: int, grads: Sequence[torch.Tensor | None]) -> None:
-        chunk = self.chunks[index]
-        if chunk.num_param_axes:
-            chunk.full = None  # every use of the chunk in backward is done
-        flat = torch.zeros(chunk.numel, dtype=torch.float32, device=chunk.shard.device)  # type: ignore[union-attr]
-        for slot, grad in zip(chunk.slots, grads):
-            if grad is not None:
-                flat[slot.offset : slot.offset + slot.numel].copy_(grad.reshape(-1))
-        if chunk.pending is not None:
-            flat += chunk.pending
-            chunk.pending = None
-        if not self._sync:
-            chunk.pending = flat
-            return
-        if not self._callback_queued:
-            self._callback_queued = True
-            Variable._execution_engine.queue_callback(self._finish_backward)
-        # Reduce-scatter (or slice, where the gradient is already whole) over G; the last
-        # collective launched here runs asynchronously, overlapped with the rest of backward.
-        value = flat
-        last_scatter = chunk.scatter_axes[-1] if chunk.scatter_axes else None
-        for axis in chunk.grad_axes:
-            size = self.mesh_shape[axis]
-            part = value.numel() // size
-            if axis in chunk.scatter_axes:
-                out = torch.empty(part, dtype=value.dtype, device=value.device)
-                if axis == last_scatter and not chunk.allreduce_axes:
-                    chunk.work = dist.reduce_scatter_single(
-                        out, value, group=self._group_of(axis), async_op=True
-                    )
-                else:
-                    dist.reduce_scatter_single(out, value, group=self._group_of(axis))
-                value = out
-            else:
-                value = value[self._coords[axis] * part : (self._coords[axis] + 1) * part].clone()
-        if chunk.allreduce_axes:
-            chunk.work = dist.all_reduce(
-                value, group=self._group_of(chunk.allreduce_axes[0]), async_op=True
-            )
-        chunk.reduced = value
-
-    def _finish_backward(self) -> None:
-        self._callback_queued = False
-        for chunk in self.chunks:
-            if chunk.reduced is None:
-                continue
-            if chunk.work is not None:
-                chunk.work.wait()
-                chunk.work = None
-            for axis in chunk.allreduce_axes[1:]:
-                dist.all_reduce(chunk.reduced, group=self._group_of(axis))
-            # The optimizer's gradient is the O-shard of the reduced G-shard (a view: the G-shard
-            # stays alive as the gradient storage, as the memory model counts it).
-            lo = chunk.shard_in_grad
-            grad_shard = chunk.reduced[lo : lo + chunk.shard_numel]
-            chunk.reduced = None
-            for slot, param in zip(chunk.slots, chunk.params):
-                grad = grad_shard[slot.shard_lo : slot.shard_hi]
-                if param.grad is None:
-                    param.grad = grad
-                else:
-                    param.grad.add_(grad)
-        for chunk in self.chunks:
-            if chunk.num_param_axes:
-                chunk.full = None
-            if chunk.prefetch is not None:
-                chunk.prefetch[0].wait()
-                chunk.prefetch = None
-
-    # -- optimizer step -------------------------------------------------------------------------
-
-    def _check_optimizer(self, optimizer: torch.optim.Optimizer) -> bool:
-        if not any(
-            id(p) in self._chunk_of_param for g in optimizer.param_groups for p in g["params"]
-        ):
-            return False
-        name = type(optimizer).__name__
-        if name not in ELEMENTWISE_OPTIMIZERS and not getattr(
-            type(optimizer), "autopar_elementwise", False
-        ):
-            raise ValueError(
-                f"ZeRO stage {self.stage} gives the optimizer 1-D shards of each parameter, and "
-                f"{name} needs whole parameters; use an elementwise optimizer (SGD, Adam, AdamW, ...) "
-                f"or autopar.optim.LAMB / LARS, train with zero_stage=0, or set "
-                f"{name}.autopar_elementwise = True if its update really is elementwise"
-            )
-        return True
-
-    def _after_step(self, optimizer: torch.optim.Optimizer) -> None:
-        touched = sorted(
-            {
-                self._chunk_of_param[id(p)][0]
-                for g in optimizer.param_groups
-                for p in g["params"]
-                if id(p) in self._chunk_of_param
-            }
-        )
-        with torch.no_grad():
-            for index in touched:
-                self.sync_full(index)
-
-    def sync_full(self, index: int) -> None:
-        """All-gather the chunk's updated O-shards over ``O \\ P`` into its kept buffer (a
-        collective over those axes; nothing when O = P)."""
-        chunk = self.chunks[index]
-        rest = chunk.zero_axes[chunk.num_param_axes :]
-        if not rest:
-            return
-        assert chunk.kept is not None and chunk.shard is not None
-        # From a copy: the shard is a view into the buffer being written.
-        chunk.kept.copy_(self._gather_flat(self._compute_shard(chunk).clone(), rest))
-
-    # -- state ------------------------------------------------------------------------------------
-
-    def local_params(self) -> dict[int, torch.Tensor]:
-        """id(shard parameter) -> this rank's full local block (a collective when some chunk
-        is sharded over P, or under mixed precision)."""
-        out: dict[int, torch.Tensor] = {}
-        for chunk in self.chunks:
-            if self.compute_dtype is None:
-                assert chunk.kept is not None
-                full = self._gather_flat(chunk.kept.detach(), chunk.param_axes)
-            else:
-                full = self._gather_flat(chunk.shard.detach(), chunk.zero_axes)  # type: ignore[union-attr]
-            for slot, param in zip(chunk.slots, chunk.params):
-                # A copy: a view would keep the whole gathered chunk alive (and alias the buffer).
-                out[id(param)] = (
-                    full[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
-                )
-        return out
-
-    def local_grads(self) -> dict[int, torch.Tensor]:
-        """id(shard parameter) -> the gradient of this rank's full local block (a collective;
-        zeros where no gradient was produced)."""
-        return self.gather_pieces(
-            {id(p): p.grad for c in self.chunks for p in c.params if p.grad is not None}
-        )
-
-    def gather_pieces(self, pieces: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-        """id(shard parameter) -> full local block, from tensors shaped like the shard
-        parameters (gradients, elementwise optimizer state); a collective over every chunk.
-        Parameters without a piece read as zeros; every rank must pass the same ids."""
-        out: dict[int, torch.Tensor] = {}
-        for chunk in self.chunks:
-            if not any(id(p) in pieces for p in chunk.params):
-                continue
-            flat = torch.zeros(chunk.shard_numel, dtype=torch.float32, device=chunk.shard.device)  # type: ignore[union-attr]
-            for slot, param in zip(chunk.slots, chunk.params):
-                piece = pieces.get(id(param))
-                if piece is not None:
-                    flat[slot.shard_lo : slot.shard_hi].copy_(piece)
-            full = self._gather_flat(flat, chunk.zero_axes)
-            for slot, param in zip(chunk.slots, chunk.params):
-                if id(param) in pieces:
-                    out[id(param)] = (
-                        full[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
-                    )
-        return out
-
-    def piece_of(self, param: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
-        """The part of a full local block that this rank's shard parameter ``param`` holds."""
-        index, k = self._chunk_of_param[id(param)]
-        slot = self.chunks[index].slots[k]
-        n = slot.shard_hi - slot.shard_lo
-        return block.detach().reshape(-1)[slot.param_lo : slot.param_lo + n]
-
-    @property
-    def padding_fraction(self) -> float:
-        """Share of the chunk buffers that holds no parameter (padding to the shard count)."""
-        total = sum(c.numel for c in self.chunks)
-        used = sum(s.numel for c in self.chunks for s in c.slots)
-        return (total - used) / total if total else 0.0
-
-    def manages(self, param: torch.Tensor) -> bool:
-        return id(param) in self._chunk_of_param
-
-    def slot_of(self, param: torch.Tensor) -> tuple[Chunk, Slot]:
-        """The chunk of a managed shard parameter and its slot there (layout for
-        :mod:`autopar.runtime.state`)."""
-        index, k = self._chunk_of_param[id(param)]
-        return self.chunks[index], self.chunks[index].slots[k]
-
-    def load_local(self, param: torch.Tensor, block: torch.Tensor) -> None:
-        """Set a managed parameter from this rank's full local block."""
-        index, k = self._chunk_of_param[id(param)]
-        chunk = self.chunks[index]
-        slot = chunk.slots[k]
-        flat = block.detach().reshape(-1)
-        with torch.no_grad():
-            param.copy_(self.piece_of(param, block))
-            if chunk.kept is not None:
-                # The part of the parameter inside this rank's kept range.
-                kept_lo = chunk.kept_index * chunk.kept_numel
-                a = max(slot.offset, kept_lo)
-                b = min(slot.offset + slot.numel, kept_lo + chunk.kept_numel)
-                if a < b:
-                    chunk.kept[a - kept_lo : b - kept_lo].copy_(
-                        flat[a - slot.offset : b - slot.offset]
-                    )
-
-    def zero_axes_of(self, param: torch.Tensor) -> tuple[int, ...]:
-        """The mesh axes a managed parameter's optimizer shards are split over (O, in split
-        order; empty if not managed)."""
-        entry = self._chunk_of_param.get(id(param))
-        return self.chunks[entry[0]].zero_axes if entry is not None else ()
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-
-
-
-
-def _register_optimizer_hooks(engine: ZeroEngine) -> list[Any]:
-    """Global torch.optim step hooks that act only on optimizers holding this engine's shards
-    (weakly referenced: a dropped module leaves inert hooks)."""
-    from torch.optim.optimizer import (
-        register_optimizer_step_post_hook,
-        register_optimizer_step_pre_hook,
-    )
-
-    ref = weakref.ref(engine)
-
-    def pre(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        live = ref()
-        if live is not None:
-            live._check_optimizer(optimizer)
-
-    def post(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        live = ref()
-        if live is not None and live._check_optimizer(optimizer):
-            live._after_step(optimizer)
-
-    handles = [register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)]
-    weakref.finalize(engine, _remove_handles, list(handles))
-    return handles
-
-
-def _remove_handles(handles: list[Any]) -> None:
-    for handle in handles:
-        handle.remove()
-
 
 def build_zero_engine(
     lowered: Any,
@@ -735,7 +463,9 @@ def build_zero_engine(
 
     mesh_shape = tuple(lowered.mesh_shape)
     if isinstance(stage, int) and zero_axes is None:
-        zero_axes = sorted({a for reduce in lowered.param_grad_reduce_axes.values() for a in reduce})
+        zero_axes = sorted(
+            {a for reduce in lowered.param_grad_reduce_axes.values() for a in reduce}
+        )
     stages = resolve_stages(stage, len(mesh_shape), zero_axes)
     entries = []
     for fqn in lowered.param_use_order:

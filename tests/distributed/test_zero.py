@@ -238,7 +238,9 @@ def run_case(
         optimizer = kind[:-1]
         rtol, atol = (RTOL, ATOL) if optimizer == "sgd" else (ADAM_RTOL, ADAM_ATOL)
         got = _train(pmodel, args, optimizer, NUM_STEPS)
-        _compare(f"{optimizer} on (4,) stage {stage}", got, _reference(optimizer, NUM_STEPS), rtol, atol)
+        _compare(
+            f"{optimizer} on (4,) stage {stage}", got, _reference(optimizer, NUM_STEPS), rtol, atol
+        )
         return {"losses": got["losses"], "bytes": _state_bytes(pmodel, got["opt"])}
     if kind in ("sgd", "adamw"):
         model, args, pmodel = _build(plan, mesh_shape, stage)

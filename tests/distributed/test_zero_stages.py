@@ -23,6 +23,11 @@ both axes are data parallel here, the names are the test mesh's):
   with ``dcp.load`` on the 4 ranks as a 1-D mesh at stage 3, parameters and optimizer state bit
   for bit; then (the parent, one process, no process group) into a plain module and AdamW bit
   for bit.
+* ``keep-grads/<stages>`` for (1, 1) and (2, 3): SGD with ``zero_grad(set_to_none=False)``:
+  from the second step on, every chunk's backward reduces into the zeroed buffer the ``.grad``
+  views already hold (no second gradient buffer during backward; the same storage every step)
+  and 3 steps equal one process; two backward calls without zeroing in between reuse nothing
+  and still add up (twice the first gradients).
 * ``autoparallelize/dp=2,tp=3``: ``autoparallelize(..., zero_stage={"dp": 2, "tp": 3})`` (the
   planner picks the layouts, the plan JSON carries the stages to the engine): 3 SGD steps equal
   one process.
@@ -54,7 +59,14 @@ from tests.distributed.test_zero import (
 
 MESH = (2, 2)
 SGD_STAGES = ((3, 2), (3, 1), (2, 3), (3, 0), (1, 2))
-SPLIT_ORDER = {(3, 2): (0, 1), (3, 1): (0, 1), (2, 3): (1, 0), (3, 0): (0,), (1, 2): (1, 0)}
+SPLIT_ORDER = {
+    (3, 2): (0, 1),
+    (3, 1): (0, 1),
+    (2, 3): (1, 0),
+    (3, 0): (0,),
+    (1, 2): (1, 0),
+    (1, 1): (0, 1),
+}
 
 
 def _check_split(pmodel: Any, stages: tuple[int, int]) -> None:
@@ -150,6 +162,80 @@ def _autoparallelized(stages: dict[str, int]) -> dict[str, Any]:
     return {"layouts": sorted(set(pmodel.plan.param_placements().values()))}
 
 
+def _keep_grads(pmodel: Any, args: Any, stages: tuple[int, int]) -> None:
+    import torch.distributed as dist
+
+    from tests.distributed.test_zero import _optimizer
+
+    engine = pmodel.zero
+    reused: list[bool] = []
+    find = engine._zeroed_grad_buffer
+
+    def spy(chunk: Any) -> Any:
+        buffer = find(chunk)
+        reused.append(buffer is not None)
+        return buffer
+
+    engine._zeroed_grad_buffer = spy
+    # Where the gradient reductions write (stage 1: the all-reduced flat chunk; stage >= 2: the
+    # reduce-scatter output).
+    written: set[int] = set()
+    originals = {name: getattr(dist, name) for name in ("all_reduce", "reduce_scatter_single")}
+
+    def recording(name: str) -> Any:
+        def call(out: torch.Tensor, *rest: Any, **kwargs: Any) -> Any:
+            written.add(out.untyped_storage().data_ptr())
+            return originals[name](out, *rest, **kwargs)
+
+        return call
+
+    opt = _optimizer("sgd", pmodel.parameters(), pmodel.split_groups)
+    local = pmodel.shard_inputs(*args)
+    losses, grads, storages, per_step = [], {}, [], []
+    for step in range(3):
+        opt.zero_grad(set_to_none=False)
+        reused.clear()
+        written.clear()
+        loss = pmodel(*local)
+        for name in originals:
+            setattr(dist, name, recording(name))
+        try:
+            loss.backward()
+        finally:
+            for name, fn in originals.items():
+                setattr(dist, name, fn)
+        per_step.append(list(reused))
+        # From the second step on, reduced in place into the buffers .grad views (chunks whose
+        # gradient some collective reduces).
+        held = {
+            p.grad.untyped_storage().data_ptr()
+            for p in pmodel.parameters()
+            if engine.slot_of(p)[0].scatter_axes or engine.slot_of(p)[0].allreduce_axes
+        }
+        assert held and (step == 0 or held <= written), (stages, step, "reduced next to .grad")
+        if step == 0:
+            grads = _full_grads(pmodel)
+        storages.append({p.grad.untyped_storage().data_ptr() for p in pmodel.parameters()})
+        opt.step()
+        losses.append(loss.detach())
+    chunks = len(engine.chunks)
+    assert per_step == [[False] * chunks, [True] * chunks, [True] * chunks], (stages, per_step)
+    assert storages[1] == storages[2] == storages[0], (stages, "gradient storage changed")
+    got = {"losses": losses, "grads": grads, "state": pmodel.state_dict()}
+    _compare(f"keep-grads {stages}", got, _reference("sgd", 3), RTOL, ATOL)
+    # Not zeroed: the .grad views hold a gradient, so backward must add to it.
+    opt.zero_grad(set_to_none=False)
+    pmodel(*local).backward()
+    once = _full_grads(pmodel)
+    reused.clear()
+    pmodel(*local).backward()
+    assert not any(reused), (stages, "a gradient buffer holding a gradient was reused")
+    for name, value in _full_grads(pmodel).items():
+        torch.testing.assert_close(
+            value, 2 * once[name], rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"{n}: {m}"
+        )
+
+
 def run_case(rank: int, world_size: int, case: tuple[str, Any], path: str) -> Any:
     kind, stages = case
     if kind == "dcp":
@@ -186,6 +272,9 @@ def run_case(rank: int, world_size: int, case: tuple[str, Any], path: str) -> An
                 value, whole[name], rtol=RTOL, atol=ATOL, msg=lambda m, name=name: f"{name}: {m}"
             )
         return None
+    if kind == "keep-grads":
+        _keep_grads(pmodel, args, stages)
+        return None
     if kind == "lamb":
         got = _train(pmodel, args, "lamb", 3)
         _compare(f"clip + lamb {stages}", got, _reference("lamb", 3), RTOL, ATOL)
@@ -199,6 +288,8 @@ CASES = (
     + [
         ("accumulate/(3, 1)", ("accumulate", (3, 1))),
         ("lamb/(2, 3)", ("lamb", (2, 3))),
+        ("keep-grads/(1, 1)", ("keep-grads", (1, 1))),
+        ("keep-grads/(2, 3)", ("keep-grads", (2, 3))),
         ("bf16/(3, 1)", ("bf16", (3, 1))),
         ("dcp/(3, 2)", ("dcp", (3, 2))),
         ("autoparallelize/dp=2,tp=3", ("autoparallelize", {"dp": 2, "tp": 3})),

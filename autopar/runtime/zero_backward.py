@@ -1,0 +1,159 @@
+"""The backward side of the ZeRO runtime: each chunk's flat gradient is reduced (reduce-scatter
+over G, all-reduce over the partial axes outside G) as soon as backward completes it, with a
+bounded number of reductions in flight, and handed to the shard parameters' ``.grad`` at the end
+of backward; ``no_sync`` accumulates locally. Mixed into
+:class:`autopar.runtime.zero.ZeroEngine` (see that module's docstring).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.autograd import Variable
+
+from autopar.runtime.zero_layout import Chunk
+
+__all__ = ["MAX_IN_FLIGHT", "ZeroBackwardMixin"]
+
+MAX_IN_FLIGHT = 2
+"""Asynchronous gradient reductions (one per chunk) in flight during backward; the oldest is
+waited for when another is launched (its input, the chunk's full flat gradient, is then freed)."""
+
+
+class ZeroBackwardMixin:
+    """The engine's backward methods (state: :class:`~autopar.runtime.zero.ZeroEngine`)."""
+
+    chunks: list[Chunk]
+    mesh_shape: tuple[int, ...]
+    _coords: tuple[int, ...]
+    _group_of: Callable[[int], Any]
+    _sync: bool
+    _callback_queued: bool
+    _in_flight: list[Chunk]
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward calls inside accumulate local gradients without communicating."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def _chunk_backward(self, index: int, grads: Sequence[torch.Tensor | None]) -> None:
+        chunk = self.chunks[index]
+        if chunk.num_param_axes:
+            chunk.full = None  # every use of the chunk in backward is done
+        # Where the last step's reduced gradient (what the shard .grad views) is all zeros
+        # (zero_grad(set_to_none=False)), this backward reduces into it rather than next to it.
+        reuse = self._zeroed_grad_buffer(chunk) if self._sync else None
+        if reuse is not None and not chunk.grad_axes and reuse.numel() == chunk.numel:
+            flat, reuse = reuse.zero_(), None
+        else:
+            flat = torch.zeros(chunk.numel, dtype=torch.float32, device=chunk.shard.device)  # type: ignore[union-attr]
+        for slot, grad in zip(chunk.slots, grads):
+            if grad is not None:
+                flat[slot.offset : slot.offset + slot.numel].copy_(grad.reshape(-1))
+        if chunk.pending is not None:
+            flat += chunk.pending
+            chunk.pending = None
+        if not self._sync:
+            chunk.pending = flat
+            return
+        if not self._callback_queued:
+            self._callback_queued = True
+            Variable._execution_engine.queue_callback(self._finish_backward)
+        # Reduce-scatter (or slice, where the gradient is already whole) over G; the last
+        # collective launched here runs asynchronously, overlapped with the rest of backward.
+        value = flat
+        last_scatter = chunk.scatter_axes[-1] if chunk.scatter_axes else None
+        for axis in chunk.grad_axes:
+            size = self.mesh_shape[axis]
+            part = value.numel() // size
+            if axis in chunk.scatter_axes:
+                if reuse is not None and axis == chunk.grad_axes[-1] and reuse.numel() == part:
+                    out = reuse
+                else:
+                    out = torch.empty(part, dtype=value.dtype, device=value.device)
+                if axis == last_scatter and not chunk.allreduce_axes:
+                    chunk.work = dist.reduce_scatter_single(
+                        out, value, group=self._group_of(axis), async_op=True
+                    )
+                else:
+                    dist.reduce_scatter_single(out, value, group=self._group_of(axis))
+                value = out
+            else:
+                value = value[self._coords[axis] * part : (self._coords[axis] + 1) * part].clone()
+        if chunk.allreduce_axes:
+            chunk.work = dist.all_reduce(
+                value, group=self._group_of(chunk.allreduce_axes[0]), async_op=True
+            )
+        chunk.reduced = value
+        if chunk.work is not None:
+            self._bound_in_flight(chunk)
+
+    def _zeroed_grad_buffer(self, chunk: Chunk) -> torch.Tensor | None:
+        """The G-level buffer that every shard ``.grad`` of the chunk still views (as
+        :meth:`_finish_backward` set them), if its O-shard (what the ``.grad`` views cover)
+        holds only zeros; else None. The rest of it is stale: the caller overwrites it."""
+        base = None
+        for slot, param in zip(chunk.slots, chunk.params):
+            grad = param.grad
+            if grad is None or grad._base is None:
+                return None
+            if base is None:
+                base = grad._base
+            lo = base.storage_offset() + chunk.shard_in_grad + slot.shard_lo
+            if grad._base is not base or grad.storage_offset() != lo:
+                return None
+        if base is None or base.dtype != torch.float32 or base.dim() != 1:
+            return None
+        lo = chunk.shard_in_grad
+        if base.numel() < lo + chunk.shard_numel or base[lo : lo + chunk.shard_numel].any():
+            return None
+        return base
+
+    def _bound_in_flight(self, chunk: Chunk) -> None:
+        """Wait for the oldest reductions beyond :data:`MAX_IN_FLIGHT`: an asynchronous
+        reduce-scatter holds its input, the chunk's full flat gradient, until it is waited for,
+        so unbounded, every chunk's full gradient would be alive at the end of backward."""
+        self._in_flight.append(chunk)
+        while len(self._in_flight) > MAX_IN_FLIGHT:
+            oldest = self._in_flight.pop(0)
+            if oldest.work is not None:
+                oldest.work.wait()
+                oldest.work = None
+
+    def _finish_backward(self) -> None:
+        self._callback_queued = False
+        self._in_flight = []
+        for chunk in self.chunks:
+            if chunk.reduced is None:
+                continue
+            if chunk.work is not None:
+                chunk.work.wait()
+                chunk.work = None
+            for axis in chunk.allreduce_axes[1:]:
+                dist.all_reduce(chunk.reduced, group=self._group_of(axis))
+            # The optimizer's gradient is the O-shard of the reduced G-shard (a view: the G-shard
+            # stays alive as the gradient storage, as the memory model counts it).
+            lo = chunk.shard_in_grad
+            grad_shard = chunk.reduced[lo : lo + chunk.shard_numel]
+            chunk.reduced = None
+            for slot, param in zip(chunk.slots, chunk.params):
+                grad = grad_shard[slot.shard_lo : slot.shard_hi]
+                if param.grad is None:
+                    param.grad = grad
+                elif param.grad._base is not grad._base:
+                    param.grad.add_(grad)
+                # else: reduced in place into the zeroed buffer .grad views (_chunk_backward)
+        for chunk in self.chunks:
+            if chunk.num_param_axes:
+                chunk.full = None
+            if chunk.prefetch is not None:
+                chunk.prefetch[0].wait()
+                chunk.prefetch = None
