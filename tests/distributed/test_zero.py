@@ -91,6 +91,22 @@ def _full_grads(pmodel: Any) -> dict[str, torch.Tensor]:
     return out
 
 
+def check_accumulation(pmodel: Any, args: tuple) -> None:
+    """Two half-loss backwards, the first under no_sync, give the one full backward's
+    gradients (communication only on the last)."""
+    local = pmodel.shard_inputs(*args)
+    pmodel(*local).backward()
+    whole = _full_grads(pmodel)
+    pmodel.zero_grad()
+    with pmodel.no_sync():
+        (0.5 * pmodel(*local)).backward()
+    (0.5 * pmodel(*local)).backward()
+    for name, value in _full_grads(pmodel).items():
+        torch.testing.assert_close(
+            value, whole[name], rtol=RTOL, atol=ATOL, msg=lambda m, name=name: f"{name}: {m}"
+        )
+
+
 def _state_bytes(pmodel: Any, opt: torch.optim.Optimizer) -> dict[str, int]:
     """Bytes of distinct live storages: parameters (incl. ZeRO chunk buffers), gradients,
     optimizer state."""
@@ -294,17 +310,7 @@ def run_case(
         return None
     if kind == "accumulate":
         model, args, pmodel = _build(plan, mesh_shape, stage)
-        local = pmodel.shard_inputs(*args)
-        pmodel(*local).backward()
-        whole = _full_grads(pmodel)
-        pmodel.zero_grad()
-        with pmodel.no_sync():
-            (0.5 * pmodel(*local)).backward()
-        (0.5 * pmodel(*local)).backward()
-        for name, value in _full_grads(pmodel).items():
-            torch.testing.assert_close(
-                value, whole[name], rtol=RTOL, atol=ATOL, msg=lambda m, name=name: f"{name}: {m}"
-            )
+        check_accumulation(pmodel, args)
         return None
     if kind == "refuse":
         model, args, pmodel = _build(plan, mesh_shape, stage)

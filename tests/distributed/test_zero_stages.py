@@ -55,6 +55,7 @@ from tests.distributed.test_zero import (
     _reference,
     _state_bytes,
     _train,
+    check_accumulation,
 )
 
 MESH = (2, 2)
@@ -260,17 +261,7 @@ def run_case(rank: int, world_size: int, case: tuple[str, Any], path: str) -> An
         _check_sharded_state(pmodel, got["opt"])
         return {"measured": measured, "predicted": predicted}
     if kind == "accumulate":
-        local = pmodel.shard_inputs(*args)
-        pmodel(*local).backward()
-        whole = _full_grads(pmodel)
-        pmodel.zero_grad()
-        with pmodel.no_sync():
-            (0.5 * pmodel(*local)).backward()
-        (0.5 * pmodel(*local)).backward()
-        for name, value in _full_grads(pmodel).items():
-            torch.testing.assert_close(
-                value, whole[name], rtol=RTOL, atol=ATOL, msg=lambda m, name=name: f"{name}: {m}"
-            )
+        check_accumulation(pmodel, args)
         return None
     if kind == "keep-grads":
         _keep_grads(pmodel, args, stages)

@@ -96,14 +96,20 @@ def test_tied_optimum_equals_untied_optimum_when_the_budget_does_not_bind(space)
         assert sol.num_variables <= untied.num_variables
 
 
-def test_tied_plan_under_a_binding_budget_is_close_to_the_untied_one(space) -> None:
-    zero = ZeroConfig()
+def binding_budget(space, zero: ZeroConfig) -> tuple[float, solver.Solution]:
+    """A budget a quarter of the way from the smallest peak that fits to the budget-free
+    plan's peak (it binds), and that budget-free plan."""
     free = solver.solve(build_problem(space, zero, memory_budget_bytes=None).problem)
     try:
         solver.solve(build_problem(space, zero, memory_budget_bytes=1.0).problem)
     except solver.InfeasibleBudgetError as e:
         smallest = e.min_budget_bytes
-    budget = smallest + 0.25 * (free.peak_memory_bytes - smallest)  # binds
+    return smallest + 0.25 * (free.peak_memory_bytes - smallest), free
+
+
+def test_tied_plan_under_a_binding_budget_is_close_to_the_untied_one(space) -> None:
+    zero = ZeroConfig()
+    budget, free = binding_budget(space, zero)
     untied = solver.solve(build_problem(space, zero, memory_budget_bytes=budget).problem)
     assert untied.objective_s > free.objective_s  # the budget binds
     tied_all = _tie_levels(space)[0]
@@ -177,12 +183,7 @@ def test_checkpoint_auto_under_a_binding_budget_is_no_worse_than_counts(space) -
     from autopar.checkpointing import candidate_segments
 
     zero = ZeroConfig()
-    free = solver.solve(build_problem(space, zero, memory_budget_bytes=None).problem)
-    try:
-        solver.solve(build_problem(space, zero, memory_budget_bytes=1.0).problem)
-    except solver.InfeasibleBudgetError as e:
-        smallest = e.min_budget_bytes
-    budget = smallest + 0.25 * (free.peak_memory_bytes - smallest)
+    budget, _ = binding_budget(space, zero)
     tied = _tie_levels(space)
     counts = solver.solve(build_problem(space, zero, memory_budget_bytes=budget, tied=tied[0]).problem)
     options = PlanOptions(checkpoint="auto")
