@@ -15,7 +15,7 @@ import numpy as np
 
 from autopar.mesh import Mesh
 from autopar.placement import Placements
-from autopar.resharding import placement_code, route_table
+from autopar.resharding import price_table
 from autopar.strategies.registry import TensorMeta
 from cost_models import LinkSpec, collective_time_s
 
@@ -67,33 +67,18 @@ class CommPricer:
     ) -> np.ndarray:
         """[src, dst] seconds of converting each of ``srcs`` to each of ``dsts`` (inf where
         impossible): one route search per source serves the whole row
-        (:func:`autopar.resharding.price_routes`). Routes depend on the shape only through
+        (:func:`autopar.resharding.price_table`). Routes depend on the shape only through
         gcd(dim size, devices); bytes scale with the tensor's size."""
         total_bytes = float(math.prod(meta.shape)) * self.itemsize(meta)
         pattern = tuple(math.gcd(size, self._num_devices) for size in meta.shape)
         mesh = self.mesh
-        mesh_shape = tuple(mesh.shape)
 
         def step_s(kind: str, axis: int, fraction: float) -> float:
             nbytes = fraction * total_bytes
             return collective_time_s(kind, nbytes, mesh.shape[axis], mesh.links[axis])
 
-        dst_codes = [placement_code(dst, pattern, mesh_shape) for dst in dsts]
-        same = {dst: j for j, dst in enumerate(dsts)}
-        table = np.full((len(srcs), len(dsts)), math.inf)
-        for i, src in enumerate(srcs):
-            index, fwd, bwd = route_table(
-                placement_code(src, pattern, mesh_shape), pattern, mesh_shape, step_s
-            )
-            if index:
-                rows = np.array([index.get(c, -1) for c in dst_codes], dtype=np.intp)
-                found = rows >= 0
-                cost = fwd if forward_only else fwd + bwd
-                table[i, found] = cost[rows[found]]
-            j = same.get(src)
-            if j is not None:
-                table[i, j] = 0.0
-        return table
+        fwd, bwd = price_table(srcs, dsts, pattern, mesh.shape, step_s)
+        return fwd if forward_only else fwd + bwd
 
     def step_s(self, kind: str, axis: int, nbytes: float) -> float:
         return collective_time_s(kind, nbytes, self.mesh.shape[axis], self.mesh.links[axis])

@@ -68,9 +68,7 @@ __all__ = [
     "assemble",
     "gradient_placements",
     "is_supported_pair",
-    "placement_code",
-    "price_routes",
-    "route_table",
+    "price_table",
     "reshard_steps",
     "shard_full",
     "simulate_steps",
@@ -251,42 +249,53 @@ def reshard_steps(
     return to_steps(forward), to_steps(backward)
 
 
-def price_routes(
-    src: Sequence[Placement],
+def price_table(
+    srcs: Sequence[Sequence[Placement]],
     dsts: Sequence[Sequence[Placement]],
     shape: Sequence[int],
     mesh_shape: Sequence[int],
     step_s: Callable[[str, int, float], float],
-) -> list[tuple[float, float]]:
-    """Seconds of converting ``src`` to each of ``dsts``: ``(forward, backward)`` per
-    destination, the sum of ``step_s(kind, axis, bytes per full-tensor byte)`` over the
-    collective steps of :func:`reshard_steps`'s route (steps on axes of size 1 left out); inf
-    where :func:`reshard_steps` raises. One route search serves every destination."""
+) -> tuple[np.ndarray, np.ndarray]:
+    """[src, dst] seconds of converting each of ``srcs`` to each of ``dsts``, as (forward,
+    backward) arrays: the sum of ``step_s(kind, axis, bytes per full-tensor byte)`` over the
+    collective steps of :func:`reshard_steps`'s route (steps on axes of size 1 left out); 0
+    where the placements are equal; inf where :func:`reshard_steps` raises. One route search
+    per source serves the whole row, and each destination is encoded once."""
     shape_t = tuple(int(s) for s in shape)
     mesh_t = tuple(int(m) for m in mesh_shape)
-    index, fwd, bwd = route_table(placement_code(src, shape_t, mesh_t), shape_t, mesh_t, step_s)
-    out: list[tuple[float, float]] = []
-    for dst in dsts:
-        row = index.get(placement_code(dst, shape_t, mesh_t))  # type: ignore[arg-type]
-        out.append((math.inf, math.inf) if row is None else (float(fwd[row]), float(bwd[row])))
-    return out
+    dst_codes = [_placement_code(dst, shape_t, mesh_t) for dst in dsts]
+    same = {tuple(dst): j for j, dst in enumerate(dsts)}
+    fwd_table = np.full((len(srcs), len(dsts)), math.inf)
+    bwd_table = np.full((len(srcs), len(dsts)), math.inf)
+    for i, src in enumerate(srcs):
+        src_code = _placement_code(src, shape_t, mesh_t)
+        index, fwd, bwd = _route_table(src_code, shape_t, mesh_t, step_s)
+        if index:
+            rows = np.array([index.get(c, -1) for c in dst_codes], dtype=np.intp)  # type: ignore
+            found = rows >= 0
+            fwd_table[i, found] = fwd[rows[found]]
+            bwd_table[i, found] = bwd[rows[found]]
+        j = same.get(tuple(src))
+        if j is not None:
+            fwd_table[i, j] = bwd_table[i, j] = 0.0
+    return fwd_table, bwd_table
 
 
-def placement_code(
+def _placement_code(
     placements: Sequence[Placement], shape: tuple[int, ...], mesh_shape: tuple[int, ...]
 ) -> _Code | None:
-    """The placements as :func:`route_table` indexes them, or None where :func:`reshard_steps`
+    """The placements as :func:`_route_table` indexes them, or None where :func:`reshard_steps`
     would raise (non-sum Partial, bad dim or length, a sharding that does not divide)."""
     return _checked_code(tuple(placements), shape, mesh_shape)
 
 
-def route_table(
+def _route_table(
     src_code: _Code | None,
     shape: tuple[int, ...],
     mesh_shape: tuple[int, ...],
     step_s: Callable[[str, int, float], float],
 ) -> tuple[dict[_Code, int], np.ndarray, np.ndarray]:
-    """Every placement reachable from ``src_code`` (:func:`placement_code`) on its cheapest
+    """Every placement reachable from ``src_code`` (:func:`_placement_code`) on its cheapest
     route: ``(code -> row, forward seconds, backward seconds)`` per row, priced by ``step_s``
     once per distinct (kind, axis, bytes) step. Empty for an invalid source."""
     if src_code is None:

@@ -21,7 +21,7 @@ from autopar.resharding import (
     assemble,
     gradient_placements,
     is_supported_pair,
-    price_routes,
+    price_table,
     reshard_steps,
     shard_full,
     simulate_steps,
@@ -195,7 +195,7 @@ def test_shard_full_follows_dtensor_chunk_order_for_a_dim_over_two_axes() -> Non
 
 @given(reshard_cases())
 @settings(max_examples=150, deadline=None)
-def test_price_routes_prices_reshard_steps_routes(case) -> None:
+def test_price_table_prices_reshard_steps_routes(case) -> None:
     """One search per source prices every destination as reshard_steps' own route does."""
     mesh, shape, src, dst = case
 
@@ -204,7 +204,8 @@ def test_price_routes_prices_reshard_steps_routes(case) -> None:
         return fraction * (1 + STEP_WEIGHT[kind]) * (axis + 1) ** 2
 
     dsts = [dst, src, tuple(Partial("max") for _ in mesh)]
-    (fwd_s, bwd_s), (same_f, same_b), (bad_f, bad_b) = price_routes(src, dsts, shape, mesh, step_s)
+    fwd_t, bwd_t = price_table([src], dsts, shape, mesh, step_s)
+    (fwd_s, same_f, bad_f), (bwd_s, same_b, bad_b) = fwd_t[0], bwd_t[0]
     fwd, bwd = reshard_steps(src, dst, shape, 1, mesh)
     total = math.prod(shape)
     want_f = sum(step_s(s.kind, s.axis, s.nbytes / total) for s in fwd if s.is_collective)
@@ -218,7 +219,11 @@ def test_price_routes_prices_reshard_steps_routes(case) -> None:
 STEP_WEIGHT = {"all_gather": 1, "all_reduce": 2, "reduce_scatter": 3, "all_to_all": 4}
 
 
-def test_price_routes_refuses_what_reshard_steps_refuses() -> None:
-    """A source the shape cannot divide prices every destination inf."""
-    row = price_routes((Shard(0),), [(Replicate(),), (Shard(0),)], (3,), (2,), lambda *a: 1.0)
-    assert all(math.isinf(f) and math.isinf(b) for f, b in row)
+def test_price_table_refuses_what_reshard_steps_refuses() -> None:
+    """A source the shape cannot divide prices every other destination inf (equal placements
+    cost nothing, as the planner prices them)."""
+    dsts = [(Replicate(),), (Partial(),), (Shard(0),)]
+    fwd, bwd = price_table([(Shard(0),)], dsts, (3,), (2,), lambda *a: 1.0)
+    assert math.isinf(fwd[0, 0]) and math.isinf(bwd[0, 0])
+    assert math.isinf(fwd[0, 1]) and math.isinf(bwd[0, 1])
+    assert fwd[0, 2] == bwd[0, 2] == 0.0
