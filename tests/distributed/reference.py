@@ -43,3 +43,16 @@ def sgd_steps(model: torch.nn.Module, args: tuple, kwargs: dict, *, lr: float, s
         opt.zero_grad()
         model_loss(model(*args, **kwargs)).backward()
         opt.step()
+
+
+def full_grads(pmodel: Any) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient of a ParallelModule gathered whole, by FQN (ZeRO shards read
+    through the engine)."""
+    from autopar.runtime.module import gather_full
+
+    local = pmodel.zero.local_grads() if pmodel.zero is not None else {}
+    out = {}
+    for name, param in pmodel.named_parameters():
+        grad = local.get(id(param), param.grad)
+        out[name] = gather_full(grad, pmodel._param_placements[name], pmodel._axis_group)
+    return out

@@ -37,7 +37,13 @@ from typing import Any
 import pytest
 import torch
 
-from tests.distributed.reference import assert_close_named, model_loss, sgd_reference, sgd_steps
+from tests.distributed.reference import (
+    assert_close_named,
+    full_grads,
+    model_loss,
+    sgd_reference,
+    sgd_steps,
+)
 
 RTOL, ATOL = 1e-5, 1e-6
 NUM_STEPS = 3
@@ -191,17 +197,6 @@ def _mesh() -> Any:
     return autopar.Mesh.from_world(MESH_SHAPE, device="h100")
 
 
-def _full_grads(pmodel: Any) -> dict[str, torch.Tensor]:
-    from autopar.runtime.module import gather_full
-
-    local = pmodel.zero.local_grads() if pmodel.zero is not None else {}
-    out = {}
-    for name, param in pmodel.named_parameters():
-        grad = local.get(id(param), param.grad)
-        out[name] = gather_full(grad, pmodel._param_placements[name], pmodel._axis_group)
-    return out
-
-
 def _not_activations(pmodel: Any, local: list[Any]) -> list[torch.Tensor]:
     """Parameters, buffers, inputs and ZeRO chunk buffers (excluded from saved bytes)."""
     tensors = [*pmodel.parameters(), *pmodel.buffers()]
@@ -255,7 +250,7 @@ def _train(
         # (saved as chunk geometry, gathered again for recompute).
         assert pmodel.zero.gathered_bytes == 0, pmodel.zero.gathered_bytes
     loss.backward()
-    grads = _full_grads(pmodel)
+    grads = full_grads(pmodel)
     sgd_steps(pmodel, local_args, local_kwargs, lr=LR, steps=NUM_STEPS)
     with torch.no_grad():
         eval_loss = model_loss(pmodel(*local_args, **local_kwargs))

@@ -37,6 +37,8 @@ from typing import Any
 import pytest
 import torch
 
+from tests.distributed.reference import full_grads
+
 RTOL, ATOL = 1e-5, 1e-6
 ADAM_RTOL, ADAM_ATOL = 1e-4, 2e-5
 NUM_STEPS = 5
@@ -80,28 +82,17 @@ def _build(plan_json: str | None, mesh_shape: tuple[int, ...], stage: int, **kw:
     return model, args, pmodel
 
 
-def _full_grads(pmodel: Any) -> dict[str, torch.Tensor]:
-    from autopar.runtime.module import gather_full
-
-    local = pmodel.zero.local_grads() if pmodel.zero is not None else {}
-    out = {}
-    for name, param in pmodel.named_parameters():
-        grad = local.get(id(param), param.grad)
-        out[name] = gather_full(grad, pmodel._param_placements[name], pmodel._axis_group)
-    return out
-
-
 def check_accumulation(pmodel: Any, args: tuple) -> None:
     """Two half-loss backwards, the first under no_sync, give the one full backward's
     gradients (communication only on the last)."""
     local = pmodel.shard_inputs(*args)
     pmodel(*local).backward()
-    whole = _full_grads(pmodel)
+    whole = full_grads(pmodel)
     pmodel.zero_grad()
     with pmodel.no_sync():
         (0.5 * pmodel(*local)).backward()
     (0.5 * pmodel(*local)).backward()
-    for name, value in _full_grads(pmodel).items():
+    for name, value in full_grads(pmodel).items():
         torch.testing.assert_close(
             value, whole[name], rtol=RTOL, atol=ATOL, msg=lambda m, name=name: f"{name}: {m}"
         )
@@ -200,7 +191,7 @@ def _train(pmodel: Any, args: Any, optimizer: str, steps: int) -> dict[str, Any]
         loss = pmodel(*local)
         loss.backward()
         if step == 0:
-            grads = _full_grads(pmodel)
+            grads = full_grads(pmodel)
         if optimizer in ("lamb", "lars"):
             losses.append(pmodel.clip_grad_norm_(0.5).detach())
         opt.step()

@@ -42,6 +42,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.distributed.reference import full_grads
 from tests.distributed.test_zero import (
     ADAM_ATOL,
     ADAM_RTOL,
@@ -51,7 +52,6 @@ from tests.distributed.test_zero import (
     _build,
     _check_bf16,
     _compare,
-    _full_grads,
     _reference,
     _state_bytes,
     _train,
@@ -215,7 +215,7 @@ def _keep_grads(pmodel: Any, args: Any, stages: tuple[int, int]) -> None:
         }
         assert held and (step == 0 or held <= written), (stages, step, "reduced next to .grad")
         if step == 0:
-            grads = _full_grads(pmodel)
+            grads = full_grads(pmodel)
         storages.append({p.grad.untyped_storage().data_ptr() for p in pmodel.parameters()})
         opt.step()
         losses.append(loss.detach())
@@ -227,11 +227,11 @@ def _keep_grads(pmodel: Any, args: Any, stages: tuple[int, int]) -> None:
     # Not zeroed: the .grad views hold a gradient, so backward must add to it.
     opt.zero_grad(set_to_none=False)
     pmodel(*local).backward()
-    once = _full_grads(pmodel)
+    once = full_grads(pmodel)
     reused.clear()
     pmodel(*local).backward()
     assert not any(reused), (stages, "a gradient buffer holding a gradient was reused")
-    for name, value in _full_grads(pmodel).items():
+    for name, value in full_grads(pmodel).items():
         torch.testing.assert_close(
             value, 2 * once[name], rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"{n}: {m}"
         )
