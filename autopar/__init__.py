@@ -6,15 +6,15 @@ a device mesh, and run the result with explicit collectives on torch.distributed
 
 from __future__ import annotations
 
-from autopar.api import AUTOPAR_VERSION as __version__
 from autopar.api import plan, plan_captured
-from autopar.capture import Captured, capture
+from autopar.capture.export import Captured, capture
 from autopar.errors import AutoparError, PlanMismatchError, PlanningError, UnsupportedModelError
 from autopar.mesh import Mesh
 from autopar.options import PlanOptions
 from autopar.parallelize import autoparallelize
-from autopar.plan import Plan
+from autopar.plan.document import Plan
 from autopar.runtime.module import ParallelModule
+from autopar.version import __version__
 
 __all__ = [
     "AutoparError",

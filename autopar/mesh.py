@@ -56,7 +56,7 @@ class Mesh:
     links: tuple[LinkSpec, ...]
     """One per axis: the interconnect a collective along that axis runs over."""
     groups: Any = field(default=None, compare=False, repr=False)
-    """``autopar.runtime.process_groups.AxisGroups`` of a live mesh (``from_world``), else None.
+    """``autopar.comm.process_groups.AxisGroups`` of a live mesh (``from_world``), else None.
     Not part of the mesh's identity: equality, hash and ``to_dict`` ignore it."""
 
     def __post_init__(self) -> None:
@@ -181,7 +181,7 @@ class Mesh:
         import torch
         import torch.distributed as dist
 
-        from autopar.runtime.process_groups import axis_groups
+        from autopar.comm.process_groups import axis_groups
 
         shape_t = (shape,) if isinstance(shape, int) else tuple(shape)
         if not dist.is_initialized():

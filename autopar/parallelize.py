@@ -31,19 +31,20 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
-import solver
 from autopar.api import plan_captured
-from autopar.capture import Captured, capture
+from autopar.capture.export import Captured, capture
+from autopar.comm.process_groups import AxisGroups, axis_groups
 from autopar.errors import PlanMismatchError, PlanningError, UnsupportedModelError
 from autopar.lowering import LoweredGraph, lower
 from autopar.lowering.recompute import checkpoint_lowered
 from autopar.mesh import Mesh, set_groups_timeout
 from autopar.options import PlanOptions
 from autopar.placement import Placements, parse_placements, replicated
-from autopar.plan import Plan
-from autopar.problem import ZeroConfig, build_problem, build_space
+from autopar.plan.document import Plan
+from autopar.planner.driver import Driver
+from autopar.planner.problem import ZeroConfig
+from autopar.planner.space import build_space
 from autopar.runtime.module import ParallelModule
-from autopar.runtime.process_groups import AxisGroups, axis_groups
 from autopar.runtime.state import StateSource
 from autopar.strategies import Strategy
 
@@ -282,14 +283,8 @@ def choices_with_layouts(
                 f"mode separately"
             )
         allowed[node.name] = match
-    built = build_problem(space, ZeroConfig(), allowed=allowed, memory_budget_bytes=None)
-    solution = solver.solve(
-        built.problem, backend=options.solver, time_limit_s=options.time_limit_s, gap=options.gap
-    )
-    return {
-        node.name: node.strategies[built.allowed[i][c]]
-        for i, (node, c) in enumerate(zip(space.nodes, solution.choices))
-    }
+    solved = Driver(space).solve_pinned(allowed, name="pinned")
+    return {node.name: node.strategies[c] for node, c in zip(space.nodes, solved.choice, strict=True)}
 
 
 # --------------------------------------------------------------------------------------------

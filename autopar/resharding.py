@@ -1,7 +1,7 @@
 """Placement A -> placement B as a list of collective steps, priced and executed alike.
 
 One function, :func:`reshard_steps`, decides both the forward steps and the backward steps of a
-conversion; the cost model prices them and the runtime (``autopar.runtime.collectives``) executes
+conversion; the cost model prices them and the runtime (``autopar.comm.collectives``) executes
 them, so a plan's predicted and executed communication agree.
 
 Every step acts on one mesh axis and moves the tensor between two valid layouts:

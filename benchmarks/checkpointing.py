@@ -212,12 +212,12 @@ def sweep_rows(
     layers: int, points: int, *, low: float = 0.5, time_limit_s: float = 60.0
 ) -> list[dict]:
     """Predicted step time and recompute seconds per policy and budget (module docstring)."""
-    from autopar.api import _tie_levels, solve_configuration
-    from autopar.capture import capture
-    from autopar.checkpointing import block_group_candidates, candidate_segments
+    from autopar.capture.export import capture
     from autopar.mesh import Mesh
     from autopar.options import PlanOptions
-    from autopar.problem import ZeroConfig, build_space
+    from autopar.planner.checkpointing import block_group_candidates, candidate_segments
+    from autopar.planner.driver import Driver, tie_levels
+    from autopar.planner.problem import ZeroConfig, build_space
 
     model, args, kwargs = gpt(layers)
     captured = capture(model, args, kwargs)
@@ -227,7 +227,7 @@ def sweep_rows(
     auto = PlanOptions(checkpoint="auto", zero_stage=0, time_limit_s=time_limit_s)
     forced = PlanOptions(checkpoint="all", zero_stage=0, time_limit_s=time_limit_s)
     space = build_space(captured, mesh, auto)
-    tied = _tie_levels(space)
+    tied = tie_levels(space)
     group = math.ceil(math.sqrt(layers))
     policies = {
         "autopar": (auto, candidate_segments(space, "auto")),
@@ -239,15 +239,8 @@ def sweep_rows(
     def run(name: str, budget: float | None):
         options, candidates = policies[name]
         try:
-            return solve_configuration(
-                space,
-                ZeroConfig(),
-                options,
-                name=name,
-                budget=budget,
-                tied=tied,
-                candidates=candidates,
-            )
+            driver = Driver(space, options=options, tied=tied, candidates=candidates)
+            return driver.solve_configuration(ZeroConfig(), name=name, budget=budget)
         except (solver.InfeasibleBudgetError, solver.SolverTimeoutError):
             return None
 

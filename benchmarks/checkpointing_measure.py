@@ -191,7 +191,7 @@ def demo_gpt() -> tuple[Any, tuple[Any, ...]]:
 
 def _demo() -> None:
     import autopar
-    from autopar.capture import capture
+    from autopar.capture.export import capture
 
     model, args = demo_gpt()
     mesh = autopar.Mesh.spec((2, 2), ("dp", "tp"), device="h100")
@@ -232,8 +232,9 @@ def _demo() -> None:
 
 
 def plan_json_of(space: Any, solved: Any, budget: float) -> str:
-    """Plan JSON of one of ``benchmarks/checkpointing.py``'s solved rows (``api.Solved``)."""
-    from autopar.api import log_entry, plan_document
+    """Plan JSON of one of ``benchmarks/checkpointing.py``'s solved rows (``autopar.planner.driver.Solved``)."""
+    from autopar.plan.build import plan_document
+    from autopar.planner.driver import log_entry
 
     data = plan_document(
         space,
@@ -261,10 +262,10 @@ def _sweep(layers: int, points: int, steps: int) -> None:
     from benchmarks.checkpointing import sweep_rows
 
     rows = [r for r in sweep_rows(layers, points) if r["fits"]]
-    from autopar.capture import capture
+    from autopar.capture.export import capture
     from autopar.mesh import Mesh
     from autopar.options import PlanOptions
-    from autopar.problem import build_space
+    from autopar.planner.problem import build_space
     from benchmarks.checkpointing import gpt
 
     model, args, kwargs = gpt(layers)

@@ -6,7 +6,7 @@ For each world size (2 ranks, one per core; 4 ranks, oversubscribed on 2 cores):
    world size);
 2. for two models (a GPT and a LLaMA scaled so that compute is measurable on a CPU), plans on
    every mesh shape of that size (auto, ddp, megatron each; ZeRO recipes where the runtime runs
-   them), all executed in one spawn by ``autopar.bench_cost``;
+   them), all executed in one spawn by ``autopar.tools.bench_cost``;
 3. prints per model: op MAPE per family, step MAPE, Spearman's rho over the plans, memory error,
    and the auto plan vs the fastest recipe measured in the same run; writes PNGs and a JSON.
 
@@ -65,13 +65,13 @@ def meshes_for(world: int) -> list[str]:
 
 
 def run_world(world: int, *, batch: int, seq: int, quick: bool, out_dir: str) -> dict[str, Any]:
-    from autopar.bench_cost import BenchConfig, ModelSpec, report_text, run_bench, summarize
-    from autopar.calibration import CalibrationConfig, calibrate
-    from autopar.capture import capture
+    from autopar.capture.export import capture
     from autopar.mesh import Mesh
     from autopar.options import PlanOptions
     from autopar.presets import build_preset
-    from autopar.report import plans_for_recipes, plot_op_scatter, plot_step_bars
+    from autopar.tools.bench_cost import BenchConfig, ModelSpec, report_text, run_bench, summarize
+    from autopar.tools.calibration import CalibrationConfig, calibrate
+    from autopar.tools.report import plans_for_recipes, plot_op_scatter, plot_step_bars
     from cost_models import save_profile
 
     start = time.perf_counter()

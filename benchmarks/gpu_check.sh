@@ -25,7 +25,7 @@ step() {  # step SECONDS COMMAND...: run with a limit, say how it ended, go on e
     echo "== rc=$?"
 }
 
-RUN="${TORCHRUN:-torchrun} --nproc_per_node 1 -m autopar.cli"
+RUN="${TORCHRUN:-torchrun} --nproc_per_node 1 -m autopar"
 step 150 $RUN calibrate --mesh 1 --out "$OUT/profile.json"
 IFS=';' read -r -a models <<< "$MODELS"
 for model in "${models[@]}"; do

@@ -29,7 +29,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from autopar.api import plan_captured  # noqa: E402
-from autopar.capture import capture  # noqa: E402
+from autopar.capture.export import capture  # noqa: E402
 from autopar.errors import PlanningError  # noqa: E402
 from autopar.mesh import Mesh  # noqa: E402
 from autopar.options import PlanOptions  # noqa: E402

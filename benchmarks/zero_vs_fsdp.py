@@ -173,7 +173,7 @@ def autopar_stage(args: argparse.Namespace, rank: int, mesh: Any, stages: tuple[
     import torch.distributed as dist
 
     import autopar
-    from autopar.problem import ZeroConfig
+    from autopar.planner.problem import ZeroConfig
 
     model = build_model(args)
     batch = batch_for(0, args)

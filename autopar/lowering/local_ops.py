@@ -26,11 +26,11 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from autopar.capture import ASSERT_OPS
+from autopar.capture.export import ASSERT_OPS
+from autopar.comm import collectives
+from autopar.comm.process_groups import lookup_axis_groups
 from autopar.placement import Placements, Shard, format_placements, local_shape, replicated
 from autopar.resharding import Step, reshard_steps
-from autopar.runtime import collectives
-from autopar.runtime.process_groups import lookup_axis_groups
 from autopar.strategies.embedding import vocab_parallel_embedding
 from autopar.strategies.registry import Strategy
 

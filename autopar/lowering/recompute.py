@@ -1,6 +1,6 @@
 """Activation checkpointing in the lowered graph: chosen segments recompute in backward.
 
-:func:`checkpoint_graph` outlines every :class:`~autopar.checkpointing.CheckpointSegment` of a
+:func:`checkpoint_graph` outlines every :class:`~autopar.planner.checkpointing.CheckpointSegment` of a
 lowered graph into a sub-``GraphModule`` and calls it through a :class:`CheckpointedSegment`,
 which runs it under ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``:
 
@@ -47,7 +47,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from autopar.checkpointing import CheckpointSegment
+from autopar.planner.checkpointing import CheckpointSegment
 
 __all__ = [
     "CheckpointedSegment",

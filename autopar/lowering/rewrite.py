@@ -5,7 +5,7 @@
 * **Edges.** For every edge (producer output -> consumer input ``j``) whose producer placement
   differs from the placement the consumer's strategy requires, the forward steps of
   :func:`autopar.resharding.reshard_steps` are inserted as calls of the autograd-aware
-  collectives in :mod:`autopar.runtime.collectives` (their backward follows the gradient
+  collectives in :mod:`autopar.comm.collectives` (their backward follows the gradient
   convention). A conversion needed by several consumers is inserted once. ``operator.getitem``
   consumers of a tuple-producing node index into the producer's outputs, and their conversion is
   applied to the element (after the getitem).
@@ -42,7 +42,8 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from autopar.capture import ASSERT_OPS
+from autopar.capture.export import ASSERT_OPS
+from autopar.comm import collectives
 from autopar.lowering.local_ops import (
     autopar_scale_grad,
     emit_steps,
@@ -52,7 +53,6 @@ from autopar.lowering.local_ops import (
 )
 from autopar.placement import Placements, Shard, format_placements, local_shape, replicated
 from autopar.resharding import Step, reshard_steps
-from autopar.runtime import collectives
 from autopar.strategies.registry import Strategy, input_nodes
 
 __all__ = ["LoweredGraph", "PlaceholderSource", "lower"]
@@ -184,7 +184,7 @@ def lower(
     """Rewrite a copy of ``captured.gm`` to run on this rank's local shards.
 
     Args:
-        captured: an ``autopar.capture.Captured``.
+        captured: an ``autopar.capture.export.Captured``.
         choices: node name -> chosen Strategy, for every placeholder (``outputs=(placements,)``)
             and every call_function node of ``captured.gm``.
         mesh_shape: size of each mesh axis.

@@ -6,7 +6,7 @@ and are imported from there.
 
 from __future__ import annotations
 
-from autopar.runtime.collectives import (
+from autopar.comm.collectives import (
     GradAllReduce,
     all_gather,
     all_reduce,
@@ -18,7 +18,7 @@ from autopar.runtime.collectives import (
     run_steps,
     zero_out,
 )
-from autopar.runtime.process_groups import (
+from autopar.comm.process_groups import (
     AxisGroups,
     axis_groups,
     lookup_axis_group,

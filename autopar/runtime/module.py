@@ -36,6 +36,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from autopar.lowering.rewrite import LoweredGraph
 from autopar.placement import Partial, Placements, Shard, format_placements, replicated
 from autopar.runtime.grad_sync import DEFAULT_BUCKET_BYTES, GradReducer
+from autopar.runtime.norms import clip_grad_norm_
 from autopar.runtime.state import (
     StateSource,
     block_index,
@@ -346,8 +347,6 @@ class ParallelModule(nn.Module):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip gradients by the global norm over every shard on every axis (replicated parts
         counted once); returns the total norm (the same on every rank)."""
-        from autopar.optim import clip_grad_norm_
-
         return clip_grad_norm_(
             list(self.parameters()), max_norm, norm_type, split_groups=self.split_groups
         )

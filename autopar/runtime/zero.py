@@ -1,7 +1,7 @@
 """Chunk-managed ZeRO over the data-parallel mesh axes, with a stage per mesh axis.
 
 Parameters (this rank's tensor-parallel blocks, as ``ParallelModule`` holds them) are packed in
-order of first use in forward into flat fp32 chunks (sizes: :mod:`autopar.runtime.chunks`).
+order of first use in forward into flat fp32 chunks (sizes: :mod:`autopar.planner.chunks`).
 
 Stages per mesh axis. Each mesh axis ``a`` has a stage ``s[a]`` in {0, 1, 2, 3}. For a
 parameter whose placement is Replicate on the set ``R`` of mesh axes of size > 1:
@@ -80,7 +80,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from autopar.runtime.chunks import (
+from autopar.planner.chunks import (
     DEFAULT_MAX_CHUNK_BYTES,
     MIN_CHUNKS,
     choose_chunk_bytes,

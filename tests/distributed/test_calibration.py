@@ -9,15 +9,15 @@ import pytest
 
 
 def _calibrate(rank: int, world_size: int) -> dict[str, Any]:
-    from autopar.calibration import CalibrationConfig, calibrate_on_rank
+    from autopar.tools.calibration import CalibrationConfig, calibrate_on_rank
 
     return calibrate_on_rank((2,), ("tp",), CalibrationConfig.tiny(), verbose=False)
 
 
 @pytest.mark.distributed
 def test_tiny_calibration_gives_a_profile_the_planner_uses(tmp_path) -> None:
-    from autopar.calibration import CALIBRATED_COLLECTIVES, CALIBRATED_FAMILIES
     from autopar.mesh import Mesh
+    from autopar.tools.calibration import CALIBRATED_COLLECTIVES, CALIBRATED_FAMILIES
     from cost_models import collective_time_s, load_profile, save_profile
     from tests.distributed.launcher import run_distributed
 
@@ -49,7 +49,7 @@ def test_tiny_calibration_gives_a_profile_the_planner_uses(tmp_path) -> None:
 def test_bench_cost_measures_every_plan_and_op_on_two_ranks(tmp_path, capsys) -> None:
     import json
 
-    from autopar.cli import main
+    from autopar.tools.cli import main
 
     out = tmp_path / "bench.json"
     plots = tmp_path / "bench"

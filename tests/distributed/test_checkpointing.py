@@ -21,7 +21,7 @@ segments, and with the planner's segments). ZeRO stage 3: gathered chunks are al
 forward, also those entering segments.
 
 The non-distributed tests at the end check the graph pass in one process (numerics, what it
-refuses, no checkpoint under ``torch.no_grad()``) and ``autopar.saved_activations``' per-node
+refuses, no checkpoint under ``torch.no_grad()``) and ``autopar.planner.saved_activations``' per-node
 prediction against measured bytes, without and with segments.
 """
 
@@ -152,7 +152,7 @@ def _segments(gm: Any, model_name: str, kind: str) -> list[dict[str, Any]]:
 def _plans() -> dict[str, str]:
     """Plan JSON per case, with its segments."""
     import autopar
-    from autopar.capture import capture
+    from autopar.capture.export import capture
 
     mesh = autopar.Mesh.spec(MESH_SHAPE, ("dp", "tp"), device="h100")
     base: dict[tuple[str, str], str] = {}
@@ -370,7 +370,7 @@ def test_checkpointed_training_matches_plain_and_one_process(name: str) -> None:
 
 
 def _check_prediction(rows: list[tuple[str, int, float]]) -> None:
-    """Every case within PREDICTION_RTOL: the per-node rules of autopar.saved_activations
+    """Every case within PREDICTION_RTOL: the per-node rules of autopar.planner.saved_activations
     priced at each strategy's layouts (saved inputs at the consumer's input layout, so a
     tensor all-gathered before sdpa or sliced before a row-parallel linear counts as the copy
     kept; sdpa with dropout on its math path; segment inputs kept at the producer's layout)."""
@@ -414,7 +414,7 @@ def test_saved_activation_bytes_match_the_prediction_with_planned_segments() -> 
 
 def _captured_runner(model_name: str) -> tuple[Any, Any]:
     """(captured, run(gm) -> (loss, grads, saved bytes)) for a tiny model in one process."""
-    from autopar.capture import capture
+    from autopar.capture.export import capture
     from autopar.lowering.recompute import count_saved_activation_bytes
 
     model, args, kwargs = _build(model_name)
@@ -444,7 +444,7 @@ def _captured_runner(model_name: str) -> tuple[Any, Any]:
 
 
 def _as_segments(entries: list[dict[str, Any]]) -> list[Any]:
-    from autopar.checkpointing import CheckpointSegment
+    from autopar.planner.checkpointing import CheckpointSegment
 
     return [
         CheckpointSegment(
@@ -502,8 +502,8 @@ def test_no_grad_runs_segments_without_checkpoint(monkeypatch: pytest.MonkeyPatc
 
 
 def test_bad_segments_are_refused_with_the_fix() -> None:
-    from autopar.checkpointing import CheckpointSegment
     from autopar.lowering.recompute import checkpoint_graph
+    from autopar.planner.checkpointing import CheckpointSegment
 
     captured, _ = _captured_runner("gpt")
     blocks = _as_segments(_segments(captured.gm, "gpt", "blocks"))
@@ -527,14 +527,14 @@ def test_bad_segments_are_refused_with_the_fix() -> None:
 
 @pytest.mark.parametrize("model_name", ["gpt", "llama"])
 def test_saved_rules_predict_the_measured_bytes_in_one_process(model_name: str) -> None:
-    """autopar.saved_activations (the planner's per-node rule) vs saved_tensors_hooks, without
+    """autopar.planner.saved_activations (the planner's per-node rule) vs saved_tensors_hooks, without
     and with each kind of segments."""
     from autopar.lowering.recompute import checkpoint_graph
-    from autopar.saved_activations import (
+    from autopar.planner.saved_activations import (
         predicted_saved_bytes,
         predicted_saved_bytes_with_segments,
     )
-    from autopar.space import grad_nodes
+    from autopar.planner.space import grad_nodes
 
     captured, run = _captured_runner(model_name)
     _, _, measured = run(captured.gm)

@@ -61,7 +61,7 @@ def extra_cases() -> list[tuple[str, tuple[str, ...]]]:
 
 
 def _groups(mesh_shape: tuple[int, ...]) -> Any:
-    from autopar.runtime.process_groups import axis_groups, default_key, lookup_axis_groups
+    from autopar.comm.process_groups import axis_groups, default_key, lookup_axis_groups
 
     names = ("dp", "tp", "pp")[: len(mesh_shape)]
     try:
@@ -72,7 +72,7 @@ def _groups(mesh_shape: tuple[int, ...]) -> Any:
 
 def run_case(rank: int, world_size: int, case: tuple[str, ...], mesh_shape: tuple[int, ...]) -> Any:
     """Body of one case on one rank; returns what the parent checks."""
-    from autopar.runtime.collectives import autopar_all_gather, grad_all_reduce, run_steps
+    from autopar.comm.collectives import autopar_all_gather, grad_all_reduce, run_steps
 
     groups = _groups(mesh_shape)
     coord = groups.coordinate
@@ -111,7 +111,7 @@ def run_case(rank: int, world_size: int, case: tuple[str, ...], mesh_shape: tupl
             assert torch.equal(local, shard_full(full, placements, mesh_shape)[coord]), layout
         return True
     if kind == "wrong_mesh":
-        from autopar.runtime.process_groups import axis_groups
+        from autopar.comm.process_groups import axis_groups
 
         try:
             axis_groups((2, world_size * 2), ("a", "b"))
@@ -119,7 +119,7 @@ def run_case(rank: int, world_size: int, case: tuple[str, ...], mesh_shape: tupl
             return str(error)
         raise AssertionError("axis_groups accepted a mesh larger than the world")
     if kind == "mismatch":
-        from autopar.runtime.collectives import AllGather
+        from autopar.comm.collectives import AllGather
 
         # Rank 0 sends (1, 3), the others (2, 3): a failing all_gather on axis 0 (the
         # shape check of TORCH_DISTRIBUTED_DEBUG=DETAIL catches it on every rank).

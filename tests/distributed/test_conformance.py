@@ -108,9 +108,9 @@ def _local_op(
 
 
 def _to_replicate(local: torch.Tensor, placements: Any, shape: tuple[int, ...], groups: Any) -> Any:
+    from autopar.comm.collectives import run_steps
     from autopar.placement import replicated
     from autopar.resharding import reshard_steps
-    from autopar.runtime.collectives import run_steps
 
     fwd, _ = reshard_steps(
         placements, replicated(len(placements)), shape, local.dtype.itemsize, groups.mesh_shape
@@ -223,7 +223,7 @@ def _check_strategy(
 
 @functools.cache
 def _groups(mesh_shape: tuple[int, ...]) -> Any:
-    from autopar.runtime.process_groups import axis_groups
+    from autopar.comm.process_groups import axis_groups
 
     names = tuple(f"a{i}" for i in range(len(mesh_shape)))
     return axis_groups(mesh_shape, names, key=GROUP_KEY)
@@ -279,7 +279,7 @@ def test_samples_cover_every_op_the_zoo_uses() -> None:
     its element keeps its producer's layout, exercised end to end by the lowering tests)."""
     import operator
 
-    from autopar.capture import ASSERT_OPS, capture
+    from autopar.capture.export import ASSERT_OPS, capture
     from tests.models import ALL_MODELS
 
     used = set()

@@ -192,7 +192,7 @@ def check_case(
     grad_bucket_bytes: int,
 ) -> None:
     """Loss, gradients, 3 SGD steps and state dict round trip vs the single-process model."""
-    from autopar.capture import capture
+    from autopar.capture.export import capture
     from autopar.lowering import lower
     from autopar.runtime.module import ParallelModule, gather_full
 
@@ -244,7 +244,7 @@ def check_local_loss(mesh_shape: tuple[int, ...], groups: Any) -> None:
     of the global mean loss."""
     import torch.nn.functional as F
 
-    from autopar.capture import capture
+    from autopar.capture.export import capture
     from autopar.lowering import lower
     from autopar.runtime.module import ParallelModule, gather_full
     from tests.models import tiny_mlp
@@ -330,7 +330,7 @@ MESHES = {"mesh2": (2,), "mesh2x2": (2, 2)}
 
 @functools.cache
 def _groups(mesh_shape: tuple[int, ...]) -> Any:
-    from autopar.runtime.process_groups import axis_groups
+    from autopar.comm.process_groups import axis_groups
 
     return axis_groups(mesh_shape, tuple(f"a{i}" for i in range(len(mesh_shape))), key="lowering")
 
@@ -384,7 +384,7 @@ def test_lowered_model_matches_single_process(mesh_results: dict[str, Any], case
 
 def test_lowering_rewrites_a_copy_with_local_sizes_and_collectives() -> None:
     """One process, no process group: the structure of a data-parallel GPT on mesh (2,)."""
-    from autopar.capture import capture
+    from autopar.capture.export import capture
     from autopar.lowering import lower
     from tests.models import tiny_gpt
 
@@ -409,7 +409,7 @@ def test_lowering_rewrites_a_copy_with_local_sizes_and_collectives() -> None:
 
 
 def test_lowering_refuses_absolute_split_of_a_sharded_dim() -> None:
-    from autopar.capture import capture
+    from autopar.capture.export import capture
     from autopar.lowering import lower
     from tests.models import tiny_gpt
 
@@ -432,7 +432,7 @@ class _SqueezeAll(torch.nn.Module):
 
 def test_lowering_squeezes_only_globally_size_one_dims() -> None:
     """A batch of 2 split 2 ways has local size 1: squeeze() must not drop the batch dim."""
-    from autopar.capture import capture
+    from autopar.capture.export import capture
     from autopar.lowering import lower
 
     captured = capture(_SqueezeAll(), (torch.randn(2, 8),))

@@ -50,7 +50,7 @@ NEXT_RTOL, NEXT_ATOL = 1e-5, 1e-6
 
 @functools.cache
 def _groups(mesh_shape: tuple[int, ...]) -> Any:
-    from autopar.runtime.process_groups import axis_groups
+    from autopar.comm.process_groups import axis_groups
 
     names = ("dp",) if len(mesh_shape) == 1 else ("dp", "tp")
     return axis_groups(mesh_shape, names, key="state-test")
@@ -59,9 +59,9 @@ def _groups(mesh_shape: tuple[int, ...]) -> Any:
 def _build(plan_json: str, stage: int) -> tuple[Any, Any]:
     """(global args, ParallelModule) of the tiny GPT under a plan's layouts at a ZeRO stage;
     ``plan_json="fsdp-2d"``: the batch split over both axes of (2, 2), ZeRO over both."""
-    from autopar.capture import capture
+    from autopar.capture.export import capture
     from autopar.lowering import lower
-    from autopar.plan import Plan
+    from autopar.plan.document import Plan
     from autopar.runtime.module import ParallelModule
     from tests.distributed.test_lowering import dp_layout, greedy_choices
     from tests.models import tiny_gpt
@@ -273,7 +273,7 @@ def _train_compare(pmodel: Any, normal: Any, args: Any) -> None:
 def _meta_dict(inputs: dict[str, Any]) -> dict[str, int]:
     import autopar
     from autopar.models import GPT
-    from autopar.plan import Plan
+    from autopar.plan.document import Plan
     from tests.models import tiny_gpt
 
     ref, args, _ = tiny_gpt()
@@ -296,7 +296,7 @@ def _meta_dict(inputs: dict[str, Any]) -> dict[str, int]:
 def _meta_safetensors(inputs: dict[str, Any]) -> dict[str, int]:
     import autopar
     from autopar.models import Llama
-    from autopar.plan import Plan
+    from autopar.plan.document import Plan
     from autopar.runtime.state import StateSource
     from tests.models import tiny_llama
 
@@ -324,10 +324,10 @@ def _meta_safetensors(inputs: dict[str, Any]) -> dict[str, int]:
 
 
 def _meta_errors(inputs: dict[str, Any]) -> None:
-    from autopar.capture import capture
+    from autopar.capture.export import capture
     from autopar.lowering import lower
     from autopar.models import GPT
-    from autopar.plan import Plan
+    from autopar.plan.document import Plan
     from autopar.runtime.module import ParallelModule
     from autopar.runtime.state import StateSource
     from tests.models import tiny_gpt

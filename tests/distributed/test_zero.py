@@ -18,7 +18,7 @@ measured: 4.5e-6 on (2,), 6.7e-6 on (2, 2), identical for stage 0 and 3, so 3x m
 round-trips through a fresh module of the same stage; gradient accumulation under ``no_sync()``
 equals one large batch; a whole-parameter optimizer is refused. Measured bytes of live parameter,
 gradient and optimizer-state storages per rank follow the stage (stage 3 ~ 1/N) and agree with
-``cost_models.training_state_bytes`` (what ``autopar.problem.param_state`` prices) within 10%.
+``cost_models.training_state_bytes`` (what ``autopar.planner.problem.param_state`` prices) within 10%.
 On 2x2 stage 3: clip_grad_norm_ + autopar.optim.LAMB / LARS for 3 steps equal one process; the
 full (gathered, by FQN) AdamW state equals one process's and, loaded into a stage-1 module,
 continues training as one process does. bf16 mixed precision (stages 2, 3 on (2,)) is within
@@ -48,7 +48,7 @@ MAX_CHUNK_BYTES = 16384  # several chunks in the tiny GPT: exercises prefetch an
 
 @functools.cache
 def _groups(mesh_shape: tuple[int, ...]) -> Any:
-    from autopar.runtime.process_groups import axis_groups
+    from autopar.comm.process_groups import axis_groups
 
     names = ("dp",) if len(mesh_shape) == 1 else ("dp", "tp")
     return axis_groups(mesh_shape, names, key="zero-test")
@@ -56,9 +56,9 @@ def _groups(mesh_shape: tuple[int, ...]) -> Any:
 
 def _build(plan_json: str | None, mesh_shape: tuple[int, ...], stage: int, **kw: Any) -> Any:
     """(model, args, pmodel) for the tiny GPT; choices from a plan or the data-parallel layout."""
-    from autopar.capture import capture
+    from autopar.capture.export import capture
     from autopar.lowering import lower
-    from autopar.plan import Plan
+    from autopar.plan.document import Plan
     from autopar.runtime.module import ParallelModule
     from autopar.runtime.zero import choose_chunk_bytes
     from tests.distributed.test_lowering import dp_layout, greedy_choices
@@ -289,7 +289,7 @@ def run_case(
         }
     if kind == "recipe":
         # The recipe's own plan: stage, axes and chunk size from its zero entry.
-        from autopar.plan import Plan
+        from autopar.plan.document import Plan
 
         recipe = "fsdp+tp" if len(mesh_shape) == 2 else "fsdp"
         zero = Plan.from_json(plans[recipe]).zero

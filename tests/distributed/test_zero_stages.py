@@ -11,7 +11,7 @@ both axes are data parallel here, the names are the test mesh's):
   (rtol 1e-4, atol 2e-5); then the measured bytes of live parameter, gradient and
   optimizer-state storages per rank equal what the planner prices for these stages
   (``cost_models.training_state_bytes`` with the P / G / O shard counts, as
-  ``autopar.problem.param_state`` calls it) within 10%; the sharded state dict and sharded
+  ``autopar.planner.problem.param_state`` calls it) within 10%; the sharded state dict and sharded
   optimizer state (split order (1, 0) for (2, 3)) gather back to the full ones bit for bit.
 * ``accumulate/(3, 1)``: backward twice under ``no_sync`` then once synchronised equals one
   large-batch backward.
@@ -80,7 +80,7 @@ def _check_split(pmodel: Any, stages: tuple[int, int]) -> None:
 def _predicted_bytes(pmodel: Any, stages: tuple[int, int]) -> dict[str, float]:
     """What the planner prices: training_state_bytes per parameter with the P / G / O shard
     counts of ``ZeroConfig.split`` (every parameter is Replicate on both axes here)."""
-    from autopar.problem import ZeroConfig
+    from autopar.planner.problem import ZeroConfig
     from cost_models import training_state_bytes
 
     shape = pmodel.lowered.mesh_shape

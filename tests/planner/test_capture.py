@@ -9,9 +9,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from autopar.capture import ASSERT_OPS, Captured, capture, graph_hash
+from autopar.capture.export import ASSERT_OPS, Captured, capture, graph_hash
+from autopar.capture.flops import NodeWork, causal_fraction, node_costs
 from autopar.errors import UnsupportedModelError
-from autopar.flops import NodeWork, causal_fraction, node_costs
 from autopar.models import GPT, GPTConfig
 from tests.models import ALL_MODELS, tiny_gpt, tiny_llama
 

@@ -3,21 +3,21 @@
 from __future__ import annotations
 
 import dataclasses
-import re
 
 import pytest
 import torch
 
 import solver
-from autopar.api import _tie_levels, plan_captured
-from autopar.capture import Captured, capture
-from autopar.checkpointing import candidate_segments, solver_segments
-from autopar.errors import PlanningError
+from autopar.api import plan_captured
+from autopar.capture.export import Captured, capture
+from autopar.errors import BudgetError, PlanningError
 from autopar.mesh import Mesh
 from autopar.models import GPT, GPTConfig
 from autopar.options import PlanOptions
-from autopar.plan import Plan
-from autopar.problem import ZeroConfig, build_problem, build_space
+from autopar.plan.document import Plan
+from autopar.planner.checkpointing import candidate_segments, solver_segments
+from autopar.planner.driver import tie_levels
+from autopar.planner.problem import ZeroConfig, build_problem, build_space
 from tests.models import tiny_gpt
 
 MESH = Mesh.spec((2,), ("dp",))
@@ -35,9 +35,9 @@ def make_plan(captured: Captured, **options) -> Plan:
 
 
 def smallest_budget(captured: Captured, checkpoint: str) -> float:
-    with pytest.raises(PlanningError) as err:
+    with pytest.raises(BudgetError) as err:
         make_plan(captured, memory_budget=1, checkpoint=checkpoint)
-    return float(re.search(r"\((\d+) bytes\)", str(err.value)).group(1))
+    return err.value.min_budget_bytes
 
 
 def test_candidates_are_blocks_selective_blocks_attention_and_mlp(gpt: Captured) -> None:
@@ -117,7 +117,7 @@ def test_tied_layers_keep_the_checkpoint_ilp_size_independent_of_depth() -> None
         tokens = torch.zeros(4, 16, dtype=torch.long)
         captured = capture(GPT(config), (tokens, tokens), None)
         space = build_space(captured, MESH, PlanOptions())
-        tied = _tie_levels(space)[0]
+        tied = tie_levels(space)[0]
         candidates = candidate_segments(space, "auto")
         built = build_problem(space, ZeroConfig(), memory_budget_bytes=1.0, tied=tied)
         problem = dataclasses.replace(
@@ -160,10 +160,10 @@ def test_a_recipe_that_does_not_fit_recomputes_within_its_layouts(gpt: Captured)
 def test_budget_sweep_runs_from_the_smallest_budget_that_fits_to_the_free_peak(
     gpt: Captured, tmp_path
 ) -> None:
-    from autopar.checkpointing import budget_sweep
-    from autopar.report import plot_budget_sweep, sweep_table
+    from autopar.planner.driver import Driver, budget_sweep
+    from autopar.tools.report import plot_budget_sweep, sweep_table
 
-    points = budget_sweep(gpt, MESH, PlanOptions(zero_stage=0), model_name="tiny-gpt", num_points=2)
+    points = budget_sweep(Driver(build_space(gpt, MESH, PlanOptions(zero_stage=0))), num_points=2)
     assert len(points) == 2
     low, high = points
     assert low.budget_bytes < high.budget_bytes
@@ -179,15 +179,15 @@ def test_budget_sweep_runs_from_the_smallest_budget_that_fits_to_the_free_peak(
 def test_cli_sweep_budget_prints_the_table_and_writes_the_plot(
     monkeypatch: pytest.MonkeyPatch, tmp_path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import autopar.checkpointing
+    import autopar.planner.driver
     import autopar.presets
-    from autopar.checkpointing import SweepPoint
-    from autopar.cli import main
+    from autopar.planner.driver import SweepPoint
+    from autopar.tools.cli import main
 
     calls = {}
 
-    def fake_sweep(captured, mesh, options, *, model_name, num_points):
-        calls.update(checkpoint=options.checkpoint, num_points=num_points, mesh=mesh.shape)
+    def fake_sweep(driver, *, num_points):
+        calls.update(checkpoint=driver.options.checkpoint, num_points=num_points, mesh=driver.space.mesh.shape)
         return [
             SweepPoint(
                 budget_bytes=2**20,
@@ -208,7 +208,7 @@ def test_cli_sweep_budget_prints_the_table_and_writes_the_plot(
         ]
 
     monkeypatch.setattr(autopar.presets, "build_preset", lambda name, batch, seq: tiny_gpt())
-    monkeypatch.setattr(autopar.checkpointing, "budget_sweep", fake_sweep)
+    monkeypatch.setattr(autopar.planner.driver, "budget_sweep", fake_sweep)
     plot = tmp_path / "curve.png"
     args = [
         "plan",

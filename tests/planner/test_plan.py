@@ -10,7 +10,7 @@ import torch
 import autopar
 from autopar.errors import PlanMismatchError, PlanningError
 from autopar.models import MLP, MLPConfig
-from autopar.plan import Plan, plan_schema
+from autopar.plan.document import Plan, plan_schema
 
 
 def meta_mlp(in_features: int, hidden: int, batch: int):
@@ -174,7 +174,7 @@ def test_op_without_rule_runs_replicated_and_the_plan_says_so():
 
 
 def test_cli_plans_a_preset_and_shows_the_saved_plan(tmp_path, capsys):
-    from autopar.cli import main
+    from autopar.tools.cli import main
 
     out = tmp_path / "plan.json"
     assert main(["plan", "mlp", "--mesh", "2x2", "--device", "a100", "--batch", "16", "--out", str(out)]) == 0

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from autopar.capture import capture
+from autopar.capture.export import capture
 from autopar.models import GPT, Llama
 from autopar.presets import PRESETS, build_preset, parse_hf_name
 

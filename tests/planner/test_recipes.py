@@ -76,17 +76,18 @@ def test_data_parallel_recipes_never_gather_the_batch(recipe):
 def test_recipes_that_differ_only_in_zero_share_one_solve_and_it_is_their_optimum(pair, mesh):
     """fsdp's ZeRO-3 terms are constants when every parameter's layout is fixed: its layouts
     are ddp's, and solving its own ILP finds no faster plan (the shared solve is exact)."""
-    from autopar.api import solve_configuration, solve_configurations
-    from autopar.baselines import recipe_spec
-    from autopar.problem import build_space
+    from autopar.planner.driver import Driver
+    from autopar.planner.problem import build_space
+    from autopar.planner.recipes import recipe_spec
 
     model, args, kwargs = build_preset("gpt2-small-2l", batch=8, seq=128)
     captured = autopar.capture(model, args, kwargs)
     space = build_space(captured, autopar.Mesh.parse(mesh, device="h100"), PlanOptions())
     specs = [recipe_spec(space, recipe) for recipe in pair]
-    first, second = solve_configurations(space, [(r, s.zero, s, None) for r, s in zip(pair, specs)], PlanOptions())
+    driver = Driver(space, tied=(), candidates=())
+    first, second = driver.solve_configurations([(r, s.zero, s, None) for r, s in zip(pair, specs)])
     assert first.choice == second.choice
     assert first.zero != second.zero and second.evaluation.step_s != first.evaluation.step_s
-    alone = solve_configuration(space, specs[1].zero, PlanOptions(), name=pair[1], budget=None, spec=specs[1])
+    alone = driver.solve_configuration(specs[1].zero, name=pair[1], budget=None, spec=specs[1])
     assert second.evaluation.step_s == pytest.approx(alone.evaluation.step_s, rel=1e-9)
     assert second.solution.objective_s == pytest.approx(alone.solution.objective_s, rel=1e-9)

@@ -9,13 +9,14 @@ import torch
 import torch.nn as nn
 
 import solver
-from autopar.api import _tie_levels, plan_captured
-from autopar.capture import capture
-from autopar.coarsen import repeated_blocks
+from autopar.api import plan_captured
+from autopar.capture.export import capture
 from autopar.mesh import Mesh
 from autopar.options import PlanOptions
+from autopar.planner.driver import Driver, tie_levels
+from autopar.planner.problem import ZeroConfig, build_problem, build_space, evaluate
+from autopar.planner.tying import repeated_blocks
 from autopar.presets import build_preset
-from autopar.problem import ZeroConfig, build_problem, build_space, evaluate
 
 
 class Stack(nn.Module):
@@ -88,7 +89,7 @@ def space(request):
 
 def test_tied_optimum_equals_untied_optimum_when_the_budget_does_not_bind(space) -> None:
     untied = solver.solve(build_problem(space, ZeroConfig(), memory_budget_bytes=None).problem)
-    for tied in _tie_levels(space):
+    for tied in tie_levels(space):
         assert sum(len(c) for c in tied) >= 4 * 2  # the layers' nodes, every stack
         problem = build_problem(space, ZeroConfig(), memory_budget_bytes=None, tied=tied).problem
         sol = solver.solve(problem)
@@ -112,7 +113,7 @@ def test_tied_plan_under_a_binding_budget_is_close_to_the_untied_one(space) -> N
     budget, free = binding_budget(space, zero)
     untied = solver.solve(build_problem(space, zero, memory_budget_bytes=budget).problem)
     assert untied.objective_s > free.objective_s  # the budget binds
-    tied_all = _tie_levels(space)[0]
+    tied_all = tie_levels(space)[0]
     # Counts per strategy (solver/tying.py solve_counts): layers may differ, the model does not
     # grow with depth, and its bound is a lower bound on the untied optimum.
     tied = solver.solve(
@@ -141,7 +142,7 @@ def test_same_input_same_plan() -> None:
 
 
 def test_cli_reports_each_stage_and_reuses_the_cached_plan(tmp_path, monkeypatch, capsys) -> None:
-    from autopar.cli import main
+    from autopar.tools.cli import main
 
     monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path))
     argv = ["plan", "mlp", "--mesh", "2x2", "--batch", "64", "--out", str(tmp_path / "p.json")]
@@ -169,7 +170,7 @@ def test_solved_model_does_not_grow_with_depth() -> None:
         space = build_space(
             capture(model, args, kwargs), Mesh.parse("2x2", device="h100"), PlanOptions()
         )
-        tied = _tie_levels(space)[0]
+        tied = tie_levels(space)[0]
         problem = build_problem(space, ZeroConfig(), memory_budget_bytes=None, tied=tied).problem
         sizes[layers] = solver.solve(problem).num_variables
     assert sizes[4] == sizes[8] > 0
@@ -179,17 +180,14 @@ def test_checkpoint_auto_under_a_binding_budget_is_no_worse_than_counts(space) -
     """With checkpoint segments the joint ILP forces tied layers alike (counts cannot price a
     segment); the planner also solves the counts model without segments and keeps the better,
     so checkpoint='auto' is never behind layer-mixing counts under a binding budget."""
-    from autopar.api import solve_configuration
-    from autopar.checkpointing import candidate_segments
+    from autopar.planner.checkpointing import candidate_segments
 
     zero = ZeroConfig()
     budget, _ = binding_budget(space, zero)
-    tied = _tie_levels(space)
+    tied = tie_levels(space)
     counts = solver.solve(build_problem(space, zero, memory_budget_bytes=budget, tied=tied[0]).problem)
     options = PlanOptions(checkpoint="auto")
-    joint = solve_configuration(
-        space, zero, options, name="auto", budget=budget, tied=tied,
-        candidates=candidate_segments(space, "auto"),
-    )  # fmt: skip
+    driver = Driver(space, options=options, tied=tied, candidates=candidate_segments(space, "auto"))
+    joint = driver.solve_configuration(zero, name="auto", budget=budget)
     assert joint.evaluation.peak_memory_bytes <= budget
     assert joint.evaluation.step_s <= counts.objective_s * (1 + 1e-9)

@@ -27,11 +27,13 @@ import pytest
 
 import autopar
 import solver
-from autopar.api import plan_captured, solve_configuration, zero_candidates, zero_configurations
-from autopar.capture import capture
+from autopar.api import plan_captured
+from autopar.capture.export import capture
 from autopar.options import PlanOptions
-from autopar.plan import Plan
-from autopar.problem import ZeroConfig, build_space
+from autopar.plan.document import Plan
+from autopar.planner.driver import Driver
+from autopar.planner.problem import ZeroConfig, build_space
+from autopar.planner.zero_choice import zero_candidates, zero_configurations
 from autopar.runtime.zero import MIN_CHUNKS, choose_chunk_bytes
 from tests.models import tiny_mlp
 
@@ -98,9 +100,9 @@ def test_pruned_configurations_are_no_better_than_their_dominator() -> None:
         if dominated_by is None or zero.stage == 0:
             continue
         if dominated_by not in tops:
-            tops[dominated_by] = solve_configuration(space, dominated_by, options, name="top", budget=budget)
+            tops[dominated_by] = Driver(space, options=options, tied=(), candidates=()).solve_configuration(dominated_by, name="top", budget=budget)
         try:
-            solved = solve_configuration(space, zero, options, name="pruned", budget=budget)
+            solved = Driver(space, options=options, tied=(), candidates=()).solve_configuration(zero, name="pruned", budget=budget)
         except solver.InfeasibleBudgetError:
             continue
         checked += 1
@@ -254,7 +256,7 @@ def test_forced_per_axis_stages_round_trip(tmp_path: Any) -> None:
 
 
 def test_cli_zero_per_axis(tmp_path: Any, capsys: Any) -> None:
-    from autopar.cli import main, parse_zero
+    from autopar.tools.cli import main, parse_zero
 
     out = tmp_path / "plan.json"
     args = ["plan", "mlp", "--mesh", "dp=2,tp=2", "--batch", "16", "--out", str(out)]

@@ -123,7 +123,7 @@ def test_calibrated_profile_round_trips_and_drives_the_mesh(tmp_path) -> None:
 
 
 def test_op_work_prices_a_linear_like_the_planner() -> None:
-    from autopar.calibration import op_work
+    from autopar.tools.calibration import op_work
 
     x = torch.randn(32, 16, requires_grad=True)
     w = torch.randn(8, 16, requires_grad=True)
@@ -135,7 +135,7 @@ def test_op_work_prices_a_linear_like_the_planner() -> None:
 
 
 def test_summarize_computes_family_mape_step_mape_and_spearman() -> None:
-    from autopar.bench_cost import summarize
+    from autopar.tools.bench_cost import summarize
 
     breakdown = {"compute_s": 0.0}
     result = {
@@ -168,11 +168,11 @@ def test_summarize_computes_family_mape_step_mape_and_spearman() -> None:
 
 @pytest.fixture(scope="module")
 def mlp_plans():
-    from autopar.capture import capture
+    from autopar.capture.export import capture
     from autopar.mesh import Mesh
     from autopar.models import MLP, MLPConfig
     from autopar.options import PlanOptions
-    from autopar.report import plans_for_recipes
+    from autopar.tools.report import plans_for_recipes
 
     # A long batch and narrow layers: gradients are cheaper to reduce than inputs to gather, so
     # the ddp recipe is batch parallel throughout.
@@ -185,7 +185,7 @@ def mlp_plans():
 
 
 def test_compare_table_lists_every_recipe(mlp_plans) -> None:
-    from autopar.report import compare_rows, compare_table
+    from autopar.tools.report import compare_rows, compare_table
 
     _, plans = mlp_plans
     rows = compare_rows(plans)
@@ -203,7 +203,7 @@ def test_compare_table_lists_every_recipe(mlp_plans) -> None:
 def test_ddp_moves_each_gradient_once_per_axis(mlp_plans) -> None:
     """DDP on a 2x2 mesh: one all-reduce of every parameter gradient per axis; a ring
     all-reduce over 2 devices sends exactly the tensor's bytes, plus the loss's scalars."""
-    from autopar.report import comm_volume_by_axis
+    from autopar.tools.report import comm_volume_by_axis
 
     captured, plans = mlp_plans
     param_bytes = sum(
@@ -218,7 +218,7 @@ def test_ddp_moves_each_gradient_once_per_axis(mlp_plans) -> None:
 
 
 def test_plan_cli_uses_a_profile(tmp_path, capsys) -> None:
-    from autopar.cli import main
+    from autopar.tools.cli import main
 
     data = {
         "version": 1,

@@ -1,4 +1,4 @@
-"""Chunk-size search for the ZeRO runtime (torch-free: the planner calls it too).
+"""Chunk-size search for ZeRO: the planner records the chunk size, the runtime packs by it (torch-free).
 
 Parameters are packed in order of first use into flat chunks (:func:`pack_chunks`); a chunk's
 buffer is its content rounded up to a multiple of its shard count (:func:`chunk_numels`);

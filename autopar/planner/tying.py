@@ -25,7 +25,7 @@ from collections import Counter
 
 import torch.fx as fx
 
-from autopar.problem import StrategySpace
+from autopar.planner.problem import StrategySpace
 from autopar.strategies import input_nodes
 
 STACK_NAMES = ("layers", "blocks", "h", "layer", "block")

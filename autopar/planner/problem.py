@@ -1,6 +1,6 @@
 """The bridge from the captured graph to the torch-free solver.
 
-``autopar.space.build_space`` enumerates every node's strategies and prices everything that
+``autopar.planner.space.build_space`` enumerates every node's strategies and prices everything that
 does not depend on global knobs (compute, resharding on edges, gradient all-reduces, activation
 memory; re-exported here); ``build_problem`` adds what the ZeRO configuration and a recipe's restrictions change and emits
 a ``solver.Problem``. ``evaluate`` prices a chosen assignment with the same tables, so the
@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 import solver
-from autopar.space import (  # re-exported: the bridge's inputs
+from autopar.planner.space import (  # re-exported: the bridge's inputs
     EdgeSpace,
     NodeSpace,
     StrategySpace,
@@ -218,7 +218,7 @@ def build_problem(
 ) -> BuiltProblem:
     """Emit the solver problem. ``allowed`` restricts nodes' strategies (recipes); ``forbid``
     maps an edge index to (src strategy, dst strategy) pairs that are not allowed; ``tied``
-    lists classes of node indices that must choose alike (``autopar.coarsen.repeated_blocks``);
+    lists classes of node indices that must choose alike (``autopar.planner.tying.repeated_blocks``);
     a class whose members are offered different strategies is left untied."""
     allowed_idx: list[tuple[int, ...]] = []
     solver_nodes: list[solver.Node] = []
@@ -295,7 +295,7 @@ class Evaluation:
     node_s: tuple[float, ...]
     """Per node: its own seconds plus its incoming edges' resharding seconds."""
     recompute_s: float = 0.0
-    """Forward seconds spent again in recomputed checkpoint segments (autopar.checkpointing)."""
+    """Forward seconds spent again in recomputed checkpoint segments (autopar.planner.checkpointing)."""
 
 
 def _zero_free_sums(space: StrategySpace, choice: tuple[int, ...]) -> dict[str, Any]:

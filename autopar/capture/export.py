@@ -29,8 +29,8 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from autopar.capture.rewrites import exact_means
 from autopar.errors import UnsupportedModelError
-from autopar.rewrites import exact_means
 
 # Nodes that only check metadata at run time; they carry the capture device and do no work.
 _ASSERT_PACKETS = (

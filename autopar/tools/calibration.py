@@ -11,7 +11,7 @@ schema ``cost_models.load_profile`` reads:
 - ``device.kernel_overhead_s``: the time of a one-element op;
 - ``device.op_efficiency[family]``: for matmul, attention, pointwise, norm, softmax, embedding,
   reduction and loss, the fraction of the roofline ``max(flops / peak, bytes / bandwidth)`` that a
-  representative op reaches forward plus backward, with FLOPs from ``autopar.flops`` and bytes
+  representative op reaches forward plus backward, with FLOPs from ``autopar.capture.flops`` and bytes
   counted as the planner counts them (local inputs plus outputs, twice that in backward);
 - ``links[axis].collectives[kind] = (alpha, beta)`` for all_reduce, all_gather, reduce_scatter and
   all_to_all, fitted by ``cost_models.fit_alpha_beta`` over message sizes.
@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from autopar.flops import node_costs
+from autopar.capture.flops import node_costs
 from autopar.runtime.spawn import spawn_ranks
 from cost_models import DeviceSpec, Profile, collective_steps_and_wire_bytes, fit_alpha_beta
 from cost_models.calibrate import build_profile, fit_efficiency, fit_rate, link_from_fits
@@ -168,8 +168,8 @@ def fwd_bwd_callable(
 
 def op_work(target: Any, args: Sequence[Any], kwargs: dict[str, Any] | None = None) -> tuple[float, float, float, float]:
     """``(fwd_flops, bwd_flops, fwd_bytes, bwd_bytes)`` of ``target(*args)`` as the planner
-    prices it: FLOPs from ``autopar.flops.node_costs``; bytes = tensor inputs plus outputs (the
-    planner's ``autopar.problem`` convention), twice that in backward."""
+    prices it: FLOPs from ``autopar.capture.flops.node_costs``; bytes = tensor inputs plus outputs (the
+    planner's ``autopar.planner.problem`` convention), twice that in backward."""
     kwargs = kwargs or {}
     graph = fx.Graph()
     node_args: list[Any] = []
@@ -440,7 +440,7 @@ def calibrate_on_rank(
     (the same on every rank)."""
     from rich.console import Console
 
-    from autopar.runtime.process_groups import axis_groups
+    from autopar.comm.process_groups import axis_groups
 
     start = time.perf_counter()
     console = Console(stderr=True, highlight=False)
@@ -538,7 +538,7 @@ def calibrate(
         if "WORLD_SIZE" not in os.environ:
             raise ValueError(
                 "calibrate needs ranks: run it under torchrun (torchrun --nproc-per-node N "
-                "-m autopar.cli calibrate ...) or pass --nproc N to spawn them here"
+                "-m autopar calibrate ...) or pass --nproc N to spawn them here"
             )
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=300))

@@ -74,7 +74,7 @@ def _build_mesh(args: argparse.Namespace):
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from autopar.api import plan_captured
-    from autopar.capture import capture
+    from autopar.capture.export import capture
     from autopar.options import PlanOptions
     from autopar.presets import build_preset
 
@@ -92,8 +92,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     )
     from rich.console import Console
 
-    from autopar import plan_cache
-    from autopar.api import AUTOPAR_VERSION
+    from autopar.plan import cache as plan_cache
 
     console = Console(stderr=True, highlight=False, log_path=False)  # progress on stderr
     start = time.perf_counter()
@@ -103,21 +102,21 @@ def cmd_plan(args: argparse.Namespace) -> int:
     capture_s = time.perf_counter() - start
     console.log(f"capture: {len(captured.gm.graph.nodes)} nodes, {capture_s:.2f} s")
     if getattr(args, "sweep_budget", None):
-        from autopar.checkpointing import budget_sweep
-        from autopar.report import plot_budget_sweep, sweep_table
+        from autopar.planner.driver import Driver, budget_sweep
+        from autopar.planner.space import build_space
+        from autopar.tools.report import plot_budget_sweep, sweep_table
 
         if args.sweep_budget < 2:
             raise ValueError("--sweep-budget needs at least 2 points")
         with console.status("planning under each budget"):
-            points = budget_sweep(
-                captured, mesh, options, model_name=args.model, num_points=args.sweep_budget
-            )
+            driver = Driver(build_space(captured, mesh, options))
+            points = budget_sweep(driver, num_points=args.sweep_budget)
         title = f"{args.model} on {mesh.describe()}: step time vs memory budget (checkpoint={args.checkpoint})"
         print(sweep_table(points, title=title))
         plot_budget_sweep(points, args.sweep_plot, title=title)
         print(f"plot written to {args.sweep_plot}")
         return 0
-    key = plan_cache.cache_key(captured.graph_hash, mesh, options, AUTOPAR_VERSION, args.model)
+    key = plan_cache.cache_key(captured.graph_hash, mesh, options, args.model)
     plan = None if args.no_cache else plan_cache.load(key, captured.graph_hash)
     if plan is not None:
         console.log(f"plan cache hit: {plan_cache.cache_dir() / (key + '.json')}")
@@ -146,7 +145,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from autopar.plan import Plan
+    from autopar.plan.document import Plan
 
     plan = Plan.load(args.plan)
     if args.explain:
@@ -158,11 +157,11 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from autopar.baselines import BASELINE_RECIPES
-    from autopar.capture import capture
+    from autopar.capture.export import capture
     from autopar.options import PlanOptions
+    from autopar.planner.recipes import BASELINE_RECIPES
     from autopar.presets import build_preset
-    from autopar.report import compare_rows, compare_table, plans_for_recipes
+    from autopar.tools.report import compare_rows, compare_table, plans_for_recipes
 
     mesh = _build_mesh(args)
     recipes = ["auto", *(r for r in args.baselines.split(",") if r)] if args.baselines else ["auto", *BASELINE_RECIPES]
@@ -178,8 +177,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from autopar.calibration import CalibrationConfig, calibrate
     from autopar.mesh import Mesh
+    from autopar.tools.calibration import CalibrationConfig, calibrate
     from cost_models import save_profile
 
     mesh = Mesh.parse(args.mesh, device="cpu")
@@ -201,7 +200,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_cost(args: argparse.Namespace) -> int:
-    from autopar.bench_cost import BenchConfig, bench_cost_cli
+    from autopar.tools.bench_cost import BenchConfig, bench_cost_cli
 
     config = BenchConfig(steps=args.steps, op_repeat_s=args.op_time, measure_ops=not args.no_ops)
     return bench_cost_cli(args, config)

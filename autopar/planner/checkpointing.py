@@ -6,16 +6,16 @@ under the selective policy, the outputs of its ``keep`` nodes) for backward and 
 again during backward.
 
 Candidates (``candidate_segments``): every layer of a stack of repeated blocks (module paths
-``<stack>.<i>``, the names autopar.coarsen ties), each as
+``<stack>.<i>``, the names autopar.planner.tying ties), each as
 
 - ``full``: the whole block recomputed;
 - ``selective``: the block with matmul / SDPA outputs kept, pointwise ops recomputed;
 - ``full`` on each child module holding a matmul (attention, MLP).
 
-Pricing per node strategy s (the arrays of autopar.problem's strategy space):
+Pricing per node strategy s (the arrays of autopar.planner.problem's strategy space):
 - freed bytes: the node's saved activation, for nodes not kept, less the storages a backward
   outside the segment saves too (its own output, or an input it owns; found with
-  autopar.saved_activations, the rules the activation bytes follow). Checkpoint keeps every
+  autopar.planner.saved_activations, the rules the activation bytes follow). Checkpoint keeps every
   segment input as it enters, i.e. at its PRODUCER's layout (conversions run inside): unless a
   consumer outside the segment owns that storage anyway, the producer's output bytes are
   charged as a negative row on the producer (``Candidate.node_index`` lists the segment's
@@ -40,10 +40,10 @@ import numpy as np
 import torch
 import torch.fx as fx
 
-from autopar.coarsen import STACK_NAMES
-from autopar.pricing import CommPricer, pair_table
-from autopar.problem import Evaluation, StrategySpace
-from autopar.space import grad_nodes, local_bytes
+from autopar.planner.pricing import CommPricer, pair_table
+from autopar.planner.problem import Evaluation, StrategySpace
+from autopar.planner.space import grad_nodes, local_bytes
+from autopar.planner.tying import STACK_NAMES
 from autopar.strategies import input_nodes
 from autopar.strategies.registry import TensorMeta, op_call, tensor_meta
 from solver.problem import Segment, SegmentEdge
@@ -125,7 +125,7 @@ class _ForwardPricer:
         self.matrices: dict[tuple, np.ndarray] = {}
         self.bytes_memo: dict[tuple, np.ndarray] = {}
         # it imports CheckpointSegment from here
-        from autopar.saved_activations import _root, _saves, saved_owners, saved_rules
+        from autopar.planner.saved_activations import _root, _saves, saved_owners, saved_rules
 
         gm = space.captured.gm
         needs_grad = grad_nodes(gm, space.captured.param_nodes)
@@ -212,7 +212,7 @@ def _input_bytes_of(space: StrategySpace, node: fx.Node, position: int) -> np.nd
 
 def _saved_outside(space: StrategySpace, pricer: _ForwardPricer, names: set[str]) -> set[str]:
     """Nodes of the segment whose output storage a backward outside the segment saves (so
-    recomputing the segment does not free it), by the rules of autopar.saved_activations (the
+    recomputing the segment does not free it), by the rules of autopar.planner.saved_activations (the
     ones the activation bytes follow), or the model's outputs."""
     outside = {
         root
@@ -494,86 +494,3 @@ def with_segments(evaluation: Evaluation, chosen: tuple[ChosenSegment, ...]) -> 
         memory=memory,
         recompute_s=seconds,
     )
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class SweepPoint:
-    """One plan of a memory-budget sweep (``autopar plan --sweep-budget``)."""
-
-    budget_bytes: float
-    step_s: float | None
-    """Predicted step time; None where no plan fits."""
-    peak_memory_bytes: float | None
-    recompute_s: float
-    num_segments: int
-    zero_stage: int | None
-
-
-def budget_sweep(
-    captured,
-    mesh,
-    options,
-    *,
-    model_name: str,
-    num_points: int = 6,
-) -> list[SweepPoint]:
-    """Plan under ``num_points`` budgets evenly spaced from the smallest that fits (with the
-    options' checkpoint mode) to the budget-free plan's peak; the step-time vs memory curve.
-
-    Args:
-        captured: autopar.capture.Captured.
-        mesh: autopar.mesh.Mesh.
-        options: PlanOptions (its memory_budget is replaced by each point's).
-    """
-    from autopar.api import plan_captured
-    from autopar.errors import PlanningError
-
-    def solve(budget: float):
-        return plan_captured(
-            captured,
-            mesh,
-            replace(options, memory_budget=int(budget)),
-            model_name=model_name,
-            price_baselines=False,
-        )
-
-    top = solve(mesh.device.mem_capacity_bytes * 1e3).predicted_peak_memory_bytes
-    try:
-        solve(1.0)
-        raise AssertionError("a 1-byte budget fitted")
-    except PlanningError as e:
-        found = re.search(r"\((\d+) bytes\)", str(e))
-        if found is None:
-            raise
-        bottom = float(found.group(1))
-    if bottom >= top:
-        budgets = [top]
-    else:
-        budgets = [bottom + (top - bottom) * k / (num_points - 1) for k in range(num_points)]
-    points = []
-    for budget in budgets:
-        try:
-            plan = solve(math.ceil(budget))
-        except PlanningError:
-            points.append(
-                SweepPoint(
-                    budget_bytes=budget,
-                    step_s=None,
-                    peak_memory_bytes=None,
-                    recompute_s=0.0,
-                    num_segments=0,
-                    zero_stage=None,
-                )
-            )
-            continue
-        points.append(
-            SweepPoint(
-                budget_bytes=budget,
-                step_s=plan.predicted_step_s,
-                peak_memory_bytes=plan.predicted_peak_memory_bytes,
-                recompute_s=plan.data["predicted"]["breakdown"].get("recompute_s", 0.0),
-                num_segments=len(plan.checkpoint_segments()),
-                zero_stage=plan.zero["stage"],
-            )
-        )
-    return points

@@ -15,7 +15,7 @@ from typing import Any
 
 from autopar.options import PlanOptions, format_bytes, format_seconds
 from autopar.placement import parse_placements
-from autopar.plan import Plan
+from autopar.plan.document import Plan
 from autopar.resharding import reshard_steps
 from cost_models import collective_steps_and_wire_bytes
 
@@ -40,69 +40,30 @@ def plans_for_recipes(
     model_name: str,
 ) -> dict[str, Plan]:
     """One Plan per name in ``recipes`` ("auto", baseline recipes, or "replicated": inputs and
-    parameters Replicate, the no-parallelism reference), from one strategy space. A recipe that does not fit the memory budget is still planned (its ``fits`` flag in
-    ``baselines`` says so).
+    parameters Replicate, the no-parallelism reference), from one strategy space and one
+    planner driver, so each plan is the one ``autopar plan --recipe NAME`` returns. A recipe
+    that does not fit the memory budget even with recomputation is still planned (its ``fits``
+    flag in ``baselines`` says so).
 
     Raises:
         ValueError: an unknown recipe name.
         PlanningError: the auto plan fits no ZeRO configuration within the budget.
     """
-    from autopar import api
-    from autopar.baselines import BASELINE_RECIPES
-    from autopar.problem import ZeroConfig, build_space
+    from autopar.api import document_plan
+    from autopar.planner.driver import REFERENCE_RECIPES, Driver
+    from autopar.planner.space import build_space
 
-    unknown = [r for r in recipes if r not in ("auto", "replicated") and r not in BASELINE_RECIPES]
+    unknown = [r for r in recipes if r not in REFERENCE_RECIPES]
     if unknown:
-        raise ValueError(
-            f"unknown recipe(s) {unknown}; choose from auto, replicated, {', '.join(BASELINE_RECIPES)}"
-        )
+        raise ValueError(f"unknown recipe(s) {unknown}; choose from {', '.join(REFERENCE_RECIPES)}")
     space = build_space(captured, mesh, options)
-    budget = api.memory_budget_bytes(mesh, options)
-    baselines, notes = api.solve_recipes(space, options, BASELINE_RECIPES)
+    driver = Driver(space)
     plans: dict[str, Plan] = {}
     for recipe in recipes:
-        if recipe == "auto":
-            solved, log = api.solve_auto(space, options, budget)
-        elif recipe == "replicated":
-            solved = api.solve_configuration(
-                space, ZeroConfig(), options, name=recipe, budget=None, spec=_replicated_spec(space)
-            )
-            log = [api.log_entry(solved)]
-        else:
-            solved = baselines[recipe]
-            log = [api.log_entry(solved)]
-        data = api.plan_document(
-            space,
-            solved,
-            baselines,
-            budget=budget,
-            model_name=model_name,
-            log=log,
-            warnings=sorted(set(space.warnings)) + sorted(set(notes)),
-            timings={"capture_s": 0.0, "strategies_s": space.build_s, "solve_s": solved.solution.solve_s},
-        )
-        data["recipe"] = recipe
-        data["options"]["recipe"] = recipe
-        plans[recipe] = Plan(data=data, space=space, choice=solved.choice)
+        planned = driver.plan(recipe, strict=False)
+        timings = {"capture_s": 0.0, "strategies_s": space.build_s, "solve_s": planned.solve_s}
+        plans[recipe] = document_plan(driver, planned, model_name=model_name, timings=timings)
     return plans
-
-
-def _replicated_spec(space: Any) -> Any:
-    """The no-parallelism reference: every tensor Replicate on every axis (each device computes
-    the whole step); an op with no all-Replicate strategy keeps its choices."""
-    from autopar.baselines import RecipeSpec
-    from autopar.problem import ZeroConfig
-
-    allowed = {}
-    for node in space.nodes:
-        whole = [
-            i
-            for i, st in enumerate(node.strategies)
-            if all(p is None or all(x.is_replicate() for x in p) for p in (*st.outputs, *st.inputs))
-        ]
-        if whole:
-            allowed[node.name] = whole
-    return RecipeSpec(name="replicated", allowed=allowed, forbid={}, zero=ZeroConfig())
 
 
 def _needs_grad(nodes: Sequence[Mapping[str, Any]]) -> set[str]:
@@ -323,7 +284,7 @@ def plot_step_bars(rows: Sequence[Mapping[str, Any]], path: str, *, title: str =
 
 
 def sweep_table(points: Sequence[Any], *, title: str = "step time vs memory budget") -> str:
-    """A budget sweep (autopar.checkpointing.budget_sweep) as a table."""
+    """A budget sweep (autopar.planner.checkpointing.budget_sweep) as a table."""
     body = [
         [
             format_bytes(p.budget_bytes),

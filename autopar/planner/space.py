@@ -4,7 +4,7 @@
 does not depend on the ZeRO configuration or a recipe: compute (roofline on local work), the
 resharding of every edge, gradient all-reduces, activation and transient memory. Repeated
 layers share strategy lists and cost arrays (one pricing per signature). The cost model itself
-is described in :mod:`autopar.problem`, which turns a space into a ``solver.Problem``.
+is described in :mod:`autopar.planner.problem`, which turns a space into a ``solver.Problem``.
 """
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ import numpy as np
 import torch
 import torch.fx as fx
 
-from autopar.capture import Captured
-from autopar.flops import node_costs
+from autopar.capture.export import Captured
+from autopar.capture.flops import node_costs
 from autopar.mesh import Mesh
 from autopar.options import PlanOptions
 from autopar.placement import REPLICATE, Placements, Shard, divides, local_shape
-from autopar.pricing import CommPricer, pair_table
-from autopar.saved_activations import SavedRule, saved_rules
+from autopar.planner.pricing import CommPricer, pair_table
+from autopar.planner.saved_activations import SavedRule, saved_rules
 from autopar.strategies import Strategy, input_nodes, strategies_for
 from autopar.strategies.registry import TensorMeta, op_call, tensor_meta
 from cost_models import compute_time_s
@@ -89,7 +89,7 @@ class StrategySpace:
     """Node name -> what its strategies and costs depend on (op, shapes, arguments): nodes
     with equal signatures have the same strategies and cost arrays (shared objects)."""
     evaluation_cache: dict[tuple[int, ...], dict] = field(default_factory=dict, repr=False)
-    """autopar.problem.evaluate's ZeRO-independent sums per choice (a few, recent)."""
+    """autopar.planner.problem.evaluate's ZeRO-independent sums per choice (a few, recent)."""
 
     def node(self, name: str) -> NodeSpace:
         return self.nodes[self.index[name]]
@@ -331,7 +331,7 @@ def _op_space(
                     family=work.family,
                 )
                 if saved_rule is not None:
-                    # autopar.saved_activations: the output when some backward saves it, plus
+                    # autopar.planner.saved_activations: the output when some backward saves it, plus
                     # internals (layer_norm statistics, sdpa logsumexp, log_softmax, masks).
                     first_in = (
                         local_bytes(call.inputs[0], strategy.inputs[0], mesh_shape)

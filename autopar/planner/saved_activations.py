@@ -20,7 +20,7 @@ once):
   three (batch, heads, Tq, Tk) tensors instead of its output and logsumexp.
 * Ops without a rule here are assumed to save their tensor inputs (conservative).
 
-``autopar.problem`` prices every op strategy's saved-activation bytes with :func:`saved_rules`;
+``autopar.planner.problem`` prices every op strategy's saved-activation bytes with :func:`saved_rules`;
 :func:`predicted_saved_bytes` and :func:`predicted_saved_bytes_with_segments` give global
 per-node figures (without / with recomputed segments) that tests compare with measurements.
 Where a saved storage is priced: each saved root (a node's output storage) is charged once, to
@@ -46,7 +46,7 @@ import torch
 import torch.fx as fx
 
 if TYPE_CHECKING:
-    from autopar.checkpointing import CheckpointSegment
+    from autopar.planner.checkpointing import CheckpointSegment
 
 __all__ = [
     "SavedRule",

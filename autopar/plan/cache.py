@@ -2,7 +2,9 @@
 
 Key (DESIGN.md, Conventions): the canonical graph hash, the mesh (shape, axis names, links
 and the device profile, as ``Mesh.to_dict`` writes them in full), every plan option (recipe
-included) and the autopar version, hashed with sha256 over canonical JSON. Entries are plan
+included), the autopar version and a fingerprint of the planner's source
+(``autopar.version.code_fingerprint``: any change to the code that makes plans is a new key),
+hashed with sha256 over canonical JSON. Entries are plan
 JSON files in ``$AUTOPAR_CACHE_DIR`` or ``~/.cache/autopar/plans``; a file that no longer
 reads as a valid plan for the graph is ignored and overwritten.
 """
@@ -18,7 +20,8 @@ from pathlib import Path
 from autopar.errors import PlanMismatchError
 from autopar.mesh import Mesh
 from autopar.options import PlanOptions
-from autopar.plan import Plan
+from autopar.plan.document import Plan
+from autopar.version import code_fingerprint, version
 
 CACHE_ENV = "AUTOPAR_CACHE_DIR"
 
@@ -29,16 +32,15 @@ def cache_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "autopar" / "plans"
 
 
-def cache_key(
-    graph_hash: str, mesh: Mesh, options: PlanOptions, version: str, model_name: str = ""
-) -> str:
+def cache_key(graph_hash: str, mesh: Mesh, options: PlanOptions, model_name: str = "") -> str:
     """sha256 of the key fields (``model_name`` too: it is written into the plan)."""
     document = {
         "graph_hash": graph_hash,
         "model_name": model_name,
         "mesh": mesh.to_dict(),
         "options": options.to_dict(),
-        "autopar_version": version,
+        "autopar_version": version(),
+        "code": code_fingerprint(),
     }
     text = json.dumps(document, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()

@@ -24,7 +24,7 @@ tensor shape; the process group's timeout bounds how long a missing peer is wait
 
 fx graphs call the module-level functions (``autopar_all_gather(t, group_key, axis, dim)``, ...): a
 ``ProcessGroup`` cannot be a node argument, so they take the key of a mesh registered by
-``autopar.runtime.process_groups.axis_groups``.
+``autopar.comm.process_groups.axis_groups``.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from autopar.comm.process_groups import AxisGroups, lookup_axis_groups
 from autopar.resharding import Step
-from autopar.runtime.process_groups import AxisGroups, lookup_axis_groups
 
 __all__ = [
     "AllGather",

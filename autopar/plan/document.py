@@ -1,6 +1,6 @@
 """Plan: the solver's answer in user terms, as versioned JSON, with summary() and explain().
 
-A Plan is a JSON document (see ``plan_schema.json`` beside this file, validated on load) plus,
+A Plan is a JSON document (see ``schema.json`` beside this file, validated on load) plus,
 when it was made in this process, the live objects behind it (the captured graph and the
 strategy space) so ``explain`` can show the alternatives the solver weighed.
 """
@@ -17,10 +17,10 @@ from typing import Any
 
 import jsonschema
 
-from autopar.checkpointing import CheckpointSegment
 from autopar.errors import PlanMismatchError
 from autopar.options import format_bytes, format_seconds
 from autopar.placement import format_placements, parse_placements
+from autopar.planner.checkpointing import CheckpointSegment
 from autopar.strategies import Strategy
 
 PLAN_VERSION = 1
@@ -36,7 +36,7 @@ def zero_label(entry: dict[str, Any]) -> str:
 
 
 def _per_stage_key(entry: dict[str, Any]) -> str:
-    """The chosen configuration's key in ``zero.per_stage`` (see api._per_stage)."""
+    """The chosen configuration's key in ``zero.per_stage`` (see autopar.plan.build._per_stage)."""
     stages = entry.get("stages") or {}
     if len({v for v in stages.values() if v}) > 1:
         return ",".join(f"{name}={v}" for name, v in stages.items())
@@ -44,7 +44,7 @@ def _per_stage_key(entry: dict[str, Any]) -> str:
 
 
 def plan_schema() -> dict[str, Any]:
-    return json.loads(resources.files("autopar").joinpath("plan_schema.json").read_text())
+    return json.loads(resources.files("autopar.plan").joinpath("schema.json").read_text())
 
 
 def _placements_or_none(text: str | None):
@@ -374,7 +374,7 @@ class Plan:
         return "\n".join(lines)
 
     def _alternatives(self, name: str, limit: int = 6) -> list[str]:
-        from autopar.problem import ZeroConfig, node_cost_vector
+        from autopar.planner.problem import ZeroConfig, node_cost_vector
 
         space = self.space
         i = space.index[name]

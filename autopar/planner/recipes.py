@@ -27,7 +27,7 @@ import torch
 import torch.fx as fx
 
 from autopar.placement import REPLICATE, Placements, Shard, divides
-from autopar.problem import StrategySpace, ZeroConfig
+from autopar.planner.problem import StrategySpace, ZeroConfig
 from autopar.strategies import input_nodes
 
 aten = torch.ops.aten
@@ -83,7 +83,7 @@ def recipe_spec(space: StrategySpace, recipe: str) -> RecipeSpec:
             notes.append(f"{recipe}: {node.fqn or node.name} kept replicated (shape not divisible)")
         allowed[node.name] = match
     forbid: dict[int, set[tuple[int, int]]] = {}
-    # Repeated layers share strategy lists (autopar.problem): ban pairs once per layer position.
+    # Repeated layers share strategy lists (autopar.planner.problem): ban pairs once per layer position.
     banned_by: dict[tuple, set[tuple[int, int]]] = {}
     for e, edge in enumerate(space.edges):
         src = space.nodes[edge.src]

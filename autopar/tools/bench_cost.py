@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from autopar.calibration import fwd_bwd_callable, spawn_local, time_callable
+from autopar.tools.calibration import fwd_bwd_callable, spawn_local, time_callable
 from cost_models.calibrate import mape, spearman
 
 
@@ -154,11 +154,11 @@ def measure_ops(
     "skipped": [(name, reason)]}`` (measured times of this rank; identical calls share one
     entry with their ``count``).
     """
-    from autopar.capture import ASSERT_OPS
-    from autopar.flops import op_family
+    from autopar.capture.export import ASSERT_OPS
+    from autopar.capture.flops import op_family
     from autopar.placement import local_shape
-    from autopar.plan import Plan
-    from autopar.space import grad_nodes
+    from autopar.plan.document import Plan
+    from autopar.planner.space import grad_nodes
     from autopar.strategies import input_nodes
 
     plan = Plan(data=dict(plan_data))
@@ -279,7 +279,7 @@ def prepare_plan(
 ) -> PreparedPlan | str:
     """Lower one plan and build its ParallelModule and AdamW; a string says why it cannot run."""
     from autopar.lowering import lower
-    from autopar.plan import Plan
+    from autopar.plan.document import Plan
     from autopar.runtime.module import ParallelModule
 
     zero = plan_data["zero"]
@@ -349,9 +349,9 @@ def bench_on_rank(model_spec: ModelSpec, plans: Mapping[str, Mapping[str, Any]],
     """Run the benchmark on this rank (inside an initialized process group); the result (the
     same on every rank) has ``ops`` (per-op entries, timings averaged over ranks), ``skipped_ops``
     and ``plans`` (per plan: predicted and measured step seconds and peak bytes, or ``skipped``)."""
-    from autopar.capture import capture
+    from autopar.capture.export import capture
+    from autopar.comm.process_groups import axis_groups
     from autopar.presets import build_preset
-    from autopar.runtime.process_groups import axis_groups
 
     device = torch.device("cpu")
     if dist.get_backend() == "nccl":
@@ -502,7 +502,7 @@ def summarize(result: Mapping[str, Any]) -> dict[str, Any]:
 def report_text(result: Mapping[str, Any], summary: Mapping[str, Any], *, markdown: bool = False, title: str = "") -> str:
     """The per-family and per-plan tables and the headline figures."""
     from autopar.options import format_bytes, format_seconds
-    from autopar.report import table
+    from autopar.tools.report import table
 
     parts = []
     if summary["families"]:
@@ -547,11 +547,11 @@ def bench_cost_cli(args: Any, config: BenchConfig) -> int:
     """``autopar bench-cost``: plan, execute, print, plot."""
     import json
 
-    from autopar.capture import capture
+    from autopar.capture.export import capture
     from autopar.mesh import Mesh
     from autopar.options import PlanOptions
     from autopar.presets import build_preset
-    from autopar.report import plans_for_recipes, plot_op_scatter, plot_step_bars
+    from autopar.tools.report import plans_for_recipes, plot_op_scatter, plot_step_bars
 
     links = args.links.split(",") if args.links else None
     device = args.device if args.profile or args.device != "h100" else "cpu"

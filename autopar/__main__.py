@@ -1,0 +1,5 @@
+"""``python -m autopar ...`` (e.g. under ``torchrun -m autopar calibrate``): the CLI."""
+
+from autopar.tools.cli import main
+
+raise SystemExit(main())
