@@ -26,7 +26,7 @@ from autopar.checkpointing import (
     with_segments,
 )
 from autopar.coarsen import repeated_blocks
-from autopar.errors import PlanningError
+from autopar.errors import PlanningError, infeasible_error
 from autopar.mesh import Mesh
 from autopar.options import PlanOptions, format_bytes, format_seconds, parse_bytes
 from autopar.plan import PLAN_VERSION, Plan, strategy_entry
@@ -406,6 +406,53 @@ def solve_recipes(
     return baselines, notes
 
 
+def _infeasible(space: StrategySpace, error: Exception, recipe: str) -> PlanningError:
+    return infeasible_error(
+        error,
+        gm=space.captured.gm,
+        param_fqns=space.captured.param_nodes,
+        recipe=recipe,
+        mesh=space.mesh.describe(),
+    )
+
+
+def _solve_baselines(
+    space: StrategySpace,
+    options: PlanOptions,
+    recipes: Sequence[str],
+    **kwargs: Any,
+) -> tuple[dict[str, Solved], list[str]]:
+    """:func:`solve_recipes`, except that a recipe with no plan on this model and mesh (its
+    fixed layouts contradict each other: e.g. a split that the mesh size does not divide) is
+    left out with a note, unless it is the recipe asked for; that one is a PlanningError in
+    user terms (module, op, shapes)."""
+    try:
+        return solve_recipes(space, options, recipes, **kwargs)
+    except solver.InfeasibleError as error:
+        if isinstance(error, solver.InfeasibleBudgetError):
+            raise
+    baselines: dict[str, Solved] = {}
+    notes: list[str] = []
+    free_auto = kwargs.pop("free_auto", False)
+    for recipe in [*recipes, *(["auto"] if free_auto else [])]:
+        try:
+            if recipe == "auto":
+                got, got_notes = solve_recipes(space, options, [], free_auto=True, **kwargs)
+            else:
+                got, got_notes = solve_recipes(space, options, [recipe], **kwargs)
+        except solver.InfeasibleError as error:
+            if isinstance(error, solver.InfeasibleBudgetError):
+                raise
+            user_error = _infeasible(space, error, recipe)
+            if recipe == options.recipe:
+                raise user_error from None
+            notes.append(f"{recipe}: left out, {user_error}")
+            continue
+        baselines.update(got)
+        notes.extend(got_notes)
+    return baselines, notes
+
+
 def solve_auto(
     space: StrategySpace,
     options: PlanOptions,
@@ -631,13 +678,18 @@ def plan_captured(
     # Otherwise only the requested recipe is solved (autoparallelize at start-up).
     recipes = BASELINE_RECIPES if price_baselines else [r for r in BASELINE_RECIPES if r == options.recipe]
     free_auto = options.recipe == "auto" and options.zero_stage is None
-    baselines, notes = solve_recipes(
+    baselines, notes = _solve_baselines(
         space, options, recipes, tied=tied, candidates=candidates, progress=report, free_auto=free_auto
     )
     free = baselines.pop(FREE_AUTO, None)
     if options.recipe == "auto":
         auto_start = time.perf_counter()
-        chosen, log = solve_auto(space, options, budget, tied, candidates, free=free)
+        try:
+            chosen, log = solve_auto(space, options, budget, tied, candidates, free=free)
+        except solver.InfeasibleError as error:
+            if isinstance(error, solver.InfeasibleBudgetError):
+                raise
+            raise _infeasible(space, error, "auto") from None
         report(
             _solve_line("auto", chosen, time.perf_counter() - auto_start)
             + f", {len(log)} configuration(s) tried"
