@@ -416,7 +416,7 @@ def _infeasible(space: StrategySpace, error: Exception, recipe: str) -> Planning
     )
 
 
-def _solve_baselines(
+def solve_feasible_recipes(
     space: StrategySpace,
     options: PlanOptions,
     recipes: Sequence[str],
@@ -678,7 +678,7 @@ def plan_captured(
     # Otherwise only the requested recipe is solved (autoparallelize at start-up).
     recipes = BASELINE_RECIPES if price_baselines else [r for r in BASELINE_RECIPES if r == options.recipe]
     free_auto = options.recipe == "auto" and options.zero_stage is None
-    baselines, notes = _solve_baselines(
+    baselines, notes = solve_feasible_recipes(
         space, options, recipes, tied=tied, candidates=candidates, progress=report, free_auto=free_auto
     )
     free = baselines.pop(FREE_AUTO, None)

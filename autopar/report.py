@@ -41,7 +41,8 @@ def plans_for_recipes(
 ) -> dict[str, Plan]:
     """One Plan per name in ``recipes`` ("auto", baseline recipes, or "replicated": inputs and
     parameters Replicate, the no-parallelism reference), from one strategy space. A recipe that does not fit the memory budget is still planned (its ``fits`` flag in
-    ``baselines`` says so).
+    ``baselines`` says so); one with no plan on this model and mesh at all is left out (a
+    warning of the other plans says why).
 
     Raises:
         ValueError: an unknown recipe name.
@@ -58,7 +59,8 @@ def plans_for_recipes(
         )
     space = build_space(captured, mesh, options)
     budget = api.memory_budget_bytes(mesh, options)
-    baselines, notes = api.solve_recipes(space, options, BASELINE_RECIPES)
+    # A recipe with no plan on this model and mesh is left out (api.solve_feasible_recipes).
+    baselines, notes = api.solve_feasible_recipes(space, options, BASELINE_RECIPES)
     plans: dict[str, Plan] = {}
     for recipe in recipes:
         if recipe == "auto":
@@ -68,9 +70,11 @@ def plans_for_recipes(
                 space, ZeroConfig(), options, name=recipe, budget=None, spec=_replicated_spec(space)
             )
             log = [api.log_entry(solved)]
-        else:
+        elif recipe in baselines:
             solved = baselines[recipe]
             log = [api.log_entry(solved)]
+        else:
+            continue
         data = api.plan_document(
             space,
             solved,

@@ -60,3 +60,15 @@ def test_an_infeasible_baseline_is_left_out_of_the_auto_plan_with_a_note(monkeyp
     assert "recipe 'megatron' has no plan on mesh a0=2" in message
     assert re.search(r"(parameter|module) layers\.0\S* \(?[^;]*\[\d+(, \d+)*\]", message), message
     assert "try another mesh shape" in message
+
+
+def test_compare_leaves_out_a_recipe_with_no_plan(monkeypatch) -> None:
+    from autopar.report import plans_for_recipes
+
+    monkeypatch.setattr(baselines, "megatron_layout", _contradictory_megatron)
+    model, args, kwargs = build_preset("mlp", batch=8, seq=1)
+    captured = autopar.capture(model, args, kwargs)
+    mesh = autopar.Mesh.parse("2", device="h100")
+    plans = plans_for_recipes(captured, mesh, PlanOptions(), recipes=["auto", "ddp", "megatron"], model_name="mlp")
+    assert set(plans) == {"auto", "ddp"}
+    assert any(w.startswith("megatron: left out") for w in plans["auto"].data["warnings"])
