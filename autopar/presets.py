@@ -16,10 +16,15 @@ Built-in presets default to the meta device: a 70B model builds in well under a 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import difflib
 import importlib
+import os
 import re
-from collections.abc import Callable
+import sys
+import warnings
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -186,21 +191,62 @@ def _build_hf(spec: str, *, batch: int, seq: int, device: torch.device) -> Built
     except ImportError as error:
         raise ValueError("hf: models need transformers (pip install 'autopar[hf]')") from error
     model_type, overrides = parse_hf_name(spec)
-    try:
-        config = transformers.AutoConfig.for_model(model_type, **overrides)
-    except ValueError as error:
-        raise ValueError(f"hf:{spec}: {error}") from error
+    config = _hf_config(transformers, spec, model_type, overrides)
     # SDPA keeps attention one op (aten.scaled_dot_product_attention) in the captured graph.
     config._attn_implementation = "sdpa"
     for key in ("n_positions", "max_position_embeddings"):
         limit = getattr(config, key, None)
         if isinstance(limit, int) and seq > limit:
             raise ValueError(f"hf:{spec}: seq {seq} exceeds {key}={limit}; pass ?{key}={seq}")
-    with device:
+    with _quiet_transformers(transformers), device:
         model = transformers.AutoModelForCausalLM.from_config(config)
+    if getattr(model, "loss_type", None) is None:
+        # What transformers falls back to anyway, said here so it does not warn at capture.
+        model.loss_type = "ForCausalLM"
     vocab_size = int(config.vocab_size)
     idx, labels = _token_inputs(vocab_size, batch, seq, device)
     return model, (), {"input_ids": idx, "labels": labels, "use_cache": False}
+
+
+def _hf_config(transformers: Any, spec: str, model_type: str, overrides: dict[str, Any]) -> Any:
+    """``AutoConfig.for_model(model_type, **overrides)`` with one-line errors for an unknown
+    model type, an unknown key (a typo would otherwise be ignored) and a bad value."""
+    known_types = list(transformers.CONFIG_MAPPING.keys())
+    if model_type not in known_types:
+        close = difflib.get_close_matches(model_type, known_types, n=5)
+        did_you_mean = f"did you mean {', '.join(close)}? " if close else "none is close; "
+        raise ValueError(
+            f"hf:{spec}: unknown model type {model_type!r}; {did_you_mean}{len(known_types)} "
+            "types are known (transformers.CONFIG_MAPPING.keys())"
+        )
+    with _quiet_transformers(transformers):
+        default = transformers.AutoConfig.for_model(model_type)
+    known_keys = {*default.to_dict(), *getattr(default, "attribute_map", {})}
+    for key in overrides:
+        if key not in known_keys and not hasattr(default, key):
+            close = difflib.get_close_matches(key, sorted(known_keys), n=3)
+            did_you_mean = f"; did you mean {', '.join(close)}?" if close else ""
+            raise ValueError(f"hf:{spec}: {model_type} configs have no key {key!r}{did_you_mean}")
+    try:
+        with _quiet_transformers(transformers):
+            return transformers.AutoConfig.for_model(model_type, **overrides)
+    except Exception as error:  # transformers raises ValueError, TypeError or its own
+        reason = " ".join(str(error).split())
+        raise ValueError(f"hf:{spec}: bad override value ({reason})") from None
+
+
+@contextlib.contextmanager
+def _quiet_transformers(transformers: Any) -> Iterator[None]:
+    """transformers' logging (e.g. BERT's "add is_decoder=True" advice) and Python warnings
+    silenced while a model is built from a config; the previous verbosity comes back."""
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        transformers.logging.set_verbosity(verbosity)
 
 
 # --------------------------------------------------------------------------------------------
@@ -209,14 +255,25 @@ def _build_hf(spec: str, *, batch: int, seq: int, device: torch.device) -> Built
 
 def _build_factory(name: str, *, batch: int, seq: int) -> Built:
     module_name, _, attr = name.partition(":")
+    # A factory module next to the user (``autopar plan mymodels:build`` beside mymodels.py)
+    # imports without PYTHONPATH=.; the working directory is on the path only meanwhile.
+    cwd = os.getcwd()
+    added = cwd not in sys.path
+    if added:
+        sys.path.insert(0, cwd)
     try:
-        factory: Callable[..., Any] = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as error:
-        raise ValueError(
-            f"cannot load factory {name!r} ({error}); expected package.module:function with "
-            "function(batch: int, seq: int) -> (model, args) or (model, args, kwargs)"
-        ) from error
-    result = factory(batch, seq)
+        try:
+            factory: Callable[..., Any] = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as error:
+            raise ValueError(
+                f"cannot load factory {name!r} ({error}); expected package.module:function with "
+                "function(batch: int, seq: int) -> (model, args) or (model, args, kwargs), "
+                "importable from the working directory or PYTHONPATH"
+            ) from None
+        result = factory(batch, seq)
+    finally:
+        if added:
+            sys.path.remove(cwd)
     if (
         not isinstance(result, tuple)
         or len(result) not in (2, 3)

@@ -163,7 +163,8 @@ def eliminate(problem: Problem) -> Eliminated:
             if not math.isfinite(cost[v][t]):
                 raise InfeasibleError(
                     f"node {problem.nodes[v].name!r} has no strategy left: its edges forbid "
-                    f"every one; allow at least one pair for some strategy of every edge"
+                    f"every one; allow at least one pair for some strategy of every edge",
+                    nodes=(problem.nodes[v].name,),
                 )
             constant += float(cost[v][t])
             steps.append((v, -1, -1, np.array(t)))
@@ -193,7 +194,8 @@ def eliminate(problem: Problem) -> Eliminated:
         if not finite:
             raise InfeasibleError(
                 f"node {problem.nodes[i].name!r} has no strategy left: its edges forbid every "
-                f"one; allow at least one pair for some strategy of every edge"
+                f"one; allow at least one pair for some strategy of every edge",
+                nodes=(problem.nodes[i].name,),
             )
         strategies.append(finite)
         node = problem.nodes[i]

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 
 class InfeasibleError(ValueError):
-    """No plan exists: the edges' forbidden pairs (None entries) rule out every combination."""
+    """No plan exists: the edges' forbidden pairs (None entries) rule out every combination.
+
+    ``nodes`` names the problem nodes the contradiction was found at (first the node left
+    without a strategy), when known, so a caller can describe them in its own terms.
+    """
+
+    def __init__(self, message: str, *, nodes: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.nodes = nodes
 
 
 class InfeasibleBudgetError(InfeasibleError):

@@ -152,11 +152,12 @@ def reduce_problem(problem: Problem) -> Reduced:
         table = matrix.T if flip else matrix
         merged[key] = table if previous is None else previous + table  # never written to
 
-    def check(i: int, why: str) -> None:
+    def check(i: int, why: str, other: int | None = None) -> None:
         if not allowed[i].any():
             raise InfeasibleError(
                 f"node {nodes[i].name!r} (index {i}) has no strategy left: {why}; allow at least "
-                f"one pair (a non-None cost) for some strategy of every edge"
+                f"one pair (a non-None cost) for some strategy of every edge",
+                nodes=(nodes[i].name,) if other is None else (nodes[i].name, nodes[other].name),
             )
 
     for i in range(len(nodes)):
@@ -178,7 +179,11 @@ def reduce_problem(problem: Problem) -> Reduced:
             if np.array_equal(supported, allowed[i]):
                 continue
             allowed[i] = supported
-            check(i, f"the edges between {nodes[u].name!r} and {nodes[v].name!r} forbid the rest")
+            check(
+                i,
+                f"the edges between {nodes[u].name!r} and {nodes[v].name!r} forbid the rest",
+                other=v if i == u else u,
+            )
             for other in incident[i]:
                 if other != key and other not in queued:
                     queue.append(other)

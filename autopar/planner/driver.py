@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import solver
-from autopar.errors import BudgetError, PlanningError
+from autopar.errors import BudgetError, NoLayoutError, PlanningError, infeasible_error
 from autopar.mesh import Mesh
 from autopar.options import PlanOptions, format_bytes
 from autopar.planner.checkpointing import (
@@ -207,7 +207,12 @@ class Driver:
         baselines = self.recipes(wanted, free_auto=recipe == "auto" and self.options.zero_stage is None)
         if recipe == "auto":
             auto_start = time.perf_counter()
-            chosen, log = self.auto()
+            try:
+                chosen, log = self.auto()
+            except solver.InfeasibleError as error:
+                if isinstance(error, solver.InfeasibleBudgetError):
+                    raise
+                raise self.no_layout_error(error, "auto") from None
             self._report(
                 solve_line("auto", chosen, time.perf_counter() - auto_start)
                 + f", {len(log)} configuration(s) tried"
@@ -216,7 +221,8 @@ class Driver:
             chosen = self.solve_pinned(replicated_allowed(self.space), name=recipe)
             log = [log_entry(chosen)]
         else:
-            chosen = self.recipe_within_budget(recipe, baselines[recipe], strict=strict)
+            free = baselines.get(recipe) or self._left_out(recipe)
+            chosen = self.recipe_within_budget(recipe, free, strict=strict)
             log = [log_entry(chosen)]
         return Planned(
             recipe=recipe,
@@ -242,14 +248,65 @@ class Driver:
             jobs.append(("auto", ZeroConfig(), None, None))
         if jobs:
             start = time.perf_counter()
-            solved = self.solve_configurations(jobs)
+            try:
+                solved: list[Solved | None] = list(self.solve_configurations(jobs))
+            except solver.InfeasibleError as error:
+                if isinstance(error, solver.InfeasibleBudgetError):
+                    raise
+                solved = [self._solve_feasible(*job) for job in jobs]
             if want_free:
                 self._free_auto = solved.pop()
             seconds = time.perf_counter() - start
             for name, one in zip(todo, solved, strict=True):
+                if one is None:
+                    continue
                 self._recipes[name] = one
                 self._report(solve_line(name, one, seconds) + (" (side by side)" if len(jobs) > 1 else ""))
-        return {name: self._recipes[name] for name in names}
+        return {name: self._recipes[name] for name in names if name in self._recipes}
+
+    def _solve_feasible(
+        self, name: str, zero: ZeroConfig, spec: RecipeSpec | None, budget: float | None
+    ) -> Solved | None:
+        """One recipe's budget-free solve, or None (and a note) when its layouts contradict
+        each other on this model and mesh; the recipe asked for is an error instead.
+
+        Raises:
+            NoLayoutError: ``name`` is the options' recipe (or "auto") and has no plan.
+        """
+        try:
+            return self.solve_configuration(zero, name=name, budget=budget, spec=spec)
+        except solver.InfeasibleError as error:
+            if isinstance(error, solver.InfeasibleBudgetError):
+                raise
+            user_error = self.no_layout_error(error, name)
+            if name in (self.options.recipe, "auto"):
+                raise user_error from None
+            self._notes.append(f"{name}: left out, {user_error}")
+            return None
+
+    def _left_out(self, recipe: str) -> Solved:
+        """A recipe :meth:`recipes` left out (no plan on this model and mesh), asked for.
+
+        Raises:
+            NoLayoutError: always, in user terms.
+        """
+        spec = recipe_spec(self.space, recipe)
+        try:
+            return self.solve_configuration(spec.zero, name=recipe, budget=None, spec=spec)
+        except solver.InfeasibleError as error:
+            if isinstance(error, solver.InfeasibleBudgetError):
+                raise
+            raise self.no_layout_error(error, recipe) from None
+
+    def no_layout_error(self, error: Exception, recipe: str) -> NoLayoutError:
+        """The solver's infeasibility in user terms (module, op, shapes, what to try)."""
+        return infeasible_error(
+            error,
+            gm=self.space.captured.gm,
+            param_fqns=self.space.captured.param_nodes,
+            recipe=recipe,
+            mesh=self.space.mesh.describe(),
+        )
 
     def auto(self) -> tuple[Solved, list[dict[str, Any]]]:
         """The auto plan: the fastest ZeRO configuration that fits the budget (stage 0 without

@@ -229,19 +229,21 @@ def megatron_layout(space: StrategySpace, tp: int, notes: list[str]) -> dict[str
             # layout of its first use; its role follows from that layout.
             first = layout[weight.name][tp]
             role = "col" if first == Shard(out_dim) else "row" if first == Shard(in_dim) else role
-            roles[node.name] = role
-            continue
-        wanted = on_tp(Shard(out_dim if role == "col" else in_dim))
-        if not fits(weight, wanted):
-            notes.append(f"megatron: {params[weight.name]} not divisible on the tp axis, kept replicated")
-            roles[node.name] = "none"
-            continue
+        else:
+            wanted = on_tp(Shard(out_dim if role == "col" else in_dim))
+            if not fits(weight, wanted):
+                notes.append(f"megatron: {params[weight.name]} not divisible on the tp axis, kept replicated")
+                roles[node.name] = "none"
+                continue
+            layout[weight.name] = wanted
         roles[node.name] = role
-        layout[weight.name] = wanted
         ins = input_nodes(node)
+        # A column-parallel layer's bias is split with its output features, also when the
+        # weight is tied (BERT's LM head: vocab-parallel weight plus a vocab-sized bias).
         if bias_index is not None and bias_index < len(ins) and ins[bias_index].name in params:
-            if role == "col":
-                layout[ins[bias_index].name] = on_tp(Shard(0))
+            bias = ins[bias_index]
+            if role == "col" and bias.name not in layout and fits(bias, on_tp(Shard(0))):
+                layout[bias.name] = on_tp(Shard(0))
     # A tied parameter lifted as several placeholders is one parameter: one layout for all.
     by_fqn = {fqn: name for name, fqn in params.items()}
     for name, fqn in params.items():

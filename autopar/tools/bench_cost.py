@@ -524,10 +524,14 @@ def report_text(result: Mapping[str, Any], summary: Mapping[str, Any], *, markdo
                      f"{err:+.0f}%", format_bytes(p["predicted_peak_memory_bytes"]), measured_mem, ""])
     parts.append(table(["plan", "mesh", "predicted step", "measured step", "error", "predicted peak",
                         "measured peak", "note"], rows, markdown=markdown, title=f"{title}: per plan"))
+    def figure(value: float, form: str) -> str:  # nan: nothing measured (e.g. --no-ops)
+        return format(value, form) if math.isfinite(value) else "n/a"
+
+    op_mape = f"op MAPE {figure(summary['op_mape'], '.1f')}%, " if result["ops"] else "ops not timed, "
     lines = [
-        f"op MAPE {summary['op_mape']:.1f}%, step MAPE {summary['step_mape']:.1f}%, "
-        f"Spearman {summary['spearman']:.3f} over {summary['num_plans']} plans, "
-        f"memory MAPE {summary['memory_mape']:.1f}%",
+        f"{op_mape}step MAPE {figure(summary['step_mape'], '.1f')}%, "
+        f"Spearman {figure(summary['spearman'], '.3f')} over {summary['num_plans']} plans, "
+        f"memory MAPE {figure(summary['memory_mape'], '.1f')}%".replace("n/a%", "n/a"),
     ]
     if "speed_drift" in summary:
         lines.append(
@@ -571,13 +575,17 @@ def bench_cost_cli(args: Any, config: BenchConfig) -> int:
     summary = summarize(result)
     title = f"{args.model} on {mesh.describe()}"
     print(report_text(result, summary, markdown=args.markdown, title=title))
+    written = []
     if result["ops"]:
-        plot_op_scatter(result["ops"], f"{args.plots}_ops.png", title=title)
+        written.append(f"{args.plots}_ops.png")
+        plot_op_scatter(result["ops"], written[-1], title=title)
     ran = [{"plan": n, "predicted_s": p["predicted_step_s"], "measured_s": p["step_s"]}
            for n, p in result["plans"].items() if "skipped" not in p]
     if ran:
-        plot_step_bars(ran, f"{args.plots}_steps.png", title=title)
-    print(f"plots written to {args.plots}_ops.png and {args.plots}_steps.png")
+        written.append(f"{args.plots}_steps.png")
+        plot_step_bars(ran, written[-1], title=title)
+    if written:
+        print(f"plots written to {' and '.join(written)}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"result": result, "summary": summary, "config": asdict(config)}, f, indent=1, default=str)

@@ -7,6 +7,8 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
+from typing import NoReturn
 
 # Hugging Face models are built from configs only: never reach for the hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -35,21 +37,57 @@ def parse_zero(text: str) -> int | tuple[int, ...] | dict[str, int]:
         raise argparse.ArgumentTypeError(f"bad --zero {text!r}: stages must be 0-3; {usage}")
     return result
 
-def _add_plan_options(parser: argparse.ArgumentParser) -> None:
+def parse_budget(text: str) -> str:
+    """``--budget``: a positive memory size per device ('80GiB', '40GB', bytes)."""
+    from autopar.options import parse_bytes
+
+    if text.strip().startswith("-"):
+        raise argparse.ArgumentTypeError(f"budgets must be positive, got {text!r} (e.g. --budget 80GiB)")
+    try:
+        parse_bytes(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (no usage block): what is wrong and where help is."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _add_plan_options(parser: argparse.ArgumentParser, *, planning: bool = True, precision: bool = True) -> None:
+    """Model, mesh and cost-model flags; ``planning`` adds the flags that shape one plan
+    (--recipe, --zero, --checkpoint, --no-cache), which compare and bench-cost do not take
+    (they plan every recipe); ``precision`` adds --mixed-precision (bench-cost runs fp32)."""
     from autopar.options import CHECKPOINT_MODES, RECIPES, SOLVERS
+    from cost_models import OPTIMIZERS
 
     parser.add_argument("model", help="preset (mlp, gpt2-small, gpt2-xl, llama3-8b, llama3-70b, "
-                        "NAME-Nl), hf:<model_type>[?key=value&...], or package.module:factory")
+                        "NAME-Nl), hf:<model_type>[?key=value&...], or package.module:factory "
+                        "(importable from the working directory)")
     parser.add_argument("--mesh", required=True, help="mesh shape: 8x8, 4x4x4, 8 or dp=8,tp=8")
     parser.add_argument("--device", default="h100", help="device preset (cpu, a100, a100-40gb, h100, h100-pcie, h200)")
     parser.add_argument("--links", default=None, help="per-axis link presets, comma separated (e.g. infiniband,nvlink)")
     parser.add_argument("--profile", default=None, help="JSON device/link profile (overrides presets)")
     parser.add_argument("--batch", type=int, default=8, help="GLOBAL batch size (default 8)")
     parser.add_argument("--seq", type=int, default=1024, help="sequence length (default 1024)")
-    parser.add_argument("--budget", default=None, help="memory budget per device, e.g. 80GiB (default: capacity - 10%%)")
-    parser.add_argument("--recipe", default="auto", choices=RECIPES)
-    parser.add_argument("--optimizer", default="adamw")
-    parser.add_argument("--mixed-precision", default=None, choices=["bf16", "fp16"])
+    parser.add_argument("--budget", type=parse_budget, default=None,
+                        help="memory budget per device, e.g. 80GiB (default: capacity - 10%%)")
+    parser.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, metavar="OPTIMIZER",
+                        help=f"optimizer whose state is counted in memory: {', '.join(OPTIMIZERS)} (default adamw)")
+    if precision:
+        parser.add_argument("--mixed-precision", default=None, choices=["bf16", "fp16"],
+                            help="price bf16 or fp16 compute with fp32 master weights (default: fp32)")
+    parser.add_argument("--time-limit", type=float, default=None, help="solver time limit in seconds")
+    parser.add_argument("--gap", type=float, default=0.0,
+                        help="relative optimality gap at which the solver may stop, in [0, 1) (default 0: optimal)")
+    parser.add_argument("--solver", default="highs", choices=SOLVERS, help="ILP backend (default highs)")
+    if not planning:
+        return
+    parser.add_argument("--recipe", default="auto", choices=RECIPES,
+                        help="auto (the ILP chooses) or a fixed recipe: ddp, fsdp, megatron, fsdp+tp (default auto)")
     parser.add_argument(
         "--zero",
         type=parse_zero,
@@ -57,10 +95,9 @@ def _add_plan_options(parser: argparse.ArgumentParser) -> None:
         help="force ZeRO: a stage 0-3 on every data-parallel axis, one stage per mesh axis "
         "('3,2'), or per axis name ('dp=3,tp=0'; unnamed axes 0)",
     )
-    parser.add_argument("--checkpoint", default="auto", choices=CHECKPOINT_MODES)
-    parser.add_argument("--time-limit", type=float, default=None, help="solver time limit in seconds")
-    parser.add_argument("--gap", type=float, default=0.0, help="relative optimality gap")
-    parser.add_argument("--solver", default="highs", choices=SOLVERS)
+    parser.add_argument("--checkpoint", default="auto", choices=CHECKPOINT_MODES,
+                        help="activation checkpointing: auto (the ILP recomputes segments when the "
+                        "budget binds), none, or all (default auto)")
     parser.add_argument("--no-cache", action="store_true",
                         help="plan again even if the plan cache ($AUTOPAR_CACHE_DIR or ~/.cache/autopar/plans) has this plan")
 
@@ -147,6 +184,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_show(args: argparse.Namespace) -> int:
     from autopar.plan.document import Plan
 
+    if Path(args.plan).is_dir():
+        raise ValueError(f"{args.plan} is a directory; pass a plan JSON file (written by autopar plan --out)")
     plan = Plan.load(args.plan)
     if args.explain:
         for name in args.explain:
@@ -207,8 +246,13 @@ def cmd_bench_cost(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="autopar", description="automatic parallelization for PyTorch")
-    sub = parser.add_subparsers(dest="command", required=True)
+    from autopar import __version__
+
+    parser = _Parser(prog="autopar", description="automatic parallelization for PyTorch")
+    parser.add_argument("--version", action="version", version=f"autopar {__version__}",
+                        help="print autopar's version and exit")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                help="plan, show, compare, calibrate or bench-cost (each has --help)")
     p = sub.add_parser("plan", help="plan a model on a mesh offline and print the summary")
     _add_plan_options(p)
     p.add_argument("--out", default=None, help="write the plan JSON here")
@@ -222,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--explain", nargs="*", default=None, help="node names or parameter FQNs to explain")
     s.set_defaults(func=cmd_show)
     c = sub.add_parser("compare", help="the auto plan vs each recipe: step time, bytes per axis, memory")
-    _add_plan_options(c)
+    _add_plan_options(c, planning=False)
     c.add_argument("--baselines", default=None, help="recipes to compare, comma separated (default: all)")
     c.add_argument("--markdown", action="store_true", help="print a Markdown table")
     c.set_defaults(func=cmd_compare)
@@ -233,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--quick", action="store_true", help="minimal sizes (seconds; for tests)")
     k.set_defaults(func=cmd_calibrate)
     b = sub.add_parser("bench-cost", help="predicted vs measured op and step times of the auto plan and recipes")
-    _add_plan_options(b)
+    _add_plan_options(b, planning=False, precision=False)
     b.add_argument("--recipes", default="auto,ddp,megatron,fsdp,fsdp+tp", help="plans to run, comma separated")
     b.add_argument("--steps", type=int, default=5, help="timed training steps per plan")
     b.add_argument("--op-time", type=float, default=0.01, help="seconds of repeats per op timing")
@@ -250,10 +294,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     from autopar.errors import AutoparError
 
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # argparse takes "-5GiB" for an option; glue it to --budget so the error is about budgets.
+    for k in range(len(argv) - 2, -1, -1):
+        if argv[k] == "--budget" and argv[k + 1].startswith("-"):
+            argv[k : k + 2] = [f"--budget={argv[k + 1]}"]
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (AutoparError, ValueError, KeyError, FileNotFoundError) as e:
+    except (AutoparError, ValueError, KeyError, OSError) as e:
         print(f"autopar: error: {e}", file=sys.stderr)
         return 2
 

@@ -43,13 +43,15 @@ def plans_for_recipes(
     parameters Replicate, the no-parallelism reference), from one strategy space and one
     planner driver, so each plan is the one ``autopar plan --recipe NAME`` returns. A recipe
     that does not fit the memory budget even with recomputation is still planned (its ``fits``
-    flag in ``baselines`` says so).
+    flag in ``baselines`` says so); a baseline recipe with no plan on this model and mesh at
+    all is left out (a warning of the other plans says why).
 
     Raises:
         ValueError: an unknown recipe name.
         PlanningError: the auto plan fits no ZeRO configuration within the budget.
     """
     from autopar.api import document_plan
+    from autopar.errors import NoLayoutError
     from autopar.planner.driver import REFERENCE_RECIPES, Driver
     from autopar.planner.space import build_space
 
@@ -60,7 +62,12 @@ def plans_for_recipes(
     driver = Driver(space)
     plans: dict[str, Plan] = {}
     for recipe in recipes:
-        planned = driver.plan(recipe, strict=False)
+        try:
+            planned = driver.plan(recipe, strict=False)
+        except NoLayoutError:
+            if recipe == "auto":
+                raise
+            continue
         timings = {"capture_s": 0.0, "strategies_s": space.build_s, "solve_s": planned.solve_s}
         plans[recipe] = document_plan(driver, planned, model_name=model_name, timings=timings)
     return plans

@@ -57,7 +57,7 @@ def test_bench_cost_measures_every_plan_and_op_on_two_ranks(tmp_path, capsys) ->
         [
             "bench-cost", "tests.models:tiny_factory", "--mesh", "2", "--device", "cpu",
             "--batch", "4", "--seq", "16", "--nproc", "2", "--steps", "2", "--op-time", "0.002",
-            "--json", str(out), "--plots", str(plots), "--no-cache",
+            "--json", str(out), "--plots", str(plots),
         ]
     )  # fmt: skip
     assert code == 0
