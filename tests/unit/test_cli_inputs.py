@@ -179,7 +179,7 @@ def test_missing_factory_is_one_line(capsys) -> None:
 
 
 def test_bench_cost_without_ops_prints_no_nan_and_names_only_written_plots(monkeypatch, tmp_path, capsys) -> None:
-    from autopar import bench_cost, report
+    from autopar.tools import bench_cost, report
 
     def fake_run(spec, plans, config, nproc):
         return {
