@@ -37,6 +37,7 @@ from autopar.flops import op_costs
 from autopar.runtime.spawn import spawn_ranks
 from cost_models import DeviceSpec, Profile, collective_steps_and_wire_bytes, fit_alpha_beta
 from cost_models.calibrate import build_profile, fit_efficiency, fit_rate, link_from_fits
+from cost_models.compute import matmul_flops
 
 aten = torch.ops.aten
 
@@ -246,7 +247,7 @@ def measure_device(
             a = torch.randn(n, n, device=device, dtype=dtype)
             b = torch.randn(n, n, device=device, dtype=dtype)
             times.append(time_callable(lambda a=a, b=b: a @ b, **timing))
-            flops.append(2.0 * n**3)
+            flops.append(matmul_flops(n, n, n))
         times = _mean_over_ranks(times, device)
         name = str(dtype).removeprefix("torch.")
         peak[name] = fit_rate(flops, times, through_origin=True)[0]

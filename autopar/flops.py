@@ -327,9 +327,7 @@ def _work(
         bound = _bind(target, args, kwargs)
         operands = [bound.get("input"), bound.get("weight")]
         grad_operands = [t for t in operands if isinstance(t, _TensorSig) and t.requires_grad]
-    elif isinstance(target, torch._ops.OpOverload) and family == "other" and (
-        target.overloadpacket in flop_registry
-    ):
+    elif family == "other" and getattr(target, "overloadpacket", None) in flop_registry:
         fwd_flops = _counted_flops(target, args, kwargs)
     else:
         largest = max((t.numel for t in (*inputs, *outputs) if t.is_float), default=0)

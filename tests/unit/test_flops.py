@@ -54,11 +54,13 @@ def test_addmm_bmm_baddbmm_matmul_hand_counts() -> None:
     for target, args, flops in cases:
         work = op_costs(target, args)
         assert (work.family, work.fwd_flops, work.bwd_flops) == ("matmul", flops, 2 * flops), target
-        assert work.fwd_bytes == F32 * (
-            sum(a.numel() for a in args) + target(*args).numel()
-        ), target
+        assert work.fwd_bytes == F32 * (sum(a.numel() for a in args) + target(*args).numel()), (
+            target
+        )
     # Only the bias needs a gradient: no product in backward, but its bytes still move.
-    bias_only = op_costs(aten.addmm.default, (_t(48), _t(24, 32, grad=False), _t(32, 48, grad=False)))
+    bias_only = op_costs(
+        aten.addmm.default, (_t(48), _t(24, 32, grad=False), _t(32, 48, grad=False))
+    )
     assert bias_only.bwd_flops == 0 and bias_only.bwd_bytes == 2 * bias_only.fwd_bytes
 
 
@@ -83,7 +85,9 @@ def test_sdpa_with_grouped_kv_and_an_explicit_mask() -> None:
     assert gqa.fwd_flops == 2 * 2 * 4 * 16 * 16 * 16  # every query head does its own products
     mask = torch.ones(16, 16, dtype=torch.bool).tril()
     masked = op_costs(
-        aten.scaled_dot_product_attention.default, (q, q, q), {"attn_mask": mask, "is_causal": False}
+        aten.scaled_dot_product_attention.default,
+        (q, q, q),
+        {"attn_mask": mask, "is_causal": False},
     )
     assert masked.fwd_flops == 2 * 2 * 4 * 16 * 16 * 16  # a mask is not known to skip blocks
 
@@ -92,7 +96,11 @@ def test_norm_softmax_loss_pointwise_reduction_per_element_counts() -> None:
     x = _t(4, 8, 32)
     n = x.numel()
     layer_norm = op_costs(aten.layer_norm.default, (x, [32], _t(32), _t(32)))
-    assert (layer_norm.family, layer_norm.fwd_flops, layer_norm.bwd_flops) == ("norm", 5 * n, 10 * n)
+    assert (layer_norm.family, layer_norm.fwd_flops, layer_norm.bwd_flops) == (
+        "norm",
+        5 * n,
+        10 * n,
+    )
     assert layer_norm.fwd_bytes == F32 * (2 * n + 2 * 32)
     rms_norm = op_costs(aten.rms_norm.default, (x, [32], _t(32)))
     assert (rms_norm.family, rms_norm.fwd_flops, rms_norm.bwd_flops) == ("norm", 5 * n, 10 * n)
@@ -122,7 +130,11 @@ def test_embedding_reads_rows_and_views_cost_nothing() -> None:
     assert work.bwd_bytes == F32 * 1000 * 64 + 2 * out_bytes  # a dense table gradient
     view = op_costs(aten.view.default, (_t(8, 16), [16, 8]))
     assert (view.family, view.fwd_flops, view.bwd_flops, view.fwd_bytes, view.bwd_bytes) == (
-        "view", 0, 0, 0, 0
+        "view",
+        0,
+        0,
+        0,
+        0,
     )
 
 
@@ -133,7 +145,9 @@ def test_embedding_reads_rows_and_views_cost_nothing() -> None:
 MATMUL_CASES = {
     "linear": (aten.linear.default, lambda: (_t(4, 6, 32), _t(48, 32), _t(48)), {}),
     "linear_no_input_grad": (
-        aten.linear.default, lambda: (_t(4, 6, 32, grad=False), _t(48, 32), _t(48)), {}
+        aten.linear.default,
+        lambda: (_t(4, 6, 32, grad=False), _t(48, 32), _t(48)),
+        {},
     ),
     "linear_no_bias": (aten.linear.default, lambda: (_t(24, 32), _t(48, 32)), {}),
     "mm": (aten.mm.default, lambda: (_t(24, 32), _t(32, 48)), {}),
@@ -145,7 +159,9 @@ MATMUL_CASES = {
     "matmul_4d_4d": (aten.matmul.default, lambda: (_t(2, 3, 5, 7), _t(2, 3, 7, 11)), {}),
     "conv2d": (aten.conv2d.default, lambda: (_t(2, 3, 10, 10), _t(8, 3, 3, 3), _t(8)), {}),
     "conv2d_frozen_input": (
-        aten.conv2d.default, lambda: (_t(2, 3, 10, 10, grad=False), _t(8, 3, 3, 3)), {}
+        aten.conv2d.default,
+        lambda: (_t(2, 3, 10, 10, grad=False), _t(8, 3, 3, 3)),
+        {},
     ),
     "sdpa": (aten.scaled_dot_product_attention.default, lambda: (_t(2, 4, 16, 8),) * 3, {}),
     "sdpa_gqa": (
