@@ -8,14 +8,18 @@ from __future__ import annotations
 
 from cost_models.comm import collective_steps_and_wire_bytes, collective_time_s, fit_alpha_beta
 from cost_models.compute import (
+    ATTENTION_BACKWARD_FACTOR,
     COMPUTE_BOUND_FAMILIES,
+    ELEMENTWISE_FLOPS_PER_ELEMENT,
     OTHER_COMPUTE_EFFICIENCY,
     attention_flops,
     attention_pairs,
     backward_flops_factor,
     compute_time_s,
+    elementwise_flops,
     matmul_flops,
     normalize_dtype,
+    op_bytes,
     peak_flops_for,
 )
 from cost_models.hardware import (
@@ -42,9 +46,11 @@ from cost_models.memory import (
 )
 
 __all__ = [
+    "ATTENTION_BACKWARD_FACTOR",
     "COLLECTIVE_KINDS",
     "COMPUTE_BOUND_FAMILIES",
     "DEVICES",
+    "ELEMENTWISE_FLOPS_PER_ELEMENT",
     "LINKS",
     "MIXED_PRECISIONS",
     "OPTIMIZERS",
@@ -62,12 +68,14 @@ __all__ = [
     "collective_steps_and_wire_bytes",
     "collective_time_s",
     "compute_time_s",
+    "elementwise_flops",
     "fit_alpha_beta",
     "get_device",
     "get_link",
     "load_profile",
     "matmul_flops",
     "normalize_dtype",
+    "op_bytes",
     "optimizer_state_buffers",
     "peak_flops_for",
     "save_profile",

@@ -108,6 +108,14 @@ def compute_time_s(
     return max(compute_s, memory_s) + device.kernel_overhead_s
 
 
+# --------------------------------------------------------------------------------------------
+# FLOP and byte formulas: the one definition of each, used by the planner (through
+# ``autopar.capture.flops``, which maps graph nodes onto these calls) and by the tests. FLOPs count 2 per
+# multiply-add; they are the FLOPs the kernels the runtime dispatches to execute (the attention
+# backward's recomputed scores included, causal attention without its masked half), which is
+# what a roofline needs.
+
+
 def matmul_flops(m: int, n: int, k: int, batch: int = 1) -> float:
     """FLOPs of ``batch`` products of (m x k) by (k x n): ``2 * batch * m * n * k``."""
     return 2.0 * batch * m * n * k
@@ -150,24 +158,58 @@ def attention_flops(
     head_dim: int,
     *,
     causal: bool,
+    v_head_dim: int | None = None,
     bottom_right: bool = False,
 ) -> float:
     """Forward FLOPs of scaled dot-product attention: QK^T and PV, 2 FLOPs per multiply-add.
 
-    Non-causal: ``4 * batch * heads * q_len * kv_len * head_dim``. Causal counts only the
-    unmasked pairs (see ``attention_pairs``), about half for self-attention. Softmax and scaling
-    are O(q_len * kv_len) without the head_dim factor and are left out.
+    ``heads`` are query heads (grouped-query K/V heads are broadcast, each query head does its
+    own products); ``v_head_dim`` defaults to ``head_dim``. Non-causal:
+    ``2 * batch * heads * q_len * kv_len * (head_dim + v_head_dim)``, exactly
+    ``torch.utils.flop_counter.sdpa_flop_count``. Causal counts only the unmasked pairs (see
+    ``attention_pairs``), about half for self-attention: flash kernels skip the masked blocks
+    (FlopCounterMode ignores the mask and counts all pairs). Softmax and scaling are
+    O(q_len * kv_len) without the head_dim factor and are left out, as FlopCounterMode does.
     """
     pairs = attention_pairs(q_len, kv_len, causal=causal, bottom_right=bottom_right)
-    return 4.0 * batch * heads * pairs * head_dim
+    v_dim = head_dim if v_head_dim is None else v_head_dim
+    return 2.0 * batch * heads * pairs * (head_dim + v_dim)
 
 
-_MEMORY_BOUND_BACKWARD = {
+ELEMENTWISE_FLOPS_PER_ELEMENT = {
+    "pointwise": 1.0,
+    "reduction": 1.0,
+    "norm": 5.0,
+    "softmax": 5.0,
+    "loss": 5.0,
+}
+"""Forward FLOPs per element of the op's largest floating tensor, for families without a
+closed form. Conventions, not exact counts (these ops are memory-bound; their bytes decide
+their time): a pointwise op or a reduction does one operation per element; softmax five (max,
+subtract, exp, sum, divide); a norm about five (mean, centre, square-sum, scale, affine); a
+cross-entropy loss five (its log-softmax; the gather of the target is per row)."""
+
+
+def elementwise_flops(family: str, numel: int) -> float:
+    """Forward FLOPs of a ``family`` op whose largest floating tensor has ``numel`` elements;
+    0 for families outside ``ELEMENTWISE_FLOPS_PER_ELEMENT`` (views, copies priced as data
+    movement only are "pointwise"; embeddings and concatenations move data without FLOPs)."""
+    return ELEMENTWISE_FLOPS_PER_ELEMENT.get(family, 0.0) * numel
+
+
+ATTENTION_BACKWARD_FACTOR = 2.5
+"""Attention backward FLOPs over forward FLOPs. The flash / memory-efficient backward (the
+kernels SDPA dispatches to on CPU and GPU) recomputes the scores QK^T and computes dP = dO V^T,
+dV = P^T dO, dQ = dS K, dK = dS^T Q: five products of the forward's size against its two.
+``torch.utils.flop_counter.sdpa_backward_flop_count`` counts the same five."""
+
+_BACKWARD_FACTOR = {
     "pointwise": 1.0,
     "reduction": 1.0,
     "embedding": 1.0,
+    "loss": 1.0,
+    "softmax": 1.0,
     "norm": 2.0,
-    "softmax": 2.0,
     "view": 0.0,
 }
 
@@ -175,21 +217,21 @@ _MEMORY_BOUND_BACKWARD = {
 def backward_flops_factor(family: str, num_grad_inputs: int) -> float:
     """Backward FLOPs as a multiple of the op's forward FLOPs.
 
-    - "matmul", "convolution": ``num_grad_inputs`` -- each input that needs a gradient costs one
-      product of the forward's size (dX = dY W^T, dW = X^T dY).
-    - "attention": 2.5 when any input needs a gradient. A flash-style backward recomputes the
-      scores (1 matmul) and computes dV, dP, dQ, dK (4 matmuls): 5 products against the forward's 2.
-    - "pointwise", "reduction", "embedding": 1.0 -- the derivative is one elementwise pass of
-      about the forward's cost (a reduction's backward is a broadcast; an embedding's a
-      scatter-add).
-    - "norm", "softmax": 2.0 -- dx needs the forward's normalised output recomputed or read and
-      a second reduction (``sum(dy * y)`` for softmax; mean and variance terms for a norm).
+    - "matmul", "convolution": ``num_grad_inputs`` -- each matrix operand that needs a gradient
+      costs one product of the forward's size (dX = dY W^T, dW = X^T dY); a bias gradient is a
+      row sum, negligible (FlopCounterMode counts the same).
+    - "attention": ``ATTENTION_BACKWARD_FACTOR`` (2.5) when any input needs a gradient.
+    - "norm": 2.0 -- dx = rstd * (g - mean(g) - x_hat * mean(g * x_hat)) with g = dy * w
+      recomputes x_hat and takes two row reductions, and dw, db are two more column
+      reductions: about 10 FLOPs per element against the forward's 5.
+    - "softmax": 1.0 -- dx = y * (dy - sum(dy * y)) is 4 FLOPs per element (log-softmax:
+      dx = dy - exp(y) * sum(dy), also 4) against the forward's 5.
+    - "pointwise", "reduction", "embedding", "loss": 1.0 -- one elementwise pass of about the
+      forward's cost (a reduction's backward is a broadcast; cross-entropy's is
+      softmax - one_hot); an embedding has no forward FLOPs, so its scatter-add is priced by bytes.
     - "view": 0.0 -- metadata only.
     - anything else: 1.0.
 
-    These families are memory-bound, so their bytes matter more than their FLOPs: their backward
-    reads the saved input(s) and the output gradient and writes the input gradient, about 1.5x
-    the forward's traffic for a unary pointwise op and 2x for a norm or softmax.
     Returns 0.0 when ``num_grad_inputs`` is 0.
     """
     if num_grad_inputs < 0:
@@ -199,5 +241,28 @@ def backward_flops_factor(family: str, num_grad_inputs: int) -> float:
     if family in ("matmul", "convolution"):
         return float(num_grad_inputs)
     if family == "attention":
-        return 2.5
-    return _MEMORY_BOUND_BACKWARD.get(family, 1.0)
+        return ATTENTION_BACKWARD_FACTOR
+    return _BACKWARD_FACTOR.get(family, 1.0)
+
+
+def op_bytes(
+    family: str, *, float_input_bytes: float, other_input_bytes: float, output_bytes: float
+) -> tuple[float, float]:
+    """``(forward, backward)`` bytes one op reads and writes in device memory.
+
+    - "view": (0, 0) -- metadata only.
+    - "embedding": a lookup reads the selected rows and writes them (2 x output) and reads the
+      indices (``other_input_bytes``), not the table; its backward reads the output gradient,
+      scatter-adds it into a dense table gradient that it first zeroes (table + 2 x output).
+    - everything else: forward reads every input and writes every output; backward reads the
+      saved inputs and the output gradient and writes the input gradients, about twice that.
+
+    The byte counts are for the op that needs a gradient; callers use 0 backward bytes for one
+    that does not.
+    """
+    if family == "view":
+        return 0.0, 0.0
+    if family == "embedding":
+        return other_input_bytes + 2 * output_bytes, float_input_bytes + 2 * output_bytes
+    forward = float_input_bytes + other_input_bytes + output_bytes
+    return forward, 2 * forward

@@ -1,17 +1,12 @@
 """Work per graph node: FLOPs and bytes of forward and backward, on GLOBAL shapes.
 
-Nothing real runs. Matmuls and attention use closed forms from the shapes (attention through
-``torch.utils.flop_counter.sdpa_flop_count``, times the causal fraction); other ops that
-``FlopCounterMode`` knows (convolutions, ...) run once on meta tensors under it; everything else
-is priced per element by family. Backward work is a per-family multiple of forward work:
+Nothing real runs. This module maps fx nodes onto the formulas of ``cost_models.compute``, the
+one definition of each (``matmul_flops``, ``attention_flops``, ``elementwise_flops``,
+``backward_flops_factor``, ``op_bytes``); ops without a closed form that ``FlopCounterMode``
+knows (``mv``, ``einsum``, ...) run once on meta tensors under it. The conventions (2 FLOPs per
+multiply-add, causal attention counts its unmasked pairs, attention backward 2.5x, norm
+backward 2x, ...) are documented on those functions and in README.md ("The cost model").
 
-* matmul: 1x forward per floating matrix operand that needs a gradient (dX = dY W^T, dW = X^T dY);
-* attention: 2.5x forward (FlashAttention's backward recomputes the scores: ~5 matmuls vs 2);
-* everything else: 1x forward.
-
-Bytes are input plus output bytes in forward (views and tuple indexing move nothing) and about
-twice that in backward (read the saved inputs and the output gradient, write input gradients);
-an embedding lookup reads only the selected rows, and its backward writes a dense table gradient.
 A node with no input needing a gradient has no backward work at all.
 
 Results are cached by (op, argument shapes/dtypes/requires-grad, constants, output shapes):
@@ -28,11 +23,20 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_map
-from torch.utils.flop_counter import FlopCounterMode, flop_registry, sdpa_flop_count
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
+
+from cost_models.compute import (
+    attention_flops,
+    backward_flops_factor,
+    elementwise_flops,
+    matmul_flops,
+    op_bytes,
+)
 
 FAMILIES = (
     "matmul",
     "attention",
+    "convolution",
     "pointwise",
     "norm",
     "softmax",
@@ -101,6 +105,10 @@ _ATTENTION = frozenset(
     _scaled_dot_product_cudnn_attention _scaled_dot_product_attention_math
     _scaled_dot_product_fused_attention_overrideable""".split()
 )
+_CONVOLUTION = frozenset(
+    """convolution _convolution conv1d conv2d conv3d conv_transpose1d conv_transpose2d
+    conv_transpose3d""".split()
+)
 _NORM = frozenset(
     """layer_norm native_layer_norm rms_norm _fused_rms_norm group_norm native_group_norm
     batch_norm native_batch_norm _native_batch_norm_legit _native_batch_norm_legit_no_training
@@ -123,10 +131,6 @@ _COPY = frozenset(
     triu""".split()
 )
 
-# FLOPs per element (of the largest tensor) for the per-element families.
-_FLOPS_PER_ELEMENT = {"pointwise": 1.0, "norm": 5.0, "softmax": 5.0, "reduction": 1.0, "loss": 5.0}
-_ATTENTION_BWD_FACTOR = 2.5
-
 
 def _op_name(target: Any) -> str:
     if isinstance(target, torch._ops.OpOverload):
@@ -143,6 +147,7 @@ def op_family(target: Any) -> str:
         ("view", _VIEW),
         ("matmul", _MATMUL),
         ("attention", _ATTENTION),
+        ("convolution", _CONVOLUTION),
         ("norm", _NORM),
         ("softmax", _SOFTMAX),
         ("reduction", _REDUCTION),
@@ -203,6 +208,38 @@ def node_costs(node: fx.Node) -> NodeWork:
         return _work(node.target, args, kwargs, outputs)
     except TypeError:  # an unhashable constant argument: price without the cache
         return _work.__wrapped__(node.target, args, kwargs, outputs)
+
+
+def op_costs(target: Any, args: Any, kwargs: dict[str, Any] | None = None) -> NodeWork:
+    """``node_costs`` of one call ``target(*args, **kwargs)``, as the planner prices it in a graph.
+
+    Tensor arguments (real, fake or meta) are replaced by meta placeholders keeping their shape,
+    dtype and ``requires_grad``; other arguments are constants. Used by calibration and tests.
+    """
+    kwargs = kwargs or {}
+    graph = fx.Graph()
+    placeholders: list[torch.Tensor] = []
+
+    def to_node(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        meta = torch.empty(value.shape, dtype=value.dtype, device="meta")
+        meta.requires_grad_(value.requires_grad)
+        node = graph.placeholder(f"x{len(placeholders)}")
+        node.meta["val"] = meta
+        placeholders.append(meta)
+        return node
+
+    node_args = tree_map(to_node, tuple(args))
+    node_kwargs = tree_map(to_node, dict(kwargs))
+    node = graph.call_function(target, node_args, node_kwargs)
+
+    def to_meta(value: Any) -> Any:
+        return value.meta["val"] if isinstance(value, fx.Node) else value
+
+    with torch.no_grad():
+        node.meta["val"] = target(*tree_map(to_meta, node_args), **tree_map(to_meta, node_kwargs))
+    return node_costs(node)
 
 
 def _output_sigs(val: Any) -> tuple[_TensorSig, ...]:
@@ -269,39 +306,42 @@ def _work(
     family = op_family(target)
     inputs = _tensors((args, kwargs))
     needs_grad = any(t.requires_grad and t.is_float for t in inputs)
+    fwd_bytes, bwd_bytes = op_bytes(
+        family,
+        float_input_bytes=sum(t.num_bytes for t in inputs if t.is_float),
+        other_input_bytes=sum(t.num_bytes for t in inputs if not t.is_float),
+        output_bytes=sum(t.num_bytes for t in outputs),
+    )
+    # Inputs whose gradient costs a product of the forward's size (matmul, convolution); for
+    # the other families any input needing a gradient gives the family's whole backward.
+    grad_operands = [t for t in inputs if t.requires_grad and t.is_float]
     if family == "view":
-        return NodeWork(fwd_flops=0.0, bwd_flops=0.0, fwd_bytes=0, bwd_bytes=0, family=family)
-    fwd_bytes = sum(t.num_bytes for t in inputs) + sum(t.num_bytes for t in outputs)
-    bwd_bytes = 2 * fwd_bytes
-    if family == "embedding" and inputs:
-        # A lookup reads the selected rows, not the table; its backward writes a dense table
-        # gradient (PyTorch's default) and reads the output gradient.
-        out_bytes = sum(t.num_bytes for t in outputs)
-        fwd_bytes = sum(t.num_bytes for t in inputs if not t.is_float) + 2 * out_bytes
-        bwd_bytes = sum(t.num_bytes for t in inputs if t.is_float) + 2 * out_bytes
-    bwd_factor = 1.0
-    if family == "matmul":
+        fwd_flops = 0.0
+    elif family == "matmul":
         fwd_flops, operands = _matmul_flops(target, args, kwargs, outputs)
-        bwd_factor = float(sum(1 for t in operands if t.requires_grad and t.is_float))
+        grad_operands = [t for t in operands if t.requires_grad and t.is_float]
     elif family == "attention":
         fwd_flops = _attention_flops(target, args, kwargs)
-        bwd_factor = _ATTENTION_BWD_FACTOR
-    elif family in _FLOPS_PER_ELEMENT:
-        largest = max((t.numel for t in (*inputs, *outputs) if t.is_float), default=0)
-        fwd_flops = _FLOPS_PER_ELEMENT[family] * largest
-    elif isinstance(target, torch._ops.OpOverload) and target.overloadpacket in flop_registry:
+    elif family == "convolution":
         fwd_flops = _counted_flops(target, args, kwargs)
-    else:  # embedding lookups, concatenation, padding, factories: data movement only
-        fwd_flops = 0.0
+        bound = _bind(target, args, kwargs)
+        operands = [bound.get("input"), bound.get("weight")]
+        grad_operands = [t for t in operands if isinstance(t, _TensorSig) and t.requires_grad]
+    elif family == "other" and getattr(target, "overloadpacket", None) in flop_registry:
+        fwd_flops = _counted_flops(target, args, kwargs)
+    else:
+        largest = max((t.numel for t in (*inputs, *outputs) if t.is_float), default=0)
+        fwd_flops = elementwise_flops(family, largest)
     if not needs_grad:
         return NodeWork(
-            fwd_flops=fwd_flops, bwd_flops=0.0, fwd_bytes=fwd_bytes, bwd_bytes=0, family=family
+            fwd_flops=fwd_flops, bwd_flops=0.0, fwd_bytes=int(fwd_bytes), bwd_bytes=0, family=family
         )
+    factor = backward_flops_factor(family, len(grad_operands))
     return NodeWork(
         fwd_flops=fwd_flops,
-        bwd_flops=bwd_factor * fwd_flops,
-        fwd_bytes=fwd_bytes,
-        bwd_bytes=bwd_bytes,
+        bwd_flops=factor * fwd_flops,
+        fwd_bytes=int(fwd_bytes),
+        bwd_bytes=int(bwd_bytes),
         family=family,
     )
 
@@ -312,7 +352,7 @@ def _matmul_flops(
     kwargs: tuple[tuple[str, Any], ...],
     outputs: tuple[_TensorSig, ...],
 ) -> tuple[float, list[_TensorSig]]:
-    """Forward FLOPs (2 per multiply-add) and the two matrix operands."""
+    """Forward FLOPs and the two matrix operands (a bias is not one: its gradient is a sum)."""
     name = _op_name(target)
     bound = _bind(target, args, kwargs)
     if name == "linear":
@@ -321,16 +361,17 @@ def _matmul_flops(
             (weight.shape[0], weight.shape[-1]) if len(weight.shape) == 2 else (1, weight.shape[0])
         )
         rows = x.numel // max(in_features, 1)
-        return 2.0 * rows * in_features * out_features, [x, weight]
+        return matmul_flops(rows, out_features, in_features), [x, weight]
     if name in ("mm", "addmm", "bmm", "baddbmm", "matmul", "addbmm"):
         a = bound.get("mat1", bound.get("batch1", bound.get("self")))
         b = bound.get("mat2", bound.get("batch2", bound.get("other")))
         contracted = a.shape[-1] if a.shape else 1
-        if name == "addbmm":
-            out = a.numel // max(a.shape[-1], 1) * b.shape[-1]
-            return 2.0 * out * contracted, [a, b]
+        if name == "addbmm":  # sum over the batch of (n x k) @ (k x m): out is (n x m)
+            rows = a.numel // max(contracted, 1)
+            return matmul_flops(rows, b.shape[-1], contracted), [a, b]
+        # Every output element is one dot product of length ``contracted``.
         out_numel = outputs[0].numel if outputs else 0
-        return 2.0 * out_numel * contracted, [a, b]
+        return matmul_flops(out_numel, 1, contracted), [a, b]
     operands = [t for t in _tensors((args, kwargs)) if t.is_float]
     return _counted_flops(target, args, kwargs), operands[:2]
 
@@ -342,32 +383,20 @@ def _attention_flops(
     query, key, value = bound["query"], bound["key"], bound["value"]
     # Fold leading dims into (batch, heads); grouped-query K/V count as if repeated per query head.
     *lead, q_len, head_dim = query.shape
-    k_len, v_dim = key.shape[-2], value.shape[-1]
     batch = 1
     for size in lead[:-1]:
         batch *= size
-    heads = lead[-1] if lead else 1
-    flops = float(
-        sdpa_flop_count(
-            (batch, heads, q_len, head_dim),
-            (batch, heads, k_len, head_dim),
-            (batch, heads, k_len, v_dim),
-        )
+    # An explicit mask may be anything: the kernel computes every pair.
+    causal = bool(bound.get("is_causal")) and bound.get("attn_mask", bound.get("attn_bias")) is None
+    return attention_flops(
+        batch,
+        lead[-1] if lead else 1,
+        q_len,
+        key.shape[-2],
+        head_dim,
+        v_head_dim=value.shape[-1],
+        causal=causal,
     )
-    if bound.get("is_causal") and bound.get("attn_mask", bound.get("attn_bias")) is None:
-        flops *= causal_fraction(q_len, k_len)
-    return flops
-
-
-def causal_fraction(q_len: int, k_len: int) -> float:
-    """Share of (query, key) pairs a causal mask keeps (PyTorch's top-left aligned tril)."""
-    if q_len == 0 or k_len == 0:
-        return 0.0
-    # Row i keeps min(i + 1, k_len) keys.
-    full_rows = max(q_len - k_len, 0)
-    ramp = min(q_len, k_len)
-    kept = ramp * (ramp + 1) // 2 + full_rows * k_len
-    return kept / (q_len * k_len)
 
 
 def _counted_flops(

@@ -8,8 +8,9 @@ figures a Plan reports are the ones the ILP optimised.
 
 Cost model per node strategy (seconds, per device, one training step):
 - compute: roofline on local work: FLOPs / (product of the sizes of the axes the op's work is
-  split over: an axis where some input or output is sharded), bytes of the local inputs and
-  outputs; backward priced only for nodes that need a gradient.
+  split over: an axis where some input or output is sharded), ``cost_models.op_bytes`` of the
+  local inputs and outputs (an embedding reads its rows, not its table); FLOPs from
+  ``autopar.flops.node_costs``; backward priced only for nodes that need a gradient.
 - gradient all-reduce: a Replicate input whose gradient is Partial on an axis (the gradient
   convention) is all-reduced over it; for parameters this is the data-parallel gradient sync.
 - ZeRO (a stage per mesh axis, per parameter on the axes where it is Replicate; see

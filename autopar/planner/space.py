@@ -29,7 +29,7 @@ from autopar.planner.pricing import CommPricer, pair_table
 from autopar.planner.saved_activations import SavedRule, saved_rules
 from autopar.strategies import Strategy, input_nodes, strategies_for
 from autopar.strategies.registry import TensorMeta, op_call, tensor_meta
-from cost_models import compute_time_s
+from cost_models import compute_time_s, op_bytes
 
 VIEW_FAMILIES = frozenset({"view"})
 
@@ -129,6 +129,17 @@ def _split_factor(strategy: Strategy, mesh_shape: Sequence[int]) -> int:
         if any(isinstance(p, Shard) for p in placements):
             factor *= size
     return factor
+
+
+def _local_input_bytes(metas, placements, mesh_shape) -> tuple[float, float]:
+    """Local bytes of a node's floating inputs and of its other inputs (indices, masks)."""
+    float_bytes = other_bytes = 0.0
+    for meta, placement in zip(metas, placements):
+        if isinstance(meta, TensorMeta) and not meta.dtype.is_floating_point:
+            other_bytes += local_bytes(meta, placement, mesh_shape)
+        else:
+            float_bytes += local_bytes(meta, placement, mesh_shape)
+    return float_bytes, other_bytes
 
 
 def _dtype_name(dtype: torch.dtype, mixed_precision: str | None) -> str:
@@ -311,9 +322,14 @@ def _op_space(
         out_bytes = sum(
             local_bytes(m, p, mesh_shape) for m, p in zip(call.outputs, strategy.outputs)
         )
-        in_bytes = sum(local_bytes(m, p, mesh_shape) for m, p in zip(call.inputs, strategy.inputs))
+        float_in, other_in = _local_input_bytes(call.inputs, strategy.inputs, mesh_shape)
         if not is_view:
-            fwd_bytes = (in_bytes + out_bytes) * precision_scale
+            fwd_bytes, bwd_bytes = op_bytes(
+                work.family,
+                float_input_bytes=float_in * precision_scale,
+                other_input_bytes=other_in,  # indices and masks keep their dtype
+                output_bytes=out_bytes * precision_scale,
+            )
             compute[i] = compute_time_s(
                 flops=work.fwd_flops / factor,
                 bytes_accessed=fwd_bytes,
@@ -325,7 +341,7 @@ def _op_space(
             if grad:
                 compute[i] += compute_time_s(
                     flops=work.bwd_flops / factor,
-                    bytes_accessed=2 * fwd_bytes,
+                    bytes_accessed=bwd_bytes,
                     device=mesh.device,
                     dtype=dtype_name,
                     family=work.family,

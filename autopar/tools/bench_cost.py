@@ -39,6 +39,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from autopar.tools.calibration import fwd_bwd_callable, spawn_local, time_callable
+from cost_models import matmul_flops
 from cost_models.calibrate import mape, spearman
 
 
@@ -418,7 +419,7 @@ def _matmul_rate(device: torch.device) -> float:
     n = 8192 if device.type == "cuda" else 512
     a = torch.randn(n, n, device=device)
     seconds = time_callable(lambda: a @ a, device=device, min_time_s=0.05, trials=3)
-    return _reduce([2.0 * n**3 / seconds], dist.ReduceOp.SUM)[0] / dist.get_world_size()
+    return _reduce([matmul_flops(n, n, n) / seconds], dist.ReduceOp.SUM)[0] / dist.get_world_size()
 
 
 def _bench_rank(rank: int, world_size: int, model_spec: ModelSpec, plans: dict, config: BenchConfig) -> dict | None:

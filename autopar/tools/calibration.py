@@ -32,12 +32,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.fx as fx
 
-from autopar.capture.flops import node_costs
+from autopar.capture.flops import op_costs
 from autopar.runtime.spawn import spawn_ranks
 from cost_models import DeviceSpec, Profile, collective_steps_and_wire_bytes, fit_alpha_beta
 from cost_models.calibrate import build_profile, fit_efficiency, fit_rate, link_from_fits
+from cost_models.compute import matmul_flops
 
 aten = torch.ops.aten
 
@@ -168,32 +168,9 @@ def fwd_bwd_callable(
 
 def op_work(target: Any, args: Sequence[Any], kwargs: dict[str, Any] | None = None) -> tuple[float, float, float, float]:
     """``(fwd_flops, bwd_flops, fwd_bytes, bwd_bytes)`` of ``target(*args)`` as the planner
-    prices it: FLOPs from ``autopar.capture.flops.node_costs``; bytes = tensor inputs plus outputs (the
-    planner's ``autopar.planner.problem`` convention), twice that in backward."""
-    kwargs = kwargs or {}
-    graph = fx.Graph()
-    node_args: list[Any] = []
-    meta_args: list[Any] = []
-    for i, a in enumerate(args):
-        if isinstance(a, torch.Tensor):
-            meta = torch.empty(a.shape, dtype=a.dtype, device="meta").requires_grad_(a.requires_grad)
-            ph = graph.placeholder(f"x{i}")
-            ph.meta["val"] = meta
-            node_args.append(ph)
-            meta_args.append(meta)
-        else:
-            node_args.append(a)
-            meta_args.append(a)
-    node = graph.call_function(target, tuple(node_args), dict(kwargs))
-    with torch.no_grad():
-        node.meta["val"] = target(*meta_args, **kwargs)
-    work = node_costs(node)
-    outs = node.meta["val"]
-    outs = [outs] if isinstance(outs, torch.Tensor) else [o for o in outs if isinstance(o, torch.Tensor)]
-    nbytes = sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
-    nbytes += sum(o.numel() * o.element_size() for o in outs)
-    bwd_bytes = 2.0 * nbytes if work.bwd_flops > 0 or work.bwd_bytes > 0 else 0.0
-    return work.fwd_flops, work.bwd_flops, float(nbytes), bwd_bytes
+    prices it: ``autopar.capture.flops.op_costs``, i.e. the formulas of ``cost_models.compute``."""
+    work = op_costs(target, args, kwargs)
+    return work.fwd_flops, work.bwd_flops, float(work.fwd_bytes), float(work.bwd_bytes)
 
 
 def family_cases(scale: int, device: torch.device) -> dict[str, tuple[Any, list[Any], dict[str, Any]]]:
@@ -270,7 +247,7 @@ def measure_device(
             a = torch.randn(n, n, device=device, dtype=dtype)
             b = torch.randn(n, n, device=device, dtype=dtype)
             times.append(time_callable(lambda a=a, b=b: a @ b, **timing))
-            flops.append(2.0 * n**3)
+            flops.append(matmul_flops(n, n, n))
         times = _mean_over_ranks(times, device)
         name = str(dtype).removeprefix("torch.")
         peak[name] = fit_rate(flops, times, through_origin=True)[0]

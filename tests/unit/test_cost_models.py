@@ -300,6 +300,8 @@ def test_matmul_and_attention_flops() -> None:
     causal = attention_flops(2, 8, 1024, 1024, 64, causal=True)
     assert causal / full == pytest.approx((1024 * 1025 / 2) / (1024 * 1024))
     assert 0.5 < causal / full < 0.501
+    # A value head size of its own: QK^T at head_dim, PV at v_head_dim.
+    assert attention_flops(1, 2, 8, 8, 16, v_head_dim=4, causal=False) == 2 * 2 * 8 * 8 * (16 + 4)
 
 
 def test_causal_pairs_match_a_brute_force_mask() -> None:
@@ -319,7 +321,9 @@ def test_backward_flops_factors() -> None:
     assert backward_flops_factor("attention", 3) == 2.5
     assert backward_flops_factor("pointwise", 1) == 1.0
     assert backward_flops_factor("norm", 3) == 2.0
-    assert backward_flops_factor("softmax", 1) == 2.0
+    assert backward_flops_factor("softmax", 1) == 1.0  # y * (dy - sum(dy * y)): 4 vs 5 per element
+    assert backward_flops_factor("loss", 1) == 1.0
+    assert backward_flops_factor("view", 1) == 0.0
     assert backward_flops_factor("something-new", 1) == 1.0
     assert backward_flops_factor("matmul", 0) == 0.0
     with pytest.raises(ValueError):
