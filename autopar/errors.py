@@ -27,7 +27,9 @@ class BudgetError(PlanningError):
         what: the configuration the figure is for ("any ZeRO stage", "recipe 'ddp'", ...).
     """
 
-    def __init__(self, message: str, *, budget_bytes: float, min_budget_bytes: float, what: str) -> None:
+    def __init__(
+        self, message: str, *, budget_bytes: float, min_budget_bytes: float, what: str
+    ) -> None:
         super().__init__(message)
         self.budget_bytes = budget_bytes
         self.min_budget_bytes = min_budget_bytes
@@ -35,7 +37,10 @@ class BudgetError(PlanningError):
 
     def __reduce__(self) -> tuple[object, ...]:
         # Keyword-only __init__ breaks Exception's default pickling (it replays self.args).
-        return (_rebuild_budget_error, (str(self), self.budget_bytes, self.min_budget_bytes, self.what))
+        return (
+            _rebuild_budget_error,
+            (str(self), self.budget_bytes, self.min_budget_bytes, self.what),
+        )
 
 
 def _rebuild_budget_error(message: str, budget: float, needed: float, what: str) -> BudgetError:
@@ -87,7 +92,11 @@ def describe_node(gm: Any, name: str, param_fqns: dict[str, str]) -> str:
 
 def _shape_of(node: Any) -> str:
     val = node.meta.get("val")
-    shapes = [list(v.shape) for v in (val if isinstance(val, (list, tuple)) else [val]) if hasattr(v, "shape")]
+    shapes = [
+        list(v.shape)
+        for v in (val if isinstance(val, (list, tuple)) else [val])
+        if hasattr(v, "shape")
+    ]
     return " ".join(str(s) for s in shapes) if shapes else "[]"
 
 

@@ -34,7 +34,11 @@ def code_fingerprint() -> str:
 
     digest = hashlib.sha256()
     here = pathlib.Path(__file__).resolve().parent
-    for package in (here, pathlib.Path(solver.__file__).parent, pathlib.Path(cost_models.__file__).parent):
+    for package in (
+        here,
+        pathlib.Path(solver.__file__).parent,
+        pathlib.Path(cost_models.__file__).parent,
+    ):
         for path in sorted(package.rglob("*")):
             if path.suffix in (".py", ".json") and "__pycache__" not in path.parts:
                 digest.update(f"{package.name}/{path.relative_to(package).as_posix()}\n".encode())

@@ -216,7 +216,8 @@ def sweep_rows(
     from autopar.mesh import Mesh
     from autopar.options import PlanOptions
     from autopar.planner.checkpointing import block_group_candidates, candidate_segments
-    from autopar.planner.driver import Driver, tie_levels
+    from autopar.planner.configurations import tie_levels
+    from autopar.planner.driver import Driver
     from autopar.planner.problem import ZeroConfig, build_space
 
     model, args, kwargs = gpt(layers)
@@ -240,7 +241,7 @@ def sweep_rows(
         options, candidates = policies[name]
         try:
             driver = Driver(space, options=options, tied=tied, candidates=candidates)
-            return driver.solve_configuration(ZeroConfig(), name=name, budget=budget)
+            return driver.configurations.solve(ZeroConfig(), name=name, budget=budget)
         except (solver.InfeasibleBudgetError, solver.SolverTimeoutError):
             return None
 

@@ -234,7 +234,7 @@ def _demo() -> None:
 def plan_json_of(space: Any, solved: Any, budget: float) -> str:
     """Plan JSON of one of ``benchmarks/checkpointing.py``'s solved rows (``autopar.planner.driver.Solved``)."""
     from autopar.plan.build import plan_document
-    from autopar.planner.driver import log_entry
+    from autopar.planner.configurations import log_entry
 
     data = plan_document(
         space,

@@ -17,7 +17,7 @@ import torch
 from autopar.options import format_bytes, format_seconds
 from autopar.plan.document import PLAN_VERSION, strategy_entry
 from autopar.planner.checkpointing import with_segments
-from autopar.planner.driver import Solved
+from autopar.planner.configurations import Solved
 from autopar.planner.problem import Evaluation, StrategySpace, ZeroConfig, evaluate, param_state
 from autopar.planner.zero_choice import zero_configurations
 from autopar.strategies import input_nodes
@@ -91,7 +91,9 @@ def plan_document(
             mem, _, _ = param_state(space, node, s, zero)
             entry["memory_bytes"] = mem
             placements = strategy.outputs[0]
-            replicate = [a for a in range(mesh.ndim) if placements[a].is_replicate() and mesh.shape[a] > 1]
+            replicate = [
+                a for a in range(mesh.ndim) if placements[a].is_replicate() and mesh.shape[a] > 1
+            ]
             own = zero.split(replicate)[2]
             zero_axes = [mesh.axis_names[a] for a in own]
             params[node.fqn] = {
@@ -284,13 +286,21 @@ def _per_stage(space: StrategySpace, chosen: Solved) -> dict[str, Any]:
             evaluate(space, chosen.choice, ZeroConfig(stage=stage, axes=axes if stage else ())),
             chosen.segments,
         )
-        out[str(stage)] = {"step_s": ev.step_s, "peak_memory_bytes": ev.peak_memory_bytes, "memory": ev.memory}
+        out[str(stage)] = {
+            "step_s": ev.step_s,
+            "peak_memory_bytes": ev.peak_memory_bytes,
+            "memory": ev.memory,
+        }
     if not chosen.zero.is_uniform:
         # The chosen per-axis stages too, keyed like "dp=2,tp=3".
         names = space.mesh.axis_names
         key = ",".join(f"{names[a]}={chosen.zero.stage_of(a)}" for a in range(space.mesh.ndim))
         ev = chosen.evaluation
-        out[key] = {"step_s": ev.step_s, "peak_memory_bytes": ev.peak_memory_bytes, "memory": ev.memory}
+        out[key] = {
+            "step_s": ev.step_s,
+            "peak_memory_bytes": ev.peak_memory_bytes,
+            "memory": ev.memory,
+        }
     return out
 
 

@@ -23,7 +23,6 @@ cannot disagree about what "auto" or a recipe is.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -31,51 +30,26 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import solver
-from autopar.errors import BudgetError, NoLayoutError, PlanningError, infeasible_error
+from autopar.errors import BudgetError, NoLayoutError, infeasible_error
 from autopar.mesh import Mesh
 from autopar.options import PlanOptions, format_bytes
 from autopar.planner.checkpointing import (
     Candidate,
-    ChosenSegment,
     candidate_segments,
-    chosen_segments,
-    solver_segments,
-    with_segments,
 )
+from autopar.planner.configurations import ConfigurationSolver, Solved, Ties, log_entry, tie_levels
 from autopar.planner.problem import (
-    BuiltProblem,
-    Evaluation,
     StrategySpace,
     ZeroConfig,
-    build_problem,
-    evaluate,
 )
 from autopar.planner.recipes import BASELINE_RECIPES, RecipeSpec, recipe_spec
-from autopar.planner.tying import repeated_blocks
 from autopar.planner.zero_choice import forced_zero, zero_candidates
-from solver.parallel import solve_all
 
 MEMORY_RESERVE = 0.10
 """Fraction of device memory kept free by the default budget (allocator, workspaces)."""
 
 REFERENCE_RECIPES = ("auto", "replicated", *BASELINE_RECIPES)
 """What :meth:`Driver.plan` plans: the auto plan, the no-parallelism reference, the recipes."""
-
-Ties = Sequence[tuple[tuple[int, ...], ...]]
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Solved:
-    """One solved configuration: its layouts (``choice``: a strategy index per space node),
-    ZeRO configuration, figures and the solver's report."""
-
-    name: str
-    zero: ZeroConfig
-    choice: tuple[int, ...]
-    evaluation: Evaluation
-    solution: solver.Solution
-    segments: tuple[ChosenSegment, ...] = ()
-    """Checkpoint segments recomputed (evaluation already includes them)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -102,26 +76,6 @@ def memory_budget_bytes(mesh: Mesh, options: PlanOptions) -> float:
     if options.memory_budget is not None:
         return float(parse_bytes(options.memory_budget))
     return mesh.device.mem_capacity_bytes * (1 - MEMORY_RESERVE)
-
-
-def tie_levels(space: StrategySpace) -> list[tuple[tuple[int, ...], ...]]:
-    """Every layer of a stack tied, then the middle layers only (see autopar.planner.tying)."""
-    levels = [repeated_blocks(space, include_ends=True), repeated_blocks(space)]
-    return [level for k, level in enumerate(levels) if level and level not in levels[:k]]
-
-
-def log_entry(solved: Solved, *, budget_free: bool = False) -> dict[str, Any]:
-    """The plan JSON's ``solver.candidates`` entry of one solved configuration."""
-    return {
-        "zero_stage": solved.zero.stage,
-        "zero_axes": list(solved.zero.axes),
-        "zero_stages": list(solved.zero.stages),
-        "status": solved.solution.status,
-        "step_s": solved.evaluation.step_s,
-        "peak_memory_bytes": solved.evaluation.peak_memory_bytes,
-        "memory": solved.evaluation.memory,
-        "budget_free": budget_free,
-    }
 
 
 def solve_line(name: str, solved: Solved, seconds: float) -> str:
@@ -173,6 +127,9 @@ class Driver:
         if candidates is None:
             candidates = candidate_segments(space, self.options.checkpoint)
         self.candidates = candidates
+        self.configurations = ConfigurationSolver(
+            space, options=self.options, tied=self.tied, candidates=self.candidates
+        )
         self._report = progress or (lambda line: None)
         self._recipes: dict[str, Solved] = {}
         self._free_auto: Solved | None = None
@@ -183,13 +140,16 @@ class Driver:
         other = object.__new__(Driver)
         other.space, other.options, other.budget = self.space, self.options, budget
         other.tied, other.candidates, other._report = self.tied, self.candidates, self._report
+        other.configurations = self.configurations
         other._recipes, other._free_auto, other._notes = self._recipes, self._free_auto, self._notes
         return other
 
     # ----------------------------------------------------------------------------------------
     # What the entry points call
 
-    def plan(self, recipe: str | None = None, *, price_baselines: bool = True, strict: bool = True) -> Planned:
+    def plan(
+        self, recipe: str | None = None, *, price_baselines: bool = True, strict: bool = True
+    ) -> Planned:
         """The plan for ``recipe`` (default: the options' recipe), with every baseline recipe
         priced alongside when ``price_baselines`` (else only the recipe itself, which saves one
         ILP per recipe). ``strict``: a recipe that does not fit the budget is an error (else it
@@ -201,10 +161,18 @@ class Driver:
         """
         recipe = recipe or self.options.recipe
         if recipe not in REFERENCE_RECIPES:
-            raise ValueError(f"unknown recipe {recipe!r}; choose from {', '.join(REFERENCE_RECIPES)}")
+            raise ValueError(
+                f"unknown recipe {recipe!r}; choose from {', '.join(REFERENCE_RECIPES)}"
+            )
         start = time.perf_counter()
-        wanted = BASELINE_RECIPES if price_baselines else tuple(r for r in BASELINE_RECIPES if r == recipe)
-        baselines = self.recipes(wanted, free_auto=recipe == "auto" and self.options.zero_stage is None)
+        wanted = (
+            BASELINE_RECIPES
+            if price_baselines
+            else tuple(r for r in BASELINE_RECIPES if r == recipe)
+        )
+        baselines = self.recipes(
+            wanted, free_auto=recipe == "auto" and self.options.zero_stage is None
+        )
         if recipe == "auto":
             auto_start = time.perf_counter()
             try:
@@ -249,7 +217,7 @@ class Driver:
         if jobs:
             start = time.perf_counter()
             try:
-                solved: list[Solved | None] = list(self.solve_configurations(jobs))
+                solved: list[Solved | None] = list(self.configurations.solve_many(jobs))
             except solver.InfeasibleError as error:
                 if isinstance(error, solver.InfeasibleBudgetError):
                     raise
@@ -261,7 +229,9 @@ class Driver:
                 if one is None:
                     continue
                 self._recipes[name] = one
-                self._report(solve_line(name, one, seconds) + (" (side by side)" if len(jobs) > 1 else ""))
+                self._report(
+                    solve_line(name, one, seconds) + (" (side by side)" if len(jobs) > 1 else "")
+                )
         return {name: self._recipes[name] for name in names if name in self._recipes}
 
     def _solve_feasible(
@@ -274,7 +244,7 @@ class Driver:
             NoLayoutError: ``name`` is the options' recipe (or "auto") and has no plan.
         """
         try:
-            return self.solve_configuration(zero, name=name, budget=budget, spec=spec)
+            return self.configurations.solve(zero, name=name, budget=budget, spec=spec)
         except solver.InfeasibleError as error:
             if isinstance(error, solver.InfeasibleBudgetError):
                 raise
@@ -292,7 +262,7 @@ class Driver:
         """
         spec = recipe_spec(self.space, recipe)
         try:
-            return self.solve_configuration(spec.zero, name=recipe, budget=None, spec=spec)
+            return self.configurations.solve(spec.zero, name=recipe, budget=None, spec=spec)
         except solver.InfeasibleError as error:
             if isinstance(error, solver.InfeasibleBudgetError):
                 raise
@@ -316,14 +286,16 @@ class Driver:
         if self.options.zero_stage is not None:
             zero = forced_zero(self.options.zero_stage, mesh)
             try:
-                solved = self.solve_configuration(zero, name="auto", budget=budget)
+                solved = self.configurations.solve(zero, name="auto", budget=budget)
             except solver.InfeasibleBudgetError as e:
-                raise budget_error(budget, e.min_budget_bytes, f"ZeRO {zero.label(mesh.axis_names)}") from None
+                raise budget_error(
+                    budget, e.min_budget_bytes, f"ZeRO {zero.label(mesh.axis_names)}"
+                ) from None
             return solved, [log_entry(solved)]
         # Stage 0 without a budget is a lower bound on every configuration's step time (ZeRO only
         # adds communication); if it fits, it is the answer.
         if self._free_auto is None:
-            self._free_auto = self.solve_configuration(ZeroConfig(), name="auto", budget=None)
+            self._free_auto = self.configurations.solve(ZeroConfig(), name="auto", budget=None)
         free = self._free_auto
         log = [log_entry(free, budget_free=True)]
         if free.evaluation.peak_memory_bytes <= budget:
@@ -332,7 +304,7 @@ class Driver:
         min_needed = math.inf
         for zero in zero_candidates(mesh.ndim, mesh.shape):
             try:
-                solved = self.solve_configuration(zero, name="auto", budget=budget)
+                solved = self.configurations.solve(zero, name="auto", budget=budget)
             except solver.InfeasibleBudgetError as e:
                 min_needed = min(min_needed, e.min_budget_bytes)
                 log.append(
@@ -360,10 +332,16 @@ class Driver:
             BudgetError: (``strict``) the recipe does not fit even with recomputation.
         """
         chosen = free
-        if chosen.evaluation.peak_memory_bytes > self.budget and self.candidates and self.options.checkpoint == "auto":
+        if (
+            chosen.evaluation.peak_memory_bytes > self.budget
+            and self.candidates
+            and self.options.checkpoint == "auto"
+        ):
             spec = recipe_spec(self.space, recipe)
             try:
-                chosen = self.solve_configuration(spec.zero, name=recipe, budget=self.budget, spec=spec)
+                chosen = self.configurations.solve(
+                    spec.zero, name=recipe, budget=self.budget, spec=spec
+                )
             except solver.InfeasibleBudgetError:
                 pass  # the error below names the recipe's own peak
         peak = chosen.evaluation.peak_memory_bytes
@@ -382,7 +360,7 @@ class Driver:
         """The fastest plan, without a budget and with ZeRO stage 0, whose nodes keep to
         ``allowed`` (strategy indices per node name; nodes not named choose freely)."""
         spec = RecipeSpec(name=name, allowed=allowed, forbid={}, zero=ZeroConfig())
-        return self.solve_configuration(ZeroConfig(), name=name, budget=None, spec=spec)
+        return self.configurations.solve(ZeroConfig(), name=name, budget=None, spec=spec)
 
     def smallest_budget(self) -> float:
         """The smallest budget per device the options' recipe fits (ZeRO and recomputation as
@@ -395,160 +373,6 @@ class Driver:
 
     # ----------------------------------------------------------------------------------------
     # Solving configurations
-
-    def solve_configuration(
-        self,
-        zero: ZeroConfig,
-        *,
-        name: str,
-        budget: float | None,
-        spec: RecipeSpec | None = None,
-        tied: Ties | None = None,
-    ) -> Solved:
-        """Solve one ZeRO configuration (and recipe, with ``spec``). When the layers tied at the
-        tightest level do not fit the budget, the next, looser level is tried, and finally
-        every layer chooses on its own.
-
-        Raises:
-            solver.InfeasibleBudgetError: nothing fits even untied (``min_budget_bytes`` set).
-        """
-        tied = self.tied if tied is None else tied
-        built, problem = self._prepare(zero, budget=budget, spec=spec, tied=tied)
-        try:
-            solution = solver.solve(
-                problem, backend=self.options.solver, time_limit_s=self.options.time_limit_s, gap=self.options.gap
-            )
-        except solver.InfeasibleBudgetError:
-            if not tied:
-                raise
-            return self.solve_configuration(zero, name=name, budget=budget, spec=spec, tied=tied[1:])
-        return self._finish(zero, name, built, problem, solution)
-
-    def solve_configurations(
-        self, jobs: Sequence[tuple[str, ZeroConfig, RecipeSpec | None, float | None]]
-    ) -> list[Solved]:
-        """:meth:`solve_configuration` of each ``(name, zero, spec, budget)`` job, the ILPs
-        solved side by side on the machine's cores (:func:`solver.parallel.solve_all`); the
-        same plans as solving them one after another."""
-        # A recipe that fixes every parameter's layout prices its ZeRO configuration as a constant
-        # (the ZeRO terms are per parameter strategy; activations do not see them), so without a
-        # budget recipes with the same restrictions (ddp and fsdp, megatron and fsdp+tp) have the
-        # same optimal layouts: solve once, evaluate under each one's ZeRO.
-        same_as: dict[int, int] = {}
-        for k, (_, _, spec, budget) in enumerate(jobs):
-            for j in range(k):
-                other = jobs[j]
-                if j not in same_as and self._same_fixed_recipe(spec, budget, other[2], other[3]):
-                    same_as[k] = j
-                    break
-        unique = [k for k in range(len(jobs)) if k not in same_as]
-        prepared = {k: self._prepare(jobs[k][1], budget=jobs[k][3], spec=jobs[k][2], tied=self.tied) for k in unique}
-        try:
-            solutions = solve_all(
-                [prepared[k][1] for k in unique],
-                backend=self.options.solver,
-                time_limit_s=self.options.time_limit_s,
-                gap=self.options.gap,
-            )
-        except solver.InfeasibleError:
-            # A tie level that does not fit: solve_configuration walks the looser levels.
-            return [self.solve_configuration(zero, name=name, budget=budget, spec=spec) for name, zero, spec, budget in jobs]
-        solution_of = dict(zip(unique, solutions, strict=True))
-        out: list[Solved] = []
-        for k, (name, zero, _, _) in enumerate(jobs):
-            j = same_as.get(k, k)
-            built, problem = prepared[j]
-            solved = self._finish(zero, name, built, problem, solution_of[j])
-            if j != k:  # the objective differs from the one solved by a constant
-                shift = solved.evaluation.step_s - out[j].evaluation.step_s
-                solved = dataclasses.replace(
-                    solved,
-                    solution=dataclasses.replace(
-                        solved.solution,
-                        objective_s=solved.solution.objective_s + shift,
-                        bound_s=solved.solution.bound_s + shift,
-                    ),
-                )
-            out.append(solved)
-        return out
-
-    def _same_fixed_recipe(
-        self,
-        spec: RecipeSpec | None,
-        budget: float | None,
-        other: RecipeSpec | None,
-        other_budget: float | None,
-    ) -> bool:
-        """Two budget-free recipes with the same restrictions and every parameter fixed."""
-        if spec is None or other is None or budget is not None or other_budget is not None:
-            return False
-        if spec.allowed != other.allowed or spec.forbid != other.forbid:
-            return False
-        return all(
-            len(spec.allowed.get(node.name, node.strategies)) == 1
-            for node in self.space.nodes
-            if node.kind == "param"
-        )
-
-    def _prepare(
-        self, zero: ZeroConfig, *, budget: float | None, spec: RecipeSpec | None, tied: Ties
-    ) -> tuple[BuiltProblem, solver.Problem]:
-        """The solver problem of one configuration (with checkpoint segments when they apply)."""
-        built = build_problem(
-            self.space,
-            zero,
-            allowed=spec.allowed if spec else None,
-            forbid=spec.forbid if spec else None,
-            memory_budget_bytes=budget,
-            tied=tied[0] if tied else (),
-        )
-        problem = built.problem
-        forced = self.options.checkpoint == "all"
-        if self.candidates and (budget is not None or forced):
-            problem = dataclasses.replace(
-                problem, segments=solver_segments(self.candidates, built.allowed, forced=forced)
-            )
-        return built, problem
-
-    def _finish(
-        self,
-        zero: ZeroConfig,
-        name: str,
-        built: BuiltProblem,
-        problem: solver.Problem,
-        solution: solver.Solution,
-    ) -> Solved:
-        """The Solved of one configuration from its solution."""
-        options = self.options
-        # Under a budget, tied layers with checkpoint segments are forced alike (solver/tying.py
-        # solve_counts cannot price segments); without segments they are solved as counts, which
-        # may mix strategies across layers and beat the joint plan: solve that too, keep the
-        # better. Also when the joint ILP stopped at the time limit: it is bigger than the
-        # sharding one, which may find a better plan without recompute in the same time.
-        counted = problem.memory_budget_bytes is not None and bool(built.problem.tied)
-        if problem.segments and options.checkpoint != "all" and (counted or solution.status != "optimal"):
-            limit = options.time_limit_s
-            if solution.status == "optimal":
-                # An alternative, not the answer: no longer than about the joint solve took (a
-                # budget only recompute meets makes it prove infeasibility, which can be slow).
-                spent = max(10.0, solution.build_s + solution.solve_s)
-                limit = spent if limit is None else min(limit, spent)
-            try:
-                plain = solver.solve(built.problem, backend=options.solver, time_limit_s=limit, gap=options.gap)
-            except (solver.InfeasibleBudgetError, solver.SolverTimeoutError):
-                plain = None
-            if plain is not None and plain.objective_s < solution.objective_s:
-                solution = dataclasses.replace(plain, recomputed=(0,) * len(problem.segments))
-        choice = tuple(built.allowed[i][c] for i, c in enumerate(solution.choices))
-        chosen = chosen_segments(self.candidates, solution.recomputed, choice) if problem.segments else ()
-        return Solved(
-            name=name,
-            zero=zero,
-            choice=choice,
-            evaluation=with_segments(evaluate(self.space, choice, zero), chosen),
-            solution=solution,
-            segments=chosen,
-        )
 
 
 def replicated_allowed(space: StrategySpace) -> dict[str, list[int]]:
@@ -568,60 +392,3 @@ def replicated_allowed(space: StrategySpace) -> dict[str, list[int]]:
 
 # --------------------------------------------------------------------------------------------
 # The budget sweep
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class SweepPoint:
-    """One plan of a memory-budget sweep (``autopar plan --sweep-budget``)."""
-
-    budget_bytes: float
-    step_s: float | None
-    """Predicted step time; None where no plan fits."""
-    peak_memory_bytes: float | None
-    recompute_s: float
-    num_segments: int
-    zero_stage: int | None
-
-
-def budget_sweep(driver: Driver, *, num_points: int = 6) -> list[SweepPoint]:
-    """The options' plan under ``num_points`` budgets evenly spaced from the smallest that fits
-    (with the options' checkpoint mode) to the budget-free plan's peak: the step-time vs memory
-    curve. The driver's own budget is ignored."""
-
-    def solve(budget: float) -> Solved:
-        return driver.with_budget(budget).plan(price_baselines=False).chosen
-
-    top = solve(driver.space.mesh.device.mem_capacity_bytes * 1e3).evaluation.peak_memory_bytes
-    bottom = driver.smallest_budget()
-    if bottom >= top:
-        budgets = [top]
-    else:
-        budgets = [bottom + (top - bottom) * k / (num_points - 1) for k in range(num_points)]
-    points = []
-    for budget in budgets:
-        try:
-            solved = solve(math.ceil(budget))
-        except PlanningError:
-            points.append(
-                SweepPoint(
-                    budget_bytes=budget,
-                    step_s=None,
-                    peak_memory_bytes=None,
-                    recompute_s=0.0,
-                    num_segments=0,
-                    zero_stage=None,
-                )
-            )
-            continue
-        ev = solved.evaluation
-        points.append(
-            SweepPoint(
-                budget_bytes=budget,
-                step_s=ev.step_s,
-                peak_memory_bytes=ev.peak_memory_bytes,
-                recompute_s=ev.recompute_s,
-                num_segments=len(solved.segments),
-                zero_stage=solved.zero.stage,
-            )
-        )
-    return points

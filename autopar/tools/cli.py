@@ -139,8 +139,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     capture_s = time.perf_counter() - start
     console.log(f"capture: {len(captured.gm.graph.nodes)} nodes, {capture_s:.2f} s")
     if getattr(args, "sweep_budget", None):
-        from autopar.planner.driver import Driver, budget_sweep
+        from autopar.planner.driver import Driver
         from autopar.planner.space import build_space
+        from autopar.planner.sweep import budget_sweep
         from autopar.tools.report import plot_budget_sweep, sweep_table
 
         if args.sweep_budget < 2:

@@ -291,7 +291,7 @@ def plot_step_bars(rows: Sequence[Mapping[str, Any]], path: str, *, title: str =
 
 
 def sweep_table(points: Sequence[Any], *, title: str = "step time vs memory budget") -> str:
-    """A budget sweep (autopar.planner.checkpointing.budget_sweep) as a table."""
+    """A budget sweep (autopar.planner.sweep.budget_sweep) as a table."""
     body = [
         [
             format_bytes(p.budget_bytes),

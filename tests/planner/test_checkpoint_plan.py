@@ -16,7 +16,7 @@ from autopar.models import GPT, GPTConfig
 from autopar.options import PlanOptions
 from autopar.plan.document import Plan
 from autopar.planner.checkpointing import candidate_segments, solver_segments
-from autopar.planner.driver import tie_levels
+from autopar.planner.configurations import tie_levels
 from autopar.planner.problem import ZeroConfig, build_problem, build_space
 from tests.models import tiny_gpt
 
@@ -160,7 +160,8 @@ def test_a_recipe_that_does_not_fit_recomputes_within_its_layouts(gpt: Captured)
 def test_budget_sweep_runs_from_the_smallest_budget_that_fits_to_the_free_peak(
     gpt: Captured, tmp_path
 ) -> None:
-    from autopar.planner.driver import Driver, budget_sweep
+    from autopar.planner.driver import Driver
+    from autopar.planner.sweep import budget_sweep
     from autopar.tools.report import plot_budget_sweep, sweep_table
 
     points = budget_sweep(Driver(build_space(gpt, MESH, PlanOptions(zero_stage=0))), num_points=2)
@@ -179,9 +180,9 @@ def test_budget_sweep_runs_from_the_smallest_budget_that_fits_to_the_free_peak(
 def test_cli_sweep_budget_prints_the_table_and_writes_the_plot(
     monkeypatch: pytest.MonkeyPatch, tmp_path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import autopar.planner.driver
+    import autopar.planner.sweep
     import autopar.presets
-    from autopar.planner.driver import SweepPoint
+    from autopar.planner.sweep import SweepPoint
     from autopar.tools.cli import main
 
     calls = {}
@@ -208,7 +209,7 @@ def test_cli_sweep_budget_prints_the_table_and_writes_the_plot(
         ]
 
     monkeypatch.setattr(autopar.presets, "build_preset", lambda name, batch, seq: tiny_gpt())
-    monkeypatch.setattr(autopar.planner.driver, "budget_sweep", fake_sweep)
+    monkeypatch.setattr(autopar.planner.sweep, "budget_sweep", fake_sweep)
     plot = tmp_path / "curve.png"
     args = [
         "plan",

@@ -85,9 +85,9 @@ def test_recipes_that_differ_only_in_zero_share_one_solve_and_it_is_their_optimu
     space = build_space(captured, autopar.Mesh.parse(mesh, device="h100"), PlanOptions())
     specs = [recipe_spec(space, recipe) for recipe in pair]
     driver = Driver(space, tied=(), candidates=())
-    first, second = driver.solve_configurations([(r, s.zero, s, None) for r, s in zip(pair, specs)])
+    first, second = driver.configurations.solve_many([(r, s.zero, s, None) for r, s in zip(pair, specs)])
     assert first.choice == second.choice
     assert first.zero != second.zero and second.evaluation.step_s != first.evaluation.step_s
-    alone = driver.solve_configuration(specs[1].zero, name=pair[1], budget=None, spec=specs[1])
+    alone = driver.configurations.solve(specs[1].zero, name=pair[1], budget=None, spec=specs[1])
     assert second.evaluation.step_s == pytest.approx(alone.evaluation.step_s, rel=1e-9)
     assert second.solution.objective_s == pytest.approx(alone.solution.objective_s, rel=1e-9)

@@ -13,7 +13,8 @@ from autopar.api import plan_captured
 from autopar.capture.export import capture
 from autopar.mesh import Mesh
 from autopar.options import PlanOptions
-from autopar.planner.driver import Driver, tie_levels
+from autopar.planner.configurations import tie_levels
+from autopar.planner.driver import Driver
 from autopar.planner.problem import ZeroConfig, build_problem, build_space, evaluate
 from autopar.planner.tying import repeated_blocks
 from autopar.presets import build_preset
@@ -188,6 +189,6 @@ def test_checkpoint_auto_under_a_binding_budget_is_no_worse_than_counts(space) -
     counts = solver.solve(build_problem(space, zero, memory_budget_bytes=budget, tied=tied[0]).problem)
     options = PlanOptions(checkpoint="auto")
     driver = Driver(space, options=options, tied=tied, candidates=candidate_segments(space, "auto"))
-    joint = driver.solve_configuration(zero, name="auto", budget=budget)
+    joint = driver.configurations.solve(zero, name="auto", budget=budget)
     assert joint.evaluation.peak_memory_bytes <= budget
     assert joint.evaluation.step_s <= counts.objective_s * (1 + 1e-9)

@@ -23,7 +23,11 @@ def _differences(stored: Any, now: Any, path: str = "") -> list[str]:
     if isinstance(stored, list) and isinstance(now, list):
         if len(stored) != len(now):
             return [f"{path}: {len(stored)} entries stored, {len(now)} now"]
-        return [d for k, (a, b) in enumerate(zip(stored, now)) for d in _differences(a, b, f"{path}[{k}]")]
+        return [
+            d
+            for k, (a, b) in enumerate(zip(stored, now))
+            for d in _differences(a, b, f"{path}[{k}]")
+        ]
     if isinstance(stored, float) and isinstance(now, (int, float)):
         # JSON round trip of floats is exact; the tolerance only absorbs summation order.
         same = math.isclose(stored, now, rel_tol=1e-12, abs_tol=1e-15)

@@ -100,9 +100,9 @@ def test_pruned_configurations_are_no_better_than_their_dominator() -> None:
         if dominated_by is None or zero.stage == 0:
             continue
         if dominated_by not in tops:
-            tops[dominated_by] = Driver(space, options=options, tied=(), candidates=()).solve_configuration(dominated_by, name="top", budget=budget)
+            tops[dominated_by] = Driver(space, options=options, tied=(), candidates=()).configurations.solve(dominated_by, name="top", budget=budget)
         try:
-            solved = Driver(space, options=options, tied=(), candidates=()).solve_configuration(zero, name="pruned", budget=budget)
+            solved = Driver(space, options=options, tied=(), candidates=()).configurations.solve(zero, name="pruned", budget=budget)
         except solver.InfeasibleBudgetError:
             continue
         checked += 1

@@ -17,7 +17,20 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 LEVELS = [
-    ("base", ("errors", "options", "placement", "mesh", "resharding", "models", "presets", "version", "comm")),
+    (
+        "base",
+        (
+            "errors",
+            "options",
+            "placement",
+            "mesh",
+            "resharding",
+            "models",
+            "presets",
+            "version",
+            "comm",
+        ),
+    ),
     ("strategies", ("strategies",)),
     ("capture", ("capture",)),
     ("planner", ("planner",)),
@@ -119,7 +132,9 @@ def test_a_back_edge_is_caught(tmp_path):
     # The check itself can fail: a planner module that imports the runtime is a back edge.
     fake = tmp_path / "autopar" / "planner"
     fake.mkdir(parents=True)
-    (fake / "bad.py").write_text("def f():\n    from autopar.runtime.module import ParallelModule\n")
+    (fake / "bad.py").write_text(
+        "def f():\n    from autopar.runtime.module import ParallelModule\n"
+    )
     global ROOT
     saved, ROOT = ROOT, tmp_path
     try:
@@ -143,4 +158,6 @@ def test_torch_free_packages_import_neither_torch_nor_autopar(package):
 def test_every_package_says_what_it_owns():
     for init in sorted((ROOT / "autopar").rglob("__init__.py")):
         doc = ast.get_docstring(ast.parse(init.read_text()))
-        assert doc and len(doc) > 40, f"{init.relative_to(ROOT)} needs a docstring saying what it owns"
+        assert doc and len(doc) > 40, (
+            f"{init.relative_to(ROOT)} needs a docstring saying what it owns"
+        )

@@ -33,12 +33,24 @@ class Case:
 CASES = (
     Case(name="mlp-4", model="mlp", mesh="4"),
     Case(name="gpt2-small-2l-2x2", model="gpt2-small-2l", mesh="2x2", seq=256),
-    Case(name="tiny-gpt-2-tight", model="tests.models:tiny_gpt", mesh="2",
-         options=(("memory_budget", 1_500_000), ("zero_stage", 0))),
-    Case(name="tiny-gpt-2x2-zero", model="tests.models:tiny_gpt", mesh="2x2",
-         options=(("memory_budget", 1_300_000),)),
-    Case(name="tiny-llama-2x2-megatron", model="tests.models:tiny_llama", mesh="2x2",
-         options=(("recipe", "megatron"),)),
+    Case(
+        name="tiny-gpt-2-tight",
+        model="tests.models:tiny_gpt",
+        mesh="2",
+        options=(("memory_budget", 1_500_000), ("zero_stage", 0)),
+    ),
+    Case(
+        name="tiny-gpt-2x2-zero",
+        model="tests.models:tiny_gpt",
+        mesh="2x2",
+        options=(("memory_budget", 1_300_000),),
+    ),
+    Case(
+        name="tiny-llama-2x2-megatron",
+        model="tests.models:tiny_llama",
+        mesh="2x2",
+        options=(("recipe", "megatron"),),
+    ),
 )
 
 

@@ -1,0 +1,265 @@
+"""Solving one configuration: a ZeRO configuration (and recipe restrictions) of a strategy
+space, with repeated layers tied and checkpoint segments offered, as one ILP.
+
+:class:`ConfigurationSolver` turns a configuration into a ``solver.Problem`` and its solution
+into a :class:`Solved` (layouts, figures, recomputed segments). It owns the mechanics the
+driver's policy relies on: walking the tie levels when the tightest does not fit, solving a
+batch side by side (recipes that differ only in ZeRO solved once), and re-solving a budgeted
+problem without segments as layer-mixing counts (which segments force alike) to keep the better.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import solver
+from autopar.options import PlanOptions
+from autopar.planner.checkpointing import (
+    Candidate,
+    ChosenSegment,
+    chosen_segments,
+    solver_segments,
+    with_segments,
+)
+from autopar.planner.problem import (
+    BuiltProblem,
+    Evaluation,
+    StrategySpace,
+    ZeroConfig,
+    build_problem,
+    evaluate,
+)
+from autopar.planner.recipes import RecipeSpec
+from autopar.planner.tying import repeated_blocks
+from solver.parallel import solve_all
+
+Ties = Sequence[tuple[tuple[int, ...], ...]]
+"""Tie levels: tie-class sets from the most to the least tied (see :func:`tie_levels`)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Solved:
+    """One solved configuration: its layouts (``choice``: a strategy index per space node),
+    ZeRO configuration, figures and the solver's report."""
+
+    name: str
+    zero: ZeroConfig
+    choice: tuple[int, ...]
+    evaluation: Evaluation
+    solution: solver.Solution
+    segments: tuple[ChosenSegment, ...] = ()
+    """Checkpoint segments recomputed (evaluation already includes them)."""
+
+
+def tie_levels(space: StrategySpace) -> list[tuple[tuple[int, ...], ...]]:
+    """Every layer of a stack tied, then the middle layers only (see autopar.planner.tying)."""
+    levels = [repeated_blocks(space, include_ends=True), repeated_blocks(space)]
+    return [level for k, level in enumerate(levels) if level and level not in levels[:k]]
+
+
+def log_entry(solved: Solved, *, budget_free: bool = False) -> dict[str, Any]:
+    """The plan JSON's ``solver.candidates`` entry of one solved configuration."""
+    return {
+        "zero_stage": solved.zero.stage,
+        "zero_axes": list(solved.zero.axes),
+        "zero_stages": list(solved.zero.stages),
+        "status": solved.solution.status,
+        "step_s": solved.evaluation.step_s,
+        "peak_memory_bytes": solved.evaluation.peak_memory_bytes,
+        "memory": solved.evaluation.memory,
+        "budget_free": budget_free,
+    }
+
+
+class ConfigurationSolver:
+    """Solves configurations of one strategy space under fixed options, tie levels and
+    checkpoint candidates (see the module docstring)."""
+
+    def __init__(
+        self,
+        space: StrategySpace,
+        *,
+        options: PlanOptions,
+        tied: Ties,
+        candidates: tuple[Candidate, ...],
+    ) -> None:
+        self.space = space
+        self.options = options
+        self.tied = tied
+        self.candidates = candidates
+
+    def solve(
+        self,
+        zero: ZeroConfig,
+        *,
+        name: str,
+        budget: float | None,
+        spec: RecipeSpec | None = None,
+        tied: Ties | None = None,
+    ) -> Solved:
+        """Solve one ZeRO configuration (and recipe, with ``spec``). When the layers tied at the
+        tightest level do not fit the budget, the next, looser level is tried, and finally
+        every layer chooses on its own.
+
+        Raises:
+            solver.InfeasibleBudgetError: nothing fits even untied (``min_budget_bytes`` set).
+        """
+        tied = self.tied if tied is None else tied
+        built, problem = self._prepare(zero, budget=budget, spec=spec, tied=tied)
+        try:
+            solution = solver.solve(
+                problem,
+                backend=self.options.solver,
+                time_limit_s=self.options.time_limit_s,
+                gap=self.options.gap,
+            )
+        except solver.InfeasibleBudgetError:
+            if not tied:
+                raise
+            return self.solve(zero, name=name, budget=budget, spec=spec, tied=tied[1:])
+        return self._finish(zero, name, built, problem, solution)
+
+    def solve_many(
+        self, jobs: Sequence[tuple[str, ZeroConfig, RecipeSpec | None, float | None]]
+    ) -> list[Solved]:
+        """:meth:`solve` of each ``(name, zero, spec, budget)`` job, the ILPs
+        solved side by side on the machine's cores (:func:`solver.parallel.solve_all`); the
+        same plans as solving them one after another."""
+        # A recipe that fixes every parameter's layout prices its ZeRO configuration as a constant
+        # (the ZeRO terms are per parameter strategy; activations do not see them), so without a
+        # budget recipes with the same restrictions (ddp and fsdp, megatron and fsdp+tp) have the
+        # same optimal layouts: solve once, evaluate under each one's ZeRO.
+        same_as: dict[int, int] = {}
+        for k, (_, _, spec, budget) in enumerate(jobs):
+            for j in range(k):
+                other = jobs[j]
+                if j not in same_as and self._same_fixed_recipe(spec, budget, other[2], other[3]):
+                    same_as[k] = j
+                    break
+        unique = [k for k in range(len(jobs)) if k not in same_as]
+        prepared = {
+            k: self._prepare(jobs[k][1], budget=jobs[k][3], spec=jobs[k][2], tied=self.tied)
+            for k in unique
+        }
+        try:
+            solutions = solve_all(
+                [prepared[k][1] for k in unique],
+                backend=self.options.solver,
+                time_limit_s=self.options.time_limit_s,
+                gap=self.options.gap,
+            )
+        except solver.InfeasibleError:
+            # A tie level that does not fit: solve_configuration walks the looser levels.
+            return [
+                self.solve(zero, name=name, budget=budget, spec=spec)
+                for name, zero, spec, budget in jobs
+            ]
+        solution_of = dict(zip(unique, solutions, strict=True))
+        out: list[Solved] = []
+        for k, (name, zero, _, _) in enumerate(jobs):
+            j = same_as.get(k, k)
+            built, problem = prepared[j]
+            solved = self._finish(zero, name, built, problem, solution_of[j])
+            if j != k:  # the objective differs from the one solved by a constant
+                shift = solved.evaluation.step_s - out[j].evaluation.step_s
+                solved = dataclasses.replace(
+                    solved,
+                    solution=dataclasses.replace(
+                        solved.solution,
+                        objective_s=solved.solution.objective_s + shift,
+                        bound_s=solved.solution.bound_s + shift,
+                    ),
+                )
+            out.append(solved)
+        return out
+
+    def _same_fixed_recipe(
+        self,
+        spec: RecipeSpec | None,
+        budget: float | None,
+        other: RecipeSpec | None,
+        other_budget: float | None,
+    ) -> bool:
+        """Two budget-free recipes with the same restrictions and every parameter fixed."""
+        if spec is None or other is None or budget is not None or other_budget is not None:
+            return False
+        if spec.allowed != other.allowed or spec.forbid != other.forbid:
+            return False
+        return all(
+            len(spec.allowed.get(node.name, node.strategies)) == 1
+            for node in self.space.nodes
+            if node.kind == "param"
+        )
+
+    def _prepare(
+        self, zero: ZeroConfig, *, budget: float | None, spec: RecipeSpec | None, tied: Ties
+    ) -> tuple[BuiltProblem, solver.Problem]:
+        """The solver problem of one configuration (with checkpoint segments when they apply)."""
+        built = build_problem(
+            self.space,
+            zero,
+            allowed=spec.allowed if spec else None,
+            forbid=spec.forbid if spec else None,
+            memory_budget_bytes=budget,
+            tied=tied[0] if tied else (),
+        )
+        problem = built.problem
+        forced = self.options.checkpoint == "all"
+        if self.candidates and (budget is not None or forced):
+            problem = dataclasses.replace(
+                problem, segments=solver_segments(self.candidates, built.allowed, forced=forced)
+            )
+        return built, problem
+
+    def _finish(
+        self,
+        zero: ZeroConfig,
+        name: str,
+        built: BuiltProblem,
+        problem: solver.Problem,
+        solution: solver.Solution,
+    ) -> Solved:
+        """The Solved of one configuration from its solution."""
+        options = self.options
+        # Under a budget, tied layers with checkpoint segments are forced alike (solver/tying.py
+        # solve_counts cannot price segments); without segments they are solved as counts, which
+        # may mix strategies across layers and beat the joint plan: solve that too, keep the
+        # better. Also when the joint ILP stopped at the time limit: it is bigger than the
+        # sharding one, which may find a better plan without recompute in the same time.
+        counted = problem.memory_budget_bytes is not None and bool(built.problem.tied)
+        if (
+            problem.segments
+            and options.checkpoint != "all"
+            and (counted or solution.status != "optimal")
+        ):
+            limit = options.time_limit_s
+            if solution.status == "optimal":
+                # An alternative, not the answer: no longer than about the joint solve took (a
+                # budget only recompute meets makes it prove infeasibility, which can be slow).
+                spent = max(10.0, solution.build_s + solution.solve_s)
+                limit = spent if limit is None else min(limit, spent)
+            try:
+                plain = solver.solve(
+                    built.problem, backend=options.solver, time_limit_s=limit, gap=options.gap
+                )
+            except (solver.InfeasibleBudgetError, solver.SolverTimeoutError):
+                plain = None
+            if plain is not None and plain.objective_s < solution.objective_s:
+                solution = dataclasses.replace(plain, recomputed=(0,) * len(problem.segments))
+        choice = tuple(built.allowed[i][c] for i, c in enumerate(solution.choices))
+        chosen = (
+            chosen_segments(self.candidates, solution.recomputed, choice)
+            if problem.segments
+            else ()
+        )
+        return Solved(
+            name=name,
+            zero=zero,
+            choice=choice,
+            evaluation=with_segments(evaluate(self.space, choice, zero), chosen),
+            solution=solution,
+            segments=chosen,
+        )
