@@ -40,10 +40,10 @@ CASES = (
         options=(("memory_budget", 1_500_000), ("zero_stage", 0)),
     ),
     Case(
-        name="tiny-gpt-2x2-zero",
+        name="tiny-gpt-2-zero",
         model="tests.models:tiny_gpt",
-        mesh="2x2",
-        options=(("memory_budget", 1_300_000),),
+        mesh="2",
+        options=(("memory_budget", 2_500_000),),
     ),
     Case(
         name="tiny-llama-2x2-megatron",
