@@ -1,0 +1,93 @@
+"""The planner's driver is the one planning policy: every entry point that plans gets the same
+answer, errors carry their figures, and the plan cache forgets plans made by other code."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pickle
+
+import pytest
+
+import autopar.version
+from autopar.api import plan_captured
+from autopar.capture.export import Captured, capture
+from autopar.errors import BudgetError, NoLayoutError
+from autopar.mesh import Mesh
+from autopar.options import PlanOptions
+from autopar.plan import cache as plan_cache
+from autopar.planner.driver import Driver
+from autopar.planner.space import build_space
+from autopar.tools.report import plans_for_recipes
+from tests.models import tiny_gpt
+from tests.planner.stored_plans.cases import normalize
+
+MESH = Mesh.spec((2,), ("dp",))
+TIGHT = PlanOptions(memory_budget=1_500_000, zero_stage=0)
+"""Below the tiny GPT's peak without recomputation on 2 ranks: the plans must recompute."""
+
+
+@pytest.fixture(scope="module")
+def gpt() -> Captured:
+    model, args, kwargs = tiny_gpt()
+    return capture(model, args, kwargs)
+
+
+def _document(plan) -> dict:
+    return normalize(json.loads(plan.to_json()))
+
+
+@pytest.mark.slow
+def test_compare_plans_what_plan_plans_on_a_budget_bound_model_that_recomputes(gpt) -> None:
+    planned = plan_captured(gpt, MESH, TIGHT, model_name="tiny-gpt")
+    compared = plans_for_recipes(gpt, MESH, TIGHT, recipes=["auto", "ddp"], model_name="tiny-gpt")
+    assert planned.checkpoint_segments(), "the budget must force recomputation"
+    assert _document(compared["auto"]) == _document(planned)
+    ddp = plan_captured(gpt, MESH, dataclasses.replace(TIGHT, recipe="ddp"), model_name="tiny-gpt")
+    assert _document(compared["ddp"]) == _document(ddp)
+
+
+def test_a_budget_error_keeps_its_figures_and_survives_pickling(gpt) -> None:
+    driver = Driver(build_space(gpt, MESH, TIGHT))
+    smallest = driver.smallest_budget()
+    with pytest.raises(BudgetError) as error:
+        driver.with_budget(smallest * 0.99).plan(price_baselines=False)
+    assert error.value.min_budget_bytes == pytest.approx(smallest)
+    assert error.value.budget_bytes == pytest.approx(smallest * 0.99)
+    again = pickle.loads(pickle.dumps(error.value))
+    assert (again.min_budget_bytes, again.budget_bytes, str(again)) == (
+        error.value.min_budget_bytes,
+        error.value.budget_bytes,
+        str(error.value),
+    )
+    fits = driver.with_budget(smallest * 1.001).plan(price_baselines=False).chosen
+    assert fits.evaluation.peak_memory_bytes <= smallest * 1.001
+
+
+def test_a_no_layout_error_keeps_its_recipe_and_nodes() -> None:
+    error = NoLayoutError("recipe 'megatron' has no plan", recipe="megatron", nodes=("linear",))
+    again = pickle.loads(pickle.dumps(error))
+    assert (again.recipe, again.nodes, str(again)) == ("megatron", ("linear",), str(error))
+
+
+def test_the_plan_cache_key_changes_with_the_planners_source(gpt, monkeypatch) -> None:
+    key = plan_cache.cache_key(gpt.graph_hash, MESH, TIGHT, "tiny-gpt")
+    assert key == plan_cache.cache_key(gpt.graph_hash, MESH, TIGHT, "tiny-gpt")
+    monkeypatch.setattr(plan_cache, "code_fingerprint", lambda: "another build of the planner")
+    assert plan_cache.cache_key(gpt.graph_hash, MESH, TIGHT, "tiny-gpt") != key
+
+
+def test_the_code_fingerprint_covers_the_solver_and_the_cost_models(tmp_path, monkeypatch) -> None:
+    first = autopar.version.code_fingerprint()
+    assert len(first) == 64
+    autopar.version.code_fingerprint.cache_clear()
+    import solver
+
+    fake = tmp_path / "solver"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("# another solver\n")
+    monkeypatch.setattr(solver, "__file__", str(fake / "__init__.py"))
+    try:
+        assert autopar.version.code_fingerprint() != first
+    finally:
+        autopar.version.code_fingerprint.cache_clear()
