@@ -119,11 +119,15 @@ def _batch_axes(space: StrategySpace, tp: int | None, recipe: str, notes: list[s
     """The data-parallel axes (every axis but ``tp``, of size > 1), split into those the batch
     divides (in mesh-axis order, as a dim split over several axes is) and the rest."""
     mesh = space.mesh
-    values = {n.name: n.meta.get("val") for n in space.captured.gm.graph.nodes if n.op == "placeholder"}
+    values = {
+        n.name: n.meta.get("val") for n in space.captured.gm.graph.nodes if n.op == "placeholder"
+    }
     batch_sizes = [
         values[name].shape[0]
         for name in space.captured.input_nodes
-        if name in space.index and isinstance(values.get(name), torch.Tensor) and values[name].dim() >= 1
+        if name in space.index
+        and isinstance(values.get(name), torch.Tensor)
+        and values[name].dim() >= 1
     ]
     data: list[int] = []
     replicated: list[int] = []
@@ -183,7 +187,11 @@ def _batch_parallel_ops(
             if inp.name in tracked:
                 k = fx_node.args[1] if fx_node.target is operator.getitem else 0
                 outs = tracked[inp.name]
-                placement = outs[k] if k < len(outs) and outs[k] is not None and outs[k].is_shard() else None
+                placement = (
+                    outs[k]
+                    if k < len(outs) and outs[k] is not None and outs[k].is_shard()
+                    else None
+                )
                 sharded_input = sharded_input or placement is not None
             elif inp.name in state:
                 placement = REPLICATE
@@ -193,7 +201,11 @@ def _batch_parallel_ops(
         node = space.nodes[index]
         if not ins:
             # A factory (arange, zeros): computed whole on every rank, on every axis.
-            keep = [i for i, s in enumerate(node.strategies) if _replicated_on(s, tuple(range(space.mesh.ndim)))]
+            keep = [
+                i
+                for i, s in enumerate(node.strategies)
+                if _replicated_on(s, tuple(range(space.mesh.ndim)))
+            ]
             if keep:
                 restricted[fx_node.name] = keep
             continue
@@ -241,11 +253,16 @@ def _keep_batch(
                 signature.append(None)
                 continue
             first = out[axes.data[0]] if axes.data else REPLICATE
-            if any(out[a] != first for a in axes.data) or any(not out[a].is_replicate() for a in axes.replicated):
+            if any(out[a] != first for a in axes.data) or any(
+                not out[a].is_replicate() for a in axes.replicated
+            ):
                 break
             signature.append(None if first.is_replicate() else first)
         else:
-            score = sum(2 if p is not None and p.is_shard() else 1 if p is not None else 0 for p in signature)
+            score = sum(
+                2 if p is not None and p.is_shard() else 1 if p is not None else 0
+                for p in signature
+            )
             if score == 0:
                 continue
             if best is None or score > best[0]:
@@ -267,7 +284,10 @@ def _takes(strategy: Strategy, want: list[Placement | None], axes: _Axes) -> boo
 
 
 def _forbid_conversions(
-    space: StrategySpace, allowed: dict[str, list[int]], tp: int | None, param_layout: dict[str, Placements]
+    space: StrategySpace,
+    allowed: dict[str, list[int]],
+    tp: int | None,
+    param_layout: dict[str, Placements],
 ) -> dict[int, set[tuple[int, int]]]:
     """Edge index -> the (source, destination) strategy pairs the recipe forbids: converting a
     parameter or buffer on its way to an op (``_used_in_place``), and on the tensor-parallel
@@ -287,7 +307,16 @@ def _forbid_conversions(
         row = src.kind not in ("param", "buffer") and _row_parallel(dst_fx, tp, param_layout)
         rows = allowed.get(src.name, range(len(src.strategies)))
         cols = allowed.get(dst.name, range(len(dst.strategies)))
-        key = (id(src.strategies), id(dst.strategies), j, out_index, tuple(rows), tuple(cols), src.kind, row)
+        key = (
+            id(src.strategies),
+            id(dst.strategies),
+            j,
+            out_index,
+            tuple(rows),
+            tuple(cols),
+            src.kind,
+            row,
+        )
         banned = banned_by.get(key)
         if banned is None:
             haves = {a: src.strategies[a].outputs[out_index] for a in rows}
@@ -297,7 +326,9 @@ def _forbid_conversions(
                 if have is None or need is None:
                     verdict[have, need] = True
                 elif src.kind in ("param", "buffer"):
-                    verdict[have, need] = _used_in_place(have, need, tp, buffer=src.kind == "buffer")
+                    verdict[have, need] = _used_in_place(
+                        have, need, tp, buffer=src.kind == "buffer"
+                    )
                 else:
                     verdict[have, need] = _megatron_conversion(have[tp], need[tp], row)
             banned = banned_by[key] = {
@@ -313,8 +344,10 @@ def _row_parallel(node: fx.Node, tp: int | None, param_layout: dict[str, Placeme
     if spec is None or tp is None:
         return False
     ins = input_nodes(node)
-    return spec[0] < len(ins) and ins[spec[0]].name in param_layout and param_layout[ins[spec[0]].name][tp].is_shard(
-        1 - spec[1]
+    return (
+        spec[0] < len(ins)
+        and ins[spec[0]].name in param_layout
+        and param_layout[ins[spec[0]].name][tp].is_shard(1 - spec[1])
     )
 
 
@@ -327,7 +360,9 @@ def _megatron_conversion(have: Placement, need: Placement, row_parallel: bool) -
     return row_parallel and have.is_replicate() and need.is_shard()
 
 
-def _used_in_place(have: Placements, need: Placements | None, tp: int | None, *, buffer: bool) -> bool:
+def _used_in_place(
+    have: Placements, need: Placements | None, tp: int | None, *, buffer: bool
+) -> bool:
     """A recipe uses parameters and buffers where they live. On the tensor-parallel axis only,
     Replicate -> Partial is allowed because it is local (a row-parallel layer's bias is added
     once, as Megatron adds it after the all-reduce), and a replicated buffer may be sliced."""

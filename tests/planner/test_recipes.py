@@ -113,7 +113,7 @@ ROW = ("attn.proj", "mlp.proj", "wo", "w2")
 VOCAB = ("wte", "tok_embeddings", "lm_head", "output")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _captured(name: str):
     if name in ("tiny_gpt", "tiny_llama"):
         from tests import models
@@ -131,8 +131,12 @@ def _megatron_role(fqn: str) -> str | None:
         role = "col" if int(layers.group(1)) % 2 == 0 else "row"
     else:
         role = next(
-            (r for r, names in (("col", COLUMN), ("row", ROW), ("vocab", VOCAB)) for n in names
-             if module == n or module.endswith("." + n)),
+            (
+                r
+                for r, names in (("col", COLUMN), ("row", ROW), ("vocab", VOCAB))
+                for n in names
+                if module == n or module.endswith("." + n)
+            ),
             None,
         )
     if role == "vocab" or (role is not None and leaf == "weight"):
@@ -159,13 +163,17 @@ def _check_recipe(recipe: str, solved, space, captured) -> None:
     for name in captured.input_nodes:
         if name in chosen:
             want = tuple(Replicate() if a == tp else Shard(0) for a in range(mesh.ndim))
-            assert chosen[name].outputs[0] == want, f"{recipe}: input {name} {chosen[name].outputs[0]}"
+            assert chosen[name].outputs[0] == want, (
+                f"{recipe}: input {name} {chosen[name].outputs[0]}"
+            )
     # Parameters: placed as the recipe says and used where they live (a replicated bias may be
     # added once as Partial on the tensor-parallel axis only).
     values = {n.name: n.meta.get("val") for n in captured.gm.graph.nodes}
     for name, fqn in captured.param_nodes.items():
         have = chosen[name].outputs[0]
-        assert have == _expected_param(fqn, values[name].shape, mesh, tp), f"{recipe}: {fqn} is {have}"
+        assert have == _expected_param(fqn, values[name].shape, mesh, tp), (
+            f"{recipe}: {fqn} is {have}"
+        )
     state = set(captured.param_nodes) | set(captured.buffer_nodes)
     derived = set(captured.input_nodes)
     for node in captured.gm.graph.nodes:
@@ -177,7 +185,12 @@ def _check_recipe(recipe: str, solved, space, captured) -> None:
             if inp.name in state:
                 have, need = chosen[inp.name].outputs[0], strategy.inputs[j]
                 assert all(
-                    h == n or (a == tp and h.is_replicate() and (n.is_partial() or inp.name in captured.buffer_nodes))
+                    h == n
+                    or (
+                        a == tp
+                        and h.is_replicate()
+                        and (n.is_partial() or inp.name in captured.buffer_nodes)
+                    )
                     for a, (h, n) in enumerate(zip(have, need))
                 ), f"{recipe}: {node.name} uses {inp.name} ({have}) as {need}"
         # Activations computed from the inputs keep the batch split on the data axes (the same
@@ -185,7 +198,11 @@ def _check_recipe(recipe: str, solved, space, captured) -> None:
         if not any(inp.name in derived for inp in ins):
             continue
         derived.add(node.name)
-        vals = values[node.name] if isinstance(values[node.name], (list, tuple)) else [values[node.name]]
+        vals = (
+            values[node.name]
+            if isinstance(values[node.name], (list, tuple))
+            else [values[node.name]]
+        )
         for val, out in zip(vals, strategy.outputs):
             if out is None or not isinstance(val, torch.Tensor) or val.dim() == 0 or not data_axes:
                 continue
@@ -229,7 +246,10 @@ def test_ddp_on_the_mlp_prices_a_real_all_reduce():
     assert plan.data["predicted"]["breakdown"]["grad_sync_s"] > 0
     for name, strategy in plan.choices().items():
         if name.startswith("linear"):
-            assert strategy.outputs[0] == (Shard(0),) and strategy.inputs[1:] == ((Replicate(),), (Replicate(),))
+            assert strategy.outputs[0] == (Shard(0),) and strategy.inputs[1:] == (
+                (Replicate(),),
+                (Replicate(),),
+            )
 
 
 def test_recipe_falls_back_when_the_batch_does_not_divide_and_says_so():
@@ -238,7 +258,9 @@ def test_recipe_falls_back_when_the_batch_does_not_divide_and_says_so():
     from autopar.problem import build_space
 
     model, args, kwargs = build_preset("mlp", batch=4, seq=16)
-    space = build_space(autopar.capture(model, args, kwargs), autopar.Mesh.parse("8", device="h100"), PlanOptions())
+    space = build_space(
+        autopar.capture(model, args, kwargs), autopar.Mesh.parse("8", device="h100"), PlanOptions()
+    )
     spec = recipe_spec(space, "ddp")
     assert any("does not split 8 ways" in note for note in spec.notes), spec.notes
     x = space.node("x")
