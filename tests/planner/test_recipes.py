@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import functools
+import re
+
 import pytest
+import torch
 
 import autopar
 from autopar.api import plan_captured
 from autopar.options import PlanOptions
+from autopar.placement import Replicate, Shard
+from autopar.planner.recipes import BASELINE_RECIPES, tp_axis
 from autopar.presets import build_preset
+from autopar.strategies import input_nodes
 
 CASES = [
     ("mlp", "4", 64, 16),
@@ -91,3 +98,171 @@ def test_recipes_that_differ_only_in_zero_share_one_solve_and_it_is_their_optimu
     alone = driver.configurations.solve(specs[1].zero, name=pair[1], budget=None, spec=specs[1])
     assert second.evaluation.step_s == pytest.approx(alone.evaluation.step_s, rel=1e-9)
     assert second.solution.objective_s == pytest.approx(alone.solution.objective_s, rel=1e-9)
+
+
+# --------------------------------------------------------------------------------------------
+# Each recipe's solved plan is exactly the recipe, on every model and mesh shape the tests use.
+
+RECIPE_MODELS = ("mlp", "tiny_gpt", "tiny_llama", "gpt2-small-2l", "llama3-8b-2l")
+RECIPE_MESHES = ("2", "4", "8", "2x2", "2x4", "2x2x2")
+
+# Megatron roles by module path (an independent statement of the recipe, not baselines.py's
+# data-flow inference): column-parallel (output features, bias with them), row-parallel (input
+# features, bias replicated), vocab-parallel (the vocab dim of the token embedding / LM head).
+COLUMN = ("attn.qkv", "mlp.fc", "wq", "wk", "wv", "w1", "w3")
+ROW = ("attn.proj", "mlp.proj", "wo", "w2")
+VOCAB = ("wte", "tok_embeddings", "lm_head", "output")
+
+
+@functools.cache
+def _captured(name: str):
+    if name in ("tiny_gpt", "tiny_llama"):
+        from tests import models
+
+        model, args, kwargs = getattr(models, name)()
+    else:
+        model, args, kwargs = build_preset(name, batch=8, seq=128)
+    return autopar.capture(model, args, kwargs)
+
+
+def _megatron_role(fqn: str) -> str | None:
+    module, _, leaf = fqn.rpartition(".")
+    layers = re.fullmatch(r"layers\.(\d+)", module)
+    if layers:  # the MLP: layers alternate column, row
+        role = "col" if int(layers.group(1)) % 2 == 0 else "row"
+    else:
+        role = next(
+            (
+                r
+                for r, names in (("col", COLUMN), ("row", ROW), ("vocab", VOCAB))
+                for n in names
+                if module == n or module.endswith("." + n)
+            ),
+            None,
+        )
+    if role == "vocab" or (role is not None and leaf == "weight"):
+        return role
+    return "col" if role == "col" else None  # a column-parallel bias is split with the outputs
+
+
+def _expected_param(fqn: str, shape, mesh, tp: int | None) -> tuple:
+    wanted = [Replicate()] * mesh.ndim
+    role = _megatron_role(fqn) if tp is not None else None
+    if role is not None:
+        dim = 1 if role == "row" else 0
+        if shape[dim] % mesh.shape[tp] == 0:  # otherwise the recipe keeps it replicated
+            wanted[tp] = Shard(dim)
+    return tuple(wanted)
+
+
+def _check_recipe(recipe: str, solved, space, captured) -> None:
+    mesh = space.mesh
+    tp = tp_axis(mesh.axis_names) if recipe in ("megatron", "fsdp+tp") else None
+    data_axes = [a for a in range(mesh.ndim) if a != tp and mesh.shape[a] > 1]
+    chosen = {node.name: node.strategies[solved.choice[i]] for i, node in enumerate(space.nodes)}
+    # Inputs: the batch split over the data axes, whole on the tensor-parallel axis.
+    for name in captured.input_nodes:
+        if name in chosen:
+            want = tuple(Replicate() if a == tp else Shard(0) for a in range(mesh.ndim))
+            assert chosen[name].outputs[0] == want, (
+                f"{recipe}: input {name} {chosen[name].outputs[0]}"
+            )
+    # Parameters: placed as the recipe says and used where they live (a replicated bias may be
+    # added once as Partial on the tensor-parallel axis only).
+    values = {n.name: n.meta.get("val") for n in captured.gm.graph.nodes}
+    for name, fqn in captured.param_nodes.items():
+        have = chosen[name].outputs[0]
+        assert have == _expected_param(fqn, values[name].shape, mesh, tp), (
+            f"{recipe}: {fqn} is {have}"
+        )
+    state = set(captured.param_nodes) | set(captured.buffer_nodes)
+    derived = set(captured.input_nodes)
+    for node in captured.gm.graph.nodes:
+        if node.op != "call_function" or node.name not in chosen:
+            continue
+        strategy = chosen[node.name]
+        ins = input_nodes(node)
+        for j, inp in enumerate(ins):
+            if inp.name in state:
+                have, need = chosen[inp.name].outputs[0], strategy.inputs[j]
+                assert all(
+                    h == n
+                    or (
+                        a == tp
+                        and h.is_replicate()
+                        and (n.is_partial() or inp.name in captured.buffer_nodes)
+                    )
+                    for a, (h, n) in enumerate(zip(have, need))
+                ), f"{recipe}: {node.name} uses {inp.name} ({have}) as {need}"
+        # Activations computed from the inputs keep the batch split on the data axes (the same
+        # dim on each) until the loss sums it, and never split it on the tensor-parallel axis.
+        if not any(inp.name in derived for inp in ins):
+            continue
+        derived.add(node.name)
+        vals = (
+            values[node.name]
+            if isinstance(values[node.name], (list, tuple))
+            else [values[node.name]]
+        )
+        for val, out in zip(vals, strategy.outputs):
+            if out is None or not isinstance(val, torch.Tensor) or val.dim() == 0 or not data_axes:
+                continue
+            first = out[data_axes[0]]
+            assert first.is_shard() and all(out[a] == first for a in data_axes), (
+                f"{recipe}: {node.name} is {out} on the data axes {data_axes}"
+            )
+            assert tp is None or out[tp] != first, f"{recipe}: {node.name} splits the batch on tp"
+    if data_axes:
+        assert solved.evaluation.grad_sync_s > 0, f"{recipe}: no gradient all-reduce"
+    for axis in data_axes + ([tp] if tp is not None and mesh.shape[tp] > 1 else []):
+        sharded = recipe == "fsdp" or (recipe == "fsdp+tp" and axis != tp)
+        assert solved.zero.stage_of(axis) == (3 if sharded else 0), f"{recipe}: ZeRO on axis {axis}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh_text", RECIPE_MESHES)
+@pytest.mark.parametrize("name", RECIPE_MODELS)
+def test_every_recipe_solves_to_exactly_the_recipe(name, mesh_text):
+    """ddp / fsdp: every parameter Replicate and used as Replicate, the batch split on every
+    axis, a real gradient all-reduce; megatron / fsdp+tp: column- then row-parallel matmuls and
+    vocab-parallel embedding and LM head on the tp axis, the batch split on the others; the
+    fsdp variants add ZeRO-3 on their data axes."""
+    from autopar.api import solve_recipes
+    from autopar.planner.problem import build_space
+
+    captured = _captured(name)
+    space = build_space(captured, autopar.Mesh.parse(mesh_text, device="h100"), PlanOptions())
+    solved, notes = solve_recipes(space, PlanOptions(), BASELINE_RECIPES)
+    assert not notes, notes  # every dim divides in these cases: no fallback
+    for recipe in BASELINE_RECIPES:
+        _check_recipe(recipe, solved[recipe], space, captured)
+
+
+def test_ddp_on_the_mlp_prices_a_real_all_reduce():
+    """Regression: ddp on ``mlp --mesh 8`` used the weights as Partial with the batch gathered
+    (no gradient sync). The public entry now plans DDP: batch-split linears, replicated
+    weights, and every weight's gradient all-reduced."""
+    model, args, kwargs = build_preset("mlp", batch=64, seq=16)
+    plan = autopar.plan(model, autopar.Mesh.parse("8", device="h100"), args, kwargs, recipe="ddp")
+    assert plan.data["predicted"]["breakdown"]["grad_sync_s"] > 0
+    for name, strategy in plan.choices().items():
+        if name.startswith("linear"):
+            assert strategy.outputs[0] == (Shard(0),) and strategy.inputs[1:] == (
+                (Replicate(),),
+                (Replicate(),),
+            )
+
+
+def test_recipe_falls_back_when_the_batch_does_not_divide_and_says_so():
+    """A batch of 4 on an 8-way ddp: the axis replicates the computation, and the notes say so."""
+    from autopar.planner.problem import build_space
+    from autopar.planner.recipes import recipe_spec
+
+    model, args, kwargs = build_preset("mlp", batch=4, seq=16)
+    space = build_space(
+        autopar.capture(model, args, kwargs), autopar.Mesh.parse("8", device="h100"), PlanOptions()
+    )
+    spec = recipe_spec(space, "ddp")
+    assert any("does not split 8 ways" in note for note in spec.notes), spec.notes
+    x = space.node("x")
+    assert [x.strategies[i].outputs[0] for i in spec.allowed["x"]] == [(Replicate(),)]
