@@ -110,11 +110,13 @@ def _build_mesh(args: argparse.Namespace):
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from autopar.api import plan_captured
-    from autopar.capture.export import capture
-    from autopar.options import PlanOptions
-    from autopar.presets import build_preset
+    from rich.console import Console
 
+    from autopar.options import PlanOptions
+
+    # Progress goes to stderr, and its first line comes before torch and the planner load
+    # (about 2 s of imports): bad options fail first, then the user sees what is happening.
+    console = Console(stderr=True, highlight=False, log_path=False)
     mesh = _build_mesh(args)
     options = PlanOptions(
         recipe=args.recipe,
@@ -127,11 +129,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
         gap=args.gap,
         solver=args.solver,
     )
-    from rich.console import Console
-
-    from autopar.plan import cache as plan_cache
-
-    console = Console(stderr=True, highlight=False, log_path=False)  # progress on stderr
+    start = time.perf_counter()
+    with console.status("loading torch and the planner"):
+        from autopar.api import plan_captured
+        from autopar.capture.export import capture
+        from autopar.plan import cache as plan_cache
+        from autopar.presets import build_preset
+    console.log(f"imports: {time.perf_counter() - start:.2f} s")
     start = time.perf_counter()
     with console.status("capturing the model"):
         model, example_args, example_kwargs = build_preset(args.model, batch=args.batch, seq=args.seq)
