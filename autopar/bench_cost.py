@@ -447,7 +447,10 @@ def run_bench(
     if not dist.is_initialized():
         import datetime
 
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=datetime.timedelta(seconds=300))
+        from autopar.runtime.spawn import pg_timeout_s
+
+        timeout = datetime.timedelta(seconds=pg_timeout_s())
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timeout)
     return {**bench_on_rank(model_spec, datas, config), "calibrated_flops": peak}
 
 

@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from autopar.flops import node_costs
-from autopar.runtime.spawn import spawn_ranks
+from autopar.runtime.spawn import pg_timeout_s, spawn_ranks
 from cost_models import DeviceSpec, Profile, collective_steps_and_wire_bytes, fit_alpha_beta
 from cost_models.calibrate import build_profile, fit_efficiency, fit_rate, link_from_fits
 
@@ -496,7 +496,9 @@ def spawn_local(
         SpawnError: a rank failed (with its traceback) or the run passed ``timeout_s`` (rerun
             with fewer sizes).
     """
-    return spawn_ranks(fn, nproc, *args, timeout_s=timeout_s, pg_timeout_s=120.0, grace_s=5.0)
+    return spawn_ranks(
+        fn, nproc, *args, timeout_s=timeout_s, pg_timeout_s=pg_timeout_s(), grace_s=5.0
+    )
 
 
 def _calibrate_rank(
