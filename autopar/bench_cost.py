@@ -554,8 +554,9 @@ def bench_cost_cli(args: Any, config: BenchConfig) -> int:
     from autopar.mesh import Mesh
     from autopar.options import PlanOptions
     from autopar.presets import build_preset
-    from autopar.report import plans_for_recipes, plot_op_scatter, plot_step_bars
+    from autopar.report import plans_for_recipes, plot_op_scatter, plot_prefix, plot_step_bars
 
+    prefix = plot_prefix(args.plots, "bench_cost", "--plots")  # before hours of measuring
     links = args.links.split(",") if args.links else None
     device = args.device if args.profile or args.device != "h100" else "cpu"
     mesh = Mesh.parse(args.mesh, device=device, links=links, profile=args.profile)
@@ -574,13 +575,17 @@ def bench_cost_cli(args: Any, config: BenchConfig) -> int:
     summary = summarize(result)
     title = f"{args.model} on {mesh.describe()}"
     print(report_text(result, summary, markdown=args.markdown, title=title))
-    if result["ops"]:
-        plot_op_scatter(result["ops"], f"{args.plots}_ops.png", title=title)
     ran = [{"plan": n, "predicted_s": p["predicted_step_s"], "measured_s": p["step_s"]}
            for n, p in result["plans"].items() if "skipped" not in p]
-    if ran:
-        plot_step_bars(ran, f"{args.plots}_steps.png", title=title)
-    print(f"plots written to {args.plots}_ops.png and {args.plots}_steps.png")
+    written = []
+    if prefix is not None and result["ops"]:
+        written.append(f"{prefix}_ops.png")
+        plot_op_scatter(result["ops"], written[-1], title=title)
+    if prefix is not None and ran:
+        written.append(f"{prefix}_steps.png")
+        plot_step_bars(ran, written[-1], title=title)
+    if written:
+        print(f"plots written to {' and '.join(written)}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"result": result, "summary": summary, "config": asdict(config)}, f, indent=1, default=str)

@@ -20,6 +20,7 @@ not, check mode names both in one line within seconds and a timeout names the ra
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -70,6 +71,24 @@ def test_bench_cost_fsdp_mlp_on_two_ranks_completes(fsdp_mlp_plans: dict[str, An
         assert "skipped" not in plans["fsdp"], plans["fsdp"]
         assert plans["fsdp"]["step_s"] > 0
     assert results[0]["fsdp"]["step_s"] == results[1]["fsdp"]["step_s"]  # the slowest rank's
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_bench_cost_cli_fsdp_completes_and_skips_plots_without_matplotlib(tmp_path: Any) -> None:
+    from tests.unit.test_optional_deps import run_cli_without_matplotlib
+
+    out = run_cli_without_matplotlib(
+        "bench-cost", "mlp", "--mesh", "2", "--recipes", "fsdp", "--no-ops", "--steps", "1",
+        "--json", str(tmp_path / "bench.json"),
+        cwd=str(tmp_path), env={"AUTOPAR_PG_TIMEOUT_S": "20"}, timeout_s=240,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "autopar: note: PNG plots skipped: matplotlib is not installed" in out.stderr
+    assert "plots written" not in out.stdout
+    assert not list(tmp_path.glob("*.png"))
+    fsdp = json.loads((tmp_path / "bench.json").read_text())["result"]["plans"]["fsdp"]
+    assert "skipped" not in fsdp and fsdp["step_s"] > 0, fsdp
 
 
 # --------------------------------------------------------------------------------------------
