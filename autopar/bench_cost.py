@@ -212,7 +212,8 @@ def measure_ops(
             seconds = time_callable(fn, device=device, min_time_s=config.op_repeat_s, trials=config.op_trials)
         except Exception as exc:  # noqa: BLE001 - an op that cannot run on local shapes alone
             skipped.append((node.name, f"{type(exc).__name__}: {str(exc).splitlines()[0][:100]}"))
-            continue
+            # Kept as NaN: every rank then reduces the same list of ops, whichever rank failed.
+            seconds = math.nan
         groups[key] = {
             "name": node.name,
             "family": family,
@@ -366,7 +367,8 @@ def bench_on_rank(model_spec: ModelSpec, plans: Mapping[str, Mapping[str, Any]],
         mean = _reduce([o["measured_s"] for o in ops["ops"]], dist.ReduceOp.SUM)
         for entry, total in zip(ops["ops"], mean):
             entry["measured_s"] = total / dist.get_world_size()
-        out["ops"], out["skipped_ops"] = ops["ops"], ops["skipped"]
+        out["ops"] = [o for o in ops["ops"] if math.isfinite(o["measured_s"])]  # NaN: failed somewhere
+        out["skipped_ops"] = ops["skipped"]
     mesh_groups: dict[tuple, Any] = {}
     prepared: dict[str, PreparedPlan] = {}
     skipped: dict[str, str] = {}
