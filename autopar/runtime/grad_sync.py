@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd import Variable
 
-from autopar.runtime.collective_check import run_collective
+from autopar.runtime.collective_check import run_collective, wait_collective
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "GradReducer"]
 
@@ -150,15 +150,17 @@ class GradReducer:
         for bucket in self._buckets:
             if bucket.work is None:
                 self._launch(bucket)
-        for bucket in self._buckets:
-            bucket.work.wait()
+        for index, bucket in enumerate(self._buckets):
             flat = bucket.flat
             assert flat is not None
+            axis = bucket.axes[0]
+            wait_collective(bucket.work, "all_reduce", f"grad bucket {index}", flat,
+                            self._group_of(axis), self._axis_label(axis))  # fmt: skip
             for axis in bucket.axes[1:]:
                 group = self._group_of(axis)
                 run_collective(
-                    "all_reduce", f"grad bucket {self._buckets.index(bucket)}", flat, group,
-                    self._axis_label(axis), lambda: dist.all_reduce(flat, group=group),  # noqa: B023
+                    "all_reduce", f"grad bucket {index}", flat, group, self._axis_label(axis),
+                    lambda: dist.all_reduce(flat, group=group),  # noqa: B023 - runs now
                 )  # fmt: skip
             offset = 0
             for p in bucket.params:

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
-from autopar.runtime.collective_check import run_collective
+from autopar.runtime.collective_check import run_collective, wait_collective
 from autopar.runtime.zero_layout import Chunk
 
 __all__ = ["MAX_IN_FLIGHT", "ZeroBackwardMixin"]
@@ -133,8 +133,20 @@ class ZeroBackwardMixin:
         while len(self._in_flight) > MAX_IN_FLIGHT:
             oldest = self._in_flight.pop(0)
             if oldest.work is not None:
-                oldest.work.wait()
-                oldest.work = None
+                self._wait_reduction(oldest)
+
+    def _wait_reduction(self, chunk: Chunk) -> None:
+        """Wait for the chunk's asynchronous gradient reduction (a failure names it)."""
+        op, axis = (
+            ("all_reduce", chunk.allreduce_axes[0])
+            if chunk.allreduce_axes
+            else ("reduce_scatter", chunk.scatter_axes[-1])
+        )
+        assert chunk.work is not None and chunk.reduced is not None
+        what = f"zero chunk {chunk.index} grad"
+        group, label = self._group_of(axis), self.axis_names[axis]
+        wait_collective(chunk.work, op, what, chunk.reduced, group, label)
+        chunk.work = None
 
     def _finish_backward(self) -> None:
         self._callback_queued = False
@@ -143,8 +155,7 @@ class ZeroBackwardMixin:
             if chunk.reduced is None:
                 continue
             if chunk.work is not None:
-                chunk.work.wait()
-                chunk.work = None
+                self._wait_reduction(chunk)
             for axis in chunk.allreduce_axes[1:]:
                 src, group = chunk.reduced, self._group_of(axis)
                 run_collective(
