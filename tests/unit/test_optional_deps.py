@@ -54,14 +54,16 @@ def test_plotting_available_here() -> None:
     assert plotting_unavailable() is None
 
 
+BENCH_ARGV = ("bench-cost", "mlp", "--mesh", "2", "--recipes", "fsdp", "--no-ops", "--steps", "1")
+SWEEP_ARGV = ("plan", "mlp", "--mesh", "2", "--sweep-budget", "3")
+
+
 @pytest.mark.parametrize(
     ("argv", "flag"),
     [
-        (("bench-cost", "mlp", "--mesh", "2", "--recipes", "fsdp", "--no-ops", "--steps", "1",
-          "--plots", "out/bench"), "--plots out/bench"),
-        (("plan", "mlp", "--mesh", "2", "--sweep-budget", "3", "--sweep-plot", "sweep.png"),
-         "--sweep-plot sweep.png"),
-    ],  # fmt: skip
+        ((*BENCH_ARGV, "--plots", "out/bench"), "--plots out/bench"),
+        ((*SWEEP_ARGV, "--sweep-plot", "sweep.png"), "--sweep-plot sweep.png"),
+    ],
     ids=["bench-cost", "plan-sweep"],
 )
 def test_requested_plots_without_matplotlib_fail_before_any_work(
