@@ -396,6 +396,11 @@ def main() -> None:
     parser.add_argument("--time-limit", type=float, default=60.0, help="solver seconds per plan")
     parser.add_argument("--plot", default=str(OUT / "checkpointing.png"))
     args = parser.parse_args()
+    from autopar.tools.report import plotting_unavailable
+
+    missing = plotting_unavailable()  # this benchmark writes PNGs: say so before measuring
+    if missing is not None:
+        parser.error(missing)
     chain = chain_rows(args.points) if args.part in ("all", "chains") else []
     sweep = (
         sweep_rows(args.layers, args.points, low=args.low, time_limit_s=args.time_limit)

@@ -162,6 +162,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small calibration and few steps")
     parser.add_argument("--out", default="benchmarks/out", help="folder for PNGs, profiles, JSON")
     args = parser.parse_args(argv)
+    from autopar.tools.report import plotting_unavailable
+
+    missing = plotting_unavailable()  # this benchmark writes PNGs: say so before measuring
+    if missing is not None:
+        parser.error(missing)
     os.makedirs(args.out, exist_ok=True)
     reports = []
     for world in args.world or [2, 4]:

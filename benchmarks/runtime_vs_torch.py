@@ -329,6 +329,11 @@ def main() -> None:
         timeout_help="seconds for the whole run",
     )
     args = parser.parse_args()
+    from autopar.tools.report import plotting_unavailable
+
+    missing = plotting_unavailable()  # this benchmark writes PNGs: say so before measuring
+    if missing is not None:
+        parser.error(missing)
     if args.batch % WORLD_SIZE or args.n_embd % args.heads or args.heads % WORLD_SIZE:
         parser.error("--batch and --heads must be divisible by 4, --n-embd by --heads")
 

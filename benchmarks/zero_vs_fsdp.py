@@ -413,6 +413,11 @@ def main() -> None:
         "(the runtime's padding search) or bytes",
     )
     args = parser.parse_args()
+    from autopar.tools.report import plotting_unavailable
+
+    missing = plotting_unavailable()  # this benchmark writes PNGs: say so before measuring
+    if missing is not None:
+        parser.error(missing)
     if args.batch % WORLD_SIZE or args.n_embd % args.heads:
         parser.error("--batch must be divisible by 4, --n-embd by --heads")
 

@@ -36,6 +36,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from autopar.comm.collective_check import (
+    CollectiveMismatchError,
+    check_same,
+    checks_enabled,
+    describe,
+)
 from autopar.comm.process_groups import AxisGroups, lookup_axis_groups
 from autopar.resharding import Step
 
@@ -74,7 +80,12 @@ def _guarded(
     op: str, groups: AxisGroups, axis: int, t: Tensor, call: Callable[[], Tensor]
 ) -> Tensor:
     try:
+        if checks_enabled():
+            label = groups.axis_label(axis)
+            check_same(describe(op, "tensor", t), groups.groups[axis], label, t.device)
         return call()
+    except CollectiveMismatchError:
+        raise
     except Exception as exc:  # re-raised with the context a user needs to find the culprit
         raise RuntimeError(
             f"rank {dist.get_rank()}: {op} over axis '{groups.axis_label(axis)}' "
@@ -148,9 +159,14 @@ def _chunk(t: Tensor, groups: AxisGroups, axis: int, dim: int) -> Tensor:
 
 
 def _zero_off_first(t: Tensor, groups: AxisGroups, axis: int) -> Tensor:
+    # A new tensor on every coordinate, never ``t`` itself on coordinate 0: what a rank's
+    # autograd graph aliases must not depend on its coordinate. ZeRO-3 packs a saved tensor that
+    # views a gathered chunk and all-gathers the chunk again to unpack it in backward; had
+    # coordinate 0 returned a chunk view here (saved by the next matmul) and the others zeros,
+    # only rank 0 would have issued that all-gather (the bench-cost fsdp deadlock).
     if groups.coordinate[axis] == 0:
-        return t
-    return torch.zeros_like(t)
+        return t.clone(memory_format=torch.contiguous_format)
+    return torch.zeros_like(t, memory_format=torch.contiguous_format)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -36,6 +36,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd import Variable
 
+from autopar.comm.collective_check import run_collective, wait_collective
+
 __all__ = ["DEFAULT_BUCKET_BYTES", "GradReducer"]
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
@@ -58,6 +60,7 @@ class GradReducer:
         params: ``(parameter, axes)`` in order of first use in forward; each parameter once.
         group_of: mesh axis -> the process group of this rank along that axis.
         bucket_bytes: target size of one flat bucket.
+        axis_names: the mesh axes' names (collective failures and check mode name the axis).
     """
 
     def __init__(
@@ -66,8 +69,10 @@ class GradReducer:
         group_of: Callable[[int], Any],
         *,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        axis_names: Sequence[str] | None = None,
     ) -> None:
         self._group_of = group_of
+        self._axis_names = tuple(axis_names or ())
         self._buckets: list[_Bucket] = []
         self._bucket_of: dict[int, _Bucket] = {}
         self._callback_queued = False
@@ -128,10 +133,16 @@ class GradReducer:
             else torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
             for p in bucket.params
         ]
-        bucket.flat = torch.cat(pieces)
-        bucket.work = dist.all_reduce(
-            bucket.flat, group=self._group_of(bucket.axes[0]), async_op=True
-        )
+        flat = bucket.flat = torch.cat(pieces)
+        group = self._group_of(bucket.axes[0])
+        bucket.work = run_collective(
+            "all_reduce", f"grad bucket {self._buckets.index(bucket)}", flat, group,
+            self._axis_label(bucket.axes[0]),
+            lambda: dist.all_reduce(flat, group=group, async_op=True),
+        )  # fmt: skip
+
+    def _axis_label(self, axis: int) -> str:
+        return self._axis_names[axis] if axis < len(self._axis_names) else f"a{axis}"
 
     def _finish(self) -> None:
         # Every rank launches the same buckets in the same order, so the collectives match.
@@ -139,12 +150,18 @@ class GradReducer:
         for bucket in self._buckets:
             if bucket.work is None:
                 self._launch(bucket)
-        for bucket in self._buckets:
-            bucket.work.wait()
+        for index, bucket in enumerate(self._buckets):
             flat = bucket.flat
             assert flat is not None
+            axis = bucket.axes[0]
+            wait_collective(bucket.work, "all_reduce", f"grad bucket {index}", flat,
+                            self._group_of(axis), self._axis_label(axis))  # fmt: skip
             for axis in bucket.axes[1:]:
-                dist.all_reduce(flat, group=self._group_of(axis))
+                group = self._group_of(axis)
+                run_collective(
+                    "all_reduce", f"grad bucket {index}", flat, group, self._axis_label(axis),
+                    lambda: dist.all_reduce(flat, group=group),  # noqa: B023 - runs now
+                )  # fmt: skip
             offset = 0
             for p in bucket.params:
                 n = p.numel()

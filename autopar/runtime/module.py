@@ -241,6 +241,7 @@ class ParallelModule(nn.Module):
                 mixed_precision=mixed_precision,
                 read_flat=None if state_source is None else read_flat,
                 device=device,
+                axis_names=groups.axis_names,
             )
             for name in self._param_placements:
                 shard = self.zero.shard_params.get(canonical.get(name, name))
@@ -273,6 +274,7 @@ class ParallelModule(nn.Module):
             ],
             self._axis_group,
             bucket_bytes=grad_bucket_bytes,
+            axis_names=groups.axis_names,
         )
 
     def attach_mode_lowering(self, lower_mode: Callable[[bool], LoweredGraph]) -> None:

@@ -29,7 +29,32 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["SpawnError", "free_port", "spawn_ranks"]
+__all__ = ["DEFAULT_PG_TIMEOUT_S", "SpawnError", "free_port", "pg_timeout_s", "spawn_ranks"]
+
+DEFAULT_PG_TIMEOUT_S = 60.0
+"""Process-group timeout of the runs autopar launches itself (``bench-cost``, ``calibrate``): how
+long a collective waits for a peer before it fails naming the rank and the collective. One
+collective of those runs takes about a second at most on gloo, so a minute means a rank is stuck
+(two minutes was the old hang); where ranks reach a collective far apart (a big model's per-op
+timings on a loaded machine), raise it with ``AUTOPAR_PG_TIMEOUT_S``."""
+
+
+def pg_timeout_s() -> float:
+    """``AUTOPAR_PG_TIMEOUT_S`` from the environment, else :data:`DEFAULT_PG_TIMEOUT_S`.
+
+    Raises:
+        ValueError: the variable is set but not a positive number of seconds.
+    """
+    text = os.environ.get("AUTOPAR_PG_TIMEOUT_S", "").strip()
+    if not text:
+        return DEFAULT_PG_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"AUTOPAR_PG_TIMEOUT_S must be a positive number of seconds, got {text!r}")
+    return value
 
 
 class SpawnError(RuntimeError):

@@ -80,6 +80,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from autopar.comm.collective_check import run_collective, wait_collective
 from autopar.planner.chunks import (
     DEFAULT_MAX_CHUNK_BYTES,
     MIN_CHUNKS,
@@ -135,6 +136,7 @@ class ZeroEngine(ZeroBackwardMixin, ZeroStepMixin, ZeroStateMixin):
             :class:`autopar.runtime.state.StateSource`); chunks are then allocated on ``device``
             and filled from it, reading only the range of this rank's kept buffer.
         device: where ``read_flat``'s chunks live.
+        axis_names: the mesh axes' names (collective failures and check mode name the axis).
     """
 
     def __init__(
@@ -150,6 +152,7 @@ class ZeroEngine(ZeroBackwardMixin, ZeroStepMixin, ZeroStateMixin):
         compute_dtype: torch.dtype | None = None,
         read_flat: Callable[[str, int, int], torch.Tensor] | None = None,
         device: torch.device | str | None = None,
+        axis_names: Sequence[str] | None = None,
     ) -> None:
         if stages is None and stage is None:
             raise ValueError("give ZeroEngine stages= (one per mesh axis) or stage=")
@@ -165,6 +168,7 @@ class ZeroEngine(ZeroBackwardMixin, ZeroStepMixin, ZeroStateMixin):
         """None: compute in fp32 on the chunks; else forward runs under autocast to this dtype
         with parameters gathered or kept in it, from fp32 master shards."""
         self.mesh_shape = tuple(mesh_shape)
+        self.axis_names = tuple(axis_names or (f"a{i}" for i in range(len(mesh_shape))))
         self._coords = tuple(coords)
         self._group_of = group_of
         self._read_flat = read_flat
@@ -352,9 +356,12 @@ class ZeroEngine(ZeroBackwardMixin, ZeroStepMixin, ZeroStateMixin):
             return
         kept = self._compute_kept(chunk)
         out = torch.empty(chunk.numel, dtype=kept.dtype, device=kept.device)
-        work = dist.all_gather_single(
-            out, kept, group=self._group_of(chunk.zero_axes[0]), async_op=True
-        )
+        axis = chunk.zero_axes[0]
+        group, label = self._group_of(axis), self.axis_names[axis]
+        work = run_collective(
+            "all_gather", f"zero chunk {chunk.index}", kept, group, label,
+            lambda: dist.all_gather_single(out, kept, group=group, async_op=True),
+        )  # fmt: skip
         chunk.prefetch = (work, self._track(out))
 
     def _track(self, buffer: torch.Tensor) -> torch.Tensor:
@@ -372,7 +379,9 @@ class ZeroEngine(ZeroBackwardMixin, ZeroStepMixin, ZeroStateMixin):
         if chunk.prefetch is not None:
             work, out = chunk.prefetch
             chunk.prefetch = None
-            work.wait()
+            axis = chunk.zero_axes[0]
+            group, label = self._group_of(axis), self.axis_names[axis]
+            wait_collective(work, "all_gather", f"zero chunk {chunk.index}", out, group, label)
             return out
         return self._track(self._gather_flat(self._compute_kept(chunk), chunk.param_axes))
 
@@ -387,17 +396,6 @@ class ZeroEngine(ZeroBackwardMixin, ZeroStepMixin, ZeroStateMixin):
         if chunk.kept is not None:
             return chunk.kept.detach()
         return self._compute_shard(chunk)
-
-    def _gather_flat(self, shard: torch.Tensor, zero_axes: Sequence[int]) -> torch.Tensor:
-        """All-gather a flat shard over ``zero_axes`` (row-major shard index) into one buffer."""
-        value = shard
-        # Innermost axis first: its pieces are adjacent in the chunk.
-        for axis in reversed(zero_axes):
-            size = self.mesh_shape[axis]
-            out = torch.empty(value.numel() * size, dtype=value.dtype, device=value.device)
-            dist.all_gather_single(out, value.contiguous(), group=self._group_of(axis))
-            value = out
-        return value
 
     def _end_forward(self) -> None:
         # A prefetch nobody consumed (the graph ended) must still complete on every rank.
@@ -442,6 +440,7 @@ def build_zero_engine(
     mixed_precision: str | None = None,
     read_flat: Callable[[str, int, int], torch.Tensor] | None = None,
     device: torch.device | str | None = None,
+    axis_names: Sequence[str] | None = None,
 ) -> ZeroEngine:
     """The engine for a ParallelModule's local parameters (canonical FQN -> local block).
 
@@ -491,6 +490,7 @@ def build_zero_engine(
         compute_dtype=_COMPUTE_DTYPES.get(mixed_precision),
         read_flat=read_flat,
         device=device,
+        axis_names=axis_names,
     )
 
 

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
+from autopar.comm.collective_check import run_collective, wait_collective
 from autopar.runtime.zero_layout import Chunk
 
 __all__ = ["MAX_IN_FLIGHT", "ZeroBackwardMixin"]
@@ -31,6 +32,7 @@ class ZeroBackwardMixin:
     mesh_shape: tuple[int, ...]
     _coords: tuple[int, ...]
     _group_of: Callable[[int], Any]
+    axis_names: tuple[str, ...]
     _sync: bool
     _callback_queued: bool
     _in_flight: list[Chunk]
@@ -71,6 +73,7 @@ class ZeroBackwardMixin:
         # collective launched here runs asynchronously, overlapped with the rest of backward.
         value = flat
         last_scatter = chunk.scatter_axes[-1] if chunk.scatter_axes else None
+        what = f"zero chunk {chunk.index} grad"
         for axis in chunk.grad_axes:
             size = self.mesh_shape[axis]
             part = value.numel() // size
@@ -79,19 +82,24 @@ class ZeroBackwardMixin:
                     out = reuse
                 else:
                     out = torch.empty(part, dtype=value.dtype, device=value.device)
-                if axis == last_scatter and not chunk.allreduce_axes:
-                    chunk.work = dist.reduce_scatter_single(
-                        out, value, group=self._group_of(axis), async_op=True
-                    )
-                else:
-                    dist.reduce_scatter_single(out, value, group=self._group_of(axis))
+                last = axis == last_scatter and not chunk.allreduce_axes
+                src, group = value, self._group_of(axis)
+                work = run_collective(
+                    "reduce_scatter", what, src, group, self.axis_names[axis],
+                    lambda: dist.reduce_scatter_single(out, src, group=group, async_op=last),  # noqa: B023
+                )  # fmt: skip
+                if last:
+                    chunk.work = work
                 value = out
             else:
                 value = value[self._coords[axis] * part : (self._coords[axis] + 1) * part].clone()
         if chunk.allreduce_axes:
-            chunk.work = dist.all_reduce(
-                value, group=self._group_of(chunk.allreduce_axes[0]), async_op=True
-            )
+            axis = chunk.allreduce_axes[0]
+            src, group = value, self._group_of(axis)
+            chunk.work = run_collective(
+                "all_reduce", what, src, group, self.axis_names[axis],
+                lambda: dist.all_reduce(src, group=group, async_op=True),
+            )  # fmt: skip
         chunk.reduced = value
         if chunk.work is not None:
             self._bound_in_flight(chunk)
@@ -125,8 +133,20 @@ class ZeroBackwardMixin:
         while len(self._in_flight) > MAX_IN_FLIGHT:
             oldest = self._in_flight.pop(0)
             if oldest.work is not None:
-                oldest.work.wait()
-                oldest.work = None
+                self._wait_reduction(oldest)
+
+    def _wait_reduction(self, chunk: Chunk) -> None:
+        """Wait for the chunk's asynchronous gradient reduction (a failure names it)."""
+        op, axis = (
+            ("all_reduce", chunk.allreduce_axes[0])
+            if chunk.allreduce_axes
+            else ("reduce_scatter", chunk.scatter_axes[-1])
+        )
+        assert chunk.work is not None and chunk.reduced is not None
+        what = f"zero chunk {chunk.index} grad"
+        group, label = self._group_of(axis), self.axis_names[axis]
+        wait_collective(chunk.work, op, what, chunk.reduced, group, label)
+        chunk.work = None
 
     def _finish_backward(self) -> None:
         self._callback_queued = False
@@ -135,10 +155,13 @@ class ZeroBackwardMixin:
             if chunk.reduced is None:
                 continue
             if chunk.work is not None:
-                chunk.work.wait()
-                chunk.work = None
+                self._wait_reduction(chunk)
             for axis in chunk.allreduce_axes[1:]:
-                dist.all_reduce(chunk.reduced, group=self._group_of(axis))
+                src, group = chunk.reduced, self._group_of(axis)
+                run_collective(
+                    "all_reduce", f"zero chunk {chunk.index} grad", src, group,
+                    self.axis_names[axis], lambda: dist.all_reduce(src, group=group),  # noqa: B023
+                )  # fmt: skip
             # The optimizer's gradient is the O-shard of the reduced G-shard (a view: the G-shard
             # stays alive as the gradient storage, as the memory model counts it).
             lo = chunk.shard_in_grad

@@ -9,11 +9,13 @@ tensors (gradients, elementwise optimizer state) into full local blocks and back
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
+from autopar.comm.collective_check import run_collective
 from autopar.runtime.zero_layout import Chunk, Slot
 
 __all__ = ["ZeroStateMixin"]
@@ -26,10 +28,26 @@ class ZeroStateMixin:
     stage: int
     compute_dtype: torch.dtype | None
     _chunk_of_param: dict[int, tuple[int, int]]
+    mesh_shape: tuple[int, ...]
+    axis_names: tuple[str, ...]
+    _group_of: Callable[[int], Any]
+
+    def _gather_flat(self, shard: torch.Tensor, zero_axes: Sequence[int]) -> torch.Tensor:
+        """All-gather a flat shard over ``zero_axes`` (row-major shard index) into one buffer."""
+        value = shard
+        # Innermost axis first: its pieces are adjacent in the chunk.
+        for axis in reversed(zero_axes):
+            size = self.mesh_shape[axis]
+            out = torch.empty(value.numel() * size, dtype=value.dtype, device=value.device)
+            src, group = value.contiguous(), self._group_of(axis)
+            run_collective(
+                "all_gather", "zero flat shard", src, group, self.axis_names[axis],
+                lambda: dist.all_gather_single(out, src, group=group),  # noqa: B023 - runs now
+            )  # fmt: skip
+            value = out
+        return value
 
     if TYPE_CHECKING:
-
-        def _gather_flat(self, shard: torch.Tensor, zero_axes: Sequence[int]) -> torch.Tensor: ...
 
         def _compute_shard(self, chunk: Chunk) -> torch.Tensor: ...
 

@@ -213,7 +213,8 @@ def measure_ops(
             seconds = time_callable(fn, device=device, min_time_s=config.op_repeat_s, trials=config.op_trials)
         except Exception as exc:  # noqa: BLE001 - an op that cannot run on local shapes alone
             skipped.append((node.name, f"{type(exc).__name__}: {str(exc).splitlines()[0][:100]}"))
-            continue
+            # Kept as NaN: every rank then reduces the same list of ops, whichever rank failed.
+            seconds = math.nan
         groups[key] = {
             "name": node.name,
             "family": family,
@@ -367,7 +368,8 @@ def bench_on_rank(model_spec: ModelSpec, plans: Mapping[str, Mapping[str, Any]],
         mean = _reduce([o["measured_s"] for o in ops["ops"]], dist.ReduceOp.SUM)
         for entry, total in zip(ops["ops"], mean):
             entry["measured_s"] = total / dist.get_world_size()
-        out["ops"], out["skipped_ops"] = ops["ops"], ops["skipped"]
+        out["ops"] = [o for o in ops["ops"] if math.isfinite(o["measured_s"])]  # NaN: failed somewhere
+        out["skipped_ops"] = ops["skipped"]
     mesh_groups: dict[tuple, Any] = {}
     prepared: dict[str, PreparedPlan] = {}
     skipped: dict[str, str] = {}
@@ -448,7 +450,10 @@ def run_bench(
     if not dist.is_initialized():
         import datetime
 
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=datetime.timedelta(seconds=300))
+        from autopar.runtime.spawn import pg_timeout_s
+
+        timeout = datetime.timedelta(seconds=pg_timeout_s())
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timeout)
     return {**bench_on_rank(model_spec, datas, config), "calibrated_flops": peak}
 
 
@@ -556,8 +561,9 @@ def bench_cost_cli(args: Any, config: BenchConfig) -> int:
     from autopar.mesh import Mesh
     from autopar.options import PlanOptions
     from autopar.presets import build_preset
-    from autopar.tools.report import plans_for_recipes, plot_op_scatter, plot_step_bars
+    from autopar.tools.report import plans_for_recipes, plot_op_scatter, plot_prefix, plot_step_bars
 
+    prefix = plot_prefix(args.plots, "bench_cost", "--plots")  # before hours of measuring
     links = args.links.split(",") if args.links else None
     device = args.device if args.profile or args.device != "h100" else "cpu"
     mesh = Mesh.parse(args.mesh, device=device, links=links, profile=args.profile)
@@ -576,14 +582,14 @@ def bench_cost_cli(args: Any, config: BenchConfig) -> int:
     summary = summarize(result)
     title = f"{args.model} on {mesh.describe()}"
     print(report_text(result, summary, markdown=args.markdown, title=title))
-    written = []
-    if result["ops"]:
-        written.append(f"{args.plots}_ops.png")
-        plot_op_scatter(result["ops"], written[-1], title=title)
     ran = [{"plan": n, "predicted_s": p["predicted_step_s"], "measured_s": p["step_s"]}
            for n, p in result["plans"].items() if "skipped" not in p]
-    if ran:
-        written.append(f"{args.plots}_steps.png")
+    written = []
+    if prefix is not None and result["ops"]:
+        written.append(f"{prefix}_ops.png")
+        plot_op_scatter(result["ops"], written[-1], title=title)
+    if prefix is not None and ran:
+        written.append(f"{prefix}_steps.png")
         plot_step_bars(ran, written[-1], title=title)
     if written:
         print(f"plots written to {' and '.join(written)}")

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.capture.flops import op_costs
-from autopar.runtime.spawn import spawn_ranks
+from autopar.runtime.spawn import pg_timeout_s, spawn_ranks
 from cost_models import DeviceSpec, Profile, collective_steps_and_wire_bytes, fit_alpha_beta
 from cost_models.calibrate import build_profile, fit_efficiency, fit_rate, link_from_fits
 from cost_models.compute import matmul_flops
@@ -473,7 +473,9 @@ def spawn_local(
         SpawnError: a rank failed (with its traceback) or the run passed ``timeout_s`` (rerun
             with fewer sizes).
     """
-    return spawn_ranks(fn, nproc, *args, timeout_s=timeout_s, pg_timeout_s=120.0, grace_s=5.0)
+    return spawn_ranks(
+        fn, nproc, *args, timeout_s=timeout_s, pg_timeout_s=pg_timeout_s(), grace_s=5.0
+    )
 
 
 def _calibrate_rank(

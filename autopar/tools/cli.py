@@ -135,7 +135,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         from autopar.capture.export import capture
         from autopar.plan import cache as plan_cache
         from autopar.presets import build_preset
+        from autopar.tools.report import plot_prefix
     console.log(f"imports: {time.perf_counter() - start:.2f} s")
+    plot_path = None
+    if getattr(args, "sweep_budget", None):  # matplotlib checked before capture and planning
+        plot_path = plot_prefix(args.sweep_plot, "budget_sweep.png", "--sweep-plot")
     start = time.perf_counter()
     with console.status("capturing the model"):
         model, example_args, example_kwargs = build_preset(args.model, batch=args.batch, seq=args.seq)
@@ -155,8 +159,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
             points = budget_sweep(driver, num_points=args.sweep_budget)
         title = f"{args.model} on {mesh.describe()}: step time vs memory budget (checkpoint={args.checkpoint})"
         print(sweep_table(points, title=title))
-        plot_budget_sweep(points, args.sweep_plot, title=title)
-        print(f"plot written to {args.sweep_plot}")
+        if plot_path is not None:
+            plot_budget_sweep(points, plot_path, title=title)
+            print(f"plot written to {plot_path}")
         return 0
     key = plan_cache.cache_key(captured.graph_hash, mesh, options, args.model)
     plan = None if args.no_cache else plan_cache.load(key, captured.graph_hash)
@@ -264,7 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sweep-budget", type=int, nargs="?", const=6, default=None, metavar="POINTS",
                    help="instead of one plan: plan under POINTS budgets (default 6) from the smallest "
                    "that fits to the budget-free peak; print step time vs budget and plot it")
-    p.add_argument("--sweep-plot", default="budget_sweep.png", help="PNG written by --sweep-budget")
+    p.add_argument("--sweep-plot", default=None, help="PNG written by --sweep-budget (default budget_sweep.png; "
+                   "needs matplotlib, checked before planning; without it and without this flag it is skipped)")
     p.set_defaults(func=cmd_plan)
     s = sub.add_parser("show", help="print a saved plan's summary, or explain nodes")
     s.add_argument("plan", help="plan JSON file")
@@ -288,7 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--op-time", type=float, default=0.01, help="seconds of repeats per op timing")
     b.add_argument("--no-ops", action="store_true", help="skip the per-op measurements")
     b.add_argument("--nproc", type=int, default=None, help="spawn gloo ranks here (default: the mesh size, unless under torchrun)")
-    b.add_argument("--plots", default="bench_cost", help="PNG path prefix (PREFIX_ops.png, PREFIX_steps.png)")
+    b.add_argument("--plots", default=None, help="PNG path prefix (PREFIX_ops.png, PREFIX_steps.png; default "
+                   "bench_cost); needs matplotlib, checked before measuring (without it and without "
+                   "--plots the plots are skipped)")
     b.add_argument("--markdown", action="store_true", help="print Markdown tables")
     b.add_argument("--json", default=None, help="write every figure to this JSON file")
     b.set_defaults(func=cmd_bench_cost)

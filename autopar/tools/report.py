@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -230,6 +231,40 @@ def _table(header: Sequence[str], body: Sequence[Sequence[str]], *, markdown: bo
 def table(header: Sequence[str], body: Sequence[Sequence[str]], *, markdown: bool = False, title: str = "") -> str:
     """A generic table (rich text or Markdown) for the bench-cost report."""
     return _table(header, body, markdown=markdown, title=title)
+
+
+PLOT_INSTALL = "pip install 'autopar[plot]'"
+"""How to get the optional plotting dependency (matplotlib)."""
+
+
+def plotting_unavailable() -> str | None:
+    """None when PNG plots can be written; else why not and how to fix it, in one line.
+
+    Commands that plot call this before they measure (minutes or hours of work), not when they
+    come to write the PNG.
+    """
+    try:
+        import matplotlib  # noqa: F401 - only whether it imports
+    except ImportError:
+        return f"matplotlib is not installed (optional, for PNG plots); install it with {PLOT_INSTALL}"
+    return None
+
+
+def plot_prefix(requested: str | None, default: str, flag: str) -> str | None:
+    """Where a command writes its PNG plots, decided before it measures: ``requested`` (the
+    user's ``flag`` value) or ``default``; None (plots skipped, with a note on stderr) when
+    matplotlib is missing and the user did not ask for plots.
+
+    Raises:
+        ValueError: the user asked for plots (``flag`` given) and matplotlib is missing.
+    """
+    missing = plotting_unavailable()
+    if missing is None:
+        return requested if requested is not None else default
+    if requested is not None:
+        raise ValueError(f"{flag} {requested}: {missing} (or leave out {flag} to skip the plots)")
+    print(f"autopar: note: PNG plots skipped: {missing}", file=sys.stderr)
+    return None
 
 
 def plot_op_scatter(points: Sequence[Mapping[str, Any]], path: str, *, title: str = "") -> None:

@@ -24,8 +24,9 @@ importing torch in every child (3-10 s each on a busy machine).
 Both run through autopar.runtime.spawn.spawn_ranks (read its docstring: every run is bounded,
 a failing rank's peers get ``grace_s`` and are then killed, the error names every rank's story;
 each rank has ``OMP_NUM_THREADS=1``, one torch thread and a fresh free port). This harness adds
-a forkserver that imported torch once and ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (gloo then checks
-that ranks pass matching shapes) under ``env``. torch is already imported when ``env`` is
+a forkserver that imported torch once, ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (gloo then checks
+that ranks pass matching shapes) and ``AUTOPAR_CHECK_COLLECTIVES=1`` (every autopar collective
+first checks that its peers issue the same one: autopar.comm.collective_check) under ``env``. torch is already imported when ``env`` is
 applied (it is preloaded in the forkserver), so variables torch reads only at import have no
 effect; the debug level is re-read.
 """
@@ -40,6 +41,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from autopar.comm.collective_check import CHECK_ENV
 from autopar.runtime.spawn import SpawnError, free_port, spawn_ranks
 
 __all__ = ["CaseResult", "DistributedRunError", "free_port", "run_cases", "run_distributed"]
@@ -71,7 +73,8 @@ def run_distributed(
     grace_s: float = 5.0,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; each rank's result
-    (autopar.runtime.spawn.spawn_ranks: the same arguments; ``env`` over the debug level).
+    (autopar.runtime.spawn.spawn_ranks: the same arguments; ``env`` over the debug level and
+    the collective check).
 
     Raises:
         DistributedRunError: with each failing rank's traceback, the ranks that died without
@@ -82,7 +85,7 @@ def run_distributed(
         world_size,
         *args,
         timeout_s=timeout_s,
-        env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL", **(env or {})},
+        env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL", CHECK_ENV: "1", **(env or {})},
         pg_timeout_s=pg_timeout_s,
         grace_s=grace_s,
         context=_context(),

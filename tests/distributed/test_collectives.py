@@ -10,12 +10,14 @@ full gradient in the ``src`` gradient layout.
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from typing import Any
 
 import pytest
 import torch
 
+from autopar.comm.collective_check import CHECK_ENV
 from autopar.placement import parse_placements
 from autopar.resharding import (
     assemble,
@@ -122,12 +124,16 @@ def run_case(rank: int, world_size: int, case: tuple[str, ...], mesh_shape: tupl
         from autopar.comm.collectives import AllGather
 
         # Rank 0 sends (1, 3), the others (2, 3): a failing all_gather on axis 0 (the
-        # shape check of TORCH_DISTRIBUTED_DEBUG=DETAIL catches it on every rank).
+        # shape check of TORCH_DISTRIBUTED_DEBUG=DETAIL catches it on every rank). The launcher's
+        # autopar check mode would refuse it before gloo runs it; this case tests the failure.
         t = torch.zeros((1 if coord[0] == 0 else 2, 3))
+        os.environ[CHECK_ENV] = "0"
         try:
             AllGather.apply(t, groups, 0, 0)
         except RuntimeError as error:
             return str(error)
+        finally:
+            os.environ[CHECK_ENV] = "1"
         return None
     raise AssertionError(f"unknown case {case}")
 
