@@ -43,6 +43,9 @@ MIN_LAYERS = 8
 """Shallower stacks are exported whole: two small exports would not be cheaper."""
 
 _NAME_NUMBER = re.compile(r"^(.*)_(\d+)$")
+# What every nn.Module holds (parameters, hooks, training, ...); the rest is the layer's own
+# configuration, public or private, and must be equal across the layers.
+_MODULE_INTERNALS = frozenset(vars(nn.Module()))
 _HOOKS = (
     "_forward_hooks",
     "_forward_pre_hooks",
@@ -136,7 +139,7 @@ def _layer_signature(layer: nn.Module) -> list[Any]:
         plain = {
             key: value
             for key, value in vars(module).items()
-            if not key.startswith("_") and not isinstance(value, (nn.Module, torch.Tensor))
+            if key not in _MODULE_INTERNALS and not isinstance(value, (nn.Module, torch.Tensor))
         }
         state = [
             (key, tuple(t.shape), t.dtype, t.requires_grad, t.device.type)
@@ -144,7 +147,7 @@ def _layer_signature(layer: nn.Module) -> list[Any]:
             if t is not None
         ]
         signature.append(
-            (name, type(module), sorted(plain.items(), key=lambda kv: kv[0]), state,
+            (name, type(module), module.training, sorted(plain.items()), state,
              sorted(module._non_persistent_buffers_set))
         )
     return signature
