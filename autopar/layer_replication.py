@@ -35,7 +35,8 @@ from torch.export.graph_signature import (
     OutputKind,
     TensorArgument,
 )
-from torch.utils._pytree import tree_flatten, tree_map
+
+from autopar.export_compare import program_difference
 
 SAMPLE_LAYERS = 3
 """Layers traced: the splice copies layer 1, whose input and output are both other layers."""
@@ -147,8 +148,14 @@ def _layer_signature(layer: nn.Module) -> list[Any]:
             if t is not None
         ]
         signature.append(
-            (name, type(module), module.training, sorted(plain.items()), state,
-             sorted(module._non_persistent_buffers_set))
+            (
+                name,
+                type(module),
+                module.training,
+                sorted(plain.items()),
+                state,
+                sorted(module._non_persistent_buffers_set),
+            )
         )
     return signature
 
@@ -201,7 +208,7 @@ def splice_layers(
         name, target = node.name, spec.target
         if layer is not None:
             name = _rename_state(name, path, layer, new_layer)
-            target = f"{path}.{new_layer}.{spec.target[len(path) + len(str(layer)) + 2:]}"
+            target = f"{path}.{new_layer}.{spec.target[len(path) + len(str(layer)) + 2 :]}"
         new = graph.placeholder(name)
         new.meta = copy.copy(node.meta)
         if layer is not None and new_layer != layer:
@@ -221,7 +228,8 @@ def splice_layers(
             if layer == last and specs[node.name].kind not in copied_kinds:
                 copied_kinds.add(specs[node.name].kind)
                 template = [
-                    n for n, i in layout.state_layer.items()
+                    n
+                    for n, i in layout.state_layer.items()
                     if i == 1 and specs[n.name].kind == specs[node.name].kind
                 ]
                 for new_layer in range(last, last + extra):
@@ -233,7 +241,8 @@ def splice_layers(
         hidden = env[layout.hidden_out[last - 1]]
         template_states = {
             n: specs[n.name].target[len(f"{path}.1.") :]
-            for n, i in layout.state_layer.items() if i == 1
+            for n, i in layout.state_layer.items()
+            if i == 1
         }
         for new_layer in range(last, last + extra):
             local = {layout.hidden_out[0]: hidden}
@@ -311,12 +320,17 @@ def _layout(sample: torch.export.ExportedProgram, path: str, num_sampled: int) -
         for node in run:
             for arg in node.all_input_nodes:
                 source = owner.get(arg, state_layer.get(arg))
-                if source not in (None, i, i - 1) or (source == i - 1 and arg in owner
-                                                      and arg is not hidden_out[i - 1]):
+                if source not in (None, i, i - 1) or (
+                    source == i - 1 and arg in owner and arg is not hidden_out[i - 1]
+                ):
                     return None
                 if arg in state_layer and state_layer[arg] != i:
                     return None
-    if any(owner.get(arg, num_sampled - 1) != num_sampled - 1 for n in suffix for arg in n.all_input_nodes):
+    if any(
+        owner.get(arg, num_sampled - 1) != num_sampled - 1
+        for n in suffix
+        for arg in n.all_input_nodes
+    ):
         return None
     return _Layout(
         prefix=prefix, layers=runs, suffix=suffix, hidden_out=hidden_out, state_layer=state_layer
@@ -419,7 +433,9 @@ def _assemble(
         if spec.kind != OutputKind.USER_OUTPUT:
             return None  # buffer mutations and the like: not replicated
         if isinstance(spec.arg, TensorArgument):
-            spec = dataclasses.replace(spec, arg=TensorArgument(name=env[by_name[spec.arg.name]].name))
+            spec = dataclasses.replace(
+                spec, arg=TensorArgument(name=env[by_name[spec.arg.name]].name)
+            )
         output_specs.append(spec)
     state_dict: dict[str, Any] = {}
     constants = dict(sample.constants)
@@ -437,7 +453,9 @@ def _assemble(
         return torch.export.ExportedProgram(
             root=sample.graph_module,
             graph=graph,
-            graph_signature=ExportGraphSignature(input_specs=input_specs, output_specs=output_specs),
+            graph_signature=ExportGraphSignature(
+                input_specs=input_specs, output_specs=output_specs
+            ),
             state_dict=state_dict,
             range_constraints=sample.range_constraints,
             module_call_graph=module_call_graph,
@@ -469,56 +487,8 @@ def _grow_call_graph(entries: list[Any], path: str, last: int, extra: int) -> li
                         dataclasses.replace(e, fqn=_rename_path(e.fqn, path, 1, layer))
                         for e in template
                     )
-            entry = dataclasses.replace(entry, fqn=_rename_path(entry.fqn, path, last, last + extra))
+            entry = dataclasses.replace(
+                entry, fqn=_rename_path(entry.fqn, path, last, last + extra)
+            )
         out.append(entry)
     return out
-
-
-# --------------------------------------------------------------------------------------------
-# The check
-
-
-def program_difference(
-    a: torch.export.ExportedProgram, b: torch.export.ExportedProgram
-) -> str | None:
-    """The first difference between two exported programs, or None when they are the same
-    graph: node names, ops, targets, arguments, module paths, shapes, strides and dtypes in
-    order, the signature, the state dict's keys and the module call graph."""
-    if a.graph_signature.input_specs != b.graph_signature.input_specs:
-        return "input specs"
-    if a.graph_signature.output_specs != b.graph_signature.output_specs:
-        return "output specs"
-    if list(a.state_dict) != list(b.state_dict) or list(a.constants) != list(b.constants):
-        return "state dict or constants"
-    if [e.fqn for e in a.module_call_graph] != [e.fqn for e in b.module_call_graph]:
-        return "module call graph"
-    nodes_a, nodes_b = list(a.graph.nodes), list(b.graph.nodes)
-    if len(nodes_a) != len(nodes_b):
-        return f"{len(nodes_a)} vs {len(nodes_b)} nodes"
-    for x, y in zip(nodes_a, nodes_b):
-        if _node_record(x) != _node_record(y):
-            return f"node {x.name} vs {y.name}"
-    return None
-
-
-def _node_record(node: fx.Node) -> tuple[Any, ...]:
-    def name_of(value: Any) -> Any:
-        return value.name if isinstance(value, fx.Node) else value
-
-    stack = node.meta.get("nn_module_stack") or {}
-    return (
-        node.name,
-        node.op,
-        str(node.target),
-        repr(tree_map(name_of, node.args)),
-        repr(tree_map(name_of, node.kwargs)),
-        [(key, str(p), str(cls)) for key, (p, cls) in stack.items()],
-        [_tensor_record(v) for v in tree_flatten(node.meta.get("val"))[0]],
-    )
-
-
-def _tensor_record(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return (type(value).__name__, tuple(value.shape), tuple(value.stride()), value.dtype,
-                value.requires_grad, value.device.type)
-    return repr(value)

@@ -14,7 +14,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from autopar.capture import Captured, capture
-from autopar.layer_replication import export_replicated, find_repeated_layers, program_difference
+from autopar.export_compare import program_difference
+from autopar.layer_replication import export_replicated, find_repeated_layers
 from autopar.presets import build_preset
 from tests.models import tiny_gpt, tiny_llama
 
@@ -28,7 +29,9 @@ def _node_table(captured: Captured) -> list[tuple]:
             node.meta.get("autopar_module_path"),
             node.meta.get("autopar_fqn"),
             [path for path, _ in (node.meta.get("nn_module_stack") or {}).values()],
-            tuple(node.meta["val"].shape) if isinstance(node.meta.get("val"), torch.Tensor) else None,
+            tuple(node.meta["val"].shape)
+            if isinstance(node.meta.get("val"), torch.Tensor)
+            else None,
         )
         for node in captured.gm.graph.nodes
     ]
@@ -108,7 +111,9 @@ class _Stack(nn.Module):
         if wiring == "one layer differs":
             self.layers[6].scale = 2.0
         if wiring == "one layer differs privately":
-            self.layers[6]._private_scale = 2.0  # an attribute forward does not read, still unproven alike
+            self.layers[
+                6
+            ]._private_scale = 2.0  # an attribute forward does not read, still unproven alike
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         states = [x]
