@@ -115,6 +115,8 @@ def find_repeated_layers(
     if best is None:
         return None
     layers = getattr(best[0], best[1])
+    if sum(m is layers for _, m in model.named_modules(remove_duplicate=False)) > 1:
+        return None  # reachable under two names: cutting one would not cut what forward runs
     inside = {id(p) for layer in layers for p in layer.parameters()}
     counts: dict[int, int] = {}
     for _, param in model.named_parameters(remove_duplicate=False):

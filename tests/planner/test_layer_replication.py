@@ -96,8 +96,10 @@ class _Block(nn.Module):
         self.fc = nn.Linear(width, width)
         self.scale = 1.0
 
+        self.activation = torch.relu
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + torch.relu(self.fc(x)) * self.scale
+        return x + self.activation(self.fc(x)) * self.scale
 
 
 class _Stack(nn.Module):
@@ -110,6 +112,9 @@ class _Stack(nn.Module):
         self.layers = nn.ModuleList(_Block(width) for _ in range(num_layers))
         if wiring == "one layer differs":
             self.layers[6].scale = 2.0
+        if wiring == "hardswish, an op without a rule":
+            for layer in self.layers:
+                layer.activation = F.hardswish
         if wiring == "one layer differs privately":
             self.layers[
                 6
@@ -135,11 +140,14 @@ def _stack_inputs() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(4, 16, generator=generator), torch.randn(4, 16, generator=generator)
 
 
-def test_custom_stack_of_identical_blocks_is_replicated() -> None:
-    model, args = _Stack("chain"), _stack_inputs()
+@pytest.mark.parametrize("wiring", ["chain", "hardswish, an op without a rule"])
+def test_custom_stack_of_identical_blocks_is_replicated(wiring: str) -> None:
+    model, args = _Stack(wiring), _stack_inputs()
     fast = capture(model, args)
     assert fast.replicated_layers == "layers: 3 of 8 traced"
-    _assert_same_capture(fast, capture(model, args, replicate_layers=False))
+    full = capture(model, args, replicate_layers=False)
+    _assert_same_capture(fast, full)
+    assert fast.decomposed_ops == full.decomposed_ops  # decomposed in the spliced program too
     _assert_runs_like_eager(model, args, fast)
 
 
@@ -172,3 +180,6 @@ def test_repeated_layers_are_found_only_where_every_layer_is_alike() -> None:
     shared = _Stack("chain")
     shared.layers[3].fc = shared.layers[2].fc  # one Linear used by two layers
     assert find_repeated_layers(shared) is None
+    aliased = _Stack("chain")
+    aliased.blocks = aliased.layers  # one list under two names
+    assert find_repeated_layers(aliased) is None
