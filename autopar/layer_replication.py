@@ -75,18 +75,19 @@ def export_replicated(
         return None
     parent, attr, path = found
     layers = getattr(parent, attr)
-    exported = {}
-    try:
-        for count in (SAMPLE_LAYERS, SAMPLE_LAYERS + 1):
-            parent._modules[attr] = nn.ModuleList(list(layers)[:count])
-            exported[count] = torch.export.export(
-                model, tuple(example_args), example_kwargs, strict=False
-            )
-    finally:
-        parent._modules[attr] = layers
-    sample = exported[SAMPLE_LAYERS]
+
+    def export_cut(count: int) -> torch.export.ExportedProgram:
+        cut = nn.ModuleList(list(layers)[:count])
+        cut.training = layers.training
+        parent._modules[attr] = cut
+        try:
+            return torch.export.export(model, tuple(example_args), example_kwargs, strict=False)
+        finally:
+            parent._modules[attr] = layers
+
+    sample = export_cut(SAMPLE_LAYERS)
     check = splice_layers(sample, model, path, SAMPLE_LAYERS, SAMPLE_LAYERS + 1)
-    if check is None or program_difference(check, exported[SAMPLE_LAYERS + 1]) is not None:
+    if check is None or program_difference(check, export_cut(SAMPLE_LAYERS + 1)) is not None:
         return None
     full = splice_layers(sample, model, path, SAMPLE_LAYERS, len(layers))
     if full is None:
