@@ -42,20 +42,20 @@ def tiny_mlp() -> Built:
     return model, (x, y), {}
 
 
-def tiny_gpt(dropout: float = 0.0) -> Built:
+def tiny_gpt(dropout: float = 0.0, layers: int = LAYERS) -> Built:
     torch.manual_seed(0)
     config = GPTConfig(
-        vocab_size=VOCAB, block_size=SEQ, n_layer=LAYERS, n_head=HEADS, n_embd=WIDTH, dropout=dropout
+        vocab_size=VOCAB, block_size=SEQ, n_layer=layers, n_head=HEADS, n_embd=WIDTH, dropout=dropout
     )
     return GPT(config), _tokens(1), {}
 
 
-def tiny_llama() -> Built:
+def tiny_llama(layers: int = LAYERS) -> Built:
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=VOCAB,
         dim=WIDTH,
-        n_layers=LAYERS,
+        n_layers=layers,
         n_heads=HEADS,
         n_kv_heads=KV_HEADS,
         ffn_hidden=2 * WIDTH,

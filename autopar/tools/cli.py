@@ -145,7 +145,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         model, example_args, example_kwargs = build_preset(args.model, batch=args.batch, seq=args.seq)
         captured = capture(model, example_args, example_kwargs)
     capture_s = time.perf_counter() - start
-    console.log(f"capture: {len(captured.gm.graph.nodes)} nodes, {capture_s:.2f} s")
+    replicated = f" ({captured.replicated_layers})" if captured.replicated_layers else ""
+    console.log(f"capture: {len(captured.gm.graph.nodes)} nodes, {capture_s:.2f} s{replicated}")
     if getattr(args, "sweep_budget", None):
         from autopar.planner.driver import Driver
         from autopar.planner.space import build_space
