@@ -133,7 +133,7 @@ class Driver:
         self._report = progress or (lambda line: None)
         self._recipes: dict[str, Solved] = {}
         self._free_auto: Solved | None = None
-        self._notes: list[str] = []
+        self.notes: list[str] = []
 
     def with_budget(self, budget: float) -> Driver:
         """The same space under another budget (tie levels and candidates shared)."""
@@ -141,7 +141,7 @@ class Driver:
         other.space, other.options, other.budget = self.space, self.options, budget
         other.tied, other.candidates, other._report = self.tied, self.candidates, self._report
         other.configurations = self.configurations
-        other._recipes, other._free_auto, other._notes = self._recipes, self._free_auto, self._notes
+        other._recipes, other._free_auto, other.notes = self._recipes, self._free_auto, self.notes
         return other
 
     # ----------------------------------------------------------------------------------------
@@ -197,7 +197,7 @@ class Driver:
             chosen=chosen,
             baselines=baselines,
             log=log,
-            notes=list(self._notes),
+            notes=list(self.notes),
             solve_s=time.perf_counter() - start,
         )
 
@@ -209,7 +209,7 @@ class Driver:
         jobs: list[tuple[str, ZeroConfig, RecipeSpec | None, float | None]] = []
         for name in todo:
             spec = recipe_spec(self.space, name)
-            self._notes.extend(n for n in spec.notes if n not in self._notes)
+            self.notes.extend(n for n in spec.notes if n not in self.notes)
             jobs.append((name, spec.zero, spec, None))
         want_free = free_auto and self._free_auto is None
         if want_free:
@@ -251,7 +251,7 @@ class Driver:
             user_error = self.no_layout_error(error, name)
             if name in (self.options.recipe, "auto"):
                 raise user_error from None
-            self._notes.append(f"{name}: left out, {user_error}")
+            self.notes.append(f"{name}: left out, {user_error}")
             return None
 
     def _left_out(self, recipe: str) -> Solved:

@@ -227,13 +227,14 @@ def test_every_recipe_solves_to_exactly_the_recipe(name, mesh_text):
     axis, a real gradient all-reduce; megatron / fsdp+tp: column- then row-parallel matmuls and
     vocab-parallel embedding and LM head on the tp axis, the batch split on the others; the
     fsdp variants add ZeRO-3 on their data axes."""
-    from autopar.api import solve_recipes
+    from autopar.planner.driver import Driver
     from autopar.planner.problem import build_space
 
     captured = _captured(name)
     space = build_space(captured, autopar.Mesh.parse(mesh_text, device="h100"), PlanOptions())
-    solved, notes = solve_recipes(space, PlanOptions(), BASELINE_RECIPES)
-    assert not notes, notes  # every dim divides in these cases: no fallback
+    driver = Driver(space, tied=(), candidates=())
+    solved = driver.recipes(BASELINE_RECIPES)
+    assert not driver.notes, driver.notes  # every dim divides in these cases: no fallback
     for recipe in BASELINE_RECIPES:
         _check_recipe(recipe, solved[recipe], space, captured)
 
