@@ -136,7 +136,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
         from autopar.plan import cache as plan_cache
         from autopar.presets import build_preset
         from autopar.tools.report import plot_prefix
-    console.log(f"imports: {time.perf_counter() - start:.2f} s")
     plot_path = None
     if getattr(args, "sweep_budget", None):  # matplotlib checked before capture and planning
         plot_path = plot_prefix(args.sweep_plot, "budget_sweep.png", "--sweep-plot")
