@@ -4,7 +4,7 @@
 
 * **Edges.** For every edge (producer output -> consumer input ``j``) whose producer placement
   differs from the placement the consumer's strategy requires, the forward steps of
-  :func:`autopar.resharding.reshard_steps` are inserted as calls of the autograd-aware
+  :func:`autopar.resharding.steps.reshard_steps` are inserted as calls of the autograd-aware
   collectives in :mod:`autopar.comm.collectives` (their backward follows the gradient
   convention). A conversion needed by several consumers is inserted once. ``operator.getitem``
   consumers of a tuple-producing node index into the producer's outputs, and their conversion is
@@ -52,7 +52,7 @@ from autopar.lowering.local_ops import (
     shape_of,
 )
 from autopar.placement import Placements, Shard, format_placements, local_shape, replicated
-from autopar.resharding import Step, reshard_steps
+from autopar.resharding.steps import Step, reshard_steps
 from autopar.strategies.registry import Strategy, input_nodes
 
 __all__ = ["LoweredGraph", "PlaceholderSource", "lower"]
