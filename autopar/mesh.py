@@ -18,14 +18,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from cost_models.hardware import (
-    DeviceSpec,
-    LinkSpec,
-    Profile,
-    get_device,
-    get_link,
-    load_profile,
-)
+from cost_models.hardware import DeviceSpec, LinkSpec, get_device, get_link
+from cost_models.profile import Profile, load_profile
 
 LinkArg = str | LinkSpec
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -110,7 +104,7 @@ class Mesh:
             links: per-axis overrides: a sequence with one entry per axis, or a mapping from axis
                 name (or index) to link; entries are preset names or LinkSpecs. Axes not named
                 keep their defaults.
-            profile: a profile (path, dict or Profile, see ``cost_models.hardware``); its device
+            profile: a profile (path, dict or Profile, see ``cost_models.profile``); its device
                 and its links (keyed by axis name or index) override everything else.
 
         Raises:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -108,6 +108,82 @@ def autoparallelize(
     kwargs = dict(example_kwargs or {})
     captured = capture(model, args, kwargs)
     name = model_name or type(model).__name__
+    chosen = _agreed_plan(captured, mesh, opts, plan, name, price_baselines)
+
+    if state_dict is not None:
+        # A model built on meta: the tensors its graph creates (arange, ...) must live where
+        # its shards are materialized.
+        _retarget_factories(captured.gm, _runtime_device())
+    output_placements = _output_placements(captured, mesh, chosen, opts)
+    lowered = lower(
+        captured, chosen.choices(), mesh.shape, groups.key, output_placements=output_placements
+    )
+    if model.training:
+        # The plan's recomputed segments (the eval graph, lowered on demand, has none).
+        lowered = checkpoint_lowered(lowered, chosen.checkpoint_segments())
+    plan_mesh = Mesh.from_dict(chosen.data["mesh"])
+    plan_options = PlanOptions.from_kwargs(chosen.data["options"])
+    pmodel = _parallel_module(lowered, model, groups, chosen, plan_mesh, plan_options, state_dict)
+    # Keep nothing that pins the original model's tensors: the plan without its live strategy
+    # space (whose capture references every original parameter), and a meta-device skeleton of
+    # the model to capture the other train/eval mode from.
+    pmodel.plan = chosen if chosen.space is None else Plan(data=chosen.data)
+    try:
+        skeleton = _meta_skeleton(model)
+    except Exception:  # an attribute deepcopy refuses (a lock, a handle): keep the model itself
+        skeleton = model
+    lower_mode = _mode_lowering(
+        skeleton, args, kwargs, mesh, groups, plan_mesh, plan_options, lowered, output_placements
+    )
+    pmodel.attach_mode_lowering(lower_mode)
+    return pmodel
+
+
+def _mode_lowering(
+    skeleton: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    mesh: Mesh,
+    groups: AxisGroups,
+    plan_mesh: Mesh,
+    plan_options: PlanOptions,
+    lowered: LoweredGraph,
+    output_placements: list[Placements] | None,
+) -> Callable[[bool], LoweredGraph]:
+    """``lower_mode(training)``: the other train/eval mode's graph, captured from ``skeleton``
+    and lowered with every parameter, buffer and input kept in its layout in ``lowered``."""
+
+    def lower_mode(training: bool) -> LoweredGraph:
+        was_training = skeleton.training
+        skeleton.train(training)
+        try:
+            other = capture(skeleton, args, kwargs)
+        finally:
+            skeleton.train(was_training)
+        _erase_inactive_dropout(other.gm)
+        _retarget_factories(other.gm, _runtime_device())
+        hashes = [other.graph_hash]
+        dist.broadcast_object_list(hashes, src=0)
+        _agree(lambda: _same_hash(other.graph_hash, hashes[0]))
+        choices = _from_rank0(
+            lambda: choices_with_layouts(other, plan_mesh, plan_options, lowered),
+            what=f"planning the {'train' if training else 'eval'}-mode graph",
+        )
+        return lower(other, choices, mesh.shape, groups.key, output_placements=output_placements)
+
+    return lower_mode
+
+
+def _agreed_plan(
+    captured: Captured,
+    mesh: Mesh,
+    opts: PlanOptions,
+    plan: Plan | str | os.PathLike[str] | None,
+    name: str,
+    price_baselines: bool,
+) -> Plan:
+    """The plan rank 0 made or read, on every rank, once every rank has checked it against its
+    own capture and the mesh (PlanMismatchError on every rank otherwise)."""
 
     def make_plan() -> str:
         if plan is None:
@@ -132,23 +208,22 @@ def autoparallelize(
         check_plan(chosen, captured, mesh)
 
     _agree(check)
+    return chosen
 
-    if state_dict is not None:
-        # A model built on meta: the tensors its graph creates (arange, ...) must live where
-        # its shards are materialized.
-        _retarget_factories(captured.gm, _runtime_device())
-    output_placements = _output_placements(captured, mesh, chosen, opts)
-    lowered = lower(
-        captured, chosen.choices(), mesh.shape, groups.key, output_placements=output_placements
-    )
-    if model.training:
-        # The plan's recomputed segments (the eval graph, lowered on demand, has none).
-        lowered = checkpoint_lowered(lowered, chosen.checkpoint_segments())
-    plan_mesh = Mesh.from_dict(chosen.data["mesh"])
-    plan_options = PlanOptions.from_kwargs(chosen.data["options"])
+
+def _parallel_module(
+    lowered: LoweredGraph,
+    model: nn.Module,
+    groups: AxisGroups,
+    chosen: Plan,
+    plan_mesh: Mesh,
+    plan_options: PlanOptions,
+    state_dict: Any,
+) -> ParallelModule:
+    """The ParallelModule running ``lowered`` with the plan's ZeRO layout and precision."""
     zero = chosen.data["zero"]
     zero_config = ZeroConfig.from_json(zero, plan_mesh.axis_names)
-    pmodel = ParallelModule(
+    return ParallelModule(
         lowered,
         model,
         groups,
@@ -166,35 +241,6 @@ def autoparallelize(
         ),
         device=_runtime_device(),
     )
-    # Keep nothing that pins the original model's tensors: the plan without its live strategy
-    # space (whose capture references every original parameter), and a meta-device skeleton of
-    # the model to capture the other train/eval mode from.
-    pmodel.plan = chosen if chosen.space is None else Plan(data=chosen.data)
-    try:
-        skeleton = _meta_skeleton(model)
-    except Exception:  # an attribute deepcopy refuses (a lock, a handle): keep the model itself
-        skeleton = model
-
-    def lower_mode(training: bool) -> LoweredGraph:
-        was_training = skeleton.training
-        skeleton.train(training)
-        try:
-            other = capture(skeleton, args, kwargs)
-        finally:
-            skeleton.train(was_training)
-        _erase_inactive_dropout(other.gm)
-        _retarget_factories(other.gm, _runtime_device())
-        hashes = [other.graph_hash]
-        dist.broadcast_object_list(hashes, src=0)
-        _agree(lambda: _same_hash(other.graph_hash, hashes[0]))
-        choices = _from_rank0(
-            lambda: choices_with_layouts(other, plan_mesh, plan_options, lowered),
-            what=f"planning the {'train' if training else 'eval'}-mode graph",
-        )
-        return lower(other, choices, mesh.shape, groups.key, output_placements=output_placements)
-
-    pmodel.attach_mode_lowering(lower_mode)
-    return pmodel
 
 
 def _meta_skeleton(model: nn.Module) -> nn.Module:

@@ -26,16 +26,11 @@ from cost_models.hardware import (
     COLLECTIVE_KINDS,
     DEVICES,
     LINKS,
-    PROFILE_SCHEMA,
-    PROFILE_VERSION,
     DeviceSpec,
     FrozenMap,
     LinkSpec,
-    Profile,
     get_device,
     get_link,
-    load_profile,
-    save_profile,
 )
 from cost_models.memory import (
     MIXED_PRECISIONS,
@@ -43,6 +38,13 @@ from cost_models.memory import (
     MemoryBreakdown,
     optimizer_state_buffers,
     training_state_bytes,
+)
+from cost_models.profile import (
+    PROFILE_SCHEMA,
+    PROFILE_VERSION,
+    Profile,
+    load_profile,
+    save_profile,
 )
 
 __all__ = [

@@ -18,7 +18,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from cost_models.hardware import DeviceSpec, LinkSpec, Profile
+from cost_models.hardware import DeviceSpec, LinkSpec
+from cost_models.profile import Profile
 
 __all__ = [
     "build_profile",

@@ -43,7 +43,7 @@ from autopar.comm.collective_check import (
     describe,
 )
 from autopar.comm.process_groups import AxisGroups, lookup_axis_groups
-from autopar.resharding import Step
+from autopar.resharding.steps import Step
 
 __all__ = [
     "AllGather",
@@ -278,7 +278,7 @@ def _apply(
 
 
 def run_steps(tensor: Tensor, steps: Sequence[Step], groups: AxisGroups) -> Tensor:
-    """Execute the forward ``steps`` of :func:`autopar.resharding.reshard_steps` on this rank's
+    """Execute the forward ``steps`` of :func:`autopar.resharding.steps.reshard_steps` on this rank's
     local tensor; autograd then runs the matching backward steps."""
     for step in steps:
         tensor = _apply(tensor, groups, step.kind, step.axis, step.dim, step.dst_dim)

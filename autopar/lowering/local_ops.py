@@ -30,7 +30,7 @@ from autopar.capture.export import ASSERT_OPS
 from autopar.comm import collectives
 from autopar.comm.process_groups import lookup_axis_groups
 from autopar.placement import Placements, Shard, format_placements, local_shape, replicated
-from autopar.resharding import Step, reshard_steps
+from autopar.resharding.steps import Step, reshard_steps
 from autopar.strategies.embedding import vocab_parallel_embedding
 from autopar.strategies.registry import Strategy
 

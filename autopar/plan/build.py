@@ -60,58 +60,7 @@ def plan_document(
     gm = captured.gm
     recipe = recipe or space.options.recipe
     zero = chosen.zero
-    by_name = {n.name: n for n in gm.graph.nodes}
-    nodes = []
-    params: dict[str, Any] = {}
-    inputs = []
-    zero_numels: list[int] = []  # local elements of ZeRO-managed parameters, in graph order
-    for i, node in enumerate(space.nodes):
-        s = chosen.choice[i]
-        strategy = node.strategies[s]
-        fx_node = by_name[node.name]
-        entry = {
-            "name": node.name,
-            "op": str(fx_node.target),
-            "kind": node.kind,
-            "module_path": fx_node.meta.get("autopar_module_path", ""),
-            **strategy_entry(strategy),
-            "seconds": chosen.evaluation.node_s[i],
-            "compute_s": float(node.compute_s[s]),
-            "memory_bytes": float(node.activation_bytes[s] + node.fixed_bytes[s]),
-            "num_strategies": len(node.strategies),
-            "args": [inp.name for inp in input_nodes(fx_node)],
-            "shapes": _output_shapes(fx_node),
-            "dtype": _output_dtype(fx_node),
-        }
-        if node.fqn:
-            entry["fqn"] = node.fqn
-        if fx_node.target is operator.getitem:
-            entry["getitem_index"] = int(fx_node.args[1])
-        if node.kind == "param":
-            mem, _, _ = param_state(space, node, s, zero)
-            entry["memory_bytes"] = mem
-            placements = strategy.outputs[0]
-            replicate = [
-                a for a in range(mesh.ndim) if placements[a].is_replicate() and mesh.shape[a] > 1
-            ]
-            own = zero.split(replicate)[2]
-            zero_axes = [mesh.axis_names[a] for a in own]
-            params[node.fqn] = {
-                "placement": entry["outputs"][0],
-                "shape": list(fx_node.meta["val"].shape),
-                "module_path": _param_module(node.fqn),
-                "zero": {
-                    "stage": max((zero.stage_of(a) for a in own), default=0),
-                    "axes": zero_axes,
-                    "stages": {mesh.axis_names[a]: zero.stage_of(a) for a in own},
-                },
-                "tied_to": captured.tied_params.get(node.fqn, []),
-            }
-            if zero_axes and node.alias_of is None and node.local_numel is not None:
-                zero_numels.append(int(node.local_numel[s]))
-        if node.kind == "input":
-            inputs.append({"name": node.name, "placements": entry["outputs"][0]})
-        nodes.append(entry)
+    nodes, params, inputs, zero_numels = _node_entries(space, chosen)
     sol = chosen.solution
     considered, reason = zero_considered(space, chosen, log, budget, recipe)
     chunk_bytes = padding_waste = None
@@ -172,6 +121,69 @@ def plan_document(
         "timings": timings,
         "warnings": warnings,
     }
+
+
+def _node_entries(
+    space: StrategySpace, chosen: Solved
+) -> tuple[list[dict[str, Any]], dict[str, Any], list[dict[str, Any]], list[int]]:
+    """The document's ``nodes``, ``params`` and ``inputs`` entries for ``chosen``, and the local
+    element counts of the ZeRO-managed parameters in graph order (what chunks are sized by)."""
+    captured = space.captured
+    mesh = space.mesh
+    zero = chosen.zero
+    by_name = {n.name: n for n in captured.gm.graph.nodes}
+    nodes = []
+    params: dict[str, Any] = {}
+    inputs = []
+    zero_numels: list[int] = []  # local elements of ZeRO-managed parameters, in graph order
+    for i, node in enumerate(space.nodes):
+        s = chosen.choice[i]
+        strategy = node.strategies[s]
+        fx_node = by_name[node.name]
+        entry = {
+            "name": node.name,
+            "op": str(fx_node.target),
+            "kind": node.kind,
+            "module_path": fx_node.meta.get("autopar_module_path", ""),
+            **strategy_entry(strategy),
+            "seconds": chosen.evaluation.node_s[i],
+            "compute_s": float(node.compute_s[s]),
+            "memory_bytes": float(node.activation_bytes[s] + node.fixed_bytes[s]),
+            "num_strategies": len(node.strategies),
+            "args": [inp.name for inp in input_nodes(fx_node)],
+            "shapes": _output_shapes(fx_node),
+            "dtype": _output_dtype(fx_node),
+        }
+        if node.fqn:
+            entry["fqn"] = node.fqn
+        if fx_node.target is operator.getitem:
+            entry["getitem_index"] = int(fx_node.args[1])
+        if node.kind == "param":
+            mem, _, _ = param_state(space, node, s, zero)
+            entry["memory_bytes"] = mem
+            placements = strategy.outputs[0]
+            replicate = [
+                a for a in range(mesh.ndim) if placements[a].is_replicate() and mesh.shape[a] > 1
+            ]
+            own = zero.split(replicate)[2]
+            zero_axes = [mesh.axis_names[a] for a in own]
+            params[node.fqn] = {
+                "placement": entry["outputs"][0],
+                "shape": list(fx_node.meta["val"].shape),
+                "module_path": _param_module(node.fqn),
+                "zero": {
+                    "stage": max((zero.stage_of(a) for a in own), default=0),
+                    "axes": zero_axes,
+                    "stages": {mesh.axis_names[a]: zero.stage_of(a) for a in own},
+                },
+                "tied_to": captured.tied_params.get(node.fqn, []),
+            }
+            if zero_axes and node.alias_of is None and node.local_numel is not None:
+                zero_numels.append(int(node.local_numel[s]))
+        if node.kind == "input":
+            inputs.append({"name": node.name, "placements": entry["outputs"][0]})
+        nodes.append(entry)
+    return nodes, params, inputs, zero_numels
 
 
 def zero_considered(

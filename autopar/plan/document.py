@@ -137,7 +137,7 @@ class Plan:
     def conversions(self) -> list[dict[str, Any]]:
         """Every edge whose layout changes: producer, consumer, placements, and the forward and
         backward collectives (the same steps the runtime executes)."""
-        from autopar.resharding import reshard_steps
+        from autopar.resharding.steps import reshard_steps
 
         by_name = {e["name"]: e for e in self.data["nodes"]}
         mesh_shape = tuple(self.data["mesh"]["shape"])

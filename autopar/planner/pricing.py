@@ -15,7 +15,7 @@ import numpy as np
 
 from autopar.mesh import Mesh
 from autopar.placement import Placements
-from autopar.resharding import price_table
+from autopar.resharding.pricing import price_table
 from autopar.strategies.registry import TensorMeta
 from cost_models import LinkSpec, collective_time_s
 
@@ -67,7 +67,7 @@ class CommPricer:
     ) -> np.ndarray:
         """[src, dst] seconds of converting each of ``srcs`` to each of ``dsts`` (inf where
         impossible): one route search per source serves the whole row
-        (:func:`autopar.resharding.price_table`). Routes depend on the shape only through
+        (:func:`autopar.resharding.pricing.price_table`). Routes depend on the shape only through
         gcd(dim size, devices); bytes scale with the tensor's size."""
         total_bytes = float(math.prod(meta.shape)) * self.itemsize(meta)
         pattern = tuple(math.gcd(size, self._num_devices) for size in meta.shape)

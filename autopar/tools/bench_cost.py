@@ -38,7 +38,8 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from autopar.tools.calibration import fwd_bwd_callable, spawn_local, time_callable
+from autopar.tools.calibration import spawn_local
+from autopar.tools.timing import fwd_bwd_callable, time_callable
 from cost_models import matmul_flops
 from cost_models.calibrate import mape, spearman
 

@@ -15,6 +15,9 @@ schema ``cost_models.load_profile`` reads:
   counted as the planner counts them (local inputs plus outputs, twice that in backward);
 - ``links[axis].collectives[kind] = (alpha, beta)`` for all_reduce, all_gather, reduce_scatter and
   all_to_all, fitted by ``cost_models.fit_alpha_beta`` over message sizes.
+
+This module measures the device and drives the run; the links are measured by
+:mod:`autopar.tools.calibration_links` and every timing goes through :mod:`autopar.tools.timing`.
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ import datetime
 import math
 import os
 import platform
-import statistics
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -35,8 +37,10 @@ import torch.distributed as dist
 
 from autopar.capture.flops import op_costs
 from autopar.runtime.spawn import pg_timeout_s, spawn_ranks
-from cost_models import DeviceSpec, Profile, collective_steps_and_wire_bytes, fit_alpha_beta
-from cost_models.calibrate import build_profile, fit_efficiency, fit_rate, link_from_fits
+from autopar.tools.calibration_links import measure_links
+from autopar.tools.timing import fwd_bwd_callable, mean_over_ranks, time_callable
+from cost_models import DeviceSpec, Profile
+from cost_models.calibrate import build_profile, fit_efficiency, fit_rate
 from cost_models.compute import matmul_flops
 
 aten = torch.ops.aten
@@ -51,7 +55,6 @@ CALIBRATED_FAMILIES = (
     "reduction",
     "loss",
 )
-CALIBRATED_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -100,69 +103,6 @@ class CalibrationConfig:
 
 
 # --------------------------------------------------------------------------------------------
-# Timing
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_callable(
-    fn: Callable[[], Any], *, device: torch.device, min_time_s: float, trials: int
-) -> float:
-    """Median over ``trials`` of the mean seconds per call, each trial repeating ``fn`` until
-    ``min_time_s`` has passed (after one warm-up call). On a GPU the calls of a trial are
-    queued back to back and synchronised once at the end, as a training step runs them: a
-    synchronisation per call would time the host round trip, not the kernel."""
-    fn()
-    _sync(device)
-    if device.type == "cuda":
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        once = max(time.perf_counter() - start, 1e-6)
-        return _time_queued(fn, device, max(2, int(min_time_s / once)), trials)
-    results = []
-    for _ in range(max(trials, 1)):
-        count = 0
-        start = time.perf_counter()
-        while True:
-            fn()
-            count += 1
-            _sync(device)
-            elapsed = time.perf_counter() - start
-            if count >= 2 and elapsed >= min_time_s:
-                break
-        results.append(elapsed / count)
-    return statistics.median(results)
-
-
-def fwd_bwd_callable(
-    target: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any] | None = None
-) -> Callable[[], None]:
-    """A closure that runs ``target(*args, **kwargs)`` and, when some floating input requires
-    a gradient, its backward (a random output gradient, gradients of those inputs only)."""
-    kwargs = kwargs or {}
-    leaves = torch.utils._pytree.tree_leaves((list(args), kwargs))
-    grad_inputs = [a for a in leaves if isinstance(a, torch.Tensor) and a.requires_grad]
-    probe = target(*args, **kwargs)
-    outputs = [probe] if isinstance(probe, torch.Tensor) else list(probe)
-    float_outputs = [i for i, o in enumerate(outputs) if isinstance(o, torch.Tensor) and o.is_floating_point() and o.requires_grad]
-    grads = [torch.randn_like(outputs[i]) for i in float_outputs]
-
-    def run() -> None:
-        out = target(*args, **kwargs)
-        if grad_inputs and float_outputs:
-            outs = [out] if isinstance(out, torch.Tensor) else list(out)
-            torch.autograd.grad(
-                [outs[i] for i in float_outputs], grad_inputs, grads, allow_unused=True
-            )
-
-    return run
-
-
-# --------------------------------------------------------------------------------------------
 # Work of one op, as the planner prices it
 
 
@@ -207,24 +147,6 @@ def family_cases(scale: int, device: torch.device) -> dict[str, tuple[Any, list[
 
 # --------------------------------------------------------------------------------------------
 # The measurements (every rank runs them at the same time)
-
-
-def _mean_over_ranks(values: list[float], device: torch.device) -> list[float]:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return values
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return (t / dist.get_world_size()).tolist()
-
-
-def _max_over_ranks(values: list[float], device: torch.device) -> list[float]:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return values
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
-
-
 def _bf16_matmul_works(device: torch.device) -> bool:
     try:
         a = torch.ones(8, 8, dtype=torch.bfloat16, device=device)
@@ -248,7 +170,7 @@ def measure_device(
             b = torch.randn(n, n, device=device, dtype=dtype)
             times.append(time_callable(lambda a=a, b=b: a @ b, **timing))
             flops.append(matmul_flops(n, n, n))
-        times = _mean_over_ranks(times, device)
+        times = mean_over_ranks(times, device)
         name = str(dtype).removeprefix("torch.")
         peak[name] = fit_rate(flops, times, through_origin=True)[0]
         details[f"matmul_{name}"] = {"flops": flops, "seconds": times}
@@ -261,13 +183,13 @@ def measure_device(
         src.uniform_()
         times.append(time_callable(lambda s=src, d=dst: d.copy_(s), **timing))
         moved.append(2.0 * nbytes)
-    times = _mean_over_ranks(times, device)
+    times = mean_over_ranks(times, device)
     bandwidth = fit_rate(moved, times, through_origin=True)[0]
     details["copy"] = {"bytes": moved, "seconds": times}
     log(f"memory bandwidth: {bandwidth / 1e9:.2f} GB/s")
 
     one = torch.ones(1, device=device)
-    overhead = _mean_over_ranks([time_callable(lambda: one.add(1.0), **timing)], device)[0]
+    overhead = mean_over_ranks([time_callable(lambda: one.add(1.0), **timing)], device)[0]
     log(f"kernel overhead: {overhead * 1e6:.1f} us")
 
     samples: dict[str, tuple[list[float], list[float], list[float]]] = {
@@ -287,7 +209,7 @@ def measure_device(
             overheads.append(kernels * overhead)
     efficiency: dict[str, float] = {}
     for family, (ideals, measured, overheads) in samples.items():
-        measured = _mean_over_ranks(measured, device)
+        measured = mean_over_ranks(measured, device)
         efficiency[family] = fit_efficiency(ideals, measured, overheads)
         details[f"op_{family}"] = {"ideal_s": ideals, "seconds": measured}
     log("op efficiency: " + ", ".join(f"{f} {e:.2f}" for f, e in efficiency.items()))
@@ -318,92 +240,6 @@ def _memory_capacity(device: torch.device) -> int:
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
     return int(total // max(local, 1))
-
-
-def _run_collective(kind: str, nbytes: int, group: Any, size: int, device: torch.device) -> Callable[[], None]:
-    numel = max(nbytes // 4 // size, 1) * size
-    full = torch.randn(numel, device=device)
-    part = torch.randn(numel // size, device=device)
-    parts = [torch.empty_like(part) for _ in range(size)]
-    if kind == "all_reduce":
-        return lambda: dist.all_reduce(full, group=group)
-    if kind == "all_gather":
-        return lambda: dist.all_gather(parts, part, group=group)
-    if kind == "reduce_scatter":
-        chunks = list(full.chunk(size))
-        return lambda: dist.reduce_scatter(part, chunks, group=group)
-    if kind == "all_to_all":
-        out = torch.empty_like(full)
-        return lambda: dist.all_to_all_single(out, full, group=group)
-    raise ValueError(f"unknown collective {kind!r}; known: {CALIBRATED_COLLECTIVES}")
-
-
-def measure_links(
-    config: CalibrationConfig,
-    groups: Any,
-    device: torch.device,
-    log: Callable[[str], None],
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Per mesh axis (size > 1): alpha-beta per collective kind, as a LinkSpec."""
-    links: dict[str, Any] = {}
-    details: dict[str, Any] = {}
-    for axis, (name, size) in enumerate(zip(groups.axis_names, groups.mesh_shape)):
-        if size < 2:
-            continue
-        group = groups.groups[axis]
-        fits: dict[str, tuple[float, float]] = {}
-        for kind in CALIBRATED_COLLECTIVES:
-            sizes = [float(max(b // 4 // size, 1) * size * 4) for b in config.collective_bytes]
-            times = []
-            for nbytes in sizes:
-                fn = _run_collective(kind, int(nbytes), group, size, device)
-                dist.barrier()
-                # Every rank runs the same count of calls: a fixed count from the time rank 0
-                # would pick would need another collective, so time a fixed number instead.
-                times.append(_time_fixed(fn, device, config))
-            times = _max_over_ranks(times, device)
-            details[f"{name}/{kind}"] = {"bytes": sizes, "seconds": times}
-            try:
-                fits[kind] = fit_alpha_beta(sizes, times, kind, size)
-            except ValueError:
-                # Flat timings (noise on a loaded machine, or latency-bound at these sizes):
-                # keep the latency, charge bandwidth as free rather than drop the collective.
-                steps = collective_steps_and_wire_bytes(kind, 0.0, size)[0]
-                fits[kind] = (statistics.median(times) / steps, 1e-12)
-                log(f"axis {name}: {kind} timings do not grow with size; latency only")
-            alpha, beta = fits[kind]
-            log(f"axis {name} (size {size}) {kind}: alpha {alpha * 1e6:.1f} us/step, {1 / beta / 1e9:.2f} GB/s")
-        if fits:
-            links[name] = link_from_fits(
-                f"calibrated-{name}", fits, source=f"autopar calibrate, {dist.get_backend()} on {platform.node()}"
-            )
-    return links, details
-
-
-def _time_fixed(fn: Callable[[], Any], device: torch.device, config: CalibrationConfig) -> float:
-    """Collectives must be called the same number of times on every rank: a fixed count
-    (sized by one probe call, agreed by MAX over ranks) instead of ``time_callable``'s loop."""
-    fn()
-    _sync(device)
-    start = time.perf_counter()
-    fn()
-    _sync(device)
-    probe = _max_over_ranks([time.perf_counter() - start], device)[0]
-    count = int(min(max(config.min_time_s / max(probe, 1e-7), 2), 200))
-    return _time_queued(fn, device, count, config.trials)
-
-
-def _time_queued(fn: Callable[[], Any], device: torch.device, count: int, trials: int) -> float:
-    """Median over ``trials`` of the mean seconds per call of ``count`` calls queued back to
-    back and synchronised once."""
-    results = []
-    for _ in range(max(trials, 1)):
-        start = time.perf_counter()
-        for _ in range(count):
-            fn()
-        _sync(device)
-        results.append((time.perf_counter() - start) / count)
-    return statistics.median(results)
 
 
 def calibrate_on_rank(

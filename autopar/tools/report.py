@@ -17,7 +17,7 @@ from typing import Any
 from autopar.options import PlanOptions, format_bytes, format_seconds
 from autopar.placement import parse_placements
 from autopar.plan.document import Plan
-from autopar.resharding import reshard_steps
+from autopar.resharding.steps import reshard_steps
 from cost_models import collective_steps_and_wire_bytes
 
 __all__ = [
@@ -92,7 +92,7 @@ def comm_volume_by_axis(plan: Plan) -> dict[str, float]:
 
     Counts (wire bytes per device, as ``cost_models.collective_steps_and_wire_bytes`` defines):
     every layout conversion on an edge (forward and backward steps of
-    ``autopar.resharding.reshard_steps``), the all-reduce of every Partial gradient of a
+    ``autopar.resharding.steps.reshard_steps``), the all-reduce of every Partial gradient of a
     Replicate input that needs one (parameters: the data-parallel gradient sync), and under ZeRO
     stage 3 the extra all-gather of each parameter on its ZeRO axes. Stages 1-2 move the same
     bytes as the all-reduce they replace.

@@ -17,7 +17,8 @@ def _calibrate(rank: int, world_size: int) -> dict[str, Any]:
 @pytest.mark.distributed
 def test_tiny_calibration_gives_a_profile_the_planner_uses(tmp_path) -> None:
     from autopar.mesh import Mesh
-    from autopar.tools.calibration import CALIBRATED_COLLECTIVES, CALIBRATED_FAMILIES
+    from autopar.tools.calibration import CALIBRATED_FAMILIES
+    from autopar.tools.calibration_links import CALIBRATED_COLLECTIVES
     from cost_models import collective_time_s, load_profile, save_profile
     from tests.distributed.launcher import run_distributed
 

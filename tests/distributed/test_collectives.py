@@ -19,14 +19,8 @@ import torch
 
 from autopar.comm.collective_check import CHECK_ENV
 from autopar.placement import parse_placements
-from autopar.resharding import (
-    assemble,
-    gradient_placements,
-    is_supported_pair,
-    reshard_steps,
-    shard_full,
-    simulate_steps,
-)
+from autopar.resharding.simulator import assemble, shard_full, simulate_steps
+from autopar.resharding.steps import gradient_placements, is_supported_pair, reshard_steps
 from tests.distributed.launcher import CaseResult, DistributedRunError, run_cases, run_distributed
 
 SHAPE = (4, 4)

@@ -4,8 +4,9 @@ For each sample call of ``tests/op_samples.py`` and each strategy ``strategies_f
 it on a (2,) and a (2, 2) mesh (one spawn per mesh, one test case per sample), every rank:
 
 1. builds the full inputs from the same seed and cuts its local inputs per the strategy's input
-   placements (``resharding.shard_full``: Shard -> its chunk in mesh-axis order, Replicate ->
-   the full tensor, Partial -> small-integer summands that add up to the full tensor);
+   placements (``resharding.simulator.shard_full``: Shard -> its chunk in mesh-axis order,
+   Replicate -> the full tensor, Partial -> small-integer summands that add up to the full
+   tensor);
 2. runs the op on them as the lowered graph would: a one-op fx graph rewritten by the
    lowering's own ``rewrite_local_ops`` (local view sizes, vocab-parallel embedding, squeeze,
    sliced arange, rank-aware dropout);
@@ -110,7 +111,7 @@ def _local_op(
 def _to_replicate(local: torch.Tensor, placements: Any, shape: tuple[int, ...], groups: Any) -> Any:
     from autopar.comm.collectives import run_steps
     from autopar.placement import replicated
-    from autopar.resharding import reshard_steps
+    from autopar.resharding.steps import reshard_steps
 
     fwd, _ = reshard_steps(
         placements, replicated(len(placements)), shape, local.dtype.itemsize, groups.mesh_shape
@@ -162,7 +163,8 @@ def _check_strategy(
     import torch.distributed as dist
 
     from autopar.placement import format_placements, replicated
-    from autopar.resharding import gradient_placements, shard_full
+    from autopar.resharding.simulator import shard_full
+    from autopar.resharding.steps import gradient_placements
 
     mesh_shape = groups.mesh_shape
     coord = tuple(groups.coordinate)

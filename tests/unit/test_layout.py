@@ -1,7 +1,7 @@
 """The package layout shows the pipeline, and imports flow one way along it.
 
 capture -> planner -> plan -> lowering -> runtime, with the base modules (errors, options,
-placement, mesh, resharding, models, presets, version, comm/) and strategies/ below everything and the
+placement, mesh, resharding/, models, presets, version, comm/) and strategies/ below everything and the
 entry points (api, parallelize, optim, tools/) on top. A module may import its own level or a
 lower one; ``solver/`` and ``cost_models/`` import neither torch nor autopar. Lazy imports inside
 functions count too (a lazy back edge is still a cycle); ``if TYPE_CHECKING:`` blocks do not.

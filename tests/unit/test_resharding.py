@@ -16,16 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autopar.placement import Partial, Placement, Replicate, Shard, parse_placements
-from autopar.resharding import (
-    Step,
-    assemble,
-    gradient_placements,
-    is_supported_pair,
-    price_table,
-    reshard_steps,
-    shard_full,
-    simulate_steps,
-)
+from autopar.resharding.pricing import price_table
+from autopar.resharding.simulator import assemble, shard_full, simulate_steps
+from autopar.resharding.steps import Step, gradient_placements, is_supported_pair, reshard_steps
 
 MESHES = [(1,), (2,), (3,), (4,), (2, 2), (2, 3), (3, 2), (1, 2), (2, 2, 2), (2, 1, 3), (3, 2, 2)]
 DIM_SIZES = [1, 2, 3, 4, 6, 8, 12]

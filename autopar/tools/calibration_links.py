@@ -1,0 +1,107 @@
+"""Calibration of the links: alpha-beta per collective on every mesh axis.
+
+Every rank runs this at the same time: each collective is timed on every group of a mesh axis at
+once over the message sizes of ``CalibrationConfig.collective_bytes``, the slowest rank counts,
+and ``cost_models.fit_alpha_beta`` turns the timings into ``links[axis].collectives[kind]``.
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from autopar.tools.timing import max_over_ranks, sync_device, time_queued
+from cost_models import collective_steps_and_wire_bytes, fit_alpha_beta
+from cost_models.calibrate import link_from_fits
+
+if TYPE_CHECKING:
+    from autopar.tools.calibration import CalibrationConfig
+
+__all__ = ["CALIBRATED_COLLECTIVES", "measure_links"]
+
+CALIBRATED_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+
+
+def _run_collective(
+    kind: str, nbytes: int, group: Any, size: int, device: torch.device
+) -> Callable[[], None]:
+    numel = max(nbytes // 4 // size, 1) * size
+    full = torch.randn(numel, device=device)
+    part = torch.randn(numel // size, device=device)
+    parts = [torch.empty_like(part) for _ in range(size)]
+    if kind == "all_reduce":
+        return lambda: dist.all_reduce(full, group=group)
+    if kind == "all_gather":
+        return lambda: dist.all_gather(parts, part, group=group)
+    if kind == "reduce_scatter":
+        chunks = list(full.chunk(size))
+        return lambda: dist.reduce_scatter(part, chunks, group=group)
+    if kind == "all_to_all":
+        out = torch.empty_like(full)
+        return lambda: dist.all_to_all_single(out, full, group=group)
+    raise ValueError(f"unknown collective {kind!r}; known: {CALIBRATED_COLLECTIVES}")
+
+
+def measure_links(
+    config: CalibrationConfig,
+    groups: Any,
+    device: torch.device,
+    log: Callable[[str], None],
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Per mesh axis (size > 1): alpha-beta per collective kind, as a LinkSpec."""
+    links: dict[str, Any] = {}
+    details: dict[str, Any] = {}
+    for axis, (name, size) in enumerate(zip(groups.axis_names, groups.mesh_shape)):
+        if size < 2:
+            continue
+        group = groups.groups[axis]
+        fits: dict[str, tuple[float, float]] = {}
+        for kind in CALIBRATED_COLLECTIVES:
+            sizes = [float(max(b // 4 // size, 1) * size * 4) for b in config.collective_bytes]
+            times = []
+            for nbytes in sizes:
+                fn = _run_collective(kind, int(nbytes), group, size, device)
+                dist.barrier()
+                # Every rank runs the same count of calls: a fixed count from the time rank 0
+                # would pick would need another collective, so time a fixed number instead.
+                times.append(_time_fixed(fn, device, config))
+            times = max_over_ranks(times, device)
+            details[f"{name}/{kind}"] = {"bytes": sizes, "seconds": times}
+            try:
+                fits[kind] = fit_alpha_beta(sizes, times, kind, size)
+            except ValueError:
+                # Flat timings (noise on a loaded machine, or latency-bound at these sizes):
+                # keep the latency, charge bandwidth as free rather than drop the collective.
+                steps = collective_steps_and_wire_bytes(kind, 0.0, size)[0]
+                fits[kind] = (statistics.median(times) / steps, 1e-12)
+                log(f"axis {name}: {kind} timings do not grow with size; latency only")
+            alpha, beta = fits[kind]
+            log(
+                f"axis {name} (size {size}) {kind}: alpha {alpha * 1e6:.1f} us/step, {1 / beta / 1e9:.2f} GB/s"
+            )
+        if fits:
+            links[name] = link_from_fits(
+                f"calibrated-{name}",
+                fits,
+                source=f"autopar calibrate, {dist.get_backend()} on {platform.node()}",
+            )
+    return links, details
+
+
+def _time_fixed(fn: Callable[[], Any], device: torch.device, config: CalibrationConfig) -> float:
+    """Collectives must be called the same number of times on every rank: a fixed count
+    (sized by one probe call, agreed by MAX over ranks) instead of ``time_callable``'s loop."""
+    fn()
+    sync_device(device)
+    start = time.perf_counter()
+    fn()
+    sync_device(device)
+    probe = max_over_ranks([time.perf_counter() - start], device)[0]
+    count = int(min(max(config.min_time_s / max(probe, 1e-7), 2), 200))
+    return time_queued(fn, device, count, config.trials)
