@@ -103,7 +103,7 @@ class _Family:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class _Graph:
+class _ContractedGraph:
     """The problem seen by the counts model: contracted nodes and edge families."""
 
     node_map: list[int]
@@ -120,7 +120,7 @@ class _Graph:
 
 
 @dataclass(slots=True)
-class _Model:
+class _CountsModel:
     """The counts model's columns and rows (CSR), handed to HiGHS in bulk."""
 
     col_lower: list[float] = field(default_factory=list)
@@ -180,10 +180,10 @@ def solve_counts(
     if not highs_direct.available() or not problem.tied or not _identical_members(problem):
         return None
     start = time.perf_counter()
-    graph = _contract(problem)
+    graph = _contracted_graph(problem)
     if graph is None:
         return None
-    model = _Model()
+    model = _CountsModel()
     n_col = _add_count_columns(model, problem, graph)
     _add_member_rows(model, n_col, graph.size)
     alignments: list[Alignment] = []
@@ -193,12 +193,12 @@ def solve_counts(
             alignments.append(entry)
     if problem.memory_budget_bytes is not None:
         _add_memory_rows(model, problem, graph, n_col)
-    return _solve(
+    return _solve_and_realise(
         problem, graph, model, n_col, alignments, start, time_limit_s=time_limit_s, gap=gap, msg=msg
     )
 
 
-def _contract(problem: Problem) -> _Graph | None:
+def _contracted_graph(problem: Problem) -> _ContractedGraph | None:
     """Contracted nodes and edge families; None when a self-loop joins a class's members."""
     nodes = problem.nodes
     owner: dict[int, int] = {}
@@ -247,7 +247,7 @@ def _contract(problem: Problem) -> _Graph | None:
         family.count += 1
         family.src_members[edge.src] = family.src_members.get(edge.src, 0) + 1
         family.dst_members[edge.dst] = family.dst_members.get(edge.dst, 0) + 1
-    return _Graph(
+    return _ContractedGraph(
         node_map=node_map,
         groups=groups,
         size=size,
@@ -257,7 +257,9 @@ def _contract(problem: Problem) -> _Graph | None:
     )
 
 
-def _add_count_columns(model: _Model, problem: Problem, graph: _Graph) -> list[list[int]]:
+def _add_count_columns(
+    model: _CountsModel, problem: Problem, graph: _ContractedGraph
+) -> list[list[int]]:
     """The integers n[j,s]; returns their columns per contracted node."""
     n_col: list[list[int]] = []
     for j, g in enumerate(graph.groups):
@@ -276,14 +278,14 @@ def _add_count_columns(model: _Model, problem: Problem, graph: _Graph) -> list[l
     return n_col
 
 
-def _add_member_rows(model: _Model, n_col: list[list[int]], size: list[int]) -> None:
+def _add_member_rows(model: _CountsModel, n_col: list[list[int]], size: list[int]) -> None:
     """Every member chooses one strategy: sum_s n[j,s] = L_j."""
     for j, cols in enumerate(n_col):
         model.row(cols, [1.0] * len(cols), float(size[j]), float(size[j]))
 
 
 def _add_family(
-    model: _Model, family: _Family, n_col: list[list[int]], size: list[int]
+    model: _CountsModel, family: _Family, n_col: list[list[int]], size: list[int]
 ) -> Alignment | None:
     """The pair columns p[f,g,h] of one family and the rows linking them to the counts.
 
@@ -342,7 +344,7 @@ def _add_family(
 
 
 def _add_memory_rows(
-    model: _Model, problem: Problem, graph: _Graph, n_col: list[list[int]]
+    model: _CountsModel, problem: Problem, graph: _ContractedGraph, n_col: list[list[int]]
 ) -> None:
     """The column T, the transient rows (with the binaries y) and the memory row."""
     nodes = problem.nodes
@@ -388,10 +390,10 @@ def _add_memory_rows(
     )
 
 
-def _solve(
+def _solve_and_realise(
     problem: Problem,
-    graph: _Graph,
-    model: _Model,
+    graph: _ContractedGraph,
+    model: _CountsModel,
     n_col: list[list[int]],
     alignments: list[Alignment],
     start: float,

@@ -113,7 +113,7 @@ def _series(uv: np.ndarray, cv: np.ndarray, vw: np.ndarray) -> tuple[np.ndarray,
     return best, arg
 
 
-class _Graph:
+class _MinPlusGraph:
     """Node cost vectors and edge matrices (``(a, b)`` with a < b, rows = a's strategies) as
     elimination changes them."""
 
@@ -158,7 +158,7 @@ def eliminate(problem: Problem) -> Eliminated:
     """Eliminate leaf and series nodes of a budget-free problem (see the module docstring)."""
     assert problem.memory_budget_bytes is None
     num = len(problem.nodes)
-    graph = _Graph(problem)
+    graph = _MinPlusGraph(problem)
     alive = [True] * num
     steps, constant = _eliminate_nodes(problem, graph, alive)
     kept = tuple(i for i in range(num) if alive[i])
@@ -201,7 +201,7 @@ def _no_strategy_left(problem: Problem, v: int) -> InfeasibleError:
 
 
 def _eliminate_nodes(
-    problem: Problem, graph: _Graph, alive: list[bool]
+    problem: Problem, graph: _MinPlusGraph, alive: list[bool]
 ) -> tuple[list[tuple[int, int, int, np.ndarray]], float]:
     """Eliminate isolated, leaf and series nodes until none is left (``alive`` in place).
 
@@ -243,7 +243,7 @@ def _eliminate_nodes(
 
 
 def _kept_nodes(
-    problem: Problem, graph: _Graph, kept: tuple[int, ...]
+    problem: Problem, graph: _MinPlusGraph, kept: tuple[int, ...]
 ) -> tuple[list[tuple[int, ...]], list[Node]]:
     """Per kept node: its strategies of finite cost, and the node restricted to them."""
     strategies = []
