@@ -17,8 +17,8 @@ from solver import (
     plan_objective_s,
     solve,
 )
-from solver.eliminate import back_substitute, eliminate
 from solver.counts import ACCEPT_GAP
+from solver.eliminate import back_substitute, eliminate
 from solver.tying import contract
 
 
