@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from solver.brute_force import brute_force
 from solver.errors import InfeasibleBudgetError, InfeasibleError, SolverTimeoutError
-from solver.ilp import BACKENDS, solve
+from solver.ilp import BACKENDS
 from solver.presolve import plan_objective_s, plan_peak_memory_bytes
 from solver.problem import Edge, Node, Problem, Solution
+from solver.shrink import solve
 
 __all__ = [
     "BACKENDS",

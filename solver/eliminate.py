@@ -113,105 +113,60 @@ def _series(uv: np.ndarray, cv: np.ndarray, vw: np.ndarray) -> tuple[np.ndarray,
     return best, arg
 
 
+class _MinPlusGraph:
+    """Node cost vectors and edge matrices (``(a, b)`` with a < b, rows = a's strategies) as
+    elimination changes them."""
+
+    def __init__(self, problem: Problem) -> None:
+        self.cost = [np.array(n.cost_s, dtype=np.float64) for n in problem.nodes]
+        self.edges: dict[tuple[int, int], np.ndarray] = {}
+        self.neighbours: list[set[int]] = [set() for _ in problem.nodes]
+        converted: dict[int, np.ndarray] = {}  # repeated layers share matrix objects
+        for edge in problem.edges:
+            matrix = converted.get(id(edge.cost_s))
+            if matrix is None:
+                matrix = converted[id(edge.cost_s)] = _matrix(edge)
+            self.add_edge(edge.src, edge.dst, matrix)
+
+    def add_edge(self, a: int, b: int, matrix: np.ndarray) -> None:
+        """Add ``matrix`` (rows = a's strategies) to the edge a-b; a self-loop's diagonal goes
+        into the node's cost."""
+        if a == b:
+            self.cost[a] = self.cost[a] + np.diagonal(matrix)
+            return
+        if a > b:
+            a, b, matrix = b, a, matrix.T
+        if (a, b) in self.edges:
+            self.edges[a, b] = self.edges[a, b] + matrix
+        else:
+            self.edges[a, b] = matrix
+            self.neighbours[a].add(b)
+            self.neighbours[b].add(a)
+
+    def oriented(self, a: int, b: int) -> np.ndarray:
+        """The edge a-b's matrix with a's strategies as rows."""
+        return self.edges[a, b] if a < b else self.edges[b, a].T
+
+    def drop(self, a: int, b: int) -> None:
+        """Remove the edge a-b."""
+        del self.edges[min(a, b), max(a, b)]
+        self.neighbours[a].discard(b)
+        self.neighbours[b].discard(a)
+
+
 def eliminate(problem: Problem) -> Eliminated:
     """Eliminate leaf and series nodes of a budget-free problem (see the module docstring)."""
     assert problem.memory_budget_bytes is None
     num = len(problem.nodes)
-    cost = [np.array(n.cost_s, dtype=np.float64) for n in problem.nodes]
-    edges: dict[tuple[int, int], np.ndarray] = {}  # (a, b) with a < b, rows = a's strategies
-    neighbours: list[set[int]] = [set() for _ in range(num)]
-
-    def add_edge(a: int, b: int, matrix: np.ndarray) -> None:
-        if a == b:
-            cost[a] = cost[a] + np.diagonal(matrix)
-            return
-        if a > b:
-            a, b, matrix = b, a, matrix.T
-        if (a, b) in edges:
-            edges[a, b] = edges[a, b] + matrix
-        else:
-            edges[a, b] = matrix
-            neighbours[a].add(b)
-            neighbours[b].add(a)
-
-    def oriented(a: int, b: int) -> np.ndarray:
-        return edges[a, b] if a < b else edges[b, a].T
-
-    def drop(a: int, b: int) -> None:
-        del edges[min(a, b), max(a, b)]
-        neighbours[a].discard(b)
-        neighbours[b].discard(a)
-
-    converted: dict[int, np.ndarray] = {}  # repeated layers share matrix objects
-    for edge in problem.edges:
-        matrix = converted.get(id(edge.cost_s))
-        if matrix is None:
-            matrix = converted[id(edge.cost_s)] = _matrix(edge)
-        add_edge(edge.src, edge.dst, matrix)
+    graph = _MinPlusGraph(problem)
     alive = [True] * num
-    memo = _Memo()
-    steps: list[tuple[int, int, int, np.ndarray]] = []
-    constant = 0.0
-    queue = list(range(num))
-    while queue:
-        v = queue.pop()
-        if not alive[v] or len(neighbours[v]) > 2:
-            continue
-        near = sorted(neighbours[v])
-        if not near:
-            t = int(np.argmin(cost[v]))
-            if not math.isfinite(cost[v][t]):
-                raise InfeasibleError(
-                    f"node {problem.nodes[v].name!r} has no strategy left: its edges forbid "
-                    f"every one; allow at least one pair for some strategy of every edge",
-                    nodes=(problem.nodes[v].name,),
-                )
-            constant += float(cost[v][t])
-            steps.append((v, -1, -1, np.array(t)))
-        elif len(near) == 1:
-            (u,) = near
-            total = oriented(u, v) + cost[v][None, :]
-            arg = np.argmin(total, axis=1)
-            cost[u] = cost[u] + total[np.arange(len(arg)), arg]
-            drop(u, v)
-            steps.append((v, u, -1, arg))
-            queue.append(u)
-        else:
-            u, w = near
-            best, arg = memo.series(oriented(u, v), cost[v], oriented(v, w))
-            drop(u, v)
-            drop(v, w)
-            add_edge(u, w, best)
-            steps.append((v, u, w, arg))
-            queue += [u, w]
-        alive[v] = False
+    steps, constant = _eliminate_nodes(problem, graph, alive)
     kept = tuple(i for i in range(num) if alive[i])
     position = {i: k for k, i in enumerate(kept)}
-    strategies = []
-    new_nodes = []
-    for i in kept:
-        finite = tuple(int(s) for s in np.flatnonzero(np.isfinite(cost[i])))
-        if not finite:
-            raise InfeasibleError(
-                f"node {problem.nodes[i].name!r} has no strategy left: its edges forbid every "
-                f"one; allow at least one pair for some strategy of every edge",
-                nodes=(problem.nodes[i].name,),
-            )
-        strategies.append(finite)
-        node = problem.nodes[i]
-        new_nodes.append(
-            Node(
-                name=node.name,
-                cost_s=tuple(float(cost[i][s]) for s in finite),
-                memory_bytes=tuple(node.memory_bytes[s] for s in finite),
-                transient_bytes=tuple(node.transient_bytes[s] for s in finite)
-                if node.transient_bytes
-                else (),
-            )
-        )
+    strategies, new_nodes = _kept_nodes(problem, graph, kept)
     new_edges = []
     as_tuples = _TupleMemo()
-    for (a, b), matrix in sorted(edges.items()):
+    for (a, b), matrix in sorted(graph.edges.items()):
         rows, cols = strategies[position[a]], strategies[position[b]]
         new_edges.append(
             Edge(
@@ -220,8 +175,106 @@ def eliminate(problem: Problem) -> Eliminated:
                 cost_s=as_tuples(matrix[np.ix_(rows, cols)]),
             )
         )
-    # A tie class keeps its members that survive with the strategies most of them have
-    # (members of identical layers are eliminated alike; an end layer may differ).
+    reduced = Problem(
+        nodes=tuple(new_nodes),
+        edges=tuple(new_edges),
+        memory_offset_bytes=problem.memory_offset_bytes,
+        tied=_kept_ties(problem, alive, position, strategies),
+    )
+    return Eliminated(
+        problem=reduced,
+        kept=kept,
+        strategies=tuple(strategies),
+        steps=tuple(steps),
+        constant_s=constant,
+        num_original=num,
+    )
+
+
+def _no_strategy_left(problem: Problem, v: int) -> InfeasibleError:
+    name = problem.nodes[v].name
+    return InfeasibleError(
+        f"node {name!r} has no strategy left: its edges forbid every one; allow at least one "
+        f"pair for some strategy of every edge",
+        nodes=(name,),
+    )
+
+
+def _eliminate_nodes(
+    problem: Problem, graph: _MinPlusGraph, alive: list[bool]
+) -> tuple[list[tuple[int, int, int, np.ndarray]], float]:
+    """Eliminate isolated, leaf and series nodes until none is left (``alive`` in place).
+
+    Returns the steps, in elimination order, and the constant of the isolated nodes."""
+    cost = graph.cost
+    memo = _Memo()
+    steps: list[tuple[int, int, int, np.ndarray]] = []
+    constant = 0.0
+    queue = list(range(len(problem.nodes)))
+    while queue:
+        v = queue.pop()
+        if not alive[v] or len(graph.neighbours[v]) > 2:
+            continue
+        near = sorted(graph.neighbours[v])
+        if not near:
+            t = int(np.argmin(cost[v]))
+            if not math.isfinite(cost[v][t]):
+                raise _no_strategy_left(problem, v)
+            constant += float(cost[v][t])
+            steps.append((v, -1, -1, np.array(t)))
+        elif len(near) == 1:
+            (u,) = near
+            total = graph.oriented(u, v) + cost[v][None, :]
+            arg = np.argmin(total, axis=1)
+            cost[u] = cost[u] + total[np.arange(len(arg)), arg]
+            graph.drop(u, v)
+            steps.append((v, u, -1, arg))
+            queue.append(u)
+        else:
+            u, w = near
+            best, arg = memo.series(graph.oriented(u, v), cost[v], graph.oriented(v, w))
+            graph.drop(u, v)
+            graph.drop(v, w)
+            graph.add_edge(u, w, best)
+            steps.append((v, u, w, arg))
+            queue += [u, w]
+        alive[v] = False
+    return steps, constant
+
+
+def _kept_nodes(
+    problem: Problem, graph: _MinPlusGraph, kept: tuple[int, ...]
+) -> tuple[list[tuple[int, ...]], list[Node]]:
+    """Per kept node: its strategies of finite cost, and the node restricted to them."""
+    strategies = []
+    new_nodes = []
+    for i in kept:
+        finite = tuple(int(s) for s in np.flatnonzero(np.isfinite(graph.cost[i])))
+        if not finite:
+            raise _no_strategy_left(problem, i)
+        strategies.append(finite)
+        node = problem.nodes[i]
+        new_nodes.append(
+            Node(
+                name=node.name,
+                cost_s=tuple(float(graph.cost[i][s]) for s in finite),
+                memory_bytes=tuple(node.memory_bytes[s] for s in finite),
+                transient_bytes=tuple(node.transient_bytes[s] for s in finite)
+                if node.transient_bytes
+                else (),
+            )
+        )
+    return strategies, new_nodes
+
+
+def _kept_ties(
+    problem: Problem,
+    alive: list[bool],
+    position: dict[int, int],
+    strategies: list[tuple[int, ...]],
+) -> tuple[tuple[int, ...], ...]:
+    """A tie class keeps its members that survive with the strategies most of them have
+    (members of identical layers are eliminated alike; an end layer may differ)."""
     tied_list = []
     for members in problem.tied:
         by_strategies: dict[tuple[int, ...], list[int]] = {}
@@ -232,21 +285,7 @@ def eliminate(problem: Problem) -> Eliminated:
             largest = max(by_strategies.values(), key=len)
             if len(largest) > 1:
                 tied_list.append(tuple(largest))
-    tied = tuple(tied_list)
-    reduced = Problem(
-        nodes=tuple(new_nodes),
-        edges=tuple(new_edges),
-        memory_offset_bytes=problem.memory_offset_bytes,
-        tied=tied,
-    )
-    return Eliminated(
-        problem=reduced,
-        kept=kept,
-        strategies=tuple(strategies),
-        steps=tuple(steps),
-        constant_s=constant,
-        num_original=num,
-    )
+    return tuple(tied_list)
 
 
 def back_substitute(elim: Eliminated, choices: tuple[int, ...]) -> tuple[int, ...]:

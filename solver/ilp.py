@@ -32,8 +32,8 @@ placement, so a node with 40 strategies often has a handful of groups per edge.
 
 This is Alpa's linearization of the quadratic edge term: with x one-hot at both ends the edge
 rows form a transportation polytope with one-hot margins, whose only point is e[k,g*,h*] = 1
-(the groups of the chosen strategies), so e may be continuous (only x is branched on) and a forbidden pair, having no variable, makes the
-combination (s*, t*) infeasible. The minimum-peak model (used to report the smallest budget
+(the groups of the chosen strategies), so e may be continuous (only x is branched on) and a
+forbidden pair, having no variable, makes the combination (s*, t*) infeasible. The minimum-peak model (used to report the smallest budget
 that fits when B is too small) drops the memory row and minimises M0 + sum m x + T instead.
 
 Presolve (presolve.reduce_problem), exact, before any variable exists: parallel edges (either
@@ -43,23 +43,16 @@ allowed strategy at one end becomes linear cost on the other end; an edge whose 
 are all pairs of the remaining strategies and whose costs are all equal (e.g. all zero) becomes
 a constant; an edge whose rows (or columns) form one group costs what one end alone decides
 and becomes linear cost on that end; a node left with one strategy is a constant, not a
-variable. Costs and bytes are divided by powers of two (exact) so that the solver's absolute tolerances act on numbers of
-order one. Continuous e solved a 2,000-node, 8-strategy chain with a memory row about 5x faster
-than binary e in HiGHS, with the same optimum.
+variable. Costs and bytes are divided by powers of two (exact) so that the solver's absolute
+tolerances act on numbers of order one. Continuous e solved a 2,000-node, 8-strategy chain
+with a memory row about 5x faster than binary e in HiGHS, with the same optimum. Presolve also
+removes dominated strategies (presolve._prune_dominated).
 
-Before all that, solve() shrinks the problem exactly: without a budget, leaf and series nodes
-are eliminated by min-plus dynamic programming (solver/eliminate.py: parameters, pointwise
-chains); tie classes (Problem.tied, repeated layers) are contracted into one node each
-(solver/tying.py), and elimination runs again on the contracted graph. The choices are
-expanded back and objective_s and peak_memory_bytes recomputed on the original problem.
-With a budget (HiGHS, no checkpoint segments) tie classes are solved as counts per strategy
-instead (tying.solve_counts, _solve_counts): layers may differ, the model's size does not
-depend on depth, and its bound is a lower bound on the untied optimum; a mixed plan is
-realised by a small ILP over each member's class strategies. Presolve also removes dominated
-strategies (presolve._prune_dominated). solver/rows.py writes the model once for both
-backends: with HiGHS, checkpoint rows included, it is handed over in bulk
-(solver/highs_direct.py); pulp holds it for CBC and for the minimum-peak model that reports the
-smallest budget.
+Before all that, solver/shrink.py ``solve`` shrinks the problem exactly (elimination of leaf
+and series nodes, tie classes contracted or solved as counts per strategy) and calls
+``solve_model`` here on what is left. solver/rows.py writes the model once for both backends:
+with HiGHS, checkpoint rows included, it is handed over in bulk (solver/highs_direct.py); pulp
+holds it for CBC and for the minimum-peak model that reports the smallest budget.
 
 Determinism: the model is built in a fixed order from the Problem alone and both solvers are
 deterministic for a fixed model (single search, fixed seeds), so a Problem always gets the same
@@ -73,7 +66,6 @@ choices; bound_s is the solver's bound mapped back to seconds and never above ob
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import re
@@ -85,7 +77,6 @@ from dataclasses import dataclass
 import pulp
 
 from solver import highs_direct
-from solver.eliminate import Eliminated, back_substitute, eliminate
 from solver.errors import InfeasibleBudgetError, InfeasibleError, SolverTimeoutError
 from solver.presolve import (
     Reduced,
@@ -95,20 +86,14 @@ from solver.presolve import (
     validate,
 )
 from solver.problem import Problem, Solution
-from solver.recompute import (
-    contract_segments,
-    expand_recomputed,
-    validate_segments,
-)
 from solver.rows import build_rows
-from solver.tying import ACCEPT_GAP, contract, expand, restrict, solve_counts
 
 BACKENDS = ("highs", "cbc")
 
 _ABS_GAP = 1e-9
 """Absolute gap (in scaled objective units, i.e. of the largest single cost) used at gap 0."""
 
-_ZERO_GAP = 1e-9
+ZERO_GAP = 1e-9
 """A relative gap below this is the solver's float noise and is reported as 0."""
 
 _MAX_POLISH_PASSES = 8
@@ -320,7 +305,7 @@ def _polish(
     return tuple(current), moves
 
 
-def _resolve_backend(backend: str) -> tuple[str, bool]:
+def resolve_backend(backend: str) -> tuple[str, bool]:
     """The backend to use and whether HiGHS was asked for but is unavailable."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown solver backend {backend!r}; choose one of {', '.join(BACKENDS)}")
@@ -329,75 +314,11 @@ def _resolve_backend(backend: str) -> tuple[str, bool]:
     return backend, False
 
 
-def solve(
-    problem: Problem,
-    *,
-    backend: str = "highs",
-    time_limit_s: float | None = None,
-    gap: float = 0.0,
-    msg: bool = False,
-) -> Solution:
-    """Choose one strategy per node, minimising step time within the memory budget.
-
-    Args:
-        problem: the nodes, edges and budget.
-        backend: "highs" (falls back to "cbc" when highspy is missing; Solution.backend and
-            details["highs_unavailable"] say so) or "cbc".
-        time_limit_s: stop after this many seconds with the best plan found (status 'feasible').
-        gap: relative gap at which the search may stop; 0 proves optimality.
-        msg: show the solver's log.
-
-    Raises:
-        InfeasibleBudgetError: no allowed plan fits the budget; carries the smallest that fits.
-        InfeasibleError: the edges' forbidden pairs rule out every combination.
-        SolverTimeoutError: the time limit ran out before any plan was found.
-    """
-    if gap < 0.0:
-        raise ValueError(f"gap must be >= 0, got {gap}")
-    if time_limit_s is not None and time_limit_s <= 0.0:
-        raise ValueError(f"time_limit_s must be positive or None, got {time_limit_s}")
-    if problem.segments:
-        validate_segments(problem)
-        if problem.memory_budget_bytes is None and not any(
-            seg.min_copies for seg in problem.segments
-        ):  # recomputing only costs time: without a budget nothing is recomputed
-            inner = solve(
-                dataclasses.replace(problem, segments=()),
-                backend=backend,
-                time_limit_s=time_limit_s,
-                gap=gap,
-                msg=msg,
-            )
-            return dataclasses.replace(inner, recomputed=(0,) * len(problem.segments))
-    if problem.memory_budget_bytes is None and problem.edges and not problem.segments:
-        validate(problem)
-        start = time.perf_counter()
-        elim = eliminate(problem)
-        if len(elim.kept) < len(problem.nodes):
-            return _solve_eliminated(
-                problem,
-                elim,
-                time.perf_counter() - start,
-                backend=backend,
-                time_limit_s=time_limit_s,
-                gap=gap,
-                msg=msg,
-            )
-    if problem.tied:
-        validate(problem)
-        if problem.memory_budget_bytes is not None and backend == "highs":
-            counted = _solve_counts(problem, time_limit_s=time_limit_s, gap=gap, msg=msg)
-            if counted is not None:
-                return counted
-        return _solve_tied(problem, backend=backend, time_limit_s=time_limit_s, gap=gap, msg=msg)
-    return _solve_model(problem, backend=backend, time_limit_s=time_limit_s, gap=gap, msg=msg)
-
-
-def _solve_model(
+def solve_model(
     problem: Problem, *, backend: str, time_limit_s: float | None, gap: float, msg: bool
 ) -> Solution:
     """Presolve, build and run the ILP (the module docstring's model)."""
-    backend, fell_back = _resolve_backend(backend)
+    backend, fell_back = resolve_backend(backend)
     start = time.perf_counter()
     validate(problem)
     red = reduce_problem(problem)
@@ -451,7 +372,7 @@ def _solve_model(
         choices=choices,
         objective_s=objective,
         bound_s=bound,
-        gap=0.0 if relative_gap < _ZERO_GAP else relative_gap,
+        gap=0.0 if relative_gap < ZERO_GAP else relative_gap,
         status=outcome.status,
         backend=backend,
         peak_memory_bytes=plan_peak_memory_bytes(problem, choices, recomputed),
@@ -461,158 +382,6 @@ def _solve_model(
         solve_s=solved - built,
         details=details,
         recomputed=recomputed,
-    )
-
-
-def _solve_eliminated(
-    problem: Problem,
-    elim: Eliminated,
-    eliminate_s: float,
-    *,
-    backend: str,
-    time_limit_s: float | None,
-    gap: float,
-    msg: bool,
-) -> Solution:
-    """Solve what elimination (solver/eliminate.py) left and substitute back."""
-    if elim.problem.nodes:
-        solve_next = _solve_tied if elim.problem.tied else _solve_model
-        inner = solve_next(
-            elim.problem, backend=backend, time_limit_s=time_limit_s, gap=gap, msg=msg
-        )
-    else:
-        inner = Solution(
-            choices=(),
-            objective_s=0.0,
-            bound_s=0.0,
-            gap=0.0,
-            status="optimal",
-            backend=_resolve_backend(backend)[0],
-            peak_memory_bytes=0.0,
-            num_variables=0,
-            num_constraints=0,
-            build_s=0.0,
-            solve_s=0.0,
-        )
-    choices = back_substitute(elim, inner.choices)
-    objective = plan_objective_s(problem, choices)
-    details = dict(inner.details)
-    details["eliminated_nodes"] = float(len(problem.nodes) - len(elim.kept))
-    return dataclasses.replace(
-        inner,
-        choices=choices,
-        objective_s=objective,
-        bound_s=min(objective, inner.bound_s + elim.constant_s),
-        peak_memory_bytes=plan_peak_memory_bytes(problem, choices),
-        build_s=inner.build_s + eliminate_s,
-        details=details,
-    )
-
-
-def _solve_counts(
-    problem: Problem, *, time_limit_s: float | None, gap: float, msg: bool
-) -> Solution | None:
-    """Tie classes under a budget as counts per strategy (solver/tying.py solve_counts): the
-    members of a class may choose differently. A mixed plan further than tying.ACCEPT_GAP
-    from the counts bound is compared with the classes forced alike and the better kept; the
-    bound reported is the counts bound, a lower bound on the untied optimum. None when the
-    counts model does not apply (the caller forces the classes alike)."""
-    if problem.segments or not highs_direct.supports(problem):
-        return None  # segments: the classes are forced alike (tying.solve_counts docstring)
-    out = solve_counts(problem, time_limit_s=time_limit_s, gap=gap, msg=msg)
-    if out is None:
-        return None
-    choices, objective = out.choices, out.objective_s
-    details = {
-        "counts_mixed_classes": float(out.mixed_classes),
-        "tied_classes": float(len(problem.tied)),
-    }
-    build_s, solve_s = out.build_s, out.solve_s
-    if out.mixed_classes and (
-        choices is None or objective > out.bound_s + _ZERO_GAP * abs(objective)
-    ):
-        # The best plan whose members take only their class's strategies (a small ILP: the
-        # other nodes are fixed); the realised counts are one of its points.
-        keep = out.used
-        if choices is not None:
-            keep = tuple(k if len(k) > 1 else (c,) for k, c in zip(keep, choices, strict=True))
-        try:
-            inner = _solve_model(
-                restrict(problem, keep),
-                backend="highs",
-                time_limit_s=time_limit_s,
-                gap=gap,
-                msg=msg,
-            )
-        except InfeasibleError:
-            inner = None
-        if inner is not None:
-            realised = tuple(k[c] for k, c in zip(keep, inner.choices, strict=True))
-            value = plan_objective_s(problem, realised)
-            build_s += inner.build_s
-            solve_s += inner.solve_s
-            details["counts_realised_by_ilp"] = 1.0
-            if choices is None or value < objective:
-                choices, objective = realised, value
-    if choices is None or (
-        out.mixed_classes and objective > out.bound_s + ACCEPT_GAP * abs(objective)
-    ):
-        forced = _solve_tied(problem, backend="highs", time_limit_s=time_limit_s, gap=gap, msg=msg)
-        build_s += forced.build_s
-        solve_s += forced.solve_s
-        details["counts_forced_compared"] = 1.0
-        if choices is None or forced.objective_s < objective:
-            choices, objective = forced.choices, forced.objective_s
-    relative_gap = (objective - out.bound_s) / abs(objective) if objective else 0.0
-    return Solution(
-        choices=choices,
-        objective_s=objective,
-        bound_s=min(out.bound_s, objective),
-        gap=0.0 if relative_gap < _ZERO_GAP or out.bound_s >= objective else relative_gap,
-        status=out.status,
-        backend="highs",
-        peak_memory_bytes=plan_peak_memory_bytes(problem, choices),
-        num_variables=out.num_variables,
-        num_constraints=out.num_constraints,
-        build_s=build_s,
-        solve_s=solve_s,
-        details=details,
-    )
-
-
-def _solve_tied(
-    problem: Problem, *, backend: str, time_limit_s: float | None, gap: float, msg: bool
-) -> Solution:
-    """Solve the contracted problem (solver/tying.py) and expand its choices to every node."""
-    start = time.perf_counter()
-    contracted = contract(problem)
-    inner_problem = contracted.problem
-    groups: tuple[tuple[int, ...], ...] = ()
-    if problem.segments:  # L identical layers' segments become one with L copies
-        segments, groups = contract_segments(problem, contracted.node_map)
-        inner_problem = dataclasses.replace(inner_problem, segments=segments)
-    contract_s = time.perf_counter() - start
-    # Contraction turns a node shared by every layer (RoPE tables) into a leaf: eliminate again.
-    inner = solve(inner_problem, backend=backend, time_limit_s=time_limit_s, gap=gap, msg=msg)
-    choices = expand(contracted, inner.choices)
-    recomputed = expand_recomputed(problem, groups, inner.recomputed) if problem.segments else ()
-    objective = plan_objective_s(problem, choices, recomputed)
-    bound = min(objective, inner.bound_s)
-    details = dict(inner.details)
-    details["tied_classes"] = float(len(problem.tied))
-    details["tied_nodes"] = float(sum(len(c) for c in problem.tied))
-    details["contracted_nodes"] = float(len(contracted.problem.nodes))
-    details["contracted_edges"] = float(len(contracted.problem.edges))
-    return dataclasses.replace(
-        inner,
-        choices=choices,
-        objective_s=objective,
-        bound_s=bound,
-        gap=inner.gap,  # the same plan's objective, summed in another order
-        peak_memory_bytes=plan_peak_memory_bytes(problem, choices, recomputed),
-        recomputed=recomputed,
-        build_s=inner.build_s + contract_s,
-        details=details,
     )
 
 

@@ -22,8 +22,8 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from solver.ilp import solve
 from solver.problem import Problem, Solution
+from solver.shrink import solve
 
 __all__ = ["MIN_PARALLEL_ENTRIES", "problem_entries", "solve_all"]
 

@@ -134,6 +134,30 @@ def reduce_problem(problem: Problem) -> Reduced:
     nodes = problem.nodes
     allowed = [np.ones(n.num_choices, dtype=bool) for n in nodes]
     node_cost = [np.array(n.cost_s, dtype=np.float64) for n in nodes]
+    merged = _merge_edges(problem, allowed, node_cost)
+    for i in range(len(nodes)):
+        _check_left(problem, allowed, i, "its self-edges forbid every strategy")
+    _arc_consistency(problem, allowed, merged)
+    _prune_dominated(problem, allowed, node_cost, merged)
+    index = [np.flatnonzero(a) for a in allowed]
+    kept, constant_s = _pair_edges(allowed, index, node_cost, merged)
+    return Reduced(
+        allowed=tuple(tuple(a.tolist()) for a in index),
+        node_cost_s=tuple(
+            dict(zip(a.tolist(), cost[a].tolist(), strict=True))
+            for cost, a in zip(node_cost, index, strict=True)
+        ),
+        edges=tuple(kept),
+        constant_s=constant_s,
+    )
+
+
+def _merge_edges(
+    problem: Problem, allowed: list[np.ndarray], node_cost: list[np.ndarray]
+) -> dict[tuple[int, int], np.ndarray]:
+    """Parallel edges (either orientation) summed into one table per node pair (u < v, rows
+    = u's strategies); a self-loop's diagonal goes into its node (in place on ``allowed``
+    and ``node_cost``)."""
     merged: dict[tuple[int, int], np.ndarray] = {}
     converted: dict[int, np.ndarray] = {}  # id(cost_s) -> matrix: shared tables convert once
     for edge in problem.edges:
@@ -151,19 +175,28 @@ def reduce_problem(problem: Problem) -> Reduced:
         previous = merged.get(key)
         table = matrix.T if flip else matrix
         merged[key] = table if previous is None else previous + table  # never written to
+    return merged
 
-    def check(i: int, why: str, other: int | None = None) -> None:
-        if not allowed[i].any():
-            raise InfeasibleError(
-                f"node {nodes[i].name!r} (index {i}) has no strategy left: {why}; allow at least "
-                f"one pair (a non-None cost) for some strategy of every edge",
-                nodes=(nodes[i].name,) if other is None else (nodes[i].name, nodes[other].name),
-            )
 
-    for i in range(len(nodes)):
-        check(i, "its self-edges forbid every strategy")
-    # Arc consistency (AC-3): drop strategies that no allowed pair of some edge supports, and
-    # revisit the edges of a node whenever it loses one.
+def _check_left(
+    problem: Problem, allowed: list[np.ndarray], i: int, why: str, other: int | None = None
+) -> None:
+    """Raise InfeasibleError when node i has no strategy left, saying ``why``."""
+    nodes = problem.nodes
+    if not allowed[i].any():
+        raise InfeasibleError(
+            f"node {nodes[i].name!r} (index {i}) has no strategy left: {why}; allow at least "
+            f"one pair (a non-None cost) for some strategy of every edge",
+            nodes=(nodes[i].name,) if other is None else (nodes[i].name, nodes[other].name),
+        )
+
+
+def _arc_consistency(
+    problem: Problem, allowed: list[np.ndarray], merged: dict[tuple[int, int], np.ndarray]
+) -> None:
+    """Arc consistency (AC-3): drop strategies that no allowed pair of some edge supports, and
+    revisit the edges of a node whenever it loses one (in place on ``allowed``)."""
+    nodes = problem.nodes
     finite = {key: np.isfinite(table) for key, table in merged.items()}
     incident: dict[int, list[tuple[int, int]]] = {}
     for key in merged:
@@ -179,7 +212,9 @@ def reduce_problem(problem: Problem) -> Reduced:
             if np.array_equal(supported, allowed[i]):
                 continue
             allowed[i] = supported
-            check(
+            _check_left(
+                problem,
+                allowed,
                 i,
                 f"the edges between {nodes[u].name!r} and {nodes[v].name!r} forbid the rest",
                 other=v if i == u else u,
@@ -189,8 +224,15 @@ def reduce_problem(problem: Problem) -> Reduced:
                     queue.append(other)
                     queued.add(other)
 
-    _prune_dominated(problem, allowed, node_cost, merged)
-    index = [np.flatnonzero(a) for a in allowed]
+
+def _pair_edges(
+    allowed: list[np.ndarray],
+    index: list[np.ndarray],
+    node_cost: list[np.ndarray],
+    merged: dict[tuple[int, int], np.ndarray],
+) -> tuple[list[PairEdge], float]:
+    """The merged edges that keep pair variables, with their groups; the others become
+    linear cost on one end (in place on ``node_cost``) or the constant returned."""
     constant_s = 0.0
     kept = []
     for (u, v), table in sorted(merged.items(), key=lambda item: item[0]):
@@ -229,15 +271,7 @@ def reduce_problem(problem: Problem) -> Reduced:
                 group_cost_s=sub[np.ix_(row_first, col_first)],
             )
         )
-    return Reduced(
-        allowed=tuple(tuple(a.tolist()) for a in index),
-        node_cost_s=tuple(
-            dict(zip(a.tolist(), cost[a].tolist(), strict=True))
-            for cost, a in zip(node_cost, index, strict=True)
-        ),
-        edges=tuple(kept),
-        constant_s=constant_s,
-    )
+    return kept, constant_s
 
 
 def _line_groups(matrix: np.ndarray) -> tuple[np.ndarray, list[int]]:
@@ -263,7 +297,7 @@ def _members(
     return tuple(tuple(ordered[bounds[g] : bounds[g + 1]]) for g in range(num_groups))
 
 
-def _group_pairs(
+def group_pairs(
     rows: list[int], cols: list[int], pairs: dict[tuple[int, int], float]
 ) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...], dict[tuple[int, int], float]]:
     """Exact edge compression: group identical rows and identical columns of a cost matrix.

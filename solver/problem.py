@@ -58,7 +58,7 @@ class SegmentEdge:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Segment:
     """An activation-checkpoint candidate: a set of nodes whose saved activations can be freed
-    and recomputed in backward (solver/recompute.py; the rows in ilp._add_segments)."""
+    and recomputed in backward (solver/recompute.py; the rows in rows._add_segments)."""
 
     name: str
     nodes: tuple[int, ...]
@@ -95,7 +95,7 @@ class Problem:
       than the best plan whose classes choose alike (identical layers still come out alike,
       as they see identical tables).
     - With a budget, backend 'highs' and no ``segments``: each class is solved as counts per
-      strategy (tying.solve_counts; when the members' tables are identical, else as below),
+      strategy (counts.solve_counts; when the members' tables are identical, else as below),
       so members MAY choose differently (e.g. some layers sharded to fit, others not); the
       bound is a lower bound on the untied optimum, and a mixed plan that falls short of it
       is compared with the classes forced alike.

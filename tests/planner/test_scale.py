@@ -115,7 +115,7 @@ def test_tied_plan_under_a_binding_budget_is_close_to_the_untied_one(space) -> N
     untied = solver.solve(build_problem(space, zero, memory_budget_bytes=budget).problem)
     assert untied.objective_s > free.objective_s  # the budget binds
     tied_all = tie_levels(space)[0]
-    # Counts per strategy (solver/tying.py solve_counts): layers may differ, the model does not
+    # Counts per strategy (solver/counts.py solve_counts): layers may differ, the model does not
     # grow with depth, and its bound is a lower bound on the untied optimum.
     tied = solver.solve(
         build_problem(space, zero, memory_budget_bytes=budget, tied=tied_all).problem

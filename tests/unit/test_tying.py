@@ -17,8 +17,9 @@ from solver import (
     plan_objective_s,
     solve,
 )
+from solver.counts import ACCEPT_GAP
 from solver.eliminate import back_substitute, eliminate
-from solver.tying import ACCEPT_GAP, contract
+from solver.tying import contract
 
 
 def agree(a: float, b: float) -> bool:
@@ -85,9 +86,9 @@ def untied(problem: Problem) -> Problem:
 
 
 def check(problem: Problem) -> None:
-    """With a budget, tie classes count members per strategy (solver/tying.py solve_counts):
+    """With a budget, tie classes count members per strategy (solver/counts.py solve_counts):
     the plan is a valid untied plan within the budget, no better than the untied optimum and
-    no worse than the best tied plan (up to tying.ACCEPT_GAP), and its bound is a lower bound
+    no worse than the best tied plan (up to counts.ACCEPT_GAP), and its bound is a lower bound
     on the untied optimum. Without one, elimination first solves the chains exactly, untied,
     and ties what remains: the plan is no worse than the best tied plan and no better than the
     best plan at all."""

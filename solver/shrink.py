@@ -1,0 +1,251 @@
+"""The solver's entry point: shrink a Problem exactly, solve what is left, map the plan back.
+
+``solve`` routes a problem through the exact reductions before the ILP of solver/ilp.py
+(``solve_model``), and recomputes objective_s and peak_memory_bytes on the original problem
+from the expanded choices:
+
+- checkpoint segments without a budget (and no minimum copies): recomputing only costs time,
+  so the segments are dropped and nothing is recomputed;
+- without a budget: leaf and series nodes are eliminated by min-plus dynamic programming
+  (solver/eliminate.py: parameters, pointwise chains), what remains is solved
+  (``_solve_eliminated``) and the eliminated nodes substituted back;
+- tie classes (Problem.tied, repeated layers) are contracted into one node each
+  (solver/tying.py, ``_solve_tied``), and elimination runs again on the contracted graph;
+- with a budget (HiGHS, no checkpoint segments) tie classes are solved as counts per strategy
+  instead (solver/counts.py, ``_solve_counts``): layers may differ, the model's size does not
+  depend on depth, and its bound is a lower bound on the untied optimum; a mixed plan is
+  realised by solver/realise.py, or by a small ILP over each member's class strategies
+  (realise.restrict) when that falls short of the bound.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from solver import highs_direct
+from solver.counts import ACCEPT_GAP, solve_counts
+from solver.eliminate import Eliminated, back_substitute, eliminate
+from solver.errors import InfeasibleError
+from solver.ilp import ZERO_GAP, resolve_backend, solve_model
+from solver.presolve import plan_objective_s, plan_peak_memory_bytes, validate
+from solver.problem import Problem, Solution
+from solver.realise import restrict
+from solver.recompute import contract_segments, expand_recomputed, validate_segments
+from solver.tying import contract, expand
+
+
+def solve(
+    problem: Problem,
+    *,
+    backend: str = "highs",
+    time_limit_s: float | None = None,
+    gap: float = 0.0,
+    msg: bool = False,
+) -> Solution:
+    """Choose one strategy per node, minimising step time within the memory budget.
+
+    Args:
+        problem: the nodes, edges and budget.
+        backend: "highs" (falls back to "cbc" when highspy is missing; Solution.backend and
+            details["highs_unavailable"] say so) or "cbc".
+        time_limit_s: stop after this many seconds with the best plan found (status 'feasible').
+        gap: relative gap at which the search may stop; 0 proves optimality.
+        msg: show the solver's log.
+
+    Raises:
+        InfeasibleBudgetError: no allowed plan fits the budget; carries the smallest that fits.
+        InfeasibleError: the edges' forbidden pairs rule out every combination.
+        SolverTimeoutError: the time limit ran out before any plan was found.
+    """
+    if gap < 0.0:
+        raise ValueError(f"gap must be >= 0, got {gap}")
+    if time_limit_s is not None and time_limit_s <= 0.0:
+        raise ValueError(f"time_limit_s must be positive or None, got {time_limit_s}")
+    if problem.segments:
+        validate_segments(problem)
+        if problem.memory_budget_bytes is None and not any(
+            seg.min_copies for seg in problem.segments
+        ):  # recomputing only costs time: without a budget nothing is recomputed
+            inner = solve(
+                dataclasses.replace(problem, segments=()),
+                backend=backend,
+                time_limit_s=time_limit_s,
+                gap=gap,
+                msg=msg,
+            )
+            return dataclasses.replace(inner, recomputed=(0,) * len(problem.segments))
+    if problem.memory_budget_bytes is None and problem.edges and not problem.segments:
+        validate(problem)
+        start = time.perf_counter()
+        elim = eliminate(problem)
+        if len(elim.kept) < len(problem.nodes):
+            return _solve_eliminated(
+                problem,
+                elim,
+                time.perf_counter() - start,
+                backend=backend,
+                time_limit_s=time_limit_s,
+                gap=gap,
+                msg=msg,
+            )
+    if problem.tied:
+        validate(problem)
+        if problem.memory_budget_bytes is not None and backend == "highs":
+            counted = _solve_counts(problem, time_limit_s=time_limit_s, gap=gap, msg=msg)
+            if counted is not None:
+                return counted
+        return _solve_tied(problem, backend=backend, time_limit_s=time_limit_s, gap=gap, msg=msg)
+    return solve_model(problem, backend=backend, time_limit_s=time_limit_s, gap=gap, msg=msg)
+
+
+def _solve_eliminated(
+    problem: Problem,
+    elim: Eliminated,
+    eliminate_s: float,
+    *,
+    backend: str,
+    time_limit_s: float | None,
+    gap: float,
+    msg: bool,
+) -> Solution:
+    """Solve what elimination (solver/eliminate.py) left and substitute back."""
+    if elim.problem.nodes:
+        solve_next = _solve_tied if elim.problem.tied else solve_model
+        inner = solve_next(
+            elim.problem, backend=backend, time_limit_s=time_limit_s, gap=gap, msg=msg
+        )
+    else:
+        inner = Solution(
+            choices=(),
+            objective_s=0.0,
+            bound_s=0.0,
+            gap=0.0,
+            status="optimal",
+            backend=resolve_backend(backend)[0],
+            peak_memory_bytes=0.0,
+            num_variables=0,
+            num_constraints=0,
+            build_s=0.0,
+            solve_s=0.0,
+        )
+    choices = back_substitute(elim, inner.choices)
+    objective = plan_objective_s(problem, choices)
+    details = dict(inner.details)
+    details["eliminated_nodes"] = float(len(problem.nodes) - len(elim.kept))
+    return dataclasses.replace(
+        inner,
+        choices=choices,
+        objective_s=objective,
+        bound_s=min(objective, inner.bound_s + elim.constant_s),
+        peak_memory_bytes=plan_peak_memory_bytes(problem, choices),
+        build_s=inner.build_s + eliminate_s,
+        details=details,
+    )
+
+
+def _solve_counts(
+    problem: Problem, *, time_limit_s: float | None, gap: float, msg: bool
+) -> Solution | None:
+    """Tie classes under a budget as counts per strategy (solver/counts.py solve_counts): the
+    members of a class may choose differently. A mixed plan further than counts.ACCEPT_GAP
+    from the counts bound is compared with the classes forced alike and the better kept; the
+    bound reported is the counts bound, a lower bound on the untied optimum. None when the
+    counts model does not apply (the caller forces the classes alike)."""
+    if problem.segments or not highs_direct.supports(problem):
+        return None  # segments: the classes are forced alike (solver/counts.py docstring)
+    out = solve_counts(problem, time_limit_s=time_limit_s, gap=gap, msg=msg)
+    if out is None:
+        return None
+    choices, objective = out.choices, out.objective_s
+    details = {
+        "counts_mixed_classes": float(out.mixed_classes),
+        "tied_classes": float(len(problem.tied)),
+    }
+    build_s, solve_s = out.build_s, out.solve_s
+    if out.mixed_classes and (
+        choices is None or objective > out.bound_s + ZERO_GAP * abs(objective)
+    ):
+        # The best plan whose members take only their class's strategies (a small ILP: the
+        # other nodes are fixed); the realised counts are one of its points.
+        keep = out.used
+        if choices is not None:
+            keep = tuple(k if len(k) > 1 else (c,) for k, c in zip(keep, choices, strict=True))
+        try:
+            inner = solve_model(
+                restrict(problem, keep),
+                backend="highs",
+                time_limit_s=time_limit_s,
+                gap=gap,
+                msg=msg,
+            )
+        except InfeasibleError:
+            inner = None
+        if inner is not None:
+            realised = tuple(k[c] for k, c in zip(keep, inner.choices, strict=True))
+            value = plan_objective_s(problem, realised)
+            build_s += inner.build_s
+            solve_s += inner.solve_s
+            details["counts_realised_by_ilp"] = 1.0
+            if choices is None or value < objective:
+                choices, objective = realised, value
+    if choices is None or (
+        out.mixed_classes and objective > out.bound_s + ACCEPT_GAP * abs(objective)
+    ):
+        forced = _solve_tied(problem, backend="highs", time_limit_s=time_limit_s, gap=gap, msg=msg)
+        build_s += forced.build_s
+        solve_s += forced.solve_s
+        details["counts_forced_compared"] = 1.0
+        if choices is None or forced.objective_s < objective:
+            choices, objective = forced.choices, forced.objective_s
+    relative_gap = (objective - out.bound_s) / abs(objective) if objective else 0.0
+    return Solution(
+        choices=choices,
+        objective_s=objective,
+        bound_s=min(out.bound_s, objective),
+        gap=0.0 if relative_gap < ZERO_GAP or out.bound_s >= objective else relative_gap,
+        status=out.status,
+        backend="highs",
+        peak_memory_bytes=plan_peak_memory_bytes(problem, choices),
+        num_variables=out.num_variables,
+        num_constraints=out.num_constraints,
+        build_s=build_s,
+        solve_s=solve_s,
+        details=details,
+    )
+
+
+def _solve_tied(
+    problem: Problem, *, backend: str, time_limit_s: float | None, gap: float, msg: bool
+) -> Solution:
+    """Solve the contracted problem (solver/tying.py) and expand its choices to every node."""
+    start = time.perf_counter()
+    contracted = contract(problem)
+    inner_problem = contracted.problem
+    groups: tuple[tuple[int, ...], ...] = ()
+    if problem.segments:  # L identical layers' segments become one with L copies
+        segments, groups = contract_segments(problem, contracted.node_map)
+        inner_problem = dataclasses.replace(inner_problem, segments=segments)
+    contract_s = time.perf_counter() - start
+    # Contraction turns a node shared by every layer (RoPE tables) into a leaf: eliminate again.
+    inner = solve(inner_problem, backend=backend, time_limit_s=time_limit_s, gap=gap, msg=msg)
+    choices = expand(contracted, inner.choices)
+    recomputed = expand_recomputed(problem, groups, inner.recomputed) if problem.segments else ()
+    objective = plan_objective_s(problem, choices, recomputed)
+    bound = min(objective, inner.bound_s)
+    details = dict(inner.details)
+    details["tied_classes"] = float(len(problem.tied))
+    details["tied_nodes"] = float(sum(len(c) for c in problem.tied))
+    details["contracted_nodes"] = float(len(contracted.problem.nodes))
+    details["contracted_edges"] = float(len(contracted.problem.edges))
+    return dataclasses.replace(
+        inner,
+        choices=choices,
+        objective_s=objective,
+        bound_s=bound,
+        gap=inner.gap,  # the same plan's objective, summed in another order
+        peak_memory_bytes=plan_peak_memory_bytes(problem, choices, recomputed),
+        recomputed=recomputed,
+        build_s=inner.build_s + contract_s,
+        details=details,
+    )
