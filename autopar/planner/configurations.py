@@ -224,7 +224,7 @@ class ConfigurationSolver:
     ) -> Solved:
         """The Solved of one configuration from its solution."""
         options = self.options
-        # Under a budget, tied layers with checkpoint segments are forced alike (solver/tying.py
+        # Under a budget, tied layers with checkpoint segments are forced alike (solver/counts.py
         # solve_counts cannot price segments); without segments they are solved as counts, which
         # may mix strategies across layers and beat the joint plan: solve that too, keep the
         # better. Also when the joint ILP stopped at the time limit: it is bigger than the
