@@ -36,7 +36,7 @@ from autopar.capture.export import Captured, capture
 from autopar.comm.process_groups import AxisGroups, axis_groups
 from autopar.errors import PlanMismatchError, PlanningError, UnsupportedModelError
 from autopar.lowering import LoweredGraph, lower
-from autopar.lowering.recompute import checkpoint_lowered
+from autopar.lowering.checkpointing import checkpoint_lowered
 from autopar.mesh import Mesh, set_groups_timeout
 from autopar.options import PlanOptions
 from autopar.placement import Placements, parse_placements, replicated

@@ -3,7 +3,7 @@
 ``measure_plans(factory, plans)`` spawns one gloo job with as many ranks as the plans' mesh has
 devices and, for each plan in turn (all plans share one mesh and one model), on every rank:
 ``autoparallelize(model, mesh, ..., plan=plan)``, one forward under
-``autopar.lowering.recompute.count_saved_activation_bytes`` (distinct storages kept for backward,
+``autopar.lowering.checkpointing.count_saved_activation_bytes`` (distinct storages kept for backward,
 parameters, buffers, inputs and ZeRO chunk buffers excluded; not measurable under ZeRO stage 3,
 whose hooks take precedence: reported as None), then ``warmup + steps`` SGD steps. A step's time
 is the slowest rank's (every rank waits at a barrier first); the figure is the median over the
@@ -87,7 +87,7 @@ def _measure_one(
     import torch.distributed as dist
 
     import autopar
-    from autopar.lowering.recompute import CheckpointedSegment, count_saved_activation_bytes
+    from autopar.lowering.checkpointing import CheckpointedSegment, count_saved_activation_bytes
 
     _, plan_json = item
     runs = []

@@ -9,9 +9,9 @@ from __future__ import annotations
 import itertools
 import math
 
+from solver.checkpointing import counts_allowed, recompute_terms
 from solver.errors import InfeasibleBudgetError, InfeasibleError
 from solver.problem import Problem
-from solver.recompute import counts_allowed, recompute_terms
 
 MAX_COMBINATIONS = 200_000
 
@@ -38,7 +38,7 @@ def brute_force_recompute(problem: Problem) -> tuple[tuple[int, ...], float, tup
     """brute_force, also returning the copies recomputed per Problem.segments entry.
 
     Every vector of recomputed copies within [min_copies, copies] that respects the overlap
-    cliques (solver/recompute.py) is tried with every combination of strategies; a plan's time
+    cliques (solver/checkpointing.py) is tried with every combination of strategies; a plan's time
     adds r_k T_k(x) and its peak subtracts r_k A_k(x) and adds the largest A_k(x) recomputed.
     Without a budget and forced copies nothing is recomputed (it only costs time).
     """

@@ -22,7 +22,7 @@ Constraints (family: the function of solver/rows.py that builds it)
     checkpoint  per segment bit: F <= A(x), F <= M b, P >= F, R >= T(x) - M (1 - b);
                 memory -= 2^j F, += P; objective += 2^j R;
                 one row per clique of overlapping segments               _add_segments
-                (Problem.segments; the model in solver/recompute.py)
+                (Problem.segments; the model in solver/checkpointing.py)
 
 Groups (exact edge compression, presolve._line_groups): the src strategies of edge k are
 partitioned into groups g of identical rows of C_k (same costs, same forbidden pairs), the dst

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from solver.checkpointing import recompute_terms
 from solver.errors import InfeasibleError
 from solver.problem import Problem
-from solver.recompute import recompute_terms
 
 
 @dataclass(frozen=True, kw_only=True, slots=True, eq=False)
@@ -64,7 +64,7 @@ def plan_objective_s(
     problem: Problem, choices: tuple[int, ...], recomputed: tuple[int, ...] = ()
 ) -> float:
     """Exact step time of a plan: node costs plus edge costs (plus the recompute seconds of
-    the segments ``recomputed``, solver/recompute.py), summed with math.fsum.
+    the segments ``recomputed``, solver/checkpointing.py), summed with math.fsum.
 
     Raises:
         InfeasibleError: an edge forbids the chosen pair.

@@ -25,9 +25,9 @@ from typing import Generic, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
+from solver.checkpointing import conflict_cliques
 from solver.presolve import Reduced
 from solver.problem import Problem, SegmentEdge
-from solver.recompute import conflict_cliques
 
 K = TypeVar("K", bound=Hashable)
 
@@ -389,7 +389,7 @@ def _add_segments(
     pair: dict[int, np.ndarray] | None,
     sink: Sink[K],
 ) -> _SegmentRows[K]:
-    """Checkpoint rows (solver/recompute.py). For segment k with L copies, bits b_j (j <
+    """Checkpoint rows (solver/checkpointing.py). For segment k with L copies, bits b_j (j <
     bit_length(L)) give the copies recomputed r = sum 2^j b_j <= L, and per bit, exactly
     (A_k, T_k linear in x or through the pair and z columns; P the peak term):
 

@@ -24,6 +24,7 @@ import dataclasses
 import time
 
 from solver import highs_direct
+from solver.checkpointing import contract_segments, expand_recomputed, validate_segments
 from solver.counts import ACCEPT_GAP, solve_counts
 from solver.eliminate import Eliminated, back_substitute, eliminate
 from solver.errors import InfeasibleError
@@ -31,7 +32,6 @@ from solver.ilp import ZERO_GAP, resolve_backend, solve_model
 from solver.presolve import plan_objective_s, plan_peak_memory_bytes, validate
 from solver.problem import Problem, Solution
 from solver.realise import restrict
-from solver.recompute import contract_segments, expand_recomputed, validate_segments
 from solver.tying import contract, expand
 
 

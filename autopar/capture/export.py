@@ -31,8 +31,8 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from autopar.capture.exact_means import exact_means
 from autopar.capture.layer_replication import export_replicated
-from autopar.capture.rewrites import exact_means
 from autopar.errors import UnsupportedModelError
 
 # Nodes that only check metadata at run time; they carry the capture device and do no work.

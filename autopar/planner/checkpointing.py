@@ -25,7 +25,7 @@ Pricing per node strategy s (the arrays of autopar.planner.problem's strategy sp
   resharding of every edge into such a node (conversions run inside the recomputed region and
   are re-issued), priced per (producer, consumer) strategy pair.
 
-The solver (solver/recompute.py, solver/rows.py ``_add_segments``) chooses which to recompute
+The solver (solver/checkpointing.py, solver/rows.py ``_add_segments``) chooses which to recompute
 jointly with the sharding, under one memory budget.
 """
 

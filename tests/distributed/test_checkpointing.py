@@ -220,7 +220,7 @@ def _train(
     """Loss, first gradients, saved bytes of the first forward, parameters after the steps;
     with ``options``, rank 0 plans with them instead (``plan_json`` is then ignored)."""
     import autopar
-    from autopar.lowering.recompute import CheckpointedSegment, count_saved_activation_bytes
+    from autopar.lowering.checkpointing import CheckpointedSegment, count_saved_activation_bytes
 
     timings = {"start": time.perf_counter()}
     model, args, kwargs = _build(model_name)
@@ -419,7 +419,7 @@ def test_saved_activation_bytes_match_the_prediction_with_planned_segments() -> 
 def _captured_runner(model_name: str) -> tuple[Any, Any]:
     """(captured, run(gm) -> (loss, grads, saved bytes)) for a tiny model in one process."""
     from autopar.capture.export import capture
-    from autopar.lowering.recompute import count_saved_activation_bytes
+    from autopar.lowering.checkpointing import count_saved_activation_bytes
 
     model, args, kwargs = _build(model_name)
     captured = capture(model, args, kwargs)
@@ -463,7 +463,7 @@ def _as_segments(entries: list[dict[str, Any]]) -> list[Any]:
 
 @pytest.mark.parametrize("model_name", ["gpt", "llama"])
 def test_segments_recompute_with_equal_gradients_and_save_less(model_name: str) -> None:
-    from autopar.lowering.recompute import CheckpointedSegment, checkpoint_graph
+    from autopar.lowering.checkpointing import CheckpointedSegment, checkpoint_graph
 
     captured, run = _captured_runner(model_name)
     assert checkpoint_graph(captured.gm, []) is captured.gm
@@ -484,7 +484,7 @@ def test_segments_recompute_with_equal_gradients_and_save_less(model_name: str) 
 
 
 def test_no_grad_runs_segments_without_checkpoint(monkeypatch: pytest.MonkeyPatch) -> None:
-    import autopar.lowering.recompute as recompute
+    import autopar.lowering.checkpointing as recompute
 
     captured, run = _captured_runner("gpt")
     segments = _as_segments(_segments(captured.gm, "gpt", "blocks"))
@@ -506,7 +506,7 @@ def test_no_grad_runs_segments_without_checkpoint(monkeypatch: pytest.MonkeyPatc
 
 
 def test_bad_segments_are_refused_with_the_fix() -> None:
-    from autopar.lowering.recompute import checkpoint_graph
+    from autopar.lowering.checkpointing import checkpoint_graph
     from autopar.planner.checkpointing import CheckpointSegment
 
     captured, _ = _captured_runner("gpt")
@@ -533,7 +533,7 @@ def test_bad_segments_are_refused_with_the_fix() -> None:
 def test_saved_rules_predict_the_measured_bytes_in_one_process(model_name: str) -> None:
     """autopar.planner.saved_activations (the planner's per-node rule) vs saved_tensors_hooks, without
     and with each kind of segments."""
-    from autopar.lowering.recompute import checkpoint_graph
+    from autopar.lowering.checkpointing import checkpoint_graph
     from autopar.planner.saved_activations import (
         predicted_saved_bytes,
         predicted_saved_bytes_with_segments,

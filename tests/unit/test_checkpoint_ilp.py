@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 
 from solver import Edge, InfeasibleBudgetError, Node, Problem, brute_force, highs_direct, ilp, solve
 from solver.brute_force import brute_force_recompute
+from solver.checkpointing import conflict_cliques, counts_allowed, recompute_terms
 from solver.presolve import plan_objective_s, reduce_problem
 from solver.problem import Segment, SegmentEdge
-from solver.recompute import conflict_cliques, counts_allowed, recompute_terms
 
 ACT = 100.0
 """Activation bytes of one layer."""
@@ -424,7 +424,7 @@ def test_direct_highs_model_has_the_optimum_of_pulp_cbc_and_brute_force(problem:
         through_pulp = solve(problem)
     cbc = solve(problem, backend="cbc")
     if _mixed_segment_copies(problem):
-        # Tied layers whose segments did not all merge (solver/recompute.py's docstring): the
+        # Tied layers whose segments did not all merge (solver/checkpointing.py's docstring): the
         # overlap rows are conservative there, so the plan fits and is valid but may recompute
         # a costlier mix than brute force finds. All three backends still agree.
         for sol in (direct, through_pulp, cbc):
@@ -439,10 +439,10 @@ def test_direct_highs_model_has_the_optimum_of_pulp_cbc_and_brute_force(problem:
 
 def _mixed_segment_copies(problem: Problem) -> bool:
     """Tied layers where some contracted segments merged copies and an overlapping one stayed
-    apart (the case solver/recompute.py's overlap rows treat conservatively)."""
+    apart (the case solver/checkpointing.py's overlap rows treat conservatively)."""
     if not problem.tied or not problem.segments:
         return False
-    from solver.recompute import contract_segments
+    from solver.checkpointing import contract_segments
     from solver.tying import contract
 
     _, groups = contract_segments(problem, contract(problem).node_map)
