@@ -1,0 +1,131 @@
+"""The HTML plan report in a real browser (headless Chromium): it renders without console
+errors, loads nothing from outside the file, and its DOM says what the plan JSON says; a
+report whose figures differ from the plan is caught. Screenshots land in each test's tmp dir."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+from autopar.plan.document import Plan
+from autopar.plan.report_html import render_plan_html, write_plan_html
+from autopar.tools.cli import main
+from tests.browser.report_dom import open_report, read_dom, report_mismatches, screenshot, start_chromium
+
+STORED = Path(__file__).resolve().parents[1] / "planner" / "stored_plans"
+# 2x2 auto plan of GPT-2 (2 layers); a budget-bound plan that recomputes 2 segments; a 2x2
+# megatron recipe of a tiny LLaMA; a 1-D mesh of an MLP; a ZeRO-2 plan.
+PLANS = ["gpt2-small-2l-2x2", "tiny-gpt-2-tight", "tiny-llama-2x2-megatron", "mlp-4", "tiny-gpt-2-zero"]
+
+
+@pytest.fixture(scope="module")
+def browser():
+    driver = start_chromium()
+    yield driver
+    driver.quit()
+
+
+def _data(name: str) -> dict:
+    return json.loads((STORED / f"{name}.json").read_text())
+
+
+@pytest.mark.parametrize("name", PLANS)
+def test_report_renders_cleanly_and_its_dom_equals_the_plan(browser, tmp_path, name) -> None:
+    data = _data(name)
+    path = tmp_path / "report.html"
+    write_plan_html(data, str(path))
+    severe = open_report(browser, path)
+    assert severe == [], severe
+    assert report_mismatches(read_dom(browser), data) == []
+    shot = screenshot(browser, tmp_path / "report.png")
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
+
+
+def test_check_fails_when_the_report_differs_from_the_plan(browser, tmp_path) -> None:
+    data = _data("tiny-gpt-2-tight")
+    path = tmp_path / "report.html"
+    write_plan_html(data, str(path))
+    open_report(browser, path)
+    dom = read_dom(browser)
+    assert report_mismatches(dom, data) == []
+
+    # The plan changed after rendering: one placement, one step-time part, one recipe's fit.
+    fqn = next(iter(data["params"]))
+    changed = copy.deepcopy(data)
+    changed["params"][fqn]["placement"] = "S0" if data["params"][fqn]["placement"] != "S0" else "R"
+    changed["predicted"]["breakdown"]["compute_s"] *= 1.001
+    changed["baselines"]["ddp"]["fits"] = not data["baselines"]["ddp"]["fits"]
+    found = "\n".join(report_mismatches(dom, changed))
+    assert f"layout of {fqn}" in found
+    assert "step-time/auto: parts" in found
+    assert "recipes table ddp" in found
+
+    # A report rendered from a modified plan, checked against the real one.
+    other = copy.deepcopy(data)
+    other["predicted"]["peak_memory_bytes"] += 1.0
+    other["checkpoint"]["segments"] = other["checkpoint"]["segments"][:1]
+    write_plan_html(other, str(path))
+    open_report(browser, path)
+    found = "\n".join(report_mismatches(read_dom(browser), data))
+    assert "headline peak" in found and "memory/auto: total" in found and "recomputed segments" in found
+
+
+def test_hover_shows_the_tensor_its_bytes_and_layout(browser, tmp_path) -> None:
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+
+    data = _data("gpt2-small-2l-2x2")
+    path = tmp_path / "report.html"
+    write_plan_html(data, str(path))
+    open_report(browser, path)
+    cell = browser.find_element(By.CSS_SELECTOR, 'td.cell[data-fqn="blocks.0.mlp.fc.weight"]')
+    ActionChains(browser).move_to_element(cell).perform()
+    tip = browser.find_element(By.ID, "tip")
+    assert tip.is_displayed()
+    text = tip.text
+    placement = data["params"]["blocks.0.mlp.fc.weight"]["placement"]
+    # 3072 x 768 fp32 = 9 MiB in all; split 2 ways on dp (S0) -> 4.5 MiB per device.
+    assert "blocks.0.mlp.fc.weight" in text and "9.00 MiB in all" in text, text
+    assert f"layout {placement}" in text and "4.50 MiB per device" in text, text
+    bar = browser.find_element(By.CSS_SELECTOR, '#memory g.bar[data-plan="ddp"] rect[data-key="optimizer"]')
+    ActionChains(browser).move_to_element(bar).perform()
+    assert tip.text.startswith("ddp: optimizer state"), tip.text
+    screenshot(browser, tmp_path / "hover.png")
+
+
+def test_report_loads_nothing_from_outside_the_file(browser, tmp_path) -> None:
+    path = tmp_path / "report.html"
+    path.write_text(render_plan_html(_data("tiny-gpt-2-tight")))
+    open_report(browser, path)
+    resources = browser.execute_script("return performance.getEntriesByType('resource').map(e => e.name)")
+    assert resources == []
+    external = browser.execute_script(
+        "return Array.from(document.querySelectorAll('[src],[href]')).map(e => e.src || e.href)"
+    )
+    assert external == []
+
+
+def test_cli_show_writes_the_report_of_the_saved_plan(browser, tmp_path, capsys) -> None:
+    report = tmp_path / "show.html"
+    plan_file = tmp_path / "plan.json"  # the stored plans leave out the volatile version field
+    data = _data("tiny-gpt-2-tight")
+    data.update(autopar_version="0.1.0", timings={"capture_s": 1.0, "strategies_s": 1.0, "solve_s": 1.0})
+    data["solver"].update(build_s=0.1, solve_s=0.2)
+    plan_file.write_text(json.dumps(data))
+    assert main(["show", str(plan_file), "--html", str(report)]) == 0
+    assert f"report written to {report}" in capsys.readouterr().out
+    assert open_report(browser, report) == []
+    assert report_mismatches(read_dom(browser), Plan.load(plan_file).data) == []
+
+
+@pytest.mark.parametrize("where", ["missing-dir/r.html", "."])
+def test_html_path_that_cannot_be_written_is_one_line_before_planning(tmp_path, capsys, where) -> None:
+    target = str(tmp_path / where)
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", "mlp", "--mesh", "2", "--html", target])
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and len(err.splitlines()) == 1, err
+    assert "--html" in err and ("does not exist" in err or "is a directory" in err), err
