@@ -53,9 +53,16 @@ def attrs(values: Mapping[str, Any]) -> str:
     return "".join(f' {k}="{escape(str(v))}"' for k, v in values.items() if v is not None)
 
 
+def _typical(values: Sequence[float]) -> float:
+    """The median of the nonzero magnitudes: a unit fitted to it keeps most figures between 1
+    and 1000 (the largest-value unit would print 0.28 s next to 2.91 s)."""
+    nonzero = sorted(abs(v) for v in values if v)
+    return nonzero[len(nonzero) // 2] if nonzero else 0.0
+
+
 def seconds_unit(values: Sequence[float]) -> tuple[float, str]:
-    """One unit for a whole column or axis: (scale, name) for the largest of ``values``."""
-    top = max((abs(v) for v in values), default=0.0)
+    """One unit for a whole column or axis: (scale, name) fitted to the typical value."""
+    top = _typical(values)
     if top >= 1:
         return 1.0, "s"
     if top >= 1e-3:
@@ -64,7 +71,7 @@ def seconds_unit(values: Sequence[float]) -> tuple[float, str]:
 
 
 def bytes_unit(values: Sequence[float]) -> tuple[float, str]:
-    top = max((abs(v) for v in values), default=0.0)
+    top = _typical(values)
     for name, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if top >= scale:
             return float(scale), name
@@ -72,7 +79,10 @@ def bytes_unit(values: Sequence[float]) -> tuple[float, str]:
 
 
 def in_unit(value: float, unit: tuple[float, str]) -> str:
-    return f"{value / unit[0]:,.2f} {unit[1]}"
+    """``value`` in ``unit`` with three significant digits or more (0.086 ms, 2,272.2 ms)."""
+    scaled = value / unit[0]
+    decimals = 1 if abs(scaled) >= 100 else 2 if abs(scaled) >= 1 or scaled == 0 else 3
+    return f"{scaled:,.{decimals}f} {unit[1]}"
 
 
 def nice_ticks(top: float, count: int = 5) -> list[float]:
@@ -137,15 +147,20 @@ def stacked_bars(
     extra = sorted({k for _, values, _ in rows for k, v in values.items() if k not in known and v})
     all_parts = [*parts, *((k, k, "#7f7f7f") for k in extra)]
     label_w, bar_w, right_w, row_h = 170, 560, 130, 28
-    scale_top = max([total for _, _, total in rows] + ([limit] if limit else []) + [1e-30]) * 1.04
-    height = row_h * len(rows) + 34
+    largest = max([total for _, _, total in rows] + [1e-30])
+    # A limit far above every bar (a 72 GiB budget over 60 MiB plans) would squash the bars to
+    # slivers: then the scale ends at the bars and the limit is named, off the scale.
+    off_scale = bool(limit) and limit > 2.5 * largest
+    scale_top = max([largest] + ([limit] if limit and not off_scale else [])) * 1.04
+    top_margin = 18 if limit else 6  # room for the limit's label above the bars
+    height = top_margin + row_h * len(rows) + 28
     out = [
         f'<figure id="{escape(figure_id)}" class="chart"><figcaption>{escape(caption)}</figcaption>',
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{label_w + bar_w + right_w}" '
         f'height="{height}" role="img" aria-label="{escape(caption)}">',
     ]
     for r, (name, values, total) in enumerate(rows):
-        y = 6 + r * row_h
+        y = top_margin + r * row_h
         out.append(f'<g class="bar"{attrs({"data-plan": name, f"data-{total_attr}": num(total)})}>')
         out.append(f'<text x="{label_w - 8}" y="{y + 16}" text-anchor="end">{escape(name)}</text>')
         x = float(label_w)
@@ -160,24 +175,45 @@ def stacked_bars(
                 f'fill="{colour}"{attrs({"data-key": key, f"data-{part_attr}": num(value), "data-tip": tip})}/>'
             )
             x += w
-        out.append(f'<text x="{x + 6:.2f}" y="{y + 16}" class="total">{escape(in_unit(total, unit))}</text></g>')
-    axis_y = 6 + len(rows) * row_h
-    for v in nice_ticks(scale_top):
-        x = label_w + bar_w * v / scale_top
-        out.append(f'<line x1="{x:.1f}" y1="{axis_y}" x2="{x:.1f}" y2="{axis_y + 4}" class="tick"/>')
-        out.append(f'<text x="{x:.1f}" y="{axis_y + 16}" text-anchor="middle" class="tick">{escape(in_unit(v, unit))}</text>')
-    if limit:
-        x = label_w + bar_w * limit / scale_top
         out.append(
-            f'<line class="limit" x1="{x:.2f}" y1="2" x2="{x:.2f}" y2="{axis_y}"'
-            f'{attrs({f"data-{limit_attr}": num(limit), "data-tip": f"{limit_label}: {in_unit(limit, unit)}"})}/>'
+            f'<text x="{x + 6:.2f}" y="{y + 16}" class="total">{escape(in_unit(total, unit))}</text></g>'
         )
-        out.append(f'<text x="{x + 4:.2f}" y="{axis_y - 4}" class="limit-label">{escape(limit_label)}</text>')
+    axis_y = top_margin + len(rows) * row_h
+    # The axis reads in the unit of its largest figure (0, 50, 100 GiB), labels in ``unit``.
+    axis_unit = (seconds_unit if unit[1] in ("s", "ms", "us") else bytes_unit)([scale_top])
+    for tick in nice_ticks(scale_top / axis_unit[0]):
+        x = label_w + bar_w * tick * axis_unit[0] / scale_top
+        out.append(
+            f'<line x1="{x:.1f}" y1="{axis_y}" x2="{x:.1f}" y2="{axis_y + 4}" class="tick"/>'
+        )
+        out.append(
+            f'<text x="{x:.1f}" y="{axis_y + 16}" text-anchor="middle" class="tick">{tick:g} {axis_unit[1]}</text>'
+        )
+    if limit:
+        text = f"{limit_label} {in_unit(limit, bytes_unit([limit]) if unit[1].endswith('B') else unit)}"
+        limit_attrs = attrs({f"data-{limit_attr}": num(limit), "data-tip": text})
+        if off_scale:
+            out.append(
+                f'<text x="{label_w + bar_w + right_w - 4}" y="{top_margin - 6}" text-anchor="end" '
+                f'class="limit-label"{limit_attrs}>{escape(text)}, off the scale &#8594;</text>'
+            )
+        else:
+            x = label_w + bar_w * limit / scale_top
+            out.append(
+                f'<line class="limit" x1="{x:.2f}" y1="{top_margin - 4}" x2="{x:.2f}" y2="{axis_y}"{limit_attrs}/>'
+            )
+            out.append(
+                f'<text x="{x:.2f}" y="{top_margin - 6}" text-anchor="middle" class="limit-label">{escape(text)}</text>'
+            )
     out.append("</svg>")
     present = {k for _, values, _ in rows for k, v in values.items() if v}
     notes = absent_note or {}
     items = [(label, colour) for key, label, colour in all_parts if key in present]
-    items += [(f"{label} ({notes[key]})", colour) for key, label, colour in all_parts if key not in present and key in notes]
+    items += [
+        (f"{label} ({notes[key]})", colour)
+        for key, label, colour in all_parts
+        if key not in present and key in notes
+    ]
     out.append(legend(items, figure=figure_id))
     out.append("</figure>")
     return "\n".join(out)
@@ -200,15 +236,23 @@ def paired_bars(
     ]
     for r, (name, predicted, measured) in enumerate(rows):
         y = 4 + r * row_h
-        out.append(f'<g class="pair"{attrs({"data-plan": name, "data-predicted-s": num(predicted), "data-measured-s": None if measured is None else num(measured)})}>')
+        out.append(
+            f'<g class="pair"{attrs({"data-plan": name, "data-predicted-s": num(predicted), "data-measured-s": None if measured is None else num(measured)})}>'
+        )
         out.append(f'<text x="{label_w - 8}" y="{y + 18}" text-anchor="end">{escape(name)}</text>')
-        for k, (what, value, colour) in enumerate((("predicted", predicted, "#a0cbe8"), ("measured", measured, "#4e79a7"))):
+        for k, (what, value, colour) in enumerate(
+            (("predicted", predicted, "#a0cbe8"), ("measured", measured, "#4e79a7"))
+        ):
             if value is None:
                 continue
             w = max(bar_w * value / top, 0.5)
             tip = f"{name}: {what} {in_unit(value, unit)}"
-            out.append(f'<rect x="{label_w}" y="{y + 2 + 14 * k}" width="{w:.2f}" height="12" fill="{colour}" data-tip="{escape(tip)}"/>')
-            out.append(f'<text x="{label_w + w + 6:.2f}" y="{y + 12 + 14 * k}" class="total">{escape(in_unit(value, unit))}</text>')
+            out.append(
+                f'<rect x="{label_w}" y="{y + 2 + 14 * k}" width="{w:.2f}" height="12" fill="{colour}" data-tip="{escape(tip)}"/>'
+            )
+            out.append(
+                f'<text x="{label_w + w + 6:.2f}" y="{y + 12 + 14 * k}" class="total">{escape(in_unit(value, unit))}</text>'
+            )
         out.append("</g>")
     out.append("</svg>")
     out.append(legend([("predicted", "#a0cbe8"), ("measured", "#4e79a7")], figure=figure_id))
@@ -224,9 +268,14 @@ def table(
     numeric: Callable[[int], bool] = lambda c: c > 0,
 ) -> str:
     """An HTML table; each row is (cells, data attributes of its ``<tr>``). Cells are text."""
-    head = "".join(f'<th class="{"num" if numeric(c) else ""}">{escape(h)}</th>' for c, h in enumerate(header))
+    head = "".join(
+        f'<th class="{"num" if numeric(c) else ""}">{escape(h)}</th>' for c, h in enumerate(header)
+    )
     body = []
     for cells, row_attrs in rows:
-        tds = "".join(f'<td class="{"num" if numeric(c) else ""}">{escape(v)}</td>' for c, v in enumerate(cells))
+        tds = "".join(
+            f'<td class="{"num" if numeric(c) else ""}">{escape(v)}</td>'
+            for c, v in enumerate(cells)
+        )
         body.append(f"<tr{attrs(row_attrs)}>{tds}</tr>")
     return f'<table id="{escape(table_id)}"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>'

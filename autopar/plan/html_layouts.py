@@ -25,7 +25,11 @@ _ITEMSIZE = {"float64": 8, "int64": 8, "float32": 4, "int32": 4, "float16": 2, "
 def params_in_model_order(data: Mapping[str, Any]) -> list[str]:
     """Parameter FQNs in the order the graph uses them (placeholders come in module order);
     parameters the graph does not list come last, sorted."""
-    order = [e["fqn"] for e in data["nodes"] if e.get("kind") == "param" and e.get("fqn") in data["params"]]
+    order = [
+        e["fqn"]
+        for e in data["nodes"]
+        if e.get("kind") == "param" and e.get("fqn") in data["params"]
+    ]
     seen = set(order)
     return [*order, *sorted(f for f in data["params"] if f not in seen)]
 
@@ -36,7 +40,9 @@ def _family(block: str) -> str:
     return head if tail.isdigit() and head else ""
 
 
-def _tooltip(fqn: str, param: Mapping[str, Any], node: Mapping[str, Any] | None, mesh: Mapping[str, Any]) -> str:
+def _tooltip(
+    fqn: str, param: Mapping[str, Any], node: Mapping[str, Any] | None, mesh: Mapping[str, Any]
+) -> str:
     shape = list(param.get("shape") or (node["shapes"][0] if node and node.get("shapes") else []))
     dtype = (node or {}).get("dtype", "float32")
     total = math.prod(shape) * _ITEMSIZE.get(dtype, 4)
@@ -56,10 +62,17 @@ def _tooltip(fqn: str, param: Mapping[str, Any], node: Mapping[str, Any] | None,
     zero = param.get("zero") or {}
     stages = {a: s for a, s in (zero.get("stages") or {}).items() if s}
     if stages:
-        stored = local / math.prod(size for name, size in zip(mesh["axis_names"], mesh["shape"]) if name in stages)
+        stored = local / math.prod(
+            size for name, size in zip(mesh["axis_names"], mesh["shape"]) if name in stages
+        )
         lines.append(
-            "ZeRO " + ", ".join(f"stage {s} on {a}" for a, s in stages.items())
-            + (f": stored as {format_bytes(stored)} per device" if max(stages.values()) >= 3 else "")
+            "ZeRO "
+            + ", ".join(f"stage {s} on {a}" for a, s in stages.items())
+            + (
+                f": stored as {format_bytes(stored)} per device"
+                if max(stages.values()) >= 3
+                else ""
+            )
         )
     if param.get("tied_to"):
         lines.append(f"tied to {', '.join(param['tied_to'])}")
@@ -78,7 +91,13 @@ def _cell(fqn: str, label: str | None, data: Mapping[str, Any], nodes: Mapping[s
     return f'<td class="cell"{attrs({"data-fqn": fqn, "data-placement": placement, "data-tip": tip})}>{caption}{stripes}</td>'
 
 
-def _grid(family: str, blocks: Sequence[str], members: Mapping[str, list[str]], data: Mapping[str, Any], nodes: Mapping[str, Any]) -> str:
+def _grid(
+    family: str,
+    blocks: Sequence[str],
+    members: Mapping[str, list[str]],
+    data: Mapping[str, Any],
+    nodes: Mapping[str, Any],
+) -> str:
     columns: list[str] = []
     for block in blocks:
         for fqn in members[block]:
@@ -89,16 +108,23 @@ def _grid(family: str, blocks: Sequence[str], members: Mapping[str, list[str]], 
     rows = []
     for block in blocks:
         present = {fqn[len(block) + 1 :]: fqn for fqn in members[block]}
-        cells = "".join(_cell(present[c], None, data, nodes) if c in present else "<td></td>" for c in columns)
+        cells = "".join(
+            _cell(present[c], None, data, nodes) if c in present else "<td></td>" for c in columns
+        )
         rows.append(f'<tr data-block="{escape(block)}"><th>{escape(block)}</th>{cells}</tr>')
     return (
         f'<div class="grid-wrap"><h3>{escape(family)} ({len(blocks)} blocks)</h3>'
         f'<table class="layout-grid" data-family="{escape(family)}"><thead><tr><th></th>{head}</tr></thead>'
-        f'<tbody>{"".join(rows)}</tbody></table></div>'
+        f"<tbody>{''.join(rows)}</tbody></table></div>"
     )
 
 
-def _other_grid(blocks: Sequence[str], members: Mapping[str, list[str]], data: Mapping[str, Any], nodes: Mapping[str, Any]) -> str:
+def _other_grid(
+    blocks: Sequence[str],
+    members: Mapping[str, list[str]],
+    data: Mapping[str, Any],
+    nodes: Mapping[str, Any],
+) -> str:
     rows = []
     for block in blocks:
         cells = "".join(
@@ -132,7 +158,9 @@ def layout_grids(data: Mapping[str, Any], *, element_id: str = "layouts") -> str
             parts.append(_other_grid(others, members, data, nodes))
     used = sorted({p for param in data["params"].values() for p in param["placement"].split(",")})
     names = ", ".join(data["mesh"]["axis_names"])
-    key = legend([(f"{p}: {placement_words(p)}", placement_colour(p)) for p in used], figure=element_id)
+    key = legend(
+        [(f"{p}: {placement_words(p)}", placement_colour(p)) for p in used], figure=element_id
+    )
     note = (
         f'<p class="note">One stripe per mesh axis ({escape(names)}), in mesh order; hover a cell for '
         "the tensor, its bytes and its ZeRO treatment.</p>"

@@ -105,7 +105,11 @@ def _plans(data: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any], bool]]
     """(name, figures, fits) of this plan, then of every other recipe priced with it."""
     own_fits = data["predicted"]["peak_memory_bytes"] <= data["memory_budget_bytes"]
     rows = [(data["recipe"], {**data["predicted"], "zero": data["zero"]}, own_fits)]
-    rows += [(name, b, bool(b["fits"])) for name, b in data["baselines"].items() if name != data["recipe"]]
+    rows += [
+        (name, b, bool(b["fits"]))
+        for name, b in data["baselines"].items()
+        if name != data["recipe"]
+    ]
     return rows
 
 
@@ -116,10 +120,20 @@ def headline(data: Mapping[str, Any]) -> str:
     replicated = all(set(p["placement"].split(",")) == {"R"} for p in params) and all(
         set((i.get("placements") or "R").split(",")) <= {"R"} for i in data.get("inputs", [])
     )
-    what = "replicated: no parallelism pays at this size" if replicated else f"the {data['recipe']} plan"
-    parts = [f"{what}: step {format_seconds(pred['step_s'])}, peak {format_bytes(pred['peak_memory_bytes'])}"
-             f" of the {format_bytes(data['memory_budget_bytes'])} budget"]
-    rivals = [(b["step_s"], name) for name, b in data["baselines"].items() if name != data["recipe"] and b["fits"]]
+    what = (
+        "replicated: no parallelism pays at this size"
+        if replicated
+        else f"the {data['recipe']} plan"
+    )
+    parts = [
+        f"{what}: step {format_seconds(pred['step_s'])}, peak {format_bytes(pred['peak_memory_bytes'])}"
+        f" of the {format_bytes(data['memory_budget_bytes'])} budget"
+    ]
+    rivals = [
+        (b["step_s"], name)
+        for name, b in data["baselines"].items()
+        if name != data["recipe"] and b["fits"]
+    ]
     if rivals and pred["step_s"] > 0:
         step, name = min(rivals)
         ratio = step / pred["step_s"]
@@ -147,7 +161,9 @@ def headline(data: Mapping[str, Any]) -> str:
 
 def facts(data: Mapping[str, Any]) -> str:
     mesh = data["mesh"]
-    links = ", ".join(f"{n}: {link['name']}" for n, link in zip(mesh["axis_names"], mesh.get("links", [])))
+    links = ", ".join(
+        f"{n}: {link['name']}" for n, link in zip(mesh["axis_names"], mesh.get("links", []))
+    )
     options = data.get("options", {})
     solver = data["solver"]
     timings = data.get("timings", {})
@@ -174,7 +190,11 @@ def step_and_memory(
     ``PREFIXstep-time`` and ``PREFIXmemory``."""
     steps = [(n, fig["breakdown"], fig["step_s"]) for n, fig, _ in named]
     mems = [(n, fig["memory"], fig["peak_memory_bytes"]) for n, fig, _ in named]
-    pipeline_note = {} if any(b.get("pipeline_bubble_s") for _, b, _ in steps) else {"pipeline_bubble_s": "no pipeline stages"}
+    pipeline_note = (
+        {}
+        if any(b.get("pipeline_bubble_s") for _, b, _ in steps)
+        else {"pipeline_bubble_s": "no pipeline stages"}
+    )
     return stacked_bars(
         figure_id=f"{prefix}step-time", caption=f"Predicted step time per plan (this plan: {this}), one device",
         rows=steps, parts=STEP_PARTS, total_attr="step-s", part_attr="seconds",
@@ -205,7 +225,17 @@ def recipes_table(named: list[tuple[str, Mapping[str, Any], bool]], *, this: str
                      "data-peak-bytes": num(fig["peak_memory_bytes"]), "data-fits": str(fits).lower(),
                      "class": "this" if name == this else None}  # fmt: skip
         rows.append((cells, row_attrs))
-    header = ["plan", "step", f"vs {this}", "compute", "communication", "recompute", "peak memory", "fits", "ZeRO"]
+    header = [
+        "plan",
+        "step",
+        f"vs {this}",
+        "compute",
+        "communication",
+        "recompute",
+        "peak memory",
+        "fits",
+        "ZeRO",
+    ]
     return table("recipes", header, rows, numeric=lambda c: 0 < c < 7)
 
 
@@ -218,7 +248,9 @@ def zero_section(data: Mapping[str, Any]) -> str:
         out.append(f'<p class="note">Why: {escape(zero["reason"])}</p>')
     per_stage = zero.get("per_stage") or {}
     if len(per_stage) > 1:
-        rows = [(f"ZeRO {k}", fig["memory"], fig["peak_memory_bytes"]) for k, fig in per_stage.items()]
+        rows = [
+            (f"ZeRO {k}", fig["memory"], fig["peak_memory_bytes"]) for k, fig in per_stage.items()
+        ]
         out.append(stacked_bars(
             figure_id="memory-per-zero-stage", caption="These layouts under each ZeRO stage: memory per device",
             rows=rows, parts=MEMORY_PARTS, total_attr="peak-bytes", part_attr="bytes",
@@ -242,7 +274,9 @@ def zero_section(data: Mapping[str, Any]) -> str:
 def checkpoint_section(data: Mapping[str, Any]) -> str:
     ckpt = data["checkpoint"]
     segments = ckpt["segments"]
-    out = [f'<section id="checkpoint" data-segments="{len(segments)}"><h2>Activation checkpointing</h2>']
+    out = [
+        f'<section id="checkpoint" data-segments="{len(segments)}"><h2>Activation checkpointing</h2>'
+    ]
     mode = ckpt.get("mode", "auto")
     if not segments:
         why = "the budget does not bind" if mode == "auto" else f"checkpoint mode {mode}"
@@ -270,22 +304,29 @@ def warnings_section(data: Mapping[str, Any]) -> str:
 
 
 def inputs_table(data: Mapping[str, Any]) -> str:
-    rows = [([i["name"], i.get("placements") or "-"], {"data-input": i["name"]}) for i in data.get("inputs", [])]
+    rows = [
+        ([i["name"], i.get("placements") or "-"], {"data-input": i["name"]})
+        for i in data.get("inputs", [])
+    ]
     return table("inputs", ["input", "layout"], rows, numeric=lambda c: False) if rows else ""
 
 
-def plan_sections(data: Mapping[str, Any]) -> str:
-    """The body of one plan's report (everything but the page around it)."""
+def plan_sections(data: Mapping[str, Any], *, side_by_side: bool = True) -> str:
+    """The body of one plan's report (everything but the page around it); ``side_by_side=False``
+    leaves out the figures and table of the recipes (a comparison page shows its own)."""
     named = _plans(data)
     this = data["recipe"]
-    return "\n".join([
-        headline(data),
-        facts(data),
+    recipes = [
         '<section id="figures"><h2>Step time and memory</h2>',
         step_and_memory(named, data["memory_budget_bytes"], this=this),
         "</section>",
         f'<section id="recipes-section"><h2>This plan and the recipes</h2><p class="note">All priced by the '
         f"same cost model; communication is resharding, gradient sync and ZeRO traffic.</p>{recipes_table(named, this=this)}</section>",
+    ]
+    return "\n".join([
+        headline(data),
+        facts(data),
+        *(recipes if side_by_side else []),
         f"<section><h2>Layouts per layer block</h2>{layout_grids(data)}"
         f"<h3>inputs</h3>{inputs_table(data)}</section>",
         zero_section(data),

@@ -43,9 +43,12 @@ def comparison_section(plans: Mapping[str, Plan]) -> str:
     header = ["plan", "step", "vs best", "compute", "communication", *(f"sent on {a}" for a in axes),
               "peak memory", "ZeRO", "fits"]  # fmt: skip
     first = next(iter(plans.values())).data
-    named = [(name, {**p.data["predicted"], "zero": p.data["zero"]}, r["fits"]) for (name, p), r in zip(plans.items(), rows)]
+    named = [
+        (name, {**p.data["predicted"], "zero": p.data["zero"]}, r["fits"])
+        for (name, p), r in zip(plans.items(), rows)
+    ]
     details = "".join(
-        f'<details><summary>layouts of {escape(name)}</summary>{layout_grids(p.data, element_id=f"layouts-{name}")}</details>'
+        f"<details><summary>layouts of {escape(name)}</summary>{layout_grids(p.data, element_id=f'layouts-{name}')}</details>"
         for name, p in plans.items()
     )
     return "\n".join([
@@ -62,11 +65,15 @@ def comparison_section(plans: Mapping[str, Plan]) -> str:
 def measured_section(result: Mapping[str, Any], summary: Mapping[str, Any]) -> str:
     """bench-cost: predicted vs measured step time and peak memory per plan, and per op family."""
     ran = {n: p for n, p in result["plans"].items() if "skipped" not in p}
-    s_unit = seconds_unit([v for p in ran.values() for v in (p["predicted_step_s"], p["step_s"])] or [0.0])
+    s_unit = seconds_unit(
+        [v for p in ran.values() for v in (p["predicted_step_s"], p["step_s"])] or [0.0]
+    )
     rows = []
     for name, p in result["plans"].items():
         skipped = "skipped" in p
-        error = "-" if skipped else f"{100 * (p['predicted_step_s'] - p['step_s']) / p['step_s']:+.0f}%"
+        error = (
+            "-" if skipped else f"{100 * (p['predicted_step_s'] - p['step_s']) / p['step_s']:+.0f}%"
+        )
         measured_peak = p.get("peak_memory_bytes") or 0
         cells = [name, p.get("mesh", ""), in_unit(p["predicted_step_s"], s_unit),
                  "skipped" if skipped else in_unit(p["step_s"], s_unit), error,
@@ -74,21 +81,38 @@ def measured_section(result: Mapping[str, Any], summary: Mapping[str, Any]) -> s
                  p["skipped"] if skipped else ""]  # fmt: skip
         rows.append((cells, {"data-plan": name, "data-predicted-s": num(p["predicted_step_s"]),
                              "data-measured-s": None if skipped else num(p["step_s"])}))  # fmt: skip
-    header = ["plan", "mesh", "predicted step", "measured step", "error", "predicted peak", "measured peak", "note"]
+    header = [
+        "plan",
+        "mesh",
+        "predicted step",
+        "measured step",
+        "error",
+        "predicted peak",
+        "measured peak",
+        "note",
+    ]
     out = ['<section id="measured-section"><h2>Predicted vs measured</h2>']
     out.append(paired_bars(figure_id="measured-steps", caption="Step time per plan: predicted vs measured",
                            rows=[(n, p["predicted_step_s"], p["step_s"]) for n, p in ran.items()], unit=s_unit))  # fmt: skip
     out.append(table("measured", header, rows, numeric=lambda c: 2 <= c <= 6))
 
     def figure(value: float, form: str) -> str:
-        return format(value, form) if isinstance(value, (int, float)) and math.isfinite(value) else "n/a"
+        return (
+            format(value, form)
+            if isinstance(value, (int, float)) and math.isfinite(value)
+            else "n/a"
+        )
 
     lines = [f"step MAPE {figure(summary['step_mape'], '.1f')}%, Spearman {figure(summary['spearman'], '.3f')} "
              f"over {summary['num_plans']} plans, memory MAPE {figure(summary['memory_mape'], '.1f')}%",
              "op MAPE " + (f"{figure(summary['op_mape'], '.1f')}%" if result.get("ops") else "n/a (ops not timed)")]  # fmt: skip
     if "fastest_measured" in summary:
-        lines.append(f"fastest measured: {summary['fastest_measured']}; fastest predicted: {summary['fastest_predicted']}")
-    out.append("".join(f'<p class="note">{escape(line).replace("n/a%", "n/a")}</p>' for line in lines))
+        lines.append(
+            f"fastest measured: {summary['fastest_measured']}; fastest predicted: {summary['fastest_predicted']}"
+        )
+    out.append(
+        "".join(f'<p class="note">{escape(line).replace("n/a%", "n/a")}</p>' for line in lines)
+    )
     families = summary.get("families") or {}
     if families:
         f_unit = seconds_unit([f["measured_s"] for f in families.values()])
@@ -96,7 +120,13 @@ def measured_section(result: Mapping[str, Any], summary: Mapping[str, Any]) -> s
                       f"{f['mape']:.0f}%"], {"data-family": fam})
                     for fam, f in sorted(families.items(), key=lambda kv: -kv[1]["measured_s"])]  # fmt: skip
         out.append("<h3>per op family, forward + backward</h3>")
-        out.append(table("op-families", ["op family", "ops", "predicted (sum)", "measured (sum)", "MAPE"], fam_rows))
+        out.append(
+            table(
+                "op-families",
+                ["op family", "ops", "predicted (sum)", "measured (sum)", "MAPE"],
+                fam_rows,
+            )
+        )
     out.append("</section>")
     return "\n".join(out)
 
@@ -116,7 +146,7 @@ def render_comparison_html(
     if bench is not None:
         body.append(measured_section(*bench))
     body.append(f'<h2 class="part">The {escape(first_name)} plan in detail</h2>')
-    body.append(plan_sections(first.data))
+    body.append(plan_sections(first.data, side_by_side=False))
     return page(title, "\n".join(body))
 
 
@@ -131,4 +161,9 @@ def write_comparison_html(
         f.write(render_comparison_html(plans, title=title, bench=bench))
 
 
-__all__: Sequence[str] = ("comparison_section", "measured_section", "render_comparison_html", "write_comparison_html")
+__all__: Sequence[str] = (
+    "comparison_section",
+    "measured_section",
+    "render_comparison_html",
+    "write_comparison_html",
+)

@@ -25,7 +25,9 @@ def start_chromium(width: int = 1280, height: int = 900):
     """A headless Chromium driven by selenium, logging the browser console at every level."""
     missing = [p for p in (CHROMIUM, CHROMEDRIVER) if not (os.path.exists(p) or shutil.which(p))]
     if missing:
-        pytest.fail(f"the HTML report tests need Chromium: {', '.join(missing)} not found; {INSTALL}")
+        pytest.fail(
+            f"the HTML report tests need Chromium: {', '.join(missing)} not found; {INSTALL}"
+        )
     try:
         from selenium import webdriver
         from selenium.webdriver.chrome.service import Service
@@ -72,7 +74,7 @@ const bars = (id, total, part) => {
 };
 const h = document.getElementById('headline');
 const z = document.getElementById('zero');
-const limit = document.querySelector('#memory line.limit');
+const limit = document.querySelector('#memory [data-budget-bytes]');
 return {
   headline: {recipe: h.dataset.recipe, step_s: Number(h.dataset.stepS),
              peak: Number(h.dataset.peakBytes), budget: Number(h.dataset.budgetBytes)},
@@ -95,7 +97,9 @@ def read_dom(driver) -> dict[str, Any]:
     return driver.execute_script(_READ_DOM)
 
 
-def _bar_mismatches(figure: str, dom: Mapping[str, Any], want: Mapping[str, tuple[float, Mapping[str, float]]]) -> list[str]:
+def _bar_mismatches(
+    figure: str, dom: Mapping[str, Any], want: Mapping[str, tuple[float, Mapping[str, float]]]
+) -> list[str]:
     out = []
     if set(dom) != set(want):
         out.append(f"{figure}: plans {sorted(dom)} in the DOM, {sorted(want)} in the plan")
@@ -108,7 +112,9 @@ def _bar_mismatches(figure: str, dom: Mapping[str, Any], want: Mapping[str, tupl
         if bar["parts"] != nonzero:
             out.append(f"{figure}/{name}: parts {bar['parts']} in the DOM, {nonzero} in the plan")
         # The drawn widths must follow the figures (one scale per figure; tiny parts get 0.5 px).
-        scales = [bar["widths"][k] / v for k, v in bar["parts"].items() if v > 0 and bar["widths"][k] > 2]
+        scales = [
+            bar["widths"][k] / v for k, v in bar["parts"].items() if v > 0 and bar["widths"][k] > 2
+        ]
         if scales and max(scales) > 1.01 * min(scales):
             out.append(f"{figure}/{name}: bar widths are not proportional to the figures")
     return out
@@ -124,11 +130,22 @@ def report_mismatches(dom: Mapping[str, Any], data: Mapping[str, Any]) -> list[s
                       ("peak", pred["peak_memory_bytes"]), ("budget", data["memory_budget_bytes"])):  # fmt: skip
         if head[key] != want:
             out.append(f"headline {key}: {head[key]!r} in the DOM, {want!r} in the plan")
-    figures = {data["recipe"]: pred, **{n: b for n, b in data["baselines"].items() if n != data["recipe"]}}
-    out += _bar_mismatches("step-time", dom["step"], {n: (f["step_s"], f["breakdown"]) for n, f in figures.items()})
-    out += _bar_mismatches("memory", dom["memory"], {n: (f["peak_memory_bytes"], f["memory"]) for n, f in figures.items()})
+    figures = {
+        data["recipe"]: pred,
+        **{n: b for n, b in data["baselines"].items() if n != data["recipe"]},
+    }
+    out += _bar_mismatches(
+        "step-time", dom["step"], {n: (f["step_s"], f["breakdown"]) for n, f in figures.items()}
+    )
+    out += _bar_mismatches(
+        "memory",
+        dom["memory"],
+        {n: (f["peak_memory_bytes"], f["memory"]) for n, f in figures.items()},
+    )
     if dom["budget_line"] != data["memory_budget_bytes"]:
-        out.append(f"memory budget line at {dom['budget_line']!r}, budget {data['memory_budget_bytes']!r}")
+        out.append(
+            f"memory budget line at {dom['budget_line']!r}, budget {data['memory_budget_bytes']!r}"
+        )
     fits = {data["recipe"]: pred["peak_memory_bytes"] <= data["memory_budget_bytes"],
             **{n: bool(b["fits"]) for n, b in data["baselines"].items() if n != data["recipe"]}}  # fmt: skip
     rows = {r["plan"]: r for r in dom["recipes"]}
@@ -145,16 +162,24 @@ def report_mismatches(dom: Mapping[str, Any], data: Mapping[str, Any]) -> list[s
         out.append("a parameter appears twice in the layout grids")
     for fqn in sorted(set(cells) | set(want_cells)):
         if cells.get(fqn) != want_cells.get(fqn):
-            out.append(f"layout of {fqn}: {cells.get(fqn)} in the DOM, {want_cells.get(fqn)} in the plan")
+            out.append(
+                f"layout of {fqn}: {cells.get(fqn)} in the DOM, {want_cells.get(fqn)} in the plan"
+            )
     stripes = {n for _, _, n in dom["cells"]}
     if stripes and stripes != {len(data["mesh"]["shape"])}:
-        out.append(f"layout cells have {sorted(stripes)} stripes for a {len(data['mesh']['shape'])}-axis mesh")
+        out.append(
+            f"layout cells have {sorted(stripes)} stripes for a {len(data['mesh']['shape'])}-axis mesh"
+        )
     zero = data["zero"]
     if (dom["zero"]["stage"], dom["zero"]["axes"]) != (zero["stage"], ",".join(zero["axes"])):
-        out.append(f"ZeRO {dom['zero']} in the DOM, stage {zero['stage']} on {zero['axes']} in the plan")
+        out.append(
+            f"ZeRO {dom['zero']} in the DOM, stage {zero['stage']} on {zero['axes']} in the plan"
+        )
     want_segments = [s["module_path"] for s in data["checkpoint"]["segments"]]
     if dom["segments"] != want_segments:
         out.append(f"recomputed segments {dom['segments']} in the DOM, {want_segments} in the plan")
-    if dom["warning_count"] != len(data["warnings"]) or (data["warnings"] and dom["warnings"] != data["warnings"]):
+    if dom["warning_count"] != len(data["warnings"]) or (
+        data["warnings"] and dom["warnings"] != data["warnings"]
+    ):
         out.append(f"warnings {dom['warnings']} in the DOM, {data['warnings']} in the plan")
     return out
