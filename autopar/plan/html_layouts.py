@@ -104,13 +104,26 @@ def _grid(
             rel = fqn[len(block) + 1 :]
             if rel not in columns:
                 columns.append(rel)
+    segments = [seg["module_path"] for seg in data["checkpoint"]["segments"]]
+    recomputes = {
+        block: [
+            p[len(block) + 1 :] or "all"
+            for p in segments
+            if p == block or p.startswith(block + ".")
+        ]
+        for block in blocks
+    }
+    show_recompute = any(recomputes.values())
     head = "".join(f'<th class="col">{escape(c)}</th>' for c in columns)
+    head += '<th class="col">recomputed</th>' if show_recompute else ""
     rows = []
     for block in blocks:
         present = {fqn[len(block) + 1 :]: fqn for fqn in members[block]}
         cells = "".join(
             _cell(present[c], None, data, nodes) if c in present else "<td></td>" for c in columns
         )
+        if show_recompute:
+            cells += f'<td class="recompute">{escape(", ".join(recomputes[block]))}</td>'
         rows.append(f'<tr data-block="{escape(block)}"><th>{escape(block)}</th>{cells}</tr>')
     return (
         f'<div class="grid-wrap"><h3>{escape(family)} ({len(blocks)} blocks)</h3>'

@@ -64,6 +64,7 @@ td.cell { padding: 0; border: 1px solid #888; white-space: nowrap; cursor: defau
 td.cell span.ax { display: inline-block; min-width: 26px; text-align: center; font-size: 11px;
                   padding: 1px 2px; }
 td.cell span.pname { display: block; font-size: 11px; background: #fff; padding: 0 3px; }
+td.recompute { color: #e15759; font-size: 12px; border: none; white-space: nowrap; }
 .note { color: #555; font-size: 13px; } ul.warnings li { margin: 3px 0; }
 details summary { cursor: pointer; color: #4e79a7; margin: 6px 0; }
 #tip { position: absolute; display: none; background: #222; color: #fff; padding: 6px 9px;
