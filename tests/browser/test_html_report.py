@@ -185,6 +185,7 @@ def _record_plans(monkeypatch) -> dict:
     return seen
 
 
+@pytest.mark.slow  # plans a model: 2-20 s on a loaded 2-core machine
 def test_compare_html_puts_the_plans_side_by_side(browser, tmp_path, monkeypatch, capsys) -> None:
     plans = _record_plans(monkeypatch)
     out = tmp_path / "compare.html"
@@ -209,6 +210,7 @@ def test_compare_html_puts_the_plans_side_by_side(browser, tmp_path, monkeypatch
     screenshot(browser, tmp_path / "compare.png")
 
 
+@pytest.mark.slow  # plans a model: 2-20 s on a loaded 2-core machine
 def test_bench_cost_html_has_predicted_vs_measured(browser, tmp_path, monkeypatch, capsys) -> None:
     from autopar.tools import bench_cost, report
 
@@ -235,3 +237,17 @@ def test_bench_cost_html_has_predicted_vs_measured(browser, tmp_path, monkeypatc
             n: (plans[n].predicted_step_s, measured[n]) for n in measured
         }
     screenshot(browser, tmp_path / "bench.png")
+
+
+@pytest.mark.slow  # plans a model: 2-20 s on a loaded 2-core machine
+def test_cli_plan_writes_the_report_on_a_3d_mesh(browser, tmp_path, capsys) -> None:
+    plan_file, report = tmp_path / "plan.json", tmp_path / "plan.html"
+    argv = ["plan", "mlp", "--mesh", "2x2x2", "--seq", "128", "--no-cache", "--out", str(plan_file),
+            "--html", str(report)]  # fmt: skip
+    assert main(argv) == 0
+    assert f"report written to {report}" in capsys.readouterr().out
+    assert open_report(browser, report) == []
+    dom = read_dom(browser)
+    assert {n for _, _, n in dom["cells"]} == {3}  # one stripe per mesh axis
+    assert report_mismatches(dom, Plan.load(plan_file).data) == []
+    screenshot(browser, tmp_path / "plan.png")
