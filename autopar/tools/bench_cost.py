@@ -594,6 +594,11 @@ def bench_cost_cli(args: Any, config: BenchConfig) -> int:
         plot_step_bars(ran, written[-1], title=title)
     if written:
         print(f"plots written to {' and '.join(written)}")
+    if getattr(args, "html", None):
+        from autopar.tools.html_report import write_comparison_html
+
+        write_comparison_html(args.html, plans, title=title, bench=(result, summary))
+        print(f"report written to {args.html}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"result": result, "summary": summary, "config": asdict(config)}, f, indent=1, default=str)

@@ -50,6 +50,16 @@ def parse_budget(text: str) -> str:
     return text
 
 
+def parse_report_path(text: str) -> str:
+    """``--html``: a file to write, checked before any planning so a typo costs no minutes."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory; give a file name such as report.html")
+    if not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"cannot write {text}: directory {path.parent} does not exist")
+    return text
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with one-line errors (no usage block): what is wrong and where help is."""
 
@@ -152,6 +162,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         from autopar.planner.sweep import budget_sweep
         from autopar.tools.report import plot_budget_sweep, sweep_table
 
+        if args.html:
+            raise ValueError("--html reports one plan; it does not go with --sweep-budget")
         if args.sweep_budget < 2:
             raise ValueError("--sweep-budget needs at least 2 points")
         with console.status("planning under each budget"):
@@ -188,7 +200,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.out:
         plan.save(args.out)
         print(f"plan written to {args.out}")
+    _write_html(args, plan)
     return 0
+
+
+def _write_html(args: argparse.Namespace, plan) -> None:
+    """``--html PATH``: the plan report (autopar.plan.report_html), one self-contained page."""
+    if args.html:
+        from autopar.plan.report_html import write_plan_html
+
+        write_plan_html(plan.data, args.html)
+        print(f"report written to {args.html}")
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -202,6 +224,7 @@ def cmd_show(args: argparse.Namespace) -> int:
             print(plan.explain(name))
     else:
         print(plan.summary())
+    _write_html(args, plan)
     return 0
 
 
@@ -222,6 +245,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
     plans = plans_for_recipes(captured, mesh, options, recipes=recipes, model_name=args.model)
     title = f"{args.model} on {mesh.describe()}, global batch {args.batch} x seq {args.seq} (predicted)"
     print(compare_table(compare_rows(plans), markdown=args.markdown, title=title))
+    if args.html:
+        from autopar.tools.html_report import write_comparison_html
+
+        write_comparison_html(args.html, plans, title=title)
+        print(f"report written to {args.html}")
     return 0
 
 
@@ -266,6 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="plan a model on a mesh offline and print the summary")
     _add_plan_options(p)
     p.add_argument("--out", default=None, help="write the plan JSON here")
+    p.add_argument("--html", type=parse_report_path, default=None, metavar="PATH", help="write an HTML report here (one self-contained file: figures, layouts, recipes)")
     p.add_argument("--sweep-budget", type=int, nargs="?", const=6, default=None, metavar="POINTS",
                    help="instead of one plan: plan under POINTS budgets (default 6) from the smallest "
                    "that fits to the budget-free peak; print step time vs budget and plot it")
@@ -275,11 +304,14 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("show", help="print a saved plan's summary, or explain nodes")
     s.add_argument("plan", help="plan JSON file")
     s.add_argument("--explain", nargs="*", default=None, help="node names or parameter FQNs to explain")
+    s.add_argument("--html", type=parse_report_path, default=None, metavar="PATH", help="write an HTML report here (one self-contained file: figures, layouts, recipes)")
     s.set_defaults(func=cmd_show)
     c = sub.add_parser("compare", help="the auto plan vs each recipe: step time, bytes per axis, memory")
     _add_plan_options(c, planning=False)
     c.add_argument("--baselines", default=None, help="recipes to compare, comma separated (default: all)")
     c.add_argument("--markdown", action="store_true", help="print a Markdown table")
+    c.add_argument("--html", type=parse_report_path, default=None, metavar="PATH",
+                   help="write the plans side by side as an HTML report here (self-contained file)")
     c.set_defaults(func=cmd_compare)
     k = sub.add_parser("calibrate", help="measure this machine (under torchrun, or --nproc N) and write a profile")
     k.add_argument("--mesh", required=True, help="mesh shape: 2x2, 4, dp=2,tp=2")
@@ -299,6 +331,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "--plots the plots are skipped)")
     b.add_argument("--markdown", action="store_true", help="print Markdown tables")
     b.add_argument("--json", default=None, help="write every figure to this JSON file")
+    b.add_argument("--html", type=parse_report_path, default=None, metavar="PATH",
+                   help="write predicted vs measured and the plans side by side as an HTML report here")
     b.set_defaults(func=cmd_bench_cost)
     return parser
 
