@@ -134,6 +134,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         from autopar.api import plan_captured
         from autopar.capture.export import capture
         from autopar.plan import cache as plan_cache
+        from autopar.plan.summary import planning_note
         from autopar.presets import build_preset
     console.log(f"imports: {time.perf_counter() - start:.2f} s")
     start = time.perf_counter()
@@ -160,6 +161,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 0
     key = plan_cache.cache_key(captured.graph_hash, mesh, options, args.model)
     plan = None if args.no_cache else plan_cache.load(key, captured.graph_hash)
+    cached = plan is not None
     if plan is not None:
         console.log(f"plan cache hit: {plan_cache.cache_dir() / (key + '.json')}")
     else:
@@ -174,29 +176,59 @@ def cmd_plan(args: argparse.Namespace) -> int:
             )
         if not args.no_cache:
             plan_cache.store(key, plan)
-    print(plan.summary())
-    t = plan.data["timings"]
-    print(
-        f"planned in {sum(t.values()):.2f} s (capture {t['capture_s']:.2f} s, strategies "
-        f"{t['strategies_s']:.2f} s, solve {t['solve_s']:.2f} s)"
-    )
+    _print_plan(plan, args, note=planning_note(plan.data, live=not cached))
     if args.out:
         plan.save(args.out)
         print(f"plan written to {args.out}")
     return 0
 
 
+def output_width() -> int | None:
+    """Columns to render for: $COLUMNS when set, the terminal's width when stdout is one, else
+    None (redirected: plain unwrapped lines)."""
+    import shutil
+
+    columns = os.environ.get("COLUMNS", "")
+    if columns.isdigit() and int(columns) > 0:
+        return int(columns)
+    if sys.stdout.isatty():
+        return shutil.get_terminal_size().columns
+    return None
+
+
+def _print_explanations(plan, names: list[str]) -> None:
+    width = output_width()
+    for k, name in enumerate(names):
+        if k:
+            print()
+        print(plan.explain(name, width=width))
+
+
+def _print_plan(plan, args: argparse.Namespace, *, note: str) -> None:
+    """The summary (the same for a live, cached or loaded plan), the planning-time note, and
+    the explanations asked for."""
+    print(plan.summary(width=output_width(), verbose=args.verbose))
+    print(note)
+    if args.explain:
+        print()
+        _print_explanations(plan, args.explain)
+
+
+def _explain_names(text: str) -> list[str]:
+    return [name for name in (n.strip() for n in text.split(",")) if name]
+
+
 def cmd_show(args: argparse.Namespace) -> int:
     from autopar.plan.document import Plan
+    from autopar.plan.summary import planning_note
 
     if Path(args.plan).is_dir():
         raise ValueError(f"{args.plan} is a directory; pass a plan JSON file (written by autopar plan --out)")
     plan = Plan.load(args.plan)
     if args.explain:
-        for name in args.explain:
-            print(plan.explain(name))
+        _print_explanations(plan, args.explain)
     else:
-        print(plan.summary())
+        _print_plan(plan, args, note=planning_note(plan.data, live=False))
     return 0
 
 
@@ -250,6 +282,16 @@ def cmd_bench_cost(args: argparse.Namespace) -> int:
     return bench_cost_cli(args, config)
 
 
+def _add_view_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--verbose", action="store_true",
+                        help="also print the ZeRO stage and configuration tables, the recomputed "
+                        "segments and the solver's report")
+    parser.add_argument("--explain", action="extend", type=_explain_names, default=None, metavar="NAME",
+                        help="why a parameter FQN or module path (e.g. layers.0.attention.wq.weight) "
+                        "got its layout: the alternatives weighed and why not; repeat the flag or "
+                        "separate names with commas")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from autopar import __version__
 
@@ -261,6 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="plan a model on a mesh offline and print the summary")
     _add_plan_options(p)
     p.add_argument("--out", default=None, help="write the plan JSON here")
+    _add_view_options(p)
     p.add_argument("--sweep-budget", type=int, nargs="?", const=6, default=None, metavar="POINTS",
                    help="instead of one plan: plan under POINTS budgets (default 6) from the smallest "
                    "that fits to the budget-free peak; print step time vs budget and plot it")
@@ -268,7 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_plan)
     s = sub.add_parser("show", help="print a saved plan's summary, or explain nodes")
     s.add_argument("plan", help="plan JSON file")
-    s.add_argument("--explain", nargs="*", default=None, help="node names or parameter FQNs to explain")
+    _add_view_options(s)
     s.set_defaults(func=cmd_show)
     c = sub.add_parser("compare", help="the auto plan vs each recipe: step time, bytes per axis, memory")
     _add_plan_options(c, planning=False)
@@ -308,7 +351,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.func(args)
     except (AutoparError, ValueError, KeyError, OSError) as e:
-        print(f"autopar: error: {e}", file=sys.stderr)
+        # A KeyError's str() is its repr (quoted); print its message as written.
+        message = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"autopar: error: {message}", file=sys.stderr)
         return 2
 
 
