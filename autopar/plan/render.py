@@ -89,17 +89,17 @@ def table(
 
 def _headline(h: dict[str, Any], width: int | None) -> list[str]:
     sec, sec_scale = unit_of([h["step_s"]], _SECONDS)
-    mem, mem_scale = unit_of([h["budget_bytes"], h["peak_memory_bytes"]], _BYTES)
+    mem, mem_scale = unit_of([h["budget_bytes"]], _BYTES)
     step = (
         f"Step {_num(h['step_s'], sec_scale)} {sec} predicted: compute {_num(h['compute_s'], sec_scale)} {sec}, "
         f"communication {_num(h['comm_s'], sec_scale)} {sec}"
         + (f", recomputation {_num(h['recompute_s'], sec_scale)} {sec}" if h["recompute_s"] else "")
     )
     share = h["peak_memory_bytes"] / h["budget_bytes"] if h["budget_bytes"] else 0.0
-    digits = _decimals([h["budget_bytes"], h["peak_memory_bytes"]], mem_scale)
+    peak, peak_scale = unit_of([h["peak_memory_bytes"]], _BYTES)
     memory = (
-        f"Peak memory {_num(h['peak_memory_bytes'], mem_scale, digits)} of "
-        f"{_num(h['budget_bytes'], mem_scale, digits)} {mem} budget ({share:.0%})"
+        f"Peak memory {_num(h['peak_memory_bytes'], peak_scale, 2)} {peak} of "
+        f"{_num(h['budget_bytes'], mem_scale, 2)} {mem} budget ({share:.0%})"
     )
     if h["mfu"] is not None:
         memory += f"; MFU {h['mfu']:.1%} at {h['compute_dtype']} peak"

@@ -18,6 +18,7 @@ RECIPE_WORDS = {
     "megatron": "Megatron tensor parallel",
     "fsdp+tp": "FSDP + Megatron tensor parallel",
 }
+_MEMORY_ORDER = ("params", "grads", "optimizer", "master", "activations", "inputs_buffers", "transient")
 _PEAK_DTYPE = {"bf16": "bfloat16", "fp16": "float16", None: "float32"}
 
 
@@ -184,13 +185,19 @@ def blocks(d: dict[str, Any]) -> list[dict[str, Any]]:
             order.setdefault(name, k)
             if entry["outputs"] and entry["outputs"][0] is not None:
                 blk["acts"][entry["outputs"][0]] = blk["acts"].get(entry["outputs"][0], 0) + 1
-    param_nodes = {e["fqn"]: e["name"] for e in d["nodes"] if e["kind"] == "param" and e.get("fqn")}
-    use = {fqn: first_use.get(param_nodes.get(fqn, ""), len(d["nodes"])) for fqn in d["params"]}
+    # Ties (a weight and a bias used by one op) break by graph position, never by dict order
+    # (a saved plan's keys are sorted).
+    position = {e["fqn"]: k for k, e in enumerate(d["nodes"]) if e["kind"] == "param" and e.get("fqn")}
+    end = len(d["nodes"])
+    use = {
+        fqn: (first_use.get(d["nodes"][position[fqn]]["name"], end) if fqn in position else end, position.get(fqn, end), fqn)
+        for fqn in d["params"]
+    }
     for fqn in sorted(d["params"], key=lambda f: use[f]):
         p = d["params"][fqn]
         name = block_of(p["module_path"])
         blk = raw.setdefault(name, {"params": [], "acts": {}, "seconds": 0.0, "memory_bytes": 0.0})
-        order.setdefault(name, use[fqn])
+        order.setdefault(name, use[fqn][0])
         blk["params"].append((fqn[len(name) + 1 :] if fqn.startswith(name + ".") else fqn, p["placement"]))
     out: list[dict[str, Any]] = []
     for name in sorted(raw, key=lambda n: order.get(n, len(d["nodes"]))):
@@ -281,7 +288,8 @@ def details(d: dict[str, Any]) -> dict[str, Any]:
     chosen_key = per_stage_key(zero)
     per_stage = zero.get("per_stage") or {chosen_key: pred}
     return {
-        "memory_keys": list(pred["memory"]),
+        # A fixed order: a saved plan's keys are sorted, a live one's are not.
+        "memory_keys": sorted(pred["memory"], key=lambda k: (_MEMORY_ORDER.index(k) if k in _MEMORY_ORDER else 99, k)),
         "per_stage": [
             {"stage": key, "chosen": key == chosen_key, **fig} for key, fig in per_stage.items()
         ],
