@@ -85,10 +85,17 @@ def _node_lines(d: dict[str, Any], entry: dict[str, Any], live: Live | None, wid
             f"op {entry['name']} ({entry['op']}) in module {where}: inputs "
             f"[{' '.join(str(p) for p in entry['inputs'])}] -> outputs [{' '.join(str(p) for p in entry['outputs'])}]"
         )
-    lines = _wrap(head, width, "", "  ") + _wrap(
-        f"cost {format_seconds(entry['seconds'])} per step (compute {format_seconds(entry['compute_s'])}), "
-        f"memory {format_bytes(entry['memory_bytes'])} per device", width, "  ", "  ",
-    )
+    if entry["kind"] == "param":
+        cost = (
+            f"cost {format_seconds(entry['seconds'])} per step (gradient sync and ZeRO gathers), "
+            f"memory {format_bytes(entry['memory_bytes'])} per device (parameter, gradient, optimizer state)"
+        )
+    else:
+        cost = (
+            f"cost {format_seconds(entry['seconds'])} per step (compute {format_seconds(entry['compute_s'])}, "
+            f"the rest communication), memory {format_bytes(entry['memory_bytes'])} per device"
+        )
+    lines = _wrap(head, width, "", "  ") + _wrap(cost, width, "  ", "  ")
     stored = d.get("alternatives")
     alt = stored["entries"].get(entry["name"]) if stored else None
     if alt is None and live is not None:
