@@ -12,12 +12,6 @@ from __future__ import annotations
 from typing import Any
 
 RECIPE_ORDER = ("auto", "replicated", "ddp", "fsdp", "megatron", "fsdp+tp")
-RECIPE_WORDS = {
-    "ddp": "DDP",
-    "fsdp": "FSDP",
-    "megatron": "Megatron tensor parallel",
-    "fsdp+tp": "FSDP + Megatron tensor parallel",
-}
 _MEMORY_ORDER = ("params", "grads", "optimizer", "master", "activations", "inputs_buffers", "transient")
 _PEAK_DTYPE = {"bf16": "bfloat16", "fp16": "float16", None: "float32"}
 
@@ -90,10 +84,13 @@ def sentence(d: dict[str, Any]) -> str:
     tp_words = "Megatron tensor parallel" if d["recipe"] in ("megatron", "fsdp+tp") else "tensor parallel"
     if by_role.get("tensor"):
         parts.append(f"{tp_words} on {','.join(by_role['tensor'])}")
-    if by_role.get("data+tensor"):
-        parts.append(f"data and tensor parallel on {','.join(by_role['data+tensor'])}")
-    if by_role.get("data"):
-        parts.append(f"data parallel on {','.join(by_role['data'])}")
+    data_axes = [name for name, role in roles if role in ("data", "data+tensor")]
+    if data_axes:
+        split = by_role.get("data+tensor")
+        parts.append(
+            f"data parallel on {','.join(data_axes)}"
+            + (f" (some weights split on {','.join(split)} too)" if split else "")
+        )
     if by_role.get("none"):
         parts.append(f"replicated on {','.join(by_role['none'])}")
     if not any(by_role.get(r) for r in ("tensor", "data", "data+tensor")):
@@ -117,7 +114,7 @@ def sentence(d: dict[str, Any]) -> str:
             extras.append(f"{len(segments)} segment(s) recomputed")
     text = ", ".join([head, *extras])
     if d["recipe"] != "auto":
-        text = f"recipe {d['recipe']} ({RECIPE_WORDS.get(d['recipe'], d['recipe'])}): {text}"
+        text = f"recipe {d['recipe']}: {text}"
     return text[0].upper() + text[1:]
 
 

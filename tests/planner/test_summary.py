@@ -124,6 +124,11 @@ def test_sentence_names_the_parallelism_in_words(wide_mlp_plan: Plan, gpt_plan: 
     ]
     text = summary_data(ddp)["sentence"]
     assert text == "Data parallel on dp,tp, ZeRO-1 on dp,tp, 1 of 2 layers recomputed"
+    ddp["params"]["wte.weight"]["placement"] = "S0,R"
+    ddp["recipe"] = "fsdp"
+    assert summary_data(ddp)["sentence"].startswith(
+        "Recipe fsdp: data parallel on dp,tp (some weights split on dp too), ZeRO-1"
+    )
 
 
 def test_recipes_start_with_this_plan_in_a_fixed_order(gpt_plan: Plan) -> None:
