@@ -109,14 +109,44 @@ def _build_mesh(args: argparse.Namespace):
     return Mesh.parse(args.mesh, device=args.device, links=links, profile=args.profile)
 
 
-def cmd_plan(args: argparse.Namespace) -> int:
-    from rich.console import Console
+class _Progress:
+    """Progress on stderr: rich's status line and timed log on a terminal; redirected, plain
+    unwrapped lines (rich would wrap and pad them at 80 columns)."""
 
+    def __init__(self) -> None:
+        from rich.console import Console
+
+        self._console = Console(stderr=True, highlight=False, log_path=False)
+
+    def log(self, line: str) -> None:
+        if self._console.is_terminal:
+            self._console.log(line)
+        else:
+            print(line, file=sys.stderr, flush=True)
+
+    def status(self, text: str):
+        return self._console.status(text) if self._console.is_terminal else _NoStatus()
+
+
+class _NoStatus:
+    """``_Progress.status`` off a terminal: nothing to animate or update."""
+
+    def __enter__(self) -> _NoStatus:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def update(self, text: str) -> None:
+        return None
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
     from autopar.options import PlanOptions
 
     # Progress goes to stderr, and its first line comes before torch and the planner load
     # (about 2 s of imports): bad options fail first, then the user sees what is happening.
-    console = Console(stderr=True, highlight=False, log_path=False)
+    console = _Progress()
     mesh = _build_mesh(args)
     options = PlanOptions(
         recipe=args.recipe,

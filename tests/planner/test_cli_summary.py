@@ -62,7 +62,10 @@ def test_show_and_a_cached_run_print_the_same_summary(quick_start, monkeypatch, 
     capsys.readouterr()
     assert main([*QUICK_START]) == 0
     captured = capsys.readouterr()
-    assert "plan cache hit" in captured.err
+    # Progress on a redirected stderr: plain lines, neither wrapped nor padded.
+    hit = [line for line in captured.err.splitlines() if line.startswith("plan cache hit: ")]
+    assert len(hit) == 1 and hit[0].endswith(".json"), captured.err
+    assert all(line == line.rstrip() for line in captured.err.splitlines())
     assert _summary_part(captured.out) == _summary_part(text)
     assert "planned earlier in " in captured.out
 
