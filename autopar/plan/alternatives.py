@@ -59,21 +59,30 @@ def node_alternatives(
     adjacency: tuple[list[list[Any]], list[list[Any]]] | None = None,
     max_options: int = MAX_OPTIONS,
 ) -> dict[str, Any]:
-    """One node's stored alternatives: ``{"node", "kind", "module_path", "fqn"?, "chosen",
-    "num_strategies", "options": [{"layout", "step_delta_s", "memory_delta_bytes", "reason"}]}``
-    with the chosen strategy first and the others by step-time delta (None: impossible)."""
+    """One node's stored alternatives: ``{"node", "kind", "fqn"?, "chosen", "num_strategies",
+    "options": [{"layout", "step_delta_s", "memory_delta_bytes", "reason"}]}`` with the chosen
+    strategy first and the others by step-time delta (None: impossible). A tied parameter's
+    aliases (``alias_of``) change layout with it; every other node keeps the plan's choice."""
     incoming, outgoing = adjacency or _adjacency(space)
     node = space.nodes[i]
     own_s, memory = node_cost_vector(space, node, zero)
     chosen = choice[i]
     permitted = set(allowed[node.name]) if allowed and node.name in allowed else None
+    # A tied parameter lifted twice is one tensor: its aliases take the same layout with it.
+    group = [i] + [
+        j for j, other in enumerate(space.nodes)
+        if other.alias_of == node.name and len(other.strategies) == len(node.strategies)
+    ]
+    costs = {j: node_cost_vector(space, space.nodes[j], zero)[0] for j in group[1:]}
 
     def total(s: int) -> float:
-        seconds = float(own_s[s])
-        for edge in incoming[i]:
-            seconds += float(edge.cost_s[choice[edge.src], s])
-        for edge in outgoing[i]:
-            seconds += float(edge.cost_s[s, choice[edge.dst]])
+        seconds = float(own_s[s]) + sum(float(c[s]) for c in costs.values())
+        for j in group:
+            for edge in incoming[j]:
+                seconds += float(edge.cost_s[s if edge.src in group else choice[edge.src], s])
+            for edge in outgoing[j]:
+                if edge.dst not in group:  # edges inside the group are counted once, above
+                    seconds += float(edge.cost_s[s, choice[edge.dst]])
         return seconds
 
     base_s, base_mem = total(chosen), float(memory[chosen])

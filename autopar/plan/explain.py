@@ -100,8 +100,14 @@ def _node_lines(d: dict[str, Any], entry: dict[str, Any], live: Live | None, wid
     alt = stored["entries"].get(entry["name"]) if stored else None
     if alt is None and live is not None:
         alt = live(entry["name"])
+    tied = d["params"].get(entry.get("fqn", ""), {}).get("tied_to") if entry["kind"] == "param" else None
     if alt is not None:
         lines += _alternatives_lines(alt, width)
+    elif tied and stored is not None:
+        lines += _wrap(
+            f"tied to {', '.join(tied)} (one tensor, one layout): explain {tied[0]} for the "
+            "layouts weighed", width, "  ", "  ",
+        )
     elif stored is None:
         lines += _wrap(
             "this plan file stores no alternatives (written before autopar stored them); "

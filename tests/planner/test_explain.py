@@ -54,15 +54,18 @@ def test_stored_deltas_equal_the_plan_priced_with_one_layout_changed(gpt_plan: P
     space, choice = gpt_plan.space, gpt_plan.choice
     zero = ZeroConfig.from_json(gpt_plan.zero, space.mesh.axis_names)
     base = evaluate(space, choice, zero)
-    checked = 0
+    checked = tied = 0
     for entry in gpt_plan.data["alternatives"]["entries"].values():
         if entry["kind"] != "param":
             continue
         i = space.index[entry["node"]]
+        group = [i] + [j for j, n in enumerate(space.nodes) if n.alias_of == entry["node"]]
+        tied += len(group) > 1
         layouts = [format_placements(s.outputs[0]) for s in space.nodes[i].strategies]
         for option in entry["options"][1:]:
             swapped = list(choice)
-            swapped[i] = layouts.index(option["layout"])
+            for j in group:  # a tied parameter's aliases move with it
+                swapped[j] = layouts.index(option["layout"])
             other = evaluate(space, swapped, zero)
             if option["step_delta_s"] is None:
                 assert not math.isfinite(other.step_s)
@@ -72,7 +75,15 @@ def test_stored_deltas_equal_the_plan_priced_with_one_layout_changed(gpt_plan: P
                 option["memory_delta_bytes"], rel=1e-9, abs=1e-6
             )
             checked += 1
-    assert checked > 20
+    assert checked > 20 and tied == 1  # tiny_gpt ties wte.weight and lm_head.weight
+
+
+def test_a_tied_parameter_is_explained_with_its_twin(gpt_plan: Plan) -> None:
+    loaded = Plan.from_json(gpt_plan.to_json())
+    owner = loaded.explain("wte.weight")
+    assert "slower by" in owner or "over budget" in owner
+    assert "impossible" not in owner.split("* ")[1].splitlines()[1]  # moving both is possible
+    assert "tied to wte.weight" in loaded.explain("lm_head.weight")
 
 
 def test_reasons_say_slower_over_budget_or_forbidden_by_the_recipe() -> None:
