@@ -38,6 +38,12 @@ def _num(value: float, scale: float, decimals: int | None = None) -> str:
     return f"{x:.{_decimals([value], scale) if decimals is None else decimals}f}"
 
 
+def column(values: Sequence[float], scale: float) -> list[str]:
+    """``values`` in one unit with the same decimals (a table column)."""
+    decimals = _decimals(values, scale)
+    return [_num(v, scale, decimals) for v in values]
+
+
 def _count(n: float) -> str:
     for suffix, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if n >= scale:
@@ -158,11 +164,13 @@ def _details(x: dict[str, Any], width: int | None) -> list[str]:
     mem, m = unit_of([r["peak_memory_bytes"] for r in x["per_stage"]], _BYTES)
     lines = wrap(f"These layouts under each ZeRO stage (time in {sec}, memory in {mem} per device):", width)
     header = ["ZeRO stage", "step", *(_MEMORY_SHORT.get(k, k) for k in keys), "peak"]
-    body = [
-        [r["stage"] + (" (chosen)" if r["chosen"] else ""), _num(r["step_s"], s),
-         *(_num(r["memory"].get(k, 0.0), m) for k in keys), _num(r["peak_memory_bytes"], m)]
-        for r in x["per_stage"]
+    rows = x["per_stage"]
+    columns = [
+        column([r["step_s"] for r in rows], s),
+        *(column([r["memory"].get(k, 0.0) for r in rows], m) for k in keys),
+        column([r["peak_memory_bytes"] for r in rows], m),
     ]
+    body = [[r["stage"] + (" (chosen)" if r["chosen"] else ""), *(c[k] for c in columns)] for k, r in enumerate(rows)]
     lines += table(header, body, width=width)
     if x["considered"]:
         sec, s = unit_of([r["step_s"] for r in x["considered"]], _SECONDS)
@@ -172,10 +180,10 @@ def _details(x: dict[str, Any], width: int | None) -> list[str]:
             f"ZeRO configurations considered (time in {sec}, memory in {mem}; layouts: own = solved "
             "for it, chosen = this plan's priced under it):", width,
         )
-        body = [
-            [r["label"], r["layouts"], _num(r["step_s"], s), _num(r["peak_memory_bytes"], m), r["verdict"]]
-            for r in x["considered"]
-        ]
+        rows = x["considered"]
+        steps = column([r["step_s"] for r in rows], s)
+        peaks = column([r["peak_memory_bytes"] for r in rows], m)
+        body = [[r["label"], r["layouts"], steps[k], peaks[k], r["verdict"]] for k, r in enumerate(rows)]
         lines += table(["configuration", "layouts", "step", "peak", "verdict"], body, width=width, wrap_last=True)
     if x["zero_reason"]:
         lines += wrap(f"ZeRO choice: {x['zero_reason']}", width)
