@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from autopar.options import format_bytes, format_seconds
+from autopar.plan.alternatives import alternatives_document, training_flops
 from autopar.plan.document import PLAN_VERSION, strategy_entry
 from autopar.planner.checkpointing import with_segments
 from autopar.planner.configurations import Solved
@@ -78,6 +79,7 @@ def plan_document(
             "graph_hash": captured.graph_hash,
             "num_nodes": len(gm.graph.nodes),
             "num_params": captured.num_params,
+            "train_flops": training_flops(space),
         },
         "mesh": mesh.to_dict(),
         "options": {**space.options.to_dict(), "recipe": recipe},
@@ -120,6 +122,7 @@ def plan_document(
         },
         "timings": timings,
         "warnings": warnings,
+        "alternatives": alternatives_document(space, chosen, budget=budget, recipe=recipe),
     }
 
 

@@ -119,14 +119,44 @@ def _build_mesh(args: argparse.Namespace):
     return Mesh.parse(args.mesh, device=args.device, links=links, profile=args.profile)
 
 
-def cmd_plan(args: argparse.Namespace) -> int:
-    from rich.console import Console
+class _Progress:
+    """Progress on stderr: rich's status line and timed log on a terminal; redirected, plain
+    unwrapped lines (rich would wrap and pad them at 80 columns)."""
 
+    def __init__(self) -> None:
+        from rich.console import Console
+
+        self._console = Console(stderr=True, highlight=False, log_path=False)
+
+    def log(self, line: str) -> None:
+        if self._console.is_terminal:
+            self._console.log(line)
+        else:
+            print(line, file=sys.stderr, flush=True)
+
+    def status(self, text: str):
+        return self._console.status(text) if self._console.is_terminal else _NoStatus()
+
+
+class _NoStatus:
+    """``_Progress.status`` off a terminal: nothing to animate or update."""
+
+    def __enter__(self) -> _NoStatus:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def update(self, text: str) -> None:
+        return None
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
     from autopar.options import PlanOptions
 
     # Progress goes to stderr, and its first line comes before torch and the planner load
     # (about 2 s of imports): bad options fail first, then the user sees what is happening.
-    console = Console(stderr=True, highlight=False, log_path=False)
+    console = _Progress()
     mesh = _build_mesh(args)
     options = PlanOptions(
         recipe=args.recipe,
@@ -144,6 +174,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         from autopar.api import plan_captured
         from autopar.capture.export import capture
         from autopar.plan import cache as plan_cache
+        from autopar.plan.summary import planning_note
         from autopar.presets import build_preset
         from autopar.tools.report import plot_prefix
     plot_path = None
@@ -177,6 +208,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 0
     key = plan_cache.cache_key(captured.graph_hash, mesh, options, args.model)
     plan = None if args.no_cache else plan_cache.load(key, captured.graph_hash)
+    cached = plan is not None
     if plan is not None:
         console.log(f"plan cache hit: {plan_cache.cache_dir() / (key + '.json')}")
     else:
@@ -191,12 +223,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             )
         if not args.no_cache:
             plan_cache.store(key, plan)
-    print(plan.summary())
-    t = plan.data["timings"]
-    print(
-        f"planned in {sum(t.values()):.2f} s (capture {t['capture_s']:.2f} s, strategies "
-        f"{t['strategies_s']:.2f} s, solve {t['solve_s']:.2f} s)"
-    )
+    _print_plan(plan, args, note=planning_note(plan.data, live=not cached))
     if args.out:
         plan.save(args.out)
         print(f"plan written to {args.out}")
@@ -213,17 +240,52 @@ def _write_html(args: argparse.Namespace, plan) -> None:
         print(f"report written to {args.html}")
 
 
+def output_width() -> int | None:
+    """Columns to render for: $COLUMNS when set, the terminal's width when stdout is one, else
+    None (redirected: plain unwrapped lines)."""
+    import shutil
+
+    columns = os.environ.get("COLUMNS", "")
+    if columns.isdigit() and int(columns) > 0:
+        return int(columns)
+    if sys.stdout.isatty():
+        return shutil.get_terminal_size().columns
+    return None
+
+
+def _print_explanations(plan, names: list[str]) -> None:
+    width = output_width()
+    for k, name in enumerate(names):
+        if k:
+            print()
+        print(plan.explain(name, width=width))
+
+
+def _print_plan(plan, args: argparse.Namespace, *, note: str) -> None:
+    """The summary (the same for a live, cached or loaded plan), the planning-time note, and
+    the explanations asked for."""
+    print(plan.summary(width=output_width(), verbose=args.verbose))
+    print(note)
+    if args.explain:
+        print()
+        _print_explanations(plan, args.explain)
+
+
+def _explain_names(text: str) -> list[str]:
+    return [name for name in (n.strip() for n in text.split(",")) if name]
+
+
 def cmd_show(args: argparse.Namespace) -> int:
     from autopar.plan.document import Plan
+    from autopar.plan.summary import planning_note
 
     if Path(args.plan).is_dir():
         raise ValueError(f"{args.plan} is a directory; pass a plan JSON file (written by autopar plan --out)")
     plan = Plan.load(args.plan)
     if args.explain:
-        for name in args.explain:
-            print(plan.explain(name))
+        _print_explanations(plan, args.explain)
     else:
-        print(plan.summary())
+        _print_plan(plan, args, note=planning_note(plan.data, live=False))
     _write_html(args, plan)
     return 0
 
@@ -283,6 +345,16 @@ def cmd_bench_cost(args: argparse.Namespace) -> int:
     return bench_cost_cli(args, config)
 
 
+def _add_view_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--verbose", action="store_true",
+                        help="also print the ZeRO stage and configuration tables, the recomputed "
+                        "segments and the solver's report")
+    parser.add_argument("--explain", action="extend", type=_explain_names, default=None, metavar="NAME",
+                        help="why a parameter FQN or module path (e.g. layers.0.attention.wq.weight) "
+                        "got its layout: the alternatives weighed and why not; repeat the flag or "
+                        "separate names with commas")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from autopar import __version__
 
@@ -294,6 +366,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="plan a model on a mesh offline and print the summary")
     _add_plan_options(p)
     p.add_argument("--out", default=None, help="write the plan JSON here")
+    _add_view_options(p)
     p.add_argument("--html", type=parse_report_path, default=None, metavar="PATH", help="write an HTML report here (one self-contained file: figures, layouts, recipes)")
     p.add_argument("--sweep-budget", type=int, nargs="?", const=6, default=None, metavar="POINTS",
                    help="instead of one plan: plan under POINTS budgets (default 6) from the smallest "
@@ -303,7 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_plan)
     s = sub.add_parser("show", help="print a saved plan's summary, or explain nodes")
     s.add_argument("plan", help="plan JSON file")
-    s.add_argument("--explain", nargs="*", default=None, help="node names or parameter FQNs to explain")
+    _add_view_options(s)
     s.add_argument("--html", type=parse_report_path, default=None, metavar="PATH", help="write an HTML report here (one self-contained file: figures, layouts, recipes)")
     s.set_defaults(func=cmd_show)
     c = sub.add_parser("compare", help="the auto plan vs each recipe: step time, bytes per axis, memory")
@@ -350,7 +423,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.func(args)
     except (AutoparError, ValueError, KeyError, OSError) as e:
-        print(f"autopar: error: {e}", file=sys.stderr)
+        # A KeyError's str() is its repr (quoted); print its message as written.
+        message = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"autopar: error: {message}", file=sys.stderr)
         return 2
 
 

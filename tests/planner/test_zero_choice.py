@@ -148,7 +148,7 @@ def test_budget_moves_the_choice_up_the_stages(fraction: float, stage: int) -> N
     keys = ("params", "grads", "optimizer")
     states = [sum(by_stage[s][k] for k in keys) for s in range(4)]
     assert states == sorted(states, reverse=True) and states[3] < states[0] / 1.8, states
-    text = plan.summary(width=220)
+    text = plan.summary(verbose=True)
     assert "ZeRO configurations considered" in text
     assert f"ZeRO choice: {zero['reason']}" in text
     # The JSON round-trips with the choice.
@@ -222,7 +222,7 @@ def test_budget_between_stage_3_and_stage_2_picks_mixed_stages() -> None:
         row = verdicts[other]
         if other != stages and row["layouts"] == "own" and row["peak_memory_bytes"] <= budget:
             assert row["step_s"] >= plan.data["predicted"]["step_s"], row
-    text = plan.summary(width=240)
+    text = plan.summary(verbose=True)
     assert f"ZeRO {label}" in text
     assert f"node={stages[0]},gpu={stages[1]} (chosen)" in text
     # The new JSON round-trips; a plan written before per-axis stages (no "stages") still loads
@@ -236,7 +236,7 @@ def test_budget_between_stage_3_and_stage_2_picks_mixed_stages() -> None:
         entry["zero"].pop("stages")
     legacy = Plan.from_json(json.dumps(old))
     assert ZeroConfig.from_json(legacy.zero, ["node", "gpu"]) == ZeroConfig(stages=(0, 3))
-    assert "ZeRO stage 3 on gpu" in legacy.summary(width=240)
+    assert "ZeRO stage 3 on gpu" in legacy.summary(verbose=True)
 
 
 def test_forced_per_axis_stages_round_trip(tmp_path: Any) -> None:
