@@ -17,7 +17,6 @@ import jsonschema
 
 from autopar.errors import PlanMismatchError
 from autopar.placement import format_placements, parse_placements
-from autopar.plan.summary import block_of, zero_label  # noqa: F401  (their home before summary.py)
 from autopar.planner.checkpointing import CheckpointSegment
 from autopar.strategies import Strategy
 

@@ -15,8 +15,8 @@ from html import escape
 from typing import Any
 
 from autopar.options import format_bytes
-from autopar.plan.document import _natural_key, block_of
 from autopar.plan.html_figures import attrs, legend, placement_colour, placement_words
+from autopar.plan.summary import block_of, natural_key
 
 _ITEMSIZE = {"float64": 8, "int64": 8, "float32": 4, "int32": 4, "float16": 2, "bfloat16": 2,
              "bool": 1, "int8": 1, "uint8": 1}  # fmt: skip
@@ -166,7 +166,7 @@ def layout_grids(data: Mapping[str, Any], *, element_id: str = "layouts") -> str
     parts = []
     for family, blocks in families.items():
         if family and len(blocks) > 1:
-            parts.append(_grid(family, sorted(blocks, key=_natural_key), members, data, nodes))
+            parts.append(_grid(family, sorted(blocks, key=natural_key), members, data, nodes))
         elif others and others[0] in blocks:
             parts.append(_other_grid(others, members, data, nodes))
     used = sorted({p for param in data["params"].values() for p in param["placement"].split(",")})

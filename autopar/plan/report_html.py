@@ -23,7 +23,6 @@ from html import escape
 from typing import Any
 
 from autopar.options import format_bytes, format_seconds
-from autopar.plan.document import zero_label
 from autopar.plan.html_figures import (
     MEMORY_PARTS,
     STEP_PARTS,
@@ -35,6 +34,7 @@ from autopar.plan.html_figures import (
     table,
 )
 from autopar.plan.html_layouts import layout_grids
+from autopar.plan.summary import zero_label
 
 PAGE_CSS = """
 body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; color: #222;

@@ -9,11 +9,17 @@ the plan cache and one loaded by ``autopar show`` summarise identically.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 RECIPE_ORDER = ("auto", "replicated", "ddp", "fsdp", "megatron", "fsdp+tp")
 _MEMORY_ORDER = ("params", "grads", "optimizer", "master", "activations", "inputs_buffers", "transient")
 _PEAK_DTYPE = {"bf16": "bfloat16", "fp16": "float16", None: "float32"}
+
+
+def natural_key(text: str) -> list[Any]:
+    """Sort key that orders numbered names by number (layers.2 before layers.10)."""
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", text)]
 
 
 def block_of(module_path: str) -> str:

@@ -16,10 +16,11 @@ from html import escape
 from typing import Any
 
 from autopar.options import format_bytes
-from autopar.plan.document import Plan, zero_label
+from autopar.plan.document import Plan
 from autopar.plan.html_figures import bytes_unit, in_unit, num, paired_bars, seconds_unit, table
 from autopar.plan.html_layouts import layout_grids
 from autopar.plan.report_html import page, plan_sections, step_and_memory
+from autopar.plan.summary import zero_label
 from autopar.tools.report import compare_rows
 
 
