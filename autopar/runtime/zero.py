@@ -116,6 +116,7 @@ __all__ = [
     "resolve_stages",
 ]
 
+
 class ZeroEngine:
     """The chunks of one ParallelModule and what runs on them (module docstring).
 

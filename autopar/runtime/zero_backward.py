@@ -35,9 +35,7 @@ class GradientReducer:
             reduction (the gatherer drops the buffers gathered for backward).
     """
 
-    def __init__(
-        self, store: ChunkStore, mesh: ZeroMesh, end_backward: Callable[[], None]
-    ) -> None:
+    def __init__(self, store: ChunkStore, mesh: ZeroMesh, end_backward: Callable[[], None]) -> None:
         self.store = store
         self.mesh = mesh
         self._end_backward = end_backward
@@ -100,7 +98,9 @@ class GradientReducer:
                     chunk.work = work
                 value = out
             else:
-                value = value[self.mesh.coords[axis] * part : (self.mesh.coords[axis] + 1) * part].clone()
+                value = value[
+                    self.mesh.coords[axis] * part : (self.mesh.coords[axis] + 1) * part
+                ].clone()
         if chunk.allreduce_axes:
             axis = chunk.allreduce_axes[0]
             src, group = value, self.mesh.group_of(axis)
