@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from autopar.lowering.rewrite import LoweredGraph
 from autopar.placement import Partial, Placements, Shard, format_placements, replicated
-from autopar.runtime.state import StateSource, block_index
+from autopar.runtime.state_source import StateSource, block_index
 
 __all__ = ["SourceState", "container", "gather_full", "local_block", "read_source"]
 
