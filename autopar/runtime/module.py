@@ -27,15 +27,23 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import _IncompatibleKeys
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from autopar.lowering.rewrite import LoweredGraph
-from autopar.placement import Partial, Placements, Shard, format_placements, replicated
+from autopar.placement import Placements, Shard, format_placements, replicated
 from autopar.runtime.grad_sync import DEFAULT_BUCKET_BYTES, GradReducer
+from autopar.runtime.materialize import (
+    SourceState,
+    container,
+    flat_reader,
+    gather_full,
+    local_block,
+    param_block_index,
+    read_source,
+)
 from autopar.runtime.norms import clip_grad_norm_
 from autopar.runtime.state import (
     StateSource,
@@ -46,47 +54,6 @@ from autopar.runtime.state import (
 from autopar.runtime.zero import ShardedGradScaler, ZeroEngine, build_zero_engine
 
 __all__ = ["ParallelModule", "gather_full", "local_block"]
-
-
-def local_block(
-    full: torch.Tensor, placements: Placements, mesh_shape: Sequence[int], coords: Sequence[int]
-) -> torch.Tensor:
-    """This rank's block of ``full`` (a view): axis 0 outermost when a dim is split over several axes."""
-    block = full
-    for axis, p in enumerate(placements):
-        if isinstance(p, Shard):
-            size = mesh_shape[axis]
-            if block.shape[p.dim] % size:
-                raise ValueError(
-                    f"dim {p.dim} of size {block.shape[p.dim]} does not split {size} ways "
-                    f"(placements {format_placements(placements)})"
-                )
-            block = block.chunk(size, dim=p.dim)[coords[axis]]
-        elif isinstance(p, Partial):
-            raise ValueError(
-                f"cannot cut a full tensor into Partial placements {format_placements(placements)}; "
-                f"plan parameters and inputs as Shard or Replicate"
-            )
-    return block
-
-
-def gather_full(
-    local: torch.Tensor, placements: Placements, group_of: Callable[[int], Any]
-) -> torch.Tensor:
-    """All-gather ``local`` over its sharded axes (innermost axis first) into the full tensor."""
-    value = local.detach().contiguous()
-    for axis in reversed(range(len(placements))):
-        p = placements[axis]
-        if isinstance(p, Shard):
-            group = group_of(axis)
-            parts = [torch.empty_like(value) for _ in range(dist.get_world_size(group))]
-            dist.all_gather(parts, value, group=group)
-            value = torch.cat(parts, dim=p.dim)
-        elif isinstance(p, Partial):
-            group = group_of(axis)
-            value = value.clone()
-            dist.all_reduce(value, group=group)
-    return value
 
 
 class ParallelModule(nn.Module):
@@ -146,69 +113,15 @@ class ParallelModule(nn.Module):
         self._lower_mode: Callable[[bool], LoweredGraph] | None = None
         self.plan: Any = None
         """The Plan this module was lowered from (set by ``autopar.autoparallelize``)."""
-        num_axes = len(lowered.mesh_shape)
-        full, persistent, requires_grad = _full_tensors(source, lowered.non_persistent_buffers)
+        src = read_source(lowered, source, state_source)
         if device is None:
             on_cuda = groups.device_mesh.device_type == "cuda"
             device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else "cpu"
-
-        # Canonical name of every parameter name (tied parameters share one canonical name).
-        canonical: dict[str, str] = {}
-        for fqn, others in lowered.tied_params.items():
-            for other in others:
-                canonical[other] = fqn
-        if isinstance(source, nn.Module):
-            by_identity: dict[int, list[str]] = {}
-            for name, param in source.named_parameters(remove_duplicate=False):
-                by_identity.setdefault(id(param), []).append(name)
-            for names in by_identity.values():
-                first = next((n for n in names if n in lowered.param_placements), names[0])
-                for name in names:
-                    canonical[name] = first
-        is_param = {
-            name: name in requires_grad or canonical.get(name, name) in lowered.param_placements
-            for name in full
-        }
-        present = {canonical.get(name, name) for name in full}
-        missing = sorted((set(lowered.param_placements) | set(lowered.buffer_placements)) - present)
-        if missing:
-            raise ValueError(
-                f"ParallelModule: the source lacks {', '.join(missing[:8])}; pass the original model "
-                f"(non-persistent buffers are not in its state_dict) or a complete state dict"
-            )
-
-        read_as = _check_state_source(state_source, full, persistent, canonical, is_param)
         self._params: dict[str, nn.Parameter] = {}
         self._buffer_placements: dict[str, Placements] = {}
         self._param_placements: dict[str, Placements] = {}
-        self._persistent: set[str] = {name for name in full if name in persistent}
-        for name, tensor in full.items():
-            leaf_name = name.rpartition(".")[2]
-            if not is_param[name]:
-                placements = lowered.buffer_placements.get(name, replicated(num_axes))
-                if state_source is not None and name in state_source:
-                    index = block_index(tensor.shape, placements, lowered.mesh_shape, self.coords)
-                    block = state_source.read(name, index).to(device=device, dtype=tensor.dtype)
-                else:
-                    block = local_block(
-                        tensor.detach(), placements, lowered.mesh_shape, self.coords
-                    ).clone()
-                _container(self, name).register_buffer(
-                    leaf_name, block, persistent=name in persistent
-                )
-                self._buffer_placements[name] = placements
-                continue
-            key = canonical.get(name, name)
-            placements = lowered.param_placements.get(key, replicated(num_axes))
-            param = self._params.get(key)
-            if param is None:
-                block = local_block(tensor.detach(), placements, lowered.mesh_shape, self.coords)
-                # From a state source: a meta placeholder now, read below (or by ZeRO).
-                block = block.clone() if state_source is None else block.to("meta")
-                param = nn.Parameter(block, requires_grad=requires_grad.get(name, True))
-                self._params[key] = param
-            _container(self, name).register_parameter(leaf_name, param)
-            self._param_placements[name] = placements
+        self._persistent: set[str] = {name for name in src.full if name in src.persistent}
+        self._register_blocks(src, state_source, device)
 
         # ZeRO (autopar.runtime.zero): chunk parameters are replaced by their shard views.
         self.zero: ZeroEngine | None = None
@@ -218,17 +131,6 @@ class ParallelModule(nn.Module):
             raise ValueError(
                 "mixed_precision needs zero_stage >= 1 (fp32 master shards live in ZeRO chunks)"
             )
-
-        def index_of(key: str) -> tuple[slice, ...]:
-            placements = lowered.param_placements.get(key, replicated(num_axes))
-            shape = full[read_as[key]].shape
-            return block_index(shape, placements, lowered.mesh_shape, self.coords)
-
-        def read_flat(key: str, lo: int, hi: int) -> torch.Tensor:
-            assert state_source is not None
-            value = state_source.read_flat(read_as[key], index_of(key), lo, hi)
-            return value.to(torch.float32)
-
         if zero_on:
             self.zero = build_zero_engine(
                 lowered,
@@ -239,27 +141,21 @@ class ParallelModule(nn.Module):
                 zero_axes=zero_axes,
                 chunk_bytes=chunk_bytes,
                 mixed_precision=mixed_precision,
-                read_flat=None if state_source is None else read_flat,
+                read_flat=(
+                    None
+                    if state_source is None
+                    else flat_reader(lowered, src, state_source, self.coords)
+                ),
                 device=device,
                 axis_names=groups.axis_names,
             )
             for name in self._param_placements:
-                shard = self.zero.shard_params.get(canonical.get(name, name))
+                shard = self.zero.shard_params.get(src.key(name))
                 if shard is not None:
-                    _container(self, name).register_parameter(name.rpartition(".")[2], shard)
-                    self._params[canonical.get(name, name)] = shard
+                    container(self, name).register_parameter(name.rpartition(".")[2], shard)
+                    self._params[src.key(name)] = shard
         if state_source is not None:
-            # Parameters ZeRO does not hold are read as their whole tensor-parallel block.
-            for key, param in list(self._params.items()):
-                if param.is_meta:
-                    value = state_source.read(read_as[key], index_of(key))
-                    self._params[key] = nn.Parameter(
-                        value.to(device=device, dtype=param.dtype),
-                        requires_grad=param.requires_grad,
-                    )
-            for name in self._param_placements:
-                param = self._params[canonical.get(name, name)]
-                _container(self, name).register_parameter(name.rpartition(".")[2], param)
+            self._read_unheld(src, state_source, device)
         self.grad_scaler = ShardedGradScaler(
             [self._axis_group(a) for a, n in enumerate(lowered.mesh_shape) if n > 1],
             enabled=mixed_precision == "fp16",
@@ -276,6 +172,58 @@ class ParallelModule(nn.Module):
             bucket_bytes=grad_bucket_bytes,
             axis_names=groups.axis_names,
         )
+
+    def _register_blocks(
+        self, src: SourceState, state_source: StateSource | None, device: torch.device | str
+    ) -> None:
+        """Register this rank's block of every source tensor under its original name (a
+        parameter from a state source: a meta placeholder, read later)."""
+        lowered = self.lowered
+        num_axes = len(lowered.mesh_shape)
+        for name, tensor in src.full.items():
+            leaf_name = name.rpartition(".")[2]
+            if not src.is_param[name]:
+                placements = lowered.buffer_placements.get(name, replicated(num_axes))
+                if state_source is not None and name in state_source:
+                    index = block_index(tensor.shape, placements, lowered.mesh_shape, self.coords)
+                    block = state_source.read(name, index).to(device=device, dtype=tensor.dtype)
+                else:
+                    block = local_block(
+                        tensor.detach(), placements, lowered.mesh_shape, self.coords
+                    ).clone()
+                container(self, name).register_buffer(
+                    leaf_name, block, persistent=name in src.persistent
+                )
+                self._buffer_placements[name] = placements
+                continue
+            key = src.key(name)
+            placements = lowered.param_placements.get(key, replicated(num_axes))
+            param = self._params.get(key)
+            if param is None:
+                block = local_block(tensor.detach(), placements, lowered.mesh_shape, self.coords)
+                # From a state source: a meta placeholder now, read below (or by ZeRO).
+                block = block.clone() if state_source is None else block.to("meta")
+                param = nn.Parameter(block, requires_grad=src.requires_grad.get(name, True))
+                self._params[key] = param
+            container(self, name).register_parameter(leaf_name, param)
+            self._param_placements[name] = placements
+
+    def _read_unheld(
+        self, src: SourceState, state_source: StateSource, device: torch.device | str
+    ) -> None:
+        """Read the parameters ZeRO does not hold from the state source, each as its whole
+        tensor-parallel block."""
+        for key, param in list(self._params.items()):
+            if param.is_meta:
+                index = param_block_index(self.lowered, src, key, self.coords)
+                value = state_source.read(src.read_as[key], index)
+                self._params[key] = nn.Parameter(
+                    value.to(device=device, dtype=param.dtype),
+                    requires_grad=param.requires_grad,
+                )
+        for name in self._param_placements:
+            param = self._params[src.key(name)]
+            container(self, name).register_parameter(name.rpartition(".")[2], param)
 
     def attach_mode_lowering(self, lower_mode: Callable[[bool], LoweredGraph]) -> None:
         """Let the module switch train/eval: ``lower_mode(training)`` must return the graph of
@@ -507,95 +455,3 @@ def _reorder_kwargs(kwargs: dict[str, Any], in_spec: Any) -> dict[str, Any]:
             f"keyword inputs {sorted(kwargs)} differ from the captured ones {sorted(keys)}"
         )
     return {key: kwargs[key] for key in keys}
-
-
-def _full_tensors(
-    source: nn.Module | Mapping[str, torch.Tensor], non_persistent: frozenset[str]
-) -> tuple[dict[str, torch.Tensor], set[str], dict[str, bool]]:
-    """(name -> full tensor, persistent names, parameter name -> requires_grad)."""
-    if isinstance(source, nn.Module):
-        full: dict[str, torch.Tensor] = {}
-        requires_grad: dict[str, bool] = {}
-        persistent: set[str] = set()
-        for name, param in source.named_parameters(remove_duplicate=False):
-            full[name] = param
-            requires_grad[name] = param.requires_grad
-            persistent.add(name)
-        for module_name, module in source.named_modules(remove_duplicate=False):
-            for buffer_name, buffer in module._buffers.items():
-                if buffer is None:
-                    continue
-                name = f"{module_name}.{buffer_name}" if module_name else buffer_name
-                full[name] = buffer
-                if buffer_name not in module._non_persistent_buffers_set:
-                    persistent.add(name)
-        return full, persistent, requires_grad
-    full = dict(source)
-    return full, set(full) - non_persistent, {}
-
-
-def _check_state_source(
-    source: StateSource | None,
-    full: Mapping[str, torch.Tensor],
-    persistent: set[str],
-    canonical: Mapping[str, str],
-    is_param: Mapping[str, bool],
-) -> dict[str, str]:
-    """Canonical parameter name -> the name the source holds it under (any of its tied
-    names); ValueError on a meta model without a source, missing or unexpected keys, or
-    shapes that differ."""
-    if source is None:
-        meta = [name for name, tensor in full.items() if tensor.is_meta]
-        if meta:
-            raise ValueError(
-                f"the model is on the meta device ({', '.join(meta[:4])}, ...): pass its weights "
-                f"with state_dict= (a full state dict or a .safetensors path) so that each rank "
-                f"materializes its own shards"
-            )
-        return {}
-    read_as: dict[str, str] = {}
-    for name in full:
-        if is_param[name] and name in source:
-            read_as.setdefault(canonical.get(name, name), name)
-    missing = [
-        name
-        for name, tensor in full.items()
-        if (canonical.get(name, name) not in read_as if is_param[name] else name not in source)
-        and (is_param[name] or name in persistent or tensor.is_meta)
-    ]
-    unexpected = [name for name in source.keys() if name not in full]
-    if missing or unexpected:
-        buffers = [name for name in missing if name not in persistent and not is_param[name]]
-        hint = (
-            f"; {buffers} are non-persistent buffers (not in a saved state dict) and the model "
-            f"holds them on meta: add them to the state dict, pass state_dict=[path, "
-            f"{{name: tensor}}], or build the model so that those buffers are real"
-            if buffers
-            else ""
-        )
-        raise ValueError(
-            f"state_dict= does not match the model: missing keys {missing}, unexpected keys "
-            f"{unexpected}{hint}"
-        )
-    mismatched = [
-        f"{name}: {tuple(source.shape(name))} in the state dict, {tuple(full[name].shape)} in "
-        f"the model"
-        for name in full
-        if name in source and tuple(source.shape(name)) != tuple(full[name].shape)
-    ]
-    if mismatched:
-        raise ValueError(f"state_dict= has other shapes than the model: {'; '.join(mismatched)}")
-    return read_as
-
-
-def _container(root: nn.Module, fqn: str) -> nn.Module:
-    """The (created on demand) plain module that owns ``fqn``'s last component."""
-    module = root
-    path = fqn.split(".")[:-1]
-    for part in path:
-        child = module._modules.get(part)
-        if child is None:
-            child = nn.Module()
-            module.add_module(part, child)
-        module = child
-    return module

@@ -65,40 +65,42 @@ compute dtype (refreshed after each step; when O = P there is none and the shard
 gathering); the graph runs under ``torch.autocast``; gradients are flattened to fp32 before any
 reduction. fp16 needs loss scaling: :class:`autopar.runtime.grad_scaler.ShardedGradScaler`.
 
-The engine's backward, optimizer-step and state methods live in :mod:`.zero_backward`,
-:mod:`.zero_step` and :mod:`.zero_state` (mixins of :class:`ZeroEngine`).
+:class:`ZeroEngine` is a facade over objects with one job each, built in this order and handed
+their dependencies explicitly: :class:`~autopar.runtime.zero_layout.ZeroMesh` (axis sizes,
+coordinates, groups; the flat all-gather), :class:`~autopar.runtime.zero_store.ChunkStore` (the
+chunk buffers, slots, shard parameters), :class:`~autopar.runtime.zero_gather.ChunkGatherer`
+(forward gather, prefetch, release; pack / unpack for backward),
+:class:`~autopar.runtime.zero_backward.GradientReducer` (reductions in backward, the in-flight
+bound, ``no_sync``), :class:`~autopar.runtime.zero_step.OptimizerStepHook` (optimizer check,
+after-step all-gather) and :class:`~autopar.runtime.zero_state.ChunkState` (full local blocks
+for state dicts).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
-from autopar.comm.collective_check import run_collective, wait_collective
 from autopar.planner.chunks import (
     DEFAULT_MAX_CHUNK_BYTES,
     MIN_CHUNKS,
     choose_chunk_bytes,
     chunk_numels,
     pack_chunks,
-    round_up,
 )
 from autopar.runtime.grad_scaler import ShardedGradScaler
-from autopar.runtime.zero_backward import MAX_IN_FLIGHT, ZeroBackwardMixin
-from autopar.runtime.zero_graph import Packed, rewrite_graph
-from autopar.runtime.zero_layout import Chunk, Slot, resolve_stages
-from autopar.runtime.zero_state import ZeroStateMixin
-from autopar.runtime.zero_step import (
-    ELEMENTWISE_OPTIMIZERS,
-    ZeroStepMixin,
-    register_optimizer_hooks,
-)
+from autopar.runtime.zero_backward import MAX_IN_FLIGHT, GradientReducer
+from autopar.runtime.zero_gather import ChunkGatherer
+from autopar.runtime.zero_graph import rewrite_graph
+from autopar.runtime.zero_layout import Chunk, Slot, ZeroMesh, resolve_stages
+from autopar.runtime.zero_state import ChunkState
+from autopar.runtime.zero_step import ELEMENTWISE_OPTIMIZERS, OptimizerStepHook
+from autopar.runtime.zero_store import ChunkStore
 
 __all__ = [
     "DEFAULT_MAX_CHUNK_BYTES",
@@ -115,8 +117,8 @@ __all__ = [
 ]
 
 
-class ZeroEngine(ZeroBackwardMixin, ZeroStepMixin, ZeroStateMixin):
-    """Owns the chunks of one ParallelModule (module docstring).
+class ZeroEngine:
+    """The chunks of one ParallelModule and what runs on them (module docstring).
 
     Args:
         params: ``(canonical fqn, local parameter, replicate axes R, grad-reduce axes)`` in
@@ -167,24 +169,9 @@ class ZeroEngine(ZeroBackwardMixin, ZeroStepMixin, ZeroStateMixin):
         self.compute_dtype = compute_dtype
         """None: compute in fp32 on the chunks; else forward runs under autocast to this dtype
         with parameters gathered or kept in it, from fp32 master shards."""
-        self.mesh_shape = tuple(mesh_shape)
-        self.axis_names = tuple(axis_names or (f"a{i}" for i in range(len(mesh_shape))))
-        self._coords = tuple(coords)
-        self._group_of = group_of
-        self._read_flat = read_flat
-        self._device = torch.device(device) if device is not None else None
-        self.chunks: list[Chunk] = []
-        self.shard_params: dict[str, nn.Parameter] = {}
-        self._chunk_of_param: dict[int, tuple[int, int]] = {}
-        self._sync = True
-        self._callback_queued = False
-        self._in_flight: list[Chunk] = []
-        """Chunks whose asynchronous gradient reduction is launched and not yet waited for."""
-        self._graphs: dict[int, tuple[Any, nn.Module]] = {}
-        self.gathered_bytes = 0
-        """Bytes of gathered chunk buffers (P non-empty) still alive."""
-        self.peak_gathered_bytes = 0
-        """The most ``gathered_bytes`` has been (reset it to measure a step)."""
+        self.mesh = ZeroMesh(mesh_shape, coords, group_of, axis_names)
+        self.mesh_shape = self.mesh.shape
+        self.axis_names = self.mesh.axis_names
         for fqn, _, axes, _ in params:
             bad = [a for a in axes if self.stages[a] < 1 or self.mesh_shape[a] < 2]
             if not axes or bad:
@@ -199,127 +186,114 @@ class ZeroEngine(ZeroBackwardMixin, ZeroStepMixin, ZeroStateMixin):
                 min_chunks=MIN_CHUNKS,
             )
         self.chunk_bytes = int(chunk_bytes)
-
-        # One stream of chunks per (replicate axes, partial axes), each in first-use order.
-        streams: dict[tuple[Any, ...], list[tuple[str, torch.Tensor]]] = {}
-        for fqn, param, axes, reduce_axes in params:
-            if param.dtype != torch.float32:
-                raise ValueError(
-                    f"ZeRO keeps fp32 chunks but {fqn} is {param.dtype}; build the model in fp32 "
-                    f"(mixed precision is a runtime option)"
-                )
-            streams.setdefault((tuple(axes), tuple(sorted(reduce_axes))), []).append((fqn, param))
-        first_use = {fqn: i for i, (fqn, _, _, _) in enumerate(params)}
-        pending: list[
-            tuple[int, int, tuple[int, ...], tuple[int, ...], list[tuple[str, torch.Tensor]]]
-        ] = []
-        for (axes, reduce_axes), members in streams.items():
-            shards = math.prod(self.mesh_shape[a] for a in axes)
-            chunk_numel = max(1, self.chunk_bytes // 4)
-            numels = [p.numel() for _, p in members]
-            for group in pack_chunks(numels, chunk_numel):
-                # Content-sized buffers: shards stay balanced (a fixed-size chunk's empty tail
-                # would all land on the last ranks' shards).
-                numel = round_up(max(1, sum(numels[i] for i in group)), shards)
-                first = first_use[members[group[0]][0]]
-                pending.append((first, numel, axes, reduce_axes, [members[i] for i in group]))
-        pending.sort(key=lambda item: item[0])
-        for _, numel, axes, reduce_axes, members in pending:
-            self._build_chunk(numel, axes, reduce_axes, members)
-        self.gathers = any(c.num_param_axes for c in self.chunks)
-        """Whether some chunk is gathered for use (P non-empty): forward packs saved views."""
-        self._handles = register_optimizer_hooks(self)
-
-    # -- construction ---------------------------------------------------------------------------
-
-    def _index(self, axes: Sequence[int]) -> int:
-        """This rank's row-major index over ``axes``."""
-        index = 0
-        for a in axes:
-            index = index * self.mesh_shape[a] + self._coords[a]
-        return index
-
-    def _build_chunk(
-        self,
-        numel: int,
-        axes: tuple[int, ...],
-        reduce_axes: tuple[int, ...],
-        members: list[tuple[str, torch.Tensor]],
-    ) -> None:
-        stages = self.stages
-        by_stage = [tuple(a for a in axes if stages[a] == s) for s in (3, 2, 1)]
-        zero_axes = by_stage[0] + by_stage[1] + by_stage[2]
-        num_p, num_g = len(by_stage[0]), len(by_stage[0]) + len(by_stage[1])
-        grad_axes = zero_axes[:num_g]
-        shards = math.prod(self.mesh_shape[a] for a in zero_axes)
-        shard_numel = numel // shards
-        kept_numel = numel // math.prod(self.mesh_shape[a] for a in zero_axes[:num_p])
-        chunk = Chunk(
-            index=len(self.chunks),
-            zero_axes=zero_axes,
-            num_param_axes=num_p,
-            num_grad_axes=num_g,
-            scatter_axes=tuple(a for a in grad_axes if a in reduce_axes),
-            allreduce_axes=tuple(a for a in zero_axes[num_g:] if a in reduce_axes)
-            + tuple(a for a in reduce_axes if a not in zero_axes),
-            numel=numel,
-            shard_numel=shard_numel,
-            shard_index=self._index(zero_axes),
-            kept_numel=kept_numel,
-            kept_index=self._index(zero_axes[:num_p]),
-            shard_in_kept=self._index(zero_axes[num_p:]) * shard_numel,
-            shard_in_grad=self._index(zero_axes[num_g:]) * shard_numel,
+        self.store = ChunkStore(
+            params,
+            stages=self.stages,
+            mesh=self.mesh,
+            chunk_bytes=self.chunk_bytes,
+            compute_dtype=compute_dtype,
+            read_flat=read_flat,
+            device=torch.device(device) if device is not None else None,
         )
-        read = self._read_flat
-        device = members[0][1].device if read is None else self._device
-        kept = torch.zeros(kept_numel, dtype=torch.float32, device=device)
-        kept_lo = chunk.kept_index * kept_numel
-        lo = chunk.shard_index * shard_numel
-        hi = lo + shard_numel
-        offset = 0
-        for fqn, param in members:
-            n = param.numel()
-            # Only the kept range is filled (from a state source, only it is read).
-            a, b = max(offset, kept_lo), min(offset + n, kept_lo + kept_numel)
-            if a < b:
-                if read is None:
-                    value = param.detach().reshape(-1)[a - offset : b - offset]
-                else:
-                    value = read(fqn, a - offset, b - offset)
-                kept[a - kept_lo : b - kept_lo].copy_(value.reshape(-1))
-            a, b = max(offset, lo), min(offset + n, hi)
-            if a >= b:
-                a = b = lo
-            chunk.slots.append(
-                Slot(
-                    fqn=fqn,
-                    shape=param.shape,
-                    offset=offset,
-                    numel=n,
-                    shard_lo=a - lo,
-                    shard_hi=b - lo,
-                    param_lo=max(a - offset, 0),
-                )
-            )
-            offset += n
-        s0 = chunk.shard_in_kept
-        if self.compute_dtype is None:
-            chunk.kept = kept
-            chunk.shard = kept[s0 : s0 + shard_numel]
-        else:
-            chunk.shard = kept[s0 : s0 + shard_numel].clone()
-            chunk.kept = kept.to(self.compute_dtype) if len(zero_axes) > num_p else None
-        if num_p == 0:
-            chunk.full = chunk.kept
-        for k, slot in enumerate(chunk.slots):
-            shard_param = nn.Parameter(
-                chunk.shard[slot.shard_lo : slot.shard_hi],
-                requires_grad=bool(members[k][1].requires_grad),
-            )
-            chunk.params.append(shard_param)
-            self.shard_params[slot.fqn] = shard_param
-            self._chunk_of_param[id(shard_param)] = (chunk.index, k)
-        self.chunks.append(chunk)
+        self.gatherer = ChunkGatherer(self.store, self.mesh)
+        self.reducer = GradientReducer(self.store, self.mesh, self.gatherer.end_backward)
+        self.step_hook = OptimizerStepHook(self.store, self.mesh, self.stage)
+        self.state = ChunkState(self.store, self.mesh)
+        self._graphs: dict[int, tuple[Any, nn.Module]] = {}
+
+    # -- what the rest of the runtime reads -----------------------------------------------------
+
+    @property
+    def chunks(self) -> list[Chunk]:
+        return self.store.chunks
+
+    @property
+    def shard_params(self) -> dict[str, nn.Parameter]:
+        """Canonical fqn -> the shard parameter the optimizer sees."""
+        return self.store.shard_params
+
+    @property
+    def _chunk_of_param(self) -> dict[int, tuple[int, int]]:
+        return self.store.chunk_of_param
+
+    @property
+    def gathers(self) -> bool:
+        """Whether some chunk is gathered for use (P non-empty): forward packs saved views."""
+        return self.gatherer.gathers
+
+    @property
+    def gathered_bytes(self) -> int:
+        """Bytes of gathered chunk buffers (P non-empty) still alive."""
+        return self.gatherer.gathered_bytes
+
+    @property
+    def peak_gathered_bytes(self) -> int:
+        """The most ``gathered_bytes`` has been (reset it to measure a step)."""
+        return self.gatherer.peak_gathered_bytes
+
+    @peak_gathered_bytes.setter
+    def peak_gathered_bytes(self, value: int) -> None:
+        self.gatherer.peak_gathered_bytes = value
+
+    @property
+    def padding_fraction(self) -> float:
+        """Share of the chunk buffers that holds no parameter (padding to the shard count)."""
+        return self.store.padding_fraction
+
+    def manages(self, param: torch.Tensor) -> bool:
+        return self.store.manages(param)
+
+    def slot_of(self, param: torch.Tensor) -> tuple[Chunk, Slot]:
+        """The chunk of a managed shard parameter and its slot there (layout for
+        :mod:`autopar.runtime.state`)."""
+        return self.store.slot_of(param)
+
+    def zero_axes_of(self, param: torch.Tensor) -> tuple[int, ...]:
+        """The mesh axes a managed parameter's optimizer shards are split over (O, in split
+        order; empty if not managed)."""
+        return self.store.zero_axes_of(param)
+
+    def piece_of(self, param: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
+        """The part of a full local block that this rank's shard parameter ``param`` holds."""
+        return self.store.piece_of(param, block)
+
+    # -- state (collectives) --------------------------------------------------------------------
+
+    def local_params(self) -> dict[int, torch.Tensor]:
+        """id(shard parameter) -> this rank's full local block (see :class:`ChunkState`)."""
+        return self.state.local_params()
+
+    def local_grads(self) -> dict[int, torch.Tensor]:
+        """id(shard parameter) -> the gradient of this rank's full local block."""
+        return self.state.local_grads()
+
+    def gather_pieces(self, pieces: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """id(shard parameter) -> full local block, from shard-shaped tensors (a collective)."""
+        return self.state.gather_pieces(pieces)
+
+    def load_local(self, param: torch.Tensor, block: torch.Tensor) -> None:
+        """Set a managed parameter from this rank's full local block."""
+        self.state.load_local(param, block)
+
+    def sync_full(self, index: int) -> None:
+        """All-gather chunk ``index``'s updated O-shards into its kept buffer (a collective)."""
+        self.step_hook.sync_full(index)
+
+    def remove(self) -> None:
+        """Remove the engine's optimizer step hooks."""
+        self.step_hook.remove()
+
+    # -- running the graph ----------------------------------------------------------------------
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """Backward calls inside accumulate local gradients without communicating."""
+        return self.reducer.no_sync()
+
+    def chunk_backward(self, index: int, grads: Sequence[torch.Tensor | None]) -> None:
+        """Backward completed chunk ``index``'s gradients: release it and reduce them."""
+        chunk = self.store.chunks[index]
+        self.gatherer.release(chunk)
+        self.reducer.chunk_backward(chunk, grads)
 
     def graph_for(self, lowered: Any) -> nn.Module:
         """The rewritten graph of a ``LoweredGraph`` (built once per graph; train and eval
@@ -336,96 +310,6 @@ class ZeroEngine(ZeroBackwardMixin, ZeroStepMixin, ZeroStateMixin):
             cached = (lowered.gm, rewrite_graph(self, lowered.gm, names))
             self._graphs[key] = cached
         return cached[1]
-
-    # -- forward --------------------------------------------------------------------------------
-
-    def _forward_views(self, index: int) -> tuple[torch.Tensor, ...]:
-        chunk = self.chunks[index]
-        if not chunk.num_param_axes:
-            full = chunk.full
-            assert full is not None
-        else:
-            full = self._gathered(chunk)
-            chunk.full_ref = weakref.ref(full)
-            if index + 1 < len(self.chunks):
-                self._start_prefetch(self.chunks[index + 1])
-        return tuple(full[s.offset : s.offset + s.numel].view(s.shape) for s in chunk.slots)
-
-    def _start_prefetch(self, chunk: Chunk) -> None:
-        if chunk.prefetch is not None or chunk.full is not None or chunk.num_param_axes != 1:
-            return
-        kept = self._compute_kept(chunk)
-        out = torch.empty(chunk.numel, dtype=kept.dtype, device=kept.device)
-        axis = chunk.zero_axes[0]
-        group, label = self._group_of(axis), self.axis_names[axis]
-        work = run_collective(
-            "all_gather", f"zero chunk {chunk.index}", kept, group, label,
-            lambda: dist.all_gather_single(out, kept, group=group, async_op=True),
-        )  # fmt: skip
-        chunk.prefetch = (work, self._track(out))
-
-    def _track(self, buffer: torch.Tensor) -> torch.Tensor:
-        nbytes = buffer.untyped_storage().nbytes()
-        self.gathered_bytes += nbytes
-        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
-        weakref.finalize(buffer.untyped_storage(), self._untrack, nbytes)
-        return buffer
-
-    def _untrack(self, nbytes: int) -> None:
-        self.gathered_bytes -= nbytes
-
-    def _gathered(self, chunk: Chunk) -> torch.Tensor:
-        """The chunk's full buffer (all-gathered over P now unless prefetched)."""
-        if chunk.prefetch is not None:
-            work, out = chunk.prefetch
-            chunk.prefetch = None
-            axis = chunk.zero_axes[0]
-            group, label = self._group_of(axis), self.axis_names[axis]
-            wait_collective(work, "all_gather", f"zero chunk {chunk.index}", out, group, label)
-            return out
-        return self._track(self._gather_flat(self._compute_kept(chunk), chunk.param_axes))
-
-    def _compute_shard(self, chunk: Chunk) -> torch.Tensor:
-        """The O-shard in the compute dtype."""
-        assert chunk.shard is not None
-        shard = chunk.shard.detach()
-        return shard if self.compute_dtype is None else shard.to(self.compute_dtype)
-
-    def _compute_kept(self, chunk: Chunk) -> torch.Tensor:
-        """The P-level buffer in the compute dtype (cast from the master shard when O = P)."""
-        if chunk.kept is not None:
-            return chunk.kept.detach()
-        return self._compute_shard(chunk)
-
-    def _end_forward(self) -> None:
-        # A prefetch nobody consumed (the graph ended) must still complete on every rank.
-        for chunk in self.chunks:
-            if chunk.prefetch is not None:
-                chunk.prefetch[0].wait()
-                chunk.prefetch = None
-
-    def _pack(self, t: torch.Tensor) -> Any:
-        base = t._base
-        if base is None:
-            return t
-        for chunk in self.chunks:
-            ref = chunk.full_ref
-            if ref is not None and ref() is base:
-                return Packed(chunk.index, tuple(t.size()), tuple(t.stride()), t.storage_offset())
-        return t
-
-    def _unpack(self, packed: Any) -> torch.Tensor:
-        if not isinstance(packed, Packed):
-            return packed
-        chunk = self.chunks[packed.chunk]
-        if chunk.full is None:
-            # Always gathered again, even if forward's buffer is still alive: whether it is can
-            # depend on when Python's cycle collector ran, which differs between ranks, and
-            # every rank must issue the same collectives.
-            chunk.full = self._gathered(chunk)
-            if packed.chunk > 0:
-                self._start_prefetch(self.chunks[packed.chunk - 1])
-        return chunk.full.as_strided(packed.size, packed.stride, packed.offset)
 
 
 def build_zero_engine(

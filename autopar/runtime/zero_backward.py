@@ -1,41 +1,48 @@
 """The backward side of the ZeRO runtime: each chunk's flat gradient is reduced (reduce-scatter
 over G, all-reduce over the partial axes outside G) as soon as backward completes it, with a
 bounded number of reductions in flight, and handed to the shard parameters' ``.grad`` at the end
-of backward; ``no_sync`` accumulates locally. Mixed into
-:class:`autopar.runtime.zero.ZeroEngine` (see that module's docstring).
+of backward; ``no_sync`` accumulates locally (see :mod:`autopar.runtime.zero`).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
 from autopar.comm.collective_check import run_collective, wait_collective
-from autopar.runtime.zero_layout import Chunk
+from autopar.runtime.zero_layout import Chunk, ZeroMesh
+from autopar.runtime.zero_store import ChunkStore
 
-__all__ = ["MAX_IN_FLIGHT", "ZeroBackwardMixin"]
+__all__ = ["MAX_IN_FLIGHT", "GradientReducer"]
 
 MAX_IN_FLIGHT = 2
 """Asynchronous gradient reductions (one per chunk) in flight during backward; the oldest is
 waited for when another is launched (its input, the chunk's full flat gradient, is then freed)."""
 
 
-class ZeroBackwardMixin:
-    """The engine's backward methods (state: :class:`~autopar.runtime.zero.ZeroEngine`)."""
+class GradientReducer:
+    """Reduces each chunk's gradient as backward completes it and sets the shard parameters'
+    ``.grad`` when backward ends.
 
-    chunks: list[Chunk]
-    mesh_shape: tuple[int, ...]
-    _coords: tuple[int, ...]
-    _group_of: Callable[[int], Any]
-    axis_names: tuple[str, ...]
-    _sync: bool
-    _callback_queued: bool
-    _in_flight: list[Chunk]
+    Args:
+        store: the chunks.
+        mesh: the process groups the reductions run on.
+        end_backward: called once at the end of every synchronised backward, after the last
+            reduction (the gatherer drops the buffers gathered for backward).
+    """
+
+    def __init__(self, store: ChunkStore, mesh: ZeroMesh, end_backward: Callable[[], None]) -> None:
+        self.store = store
+        self.mesh = mesh
+        self._end_backward = end_backward
+        self._sync = True
+        self._callback_queued = False
+        self._in_flight: list[Chunk] = []
+        """Chunks whose asynchronous gradient reduction is launched and not yet waited for."""
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -46,13 +53,12 @@ class ZeroBackwardMixin:
         finally:
             self._sync = previous
 
-    def _chunk_backward(self, index: int, grads: Sequence[torch.Tensor | None]) -> None:
-        chunk = self.chunks[index]
-        if chunk.num_param_axes:
-            chunk.full = None  # every use of the chunk in backward is done
+    def chunk_backward(self, chunk: Chunk, grads: Sequence[torch.Tensor | None]) -> None:
+        """Backward completed the chunk's gradients (``grads``, one per slot): reduce them, or
+        under :meth:`no_sync` accumulate them."""
         # Where the last step's reduced gradient (what the shard .grad views) is all zeros
         # (zero_grad(set_to_none=False)), this backward reduces into it rather than next to it.
-        reuse = self._zeroed_grad_buffer(chunk) if self._sync else None
+        reuse = self.zeroed_grad_buffer(chunk) if self._sync else None
         if reuse is not None and not chunk.grad_axes and reuse.numel() == chunk.numel:
             flat, reuse = reuse.zero_(), None
         else:
@@ -75,7 +81,7 @@ class ZeroBackwardMixin:
         last_scatter = chunk.scatter_axes[-1] if chunk.scatter_axes else None
         what = f"zero chunk {chunk.index} grad"
         for axis in chunk.grad_axes:
-            size = self.mesh_shape[axis]
+            size = self.mesh.shape[axis]
             part = value.numel() // size
             if axis in chunk.scatter_axes:
                 if reuse is not None and axis == chunk.grad_axes[-1] and reuse.numel() == part:
@@ -83,28 +89,30 @@ class ZeroBackwardMixin:
                 else:
                     out = torch.empty(part, dtype=value.dtype, device=value.device)
                 last = axis == last_scatter and not chunk.allreduce_axes
-                src, group = value, self._group_of(axis)
+                src, group = value, self.mesh.group_of(axis)
                 work = run_collective(
-                    "reduce_scatter", what, src, group, self.axis_names[axis],
+                    "reduce_scatter", what, src, group, self.mesh.axis_names[axis],
                     lambda: dist.reduce_scatter_single(out, src, group=group, async_op=last),  # noqa: B023
                 )  # fmt: skip
                 if last:
                     chunk.work = work
                 value = out
             else:
-                value = value[self._coords[axis] * part : (self._coords[axis] + 1) * part].clone()
+                value = value[
+                    self.mesh.coords[axis] * part : (self.mesh.coords[axis] + 1) * part
+                ].clone()
         if chunk.allreduce_axes:
             axis = chunk.allreduce_axes[0]
-            src, group = value, self._group_of(axis)
+            src, group = value, self.mesh.group_of(axis)
             chunk.work = run_collective(
-                "all_reduce", what, src, group, self.axis_names[axis],
+                "all_reduce", what, src, group, self.mesh.axis_names[axis],
                 lambda: dist.all_reduce(src, group=group, async_op=True),
             )  # fmt: skip
         chunk.reduced = value
         if chunk.work is not None:
             self._bound_in_flight(chunk)
 
-    def _zeroed_grad_buffer(self, chunk: Chunk) -> torch.Tensor | None:
+    def zeroed_grad_buffer(self, chunk: Chunk) -> torch.Tensor | None:
         """The G-level buffer that every shard ``.grad`` of the chunk still views (as
         :meth:`_finish_backward` set them), if its O-shard (what the ``.grad`` views cover)
         holds only zeros; else None. The rest of it is stale: the caller overwrites it."""
@@ -144,23 +152,23 @@ class ZeroBackwardMixin:
         )
         assert chunk.work is not None and chunk.reduced is not None
         what = f"zero chunk {chunk.index} grad"
-        group, label = self._group_of(axis), self.axis_names[axis]
+        group, label = self.mesh.group_of(axis), self.mesh.axis_names[axis]
         wait_collective(chunk.work, op, what, chunk.reduced, group, label)
         chunk.work = None
 
     def _finish_backward(self) -> None:
         self._callback_queued = False
         self._in_flight = []
-        for chunk in self.chunks:
+        for chunk in self.store.chunks:
             if chunk.reduced is None:
                 continue
             if chunk.work is not None:
                 self._wait_reduction(chunk)
             for axis in chunk.allreduce_axes[1:]:
-                src, group = chunk.reduced, self._group_of(axis)
+                src, group = chunk.reduced, self.mesh.group_of(axis)
                 run_collective(
                     "all_reduce", f"zero chunk {chunk.index} grad", src, group,
-                    self.axis_names[axis], lambda: dist.all_reduce(src, group=group),  # noqa: B023
+                    self.mesh.axis_names[axis], lambda: dist.all_reduce(src, group=group),  # noqa: B023
                 )  # fmt: skip
             # The optimizer's gradient is the O-shard of the reduced G-shard (a view: the G-shard
             # stays alive as the gradient storage, as the memory model counts it).
@@ -173,10 +181,5 @@ class ZeroBackwardMixin:
                     param.grad = grad
                 elif param.grad._base is not grad._base:
                     param.grad.add_(grad)
-                # else: reduced in place into the zeroed buffer .grad views (_chunk_backward)
-        for chunk in self.chunks:
-            if chunk.num_param_axes:
-                chunk.full = None
-            if chunk.prefetch is not None:
-                chunk.prefetch[0].wait()
-                chunk.prefetch = None
+                # else: reduced in place into the zeroed buffer .grad views (chunk_backward)
+        self._end_backward()

@@ -41,11 +41,11 @@ class _UseChunk(torch.autograd.Function):
         ctx.index = index
         ctx.num_shards = len(shards)
         ctx.set_materialize_grads(False)
-        return engine._forward_views(index)
+        return engine.gatherer.forward_views(index)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
-        ctx.engine._chunk_backward(ctx.index, grads)
+        ctx.engine.chunk_backward(ctx.index, grads)
         return (None, None) + (None,) * ctx.num_shards
 
 
@@ -76,13 +76,14 @@ class ZeroGraph(nn.Module):
                 stack.enter_context(torch.autocast(device_type, dtype=engine.compute_dtype))
             if not engine.gathers:
                 return self.gm(*args)
+            gatherer = engine.gatherer
             stack.enter_context(
-                torch.autograd.graph.saved_tensors_hooks(engine._pack, engine._unpack)
+                torch.autograd.graph.saved_tensors_hooks(gatherer.pack, gatherer.unpack)
             )
             try:
                 return self.gm(*args)
             finally:
-                engine._end_forward()
+                gatherer.end_forward()
 
 
 def _getitem(values: Any, index: int) -> Any:

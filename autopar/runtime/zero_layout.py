@@ -1,15 +1,19 @@
-"""Per-axis ZeRO stages and the geometry of one chunk (see :mod:`autopar.runtime.zero`)."""
+"""Per-axis ZeRO stages, the geometry of one chunk and the mesh the chunks are split over (see
+:mod:`autopar.runtime.zero`)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
-__all__ = ["Chunk", "Slot", "resolve_stages"]
+from autopar.comm.collective_check import run_collective
+
+__all__ = ["Chunk", "Slot", "ZeroMesh", "resolve_stages"]
 
 
 def resolve_stages(
@@ -100,3 +104,49 @@ class Chunk:
     @property
     def grad_axes(self) -> tuple[int, ...]:
         return self.zero_axes[: self.num_grad_axes]
+
+
+class ZeroMesh:
+    """This rank's place on the mesh the chunks are split over: axis sizes, coordinates, process
+    groups and names (collective failures and check mode name the axis).
+
+    Args:
+        mesh_shape: size of each mesh axis.
+        coords: this rank's mesh coordinate.
+        group_of: mesh axis -> this rank's process group along it.
+        axis_names: the mesh axes' names; None = ``a0``, ``a1``, ...
+    """
+
+    def __init__(
+        self,
+        mesh_shape: Sequence[int],
+        coords: Sequence[int],
+        group_of: Callable[[int], Any],
+        axis_names: Sequence[str] | None = None,
+    ) -> None:
+        self.shape = tuple(mesh_shape)
+        self.coords = tuple(coords)
+        self.group_of = group_of
+        self.axis_names = tuple(axis_names or (f"a{i}" for i in range(len(self.shape))))
+
+    def index(self, axes: Sequence[int]) -> int:
+        """This rank's row-major index over ``axes``."""
+        index = 0
+        for a in axes:
+            index = index * self.shape[a] + self.coords[a]
+        return index
+
+    def gather_flat(self, shard: torch.Tensor, axes: Sequence[int]) -> torch.Tensor:
+        """All-gather a flat shard over ``axes`` (row-major shard index) into one buffer."""
+        value = shard
+        # Innermost axis first: its pieces are adjacent in the chunk.
+        for axis in reversed(axes):
+            size = self.shape[axis]
+            out = torch.empty(value.numel() * size, dtype=value.dtype, device=value.device)
+            src, group = value.contiguous(), self.group_of(axis)
+            run_collective(
+                "all_gather", "zero flat shard", src, group, self.axis_names[axis],
+                lambda: dist.all_gather_single(out, src, group=group),  # noqa: B023 - runs now
+            )  # fmt: skip
+            value = out
+        return value

@@ -1,6 +1,5 @@
 """The optimizer side of the ZeRO runtime: which optimizers may step on the shards, and the
-all-gather of the updated shards after each step. Mixed into
-:class:`autopar.runtime.zero.ZeroEngine` (see that module's docstring).
+all-gather of the updated shards after each step (see :mod:`autopar.runtime.zero`).
 
 After every optimizer step that touches a chunk (a global ``torch.optim`` step post-hook,
 filtered by parameter identity) the updated O-shards are all-gathered over ``O \\ P`` into the
@@ -10,14 +9,14 @@ kept buffer (nothing to do when O = P).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from autopar.runtime.zero_layout import Chunk
+from autopar.runtime.zero_layout import ZeroMesh
+from autopar.runtime.zero_store import ChunkStore
 
-__all__ = ["ELEMENTWISE_OPTIMIZERS", "ZeroStepMixin", "register_optimizer_hooks"]
+__all__ = ["ELEMENTWISE_OPTIMIZERS", "OptimizerStepHook"]
 
 ELEMENTWISE_OPTIMIZERS: frozenset[str] = frozenset(
     {
@@ -40,20 +39,22 @@ ELEMENTWISE_OPTIMIZERS: frozenset[str] = frozenset(
 autopar.optim's, which reduce their norms over every shard)."""
 
 
-class ZeroStepMixin:
-    """The engine's optimizer-step methods (state: :class:`~autopar.runtime.zero.ZeroEngine`)."""
+class OptimizerStepHook:
+    """Checks the optimizers that step this store's shard parameters and refreshes the kept
+    buffers after each step (global ``torch.optim`` step hooks, removed by :meth:`remove` or
+    when this object dies).
 
-    chunks: list[Chunk]
-    stage: int
-    compute_dtype: torch.dtype | None
-    _chunk_of_param: dict[int, tuple[int, int]]
-    _handles: list[Any]
+    Args:
+        store: the chunks.
+        mesh: the process groups the after-step all-gathers run on.
+        stage: the ZeRO stage an error message names.
+    """
 
-    if TYPE_CHECKING:
-
-        def _gather_flat(self, shard: torch.Tensor, zero_axes: Sequence[int]) -> torch.Tensor: ...
-
-        def _compute_shard(self, chunk: Chunk) -> torch.Tensor: ...
+    def __init__(self, store: ChunkStore, mesh: ZeroMesh, stage: int) -> None:
+        self.store = store
+        self.mesh = mesh
+        self.stage = stage
+        self._handles = _register_optimizer_hooks(self)
 
     def remove(self) -> None:
         """Remove the engine's optimizer step hooks."""
@@ -61,9 +62,11 @@ class ZeroStepMixin:
             handle.remove()
         self._handles = []
 
-    def _check_optimizer(self, optimizer: torch.optim.Optimizer) -> bool:
+    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer`` holds some shard parameter of the store (raises if it is not
+        elementwise)."""
         if not any(
-            id(p) in self._chunk_of_param for g in optimizer.param_groups for p in g["params"]
+            id(p) in self.store.chunk_of_param for g in optimizer.param_groups for p in g["params"]
         ):
             return False
         name = type(optimizer).__name__
@@ -78,13 +81,13 @@ class ZeroStepMixin:
             )
         return True
 
-    def _after_step(self, optimizer: torch.optim.Optimizer) -> None:
+    def after_step(self, optimizer: torch.optim.Optimizer) -> None:
         touched = sorted(
             {
-                self._chunk_of_param[id(p)][0]
+                self.store.chunk_of_param[id(p)][0]
                 for g in optimizer.param_groups
                 for p in g["params"]
-                if id(p) in self._chunk_of_param
+                if id(p) in self.store.chunk_of_param
             }
         )
         with torch.no_grad():
@@ -94,37 +97,37 @@ class ZeroStepMixin:
     def sync_full(self, index: int) -> None:
         """All-gather the chunk's updated O-shards over ``O \\ P`` into its kept buffer (a
         collective over those axes; nothing when O = P)."""
-        chunk = self.chunks[index]
+        chunk = self.store.chunks[index]
         rest = chunk.zero_axes[chunk.num_param_axes :]
         if not rest:
             return
         assert chunk.kept is not None and chunk.shard is not None
         # From a copy: the shard is a view into the buffer being written.
-        chunk.kept.copy_(self._gather_flat(self._compute_shard(chunk).clone(), rest))
+        chunk.kept.copy_(self.mesh.gather_flat(self.store.compute_shard(chunk).clone(), rest))
 
 
-def register_optimizer_hooks(engine: ZeroStepMixin) -> list[Any]:
-    """Global torch.optim step hooks that act only on optimizers holding this engine's shards
+def _register_optimizer_hooks(hook: OptimizerStepHook) -> list[Any]:
+    """Global torch.optim step hooks that act only on optimizers holding ``hook``'s shards
     (weakly referenced: a dropped module leaves inert hooks)."""
     from torch.optim.optimizer import (
         register_optimizer_step_post_hook,
         register_optimizer_step_pre_hook,
     )
 
-    ref = weakref.ref(engine)
+    ref = weakref.ref(hook)
 
     def pre(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         live = ref()
         if live is not None:
-            live._check_optimizer(optimizer)
+            live.check_optimizer(optimizer)
 
     def post(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         live = ref()
-        if live is not None and live._check_optimizer(optimizer):
-            live._after_step(optimizer)
+        if live is not None and live.check_optimizer(optimizer):
+            live.after_step(optimizer)
 
     handles = [register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)]
-    weakref.finalize(engine, _remove_handles, list(handles))
+    weakref.finalize(hook, _remove_handles, list(handles))
     return handles
 
 

@@ -19,12 +19,13 @@ Every rank (spawned here on 127.0.0.1 with gloo, or started by torchrun) builds 
    are skipped with a note.
 
 ``summarize`` turns the rank-0 results into MAPE per op family, step-time MAPE, Spearman's rank
-correlation between predicted and measured plan ordering, and the memory error.
+correlation between predicted and measured plan ordering, and the memory error; ``report_text``
+prints them (both in :mod:`autopar.tools.bench_report`, re-exported here). Peak memory is sampled
+by :class:`autopar.tools.peak_memory.PeakMemory`.
 """
 
 from __future__ import annotations
 
-import ctypes
 import inspect
 import math
 import os
@@ -38,10 +39,11 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
+from autopar.tools.bench_report import report_text, summarize
 from autopar.tools.calibration import spawn_local
+from autopar.tools.peak_memory import PeakMemory
 from autopar.tools.timing import fwd_bwd_callable, time_callable
 from cost_models import matmul_flops
-from cost_models.calibrate import mape, spearman
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -66,74 +68,6 @@ class ModelSpec:
     name: str
     batch: int
     seq: int
-
-
-# --------------------------------------------------------------------------------------------
-# Memory
-
-
-class _Mallinfo2(ctypes.Structure):
-    _fields_ = [
-        (name, ctypes.c_size_t)
-        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
-                     "uordblks", "fordblks", "keepcost")
-    ]  # fmt: skip
-
-
-def _libc_in_use() -> Any:
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        fn = libc.mallinfo2
-    except (OSError, AttributeError):
-        return None
-    fn.restype = _Mallinfo2
-
-    def in_use() -> int:
-        info = fn()
-        return int(info.uordblks + info.hblkhd)
-
-    return in_use
-
-
-class PeakMemory:
-    """Largest growth of allocated bytes while active: CUDA allocator statistics on a GPU,
-    glibc's ``mallinfo2`` sampled after every ATen op on a CPU (None where neither exists)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.peak_delta: int | None = None
-        self._in_use = _libc_in_use() if device.type == "cpu" else None
-
-    def __enter__(self) -> PeakMemory:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self._start = torch.cuda.memory_allocated(self.device)
-        elif self._in_use is not None:
-            from torch.utils._python_dispatch import TorchDispatchMode
-
-            start = self._in_use()
-            state = {"peak": start}
-            in_use = self._in_use
-
-            class _Sampler(TorchDispatchMode):
-                def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-                    out = func(*args, **(kwargs or {}))
-                    state["peak"] = max(state["peak"], in_use())
-                    return out
-
-            self._start, self._state = start, state
-            self._mode = _Sampler()
-            self._mode.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            self.peak_delta = int(torch.cuda.max_memory_allocated(self.device) - self._start)
-        elif self._in_use is not None:
-            self._mode.__exit__(*exc)
-            self.peak_delta = int(self._state["peak"] - self._start)
 
 
 # --------------------------------------------------------------------------------------------
@@ -456,102 +390,6 @@ def run_bench(
         timeout = datetime.timedelta(seconds=pg_timeout_s())
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timeout)
     return {**bench_on_rank(model_spec, datas, config), "calibrated_flops": peak}
-
-
-# --------------------------------------------------------------------------------------------
-# Summary
-
-
-def summarize(result: Mapping[str, Any]) -> dict[str, Any]:
-    """MAPE per op family (each node counted, repeated layers included), step-time MAPE,
-    Spearman's rho of predicted vs measured step times, memory MAPE, over the executed plans."""
-    families: dict[str, dict[str, float]] = {}
-    for op in result["ops"]:
-        if op["measured_s"] <= 0 or not math.isfinite(op["measured_s"]):
-            continue
-        f = families.setdefault(op["family"], {"count": 0, "ape_sum": 0.0, "predicted_s": 0.0, "measured_s": 0.0})
-        f["count"] += op["count"]
-        f["ape_sum"] += op["count"] * abs(op["predicted_s"] - op["measured_s"]) / op["measured_s"]
-        f["predicted_s"] += op["count"] * op["predicted_s"]
-        f["measured_s"] += op["count"] * op["measured_s"]
-    for f in families.values():
-        f["mape"] = 100.0 * f.pop("ape_sum") / f["count"]
-    ran = {n: p for n, p in result["plans"].items() if "skipped" not in p}
-    pred = [p["predicted_step_s"] for p in ran.values()]
-    meas = [p["step_s"] for p in ran.values()]
-    mem = [(p["predicted_peak_memory_bytes"], p["peak_memory_bytes"]) for p in ran.values() if p["peak_memory_bytes"]]
-    all_ops = [op for op in result["ops"] if op["measured_s"] > 0]
-    summary = {
-        "families": families,
-        "op_mape": mape([o["predicted_s"] for o in all_ops], [o["measured_s"] for o in all_ops]) if all_ops else math.nan,
-        "step_mape": mape(pred, meas) if ran else math.nan,
-        "spearman": spearman(pred, meas) if len(ran) >= 2 else math.nan,
-        "memory_mape": mape([m[0] for m in mem], [m[1] for m in mem]) if mem else math.nan,
-        "num_plans": len(ran),
-        "skipped_plans": {n: p["skipped"] for n, p in result["plans"].items() if "skipped" in p},
-    }
-    # Speed drift: the calibrated peak vs the matmul rate measured during this run (a shared
-    # machine's load changes between calibration and benchmark); a uniform factor leaves the
-    # ranking alone but scales every step time.
-    peak = result.get("calibrated_flops")
-    probe = result.get("matmul_flops_during_run")
-    if peak and probe and ran:
-        drift = peak / probe
-        summary["speed_drift"] = drift
-        summary["step_mape_drift_corrected"] = mape([p * drift for p in pred], meas)
-    if ran:
-        best = min(ran, key=lambda n: ran[n]["step_s"])
-        summary["fastest_measured"] = best
-        summary["fastest_predicted"] = min(ran, key=lambda n: ran[n]["predicted_step_s"])
-    return summary
-
-
-def report_text(result: Mapping[str, Any], summary: Mapping[str, Any], *, markdown: bool = False, title: str = "") -> str:
-    """The per-family and per-plan tables and the headline figures."""
-    from autopar.options import format_bytes, format_seconds
-    from autopar.tools.report import table
-
-    parts = []
-    if summary["families"]:
-        rows = [
-            [fam, str(int(f["count"])), format_seconds(f["predicted_s"]), format_seconds(f["measured_s"]), f"{f['mape']:.0f}%"]
-            for fam, f in sorted(summary["families"].items(), key=lambda kv: -kv[1]["measured_s"])
-        ]
-        parts.append(table(["op family", "ops", "predicted (sum)", "measured (sum)", "MAPE"], rows,
-                           markdown=markdown, title=f"{title}: per op, forward + backward"))
-    rows = []
-    for name, p in result["plans"].items():
-        if "skipped" in p:
-            rows.append([name, p["mesh"], format_seconds(p["predicted_step_s"]), "skipped", "-",
-                         format_bytes(p["predicted_peak_memory_bytes"]), "-", p["skipped"][:60]])
-            continue
-        err = 100.0 * (p["predicted_step_s"] - p["step_s"]) / p["step_s"]
-        measured_mem = format_bytes(p["peak_memory_bytes"]) if p["peak_memory_bytes"] else "n/a"
-        rows.append([name, p["mesh"], format_seconds(p["predicted_step_s"]), format_seconds(p["step_s"]),
-                     f"{err:+.0f}%", format_bytes(p["predicted_peak_memory_bytes"]), measured_mem, ""])
-    parts.append(table(["plan", "mesh", "predicted step", "measured step", "error", "predicted peak",
-                        "measured peak", "note"], rows, markdown=markdown, title=f"{title}: per plan"))
-    def figure(value: float, form: str) -> str:  # nan: nothing measured (e.g. --no-ops)
-        return format(value, form) if math.isfinite(value) else "n/a"
-
-    op_mape = f"op MAPE {figure(summary['op_mape'], '.1f')}%, " if result["ops"] else "ops not timed, "
-    lines = [
-        f"{op_mape}step MAPE {figure(summary['step_mape'], '.1f')}%, "
-        f"Spearman {figure(summary['spearman'], '.3f')} over {summary['num_plans']} plans, "
-        f"memory MAPE {figure(summary['memory_mape'], '.1f')}%".replace("n/a%", "n/a"),
-    ]
-    if "speed_drift" in summary:
-        lines.append(
-            f"machine speed vs calibration (matmul probe): calibrated peak / rate now = "
-            f"{summary['speed_drift']:.2f}; "
-            f"step MAPE with predictions scaled by that: {summary['step_mape_drift_corrected']:.1f}%"
-        )
-    if "fastest_measured" in summary:
-        lines.append(f"fastest measured: {summary['fastest_measured']}; fastest predicted: {summary['fastest_predicted']}")
-    if result.get("skipped_ops"):
-        lines.append(f"{len(result['skipped_ops'])} op(s) not timed alone (e.g. {result['skipped_ops'][0][0]}: {result['skipped_ops'][0][1]})")
-    parts.append("\n".join(lines))
-    return "\n\n".join(parts)
 
 
 def bench_cost_cli(args: Any, config: BenchConfig) -> int:

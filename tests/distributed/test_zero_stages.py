@@ -170,14 +170,14 @@ def _keep_grads(pmodel: Any, args: Any, stages: tuple[int, int]) -> None:
 
     engine = pmodel.zero
     reused: list[bool] = []
-    find = engine._zeroed_grad_buffer
+    find = engine.reducer.zeroed_grad_buffer
 
     def spy(chunk: Any) -> Any:
         buffer = find(chunk)
         reused.append(buffer is not None)
         return buffer
 
-    engine._zeroed_grad_buffer = spy
+    engine.reducer.zeroed_grad_buffer = spy
     # Where the gradient reductions write (stage 1: the all-reduced flat chunk; stage >= 2: the
     # reduce-scatter output).
     written: set[int] = set()
