@@ -8,8 +8,9 @@ forked (the caller's threads, torch's and HiGHS's, never cross a fork) and the c
 ``__main__`` is never re-imported (a training script without a ``__main__`` guard stays safe).
 
 Results equal ``solver.solve``'s in this process: same input, same solver, same options. A job
-whose worker fails (an infeasible budget, a timeout without a plan, a crashed interpreter) is
-solved again here, so its exception is the one ``solver.solve`` raises, with its attributes.
+whose solve fails (an infeasible budget, a timeout without a plan) gets the worker's exception
+back whole, attributes included (the solver's errors pickle); a crashed interpreter's job is
+solved again here.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from solver.problem import Problem, Solution
+from solver.problem import Problem
 from solver.shrink import solve
 
 __all__ = ["MIN_PARALLEL_ENTRIES", "problem_entries", "solve_all"]
@@ -48,25 +49,32 @@ def solve_all(
     problems: Sequence[Problem],
     *,
     workers: int | None = None,
+    return_exceptions: bool = False,
     **options: Any,
-) -> list[Solution]:
+) -> list[Any]:
     """``[solve(p, **options) for p in problems]``, up to ``workers`` at a time (default: the
     usable cores) when the problems are large enough to gain (:data:`MIN_PARALLEL_ENTRIES`).
 
-    Raises what ``solve`` raises, for the first failing problem in order.
+    Raises what ``solve`` raises, for the first failing problem in order; with
+    ``return_exceptions`` a failing problem's exception takes its place in the list instead
+    (every problem is solved), as ``asyncio.gather`` does.
     """
     if workers is None:
-        workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        workers = (
+            len(os.sched_getaffinity(0))
+            if hasattr(os, "sched_getaffinity")
+            else os.cpu_count() or 1
+        )
     workers = min(workers, len(problems))
     if workers < 2 or sum(problem_entries(p) for p in problems) < MIN_PARALLEL_ENTRIES:
-        return [solve(p, **options) for p in problems]
+        return [_solve_here(p, return_exceptions, options) for p in problems]
     env = dict(os.environ)
     # The worker imports this package from where this process found it.
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     env.setdefault("OMP_NUM_THREADS", "1")
 
-    def run(problem: Problem) -> Solution:
+    def run(problem: Problem) -> Any:
         payload = pickle.dumps((problem, options), protocol=pickle.HIGHEST_PROTOCOL)
         try:
             done = subprocess.run(
@@ -79,19 +87,37 @@ def solve_all(
             status, value = pickle.loads(done.stdout)
         except Exception:  # noqa: BLE001 - a crashed worker: solve it here instead
             status, value = "error", None
-        return value if status == "ok" else solve(problem, **options)
+        if status == "ok" or (status == "raise" and return_exceptions):
+            return value
+        if status == "raise":
+            raise value
+        return _solve_here(problem, return_exceptions, options)
 
     # Threads only wait on the workers' pipes; each job starts as soon as a worker is free.
     with ThreadPoolExecutor(max_workers=workers) as pool:
         return list(pool.map(run, problems))
 
 
+def _solve_here(problem: Problem, return_exceptions: bool, options: dict[str, Any]) -> Any:
+    if not return_exceptions:
+        return solve(problem, **options)
+    try:
+        return solve(problem, **options)
+    except Exception as error:  # noqa: BLE001 - handed back in the problem's place
+        return error
+
+
 def _worker() -> None:
     problem, options = pickle.load(sys.stdin.buffer)
     try:
         answer: tuple[str, Any] = ("ok", solve(problem, **options))
-    except Exception:  # noqa: BLE001 - the caller re-solves and raises it with its attributes
-        answer = ("error", None)
+    except Exception as error:  # noqa: BLE001 - sent back whole where it pickles (the solver's
+        # errors keep their attributes through pickling); else the caller re-solves to raise it
+        try:
+            pickle.dumps(error)
+            answer = ("raise", error)
+        except Exception:  # noqa: BLE001
+            answer = ("error", None)
     pickle.dump(answer, sys.stdout.buffer, protocol=pickle.HIGHEST_PROTOCOL)
     sys.stdout.buffer.flush()
 

@@ -61,3 +61,31 @@ def test_small_problems_stay_in_this_process(monkeypatch: pytest.MonkeyPatch) ->
     assert [s.choices for s in parallel.solve_all(problems, workers=2)] == [
         solve(p).choices for p in problems
     ]
+
+
+@pytest.mark.parametrize("min_entries", [0, 10**12], ids=["workers", "in-process"])
+def test_return_exceptions_puts_each_error_in_its_problems_place(
+    monkeypatch: pytest.MonkeyPatch, min_entries: int
+) -> None:
+    monkeypatch.setattr(parallel, "MIN_PARALLEL_ENTRIES", min_entries)
+    problems = [chain(1), chain(2, budget=1.0), chain(3, budget=40.0)]
+    got = parallel.solve_all(problems, workers=2, return_exceptions=True)
+    assert got[0].choices == solve(problems[0]).choices
+    assert isinstance(got[1], InfeasibleBudgetError)
+    with pytest.raises(InfeasibleBudgetError) as caught:
+        solve(problems[1])
+    assert got[1].min_budget_bytes == caught.value.min_budget_bytes
+    assert got[2].choices == solve(problems[2]).choices
+
+
+def test_a_workers_error_comes_back_whole_without_solving_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(parallel, "MIN_PARALLEL_ENTRIES", 0)
+
+    def no_local_solve(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the failing job was solved again in this process")
+
+    monkeypatch.setattr(parallel, "solve", no_local_solve)
+    with pytest.raises(InfeasibleBudgetError):
+        parallel.solve_all([chain(1), chain(2, budget=1.0)], workers=2)
