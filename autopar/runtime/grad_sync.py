@@ -43,7 +43,7 @@ __all__ = ["DEFAULT_BUCKET_BYTES", "GradReducer"]
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # identity: buckets hold tensors, and are found by index
 class _Bucket:
     axes: tuple[int, ...]
     params: list[nn.Parameter] = field(default_factory=list)
