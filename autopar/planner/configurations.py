@@ -11,7 +11,6 @@ problem without segments as layer-mixing counts (which segments force alike) to 
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -122,47 +121,6 @@ class ConfigurationSolver:
                 raise
             return self.solve(zero, name=name, budget=budget, spec=spec, tied=tied[1:])
         return self._finish(zero, name, built, problem, solution)
-
-    def solve_each(
-        self, zeros: Sequence[ZeroConfig], *, name: str, budget: float
-    ) -> list[Solved | solver.InfeasibleBudgetError]:
-        """:meth:`solve` of each ZeRO configuration under ``budget``, the ILPs of the tightest
-        tie level solved side by side (:func:`solver.parallel.solve_all`); a configuration
-        that does not fit there walks the looser levels alone, and one that fits at none
-        gives its :class:`solver.InfeasibleBudgetError` (with ``min_budget_bytes``) in its
-        place. The same answers as solving them one after another. Problems are built a core's
-        worth at a time, so the planner holds no more of them at once than it solves."""
-        out: list[Solved | solver.InfeasibleBudgetError] = []
-        batch = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
-        for start in range(0, len(zeros), batch):
-            out.extend(self._solve_batch(zeros[start : start + batch], name=name, budget=budget))
-        return out
-
-    def _solve_batch(
-        self, zeros: Sequence[ZeroConfig], *, name: str, budget: float
-    ) -> list[Solved | solver.InfeasibleBudgetError]:
-        prepared = [self._prepare(zero, budget=budget, spec=None, tied=self.tied) for zero in zeros]
-        results = solve_all(
-            [problem for _, problem in prepared],
-            backend=self.options.solver,
-            time_limit_s=self.options.time_limit_s,
-            gap=self.options.gap,
-            return_exceptions=True,
-        )
-        out: list[Solved | solver.InfeasibleBudgetError] = []
-        for zero, (built, problem), result in zip(zeros, prepared, results, strict=True):
-            if isinstance(result, solver.InfeasibleBudgetError) and self.tied:
-                try:
-                    out.append(self.solve(zero, name=name, budget=budget, tied=self.tied[1:]))
-                except solver.InfeasibleBudgetError as error:
-                    out.append(error)
-            elif isinstance(result, solver.InfeasibleBudgetError):
-                out.append(result)
-            elif isinstance(result, Exception):
-                raise result
-            else:
-                out.append(self._finish(zero, name, built, problem, result))
-        return out
 
     def solve_many(
         self, jobs: Sequence[tuple[str, ZeroConfig, RecipeSpec | None, float | None]]

@@ -302,18 +302,18 @@ class Driver:
             return free, log
         best: Solved | None = None
         min_needed = math.inf
-        candidates = zero_candidates(mesh.ndim, mesh.shape)
-        solved_each = self.configurations.solve_each(candidates, name="auto", budget=budget)
-        for zero, solved in zip(candidates, solved_each, strict=True):
-            if isinstance(solved, solver.InfeasibleBudgetError):
-                min_needed = min(min_needed, solved.min_budget_bytes)
+        for zero in zero_candidates(mesh.ndim, mesh.shape):
+            try:
+                solved = self.configurations.solve(zero, name="auto", budget=budget)
+            except solver.InfeasibleBudgetError as e:
+                min_needed = min(min_needed, e.min_budget_bytes)
                 log.append(
                     {
                         "zero_stage": zero.stage,
                         "zero_axes": list(zero.axes),
                         "zero_stages": list(zero.stages),
                         "status": "infeasible",
-                        "min_budget_bytes": float(solved.min_budget_bytes),
+                        "min_budget_bytes": float(e.min_budget_bytes),
                     }
                 )
                 continue
