@@ -139,8 +139,14 @@ class PipelinePlan:
 
 
 def even_stages(
-    *, stack: str, num_blocks: int, num_stages: int, axis: int = 0, virtual_stages: int = 1,
-    microbatches: int, schedule: str,
+    *,
+    stack: str,
+    num_blocks: int,
+    num_stages: int,
+    axis: int = 0,
+    virtual_stages: int = 1,
+    microbatches: int,
+    schedule: str,
 ) -> PipelinePlan:
     """Blocks split as evenly as possible over ``num_stages * virtual_stages`` stages (earlier
     stages take the remainder); what a user who fixes only the stage count gets.
@@ -159,11 +165,20 @@ def even_stages(
     for k in range(total):
         size = base + (1 if k < extra else 0)
         stages.append(
-            Stage(index=k, blocks=(start, start + size), first_fqn=f"{stack}.{start}",
-                  pp_rank=k % num_stages)
+            Stage(
+                index=k,
+                blocks=(start, start + size),
+                first_fqn=f"{stack}.{start}",
+                pp_rank=k % num_stages,
+            )
         )
         start += size
     return PipelinePlan(
-        axis=axis, stack=stack, num_blocks=num_blocks, stages=tuple(stages),
-        microbatches=microbatches, schedule=schedule, virtual_stages=virtual_stages,
+        axis=axis,
+        stack=stack,
+        num_blocks=num_blocks,
+        stages=tuple(stages),
+        microbatches=microbatches,
+        schedule=schedule,
+        virtual_stages=virtual_stages,
     )
