@@ -109,19 +109,11 @@ def autoparallelize(
         )
     opts = PlanOptions.from_kwargs(options)
     if pipeline is not None or (isinstance(plan, Plan) and "pipeline" in plan.data):
-        from autopar.parallelize_pipeline import autoparallelize_pipeline
+        from autopar.parallelize_pipeline import autoparallelize_pipeline as pipelined
 
-        return autoparallelize_pipeline(  # type: ignore[return-value]
-            model,
-            mesh,
-            tuple(example_inputs),
-            dict(example_kwargs or {}),
-            pipeline=pipeline,
-            options=opts,
-            plan=plan if isinstance(plan, Plan) else None,
-            timeout_s=timeout_s,
-            model_name=model_name,
-        )
+        args, kw = tuple(example_inputs), dict(example_kwargs or {})
+        extra = (plan, timeout_s, model_name)
+        return pipelined(model, mesh, args, kw, pipeline, opts, *extra)  # type: ignore[arg-type,return-value]
     groups = _mesh_groups(mesh, timeout_s)
     args = tuple(example_inputs)
     kwargs = dict(example_kwargs or {})

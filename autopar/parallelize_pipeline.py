@@ -185,7 +185,6 @@ def autoparallelize_pipeline(
     mesh: Mesh,
     args: tuple,
     kwargs: dict,
-    *,
     pipeline: Any,
     options: PlanOptions,
     plan: Plan | None = None,
