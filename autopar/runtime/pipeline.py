@@ -225,11 +225,17 @@ class PipelineModule(nn.Module):
 
     def _sum_shared_grads(self) -> None:
         for fqn, group in self.shared:
-            copies = [pm._params[fqn] for pm in self.pmodules if fqn in pm._params]
-            grads = [p.grad for p in copies if p.grad is not None]
-            if not grads:
+            copies = [
+                named[fqn]
+                for pmodule in self.pmodules
+                if fqn in (named := dict(pmodule.named_parameters(remove_duplicate=False)))
+            ]
+            if not copies:
                 continue
-            total = grads[0].clone() if len(grads) == 1 else torch.stack(grads).sum(0)
+            total = torch.zeros_like(copies[0])
+            for p in copies:
+                if p.grad is not None:
+                    total += p.grad
             if group is not None:
                 dist.all_reduce(total, group=group)
             for p in copies:
