@@ -257,10 +257,15 @@ def autoparallelize_pipeline(
         (s.index, _stage_module(model, stages, plans, s.index, sub_mesh, sub_groups, inputs))
         for s in mine
     ]
+    # The stages' point-to-point traffic gets its own group: under TORCH_DISTRIBUTED_DEBUG=DETAIL
+    # collectives check sequence numbers, which sends and receives advance unevenly per rank.
+    grid = groups.device_mesh.mesh.movedim(pipeline.axis, -1)
+    p2p_group, _ = dist.new_subgroups_by_enumeration(grid.reshape(-1, grid.shape[-1]).tolist())
     pmodel = PipelineModule(
         modules,
         num_stages=pipeline.num_stages,
         pp_group=groups.groups[pipeline.axis],
+        p2p_group=p2p_group,
         last_pp_rank=pipeline.stages[-1].pp_rank,
         schedule=pipeline.schedule,
         microbatches=pipeline.microbatches,

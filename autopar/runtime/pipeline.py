@@ -135,7 +135,8 @@ class PipelineModule(nn.Module):
     Args:
         stages: this rank's stages as ``(stage index, StageModule)``, in stage order.
         num_stages: stages in the whole pipeline.
-        pp_group: the pipeline axis's process group of this rank.
+        pp_group: the pipeline axis's process group of this rank (the loss's broadcast).
+        p2p_group: a group of the same ranks for the stages' sends and receives.
         last_pp_rank: group rank (along the pipeline axis) holding the last stage.
         schedule: "gpipe", "1f1b" or "interleaved-1f1b".
         microbatches: microbatches per step.
@@ -151,6 +152,7 @@ class PipelineModule(nn.Module):
         *,
         num_stages: int,
         pp_group: Any,
+        p2p_group: Any,
         last_pp_rank: int,
         schedule: str,
         microbatches: int,
@@ -170,7 +172,7 @@ class PipelineModule(nn.Module):
         """The stage plans (one Plan per stage of this rank) and the PipelinePlan."""
         self.pipeline: Any = None
         pipeline_stages = [
-            _Stage(module, index, num_stages, device, group=pp_group) for index, module in stages
+            _Stage(module, index, num_stages, device, group=p2p_group) for index, module in stages
         ]
         cls = SCHEDULE_CLASSES[schedule]
         self.schedule = cls(
