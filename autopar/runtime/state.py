@@ -101,7 +101,8 @@ class _Layouts:
             if order == tuple(range(len(self.mesh_shape))):
                 mesh = base
             else:
-                grid = torch.arange(math.prod(self.mesh_shape)).view(self.mesh_shape)
+                # Global ranks (a pipeline stage's submesh is not the whole world).
+                grid = base.mesh.view(self.mesh_shape)
                 names = tuple(self.groups.axis_names[a] for a in order)
                 mesh = DeviceMesh.from_group(
                     [self.groups.groups[a] for a in order],
@@ -130,10 +131,8 @@ class _Layouts:
             for axis, size in zip(reversed(axes), reversed(sizes)):
                 member[axis] = rest % size
                 rest //= size
-            rank = 0
-            for c, m in zip(member, self.mesh_shape):
-                rank = rank * m + c
-            ranks.append(rank)
+            # Global rank of the member (a pipeline stage's submesh is not the whole world).
+            ranks.append(int(self.groups.device_mesh.mesh.view(self.mesh_shape)[tuple(member)]))
             if tuple(member) == self.coords:
                 me = k
             lo = max(k * chunk.shard_numel - slot.offset, 0)
