@@ -159,7 +159,7 @@ def run_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, 
     }
     times: dict[str, list[float]] = {name: [] for name in variants}
     losses: dict[str, list[float]] = {name: [] for name in variants}
-    for name, (step, _) in variants.items():
+    for step, _ in variants.values():
         step(*_batch(0, args))  # warm-up (first-call costs)
     for _ in range(args.reps):
         for name, (step, _) in variants.items():
