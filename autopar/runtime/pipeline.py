@@ -192,6 +192,12 @@ class PipelineModule(nn.Module):
         """This rank's stages as ParallelModules (original FQNs, local shards)."""
         return [module.pmodule for module in self.stage_modules]
 
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            "a pipelined module trains with pmodel.step(*global_inputs) (forward and backward "
+            "of the whole schedule, returns the loss); it has no separate forward"
+        )
+
     def step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """One forward and backward of the GLOBAL batch ``(args, kwargs)`` (the same on every
         rank) under the schedule; returns the global mean loss (detached) on every rank and
