@@ -235,7 +235,14 @@ class ConfigurationSolver:
         # may mix strategies across layers and beat the joint plan: solve that too, keep the
         # better. Also when the joint ILP stopped at the time limit: it is bigger than the
         # sharding one, which may find a better plan without recompute in the same time.
-        counted = problem.memory_budget_bytes is not None and bool(built.problem.tied)
+        # With a gap to spend (issue 16), a joint plan already within it of its bound is the
+        # answer: its bound is over the plans whose tied layers choose alike, the class the
+        # joint problem is defined on (solver.Problem.tied), so the mixing re-solve is skipped.
+        counted = (
+            problem.memory_budget_bytes is not None
+            and bool(built.problem.tied)
+            and not (options.gap > 0 and solution.gap <= options.gap)
+        )
         if (
             problem.segments
             and options.checkpoint != "all"
