@@ -134,8 +134,11 @@ def _solve_relaxed(
 
     start = time.perf_counter()
 
+    size = [0, 0]  # the largest budget-free model solved: (variables, constraints)
+
     def solve_free(priced: Problem) -> tuple[tuple[int, ...], float, float]:
         free = solve(priced, backend=backend, time_limit_s=time_limit_s, gap=0.0, msg=msg)
+        size[:] = max(size, [free.num_variables, free.num_constraints])
         return free.choices, free.objective_s, free.bound_s
 
     try:
@@ -152,7 +155,7 @@ def _solve_relaxed(
         "lagrangian_solves": float(found.evaluations),
         "lagrangian_s": found.seconds,
     }
-    num_variables = num_constraints = 0
+    num_variables, num_constraints = size
     backend_used = resolve_backend(backend)[0]
     if objective - bound > gap * abs(objective):
         exact = solve(
