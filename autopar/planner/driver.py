@@ -23,6 +23,7 @@ cannot disagree about what "auto" or a recipe is.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -305,12 +306,17 @@ class Driver:
         zeros = zero_candidates(mesh.ndim, mesh.shape)
         # At gap 0 every configuration is solved under the budget in order, as before issue 16
         # (the stored plans pin that path); with a gap they are bounded first.
-        ordered = self._bounded(zeros) if self.options.gap > 0 else [(z, None) for z in zeros]
+        gap = self.options.gap
+        ordered = self._bounded(zeros) if gap > 0 else [(z, None) for z in zeros]
+        bounds = []  # a lower bound of every configuration that may fit
         for zero, free_z in ordered:
             bound = free_z.solution.bound_s if free_z is not None else -math.inf
-            if best is not None and bound >= best.solution.objective_s * (1 - 1e-9):
+            # Within the gap of the best plan found, a configuration cannot improve it by more
+            # than the gap (at gap 0: cannot improve it at all).
+            if best is not None and bound >= best.solution.objective_s * (1 - max(gap, 1e-9)):
                 log.append({**_zero_entry(zero), "status": "skipped", "bound_s": bound})
                 self._report(f"skip ZeRO {zero.label(mesh.axis_names)}: bound {bound:.4g} s")
+                bounds.append(bound)
                 continue
             if free_z is not None and free_z.evaluation.peak_memory_bytes <= budget:
                 solved = free_z  # its budget-free optimum fits: the optimum under the budget
@@ -328,11 +334,12 @@ class Driver:
                     )
                     continue
             log.append(log_entry(solved))
+            bounds.append(solved.solution.bound_s)
             if best is None or solved.evaluation.step_s < best.evaluation.step_s * (1 - 1e-9):
                 best = solved
         if best is None:
             raise budget_error(budget, min_needed, "any ZeRO stage")
-        return best, log
+        return (_with_bound(best, min(bounds)) if gap > 0 else best), log
 
     def _bounded(self, zeros: Sequence[ZeroConfig]) -> list[tuple[ZeroConfig, Solved]]:
         """Each ZeRO configuration with its budget-free solve, most promising first: the
@@ -342,7 +349,15 @@ class Driver:
         bounded = [
             (zero, self.configurations.solve(zero, name="auto", budget=None)) for zero in zeros
         ]
-        return sorted(bounded, key=lambda pair: pair[1].solution.bound_s)
+        # Those whose budget-free plan fits first: solved already, they give the best plan to
+        # beat before any budgeted solve.
+        return sorted(
+            bounded,
+            key=lambda pair: (
+                pair[1].evaluation.peak_memory_bytes > self.budget,
+                pair[1].solution.bound_s,
+            ),
+        )
 
     def recipe_within_budget(self, recipe: str, free: Solved, *, strict: bool = True) -> Solved:
         """``free`` (the recipe solved without a budget) when it fits; else the recipe's layouts
@@ -393,6 +408,20 @@ class Driver:
 
     # ----------------------------------------------------------------------------------------
     # Solving configurations
+
+
+def _with_bound(best: Solved, bound: float) -> Solved:
+    """``best`` reporting ``bound``, the lowest bound of every ZeRO configuration weighed (those
+    skipped within the gap included), when it is below its own: the plan's gap is then against
+    every configuration, not only its own."""
+    sol = best.solution
+    if bound >= sol.bound_s:
+        return best
+    gap = (sol.objective_s - bound) / sol.objective_s if sol.objective_s else 0.0
+    status = sol.status if gap <= 1e-9 else "feasible"
+    return dataclasses.replace(
+        best, solution=dataclasses.replace(sol, bound_s=bound, gap=max(gap, 0.0), status=status)
+    )
 
 
 def _zero_entry(zero: ZeroConfig) -> dict[str, Any]:
