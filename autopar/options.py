@@ -108,8 +108,10 @@ class PlanOptions:
     """Per output, compact placements such as 'S0,R'; None = Replicate on every axis."""
     time_limit_s: float | None = None
     """Solver time limit; the best plan found so far is returned with its gap."""
-    gap: float = 0.0
-    """Relative optimality gap at which the solver may stop."""
+    gap: float = 0.01
+    """Relative optimality gap at which the solver may stop (the plan reports its bound and
+    gap); 0 proves the optimum. Under a memory budget a gap > 0 lets the Lagrangian relaxation
+    of the budget (solver/lagrangian.py) answer without the MIP."""
     solver: str = "highs"
     """ILP backend: 'highs' or 'cbc'."""
 

@@ -11,6 +11,11 @@ from the expanded choices:
   (``_solve_eliminated``) and the eliminated nodes substituted back;
 - tie classes (Problem.tied, repeated layers) are contracted into one node each
   (solver/tying.py, ``_solve_tied``), and elimination runs again on the contracted graph;
+- with a budget and ``gap`` > 0 (no ties, or ties with checkpoint segments, which force the
+  classes alike): Lagrangian relaxation of the budget first (solver/lagrangian.py,
+  ``_solve_relaxed``): budget-free solves give a lower bound and plans that fit; when the best
+  is within ``gap`` of the bound that is the answer, else the MIP below runs (its bound and the
+  relaxation's, whichever is higher, is reported);
 - with a budget (HiGHS, no checkpoint segments) tie classes are solved as counts per strategy
   instead (solver/counts.py, ``_solve_counts``): layers may differ, the model's size does not
   depend on depth, and its bound is a lower bound on the untied optimum; a mixed plan is
@@ -42,6 +47,7 @@ def solve(
     time_limit_s: float | None = None,
     gap: float = 0.0,
     msg: bool = False,
+    relax_first: bool = True,
 ) -> Solution:
     """Choose one strategy per node, minimising step time within the memory budget.
 
@@ -52,6 +58,8 @@ def solve(
         time_limit_s: stop after this many seconds with the best plan found (status 'feasible').
         gap: relative gap at which the search may stop; 0 proves optimality.
         msg: show the solver's log.
+        relax_first: with a budget and ``gap`` > 0, try the Lagrangian relaxation first
+            (``_solve_relaxed``); False goes straight to the exact path.
 
     Raises:
         InfeasibleBudgetError: no allowed plan fits the budget; carries the smallest that fits.
@@ -89,6 +97,13 @@ def solve(
                 gap=gap,
                 msg=msg,
             )
+    if relax_first and _relaxation_applies(problem, gap):
+        validate(problem)
+        relaxed = _solve_relaxed(
+            problem, backend=backend, time_limit_s=time_limit_s, gap=gap, msg=msg
+        )
+        if relaxed is not None:
+            return relaxed
     if problem.tied:
         validate(problem)
         if problem.memory_budget_bytes is not None and backend == "highs":
@@ -97,6 +112,84 @@ def solve(
                 return counted
         return _solve_tied(problem, backend=backend, time_limit_s=time_limit_s, gap=gap, msg=msg)
     return solve_model(problem, backend=backend, time_limit_s=time_limit_s, gap=gap, msg=msg)
+
+
+def _relaxation_applies(problem: Problem, gap: float) -> bool:
+    """The Lagrangian path: a budget, a gap to spend, and tie classes (if any) forced alike
+    (with segments; without, counts may mix the members, which the relaxation does not bound)."""
+    return (
+        problem.memory_budget_bytes is not None
+        and gap > 0.0
+        and (not problem.tied or bool(problem.segments))
+    )
+
+
+def _solve_relaxed(
+    problem: Problem, *, backend: str, time_limit_s: float | None, gap: float, msg: bool
+) -> Solution | None:
+    """Lagrangian relaxation of the budget (solver/lagrangian.py); when its best plan is not
+    within ``gap`` of its bound, the exact path (MIP) with the better plan and bound of the
+    two. None: the relaxation found no plan that fits and the MIP is left to the caller."""
+    from solver.lagrangian import relax
+
+    start = time.perf_counter()
+
+    size = [0, 0]  # the largest budget-free model solved: (variables, constraints)
+
+    def solve_free(priced: Problem) -> tuple[tuple[int, ...], float, float]:
+        free = solve(priced, backend=backend, time_limit_s=time_limit_s, gap=0.0, msg=msg)
+        size[:] = max(size, [free.num_variables, free.num_constraints])
+        return free.choices, free.objective_s, free.bound_s
+
+    try:
+        found = relax(problem, solve_free, target_gap=gap)
+    except InfeasibleError:
+        return None
+    if found.choices is None:
+        return None
+    choices, recomputed, objective = found.choices, found.recomputed, found.objective_s
+    bound = found.bound_s
+    details = {
+        "lagrangian_bound_s": bound,
+        "lagrangian_multiplier": found.multiplier,
+        "lagrangian_solves": float(found.evaluations),
+        "lagrangian_s": found.seconds,
+    }
+    num_variables, num_constraints = size
+    backend_used = resolve_backend(backend)[0]
+    if objective - bound > gap * abs(objective):
+        exact = solve(
+            problem,
+            backend=backend,
+            time_limit_s=time_limit_s,
+            gap=gap,
+            msg=msg,
+            relax_first=False,
+        )
+        details.update(exact.details)
+        details["lagrangian_then_mip"] = 1.0
+        num_variables, num_constraints = exact.num_variables, exact.num_constraints
+        bound = max(bound, exact.bound_s)
+        if exact.objective_s < objective:
+            choices, recomputed, objective = exact.choices, exact.recomputed, exact.objective_s
+    bound = min(bound, objective)
+    relative_gap = (objective - bound) / abs(objective) if objective else 0.0
+    relative_gap = 0.0 if relative_gap <= ZERO_GAP else relative_gap
+    return Solution(
+        choices=choices,
+        objective_s=objective,
+        bound_s=bound,
+        gap=relative_gap,
+        status="optimal" if relative_gap == 0.0 else "feasible",
+        backend=backend_used,
+        peak_memory_bytes=plan_peak_memory_bytes(problem, choices, recomputed),
+        num_variables=num_variables,
+        num_constraints=num_constraints,
+        build_s=0.0,
+        solve_s=time.perf_counter() - start,
+        details=details,
+        recomputed=recomputed if problem.segments else (),
+    )
 
 
 def _solve_eliminated(
@@ -228,7 +321,15 @@ def _solve_tied(
         inner_problem = dataclasses.replace(inner_problem, segments=segments)
     contract_s = time.perf_counter() - start
     # Contraction turns a node shared by every layer (RoPE tables) into a leaf: eliminate again.
-    inner = solve(inner_problem, backend=backend, time_limit_s=time_limit_s, gap=gap, msg=msg)
+    # The relaxation, where it applies, ran on the tied problem already.
+    inner = solve(
+        inner_problem,
+        backend=backend,
+        time_limit_s=time_limit_s,
+        gap=gap,
+        msg=msg,
+        relax_first=False,
+    )
     choices = expand(contracted, inner.choices)
     recomputed = expand_recomputed(problem, groups, inner.recomputed) if problem.segments else ()
     objective = plan_objective_s(problem, choices, recomputed)

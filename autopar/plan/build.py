@@ -215,7 +215,8 @@ def zero_considered(
         key = zero
         entry = solved_by_key.get(key)
         row: dict[str, Any] = zero.to_json(names)
-        if entry is not None and entry.get("status") != "infeasible":
+        solved = entry is not None and entry.get("status") not in ("infeasible", "skipped")
+        if solved:
             row.update(
                 layouts="own",
                 step_s=entry["step_s"],
@@ -239,6 +240,11 @@ def zero_considered(
                 f"no layout fits the budget (needs {format_bytes(entry['min_budget_bytes'])})"
                 if "min_budget_bytes" in entry
                 else "no layout fits the budget"
+            )
+        elif entry is not None and entry.get("status") == "skipped":
+            verdict = (
+                f"skipped: its bound {format_seconds(entry['bound_s'])} is no faster than the "
+                f"chosen step"
             )
         elif dominated_by is not None:
             verdict = f"pruned: {label(dominated_by)} is as fast with no more memory"

@@ -200,7 +200,8 @@ def _details(x: dict[str, Any], width: int | None) -> list[str]:
     lines += wrap(text, width)
     sol = x["solver"]
     lines += wrap(
-        f"Solver {sol['backend']}: {sol['status']}, gap {sol['gap']:.2%}, {sol['num_variables']:,} variables, "
+        f"Solver {sol['backend']}: {sol['status']}, gap {sol['gap']:.2%} (bound {sol['bound_s']:.5g} s), "
+        f"{sol['num_variables']:,} variables, "
         f"{sol['num_constraints']:,} constraints, {sol['solve_s']:.2f} s", width,
     )
     return lines

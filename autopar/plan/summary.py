@@ -279,8 +279,16 @@ def headline(d: dict[str, Any]) -> dict[str, Any]:
         "compute_dtype": _PEAK_DTYPE.get(d["options"].get("mixed_precision")),
         "zero": zero_label(d["zero"]),
         "num_segments": len(segments),
-        "solver": f"{d['solver']['backend']} {d['solver']['status']}, gap {d['solver']['gap']:.2%}",
+        "solver": _solver_line(d["solver"]),
     }
+
+
+def _solver_line(sol: dict[str, Any]) -> str:
+    """'highs optimal, gap 0.00%'; with a gap, the objective and the lower bound it is from."""
+    line = f"{sol['backend']} {sol['status']}, gap {sol['gap']:.2%}"
+    if sol["gap"] > 0:
+        line += f" (step {sol['objective_s']:.5g} s, bound {sol['bound_s']:.5g} s)"
+    return line
 
 
 def details(d: dict[str, Any]) -> dict[str, Any]:

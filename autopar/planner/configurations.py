@@ -54,6 +54,12 @@ class Solved:
     """Checkpoint segments recomputed (evaluation already includes them)."""
 
 
+def _within_gap(solution: solver.Solution, gap: float) -> bool:
+    """The solve finished: proven optimal, or within the requested gap of its bound (the
+    Lagrangian path reports 'feasible' with its gap; a time limit leaves it above)."""
+    return solution.status == "optimal" or solution.gap <= gap
+
+
 def tie_levels(space: StrategySpace) -> list[tuple[tuple[int, ...], ...]]:
     """Every layer of a stack tied, then the middle layers only (see autopar.planner.tying)."""
     levels = [repeated_blocks(space, include_ends=True), repeated_blocks(space)]
@@ -229,14 +235,21 @@ class ConfigurationSolver:
         # may mix strategies across layers and beat the joint plan: solve that too, keep the
         # better. Also when the joint ILP stopped at the time limit: it is bigger than the
         # sharding one, which may find a better plan without recompute in the same time.
-        counted = problem.memory_budget_bytes is not None and bool(built.problem.tied)
+        # With a gap to spend (issue 16), a joint plan already within it of its bound is the
+        # answer: its bound is over the plans whose tied layers choose alike, the class the
+        # joint problem is defined on (solver.Problem.tied), so the mixing re-solve is skipped.
+        counted = (
+            problem.memory_budget_bytes is not None
+            and bool(built.problem.tied)
+            and not (options.gap > 0 and solution.gap <= options.gap)
+        )
         if (
             problem.segments
             and options.checkpoint != "all"
-            and (counted or solution.status != "optimal")
+            and (counted or not _within_gap(solution, options.gap))
         ):
             limit = options.time_limit_s
-            if solution.status == "optimal":
+            if _within_gap(solution, options.gap):
                 # An alternative, not the answer: no longer than about the joint solve took (a
                 # budget only recompute meets makes it prove infeasibility, which can be slow).
                 spent = max(10.0, solution.build_s + solution.solve_s)

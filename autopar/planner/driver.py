@@ -23,6 +23,7 @@ cannot disagree about what "auto" or a recipe is.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -302,27 +303,61 @@ class Driver:
             return free, log
         best: Solved | None = None
         min_needed = math.inf
-        for zero in zero_candidates(mesh.ndim, mesh.shape):
-            try:
-                solved = self.configurations.solve(zero, name="auto", budget=budget)
-            except solver.InfeasibleBudgetError as e:
-                min_needed = min(min_needed, e.min_budget_bytes)
-                log.append(
-                    {
-                        "zero_stage": zero.stage,
-                        "zero_axes": list(zero.axes),
-                        "zero_stages": list(zero.stages),
-                        "status": "infeasible",
-                        "min_budget_bytes": float(e.min_budget_bytes),
-                    }
-                )
+        zeros = zero_candidates(mesh.ndim, mesh.shape)
+        # At gap 0 every configuration is solved under the budget in order, as before issue 16
+        # (the stored plans pin that path); with a gap they are bounded first.
+        gap = self.options.gap
+        ordered = self._bounded(zeros) if gap > 0 else [(z, None) for z in zeros]
+        bounds = []  # a lower bound of every configuration that may fit
+        for zero, free_z in ordered:
+            bound = free_z.solution.bound_s if free_z is not None else -math.inf
+            # Within the gap of the best plan found, a configuration cannot improve it by more
+            # than the gap (at gap 0: cannot improve it at all).
+            if best is not None and bound >= best.solution.objective_s * (1 - max(gap, 1e-9)):
+                log.append({**_zero_entry(zero), "status": "skipped", "bound_s": bound})
+                self._report(f"skip ZeRO {zero.label(mesh.axis_names)}: bound {bound:.4g} s")
+                bounds.append(bound)
                 continue
+            if free_z is not None and free_z.evaluation.peak_memory_bytes <= budget:
+                solved = free_z  # its budget-free optimum fits: the optimum under the budget
+            else:
+                try:
+                    solved = self.configurations.solve(zero, name="auto", budget=budget)
+                except solver.InfeasibleBudgetError as e:
+                    min_needed = min(min_needed, e.min_budget_bytes)
+                    log.append(
+                        {
+                            **_zero_entry(zero),
+                            "status": "infeasible",
+                            "min_budget_bytes": float(e.min_budget_bytes),
+                        }
+                    )
+                    continue
             log.append(log_entry(solved))
+            bounds.append(solved.solution.bound_s)
             if best is None or solved.evaluation.step_s < best.evaluation.step_s * (1 - 1e-9):
                 best = solved
         if best is None:
             raise budget_error(budget, min_needed, "any ZeRO stage")
-        return best, log
+        return (_with_bound(best, min(bounds)) if gap > 0 else best), log
+
+    def _bounded(self, zeros: Sequence[ZeroConfig]) -> list[tuple[ZeroConfig, Solved]]:
+        """Each ZeRO configuration with its budget-free solve, most promising first: the
+        budget-free optimum is the Lagrangian bound at multiplier 0 (solver/lagrangian.py), a
+        lower bound on the configuration's step time under any budget, so a configuration
+        whose bound is not below the best plan found cannot win and is skipped unsolved."""
+        bounded = [
+            (zero, self.configurations.solve(zero, name="auto", budget=None)) for zero in zeros
+        ]
+        # Those whose budget-free plan fits first: solved already, they give the best plan to
+        # beat before any budgeted solve.
+        return sorted(
+            bounded,
+            key=lambda pair: (
+                pair[1].evaluation.peak_memory_bytes > self.budget,
+                pair[1].solution.bound_s,
+            ),
+        )
 
     def recipe_within_budget(self, recipe: str, free: Solved, *, strict: bool = True) -> Solved:
         """``free`` (the recipe solved without a budget) when it fits; else the recipe's layouts
@@ -373,6 +408,29 @@ class Driver:
 
     # ----------------------------------------------------------------------------------------
     # Solving configurations
+
+
+def _with_bound(best: Solved, bound: float) -> Solved:
+    """``best`` reporting ``bound``, the lowest bound of every ZeRO configuration weighed (those
+    skipped within the gap included), when it is below its own: the plan's gap is then against
+    every configuration, not only its own."""
+    sol = best.solution
+    if bound >= sol.bound_s:
+        return best
+    gap = (sol.objective_s - bound) / sol.objective_s if sol.objective_s else 0.0
+    status = sol.status if gap <= 1e-9 else "feasible"
+    return dataclasses.replace(
+        best, solution=dataclasses.replace(sol, bound_s=bound, gap=max(gap, 0.0), status=status)
+    )
+
+
+def _zero_entry(zero: ZeroConfig) -> dict[str, Any]:
+    """The ZeRO fields of a solver-log entry."""
+    return {
+        "zero_stage": zero.stage,
+        "zero_axes": list(zero.axes),
+        "zero_stages": list(zero.stages),
+    }
 
 
 def replicated_allowed(space: StrategySpace) -> dict[str, list[int]]:

@@ -91,8 +91,8 @@ def _add_plan_options(parser: argparse.ArgumentParser, *, planning: bool = True,
         parser.add_argument("--mixed-precision", default=None, choices=["bf16", "fp16"],
                             help="price bf16 or fp16 compute with fp32 master weights (default: fp32)")
     parser.add_argument("--time-limit", type=float, default=None, help="solver time limit in seconds")
-    parser.add_argument("--gap", type=float, default=0.0,
-                        help="relative optimality gap at which the solver may stop, in [0, 1) (default 0: optimal)")
+    parser.add_argument("--gap", type=float, default=0.01,
+                        help="relative optimality gap at which the solver may stop, in [0, 1) (default 0.01; 0: proven optimum)")
     parser.add_argument("--solver", default="highs", choices=SOLVERS, help="ILP backend (default highs)")
     if not planning:
         return

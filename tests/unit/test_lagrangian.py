@@ -1,0 +1,182 @@
+"""Lagrangian relaxation of the memory budget (solver/lagrangian.py) against brute force."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from solver import Edge, InfeasibleBudgetError, Node, Problem, brute_force, solve
+from solver.lagrangian import priced, relax, transient_floor
+from solver.problem import Segment
+
+
+@st.composite
+def budgeted_problems(draw) -> Problem:
+    """A chain of 3-5 nodes (2-3 strategies, resident and transient bytes), an extra edge,
+    maybe a tie class, maybe checkpoint segments (nested, or with copies and minimum copies),
+    and a budget between the smallest and the largest resident plan."""
+    num_nodes = draw(st.integers(3, 5))
+    width = draw(st.integers(2, 3))
+    costs = st.floats(0.0, 10.0, allow_nan=False).map(lambda v: round(v, 2))
+    sizes = st.floats(0.0, 100.0, allow_nan=False).map(lambda v: round(v, 1))
+    nodes = tuple(
+        Node(
+            name=f"n{i}",
+            cost_s=tuple(draw(costs) for _ in range(width)),
+            memory_bytes=tuple(draw(sizes) for _ in range(width)),
+            transient_bytes=tuple(draw(sizes) for _ in range(width)) if draw(st.booleans()) else (),
+        )
+        for i in range(num_nodes)
+    )
+    pair = st.one_of(costs, costs, costs, st.none()) if draw(st.integers(0, 3)) == 0 else costs
+    edges = [
+        Edge(
+            src=i,
+            dst=i + 1,
+            cost_s=tuple(tuple(draw(pair) for _ in range(width)) for _ in range(width)),
+        )
+        for i in range(num_nodes - 1)
+    ]
+    if draw(st.booleans()):  # a skip edge makes a cycle
+        edges.append(
+            Edge(
+                src=0,
+                dst=num_nodes - 1,
+                cost_s=tuple(tuple(draw(costs) for _ in range(width)) for _ in range(width)),
+            )
+        )
+    segments: list[Segment] = []
+    if draw(st.integers(0, 2)):
+        spans = [(0, 2), (0, 1)] if draw(st.booleans()) else [(1, 3)]
+        for lo, hi in spans:
+            members = tuple(range(lo, hi))
+            copies = draw(st.integers(1, 2))
+            segments.append(
+                Segment(
+                    name=f"s{lo}{hi}",
+                    nodes=members,
+                    freed_bytes=tuple(
+                        tuple(min(draw(sizes), nodes[n].memory_bytes[s]) for s in range(width))
+                        for n in members
+                    ),
+                    recompute_s=tuple(
+                        tuple(draw(costs) / 4 for _ in range(width)) for _ in members
+                    ),
+                    copies=copies,
+                    min_copies=draw(st.integers(0, copies)) if draw(st.booleans()) else 0,
+                )
+            )
+    tied = ((num_nodes - 2, num_nodes - 1),) if draw(st.booleans()) else ()
+    low = sum(min(n.memory_bytes) for n in nodes)
+    high = sum(max(n.memory_bytes) for n in nodes) + 50.0
+    budget = round(draw(st.floats(low, high)), 1)
+    return Problem(
+        nodes=nodes,
+        edges=tuple(edges),
+        memory_budget_bytes=budget,
+        segments=tuple(segments),
+        tied=tied,
+    )
+
+
+def _optimum(problem: Problem) -> float | None:
+    try:
+        return brute_force(problem)[1]
+    except InfeasibleBudgetError:
+        return None
+    except Exception as error:  # the edges forbid everything
+        assume_no_plan = "no plan exists" in str(error) or "forbid" in str(error)
+        assert assume_no_plan, error
+        return None
+
+
+def _free_solver(problem: Problem) -> tuple[tuple[int, ...], float, float]:
+    sol = solve(problem)
+    return sol.choices, sol.objective_s, sol.bound_s
+
+
+SETTINGS = settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
+)
+
+
+@SETTINGS
+@given(budgeted_problems(), st.floats(0.0, 2.0))
+def test_the_dual_function_is_below_the_optimum_at_every_multiplier(problem, scale) -> None:
+    optimum = _optimum(problem)
+    if optimum is None:
+        return
+    # D(lam) at multipliers from 0 to a few times (seconds / bytes) of the problem's spread.
+    lam = scale * 0.5
+    try:
+        free = solve(priced(problem, lam))
+    except Exception:  # forbidden pairs everywhere: nothing to bound
+        return
+    budget = problem.memory_budget_bytes
+    dual = free.bound_s + lam * (problem.memory_offset_bytes + transient_floor(problem) - budget)
+    assert dual <= optimum + 1e-9 * max(1.0, abs(optimum))
+
+
+@SETTINGS
+@given(budgeted_problems(), st.sampled_from([0.01, 0.2]))
+def test_relaxed_solve_fits_and_reports_an_honest_gap(problem, gap) -> None:
+    optimum = _optimum(problem)
+    untied = _optimum(dataclasses.replace(problem, tied=()))
+    if untied is None:
+        with pytest.raises(Exception):  # noqa: B017 -- infeasible budget or forbidden pairs
+            solve(problem, gap=gap)
+        return
+    if optimum is None:  # only plans whose tied nodes differ fit (solver/counts.py may find one)
+        return
+    sol = solve(problem, gap=gap)
+    tolerance = 1e-9 * max(1.0, abs(optimum))
+    assert sol.peak_memory_bytes <= problem.memory_budget_bytes + 1e-9
+    assert sol.bound_s <= optimum + tolerance
+    # A plan's layers may differ where elimination unties them: it is a plan of the untied
+    # problem, at least that problem's optimum.
+    assert sol.objective_s >= untied - tolerance
+    if sol.objective_s > 0:
+        expected = (sol.objective_s - sol.bound_s) / sol.objective_s
+        assert sol.gap == pytest.approx(expected, abs=1e-9)
+    assert sol.gap <= gap + 1e-9
+    if sol.status == "optimal":
+        assert sol.objective_s <= optimum + tolerance
+
+
+@SETTINGS
+@given(budgeted_problems())
+def test_gap_zero_is_the_brute_force_optimum(problem) -> None:
+    optimum = _optimum(problem)
+    if optimum is None:
+        return
+    sol = solve(problem, gap=0.0)
+    assert sol.objective_s == pytest.approx(optimum, rel=1e-9, abs=1e-9)
+    assert sol.gap == 0.0 and "lagrangian_bound_s" not in sol.details
+
+
+def test_relax_brackets_the_multiplier_and_closes_a_knapsack() -> None:
+    # Independent nodes: fast and big, or slow and small. The budget lets 3 of 6 be big; each
+    # relaxed plan is a threshold rule, and the search finds the multiplier where it fits.
+    nodes = tuple(
+        Node(name=f"n{i}", cost_s=(1.0, 2.0 + i / 10), memory_bytes=(10.0, 0.0)) for i in range(6)
+    )
+    edges = tuple(Edge(src=i, dst=i + 1, cost_s=((0.0, 0.0), (0.0, 0.0))) for i in range(5))
+    problem = Problem(nodes=nodes, edges=edges, memory_budget_bytes=30.0)
+    found = relax(problem, _free_solver, target_gap=0.0)
+    optimum = brute_force(problem)[1]
+    assert found.objective_s == pytest.approx(optimum)
+    assert found.bound_s == pytest.approx(optimum)
+    assert found.multiplier > 0.0
+
+
+def test_the_relaxed_plan_reports_its_bound() -> None:
+    nodes = tuple(Node(name=f"n{i}", cost_s=(1.0, 1.5), memory_bytes=(10.0, 4.0)) for i in range(4))
+    edges = tuple(Edge(src=i, dst=i + 1, cost_s=((0.0, 0.2), (0.2, 0.0))) for i in range(3))
+    problem = Problem(nodes=nodes, edges=edges, memory_budget_bytes=25.0)
+    sol = solve(problem, gap=0.5)
+    assert math.isfinite(sol.details["lagrangian_bound_s"])
+    assert sol.bound_s <= brute_force(problem)[1] <= sol.objective_s + 1e-12
