@@ -94,10 +94,14 @@ def plan_stages(
     capture_s: float = 0.0,
     device: str = "h100",
     progress: Callable[[str], None] | None = None,
+    capture_microbatch: Callable[[int], Captured] | None = None,
 ) -> Plan:
     """Search pipeline stages (``autopar.plan.stage_search``) and return the best plan: a
     pipelined plan (JSON ``pipeline`` entry), or, when no stages win, the ordinary plan on the
-    winning ``dp x tp`` mesh. Either way ``plan.data["stage_search"]`` holds the ranked table."""
+    winning ``dp x tp`` mesh; when that plan accumulates ``m > 1`` microbatches it is the plan
+    of the whole model captured at ``batch / m`` by ``capture_microbatch`` (default ``probe``),
+    run ``m`` times per optimizer step (``plan.data["stage_search"]["accumulate"]``). Either
+    way ``plan.data["stage_search"]`` holds the ranked table."""
     start = time.perf_counter()
     result, model, ref_mesh = search_stages(
         captured,

@@ -17,7 +17,16 @@ def search_table(search: dict[str, Any], *, limit: int = 12) -> list[str]:
         f"{'':12} {'mesh pp x dp x tp':>18} {'stages':>6} {'microbatches':>12} {'schedule':>17} "
         f"{'step':>12} {'peak memory':>12} {'bubble':>7}"
     )
-    lines = [
+    accumulate = search.get("accumulate", 1)
+    lines = (
+        [
+            f"No pipeline stages: this plan is for one microbatch of 1/{accumulate} of the batch, run "
+            f"{accumulate} times per optimizer step (gradient accumulation)"
+        ]
+        if accumulate > 1
+        else []
+    )
+    lines += [
         f"Stage search: {len(search['candidates'])} candidates kept, "
         f"{search.get('probes', 0)} intra-op ILPs, {search.get('seconds', 0.0):.1f} s",
         header,

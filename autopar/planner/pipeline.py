@@ -12,7 +12,8 @@ For each mesh shape ``pp x dp x tp`` (one given with ``--mesh``, or every factor
    (interleaved schedules split the blocks evenly over their ``pp * v`` chunks);
 3. prices the step (bubble, point-to-point, gradient sync) and ranks the candidates.
 
-``pp = 1`` is the plan without stages (one microbatch: today's plans). ``megatron-3d`` is the
+``pp = 1`` is the plan without stages (with ``m > 1``: gradient accumulation, ``m`` passes of
+``batch / m`` per step). ``megatron-3d`` is the
 same search restricted to Megatron-LM's recipe (:func:`megatron_3d`): ``tp`` the node size,
 Megatron's layouts, ZeRO-1 (its distributed optimizer) on ``dp``, even stages, 1F1B, the
 fewest stages that fit and the microbatch count with the fastest step. Its choices are a subset
@@ -167,10 +168,8 @@ def _divisors(n: int) -> list[int]:
 
 def microbatch_counts(batch: int, dp: int, pp: int) -> list[int]:
     """``m`` dividing the batch with the microbatch dividing over ``dp``, at most
-    ``MAX_MICROBATCH_FACTOR * pp``; one without stages (the plans autopar makes without a
-    pipeline: no gradient accumulation)."""
-    if pp == 1:
-        return [1] if batch % dp == 0 else []
+    ``MAX_MICROBATCH_FACTOR * pp`` (without stages, microbatches are gradient accumulation:
+    ``m`` forward and backward passes of ``batch / m`` per optimizer step)."""
     limit = MAX_MICROBATCH_FACTOR * pp
     return [m for m in _divisors(batch) if m <= limit and (batch // m) % dp == 0]
 
@@ -291,7 +290,7 @@ class StagePlanner:
     ) -> list[Candidate]:
         pricer = pricer or self._pricer(mesh, parts)
         p, n = mesh.pp, self.model.num_blocks
-        if p == 1:
+        if p == 1:  # gradient accumulation over m microbatches
             one = pricer.price(blocks=n, first=True, last=True, in_flight=1, microbatches=m)
             if one is None:
                 return []
