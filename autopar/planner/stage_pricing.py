@@ -253,9 +253,12 @@ class StagePricer:
         if over > 0:
             if not self.recompute or saving <= 0:
                 return None
-            recomputed = -int(-over // saving)
+            # Recomputing r blocks saves r * saving, and backward holds one block's activations
+            # again while it runs.
+            recomputed = -int(-(over + parts.block.activation_bytes) // saving)
             if recomputed > blocks:
                 return None
+            transient += parts.block.activation_bytes
         activations -= recomputed * (parts.block.activation_bytes - boundary)
         backward += recomputed * parts.block.recompute_s
         send = collective_time_s("broadcast", boundary, 2, self.pp_link)

@@ -125,3 +125,58 @@ def test_bad_pipeline_options_are_one_line_errors(layers, kwargs, message):
     with pytest.raises(ValueError, match=message) as info:
         autopar.plan(model, Mesh.spec((2, 1, 2), ("pp", "dp", "tp"), device="cpu"), args, **kwargs)
     assert "\n" not in str(info.value)
+
+
+def _pricer(budget: float, *, dp: int = 1, params=()):
+    from autopar.planner.stage_pricing import Part, Parts, StagePricer
+    from cost_models.hardware import get_link
+
+    block = Part(
+        forward_s=1.0,
+        backward_s=2.0,
+        activation_bytes=10.0,
+        boundary_bytes=2.0,
+        recompute_s=1.0,
+        params=list(params),
+    )
+    parts = Parts(head=Part(), block=block, tail=Part(), layouts="auto", num_probe_blocks=2)
+    link = get_link("nvlink")
+    return StagePricer(
+        options=(parts,),
+        dp=dp,
+        dp_link=link,
+        pp_link=link,
+        optimizer="sgd",
+        mixed_precision=None,
+        budget=budget,
+    )
+
+
+def test_stage_memory_counts_in_flight_activations_and_recomputes_to_fit():
+    roomy = _pricer(1e9).price(blocks=3, first=True, last=True, in_flight=4, microbatches=8)
+    assert roomy.memory["activations"] == 3 * 10.0 * 4
+    assert roomy.detail["recomputed_blocks"] == 0 and roomy.backward_s == 6.0
+    # Budget 100: 120 bytes in flight; recomputing one block keeps its 2-byte input instead of
+    # 10 bytes per microbatch (saves 32) and holds one block (10) again in backward: 98 bytes.
+    tight = _pricer(100.0).price(blocks=3, first=True, last=True, in_flight=4, microbatches=8)
+    assert tight.detail["recomputed_blocks"] == 1
+    assert tight.memory["activations"] == (3 * 10.0 - 8.0) * 4
+    assert tight.peak_memory_bytes == pytest.approx(98.0)
+    assert tight.backward_s == pytest.approx(6.0 + 1.0)
+    assert _pricer(30.0).price(blocks=3, first=True, last=True, in_flight=4, microbatches=8) is None
+
+
+def test_zero_on_dp_shards_the_stage_state():
+    params = [(1e6, 4)]  # one 1M-element fp32 parameter per block
+    pricer = _pricer(1e12, dp=4, params=params)
+    block = pricer.options[0].block
+    full, no_gather, sync = pricer._state([(block, 2)], 0)
+    sharded, gather, _ = pricer._state([(block, 2)], 3)
+    assert full == pytest.approx(2 * 1e6 * 4 * 2)  # sgd: fp32 parameters and gradients
+    assert sharded == pytest.approx(full / 4)
+    assert sync > 0 and no_gather == 0 and gather > 0
+    # Half the unsharded state as the budget: only a ZeRO stage on dp fits.
+    fits = _pricer(full / 2, dp=4, params=params).price(
+        blocks=2, first=True, last=True, in_flight=1, microbatches=4
+    )
+    assert fits is not None and fits.detail["zero_stage"] in (2, 3)
