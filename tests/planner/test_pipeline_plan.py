@@ -180,3 +180,37 @@ def test_zero_on_dp_shards_the_stage_state():
         blocks=2, first=True, last=True, in_flight=1, microbatches=4
     )
     assert fits is not None and fits.detail["zero_stage"] in (2, 3)
+
+
+def test_cli_needs_a_mesh_or_devices(capsys):
+    from autopar.tools.cli import main
+
+    assert main(["plan", "mlp"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "autopar: error: give --mesh (e.g. --mesh 8x8) or --devices N [--per-node K]"
+
+
+def test_cli_searches_stages_on_devices(capsys):
+    from autopar.tools.cli import main
+
+    argv = [
+        "plan",
+        "gpt2-small-2l",
+        "--devices",
+        "2",
+        "--per-node",
+        "2",
+        "--device",
+        "cpu",
+        "--batch",
+        "4",
+        "--seq",
+        "16",
+        "--stages",
+        "2",
+        "--microbatches",
+        "2",
+    ]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "2 pipeline stages x 2 microbatches" in out and "Stage search:" in out
