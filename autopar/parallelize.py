@@ -62,6 +62,7 @@ def autoparallelize(
     model_name: str | None = None,
     price_baselines: bool = True,
     state_dict: Any = None,
+    pipeline: Any = None,
     **options: Any,
 ) -> ParallelModule:
     """Plan, lower and shard ``model`` on a live mesh; call on every rank with the same model.
@@ -85,6 +86,10 @@ def autoparallelize(
             (the first holding a name wins, e.g. ``[path, {"rope_cos": ...}]`` for
             non-persistent buffers the file lacks), or a :class:`autopar.runtime.state.StateSource`.
             Each rank materializes only its shards. None: take the weights from ``model``.
+        pipeline: pipeline stages (a ``PipelinePlan`` or ``dict(stages=2, microbatches=4,
+            schedule="1f1b")``); a Plan object with a ``pipeline`` entry implies it. Returns a
+            :class:`autopar.runtime.pipeline.PipelineModule` (train with ``pmodel.step``), see
+            :mod:`autopar.parallelize_pipeline`.
         options: fields of :class:`autopar.options.PlanOptions` (``recipe``, ``memory_budget``,
             ``output_placements``, ...), for planning and lowering.
 
@@ -103,6 +108,12 @@ def autoparallelize(
             "mesh with autopar.Mesh.from_world(...); for offline planning use autopar.plan(...)"
         )
     opts = PlanOptions.from_kwargs(options)
+    if pipeline is not None or (isinstance(plan, Plan) and "pipeline" in plan.data):
+        from autopar.parallelize_pipeline import autoparallelize_pipeline as pipelined
+
+        args, kw = tuple(example_inputs), dict(example_kwargs or {})
+        extra = (plan, timeout_s, model_name)
+        return pipelined(model, mesh, args, kw, pipeline, opts, *extra)  # type: ignore[arg-type,return-value]
     groups = _mesh_groups(mesh, timeout_s)
     args = tuple(example_inputs)
     kwargs = dict(example_kwargs or {})
@@ -330,7 +341,9 @@ def choices_with_layouts(
             )
         allowed[node.name] = match
     solved = Driver(space).solve_pinned(allowed, name="pinned")
-    return {node.name: node.strategies[c] for node, c in zip(space.nodes, solved.choice, strict=True)}
+    return {
+        node.name: node.strategies[c] for node, c in zip(space.nodes, solved.choice, strict=True)
+    }
 
 
 # --------------------------------------------------------------------------------------------

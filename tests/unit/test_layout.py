@@ -37,7 +37,10 @@ LEVELS = [
     ("plan", ("plan",)),
     ("lowering", ("lowering",)),
     ("runtime", ("runtime",)),
-    ("top", ("__init__", "__main__", "api", "parallelize", "optim", "tools")),
+    (
+        "top",
+        ("__init__", "__main__", "api", "parallelize", "parallelize_pipeline", "optim", "tools"),
+    ),
 ]
 RANK = {part: k for k, (_, parts) in enumerate(LEVELS) for part in parts}
 

@@ -1,0 +1,359 @@
+"""autoparallelize with pipeline stages: split, plan and lower each stage, run torch's schedule.
+
+Every rank captures the model at the MICROBATCH's shapes (the global batch's first
+``batch / microbatches`` rows), splits the graph at the pipeline's cuts
+(:func:`autopar.capture.stages.split_stages`), and rank 0 plans every stage with the ordinary
+planner on the stage's submesh (the mesh without the pipeline axis; a 1-D mesh gets a
+size-1 data axis) and broadcasts the plans. Each rank lowers its own stage(s), with each
+stage's outputs laid out as the next stage plans its inputs, and wraps them in a
+:class:`autopar.runtime.pipeline.PipelineModule`, which runs torch.distributed.pipelining's
+schedule (see its docstring for the training step and the loss on every rank).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from autopar.api import plan_captured
+from autopar.capture.export import capture
+from autopar.capture.stages import StageGraph, block_indices, split_stages
+from autopar.comm.process_groups import AxisGroups, axis_groups, register_axis_groups
+from autopar.errors import PlanMismatchError, UnsupportedModelError
+from autopar.lowering import lower
+from autopar.lowering.checkpointing import checkpoint_lowered
+from autopar.mesh import Mesh
+from autopar.options import PlanOptions
+from autopar.parallelize import (
+    _agree,
+    _from_rank0,
+    _mesh_groups,
+    _parallel_module,
+    _runtime_device,
+    check_plan,
+)
+from autopar.plan.document import Plan
+from autopar.planner.stages import SCHEDULES, PipelinePlan, even_stages
+from autopar.planner.tying import STACK_NAMES
+from autopar.runtime.pipeline import PipelineModule, StageModule
+
+__all__ = ["autoparallelize_pipeline", "check_pipeline_mesh", "find_stack"]
+
+_STACK = re.compile(r"(?:^|\.)(" + "|".join(STACK_NAMES) + r")\.(\d+)(?=\.|$)")
+_SUPPORTED = ("gpipe", "1f1b", "interleaved-1f1b")
+
+
+def find_stack(gm: Any) -> tuple[str, int]:
+    """(module path, number of blocks) of the longest stack of repeated blocks in ``gm``."""
+    found: dict[str, set[int]] = {}
+    for node in gm.graph.nodes:
+        path = node.meta.get("autopar_fqn") or node.meta.get("autopar_module_path") or ""
+        match = _STACK.search(path)
+        if match is not None:
+            found.setdefault(path[: match.end(1)], set()).add(int(match.group(2)))
+    if not found:
+        raise UnsupportedModelError(
+            f"cannot pipeline: the model has no stack of repeated blocks (a module list named one "
+            f"of {STACK_NAMES}); pipeline stages are cut between such blocks"
+        )
+    stack = max(found, key=lambda name: len(found[name]))
+    return stack, len(found[stack])
+
+
+def check_pipeline_mesh(pipeline: PipelinePlan, mesh_shape: tuple[int, ...], world: int) -> None:
+    """Refuse a pipeline that does not fit the mesh or the world size (one line each)."""
+    size = 1
+    for n in mesh_shape:
+        size *= n
+    if size != world:
+        raise PlanMismatchError(
+            f"the pipelined plan is for mesh {mesh_shape} ({size} ranks) but the world size is "
+            f"{world}; launch {size} ranks or plan again for {world}"
+        )
+    if not 0 <= pipeline.axis < len(mesh_shape):
+        raise PlanMismatchError(
+            f"pipeline axis {pipeline.axis} is not an axis of mesh {mesh_shape}"
+        )
+    ranks = mesh_shape[pipeline.axis]
+    if pipeline.num_stages != ranks * pipeline.virtual_stages:
+        raise PlanMismatchError(
+            f"{pipeline.num_stages} pipeline stages do not fit {ranks} ranks along pipeline axis "
+            f"{pipeline.axis} of mesh {mesh_shape} with {pipeline.virtual_stages} stage(s) per rank"
+        )
+    if pipeline.schedule not in _SUPPORTED:
+        raise ValueError(
+            f"schedule {pipeline.schedule!r} does not run with autopar's stage modules (torch's "
+            f"zero-bubble schedules split each backward into input and weight passes, which "
+            f"bypass the stages' gradient reduction); use one of {_SUPPORTED}"
+        )
+    if pipeline.schedule != "interleaved-1f1b" and pipeline.virtual_stages != 1:
+        raise ValueError(
+            f"virtual_stages > 1 needs schedule='interleaved-1f1b', got {pipeline.schedule!r}"
+        )
+
+
+def _pipeline_plan(spec: Any, mesh: Mesh, stack: str, num_blocks: int) -> PipelinePlan:
+    """A PipelinePlan from ``pipeline=`` (a PipelinePlan, or a dict of ``stages`` (default: the
+    pipeline axis's size), ``microbatches``, ``schedule``, ``virtual_stages``, ``axis``)."""
+    if isinstance(spec, PipelinePlan):
+        return spec
+    if not isinstance(spec, Mapping):
+        raise TypeError(f"pipeline= takes a PipelinePlan or a dict, got {type(spec).__name__}")
+    unknown = set(spec) - {"stages", "microbatches", "schedule", "virtual_stages", "axis"}
+    if unknown:
+        raise ValueError(f"unknown pipeline= keys {sorted(unknown)}")
+    axis = spec.get("axis", "pp" if "pp" in mesh.axis_names else 0)
+    axis = mesh.axis_index(axis)
+    virtual = int(spec.get("virtual_stages", 1))
+    schedule = spec.get("schedule", "1f1b")
+    if schedule == "interleaved-1f1b" and "virtual_stages" not in spec:
+        virtual = 2
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; choose from {SCHEDULES}")
+    num_stages = int(spec.get("stages", mesh.shape[axis])) * virtual
+    if num_stages > num_blocks:
+        raise UnsupportedModelError(
+            f"more pipeline stages than blocks: {num_stages} stages for {num_blocks} blocks of "
+            f"{stack!r}; use at most {num_blocks} stages"
+        )
+    return even_stages(
+        stack=stack,
+        num_blocks=num_blocks,
+        num_stages=num_stages // virtual,
+        axis=axis,
+        virtual_stages=virtual,
+        microbatches=int(spec.get("microbatches", mesh.shape[axis])),
+        schedule=schedule,
+    )
+
+
+def _submesh(mesh: Mesh, groups: AxisGroups, axis: int) -> tuple[Mesh, AxisGroups, AxisGroups]:
+    """(planning mesh of one stage, its live groups, the whole mesh's groups): the mesh without
+    the pipeline axis; a 1-D mesh gets a size-1 data axis (the ILP needs one axis)."""
+    if mesh.ndim == 1:
+        name = "dp" if mesh.axis_names[0] != "dp" else "data"
+        mesh = dataclasses.replace(
+            mesh,
+            shape=(*mesh.shape, 1),
+            axis_names=(*mesh.axis_names, name),
+            links=(*mesh.links, mesh.links[0]),
+            groups=None,
+        )
+        groups = axis_groups(mesh.shape, mesh.axis_names, key=f"{groups.key}+stage-axis")
+    keep = [a for a in range(mesh.ndim) if a != axis]
+    names = tuple(mesh.axis_names[a] for a in keep)
+    sub_groups = AxisGroups(
+        key=f"{groups.key}/stage",
+        mesh_shape=tuple(mesh.shape[a] for a in keep),
+        axis_names=names,
+        groups=tuple(groups.groups[a] for a in keep),
+        coordinate=tuple(groups.coordinate[a] for a in keep),
+        device_mesh=groups.device_mesh[names if len(names) > 1 else names[0]],
+    )
+    register_axis_groups(sub_groups.key, sub_groups)
+    sub_mesh = dataclasses.replace(
+        mesh,
+        shape=sub_groups.mesh_shape,
+        axis_names=names,
+        links=tuple(mesh.links[a] for a in keep),
+        groups=sub_groups,
+    )
+    return sub_mesh, sub_groups, groups
+
+
+def _microbatch(args: tuple, kwargs: dict, microbatches: int) -> tuple[tuple, dict]:
+    """The first microbatch of the global batch (rows ``[0, batch / microbatches)``)."""
+    for leaf in tree_flatten((args, kwargs))[0]:
+        if hasattr(leaf, "shape") and (leaf.ndim == 0 or leaf.shape[0] % microbatches):
+            raise ValueError(
+                f"{microbatches} microbatches do not divide the batch: an input has shape "
+                f"{tuple(leaf.shape)} (batch dim 0); choose a microbatch count that divides it"
+            )
+    return tree_map(
+        lambda x: x[: x.shape[0] // microbatches] if hasattr(x, "shape") else x, (args, kwargs)
+    )
+
+
+def autoparallelize_pipeline(
+    model: nn.Module,
+    mesh: Mesh,
+    args: tuple,
+    kwargs: dict,
+    pipeline: Any,
+    options: PlanOptions,
+    plan: Plan | None = None,
+    timeout_s: float | None = None,
+    model_name: str | None = None,
+) -> PipelineModule:
+    """``autoparallelize(..., pipeline=...)`` (module docstring); call on every rank.
+
+    Args:
+        pipeline: a PipelinePlan, or a dict (``stages``, ``microbatches``, ``schedule``,
+            ``virtual_stages``, ``axis``; the blocks are split evenly), or None to take
+            ``plan``'s ``pipeline`` entry.
+        plan: a pipelined Plan (its ``pipeline`` entry and mesh are used; each stage is
+            planned again on its submesh at the microbatch's shapes).
+
+    Raises:
+        PlanMismatchError: the pipeline does not fit the mesh or the world size.
+        UnsupportedModelError: no stack of blocks, one block, more stages than blocks.
+        ValueError: the microbatches do not divide the batch; an unsupported schedule.
+    """
+    if pipeline is None and plan is not None:
+        if "pipeline" not in plan.data:
+            raise ValueError("the plan has no pipeline entry; pass pipeline=")
+        pipeline = PipelinePlan.from_json(plan.data["pipeline"])
+        check_pipeline_mesh(pipeline, tuple(plan.data["mesh"]["shape"]), dist.get_world_size())
+    groups = _mesh_groups(mesh, timeout_s)
+    microbatches = (
+        pipeline.microbatches
+        if isinstance(pipeline, PipelinePlan)
+        else int(dict(pipeline).get("microbatches", 1))
+    )
+    mb_args, mb_kwargs = _microbatch(tuple(args), dict(kwargs), microbatches)
+    captured = capture(model, mb_args, mb_kwargs)
+    stack, num_blocks = find_stack(captured.gm)
+    if isinstance(pipeline, PipelinePlan):
+        stack, num_blocks = (
+            pipeline.stack,
+            len(set(block_indices(captured.gm, pipeline.stack).values())),
+        )
+    if num_blocks < 2:
+        raise UnsupportedModelError(
+            f"cannot pipeline a model with one block ({stack}.0): stages are cut between blocks"
+        )
+    pipeline = _pipeline_plan(pipeline, mesh, stack, num_blocks)
+    check_pipeline_mesh(pipeline, tuple(mesh.shape), dist.get_world_size())
+    stages = split_stages(captured, pipeline)
+    sub_mesh, sub_groups, groups = _submesh(mesh, groups, pipeline.axis)
+    name = model_name or type(model).__name__
+    texts = _from_rank0(
+        lambda: [
+            plan_captured(
+                s.captured,
+                sub_mesh,
+                options,
+                model_name=f"{name}/stage{s.index}",
+                price_baselines=False,
+            ).to_json()
+            for s in stages
+        ],
+        what="planning the pipeline stages",
+    )
+    plans = [Plan.from_json(text) for text in texts]
+    _agree(
+        lambda: [check_plan(p, s.captured, sub_mesh) for p, s in zip(plans, stages, strict=True)]
+    )
+    pp_rank = groups.coordinate[pipeline.axis]
+    inputs = list(captured.input_nodes)
+    mine = [s for s in pipeline.stages if s.pp_rank == pp_rank]
+    modules = [
+        (s.index, _stage_module(model, stages, plans, s.index, sub_mesh, sub_groups, inputs))
+        for s in mine
+    ]
+    pmodel = PipelineModule(
+        modules,
+        num_stages=pipeline.num_stages,
+        pp_group=groups.groups[pipeline.axis],
+        last_pp_rank=pipeline.stages[-1].pp_rank,
+        schedule=pipeline.schedule,
+        microbatches=pipeline.microbatches,
+        num_inputs=len(captured.input_nodes),
+        shared=_shared_groups(stages, plans, pipeline, groups, [m for _, m in modules]),
+        device=_runtime_device(),
+    )
+    pmodel.plan = plans
+    pmodel.pipeline = pipeline
+    return pmodel
+
+
+def _stage_module(
+    model: nn.Module,
+    stages: tuple[StageGraph, ...],
+    plans: list[Plan],
+    index: int,
+    sub_mesh: Mesh,
+    sub_groups: AxisGroups,
+    inputs: list[str],
+) -> StageModule:
+    """Stage ``index`` lowered on the submesh, its outputs laid out as the next stage's inputs."""
+    stage, chosen = stages[index], plans[index]
+    output_placements = None
+    if index + 1 < len(stages):
+        following = plans[index + 1].choices()
+        output_placements = [following[name].outputs[0] for name in stage.outputs]
+    lowered = lower(
+        stage.captured,
+        chosen.choices(),
+        sub_mesh.shape,
+        sub_groups.key,
+        output_placements=output_placements,
+    )
+    if model.training:
+        lowered = checkpoint_lowered(lowered, chosen.checkpoint_segments())
+    plan_mesh = Mesh.from_dict(chosen.data["mesh"])
+    plan_options = PlanOptions.from_kwargs(chosen.data["options"])
+    # Only this stage's tensors (a ParallelModule registers every tensor of its source).
+    captured = stage.captured
+    names = {*captured.param_nodes.values(), *captured.buffer_nodes.values()}
+    names |= {
+        other
+        for fqn in captured.param_nodes.values()
+        for other in captured.tied_params.get(fqn, ())
+    }
+    state = {
+        name: tensor
+        for name, tensor in (
+            *model.named_parameters(remove_duplicate=False),
+            *model.named_buffers(remove_duplicate=False),
+        )
+        if name in names
+    }
+    pmodule = _parallel_module(lowered, state, sub_groups, chosen, plan_mesh, plan_options, None)
+    pmodule.plan = chosen
+    model_inputs = [inputs.index(n) for n in stage.model_inputs]
+    return StageModule(pmodule, model_inputs, is_last=index == len(stages) - 1)
+
+
+def _shared_groups(
+    stages: tuple[StageGraph, ...],
+    plans: list[Plan],
+    pipeline: PipelinePlan,
+    groups: AxisGroups,
+    modules: list[StageModule],
+) -> list[tuple[str, Any]]:
+    """Per parameter used by several stages: (FQN, the group of its holders' ranks at this
+    rank's submesh coordinate, None when this rank holds every copy); a collective."""
+    shared: dict[str, tuple[int, ...]] = {}
+    for stage in stages:
+        shared.update(stage.shared_params)
+    out: list[tuple[str, Any]] = []
+    for fqn in sorted(shared):
+        layouts = set()
+        for s in shared[fqn]:
+            node = next(n for n, f in stages[s].captured.param_nodes.items() if f == fqn)
+            layouts.add(tuple(plans[s].choices()[node].outputs[0]))
+        zero = any(
+            m.pmodule.zero is not None and fqn in m.pmodule.zero.shard_params for m in modules
+        )
+        if len(layouts) > 1 or zero:
+            raise UnsupportedModelError(
+                f"parameter {fqn} is used by pipeline stages {list(shared[fqn])} (tied weights) "
+                f"and {'is under ZeRO' if zero else 'has different layouts in them'}; untie it "
+                f"(e.g. tie_weights=False) or plan without ZeRO"
+            )
+        holders = sorted({pipeline.stages[s].pp_rank for s in shared[fqn]})
+        if len(holders) == 1:
+            out.append((fqn, None))
+            continue
+        grid = groups.device_mesh.mesh.movedim(pipeline.axis, -1)
+        rows = grid.reshape(-1, grid.shape[-1]).tolist()
+        mine, _ = dist.new_subgroups_by_enumeration([[row[h] for h in holders] for row in rows])
+        out.append((fqn, mine))
+    return out

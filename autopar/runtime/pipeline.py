@@ -1,0 +1,266 @@
+"""Pipeline stages on torch.distributed.pipelining: this rank's stages and torch's schedule.
+
+A :class:`PipelineModule` holds this rank's stage(s) (one, or ``virtual_stages`` under an
+interleaved schedule), each a :class:`~autopar.runtime.module.ParallelModule` lowered on the
+stage's submesh (the ranks with this rank's index along the pipeline axis: tensor, data
+parallelism, ZeRO and recomputation inside a stage work as in a one-stage plan), wrapped in
+torch's ``PipelineStage`` over the pipeline axis's process group and driven by torch's
+``ScheduleGPipe`` / ``Schedule1F1B`` / ``ScheduleInterleaved1F1B``. There is no scheduler here.
+
+A training step is ``loss = pmodel.step(*global_inputs)`` (every rank passes the same GLOBAL
+batch; it is cut into ``microbatches`` along dim 0, and each stage takes the model inputs it
+consumes, e.g. the tokens in the first stage and the targets in the last), then
+``opt.step()``. The gradients it leaves equal one process's on the whole batch:
+
+- each microbatch's loss is the microbatch mean (the captured loss); torch's loss function
+  here divides it by the number of microbatches, so the accumulated gradients are those of the
+  global mean (``scale_grads=False``: nothing is rescaled afterwards);
+- the data-parallel gradient reduction inside a stage runs once per step, on the stage's last
+  microbatch backward (the others run under ``ParallelModule.no_sync``);
+- a stage's outputs are laid out as the next stage's inputs are planned (the same local block
+  travels between the ranks of equal submesh coordinate), and the lowering's mean-over-shards
+  convention for sharded outputs is undone, since the next stage returns exact gradients;
+- a parameter used by two stages (an embedding tied to the output layer) is a copy in each;
+  their gradients are summed over the stages holding it after the schedule.
+
+The returned loss is the global mean over the whole batch on EVERY rank: the last stage sums
+its microbatch losses (each already divided by the number of microbatches) and broadcasts the
+sum over the pipeline axis's group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
+from torch.utils._pytree import tree_flatten
+
+from autopar.lowering.local_ops import autopar_scale_grad
+from autopar.placement import Shard
+from autopar.runtime.materialize import local_block
+from autopar.runtime.module import ParallelModule
+
+__all__ = ["PipelineModule", "StageModule", "input_key"]
+
+SCHEDULE_CLASSES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved-1f1b": ScheduleInterleaved1F1B,
+}
+
+
+def input_key(index: int) -> str:
+    """The keyword under which flattened model input ``index`` reaches every stage (the
+    schedule's own keywords, ``target`` and ``losses``, cannot clash with it)."""
+    return f"autopar_input_{index}"
+
+
+class StageModule(nn.Module):
+    """The module torch's ``PipelineStage`` runs: one stage's ParallelModule taking the previous
+    stage's local outputs positionally and the global microbatch's model inputs by keyword.
+
+    Args:
+        pmodule: the stage lowered on its submesh.
+        model_inputs: flattened model input index of each of the stage's keyword inputs.
+        is_last: the stage returns the model's outputs (the loss).
+    """
+
+    def __init__(
+        self, pmodule: ParallelModule, model_inputs: Sequence[int], *, is_last: bool
+    ) -> None:
+        super().__init__()
+        self.pmodule = pmodule
+        self.model_inputs = tuple(model_inputs)
+        self.is_last = is_last
+        lowered = pmodule.lowered
+        # Sharded outputs get the lowering's mean-over-shards gradient convention; the next
+        # stage sends exact gradients, so they are scaled back by the number of shards.
+        self.output_shards = tuple(
+            _num_shards(p, lowered.mesh_shape) for p in lowered.output_placements
+        )
+
+    def forward(self, *activations: torch.Tensor, **inputs: torch.Tensor) -> Any:
+        lowered = self.pmodule.lowered
+        first = len(activations)
+        local: dict[str, Any] = {}
+        for k, index in enumerate(self.model_inputs):
+            value = inputs[input_key(index)]
+            placements = lowered.input_placements[first + k]
+            if isinstance(value, torch.Tensor) and placements is not None:
+                value = local_block(value, placements, lowered.mesh_shape, self.pmodule.coords)
+            local[lowered.input_names[first + k]] = value
+        out = self.pmodule(*activations, **local)
+        if self.is_last:
+            return out
+        return tuple(
+            autopar_scale_grad(o, float(n)) if n > 1 else o
+            for o, n in zip(out, self.output_shards, strict=True)
+        )
+
+
+def _num_shards(placements: Sequence[Any], mesh_shape: Sequence[int]) -> int:
+    count = 1
+    for size, p in zip(mesh_shape, placements, strict=True):
+        if isinstance(p, Shard):
+            count *= size
+    return count
+
+
+class _Stage(PipelineStage):
+    """torch's PipelineStage; all but a stage's last microbatch backward skip the gradient
+    reduction of its ParallelModule (as torch does for DDP), so it runs once per step."""
+
+    def backward_maybe_with_nosync(
+        self, backward_type: Any, bwd_kwargs: dict, last_backward: bool = False
+    ) -> Any:
+        context = contextlib.nullcontext() if last_backward else self.submod.pmodule.no_sync()
+        with context:
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+
+
+class PipelineModule(nn.Module):
+    """This rank's pipeline stages and the schedule that runs them (module docstring).
+
+    Args:
+        stages: this rank's stages as ``(stage index, StageModule)``, in stage order.
+        num_stages: stages in the whole pipeline.
+        pp_group: the pipeline axis's process group of this rank.
+        last_pp_rank: group rank (along the pipeline axis) holding the last stage.
+        schedule: "gpipe", "1f1b" or "interleaved-1f1b".
+        microbatches: microbatches per step.
+        num_inputs: flattened model inputs of one step.
+        shared: per parameter used by several stages, the process group over which its
+            gradient is summed (None when all its copies are on this rank) and the FQN.
+        device: where the stages run.
+    """
+
+    def __init__(
+        self,
+        stages: Sequence[tuple[int, StageModule]],
+        *,
+        num_stages: int,
+        pp_group: Any,
+        last_pp_rank: int,
+        schedule: str,
+        microbatches: int,
+        num_inputs: int,
+        shared: Sequence[tuple[str, Any]] = (),
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.stage_modules = nn.ModuleList(module for _, module in stages)
+        self.stage_indices = tuple(index for index, _ in stages)
+        self.microbatches = microbatches
+        self.num_inputs = num_inputs
+        self.pp_group = pp_group
+        self.last_pp_rank = last_pp_rank
+        self.shared = tuple(shared)
+        self.plan: Any = None
+        """The stage plans (one Plan per stage of this rank) and the PipelinePlan."""
+        self.pipeline: Any = None
+        pipeline_stages = [
+            _Stage(module, index, num_stages, device, group=pp_group) for index, module in stages
+        ]
+        cls = SCHEDULE_CLASSES[schedule]
+        self.schedule = cls(
+            pipeline_stages if schedule == "interleaved-1f1b" else pipeline_stages[0],
+            microbatches,
+            loss_fn=self._microbatch_loss,
+            scale_grads=False,
+        )
+        self._has_last = any(module.is_last for module in self.stage_modules)
+
+    def _microbatch_loss(self, output: torch.Tensor, target: Any) -> torch.Tensor:
+        # Microbatch means of equal microbatches: their mean is the global mean.
+        return output / self.microbatches
+
+    @property
+    def pmodules(self) -> list[ParallelModule]:
+        """This rank's stages as ParallelModules (original FQNs, local shards)."""
+        return [module.pmodule for module in self.stage_modules]
+
+    def step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """One forward and backward of the GLOBAL batch ``(args, kwargs)`` (the same on every
+        rank) under the schedule; returns the global mean loss (detached) on every rank and
+        leaves the gradients in the parameters."""
+        leaves, _ = tree_flatten((args, kwargs))
+        if len(leaves) != self.num_inputs:
+            raise ValueError(
+                f"the model was captured with {self.num_inputs} input leaves (args and kwargs "
+                f"flattened) but step() got {len(leaves)}; pass the global batch as in the "
+                f"example inputs"
+            )
+        inputs = {}
+        for i, leaf in enumerate(leaves):
+            if isinstance(leaf, torch.Tensor):
+                if leaf.ndim == 0 or leaf.shape[0] % self.microbatches:
+                    raise ValueError(
+                        f"input {i} has shape {tuple(leaf.shape)}: its batch dim (0) does not "
+                        f"split into {self.microbatches} microbatches"
+                    )
+                inputs[input_key(i)] = leaf
+        losses: list[torch.Tensor] = []
+        target = torch.zeros(self.microbatches)
+        self.schedule.step(target=target, losses=losses, return_outputs=False, **inputs)
+        self._sum_shared_grads()
+        if self._has_last:
+            loss = torch.stack([x.detach() for x in losses]).sum()
+        else:
+            loss = torch.zeros((), dtype=torch.float32)
+        device = next(iter(self.parameters())).device
+        loss = loss.to(device)
+        dist.broadcast(loss, group=self.pp_group, group_src=self.last_pp_rank)
+        return loss
+
+    def _sum_shared_grads(self) -> None:
+        for fqn, group in self.shared:
+            copies = [
+                named[fqn]
+                for pmodule in self.pmodules
+                if fqn in (named := dict(pmodule.named_parameters(remove_duplicate=False)))
+            ]
+            if not copies:
+                continue
+            total = torch.zeros_like(copies[0])
+            for p in copies:
+                if p.grad is not None:
+                    total += p.grad
+            if group is not None:
+                dist.all_reduce(total, group=group)
+            for p in copies:
+                p.grad = total.clone()
+
+    def state_dict(self, *args: Any, sharded: bool = False, **kwargs: Any) -> Any:
+        """This rank's stages' state under the original FQNs: full tensors (gathered over the
+        stage's submesh; a collective over it), or with ``sharded=True`` DTensors of this
+        rank's shards for ``torch.distributed.checkpoint`` (which saves every stage's keys and
+        loads them into any stage count)."""
+        if args:
+            raise TypeError("PipelineModule.state_dict takes keyword arguments only")
+        out: OrderedDict[str, Any] = OrderedDict()
+        for pmodule in self.pmodules:
+            out.update(pmodule.state_dict(sharded=sharded, **kwargs))
+        return out
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Load full tensors or the sharded form (as ``ParallelModule.load_state_dict``); each
+        stage takes its own keys, and with ``strict`` every key must belong to some stage of
+        this rank or be one it does not own (a checkpoint of the whole model loads into any
+        stage)."""
+        for pmodule in self.pmodules:
+            own = dict(pmodule._named_state())
+            pmodule.load_state_dict(
+                {k: v for k, v in state_dict.items() if k in own}, strict=strict
+            )
+        return None

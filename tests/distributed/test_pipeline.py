@@ -1,0 +1,173 @@
+"""Pipeline stages on real gloo ranks train exactly like one process.
+
+``autoparallelize(..., pipeline=dict(stages, microbatches, schedule))`` on tiny 4-block GPT
+(embedding tied to the output layer: a parameter shared by the first and last stage) and LLaMA
+models; checked against the single process at fp32 rtol 1e-5 / atol 1e-6: the loss returned on
+every rank, every gradient (gathered whole over the stage's submesh), and the parameters after 3
+SGD steps. One spawn per world size runs every case of that size.
+
+The cross product is covered sparsely: every schedule (GPipe, 1F1B, interleaved 1F1B with 2
+stages per rank), every microbatch count (2, 4, 8), every mesh (pp=2; pp=4; pp=2 x dp=2;
+pp=2 x tp=2; pp=2 x dp=2 x tp=2 on 8 ranks), ZeRO on and off, recomputation inside stages on
+and off each appear at least once (see CASES). Bad input (one line each) runs in the 2-rank spawn.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import torch
+
+from tests.distributed.launcher import run_cases
+from tests.distributed.reference import assert_close_named, full_grads, sgd_reference
+
+RTOL, ATOL = 1e-5, 1e-6
+NUM_STEPS = 3
+LR = 0.1
+
+# fmt: off
+# name -> (mesh shape, axis names, model, stages, microbatches, schedule, plan options)
+CASES: dict[int, dict[str, tuple]] = {
+    2: {
+        "pp2/gpt/gpipe/mb2": ((2,), ("pp",), "gpt", 2, 2, "gpipe", {}),
+        "pp2/llama/1f1b/mb4/recompute": ((2,), ("pp",), "llama", 2, 4, "1f1b", {"checkpoint": "all"}),
+        "pp2/gpt/interleaved/mb4": ((2,), ("pp",), "gpt", 2, 4, "interleaved-1f1b", {}),
+        "pp2/llama/interleaved/mb8": ((2,), ("pp",), "llama", 2, 8, "interleaved-1f1b", {}),
+    },
+    4: {
+        "pp4/gpt/1f1b/mb4": ((4,), ("pp",), "gpt", 4, 4, "1f1b", {}),
+        "pp4/llama/gpipe/mb8/recompute": ((4,), ("pp",), "llama", 4, 8, "gpipe", {"checkpoint": "all"}),
+        "pp2xdp2/llama/1f1b/mb2/zero3": ((2, 2), ("pp", "dp"), "llama", 2, 2, "1f1b", {"recipe": "fsdp"}),
+        "pp2xdp2/gpt/gpipe/mb4/ddp": ((2, 2), ("pp", "dp"), "gpt", 2, 4, "gpipe", {"recipe": "ddp"}),
+        "pp2xtp2/gpt/1f1b/mb4/megatron": ((2, 2), ("pp", "tp"), "gpt", 2, 4, "1f1b", {"recipe": "megatron"}),
+        "pp2xtp2/llama/interleaved/mb2/megatron+recompute": (
+            (2, 2), ("pp", "tp"), "llama", 2, 2, "interleaved-1f1b",
+            {"recipe": "megatron", "checkpoint": "all"},
+        ),
+    },
+    8: {
+        "pp2xdp2xtp2/llama/1f1b/mb4/fsdp+tp": (
+            (2, 2, 2), ("pp", "dp", "tp"), "llama", 2, 4, "1f1b", {"recipe": "fsdp+tp"},
+        ),
+    },
+}
+# fmt: on
+
+
+def _build(name: str) -> Any:
+    from tests import models
+
+    return (models.tiny_gpt if name == "gpt" else models.tiny_llama)(layers=4)
+
+
+@functools.cache
+def _mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> Any:
+    import autopar
+
+    return autopar.Mesh.from_world(shape, names, device="h100")
+
+
+def _close(what: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    assert_close_named(what, got, want, rtol=RTOL, atol=ATOL)
+
+
+def check_pipeline(rank: int, world_size: int, case: Any) -> dict[str, Any]:
+    """One case on every rank (module docstring); returns what this rank checked."""
+    import autopar
+
+    if case[0] == "bad":
+        return check_bad_input(case[1])
+    shape, names, model_name, stages, microbatches, schedule, options = case
+    model, args, kwargs = _build(model_name)
+    want = sgd_reference(model, args, kwargs, lr=LR, steps=NUM_STEPS)
+    model, args, kwargs = _build(model_name)
+    pipeline = {"stages": stages, "microbatches": microbatches, "schedule": schedule}
+    pmodel = autopar.autoparallelize(
+        model,
+        _mesh(shape, names),
+        args,
+        kwargs,
+        pipeline=pipeline,
+        optimizer="sgd",
+        price_baselines=False,
+        **options,
+    )
+    loss = pmodel.step(*args, **kwargs)
+    _close("loss", loss, want["loss"])
+    checked: list[str] = []
+    for pmodule in pmodel.pmodules:
+        if pmodule.zero is not None:
+            assert options.get("recipe", "").startswith("fsdp")
+        for name, grad in full_grads(pmodule).items():
+            _close(f"grad of {name}", grad, want["grads"][name])
+            checked.append(name)
+    opt = torch.optim.SGD(pmodel.parameters(), lr=LR)
+    opt.step()
+    for _ in range(NUM_STEPS - 1):
+        opt.zero_grad()
+        pmodel.step(*args, **kwargs)
+        opt.step()
+    state = pmodel.state_dict()
+    for name, value in state.items():
+        _close(f"{name} after {NUM_STEPS} SGD steps", value, want["state"][name])
+    return {"grads": sorted(checked), "state": sorted(state), "loss": float(loss)}
+
+
+@pytest.mark.parametrize("world_size", [2, 4, pytest.param(8, marks=pytest.mark.slow)])
+def test_pipeline_numerics(world_size: int) -> None:
+    cases = [(name, case) for name, case in CASES[world_size].items()]
+    if world_size == 2:
+        cases += [(f"bad/{what}", ("bad", what)) for what in BAD_INPUT]
+    results = run_cases(check_pipeline, world_size, cases, timeout_s=600)
+    for name, case in CASES[world_size].items():
+        values = results[name].check()
+        model, _, _ = _build(case[2])
+        every = {n for n, _ in model.named_parameters()}
+        # Every parameter's gradient and value was checked on some rank.
+        assert set().union(*(v["grads"] for v in values)) == every, name
+        assert set().union(*(v["state"] for v in values)) >= every, name
+    for what in BAD_INPUT if world_size == 2 else ():
+        results[f"bad/{what}"].check()
+
+
+BAD_INPUT = {
+    "more stages than blocks": "more pipeline stages than blocks",
+    "microbatches do not divide the batch": "do not divide the batch",
+    "one block": "with one block",
+    "wrong world size": "but the world size is 2",
+    "zero-bubble": "does not run with autopar's stage modules",
+}
+
+
+def check_bad_input(what: str) -> str:
+    """Each bad input raises one clear line on every rank, before any collective hangs."""
+    import autopar
+    from autopar.plan.document import Plan
+    from autopar.planner.stages import even_stages
+    from tests import models
+
+    mesh = _mesh((2,), ("pp",))
+    model, args, _ = models.tiny_llama(layers=2)
+    kwargs: dict[str, Any] = {"pipeline": {"stages": 2, "microbatches": 2, "schedule": "1f1b"}}
+    if what == "more stages than blocks":
+        kwargs["pipeline"] = {"stages": 2, "virtual_stages": 2, "schedule": "interleaved-1f1b"}
+    elif what == "microbatches do not divide the batch":
+        kwargs["pipeline"] = {"stages": 2, "microbatches": 3, "schedule": "gpipe"}
+    elif what == "one block":
+        model, args, _ = models.tiny_llama(layers=1)
+    elif what == "wrong world size":
+        pipeline = even_stages(
+            stack="layers", num_blocks=4, num_stages=4, microbatches=2, schedule="1f1b"
+        )
+        data = {"mesh": {"shape": [4]}, "pipeline": pipeline.to_json()}
+        kwargs = {"pipeline": None, "plan": Plan(data=data)}
+    elif what == "zero-bubble":
+        kwargs["pipeline"] = {"stages": 2, "microbatches": 2, "schedule": "zero-bubble"}
+    with pytest.raises(Exception) as error:
+        autopar.autoparallelize(model, mesh, args, price_baselines=False, **kwargs)
+    message = str(error.value)
+    assert BAD_INPUT[what] in message, message
+    assert "\n" not in message, message
+    return message
