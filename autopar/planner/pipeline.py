@@ -14,9 +14,10 @@ For each mesh shape ``pp x dp x tp`` (one given with ``--mesh``, or every factor
 
 ``pp = 1`` is the plan without stages (with ``m > 1``: gradient accumulation, ``m`` passes of
 ``batch / m`` per step). ``megatron-3d`` is the
-same search restricted to Megatron-LM's recipe (:func:`megatron_3d`): ``tp`` the node size,
-Megatron's layouts, ZeRO-1 (its distributed optimizer) on ``dp``, even stages, 1F1B, the
-fewest stages that fit and the microbatch count with the fastest step. Its choices are a subset
+same search restricted to Megatron-LM's recipe (:meth:`StagePlanner.megatron_candidate`):
+``tp`` the node size, Megatron's layouts, ZeRO-1 (its distributed optimizer) on ``dp``, even
+stages, 1F1B, and the stage and microbatch counts with the fastest step (with stages whenever
+some stage count fits; without only on one node or when none does). Its choices are a subset
 of the auto search's, so the auto plan is never predicted slower.
 """
 
@@ -233,10 +234,10 @@ class StagePlanner:
                 found.extend(self._candidates(mesh, m, auto, schedules))
                 if recipe_mesh:
                     one = self.megatron_candidate(mesh, m)
-                    # Megatron's practice: the fewest stages that fit, then the fastest step.
+                    # Pipeline across nodes: the fastest with stages, else without.
                     if one is not None and (
                         megatron is None
-                        or (one.mesh.pp, one.step_s) < (megatron.mesh.pp, megatron.step_s)
+                        or (one.mesh.pp == 1, one.step_s) < (megatron.mesh.pp == 1, megatron.step_s)
                     ):
                         megatron = one
             self._report(f"stages on {mesh.label}: {len(found)} candidates so far")
