@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from autopar.capture.export import Captured
 from autopar.options import PlanOptions
+from autopar.planner.pipeline_meshes import MeshShape, mesh_shapes, microbatch_counts
 from autopar.planner.pipeline_schedule import (
     PIPELINE_SCHEDULES,
     ScheduleTime,
@@ -40,10 +41,7 @@ from autopar.planner.pipeline_schedule import (
 )
 from autopar.planner.stage_pricing import Parts, StagePricer
 from autopar.planner.stage_probes import ProbeCache
-from cost_models import LinkSpec
 
-MAX_MICROBATCH_FACTOR = 8
-"""Microbatch counts up to this many times the stage count are weighed."""
 INTERLEAVED_VIRTUAL = 2
 _SCHEDULE_ORDER = {"none": 0, "1f1b": 1, "interleaved-1f1b": 2, "gpipe": 3}
 
@@ -68,22 +66,6 @@ class StageModel:
     num_blocks: int
     stack: str
     param_fqns: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class MeshShape:
-    """A ``pp x dp x tp`` mesh and the links of its axes."""
-
-    pp: int
-    dp: int
-    tp: int
-    pp_link: LinkSpec
-    dp_link: LinkSpec
-    tp_link: LinkSpec
-
-    @property
-    def label(self) -> str:
-        return f"{self.pp}x{self.dp}x{self.tp}"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -127,52 +109,6 @@ class SearchResult:
     @property
     def best(self) -> Candidate:
         return self.ranked[0]
-
-
-def mesh_shapes(
-    devices: int, per_node: int, num_blocks: int, *, intra: LinkSpec, inter: LinkSpec
-) -> list[MeshShape]:
-    """Every ``pp x dp x tp = devices`` with ``tp`` dividing the node size and ``pp`` at most the
-    number of blocks; an axis is on the intra-node link when it and the axes inside it fit in a
-    node."""
-    if devices < 1 or per_node < 1:
-        raise ValueError(f"devices and per_node must be positive, got {devices} and {per_node}")
-    if devices % per_node and devices > per_node:
-        raise ValueError(
-            f"{devices} devices do not fill whole nodes of {per_node}: give a multiple of "
-            f"--per-node"
-        )
-    out = []
-    for tp in _divisors(min(per_node, devices)):
-        if devices % tp:
-            continue
-        for pp in _divisors(devices // tp):
-            if pp > num_blocks:
-                continue
-            dp = devices // (tp * pp)
-            out.append(
-                MeshShape(
-                    pp=pp,
-                    dp=dp,
-                    tp=tp,
-                    pp_link=intra if devices <= per_node else inter,
-                    dp_link=intra if dp * tp <= per_node else inter,
-                    tp_link=intra,
-                )
-            )
-    return out
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def microbatch_counts(batch: int, dp: int, pp: int) -> list[int]:
-    """``m`` dividing the batch with the microbatch dividing over ``dp``, at most
-    ``MAX_MICROBATCH_FACTOR * pp`` (without stages, microbatches are gradient accumulation:
-    ``m`` forward and backward passes of ``batch / m`` per optimizer step)."""
-    limit = MAX_MICROBATCH_FACTOR * pp
-    return [m for m in _divisors(batch) if m <= limit and (batch // m) % dp == 0]
 
 
 class StagePlanner:
