@@ -3,6 +3,7 @@ without stages vs Megatron-LM's 3-D recipe, predicted on the H100 preset, and th
 
     python benchmarks/pipeline_plans.py                       # the three cases below
     python benchmarks/pipeline_plans.py --cases llama3-8b     # one of them
+    python benchmarks/pipeline_plans.py --search-only         # the search, not the final plan
 
 Cases (bf16 with fp32 master weights, AdamW, budget = 90% of 80 GiB):
 
@@ -28,7 +29,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from autopar.api import plan_stages  # noqa: E402
 from autopar.capture.export import capture  # noqa: E402
 from autopar.options import PlanOptions  # noqa: E402
-from autopar.plan.stage_search import StageOptions  # noqa: E402
+from autopar.plan.pipelined import search_json  # noqa: E402
+from autopar.plan.stage_search import StageOptions, search_stages  # noqa: E402
 from autopar.presets import build_preset  # noqa: E402
 
 CASES = {
@@ -38,7 +40,9 @@ CASES = {
 }
 
 
-def run_case(name: str, devices: int, batch: int, seq: int, per_node: int) -> dict:
+def run_case(
+    name: str, devices: int, batch: int, seq: int, per_node: int, search_only: bool = False
+) -> dict:
     wall, cpu = time.perf_counter(), time.process_time()
     model, args, kwargs = build_preset(name, batch=batch, seq=seq)
     captured = capture(model, args, kwargs)
@@ -47,16 +51,24 @@ def run_case(name: str, devices: int, batch: int, seq: int, per_node: int) -> di
         m, a, k = build_preset(which, batch=b, seq=seq)
         return capture(m, a, k)
 
-    plan = plan_stages(
-        captured,
-        probe,
-        mesh=None,
-        stage=StageOptions(devices=devices, per_node=per_node),
-        options=PlanOptions(mixed_precision="bf16"),
-        model_name=name,
-        capture_microbatch=lambda b: probe(b, name),
-    )
-    search = plan.data["stage_search"]
+    stage = StageOptions(devices=devices, per_node=per_node)
+    options = PlanOptions(mixed_precision="bf16")
+    if search_only:
+        result, _, _ = search_stages(
+            captured, probe, model_name=name, mesh=None, stage=stage, options=options
+        )
+        search = search_json(result)
+    else:
+        plan = plan_stages(
+            captured,
+            probe,
+            mesh=None,
+            stage=stage,
+            options=options,
+            model_name=name,
+            capture_microbatch=lambda b: probe(b, name),
+        )
+        search = plan.data["stage_search"]
     return {
         "name": name,
         "devices": devices,
@@ -126,10 +138,18 @@ def main() -> None:
     parser.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
     parser.add_argument("--per-node", type=int, default=8)
     parser.add_argument("--plot", default="pipeline_plans.png")
+    parser.add_argument(
+        "--search-only",
+        action="store_true",
+        help="stop after the stage search (when no stages win, the plan itself is the ordinary "
+        "planner's on the chosen mesh, whose time benchmarks/plan_time.py reports)",
+    )
     args = parser.parse_args()
     results = []
     for name in args.cases:
-        results.append(run_case(name, per_node=args.per_node, **CASES[name]))
+        results.append(
+            run_case(name, per_node=args.per_node, search_only=args.search_only, **CASES[name])
+        )
         print(table(results[-1:]), flush=True)
     print()
     print(table(results))
