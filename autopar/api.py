@@ -122,9 +122,20 @@ def plan_stages(
             device=ref_mesh.device,
             links=(best.mesh.dp_link, best.mesh.tp_link),
         )
+        whole = captured
+        if best.microbatches > 1:
+            whole = (capture_microbatch or probe)(model.batch // best.microbatches)
+        # The search priced the alternatives (megatron-3d, other meshes): no recipes alongside.
         plan = plan_captured(
-            captured, flat, options, model_name=model_name, capture_s=capture_s, progress=progress
+            whole,
+            flat,
+            options,
+            model_name=model_name,
+            capture_s=capture_s,
+            progress=progress,
+            price_baselines=False,
         )
+        search["accumulate"] = best.microbatches
         plan.data["stage_search"] = search
         return plan
     data = pipelined_document(

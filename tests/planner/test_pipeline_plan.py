@@ -214,3 +214,17 @@ def test_cli_searches_stages_on_devices(capsys):
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "2 pipeline stages x 2 microbatches" in out and "Stage search:" in out
+
+
+def test_one_stage_gives_the_ordinary_plan_of_the_winning_mesh():
+    model, args, _ = tiny_gpt()
+    plan = autopar.plan(
+        model, None, args, devices=2, per_node=2, device="cpu", stages=1, microbatches=2
+    )
+    assert plan.pipeline is None and "nodes" in plan.data and plan.data["nodes"]
+    search = plan.data["stage_search"]
+    best = search["candidates"][0]
+    assert all(row["stages"] == 1 for row in search["candidates"])
+    assert search["accumulate"] == best["microbatches"] == 2
+    assert plan.data["mesh"]["shape"] == best["mesh"][1:]
+    assert "Stage search:" in plan.summary()
