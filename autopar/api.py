@@ -17,17 +17,25 @@ from autopar.mesh import Mesh
 from autopar.options import PlanOptions
 from autopar.plan.build import plan_document
 from autopar.plan.document import Plan
-from autopar.planner.driver import Driver, Planned
+from autopar.plan.pipelined import pipelined_document, search_json
+from autopar.plan.stage_search import StageOptions, search_stages, slice_inputs
+from autopar.planner.driver import Driver, Planned, memory_budget_bytes
 from autopar.planner.space import build_space
 
 
 def plan(
     model: nn.Module,
-    mesh: Mesh,
+    mesh: Mesh | None,
     example_inputs: Sequence[Any] = (),
     example_kwargs: dict[str, Any] | None = None,
     *,
     model_name: str | None = None,
+    devices: int | None = None,
+    per_node: int = 8,
+    stages: int | None = None,
+    microbatches: int | None = None,
+    schedule: str | None = None,
+    device: str = "h100",
     **options: Any,
 ) -> Plan:
     """Plan ``model`` on ``mesh`` for the GLOBAL batch given by the example inputs.
@@ -36,13 +44,117 @@ def plan(
     fields of :class:`autopar.options.PlanOptions` (``recipe``, ``memory_budget``,
     ``optimizer``, ``mixed_precision``, ``zero_stage``, ``checkpoint``, ``output_placements``,
     ``time_limit_s``, ``gap``, ``solver``).
+
+    Pipeline stages (README "Pipeline stages in the planner"): with ``devices`` (and
+    ``per_node``, ``device``) and ``mesh=None`` every ``pp x dp x tp`` mesh is searched; with a
+    mesh that has an axis named ``pp``, or with ``stages``, ``microbatches`` or ``schedule``
+    given, stages are searched on its ``pp`` (else outermost) axis; ``stages=1`` turns them off.
     """
     opts = PlanOptions.from_kwargs(options)
     start = time.perf_counter()
-    captured = capture(model, tuple(example_inputs), example_kwargs)
+    args = tuple(example_inputs)
+    captured = capture(model, args, example_kwargs)
     capture_s = time.perf_counter() - start
     name = model_name or type(model).__name__
+    stage = StageOptions(
+        devices=devices,
+        per_node=per_node,
+        stages=stages,
+        microbatches=microbatches,
+        schedule=schedule,
+    )
+    if stage.wanted or (mesh is not None and "pp" in mesh.axis_names):
+
+        def probe(batch: int) -> Captured:
+            return capture(model, slice_inputs(args, batch), slice_inputs(example_kwargs, batch))
+
+        return plan_stages(
+            captured,
+            probe,
+            mesh=mesh,
+            stage=stage,
+            options=opts,
+            model_name=name,
+            capture_s=capture_s,
+            device=device,
+        )
+    if mesh is None:
+        raise ValueError("give a mesh, or devices= (and per_node=) to search one")
     return plan_captured(captured, mesh, opts, model_name=name, capture_s=capture_s)
+
+
+def plan_stages(
+    captured: Captured,
+    probe: Callable[[int], Captured],
+    *,
+    mesh: Mesh | None,
+    stage: StageOptions,
+    options: PlanOptions,
+    model_name: str,
+    capture_s: float = 0.0,
+    device: str = "h100",
+    progress: Callable[[str], None] | None = None,
+    capture_microbatch: Callable[[int], Captured] | None = None,
+) -> Plan:
+    """Search pipeline stages (``autopar.plan.stage_search``) and return the best plan: a
+    pipelined plan (JSON ``pipeline`` entry), or, when no stages win, the ordinary plan on the
+    winning ``dp x tp`` mesh; when that plan accumulates ``m > 1`` microbatches it is the plan
+    of the whole model captured at ``batch / m`` by ``capture_microbatch`` (default ``probe``),
+    run ``m`` times per optimizer step (``plan.data["stage_search"]["accumulate"]``). Either
+    way ``plan.data["stage_search"]`` holds the ranked table."""
+    start = time.perf_counter()
+    result, model, ref_mesh = search_stages(
+        captured,
+        probe,
+        model_name=model_name,
+        mesh=mesh,
+        stage=stage,
+        options=options,
+        device=device,
+        progress=progress,
+    )
+    best = result.best
+    search = search_json(result)
+    if best.mesh.pp == 1:
+        flat = Mesh(
+            shape=(best.mesh.dp, best.mesh.tp),
+            axis_names=("dp", "tp"),
+            device=ref_mesh.device,
+            links=(best.mesh.dp_link, best.mesh.tp_link),
+        )
+        whole = captured
+        if best.microbatches > 1:
+            whole = (capture_microbatch or probe)(model.batch // best.microbatches)
+        # The search priced the alternatives (megatron-3d, other meshes): no recipes alongside.
+        plan = plan_captured(
+            whole,
+            flat,
+            options,
+            model_name=model_name,
+            capture_s=capture_s,
+            progress=progress,
+            price_baselines=False,
+        )
+        search["accumulate"] = best.microbatches
+        plan.data["stage_search"] = search
+        return plan
+    data = pipelined_document(
+        result,
+        best,
+        model_name=model_name,
+        graph_hash=captured.graph_hash,
+        num_nodes=len(captured.gm.graph.nodes),
+        num_params=captured.num_params,
+        stack=model.stack,
+        param_fqns=model.param_fqns,
+        options=options,
+        budget=memory_budget_bytes(ref_mesh, options),
+        device=ref_mesh.device,
+        timings={"capture_s": capture_s, "stages_s": time.perf_counter() - start},
+        warnings=list(result.notes),
+    )
+    data["stage_search"] = search
+    return Plan(data=data)
 
 
 def plan_captured(
@@ -99,4 +211,4 @@ def document_plan(
     return Plan(data=data, space=space, choice=planned.chosen.choice)
 
 
-__all__ = ["plan", "plan_captured", "document_plan"]
+__all__ = ["plan", "plan_captured", "plan_stages", "document_plan"]

@@ -8,6 +8,7 @@ strategy space) so ``explain`` can show the alternatives the solver weighed.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from importlib import resources
@@ -18,9 +19,13 @@ import jsonschema
 from autopar.errors import PlanMismatchError
 from autopar.placement import format_placements, parse_placements
 from autopar.planner.checkpointing import CheckpointSegment
+from autopar.planner.stages import PipelinePlan
 from autopar.strategies import Strategy
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2
+"""2: the optional ``pipeline`` entry (pipeline stages) and ``stage_search`` (the ranked table
+of the stage search). Version 1 plans (no stages) load unchanged."""
+READABLE_VERSIONS = (1, 2)
 
 
 def plan_schema() -> dict[str, Any]:
@@ -68,6 +73,32 @@ class Plan:
     @property
     def baselines(self) -> dict[str, Any]:
         return self.data["baselines"]
+
+    @property
+    def pipeline(self) -> PipelinePlan | None:
+        """The pipeline stages (JSON ``pipeline``), or None for a plan without stages."""
+        entry = self.data.get("pipeline")
+        return None if entry is None else PipelinePlan.from_json(entry)
+
+    def check_world_size(self, world_size: int) -> None:
+        """Refuse to run this plan on a job of another size (one line, with the fix).
+
+        Raises:
+            ValueError: ``world_size`` is not the number of devices of the plan's mesh.
+        """
+        shape = self.data["mesh"]["shape"]
+        needed = math.prod(shape)
+        if world_size != needed:
+            stages = self.pipeline
+            what = (
+                f"a pipelined plan ({stages.num_stages} stages on mesh {'x'.join(map(str, shape))})"
+                if stages is not None
+                else f"a plan for mesh {'x'.join(map(str, shape))}"
+            )
+            raise ValueError(
+                f"{what} needs {needed} ranks but the job has {world_size}: launch {needed} "
+                f"ranks or re-plan for {world_size} devices"
+            )
 
     def checkpoint_segments(self) -> tuple[CheckpointSegment, ...]:
         """Segments to recompute in backward (JSON ``checkpoint.segments``), in plan order;
@@ -123,7 +154,9 @@ class Plan:
                 if src is None or src == dst:
                     continue
                 shape = producer["shapes"][index]
-                fwd, bwd = reshard_steps(parse_placements(src), parse_placements(dst), shape, 4, mesh_shape)
+                fwd, bwd = reshard_steps(
+                    parse_placements(src), parse_placements(dst), shape, 4, mesh_shape
+                )
                 out.append(
                     {
                         "producer": arg,
@@ -155,10 +188,11 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, expected_hash: str | None = None) -> Plan:
-        if isinstance(data, dict) and data.get("version") not in (None, PLAN_VERSION):
+        if isinstance(data, dict) and data.get("version") not in (None, *READABLE_VERSIONS):
             raise ValueError(
                 f"plan version {data.get('version')} is not supported by this autopar "
-                f"(reads version {PLAN_VERSION}); re-plan with this version"
+                f"(reads versions {', '.join(map(str, READABLE_VERSIONS))}); re-plan with this "
+                f"version"
             )
         try:
             jsonschema.validate(data, plan_schema())
@@ -188,10 +222,16 @@ class Plan:
         configuration tables and the solver's report. ``width``: wrap and fit to this many
         columns; None gives plain unwrapped lines. Reads only the JSON, so a loaded plan
         summarises exactly like the live one (data: :func:`autopar.plan.summary.summary_data`)."""
+        from autopar.plan.pipeline_summary import pipeline_summary, search_table
         from autopar.plan.render import render_summary
         from autopar.plan.summary import summary_data
 
-        return render_summary(summary_data(self.data), width=width, verbose=verbose)
+        if self.data.get("pipeline") is not None:
+            return pipeline_summary(self.data)
+        text = render_summary(summary_data(self.data), width=width, verbose=verbose)
+        if self.data.get("stage_search"):
+            text += "\n\n" + "\n".join(search_table(self.data["stage_search"]))
+        return text
 
     def explain(self, name: str, *, width: int | None = None) -> str:
         """Why ``name`` (a parameter FQN, a module path, or a graph node name) got its layout:
@@ -215,8 +255,13 @@ class Plan:
         zero = ZeroConfig.from_json(self.data["zero"], self.space.mesh.axis_names)
         headroom = self.data["memory_budget_bytes"] - self.data["predicted"]["peak_memory_bytes"]
         return node_alternatives(
-            self.space, self.choice, zero, self.space.index[name], headroom_bytes=headroom,
-            allowed=recipe_allowed(self.space, self.recipe), recipe=self.recipe,
+            self.space,
+            self.choice,
+            zero,
+            self.space.index[name],
+            headroom_bytes=headroom,
+            allowed=recipe_allowed(self.space, self.recipe),
+            recipe=self.recipe,
         )
 
 

@@ -77,7 +77,8 @@ def _add_plan_options(parser: argparse.ArgumentParser, *, planning: bool = True,
     parser.add_argument("model", help="preset (mlp, gpt2-small, gpt2-xl, llama3-8b, llama3-70b, "
                         "NAME-Nl), hf:<model_type>[?key=value&...], or package.module:factory "
                         "(importable from the working directory)")
-    parser.add_argument("--mesh", required=True, help="mesh shape: 8x8, 4x4x4, 8 or dp=8,tp=8")
+    parser.add_argument("--mesh", required=not planning, default=None,
+                        help="mesh shape: 8x8, 4x4x4, 8 or dp=8,tp=8 (plan: or --devices)")
     parser.add_argument("--device", default="h100", help="device preset (cpu, a100, a100-40gb, h100, h100-pcie, h200)")
     parser.add_argument("--links", default=None, help="per-axis link presets, comma separated (e.g. infiniband,nvlink)")
     parser.add_argument("--profile", default=None, help="JSON device/link profile (overrides presets)")
@@ -108,6 +109,15 @@ def _add_plan_options(parser: argparse.ArgumentParser, *, planning: bool = True,
     parser.add_argument("--checkpoint", default="auto", choices=CHECKPOINT_MODES,
                         help="activation checkpointing: auto (the ILP recomputes segments when the "
                         "budget binds), none, or all (default auto)")
+    parser.add_argument("--devices", type=int, default=None,
+                        help="search every pipeline x data x tensor mesh of this many devices "
+                        "(instead of --mesh) and print the ranked table")
+    parser.add_argument("--per-node", type=int, default=8, help="devices per node for --devices (default 8)")
+    parser.add_argument("--stages", type=int, default=None,
+                        help="pipeline stages (1: none); default: searched with --devices or a pp axis")
+    parser.add_argument("--microbatches", type=int, default=None, help="pipeline microbatches (default: searched)")
+    parser.add_argument("--schedule", default=None, choices=["gpipe", "1f1b", "interleaved-1f1b"],
+                        help="pipeline schedule (default: searched)")
     parser.add_argument("--no-cache", action="store_true",
                         help="plan again even if the plan cache ($AUTOPAR_CACHE_DIR or ~/.cache/autopar/plans) has this plan")
 
@@ -115,6 +125,10 @@ def _add_plan_options(parser: argparse.ArgumentParser, *, planning: bool = True,
 def _build_mesh(args: argparse.Namespace):
     from autopar.mesh import Mesh
 
+    if args.mesh is None:
+        if getattr(args, "devices", None) is None:
+            raise ValueError("give --mesh (e.g. --mesh 8x8) or --devices N [--per-node K]")
+        return None
     links = args.links.split(",") if args.links else None
     return Mesh.parse(args.mesh, device=args.device, links=links, profile=args.profile)
 
@@ -206,6 +220,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             plot_budget_sweep(points, plot_path, title=title)
             print(f"plot written to {plot_path}")
         return 0
+    if _stages_wanted(args, mesh):
+        return _plan_stages(args, console, captured, mesh, options, capture_s)
     key = plan_cache.cache_key(captured.graph_hash, mesh, options, args.model)
     plan = None if args.no_cache else plan_cache.load(key, captured.graph_hash)
     cached = plan is not None
@@ -228,6 +244,45 @@ def cmd_plan(args: argparse.Namespace) -> int:
         plan.save(args.out)
         print(f"plan written to {args.out}")
     _write_html(args, plan)
+    return 0
+
+
+def _stages_wanted(args: argparse.Namespace, mesh) -> bool:
+    fixed = (args.devices, args.stages, args.microbatches, args.schedule)
+    return any(x is not None for x in fixed) or (mesh is not None and "pp" in mesh.axis_names)
+
+
+def _plan_stages(args, console, captured, mesh, options, capture_s: float) -> int:
+    """``--devices`` / ``--stages`` / a ``pp`` axis: the stage search (autopar.api.plan_stages);
+    presets are probed as their 2-block variant (same blocks and ends, faster ILPs)."""
+    from autopar.api import plan_stages
+    from autopar.capture.export import capture
+    from autopar.plan.stage_search import StageOptions
+    from autopar.presets import PRESETS, _split_layers, build_preset
+
+    base, layers = _split_layers(args.model)
+    few = base in PRESETS and base != "mlp" and (layers is None or layers > 2)
+    probe_name = f"{base}-2l" if few else args.model
+
+    def probe(batch: int, name: str = probe_name):
+        model, example_args, example_kwargs = build_preset(name, batch=batch, seq=args.seq)
+        return capture(model, example_args, example_kwargs)
+
+    def whole(batch: int):
+        return probe(batch, args.model)
+
+    stage = StageOptions(devices=args.devices, per_node=args.per_node, stages=args.stages,
+                         microbatches=args.microbatches, schedule=args.schedule)
+    start = time.perf_counter()
+    with console.status("planning pipeline stages"):
+        plan = plan_stages(captured, probe, mesh=mesh, stage=stage, options=options,
+                           model_name=args.model, capture_s=capture_s, device=args.device,
+                           progress=console.log, capture_microbatch=whole)
+    print(plan.summary(width=output_width(), verbose=args.verbose))
+    print(f"stage search: {time.perf_counter() - start:.1f} s wall")
+    if args.out:
+        plan.save(args.out)
+        print(f"plan written to {args.out}")
     return 0
 
 

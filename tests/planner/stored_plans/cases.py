@@ -15,7 +15,13 @@ from typing import Any
 
 HERE = pathlib.Path(__file__).resolve().parent
 
-VOLATILE = {("timings",), ("solver", "build_s"), ("solver", "solve_s"), ("autopar_version",)}
+VOLATILE = {
+    ("timings",),
+    ("solver", "build_s"),
+    ("solver", "solve_s"),
+    ("autopar_version",),
+    ("version",),
+}
 """Fields that measure this run's wall clock or name the code version, not the plan."""
 
 

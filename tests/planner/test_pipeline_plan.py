@@ -1,0 +1,230 @@
+"""The stage planner end to end on a tiny model (one process, fake tensors): the mesh search's
+ranked table, megatron-3d never faster than the auto plan, the pipelined plan JSON (version 2,
+round trip, version 1 still loads), the stages' in-flight memory, and bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import autopar
+from autopar.mesh import Mesh
+from autopar.plan.document import PLAN_VERSION, Plan
+from tests.models import BATCH, tiny_gpt, tiny_llama
+
+
+@pytest.fixture(scope="module")
+def searched() -> Plan:
+    model, args, _ = tiny_llama(layers=4)
+    return autopar.plan(
+        model,
+        None,
+        args,
+        devices=4,
+        per_node=2,
+        device="cpu",
+        model_name="tiny-llama",
+        stages=2,
+        microbatches=4,
+        memory_budget="64MiB",
+    )
+
+
+def test_mesh_search_ranks_every_factorisation(searched):
+    rows = searched.data["stage_search"]["candidates"]
+    steps = [r["step_s"] for r in rows]
+    assert steps == sorted(steps)
+    assert {tuple(r["mesh"]) for r in rows} == {(2, 2, 1), (2, 1, 2)}
+    assert {r["schedule"] for r in rows} >= {"gpipe", "1f1b", "interleaved-1f1b"}
+    best = rows[0]
+    assert searched.data["predicted"]["step_s"] == pytest.approx(best["step_s"])
+    assert searched.data["mesh"]["shape"] == best["mesh"]
+
+
+def test_auto_is_never_predicted_slower_than_megatron_3d(searched):
+    search = searched.data["stage_search"]
+    assert search["megatron_3d"] is not None
+    assert search["candidates"][0]["step_s"] <= search["megatron_3d"]["step_s"] * (1 + 1e-12)
+    assert search["megatron_3d"]["schedule"] == "1f1b"
+    assert search["megatron_3d"]["mesh"][2] == 2  # tensor parallel fills the node
+
+
+def test_pipelined_plan_json_round_trips(searched, tmp_path):
+    assert searched.data["version"] == PLAN_VERSION == 2
+    path = tmp_path / "plan.json"
+    searched.save(path)
+    loaded = Plan.load(path, expected_hash=searched.graph_hash)
+    pipe = loaded.pipeline
+    assert pipe == searched.pipeline and pipe is not None
+    ranks = searched.data["mesh"]["shape"][0]
+    assert {s.pp_rank for s in pipe.stages} == set(range(ranks))
+    assert ranks * pipe.virtual_stages == pipe.num_stages
+    assert pipe.stages[0].blocks[0] == 0 and pipe.stages[-1].blocks[1] == 4
+    owned = [f for s in pipe.stages for f in s.param_fqns]
+    assert len(owned) == len(set(owned))
+    for stage in pipe.stages:
+        for fqn in stage.param_fqns:
+            if fqn.startswith("layers."):
+                assert stage.blocks[0] <= int(fqn.split(".")[1]) < stage.blocks[1]
+    assert "tok_embeddings.weight" in pipe.stages[0].param_fqns
+    assert "output.weight" in pipe.stages[-1].param_fqns
+    text = loaded.summary()
+    assert "Where the time goes" in text and "bubble" in text and "megatron-3d" in text
+
+
+def test_stages_keep_their_schedules_in_flight_activations(searched):
+    pipe = searched.pipeline
+    m, p = pipe.microbatches, pipe.num_stages
+    for stage in pipe.stages:
+        flight = stage.predicted["in_flight"]
+        if pipe.schedule == "1f1b":
+            assert flight == min(p - stage.pp_rank, m)
+        elif pipe.schedule == "interleaved-1f1b":
+            v = pipe.virtual_stages
+            assert flight == min(m * v, 2 * (p // v - stage.pp_rank - 1) + (v - 1) * p // v + 1)
+        assert stage.predicted["peak_memory_bytes"] == pytest.approx(
+            sum(v for k, v in stage.predicted.items() if k.startswith("memory_"))
+        )
+
+
+def test_version_1_plans_still_load(searched):
+    # A version 1 plan is a version 2 plan without the pipeline entries.
+    data = json.loads(searched.to_json())
+    data = {k: v for k, v in data.items() if k not in ("pipeline", "stage_search")}
+    data["version"] = 1
+    plan = Plan.from_dict(data)
+    assert plan.pipeline is None
+    data["version"] = 3
+    with pytest.raises(ValueError, match="plan version 3 is not supported"):
+        Plan.from_dict(data)
+
+
+def test_wrong_world_size_is_one_line(searched):
+    searched.check_world_size(4)
+    with pytest.raises(ValueError, match=r"needs 4 ranks but the job has 8") as info:
+        searched.check_world_size(8)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("layers", "kwargs", "message"),
+    [
+        (4, {"stages": 5}, "5 pipeline stages for a stack of 4 blocks"),
+        (
+            4,
+            {"stages": 2, "microbatches": 3},
+            f"3 microbatches do not divide the global batch of {BATCH}",
+        ),
+        (1, {"stages": 2}, "the model has one block"),
+        (4, {"stages": 2, "schedule": "zigzag"}, "unknown schedule 'zigzag'"),
+    ],
+)
+def test_bad_pipeline_options_are_one_line_errors(layers, kwargs, message):
+    model, args, _ = tiny_gpt(layers=layers)
+    with pytest.raises(ValueError, match=message) as info:
+        autopar.plan(model, Mesh.spec((2, 1, 2), ("pp", "dp", "tp"), device="cpu"), args, **kwargs)
+    assert "\n" not in str(info.value)
+
+
+def _pricer(budget: float, *, dp: int = 1, params=()):
+    from autopar.planner.stage_pricing import Part, Parts, StagePricer
+    from cost_models.hardware import get_link
+
+    block = Part(
+        forward_s=1.0,
+        backward_s=2.0,
+        activation_bytes=10.0,
+        boundary_bytes=2.0,
+        recompute_s=1.0,
+        params=list(params),
+    )
+    parts = Parts(head=Part(), block=block, tail=Part(), layouts="auto", num_probe_blocks=2)
+    link = get_link("nvlink")
+    return StagePricer(
+        options=(parts,),
+        dp=dp,
+        dp_link=link,
+        pp_link=link,
+        optimizer="sgd",
+        mixed_precision=None,
+        budget=budget,
+    )
+
+
+def test_stage_memory_counts_in_flight_activations_and_recomputes_to_fit():
+    roomy = _pricer(1e9).price(blocks=3, first=True, last=True, in_flight=4, microbatches=8)
+    assert roomy.memory["activations"] == 3 * 10.0 * 4
+    assert roomy.detail["recomputed_blocks"] == 0 and roomy.backward_s == 6.0
+    # Budget 100: 120 bytes in flight; recomputing one block keeps its 2-byte input instead of
+    # 10 bytes per microbatch (saves 32) and holds one block (10) again in backward: 98 bytes.
+    tight = _pricer(100.0).price(blocks=3, first=True, last=True, in_flight=4, microbatches=8)
+    assert tight.detail["recomputed_blocks"] == 1
+    assert tight.memory["activations"] == (3 * 10.0 - 8.0) * 4
+    assert tight.peak_memory_bytes == pytest.approx(98.0)
+    assert tight.backward_s == pytest.approx(6.0 + 1.0)
+    assert _pricer(30.0).price(blocks=3, first=True, last=True, in_flight=4, microbatches=8) is None
+
+
+def test_zero_on_dp_shards_the_stage_state():
+    params = [(1e6, 4)]  # one 1M-element fp32 parameter per block
+    pricer = _pricer(1e12, dp=4, params=params)
+    block = pricer.options[0].block
+    full, no_gather, sync = pricer._state([(block, 2)], 0)
+    sharded, gather, _ = pricer._state([(block, 2)], 3)
+    assert full == pytest.approx(2 * 1e6 * 4 * 2)  # sgd: fp32 parameters and gradients
+    assert sharded == pytest.approx(full / 4)
+    assert sync > 0 and no_gather == 0 and gather > 0
+    # Half the unsharded state as the budget: only a ZeRO stage on dp fits.
+    fits = _pricer(full / 2, dp=4, params=params).price(
+        blocks=2, first=True, last=True, in_flight=1, microbatches=4
+    )
+    assert fits is not None and fits.detail["zero_stage"] in (2, 3)
+
+
+def test_cli_needs_a_mesh_or_devices(capsys):
+    from autopar.tools.cli import main
+
+    assert main(["plan", "mlp"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "autopar: error: give --mesh (e.g. --mesh 8x8) or --devices N [--per-node K]"
+
+
+def test_cli_searches_stages_on_devices(capsys):
+    from autopar.tools.cli import main
+
+    argv = [
+        "plan",
+        "gpt2-small-2l",
+        "--devices",
+        "2",
+        "--per-node",
+        "2",
+        "--device",
+        "cpu",
+        "--batch",
+        "4",
+        "--seq",
+        "16",
+        "--stages",
+        "2",
+        "--microbatches",
+        "2",
+    ]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "2 pipeline stages x 2 microbatches" in out and "Stage search:" in out
+
+
+def test_one_stage_gives_the_ordinary_plan_of_the_winning_mesh():
+    model, args, _ = tiny_gpt()
+    plan = autopar.plan(
+        model, None, args, devices=2, per_node=2, device="cpu", stages=1, microbatches=2
+    )
+    assert plan.pipeline is None and "nodes" in plan.data and plan.data["nodes"]
+    search = plan.data["stage_search"]
+    best = search["candidates"][0]
+    assert all(row["stages"] == 1 for row in search["candidates"])
+    assert search["accumulate"] == best["microbatches"] == 2
+    assert plan.data["mesh"]["shape"] == best["mesh"][1:]
+    assert "Stage search:" in plan.summary()
