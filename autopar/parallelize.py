@@ -108,7 +108,11 @@ def autoparallelize(
             "mesh with autopar.Mesh.from_world(...); for offline planning use autopar.plan(...)"
         )
     opts = PlanOptions.from_kwargs(options)
-    if pipeline is not None or (isinstance(plan, Plan) and "pipeline" in plan.data):
+    if plan is not None and not isinstance(plan, Plan):  # a path: read on rank 0, sent to all
+        path = plan
+        text = _from_rank0(lambda: Plan.load(path).to_json(), what=f"reading plan {path}")
+        plan = Plan.from_json(text)
+    if pipeline is not None or "pipeline" in getattr(plan, "data", {}):
         from autopar.parallelize_pipeline import autoparallelize_pipeline as pipelined
 
         args, kw = tuple(example_inputs), dict(example_kwargs or {})

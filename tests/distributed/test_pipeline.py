@@ -15,6 +15,8 @@ and off each appear at least once (see CASES). Bad input (one line each) runs in
 from __future__ import annotations
 
 import functools
+import pathlib
+import tempfile
 from typing import Any
 
 import pytest
@@ -199,6 +201,7 @@ BAD_INPUT = {
     "microbatches do not divide the batch": "do not divide the batch",
     "one block": "with one block",
     "wrong world size": "but the world size is 2",
+    "wrong world size, plan file": "but the world size is 2",
     "zero-bubble": "does not run with autopar's stage modules",
 }
 
@@ -225,6 +228,13 @@ def check_bad_input(what: str) -> str:
         )
         data = {"mesh": {"shape": [4]}, "pipeline": pipeline.to_json()}
         kwargs = {"pipeline": None, "plan": Plan(data=data)}
+    elif what == "wrong world size, plan file":  # a saved plan: read on rank 0 only
+        model, args, _ = models.tiny_llama(layers=4)
+        offline = autopar.Mesh.spec((4,), ("pp",))
+        saved = autopar.plan(model, offline, args, stages=4, microbatches=2, schedule="1f1b")
+        path = pathlib.Path(tempfile.mkdtemp()) / "plan.json"
+        saved.save(path)
+        kwargs = {"pipeline": None, "plan": str(path)}
     elif what == "zero-bubble":
         kwargs["pipeline"] = {"stages": 2, "microbatches": 2, "schedule": "zero-bubble"}
     with pytest.raises(Exception) as error:
