@@ -108,10 +108,7 @@ def autoparallelize(
             "mesh with autopar.Mesh.from_world(...); for offline planning use autopar.plan(...)"
         )
     opts = PlanOptions.from_kwargs(options)
-    if plan is not None and not isinstance(plan, Plan):  # a path: read on rank 0, sent to all
-        path = plan
-        text = _from_rank0(lambda: Plan.load(path).to_json(), what=f"reading plan {path}")
-        plan = Plan.from_json(text)
+    plan = _read_plan(plan)
     if pipeline is not None or "pipeline" in getattr(plan, "data", {}):
         from autopar.parallelize_pipeline import autoparallelize_pipeline as pipelined
 
@@ -152,6 +149,15 @@ def autoparallelize(
     )
     pmodel.attach_mode_lowering(lower_mode)
     return pmodel
+
+
+def _read_plan(plan: Plan | str | os.PathLike[str] | None) -> Plan | None:
+    """A plan file read on rank 0 and sent to every rank (each needs to know whether it is
+    pipelined before anything else)."""
+    if plan is None or isinstance(plan, Plan):
+        return plan
+    text = _from_rank0(lambda: Plan.load(plan).to_json(), what=f"reading plan {plan}")
+    return Plan.from_json(text)
 
 
 def _mode_lowering(
