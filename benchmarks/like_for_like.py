@@ -19,8 +19,8 @@ diff" is the largest difference between the two sides' losses over every step (b
 same batches from the same initial weights).
 
 Then one more step per variant runs under ``torch.profiler`` (CPU, memory): its ATen op count
-(top level, as dispatched from Python or autograd), its copies (``aten::copy_`` calls and
-bytes), its collectives (gloo calls), the bytes it allocates, and the peak of live bytes it
+(top level, as dispatched from Python or autograd), its copies (``aten::copy_`` and ``aten::cat``
+calls and the fp32 bytes they write), its collectives (gloo calls), the bytes it allocates, and the peak of live bytes it
 allocates over the step's start. These counts do not depend on the machine's load.
 "held MiB" is the resident memory the variant keeps after its set-up and warm-up (model,
 shards, optimizer state, persistent buffers; resident size after ``gc.collect()``, set-up
@@ -45,7 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import OUT_DIR, batch_for, gloo_rank, memory_kib, spawn_ranks, warm_up  # noqa: E402
 
 MESHES = ("2", "4", "2x2")
-COPY_OPS = ("aten::copy_",)
+COPY_OPS = ("aten::copy_", "aten::cat")
+"""Ops that copy data (clone and contiguous copy through ``aten::copy_``)."""
 
 
 def mesh_shape(name: str) -> tuple[int, ...]:
@@ -81,7 +82,9 @@ def profile_counts(step: Any, batch: tuple[Any, Any]) -> dict[str, float]:
         if evt.name in COPY_OPS:
             copies += 1
             shape = evt.input_shapes[0] if evt.input_shapes else []
-            copy_bytes += 4 * _numel(shape)
+            # cat's first input is a list of shapes: the bytes it writes are theirs together.
+            parts = shape if shape and isinstance(shape[0], list) else [shape]
+            copy_bytes += 4 * sum(_numel(part) for part in parts)
     return {
         "ops": ops,
         "copies": copies,
