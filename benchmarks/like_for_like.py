@@ -20,7 +20,7 @@ same batches from the same initial weights).
 
 Then one more step per variant runs under ``torch.profiler`` (CPU, memory): its ATen op count
 (top level, as dispatched from Python or autograd), its copies (``aten::copy_`` and ``aten::cat``
-calls and the fp32 bytes they write), its collectives (gloo calls), the bytes it allocates, and the peak of live bytes it
+calls and the bytes they write), its collectives (gloo calls), the bytes it allocates, and the peak of live bytes it
 allocates over the step's start. These counts do not depend on the machine's load.
 "held MiB" is the resident memory the variant keeps after its set-up and warm-up (model,
 shards, optimizer state, persistent buffers; resident size after ``gc.collect()``, set-up
@@ -81,10 +81,11 @@ def profile_counts(step: Any, batch: tuple[Any, Any]) -> dict[str, float]:
             names[evt.name] = names.get(evt.name, 0) + 1
         if evt.name in COPY_OPS:
             copies += 1
-            shape = evt.input_shapes[0] if evt.input_shapes else []
-            # cat's first input is a list of shapes: the bytes it writes are theirs together.
-            parts = shape if shape and isinstance(shape[0], list) else [shape]
-            copy_bytes += 4 * sum(_numel(part) for part in parts)
+            if evt.name == "aten::cat":
+                # The profiler records no shapes of a tensor list: cat writes what it allocates.
+                copy_bytes += max(evt.self_cpu_memory_usage, 0)
+            else:
+                copy_bytes += 4 * _numel(evt.input_shapes[0] if evt.input_shapes else [])
     return {
         "ops": ops,
         "copies": copies,
@@ -270,6 +271,37 @@ def report(mesh_name: str, pairs: list[dict[str, Any]], args: argparse.Namespace
     Console(width=200).print(out)
 
 
+def markdown(results: dict[str, Any], before: dict[str, Any] | None) -> str:
+    """The pairs of every mesh as one markdown table; with ``before`` (an earlier run's JSON
+    results), its time ratio and copied / allocated MiB too, as before -> now."""
+    lines = [
+        "| ranks | pair | peer | time ratio (min-max) | loss diff | ops | copied MiB | "
+        "allocated MiB | step peak MiB | held MiB | mem ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for mesh_name, result in results.items():
+        old = {}
+        if before is not None and mesh_name in before:
+            old = {row["pair"]: row for row in before[mesh_name]["pairs"]}
+        for row in result["pairs"]:
+            was = old.get(row["pair"])
+
+            def pair_of(key: str, digits: int = 1, row: dict = row, was: Any = was) -> str:
+                now = f"{row[key][0]:.{digits}f} / {row[key][1]:.{digits}f}"
+                return now if was is None else f"{was[key][0]:.{digits}f} -> {now}"
+
+            ratio = f"{row['ratio']:.2f}x ({row['ratio_min']:.2f}-{row['ratio_max']:.2f})"
+            if was is not None:
+                ratio = f"{was['ratio']:.2f}x -> {ratio}"
+            lines.append(
+                f"| {mesh_name} | {row['pair']} | {row['peer']} | {ratio} | "
+                f"{row['loss_diff']:.1e} | {pair_of('ops', 0)} | {pair_of('copy_mib')} | "
+                f"{pair_of('alloc_mib')} | {pair_of('step_peak_mib')} | {pair_of('held_mib')} | "
+                f"{row['mem_ratio']:.2f}x |"
+            )
+    return "\n".join(lines)
+
+
 def main() -> None:
     from peers import PAIRS
 
@@ -290,7 +322,18 @@ def main() -> None:
     parser.add_argument("--pairs", nargs="+", default=list(PAIRS), choices=list(PAIRS))
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per mesh")
     parser.add_argument("--out", default=str(OUT_DIR / "like_for_like.json"))
+    parser.add_argument(
+        "--table",
+        nargs="+",
+        metavar="JSON",
+        help="print the markdown table of a run's JSON (a second JSON: an earlier run, shown "
+        "as before -> now) and exit without measuring",
+    )
     args = parser.parse_args()
+    if args.table:
+        now, *then = (json.loads(Path(p).read_text())["results"] for p in args.table)
+        print(markdown(now, then[0] if then else None))
+        return
     if args.batch % 4 or args.n_embd % args.heads or args.heads % 4:
         parser.error("--batch and --heads must be divisible by 4, --n-embd by --heads")
 
