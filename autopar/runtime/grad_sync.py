@@ -7,10 +7,12 @@ typically) ends backward with a different summand of its gradient on every rank 
 * parameters are grouped into flat buckets of about ``bucket_bytes`` by (axes, dtype, device),
   filled in REVERSE order of first use in forward, which is roughly the order backward
   produces their gradients;
-* a ``register_post_accumulate_grad_hook`` on each parameter moves the gradient into its slot
-  of the bucket's flat buffer and makes ``param.grad`` a view of that slot (DDP's
-  ``gradient_as_bucket_view``); when a bucket is complete an asynchronous all-reduce over the
-  first axis is launched on the buffer, overlapping the rest of backward;
+* a ``register_post_accumulate_grad_hook`` on each parameter counts the bucket's ready
+  gradients; when a bucket is complete its gradients are moved into the bucket's flat buffer,
+  each ``param.grad`` becoming a view of its slot (DDP's ``gradient_as_bucket_view``), and an
+  asynchronous all-reduce over the first axis is launched on the buffer, overlapping the rest
+  of backward. (The buffer is made when the bucket is complete, not at its first gradient: made
+  early it would sit next to the activations backward still holds, raising the step's peak);
 * the first hook of a backward queues a callback on the autograd engine
   (``Variable._execution_engine.queue_callback``) that runs when backward ends: it launches any
   bucket not yet complete (a parameter without a gradient contributes zeros), waits for every
@@ -134,8 +136,7 @@ class GradReducer:
         if not self._callback_queued:
             self._callback_queued = True
             Variable._execution_engine.queue_callback(self._finish)
-        bucket, index = self._bucket_of[id(param)]
-        self._to_slot(bucket, index)
+        bucket, _ = self._bucket_of[id(param)]
         bucket.num_ready += 1
         if bucket.num_ready == len(bucket.params):
             self._launch(bucket)
