@@ -107,8 +107,8 @@ def local_tensor(param: Any) -> Any:
 
 
 @contextlib.contextmanager
-def gloo_rank(rank: int, port: int, results: Any) -> Iterator[None]:
-    """One thread, this rank in a WORLD_SIZE gloo group on 127.0.0.1:``port``; an error is
+def gloo_rank(rank: int, port: int, results: Any, world_size: int = WORLD_SIZE) -> Iterator[None]:
+    """One thread, this rank in a ``world_size`` gloo group on 127.0.0.1:``port``; an error is
     put on ``results`` as ("error", text naming the rank) for the parent, then re-raised."""
     import torch
     import torch.distributed as dist
@@ -118,7 +118,7 @@ def gloo_rank(rank: int, port: int, results: Any) -> Iterator[None]:
         "gloo",
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
-        world_size=WORLD_SIZE,
+        world_size=world_size,
         timeout=timedelta(seconds=300),
     )
     try:
@@ -160,11 +160,12 @@ def warm_up(mesh: Any) -> None:
 
     import autopar
 
-    tiny = argparse.Namespace(vocab=64, seq=8, layers=1, heads=4, n_embd=32, batch=WORLD_SIZE)
+    world = torch.distributed.get_world_size()
+    tiny = argparse.Namespace(vocab=64, seq=8, layers=1, heads=4, n_embd=32, batch=world)
     batch = batch_for(0, tiny)
     DistributedDataParallel(build_model(tiny))(*batch).backward()
     sharded = build_model(tiny)
-    fully_shard(sharded, mesh=init_device_mesh("cpu", (WORLD_SIZE,)))
+    fully_shard(sharded, mesh=init_device_mesh("cpu", (world,)))
     sharded(*batch).backward()
     pmodel = autopar.autoparallelize(
         build_model(tiny), mesh, batch, recipe="fsdp", price_baselines=False
@@ -179,8 +180,14 @@ def warm_up(mesh: Any) -> None:
 # Parent
 
 
-def spawn_ranks(target: Any, extra: tuple[Any, ...], timeout_s: float, what: str) -> Any:
-    """Run ``target(rank, port, *extra, results)`` on WORLD_SIZE spawned ranks and return the
+def spawn_ranks(
+    target: Any,
+    extra: tuple[Any, ...],
+    timeout_s: float,
+    what: str,
+    world_size: int = WORLD_SIZE,
+) -> Any:
+    """Run ``target(rank, port, *extra, results)`` on ``world_size`` spawned ranks and return the
     payload the first rank puts on ``results`` as ("ok", payload) (else raise with its text)."""
     import multiprocessing
 
@@ -194,7 +201,7 @@ def spawn_ranks(target: Any, extra: tuple[Any, ...], timeout_s: float, what: str
     results = ctx.Queue()
     procs = [
         ctx.Process(target=target, args=(rank, port, *extra, results), daemon=True)
-        for rank in range(WORLD_SIZE)
+        for rank in range(world_size)
     ]
     for proc in procs:
         proc.start()

@@ -123,15 +123,14 @@ def run_collective(
         tensor: the input (its shape and dtype go into the fingerprint).
         axis_label: the mesh axis' name.
     """
-    description = describe(op, what, tensor)
     try:
         if checks_enabled():
-            check_same(description, group, axis_label, tensor.device)
+            check_same(describe(op, what, tensor), group, axis_label, tensor.device)
         return call()
     except CollectiveMismatchError:
         raise
     except Exception as exc:  # re-raised with the context a user needs to find the culprit
-        raise _failed(description, group, axis_label, exc) from exc
+        raise _failed(describe(op, what, tensor), group, axis_label, exc) from exc
 
 
 def wait_collective(

@@ -100,10 +100,17 @@ def _gather(t: Tensor, groups: AxisGroups, axis: int, dim: int) -> Tensor:
         return t
 
     def call() -> Tensor:
+        # One collective into one buffer (stacked by coordinate): no per-rank part tensors and,
+        # along dim 0, no concatenation copy at all.
+        # (gloo wants the output as the parts concatenated along dim 0.)
         src = t.contiguous()
-        parts = [torch.empty_like(src) for _ in range(size)]
-        dist.all_gather(parts, src, group=groups.groups[axis])
-        return torch.cat(parts, dim=dim)
+        out = torch.empty((size * src.shape[0], *src.shape[1:]), dtype=src.dtype, device=src.device)
+        dist.all_gather_single(out, src, group=groups.groups[axis])
+        if dim == 0:
+            return out
+        shape = list(src.shape)
+        shape[dim] *= size
+        return out.view(size, *src.shape).movedim(0, dim).reshape(shape)
 
     return _guarded("all_gather", groups, axis, t, call)
 
@@ -126,9 +133,14 @@ def _reduce_scatter(t: Tensor, groups: AxisGroups, axis: int, dim: int) -> Tenso
         return t
 
     def call() -> Tensor:
-        inputs = [c.contiguous() for c in t.chunk(size, dim=dim)]
-        out = torch.empty_like(inputs[0])
-        dist.reduce_scatter(out, inputs, op=dist.ReduceOp.SUM, group=groups.groups[axis])
+        # One contiguous input with the scattered dim leading (a copy only when ``dim`` is not
+        # already leading and contiguous), one collective, no per-rank input chunks.
+        shape = list(t.shape)
+        shape[dim] //= size
+        src = t.unflatten(dim, (size, shape[dim])).movedim(dim, 0).contiguous()
+        src = src.view(size * shape[0], *shape[1:])
+        out = torch.empty(shape, dtype=t.dtype, device=t.device)
+        dist.reduce_scatter_single(out, src, op=dist.ReduceOp.SUM, group=groups.groups[axis])
         return out
 
     return _guarded("reduce_scatter", groups, axis, t, call)

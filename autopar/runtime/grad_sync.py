@@ -8,12 +8,21 @@ typically) ends backward with a different summand of its gradient on every rank 
   filled in REVERSE order of first use in forward, which is roughly the order backward
   produces their gradients;
 * a ``register_post_accumulate_grad_hook`` on each parameter counts the bucket's ready
-  gradients; when a bucket is complete its gradients are copied into one flat buffer and an
-  asynchronous all-reduce over the first axis is launched, overlapping the rest of backward;
+  gradients; when a bucket is complete its gradients are moved into the bucket's flat buffer,
+  each ``param.grad`` becoming a view of its slot (DDP's ``gradient_as_bucket_view``), and an
+  asynchronous all-reduce over the first axis is launched on the buffer, overlapping the rest
+  of backward. (The buffer is made when the bucket is complete, not at its first gradient: made
+  early it would sit next to the activations backward still holds, raising the step's peak);
 * the first hook of a backward queues a callback on the autograd engine
   (``Variable._execution_engine.queue_callback``) that runs when backward ends: it launches any
   bucket not yet complete (a parameter without a gradient contributes zeros), waits for every
-  all-reduce, reduces over the remaining axes, and copies the sums back into ``param.grad``.
+  all-reduce and reduces over the remaining axes. The sums are then already in ``param.grad``.
+
+The flat buffer is not held between steps: ``zero_grad()`` (set to None) frees it with the
+views; with ``zero_grad(set_to_none=False)`` the zeroed views stay and the next backward
+accumulates into them and reuses their buffer, so nothing is copied. (Before, the gradients
+were concatenated into a new buffer and copied back after the all-reduce: one more copy of
+every gradient per step, and the buffer and the gradients alive together.)
 
 So the user writes ``loss.backward(); opt.step()`` and nothing else. Gradients are SUMMED, not
 averaged: the loss is the replicated global value, so the per-rank summands add up to the true
@@ -47,6 +56,9 @@ DEFAULT_BUCKET_BYTES = 25 * 2**20
 class _Bucket:
     axes: tuple[int, ...]
     params: list[nn.Parameter] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    """Element offset of each parameter's slot in ``flat``."""
+    numel: int = 0
     num_bytes: int = 0
     num_ready: int = 0
     flat: torch.Tensor | None = None
@@ -74,7 +86,8 @@ class GradReducer:
         self._group_of = group_of
         self._axis_names = tuple(axis_names or ())
         self._buckets: list[_Bucket] = []
-        self._bucket_of: dict[int, _Bucket] = {}
+        self._bucket_of: dict[int, tuple[_Bucket, int]] = {}
+        """id(parameter) -> (its bucket, its index there)."""
         self._callback_queued = False
         self._enabled = True
         open_buckets: dict[tuple[Any, ...], _Bucket] = {}
@@ -87,9 +100,11 @@ class GradReducer:
                 bucket = _Bucket(axes=tuple(axes))
                 open_buckets[key] = bucket
                 self._buckets.append(bucket)
+            self._bucket_of[id(param)] = (bucket, len(bucket.params))
             bucket.params.append(param)
+            bucket.offsets.append(bucket.numel)
+            bucket.numel += param.numel()
             bucket.num_bytes += param.numel() * param.element_size()
-            self._bucket_of[id(param)] = bucket
         self._handles = [
             param.register_post_accumulate_grad_hook(self._on_grad_ready)
             for bucket in self._buckets
@@ -121,19 +136,46 @@ class GradReducer:
         if not self._callback_queued:
             self._callback_queued = True
             Variable._execution_engine.queue_callback(self._finish)
-        bucket = self._bucket_of[id(param)]
+        bucket, _ = self._bucket_of[id(param)]
         bucket.num_ready += 1
         if bucket.num_ready == len(bucket.params):
             self._launch(bucket)
 
+    def _to_slot(self, bucket: _Bucket, index: int) -> None:
+        """Make the parameter's ``.grad`` a view of its slot in the bucket's flat buffer (a
+        copy unless it already is one; zeros in the slot where it has no gradient)."""
+        param, offset = bucket.params[index], bucket.offsets[index]
+        grad = param.grad
+        if bucket.flat is None:
+            base = None if grad is None else grad._base
+            reuse = (
+                base is not None
+                and base.dim() == 1
+                and base.numel() == bucket.numel
+                and base.dtype == param.dtype
+                and _is_slot(grad, base, offset)
+            )
+            bucket.flat = (
+                base if reuse else torch.empty(bucket.numel, dtype=param.dtype, device=param.device)
+            )
+        flat = bucket.flat
+        slot = flat[offset : offset + param.numel()]
+        if grad is None:
+            slot.zero_()
+        elif not _is_slot(grad, flat, offset):
+            slot.copy_(grad.reshape(-1))
+            param.grad = slot.view_as(param)
+
     def _launch(self, bucket: _Bucket) -> None:
-        pieces = [
-            p.grad.reshape(-1)
-            if p.grad is not None
-            else torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
-            for p in bucket.params
-        ]
-        flat = bucket.flat = torch.cat(pieces)
+        for index, param in enumerate(bucket.params):
+            if (
+                bucket.flat is None
+                or param.grad is None
+                or not _is_slot(param.grad, bucket.flat, bucket.offsets[index])
+            ):
+                self._to_slot(bucket, index)
+        flat = bucket.flat
+        assert flat is not None
         group = self._group_of(bucket.axes[0])
         bucket.work = run_collective(
             "all_reduce", f"grad bucket {self._buckets.index(bucket)}", flat, group,
@@ -162,12 +204,15 @@ class GradReducer:
                     "all_reduce", f"grad bucket {index}", flat, group, self._axis_label(axis),
                     lambda: dist.all_reduce(flat, group=group),  # noqa: B023 - runs now
                 )  # fmt: skip
-            offset = 0
-            for p in bucket.params:
-                n = p.numel()
-                if p.grad is not None:
-                    p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
-                offset += n
             bucket.flat = None
             bucket.work = None
             bucket.num_ready = 0
+
+
+def _is_slot(grad: torch.Tensor, flat: torch.Tensor, offset: int) -> bool:
+    """Whether ``grad`` is the contiguous view of ``flat`` starting at element ``offset``."""
+    return (
+        grad._base is flat
+        and grad.storage_offset() == flat.storage_offset() + offset
+        and grad.is_contiguous()
+    )

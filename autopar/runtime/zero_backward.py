@@ -60,12 +60,23 @@ class GradientReducer:
         # (zero_grad(set_to_none=False)), this backward reduces into it rather than next to it.
         reuse = self.zeroed_grad_buffer(chunk) if self._sync else None
         if reuse is not None and not chunk.grad_axes and reuse.numel() == chunk.numel:
-            flat, reuse = reuse.zero_(), None
+            flat, reuse = reuse, None  # every element is written below
         else:
-            flat = torch.zeros(chunk.numel, dtype=torch.float32, device=chunk.shard.device)  # type: ignore[union-attr]
-        for slot, grad in zip(chunk.slots, grads):
-            if grad is not None:
-                flat[slot.offset : slot.offset + slot.numel].copy_(grad.reshape(-1))
+            flat = torch.empty(chunk.numel, dtype=torch.float32, device=chunk.shard.device)  # type: ignore[union-attr]
+        # Every element written once: the gradients copied in, zeros only where there is none
+        # (padding, a slot without a gradient), not a zero fill of the whole chunk first.
+        end = 0
+        for slot, grad in sorted(zip(chunk.slots, grads), key=lambda sg: sg[0].offset):
+            if slot.offset > end:
+                flat[end : slot.offset].zero_()
+            piece = flat[slot.offset : slot.offset + slot.numel]
+            if grad is None:
+                piece.zero_()
+            else:
+                piece.copy_(grad.reshape(-1))
+            end = max(end, slot.offset + slot.numel)
+        if end < flat.numel():
+            flat[end:].zero_()
         if chunk.pending is not None:
             flat += chunk.pending
             chunk.pending = None

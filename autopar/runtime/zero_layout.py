@@ -136,17 +136,23 @@ class ZeroMesh:
             index = index * self.shape[a] + self.coords[a]
         return index
 
-    def gather_flat(self, shard: torch.Tensor, axes: Sequence[int]) -> torch.Tensor:
-        """All-gather a flat shard over ``axes`` (row-major shard index) into one buffer."""
+    def gather_flat(
+        self, shard: torch.Tensor, axes: Sequence[int], out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """All-gather a flat shard over ``axes`` (row-major shard index) into one buffer
+        (``out`` when given: the last gather lands there, with no copy after it)."""
         value = shard
         # Innermost axis first: its pieces are adjacent in the chunk.
-        for axis in reversed(axes):
+        for i, axis in enumerate(reversed(axes)):
             size = self.shape[axis]
-            out = torch.empty(value.numel() * size, dtype=value.dtype, device=value.device)
+            if out is not None and i == len(axes) - 1:
+                dst = out
+            else:
+                dst = torch.empty(value.numel() * size, dtype=value.dtype, device=value.device)
             src, group = value.contiguous(), self.group_of(axis)
             run_collective(
                 "all_gather", "zero flat shard", src, group, self.axis_names[axis],
-                lambda: dist.all_gather_single(out, src, group=group),  # noqa: B023 - runs now
+                lambda: dist.all_gather_single(dst, src, group=group),  # noqa: B023 - runs now
             )  # fmt: skip
-            value = out
+            value = dst
         return value

@@ -102,8 +102,9 @@ class OptimizerStepHook:
         if not rest:
             return
         assert chunk.kept is not None and chunk.shard is not None
-        # From a copy: the shard is a view into the buffer being written.
-        chunk.kept.copy_(self.mesh.gather_flat(self.store.compute_shard(chunk).clone(), rest))
+        # From a copy (the shard is a view into the buffer being written), straight into the
+        # kept buffer (no full-size temporary and copy after it).
+        self.mesh.gather_flat(self.store.compute_shard(chunk).clone(), rest, out=chunk.kept)
 
 
 def _register_optimizer_hooks(hook: OptimizerStepHook) -> list[Any]:

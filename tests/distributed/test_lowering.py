@@ -239,6 +239,39 @@ def check_case(
         _close(f"{name} after load_state_dict", value, want["state"][name])
 
 
+def check_grad_buffers(mesh_shape: tuple[int, ...], groups: Any) -> None:
+    """Data-parallel gradients are views of their bucket's flat buffer after backward (nothing
+    is copied back after the all-reduce); under ``zero_grad(set_to_none=False)`` the next
+    backward accumulates into those views and reduces the same buffers in place; SGD steps
+    that way match the single-process model."""
+    from autopar.capture.export import capture
+    from autopar.lowering import lower
+    from autopar.runtime.module import ParallelModule
+    from tests.models import tiny_mlp
+
+    want = _reference(tiny_mlp)
+    model, args, kwargs = tiny_mlp()
+    captured = capture(model, args, kwargs)
+    lowered = lower(captured, _chooser("dp")(captured, mesh_shape), mesh_shape, groups.key)
+    pmodel = ParallelModule(lowered, model, groups, grad_bucket_bytes=256)
+    assert pmodel.grad_reducer.num_buckets > 1
+    local = pmodel.shard_inputs(*args)
+    opt = torch.optim.SGD(pmodel.parameters(), lr=LR)
+    buffers = None
+    for _ in range(NUM_STEPS):
+        opt.zero_grad(set_to_none=False)
+        _loss(pmodel(*local)).backward()
+        bases = {name: p.grad._base for name, p in pmodel.named_parameters()}
+        assert all(b is not None and b.dim() == 1 for b in bases.values()), bases
+        now = sorted({b.data_ptr() for b in bases.values()})
+        assert len(now) == pmodel.grad_reducer.num_buckets, now
+        assert buffers is None or now == buffers, (now, buffers)
+        buffers = now
+        opt.step()
+    for name, value in pmodel.state_dict().items():
+        _close(f"{name} after {NUM_STEPS} SGD steps, grads kept", value, want["state"][name])
+
+
 def check_local_loss(mesh_shape: tuple[int, ...], groups: Any) -> None:
     """Batch-sharded outputs and a loss on the local block: DDP's convention gives the gradients
     of the global mean loss."""
@@ -314,6 +347,7 @@ def _chooser(layout: str) -> Callable[[Any, tuple[int, ...]], dict[str, Strategy
 
 CASES = [
     "dropout",
+    "mlp/grad_buffers",
     "mlp/local_loss",
     "mlp/dp",
     "mlp/tp",
@@ -342,6 +376,9 @@ def run_case(rank: int, world_size: int, case: str, mesh_shape: tuple[int, ...])
     groups = _groups(mesh_shape)
     if case == "dropout":
         check_dropout_masks(groups)
+        return
+    if case == "mlp/grad_buffers":
+        check_grad_buffers(mesh_shape, groups)
         return
     if case == "mlp/local_loss":
         check_local_loss(mesh_shape, groups)
