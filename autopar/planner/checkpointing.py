@@ -413,6 +413,19 @@ def solver_segments(
             out = converted[key] = tuple(float(values[i]) for i in idx)
         return out
 
+    tables: dict[tuple, tuple] = {}
+
+    def table(
+        matrix: np.ndarray, rows: tuple[int, ...], cols: tuple[int, ...]
+    ) -> tuple[tuple[float, ...], ...]:
+        # Every layer's segment reuses the space's shared edge matrices: converted once, not
+        # once per layer (80 layers of 70B at 8x16x8 were 600M Python floats, 20+ GiB).
+        key = (id(matrix), rows, cols)
+        out = tables.get(key)
+        if out is None:
+            out = tables[key] = tuple(map(tuple, matrix[np.ix_(rows, cols)].tolist()))
+        return out
+
     segments = []
     for c in candidates:
         segments.append(
@@ -422,13 +435,7 @@ def solver_segments(
                 freed_bytes=tuple(row(f, allowed[n]) for n, f in zip(c.node_index, c.freed_bytes)),
                 recompute_s=tuple(row(t, allowed[n]) for n, t in zip(c.node_index, c.recompute_s)),
                 edges=tuple(
-                    SegmentEdge(
-                        src=src,
-                        dst=dst,
-                        cost_s=tuple(
-                            tuple(float(matrix[a, b]) for b in allowed[dst]) for a in allowed[src]
-                        ),
-                    )
+                    SegmentEdge(src=src, dst=dst, cost_s=table(matrix, allowed[src], allowed[dst]))
                     for src, dst, matrix in c.edges
                 ),
                 min_copies=1 if forced else 0,

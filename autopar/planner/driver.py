@@ -132,6 +132,7 @@ class Driver:
         )
         self._report = progress or (lambda line: None)
         self._recipes: dict[str, Solved] = {}
+        self._within: dict[str, Solved] = {}
         self._free_auto: Solved | None = None
         self.notes: list[str] = []
 
@@ -142,6 +143,7 @@ class Driver:
         other.tied, other.candidates, other._report = self.tied, self.candidates, self._report
         other.configurations = self.configurations
         other._recipes, other._free_auto, other.notes = self._recipes, self._free_auto, self.notes
+        other._within = {}
         return other
 
     # ----------------------------------------------------------------------------------------
@@ -173,6 +175,12 @@ class Driver:
         baselines = self.recipes(
             wanted, free_auto=recipe == "auto" and self.options.zero_stage is None
         )
+        # Like for like: where the plan may recompute to fit, so may every recipe it is
+        # compared with (each with its own best checkpointing under the same budget).
+        baselines = {
+            name: self.recipe_within_budget(name, free, strict=False)
+            for name, free in baselines.items()
+        }
         if recipe == "auto":
             auto_start = time.perf_counter()
             try:
@@ -331,19 +339,9 @@ class Driver:
         Raises:
             BudgetError: (``strict``) the recipe does not fit even with recomputation.
         """
-        chosen = free
-        if (
-            chosen.evaluation.peak_memory_bytes > self.budget
-            and self.candidates
-            and self.options.checkpoint == "auto"
-        ):
-            spec = recipe_spec(self.space, recipe)
-            try:
-                chosen = self.configurations.solve(
-                    spec.zero, name=recipe, budget=self.budget, spec=spec
-                )
-            except solver.InfeasibleBudgetError:
-                pass  # the error below names the recipe's own peak
+        chosen = self._within.get(recipe)
+        if chosen is None:
+            chosen = self._within[recipe] = self._recompute_to_fit(recipe, free)
         peak = chosen.evaluation.peak_memory_bytes
         if strict and peak > self.budget:
             raise BudgetError(
@@ -354,6 +352,39 @@ class Driver:
                 min_budget_bytes=peak,
                 what=f"recipe {recipe!r}",
             )
+        return chosen
+
+    def _recompute_to_fit(self, recipe: str, free: Solved) -> Solved:
+        """The recipe's layouts with the segments the ILP recomputes to fit the budget, or
+        ``free`` when it fits as it is, recomputation is off, or it cannot fit: a recipe that
+        fixes every parameter's layout keeps its parameter, gradient and optimizer bytes
+        whatever it recomputes, so when those alone exceed the budget no ILP is solved."""
+        if (
+            free.evaluation.peak_memory_bytes <= self.budget
+            or not self.candidates
+            or self.options.checkpoint != "auto"
+        ):
+            return free
+        spec = recipe_spec(self.space, recipe)
+        memory = free.evaluation.memory
+        state = sum(memory.get(k, 0.0) for k in ("params", "grads", "optimizer", "master"))
+        fixed = all(
+            len(spec.allowed.get(node.name, node.strategies)) == 1
+            for node in self.space.nodes
+            if node.kind == "param"
+        )
+        if fixed and state > self.budget:
+            return free
+        start = time.perf_counter()
+        try:
+            chosen = self.configurations.solve(
+                spec.zero, name=recipe, budget=self.budget, spec=spec
+            )
+        except solver.InfeasibleBudgetError:
+            return free  # the caller's error names the recipe's own peak
+        self._report(
+            solve_line(f"{recipe} (recomputing to fit)", chosen, time.perf_counter() - start)
+        )
         return chosen
 
     def solve_pinned(self, allowed: dict[str, list[int]], *, name: str) -> Solved:

@@ -10,7 +10,7 @@ import pickle
 import pytest
 
 import autopar.version
-from autopar.api import plan_captured
+from autopar.api import document_plan, plan_captured
 from autopar.capture.export import Captured, capture
 from autopar.errors import BudgetError, NoLayoutError
 from autopar.mesh import Mesh
@@ -47,6 +47,35 @@ def test_compare_plans_what_plan_plans_on_a_budget_bound_model_that_recomputes(g
     with pytest.raises(BudgetError):
         plan_captured(gpt, MESH, dataclasses.replace(TIGHT, recipe="ddp"), model_name="tiny-gpt")
     assert not compared["ddp"].data["baselines"]["ddp"]["fits"]
+
+
+def test_recipes_recompute_to_fit_the_budget_like_the_auto_plan(gpt) -> None:
+    driver = Driver(build_space(gpt, MESH, TIGHT))
+    planned = driver.plan()
+    assert planned.chosen.segments, "the budget must make the auto plan recompute"
+    free = driver.recipes(["fsdp", "ddp"])
+    fsdp = planned.baselines["fsdp"]
+    # fsdp does not fit budget-free; with its own checkpointing under the same budget it does,
+    # with the recipe's parameter layouts and a step no faster than budget-free.
+    assert free["fsdp"].evaluation.peak_memory_bytes > driver.budget
+    assert fsdp.segments and fsdp.evaluation.peak_memory_bytes <= driver.budget
+    assert fsdp.evaluation.recompute_s > 0
+    assert fsdp.evaluation.step_s >= free["fsdp"].evaluation.step_s
+    params = [i for i, node in enumerate(driver.space.nodes) if node.kind == "param"]
+    assert [fsdp.choice[i] for i in params] == [free["fsdp"].choice[i] for i in params]
+    # ddp's replicated parameter, gradient and optimizer bytes alone exceed the budget: it is
+    # shown budget-free and not fitting, without an ILP that could not succeed.
+    memory = free["ddp"].evaluation.memory
+    assert sum(memory[k] for k in ("params", "grads", "optimizer", "master")) > driver.budget
+    assert planned.baselines["ddp"] is free["ddp"]
+    assert free["ddp"].evaluation.peak_memory_bytes > driver.budget
+    # The plan document and summary say so; planning fsdp itself gives the same figures.
+    plan = document_plan(driver, planned, model_name="tiny-gpt", timings={})
+    row = plan.data["baselines"]["fsdp"]
+    assert row["fits"] and row["recomputed_segments"] == len(fsdp.segments)
+    assert not plan.data["baselines"]["ddp"]["fits"]
+    assert "Recomputing to fit the budget" in plan.summary()
+    assert driver.plan("fsdp", price_baselines=False).chosen is fsdp
 
 
 def test_a_budget_error_keeps_its_figures_and_survives_pickling(gpt) -> None:
