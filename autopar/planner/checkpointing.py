@@ -404,6 +404,8 @@ def solver_segments(
 ) -> tuple[Segment, ...]:
     """The candidates as solver segments over the offered strategies (``BuiltProblem.allowed``);
     ``forced`` makes every candidate recomputed (``checkpoint='all'``)."""
+    # Every layer's segment reuses the space's shared arrays: each converted once, not once
+    # per layer (80 layers of 70B at 8x16x8 were 600M Python floats, 20+ GiB).
     converted: dict[tuple, tuple] = {}
 
     def row(values: np.ndarray, idx: tuple[int, ...]) -> tuple[float, ...]:
@@ -413,17 +415,11 @@ def solver_segments(
             out = converted[key] = tuple(float(values[i]) for i in idx)
         return out
 
-    tables: dict[tuple, tuple] = {}
-
-    def table(
-        matrix: np.ndarray, rows: tuple[int, ...], cols: tuple[int, ...]
-    ) -> tuple[tuple[float, ...], ...]:
-        # Every layer's segment reuses the space's shared edge matrices: converted once, not
-        # once per layer (80 layers of 70B at 8x16x8 were 600M Python floats, 20+ GiB).
+    def table(matrix: np.ndarray, rows: tuple[int, ...], cols: tuple[int, ...]) -> tuple:
         key = (id(matrix), rows, cols)
-        out = tables.get(key)
+        out = converted.get(key)
         if out is None:
-            out = tables[key] = tuple(map(tuple, matrix[np.ix_(rows, cols)].tolist()))
+            out = converted[key] = tuple(map(tuple, matrix[np.ix_(rows, cols)].tolist()))
         return out
 
     segments = []

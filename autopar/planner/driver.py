@@ -355,30 +355,33 @@ class Driver:
         return chosen
 
     def _recompute_to_fit(self, recipe: str, free: Solved) -> Solved:
-        """The recipe's layouts with the segments the ILP recomputes to fit the budget, or
-        ``free`` when it fits as it is, recomputation is off, or it cannot fit: a recipe that
-        fixes every parameter's layout keeps its parameter, gradient and optimizer bytes
-        whatever it recomputes, so when those alone exceed the budget no ILP is solved."""
+        """The recipe with the segments the ILP recomputes to fit the budget, its layouts kept
+        as solved without a budget (every node pinned: the ILP chooses only segments, so it
+        stays small), or ``free`` when it fits as it is, recomputation is off, or it cannot
+        fit: recomputation never frees parameter, gradient or optimizer bytes, so when those
+        alone exceed the budget no ILP is solved."""
         if (
             free.evaluation.peak_memory_bytes <= self.budget
             or not self.candidates
             or self.options.checkpoint != "auto"
         ):
             return free
-        spec = recipe_spec(self.space, recipe)
         memory = free.evaluation.memory
-        state = sum(memory.get(k, 0.0) for k in ("params", "grads", "optimizer", "master"))
-        fixed = all(
-            len(spec.allowed.get(node.name, node.strategies)) == 1
-            for node in self.space.nodes
-            if node.kind == "param"
-        )
-        if fixed and state > self.budget:
+        if (
+            sum(memory.get(k, 0.0) for k in ("params", "grads", "optimizer", "master"))
+            > self.budget
+        ):
             return free
+        pinned = RecipeSpec(
+            name=recipe,
+            allowed={node.name: [free.choice[i]] for i, node in enumerate(self.space.nodes)},
+            forbid={},
+            zero=free.zero,
+        )
         start = time.perf_counter()
         try:
             chosen = self.configurations.solve(
-                spec.zero, name=recipe, budget=self.budget, spec=spec
+                free.zero, name=recipe, budget=self.budget, spec=pinned
             )
         except solver.InfeasibleBudgetError:
             return free  # the caller's error names the recipe's own peak
