@@ -16,7 +16,9 @@ from autopar.errors import BudgetError, NoLayoutError
 from autopar.mesh import Mesh
 from autopar.options import PlanOptions
 from autopar.plan import cache as plan_cache
+from autopar.planner.checkpointing import solver_segments
 from autopar.planner.driver import Driver
+from autopar.planner.problem import ZeroConfig
 from autopar.planner.space import build_space
 from autopar.tools.report import plans_for_recipes
 from tests.models import tiny_gpt
@@ -75,6 +77,25 @@ def test_recipes_recompute_to_fit_the_budget_like_the_auto_plan(gpt) -> None:
     assert not plan.data["baselines"]["ddp"]["fits"]
     assert "Recomputing to fit the budget" in plan.summary()
     assert driver.plan("fsdp", price_baselines=False).chosen is fsdp
+
+
+def test_segments_convert_each_shared_edge_matrix_once(gpt) -> None:
+    # Layers share their edge matrices in the space; the solver segments must share the
+    # converted tables too (one copy per layer took 20+ GiB on llama3-70b at batch 256).
+    driver = Driver(build_space(gpt, MESH, TIGHT))
+    built, _ = driver.configurations._prepare(
+        ZeroConfig(), budget=driver.budget, spec=None, tied=driver.tied
+    )
+    segments = solver_segments(driver.candidates, built.allowed, forced=False)
+    seen: dict[tuple, tuple] = {}
+    uses = 0
+    for candidate, segment in zip(driver.candidates, segments, strict=True):
+        for (src, dst, matrix), edge in zip(candidate.edges, segment.edges, strict=True):
+            rows, cols = built.allowed[src], built.allowed[dst]
+            assert edge.cost_s == tuple(tuple(float(matrix[a, b]) for b in cols) for a in rows)
+            assert seen.setdefault((id(matrix), rows, cols), edge.cost_s) is edge.cost_s
+            uses += 1
+    assert len(seen) < uses, "the tiny GPT's two layers must share edge matrices"
 
 
 def test_a_budget_error_keeps_its_figures_and_survives_pickling(gpt) -> None:
