@@ -9,7 +9,9 @@ Given a strategy space (``build_space``: the graph, the mesh and the options, pr
 - the checkpoint candidates (``planner.checkpointing``), offered to the ILP under a budget or
   with ``checkpoint='all'``;
 - the recipes (``planner.recipes``), solved budget-free side by side, recipes that differ only in
-  ZeRO solved once; a recipe that does not fit recomputes within its layouts;
+  ZeRO solved once; a recipe that does not fit recomputes within its layouts (every recipe of
+  the baselines table too, so the table compares like for like with an auto plan that
+  recomputes);
 - the auto plan: ZeRO stage 0 without a budget first (a lower bound on every configuration's
   step time), then the undominated ZeRO configurations (``planner.zero_choice``) under the
   budget, keeping the fastest that fits;
@@ -334,7 +336,8 @@ class Driver:
 
     def recipe_within_budget(self, recipe: str, free: Solved, *, strict: bool = True) -> Solved:
         """``free`` (the recipe solved without a budget) when it fits; else the recipe's layouts
-        with the segments the ILP recomputes to fit (``checkpoint='auto'``).
+        with the segments the ILP recomputes to fit (``checkpoint='auto'``), solved once per
+        driver (:meth:`_recompute_to_fit`).
 
         Raises:
             BudgetError: (``strict``) the recipe does not fit even with recomputation.
