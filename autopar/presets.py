@@ -3,8 +3,8 @@
 ``build_preset(name, batch=..., seq=...)`` returns ``(model, example_args, example_kwargs)``
 with GLOBAL-batch example inputs on the model's device. Names:
 
-* ``mlp``, ``gpt2-small``, ``gpt2-xl``, ``llama3-8b``, ``llama3-70b`` (see PRESETS), each with an
-  optional ``-Nl`` suffix for an N-layer variant (``llama3-8b-2l``);
+* ``mlp``, ``gpt2-small``, ``gpt2-xl``, ``llama3-8b``, ``llama3-70b``, ``llama-8l-2048`` (see
+  PRESETS), each with an optional ``-Nl`` suffix for an N-layer variant (``llama3-8b-2l``);
 * ``hf:<model_type>[?key=value&...]``: ``transformers.AutoConfig.for_model(model_type,
   **overrides)`` + ``AutoModelForCausalLM.from_config`` (offline, random weights; the real
   architecture's shapes unless overridden);
@@ -65,6 +65,19 @@ LLAMA_CONFIGS: dict[str, LlamaConfig] = {
         ffn_hidden=28672,
         max_seq_len=8192,
         rope_theta=500000.0,
+    ),
+    # An 8-layer LLaMA-like model at TinyLlama's width (grouped-query attention, tied
+    # embeddings): the budget-bound planning-time row of benchmarks/plan_time.py.
+    "llama-8l-2048": LlamaConfig(
+        vocab_size=32000,
+        dim=2048,
+        n_layers=8,
+        n_heads=32,
+        n_kv_heads=4,
+        ffn_hidden=5632,
+        max_seq_len=2048,
+        rope_theta=10000.0,
+        tie_weights=True,
     ),
 }
 PRESETS: tuple[str, ...] = ("mlp", *GPT_CONFIGS, *LLAMA_CONFIGS)

@@ -4,6 +4,8 @@
     python benchmarks/plan_time.py --set small            # gpt2-small, llama3-8b-2l, llama3-8b on 8, 2x4, 8x8
     python benchmarks/plan_time.py --models gpt2-small-2l --meshes 2x4 --seq 1024
     python benchmarks/plan_time.py --depth llama3-8b --mesh 8x8 --layers 2 4 8 16 32 64 128
+    python benchmarks/plan_time.py --set budget           # issue 16's budget-bound rows (whole CLI
+                                                          # command per row; see plan_time_budget.py)
 
 One row per (model, mesh): wall seconds for capture, strategies (enumeration and pricing) and
 solve (every ILP the plan needs: four recipes and the auto plan's configurations), the total
@@ -130,7 +132,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--set", choices=["large", "small"], default=None)
+    parser.add_argument("--set", choices=["large", "small", "budget"], default=None)
+    parser.add_argument("--rows", nargs="+", default=None, help="--set budget: these rows only")
+    parser.add_argument("--exact", action="store_true", help="--set budget: also at --gap 0")
+    parser.add_argument("--row-timeout", type=float, default=900.0, help="--set budget: seconds")
+    parser.add_argument("--max-memory", type=float, default=8.0, help="--set budget: GiB cap")
     parser.add_argument("--models", nargs="+", default=None)
     parser.add_argument("--meshes", nargs="+", default=None)
     parser.add_argument("--depth", default=None, help="model family for a depth table (NAME-Nl)")
@@ -151,6 +157,15 @@ def main() -> None:
         "--no-baselines", action="store_true", help="solve the auto plan only, not the recipes"
     )
     args = parser.parse_args()
+    if args.set == "budget":
+        import plan_time_budget as budget
+
+        names = args.rows or list(budget.ROWS)
+        rows = budget.run_rows(
+            names, exact=args.exact, timeout_s=args.row_timeout, max_memory_gib=args.max_memory
+        )
+        budget.print_table(rows, title="planning time where the budget binds (whole command)")
+        return
 
     console = Console(width=200)
     table = Table(

@@ -104,6 +104,7 @@ def plan_document(
             name: {
                 **_figures(b.evaluation),
                 "fits": bool(b.evaluation.peak_memory_bytes <= budget),
+                "recomputed_segments": len(b.segments),
                 "zero": b.zero.to_json(mesh.axis_names),
             }
             for name, b in baselines.items()

@@ -136,7 +136,15 @@ def _recipes(rows: list[dict[str, Any]], width: int | None) -> list[str]:
         for r in rows
     ]
     title = f"Recipes under the same cost model (time in {sec}, peak memory in {mem} per device):"
-    return [*wrap(title, width), *table(header, body, width=width)]
+    lines = [*wrap(title, width), *table(header, body, width=width)]
+    recomputing = [f"{r['plan']} ({r['recomputed_segments']})" for r in rows if r.get("recomputed_segments")]
+    if recomputing:
+        lines += wrap(
+            "Recomputing to fit the budget (segments), each recipe with its own best checkpointing: "
+            + ", ".join(recomputing),
+            width,
+        )
+    return lines
 
 
 def _blocks(blocks: list[dict[str, Any]], legend: list[str], width: int | None) -> list[str]:

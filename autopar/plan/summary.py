@@ -146,8 +146,10 @@ def recipe_rows(d: dict[str, Any]) -> list[dict[str, Any]]:
     """This plan first, then every other recipe priced alongside, in a fixed order."""
     pred = d["predicted"]
     figures = {d["recipe"]: (pred, pred["peak_memory_bytes"] <= d["memory_budget_bytes"])}
+    segments = {d["recipe"]: len(d.get("checkpoint", {}).get("segments", ()))}
     for name, b in d["baselines"].items():
         figures.setdefault(name, (b, b["fits"]))
+        segments.setdefault(name, b.get("recomputed_segments", 0))
     order = sorted(figures, key=lambda n: (n != d["recipe"], RECIPE_ORDER.index(n) if n in RECIPE_ORDER else 99))
     rows = []
     for name in order:
@@ -164,6 +166,7 @@ def recipe_rows(d: dict[str, Any]) -> list[dict[str, Any]]:
                 "recompute_s": bk.get("recompute_s", 0.0),
                 "peak_memory_bytes": fig["peak_memory_bytes"],
                 "fits": bool(fits),
+                "recomputed_segments": segments[name],
             }
         )
     return rows

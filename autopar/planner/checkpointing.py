@@ -404,6 +404,8 @@ def solver_segments(
 ) -> tuple[Segment, ...]:
     """The candidates as solver segments over the offered strategies (``BuiltProblem.allowed``);
     ``forced`` makes every candidate recomputed (``checkpoint='all'``)."""
+    # Every layer's segment reuses the space's shared arrays: each converted once, not once
+    # per layer (80 layers of 70B at 8x16x8 were 600M Python floats, 20+ GiB).
     converted: dict[tuple, tuple] = {}
 
     def row(values: np.ndarray, idx: tuple[int, ...]) -> tuple[float, ...]:
@@ -411,6 +413,13 @@ def solver_segments(
         out = converted.get(key)
         if out is None:
             out = converted[key] = tuple(float(values[i]) for i in idx)
+        return out
+
+    def table(matrix: np.ndarray, rows: tuple[int, ...], cols: tuple[int, ...]) -> tuple:
+        key = (id(matrix), rows, cols)
+        out = converted.get(key)
+        if out is None:
+            out = converted[key] = tuple(map(tuple, matrix[np.ix_(rows, cols)].tolist()))
         return out
 
     segments = []
@@ -422,13 +431,7 @@ def solver_segments(
                 freed_bytes=tuple(row(f, allowed[n]) for n, f in zip(c.node_index, c.freed_bytes)),
                 recompute_s=tuple(row(t, allowed[n]) for n, t in zip(c.node_index, c.recompute_s)),
                 edges=tuple(
-                    SegmentEdge(
-                        src=src,
-                        dst=dst,
-                        cost_s=tuple(
-                            tuple(float(matrix[a, b]) for b in allowed[dst]) for a in allowed[src]
-                        ),
-                    )
+                    SegmentEdge(src=src, dst=dst, cost_s=table(matrix, allowed[src], allowed[dst]))
                     for src, dst, matrix in c.edges
                 ),
                 min_copies=1 if forced else 0,

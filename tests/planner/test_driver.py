@@ -10,13 +10,15 @@ import pickle
 import pytest
 
 import autopar.version
-from autopar.api import plan_captured
+from autopar.api import document_plan, plan_captured
 from autopar.capture.export import Captured, capture
 from autopar.errors import BudgetError, NoLayoutError
 from autopar.mesh import Mesh
 from autopar.options import PlanOptions
 from autopar.plan import cache as plan_cache
+from autopar.planner.checkpointing import solver_segments
 from autopar.planner.driver import Driver
+from autopar.planner.problem import ZeroConfig
 from autopar.planner.space import build_space
 from autopar.tools.report import plans_for_recipes
 from tests.models import tiny_gpt
@@ -47,6 +49,53 @@ def test_compare_plans_what_plan_plans_on_a_budget_bound_model_that_recomputes(g
     with pytest.raises(BudgetError):
         plan_captured(gpt, MESH, dataclasses.replace(TIGHT, recipe="ddp"), model_name="tiny-gpt")
     assert not compared["ddp"].data["baselines"]["ddp"]["fits"]
+
+
+def test_recipes_recompute_to_fit_the_budget_like_the_auto_plan(gpt) -> None:
+    driver = Driver(build_space(gpt, MESH, TIGHT))
+    planned = driver.plan()
+    assert planned.chosen.segments, "the budget must make the auto plan recompute"
+    free = driver.recipes(["fsdp", "ddp"])
+    fsdp = planned.baselines["fsdp"]
+    # fsdp does not fit budget-free; with its own checkpointing under the same budget it does,
+    # with the recipe's layouts as solved budget-free and a step no faster.
+    assert free["fsdp"].evaluation.peak_memory_bytes > driver.budget
+    assert fsdp.segments and fsdp.evaluation.peak_memory_bytes <= driver.budget
+    assert fsdp.evaluation.recompute_s > 0
+    assert fsdp.evaluation.step_s >= free["fsdp"].evaluation.step_s
+    assert fsdp.choice == free["fsdp"].choice
+    # ddp's replicated parameter, gradient and optimizer bytes alone exceed the budget: it is
+    # shown budget-free and not fitting, without an ILP that could not succeed.
+    memory = free["ddp"].evaluation.memory
+    assert sum(memory[k] for k in ("params", "grads", "optimizer", "master")) > driver.budget
+    assert planned.baselines["ddp"] is free["ddp"]
+    assert free["ddp"].evaluation.peak_memory_bytes > driver.budget
+    # The plan document and summary say so; planning fsdp itself gives the same figures.
+    plan = document_plan(driver, planned, model_name="tiny-gpt", timings={})
+    row = plan.data["baselines"]["fsdp"]
+    assert row["fits"] and row["recomputed_segments"] == len(fsdp.segments)
+    assert not plan.data["baselines"]["ddp"]["fits"]
+    assert "Recomputing to fit the budget" in plan.summary()
+    assert driver.plan("fsdp", price_baselines=False).chosen is fsdp
+
+
+def test_segments_convert_each_shared_edge_matrix_once(gpt) -> None:
+    # Layers share their edge matrices in the space; the solver segments must share the
+    # converted tables too (one copy per layer took 20+ GiB on llama3-70b at batch 256).
+    driver = Driver(build_space(gpt, MESH, TIGHT))
+    built, _ = driver.configurations._prepare(
+        ZeroConfig(), budget=driver.budget, spec=None, tied=driver.tied
+    )
+    segments = solver_segments(driver.candidates, built.allowed, forced=False)
+    seen: dict[tuple, tuple] = {}
+    uses = 0
+    for candidate, segment in zip(driver.candidates, segments, strict=True):
+        for (src, dst, matrix), edge in zip(candidate.edges, segment.edges, strict=True):
+            rows, cols = built.allowed[src], built.allowed[dst]
+            assert edge.cost_s == tuple(tuple(float(matrix[a, b]) for b in cols) for a in rows)
+            assert seen.setdefault((id(matrix), rows, cols), edge.cost_s) is edge.cost_s
+            uses += 1
+    assert len(seen) < uses, "the tiny GPT's two layers must share edge matrices"
 
 
 def test_a_budget_error_keeps_its_figures_and_survives_pickling(gpt) -> None:

@@ -29,7 +29,13 @@ def test_every_preset_builds_on_meta(name: str) -> None:
 
 @pytest.mark.parametrize(
     "name, billions",
-    [("gpt2-small", 0.124), ("gpt2-xl", 1.56), ("llama3-8b", 8.03), ("llama3-70b", 70.6)],
+    [
+        ("gpt2-small", 0.124),
+        ("gpt2-xl", 1.56),
+        ("llama3-8b", 8.03),
+        ("llama3-70b", 70.6),
+        ("llama-8l-2048", 0.418),
+    ],
 )
 def test_presets_have_public_sizes(name: str, billions: float) -> None:
     model, _, _ = build_preset(name, batch=1, seq=16)
