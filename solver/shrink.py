@@ -116,11 +116,14 @@ def solve(
 
 def _relaxation_applies(problem: Problem, gap: float) -> bool:
     """The Lagrangian path: a budget, a gap to spend, and tie classes (if any) forced alike
-    (with segments; without, counts may mix the members, which the relaxation does not bound)."""
+    (with segments; without, counts may mix the members, which the relaxation does not bound).
+    Not when every node's layout is fixed (a recipe recomputing to fit): the segments are then
+    the only decisions, and their MIP is small."""
     return (
         problem.memory_budget_bytes is not None
         and gap > 0.0
         and (not problem.tied or bool(problem.segments))
+        and any(node.num_choices > 1 for node in problem.nodes)
     )
 
 
