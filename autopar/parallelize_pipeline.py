@@ -13,7 +13,6 @@ schedule (see its docstring for the training step and the loss on every rank).
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -40,23 +39,17 @@ from autopar.parallelize import (
 )
 from autopar.plan.document import Plan
 from autopar.planner.stages import SCHEDULES, PipelinePlan, even_stages
-from autopar.planner.tying import STACK_NAMES
+from autopar.planner.tying import STACK_NAMES, stack_blocks
 from autopar.runtime.pipeline import PipelineModule, StageModule
 
 __all__ = ["autoparallelize_pipeline", "check_pipeline_mesh", "find_stack"]
 
-_STACK = re.compile(r"(?:^|\.)(" + "|".join(STACK_NAMES) + r")\.(\d+)(?=\.|$)")
 _SUPPORTED = ("gpipe", "1f1b", "interleaved-1f1b")
 
 
 def find_stack(gm: Any) -> tuple[str, int]:
     """(module path, number of blocks) of the longest stack of repeated blocks in ``gm``."""
-    found: dict[str, set[int]] = {}
-    for node in gm.graph.nodes:
-        path = node.meta.get("autopar_fqn") or node.meta.get("autopar_module_path") or ""
-        match = _STACK.search(path)
-        if match is not None:
-            found.setdefault(path[: match.end(1)], set()).add(int(match.group(2)))
+    found = stack_blocks(gm)
     if not found:
         raise UnsupportedModelError(
             f"cannot pipeline: the model has no stack of repeated blocks (a module list named one "

@@ -21,7 +21,7 @@ from autopar.options import PlanOptions
 from autopar.planner.driver import memory_budget_bytes
 from autopar.planner.pipeline import MeshShape, SearchResult, StageModel, StagePlanner, mesh_shapes
 from autopar.planner.pipeline_schedule import PIPELINE_SCHEDULES
-from autopar.planner.tying import _block_of
+from autopar.planner.tying import stack_blocks
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -43,11 +43,7 @@ class StageOptions:
 
 def model_stack(captured: Captured) -> tuple[str, int]:
     """The stack of repeated blocks (module path, number of blocks); ("", 0) when none."""
-    counts: dict[str, int] = {}
-    for node in captured.gm.graph.nodes:
-        found = _block_of(node)
-        if found is not None:
-            counts[found[0]] = max(counts.get(found[0], 0), found[1] + 1)
+    counts = {stack: max(blocks) + 1 for stack, blocks in stack_blocks(captured.gm).items()}
     if not counts:
         return "", 0
     stack = max(counts, key=lambda k: counts[k])

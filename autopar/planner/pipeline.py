@@ -23,6 +23,7 @@ of the auto search's, so the auto plan is never predicted slower.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -326,16 +327,7 @@ class StagePlanner:
 
 
 def _as_recipe(candidate: Candidate, recipe: str) -> Candidate:
-    return Candidate(
-        mesh=candidate.mesh,
-        microbatches=candidate.microbatches,
-        schedule=candidate.schedule,
-        virtual_stages=candidate.virtual_stages,
-        sizes=candidate.sizes,
-        stages=candidate.stages,
-        time=candidate.time,
-        recipe=recipe,
-    )
+    return dataclasses.replace(candidate, recipe=recipe)
 
 
 __all__ = [

@@ -28,7 +28,7 @@ from autopar.planner.configurations import Solved
 from autopar.planner.pipeline_schedule import StageCost
 from autopar.planner.pricing import CommPricer
 from autopar.planner.space import StrategySpace, local_bytes
-from autopar.planner.tying import _block_of
+from autopar.planner.tying import block_of
 from autopar.strategies import input_nodes
 from autopar.strategies.registry import tensor_meta
 from cost_models import LinkSpec, collective_time_s, training_state_bytes
@@ -85,19 +85,19 @@ def _part_names(space: StrategySpace) -> tuple[dict[str, str], int]:
     """Space node name -> "head", "tail" or "block:<i>", and the number of blocks."""
     gm = space.captured.gm
     order = {n.name: k for k, n in enumerate(gm.graph.nodes)}
-    block_of: dict[str, int] = {}
+    block_index: dict[str, int] = {}
     for node in gm.graph.nodes:
-        found = _block_of(node)
+        found = block_of(node)
         if found is not None and node.name in space.index:
-            block_of[node.name] = found[1]
+            block_index[node.name] = found[1]
     first_block_op = min(
-        (order[n] for n in block_of if space.node(n).kind == "op"), default=len(order)
+        (order[n] for n in block_index if space.node(n).kind == "op"), default=len(order)
     )
     by_name = {n.name: n for n in gm.graph.nodes}
     out: dict[str, str] = {}
     for name in space.index:
-        if name in block_of:
-            out[name] = f"block:{block_of[name]}"
+        if name in block_index:
+            out[name] = f"block:{block_index[name]}"
             continue
         node = by_name[name]
         where = order[name]

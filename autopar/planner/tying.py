@@ -35,12 +35,23 @@ MIN_TIED_LAYERS = 2
 """Fewer tied layers than this save nothing."""
 
 
-def _block_of(node: fx.Node) -> tuple[str, int] | None:
+def block_of(node: fx.Node) -> tuple[str, int] | None:
+    """(stack module path, block index) of a node inside a stack of blocks, else None."""
     path = node.meta.get("autopar_fqn") or node.meta.get("autopar_module_path") or ""
     match = _STACK.search(path)
     if match is None:
         return None
     return path[: match.end(1)], int(match.group(2))
+
+
+def stack_blocks(gm: fx.GraphModule) -> dict[str, set[int]]:
+    """Block indices seen per stack module path (e.g. ``{"layers": {0, 1, 2}}``)."""
+    found: dict[str, set[int]] = {}
+    for node in gm.graph.nodes:
+        key = block_of(node)
+        if key is not None:
+            found.setdefault(key[0], set()).add(key[1])
+    return found
 
 
 def repeated_blocks(
@@ -55,7 +66,7 @@ def repeated_blocks(
     for node in gm.graph.nodes:
         if node.name not in space.index:
             continue
-        key = _block_of(node)
+        key = block_of(node)
         if key is not None:
             blocks.setdefault(key, []).append(node)
     stacks: dict[str, list[int]] = {}
