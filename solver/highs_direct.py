@@ -230,8 +230,10 @@ def run(
     gap: float,
     abs_gap: float | None,
     msg: bool,
+    start: dict[int, float] | None = None,
 ) -> DirectOutcome:
-    """Solve; the status words are ilp._Outcome's."""
+    """Solve; the status words are ilp._Outcome's. ``start``: column -> value of a known plan
+    (its strategy columns only; HiGHS completes the rest), handed over as a starting solution."""
     h = model.highs
     if not model.num_variables:
         return DirectOutcome(status="optimal", bound=0.0, values=np.zeros(0))
@@ -241,6 +243,10 @@ def run(
         h.setOptionValue("mip_abs_gap", float(abs_gap))
     if time_limit_s is not None:
         h.setOptionValue("time_limit", float(time_limit_s))
+    if start:
+        columns = np.fromiter(start.keys(), dtype=np.int32, count=len(start))
+        values = np.fromiter(start.values(), dtype=np.float64, count=len(start))
+        _check(h.setSolution(len(start), columns, values), "setSolution")
     h.run()
     status = h.getModelStatus()
     ms = highspy.HighsModelStatus

@@ -315,9 +315,16 @@ def resolve_backend(backend: str) -> tuple[str, bool]:
 
 
 def solve_model(
-    problem: Problem, *, backend: str, time_limit_s: float | None, gap: float, msg: bool
+    problem: Problem,
+    *,
+    backend: str,
+    time_limit_s: float | None,
+    gap: float,
+    msg: bool,
+    start_plan: tuple[int, ...] | None = None,
 ) -> Solution:
-    """Presolve, build and run the ILP (the module docstring's model)."""
+    """Presolve, build and run the ILP (the module docstring's model). ``start_plan``: a plan's
+    choices to begin the search from (HiGHS only; strategies presolve removed are left out)."""
     backend, fell_back = resolve_backend(backend)
     start = time.perf_counter()
     validate(problem)
@@ -336,6 +343,7 @@ def solve_model(
             gap=gap,
             abs_gap=_ABS_GAP if gap == 0.0 else None,
             msg=msg,
+            start=None if start_plan is None else _start_columns(red, model.x_index, start_plan),
         )
     else:
         outcome = _run(model, backend=backend, time_limit_s=time_limit_s, gap=gap, msg=msg)
@@ -383,6 +391,19 @@ def solve_model(
         details=details,
         recomputed=recomputed,
     )
+
+
+def _start_columns(
+    red: Reduced, x_index: dict[tuple[int, int], int], start: tuple[int, ...]
+) -> dict[int, float]:
+    """The strategy columns of the plan ``start``: 1 for the chosen, 0 for the others, on the
+    nodes whose chosen strategy survived presolve."""
+    columns: dict[int, float] = {}
+    for i, allowed in enumerate(red.allowed):
+        if len(allowed) > 1 and start[i] in allowed:
+            for s in allowed:
+                columns[x_index[i, s]] = 1.0 if s == start[i] else 0.0
+    return columns
 
 
 def _fixed_cost_s(red: Reduced) -> float:

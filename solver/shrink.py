@@ -48,6 +48,7 @@ def solve(
     gap: float = 0.0,
     msg: bool = False,
     relax_first: bool = True,
+    start_plan: tuple[int, ...] | None = None,
 ) -> Solution:
     """Choose one strategy per node, minimising step time within the memory budget.
 
@@ -60,6 +61,8 @@ def solve(
         msg: show the solver's log.
         relax_first: with a budget and ``gap`` > 0, try the Lagrangian relaxation first
             (``_solve_relaxed``); False goes straight to the exact path.
+        start_plan: a plan's choices (one per node) for the MIP to begin from (HiGHS, budgeted
+            path only: the relaxation hands over its best plan); the answer is no worse.
 
     Raises:
         InfeasibleBudgetError: no allowed plan fits the budget; carries the smallest that fits.
@@ -110,8 +113,17 @@ def solve(
             counted = _solve_counts(problem, time_limit_s=time_limit_s, gap=gap, msg=msg)
             if counted is not None:
                 return counted
-        return _solve_tied(problem, backend=backend, time_limit_s=time_limit_s, gap=gap, msg=msg)
-    return solve_model(problem, backend=backend, time_limit_s=time_limit_s, gap=gap, msg=msg)
+        return _solve_tied(
+            problem,
+            backend=backend,
+            time_limit_s=time_limit_s,
+            gap=gap,
+            msg=msg,
+            start_plan=start_plan,
+        )
+    return solve_model(
+        problem, backend=backend, time_limit_s=time_limit_s, gap=gap, msg=msg, start_plan=start_plan
+    )
 
 
 def _relaxation_applies(problem: Problem, gap: float) -> bool:
@@ -168,6 +180,7 @@ def _solve_relaxed(
             gap=gap,
             msg=msg,
             relax_first=False,
+            start_plan=choices,
         )
         details.update(exact.details)
         details["lagrangian_then_mip"] = 1.0
@@ -312,9 +325,16 @@ def _solve_counts(
 
 
 def _solve_tied(
-    problem: Problem, *, backend: str, time_limit_s: float | None, gap: float, msg: bool
+    problem: Problem,
+    *,
+    backend: str,
+    time_limit_s: float | None,
+    gap: float,
+    msg: bool,
+    start_plan: tuple[int, ...] | None = None,
 ) -> Solution:
-    """Solve the contracted problem (solver/tying.py) and expand its choices to every node."""
+    """Solve the contracted problem (solver/tying.py) and expand its choices to every node.
+    ``start_plan``: a plan whose tie classes choose alike, mapped onto the contracted nodes."""
     start = time.perf_counter()
     contracted = contract(problem)
     inner_problem = contracted.problem
@@ -325,6 +345,12 @@ def _solve_tied(
     contract_s = time.perf_counter() - start
     # Contraction turns a node shared by every layer (RoPE tables) into a leaf: eliminate again.
     # The relaxation, where it applies, ran on the tied problem already.
+    inner_start = None
+    if start_plan is not None:
+        mapped = [0] * len(inner_problem.nodes)
+        for i, c in enumerate(start_plan):
+            mapped[contracted.node_map[i]] = c
+        inner_start = tuple(mapped)
     inner = solve(
         inner_problem,
         backend=backend,
@@ -332,6 +358,7 @@ def _solve_tied(
         gap=gap,
         msg=msg,
         relax_first=False,
+        start_plan=inner_start,
     )
     choices = expand(contracted, inner.choices)
     recomputed = expand_recomputed(problem, groups, inner.recomputed) if problem.segments else ()
