@@ -283,6 +283,7 @@ def _plan_stages(args, console, captured, mesh, options, capture_s: float) -> in
     if args.out:
         plan.save(args.out)
         print(f"plan written to {args.out}")
+    _write_html(args, plan)
     return 0
 
 

@@ -190,7 +190,7 @@ def test_cli_needs_a_mesh_or_devices(capsys):
     assert err == "autopar: error: give --mesh (e.g. --mesh 8x8) or --devices N [--per-node K]"
 
 
-def test_cli_searches_stages_on_devices(capsys):
+def test_cli_searches_stages_on_devices(capsys, tmp_path):
     from autopar.tools.cli import main
 
     argv = [
@@ -210,10 +210,13 @@ def test_cli_searches_stages_on_devices(capsys):
         "2",
         "--microbatches",
         "2",
+        "--html",
+        str(tmp_path / "report.html"),
     ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "2 pipeline stages x 2 microbatches" in out and "Stage search:" in out
+    assert "pipeline bubble" in (tmp_path / "report.html").read_text()
 
 
 def test_one_stage_gives_the_ordinary_plan_of_the_winning_mesh():
