@@ -199,22 +199,20 @@ def _agreed_plan(
     captured: Captured,
     mesh: Mesh,
     opts: PlanOptions,
-    plan: Plan | str | os.PathLike[str] | None,
+    plan: Plan | None,
     name: str,
     price_baselines: bool,
 ) -> Plan:
-    """The plan rank 0 made or read, on every rank, once every rank has checked it against its
-    own capture and the mesh (PlanMismatchError on every rank otherwise)."""
+    """The plan rank 0 made or was given (a plan file is read by :func:`_read_plan` first), on
+    every rank, once every rank has checked it against its own capture and the mesh
+    (PlanMismatchError on every rank otherwise)."""
 
     def make_plan() -> str:
-        if plan is None:
+        chosen = plan
+        if chosen is None:
             chosen = plan_captured(
                 captured, mesh, opts, model_name=name, price_baselines=price_baselines
             )
-        elif isinstance(plan, Plan):
-            chosen = plan
-        else:
-            chosen = Plan.load(plan)
         made[0] = chosen
         return chosen.to_json()
 
