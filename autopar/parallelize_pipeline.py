@@ -21,6 +21,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from autopar.api import plan_captured
+from autopar.capture.blocks import STACK_NAMES
 from autopar.capture.export import capture
 from autopar.capture.stages import StageGraph, block_indices, split_stages
 from autopar.comm.process_groups import AxisGroups, axis_groups, register_axis_groups
@@ -39,7 +40,7 @@ from autopar.parallelize import (
 )
 from autopar.plan.document import Plan
 from autopar.planner.stages import SCHEDULES, PipelinePlan, even_stages
-from autopar.planner.tying import STACK_NAMES, stack_blocks
+from autopar.planner.tying import stack_blocks
 from autopar.runtime.pipeline import PipelineModule, StageModule
 
 __all__ = ["autoparallelize_pipeline", "check_pipeline_mesh", "find_stack"]

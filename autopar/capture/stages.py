@@ -28,13 +28,13 @@ returns the model's outputs (the loss).
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
+from autopar.capture.blocks import index_in_stack, node_path
 from autopar.capture.export import Captured, graph_hash
 from autopar.errors import UnsupportedModelError
 
@@ -88,13 +88,11 @@ class StageGraph:
 
 def block_indices(gm: fx.GraphModule, stack: str) -> dict[str, int]:
     """Node name -> index of the block of ``stack`` it belongs to (nodes outside are absent)."""
-    pattern = re.compile(re.escape(stack) + r"\.(\d+)(?=\.|$)")
     out: dict[str, int] = {}
     for node in gm.graph.nodes:
-        path = node.meta.get("autopar_fqn") or node.meta.get("autopar_module_path") or ""
-        match = pattern.match(path)
-        if match is not None:
-            out[node.name] = int(match.group(1))
+        index = index_in_stack(node_path(node), stack)
+        if index is not None:
+            out[node.name] = index
     return out
 
 

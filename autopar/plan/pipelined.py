@@ -17,9 +17,9 @@ The stage planner's answer (``planner.pipeline.SearchResult``) becomes:
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
+from autopar.capture.blocks import index_in_stack
 from autopar.mesh import Mesh
 from autopar.options import PlanOptions
 from autopar.planner.pipeline import Candidate, SearchResult
@@ -60,8 +60,7 @@ def candidate_mesh(c: Candidate, device) -> Mesh:
 def pipeline_plan(c: Candidate, *, stack: str, param_fqns: tuple[str, ...]) -> PipelinePlan:
     """The :class:`PipelinePlan` of a candidate with stages (``pp > 1``)."""
     pp, dp, tp = c.mesh.pp, c.mesh.dp, c.mesh.tp
-    block_re = re.compile(rf"^{re.escape(stack)}\.(\d+)\.")
-    in_block = {f: int(mt.group(1)) for f in param_fqns if (mt := block_re.match(f))}
+    in_block = {f: i for f in param_fqns if (i := index_in_stack(f, stack)) is not None}
     ends = [f for f in param_fqns if f not in in_block]
     stages, start = [], 0
     num_blocks = sum(c.sizes)

@@ -33,23 +33,21 @@ from __future__ import annotations
 
 import math
 import operator
-import re
 from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 import torch.fx as fx
 
+from autopar.capture.blocks import STACK_PATTERN
 from autopar.planner.pricing import CommPricer, pair_table
 from autopar.planner.problem import Evaluation, StrategySpace
 from autopar.planner.space import grad_nodes, local_bytes
-from autopar.planner.tying import STACK_NAMES
 from autopar.strategies import input_nodes
 from autopar.strategies.registry import TensorMeta, op_call, tensor_meta
 from solver.problem import Segment, SegmentEdge
 
 POLICIES = ("full", "selective")
-_BLOCK = re.compile(r"(?:^|\.)(?:" + "|".join(STACK_NAMES) + r")\.\d+(?=\.|$)")
 _aten = torch.ops.aten
 KEPT_OPS = frozenset(
     {
@@ -107,7 +105,7 @@ def stack_blocks(gm: fx.GraphModule) -> dict[str, list[fx.Node]]:
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
-        match = _BLOCK.search(node.meta.get("autopar_module_path") or "")
+        match = STACK_PATTERN.search(node.meta.get("autopar_module_path") or "")
         if match is not None:
             blocks.setdefault(node.meta["autopar_module_path"][: match.end()], []).append(node)
     stacks: dict[str, int] = {}

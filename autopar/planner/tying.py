@@ -20,16 +20,13 @@ planner tests check against the untied optimum on small models.
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 
 import torch.fx as fx
 
+from autopar.capture.blocks import block_of_path, node_path
 from autopar.planner.problem import StrategySpace
 from autopar.strategies import input_nodes
-
-STACK_NAMES = ("layers", "blocks", "h", "layer", "block")
-_STACK = re.compile(r"(?:^|\.)(" + "|".join(STACK_NAMES) + r")\.(\d+)(?=\.|$)")
 
 MIN_TIED_LAYERS = 2
 """Fewer tied layers than this save nothing."""
@@ -37,11 +34,7 @@ MIN_TIED_LAYERS = 2
 
 def block_of(node: fx.Node) -> tuple[str, int] | None:
     """(stack module path, block index) of a node inside a stack of blocks, else None."""
-    path = node.meta.get("autopar_fqn") or node.meta.get("autopar_module_path") or ""
-    match = _STACK.search(path)
-    if match is None:
-        return None
-    return path[: match.end(1)], int(match.group(2))
+    return block_of_path(node_path(node))
 
 
 def stack_blocks(gm: fx.GraphModule) -> dict[str, set[int]]:
