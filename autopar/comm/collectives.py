@@ -64,9 +64,9 @@ __all__ = [
     "autopar_reduce_scatter",
     "autopar_slice",
     "autopar_zero_out",
+    "gather_stacked",
     "grad_all_reduce",
     "local_slice",
-    "reduce_over_axes",
     "reduce_scatter",
     "run_steps",
     "zero_out",
@@ -116,27 +116,23 @@ def _gather(t: Tensor, groups: AxisGroups, axis: int, dim: int) -> Tensor:
     return _guarded("all_gather", groups, axis, t, call)
 
 
-def _reduce(t: Tensor, groups: AxisGroups, axis: int, op: str = "sum") -> Tensor:
+def _reduce(t: Tensor, groups: AxisGroups, axis: int) -> Tensor:
     if groups.mesh_shape[axis] == 1:
         return t
-    reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
 
     def call() -> Tensor:
         out = t.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(out, op=reduce_op, group=groups.groups[axis])
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=groups.groups[axis])
         return out
 
-    return _guarded("all_reduce" if op == "sum" else f"all_reduce({op})", groups, axis, t, call)
+    return _guarded("all_reduce", groups, axis, t, call)
 
 
-def reduce_over_axes(t: Tensor, groups: AxisGroups, axes: Sequence[int], op: str = "sum") -> Tensor:
-    """Plain (non-autograd) all-reduce of ``t`` over each of ``axes`` in turn (``op``: "sum" or
-    "max"), for ops whose collectives are part of their own forward (vocab-parallel losses)."""
-    if op not in ("sum", "max"):
-        raise ValueError(f"unknown reduce op {op!r}; use 'sum' or 'max'")
-    for axis in axes:
-        t = _reduce(t, groups, axis, op)
-    return t
+def gather_stacked(t: Tensor, groups: AxisGroups, axis: int) -> Tensor:
+    """Plain (non-autograd) all-gather over ``axis`` stacked on a new leading dim, coordinate
+    order (``[axis size, *t.shape]``), for ops whose collectives are part of their own forward
+    (the vocab-parallel cross entropy)."""
+    return _gather(t, groups, axis, 0).view(groups.mesh_shape[axis], *t.shape)
 
 
 def _reduce_scatter(t: Tensor, groups: AxisGroups, axis: int, dim: int) -> Tensor:

@@ -2,22 +2,24 @@
 
 The lowering substitutes :func:`autopar_vocab_parallel_cross_entropy` for a cross-entropy node
 whose chosen strategy shards the logits' class dim (dim 1) over some mesh axes
-(``autopar.strategies.losses``). Each rank holds classes ``offset .. offset + C_local`` of every
-sample; the collectives are part of the op, on ``[N]``-sized vectors (never ``[N, C]``):
-
-1. all-reduce (max) of each sample's local max: the global max ``m``;
-2. one all-reduce (sum) of the stacked per-sample vectors ``sum exp(x - m)`` over the local
-   classes, the target's shifted logit ``x_t - m`` (zero on ranks that do not hold class ``t``)
-   and, with label smoothing, ``sum (x - m)`` over the local classes.
-
-Then every rank has each sample's loss ``log(sum exp) - (x_t - m)`` (with smoothing
-``(1 - eps) * that + eps * (log(sum exp) - sum (x - m) / C)``), ignored targets give 0, and the
+(``autopar.strategies.losses``). Each rank holds classes ``start .. start + C_local`` of every
+sample and computes, per sample, over its classes: the max ``m``, ``s = sum exp(x - m)``, the
+target's logit ``x_t`` (0 where the target is not among its classes) and, with label smoothing,
+``sum x``. ONE all-gather per class axis of those 3-4 per-sample vectors (never ``[N, C]``)
+gives every rank every part; the parts combine exactly as a log-sum-exp does
+(``M = max m``, ``S = sum s * exp(m - M)``, the other rows summed), in coordinate order, so every
+rank gets the same bits. Each sample's loss is ``(M - x_t) + log S`` (with smoothing
+``(1 - eps) * that + eps * (M + log S - sum x / C)``), an ignored target gives 0, and the
 reduction (none / sum / mean over the non-ignored targets, as PyTorch) makes the same output on
 every rank: Replicate on the class axes. The backward needs no collective: the gradient of the
 local logits is ``g * (softmax - (1 - eps) * onehot - eps / C)`` on the local classes, with the
 softmax kept from the forward (the local ``[N, C_local]`` block, as PyTorch keeps the log-softmax).
 Class weights are not handled here: the strategy rule never shards the class dim when a weight
 is given (that loss runs on replicated logits).
+
+One all-gather of ``[k, N]`` stats rather than Megatron's all-reduces (max, then sums): one
+collective's latency instead of two or three, the bytes being tiny either way; so under the cost
+model this strategy is cheaper than gathering the logits whenever ``C_local > k``.
 
 A custom autograd function with its collectives inside (through ``autopar.comm.collectives``, so
 collective checks, error context and timeouts apply) was chosen over a capture-time
@@ -35,12 +37,20 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from autopar.comm.collectives import reduce_over_axes
+from autopar.comm.collectives import gather_stacked
 from autopar.comm.process_groups import AxisGroups, lookup_axis_groups
 
 REDUCTION_NONE, REDUCTION_MEAN, REDUCTION_SUM = 0, 1, 2
 
 __all__ = ["autopar_vocab_parallel_cross_entropy"]
+
+
+def _combine(parts: Tensor) -> Tensor:
+    """``[n, k, N]`` stats of n class blocks -> the ``[k, N]`` stats of their union: the max,
+    the sum of exponentials rescaled to that max, the other rows summed."""
+    top = parts[:, 0].amax(dim=0)
+    sum_exp = (parts[:, 1] * (parts[:, 0] - top).exp()).sum(dim=0)
+    return torch.cat([top.unsqueeze(0), sum_exp.unsqueeze(0), parts[:, 2:].sum(dim=0)])
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -59,25 +69,28 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     ) -> Tensor:
         num_local = logits.shape[1]
         local_max = logits.detach().amax(dim=1)
-        global_max = reduce_over_axes(local_max, groups, axes, "max")
-        shifted = logits - global_max.unsqueeze(1)
-        exp = shifted.exp()
+        exp = (logits - local_max.unsqueeze(1)).exp()
         local_target = target - class_start
         valid = target != ignore_index
         here = valid & (local_target >= 0) & (local_target < num_local)
         index = local_target.masked_fill(~here, 0).unsqueeze(1)
-        picked = shifted.gather(1, index).squeeze(1).masked_fill(~here, 0.0)
-        parts = [exp.sum(dim=1), picked]
+        picked = logits.gather(1, index).squeeze(1).masked_fill(~here, 0.0)
+        rows = [local_max, exp.sum(dim=1), picked]
         if smoothing:
-            parts.append(shifted.sum(dim=1))
-        sums = reduce_over_axes(torch.stack(parts), groups, axes, "sum")
-        log_sum_exp = sums[0].log()
-        loss = log_sum_exp - sums[1]
+            rows.append(logits.sum(dim=1))
+        stats = torch.stack(rows)
+        for axis in axes:
+            stats = _combine(gather_stacked(stats, groups, axis))
+        global_max, sum_exp, target_logit = stats[0], stats[1], stats[2]
+        log_sum_exp = sum_exp.log()
+        loss = (global_max - target_logit) + log_sum_exp
         if smoothing:
-            loss = (1.0 - smoothing) * loss + smoothing * (log_sum_exp - sums[2] / num_classes)
+            uniform = (global_max + log_sum_exp) - stats[3] / num_classes
+            loss = (1.0 - smoothing) * loss + smoothing * uniform
         loss = loss.masked_fill(~valid, 0.0)
         count = valid.sum()
-        softmax = exp.div_(sums[0].unsqueeze(1))
+        # softmax = exp(x - m) * exp(m - M) / S on the local classes (kept for backward).
+        softmax = exp.mul_(((local_max - global_max).exp() / sum_exp).unsqueeze(1))
         ctx.save_for_backward(softmax, index, here, valid, count)
         ctx.args = (reduction, smoothing, num_classes)
         if reduction == REDUCTION_NONE:

@@ -17,8 +17,8 @@ No loss is linear in its input, so no Partial input is generated.
 
 **Vocab-parallel cross entropy.** ``cross_entropy_loss`` with class-index targets and no class
 weights may also shard the class dim (dim 1) of its logits, with the target Replicate: the op
-then all-reduces per-sample ``[N]`` vectors inside itself (the global max, then the sum of
-exponentials and the target's logit; ``autopar.lowering.vocab_parallel``) and every rank gets
+then all-gathers a few per-sample ``[N]`` vectors inside itself (each rank's max, sum of
+exponentials and target logit; ``autopar.lowering.vocab_parallel``) and every rank gets
 the whole loss, so the output is Replicate on that axis, for every reduction (the mean divides
 by a count every rank has: the samples are not split on that axis). Those collectives are listed
 by :func:`cross_entropy_collectives` for the planner. ``ignore_index`` and ``label_smoothing``
@@ -26,6 +26,8 @@ are supported; with a ``weight`` the class dim is never sharded.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -115,23 +117,19 @@ def cross_entropy_rule(call: OpCall) -> list[AxisStrategy]:
 def cross_entropy_collectives(
     call: OpCall, strategy: Strategy, mesh_shape: list[int] | tuple[int, ...]
 ) -> list[tuple[str, int, float]]:
-    """A vocab-parallel cross entropy's forward all-reduces, per class axis: the max of each
-    sample's logits, then 2 (3 with label smoothing) stacked per-sample vectors. Its backward
-    has none. Sizes are this rank's samples (the batch may be split on other axes)."""
+    """A vocab-parallel cross entropy's forward all-gathers, per class axis, 3 per-sample
+    vectors (4 with label smoothing) of this rank's samples (the batch may be split on other
+    axes); its backward has no collective. Bytes as ``collective_time_s`` counts an all-gather's:
+    the gathered (full) size."""
     axes = class_axes(strategy)
     if not axes:
         return []
     x = call.inputs[0]
     shape = local_shape(x.shape, strategy.inputs[0], mesh_shape)
-    samples_bytes = float(shape[0]) * x.dtype.itemsize
-    for size in shape[2:]:
-        samples_bytes *= size
-    num_vectors = 3 if float(_arg(call, 5, "label_smoothing", 0.0)) else 2
-    out: list[tuple[str, int, float]] = []
-    for axis in axes:
-        out.append(("all_reduce", axis, samples_bytes))
-        out.append(("all_reduce", axis, num_vectors * samples_bytes))
-    return out
+    samples = shape[0] * math.prod(shape[2:])
+    num_rows = 4 if float(_arg(call, 5, "label_smoothing", 0.0)) else 3
+    nbytes = float(samples * num_rows * x.dtype.itemsize)
+    return [("all_gather", axis, nbytes * mesh_shape[axis]) for axis in axes]
 
 
 @register(
