@@ -205,6 +205,26 @@ def build_samples(seed: int = 0) -> list[OpSample]:
             {"dtype": torch.bool, "pin_memory": False},
         ),
         ("dropout/p0_train", aten.dropout.default, (rand(4, 4, 8), 0.0, True), {}),
+        # Vocab-parallel cross entropy (class dim sharded): ignored targets, every reduction,
+        # label smoothing, spatial dims. Drawn last so the samples above keep their values.
+        (
+            "cross_entropy_loss/mean_ignore_index",
+            aten.cross_entropy_loss.default,
+            (rand(16, 8), ints(16).index_fill(0, torch.tensor([1, 6, 11]), -100)),
+            {},
+        ),
+        (
+            "cross_entropy_loss/none_label_smoothing",
+            aten.cross_entropy_loss.default,
+            (rand(16, 8), ints(16).index_fill(0, torch.tensor([2, 9]), -100), None, 0),
+            {"label_smoothing": 0.1},
+        ),
+        (
+            "cross_entropy_loss/sum_spatial_smoothing",
+            aten.cross_entropy_loss.default,
+            (rand(4, 8, 4), ints(4, 4), None, 2, -100, 0.2),
+            {},
+        ),
     ]
     return [OpSample(name=n, op=op, args=a, kwargs=k) for n, op, a, k in samples]
 

@@ -64,6 +64,7 @@ __all__ = [
     "autopar_reduce_scatter",
     "autopar_slice",
     "autopar_zero_out",
+    "gather_stacked",
     "grad_all_reduce",
     "local_slice",
     "reduce_scatter",
@@ -125,6 +126,13 @@ def _reduce(t: Tensor, groups: AxisGroups, axis: int) -> Tensor:
         return out
 
     return _guarded("all_reduce", groups, axis, t, call)
+
+
+def gather_stacked(t: Tensor, groups: AxisGroups, axis: int) -> Tensor:
+    """Plain (non-autograd) all-gather over ``axis`` stacked on a new leading dim, coordinate
+    order (``[axis size, *t.shape]``), for ops whose collectives are part of their own forward
+    (the vocab-parallel cross entropy)."""
+    return _gather(t, groups, axis, 0).view(groups.mesh_shape[axis], *t.shape)
 
 
 def _reduce_scatter(t: Tensor, groups: AxisGroups, axis: int, dim: int) -> Tensor:

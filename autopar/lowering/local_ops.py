@@ -8,6 +8,9 @@
   them).
 * **Substitutions.** ``aten.embedding`` with a row-sharded (vocab-parallel) weight becomes
   :func:`autopar_vocab_parallel_embedding` (masked local lookup, Partial output);
+  ``aten.cross_entropy_loss`` with class-sharded logits becomes
+  ``autopar.lowering.vocab_parallel.autopar_vocab_parallel_cross_entropy`` (collectives on
+  per-sample vectors inside the op, Replicate output);
   ``aten.squeeze`` squeezes only the dims that are size 1 globally (a shard may be size 1).
 * **Dropout.** ``aten.dropout`` becomes :func:`autopar_dropout`, which draws the mask from a
   generator seeded by one draw of the global RNG (identical on every rank, since every rank
@@ -29,9 +32,11 @@ import torch.fx as fx
 from autopar.capture.export import ASSERT_OPS
 from autopar.comm import collectives
 from autopar.comm.process_groups import lookup_axis_groups
+from autopar.lowering.vocab_parallel import autopar_vocab_parallel_cross_entropy
 from autopar.placement import Placements, Shard, format_placements, local_shape, replicated
 from autopar.resharding.steps import Step, reshard_steps
 from autopar.strategies.embedding import vocab_parallel_embedding
+from autopar.strategies.losses import class_axes
 from autopar.strategies.registry import Strategy
 
 aten = torch.ops.aten
@@ -302,6 +307,8 @@ def rewrite_local_ops(
                 padding_idx,
             )
             node.kwargs = {}
+        elif node.target is aten.cross_entropy_loss.default and class_axes(strategy):
+            _vocab_parallel_cross_entropy(node, strategy, first_input_shape[node], group_key)
         elif node.target in _SQUEEZE:
             # A shard may have size 1 where the global dim does not: squeeze only the dims that
             # are size 1 globally.
@@ -339,6 +346,28 @@ def rewrite_local_ops(
                     user.replace_input_with(node, value)
         else:
             _localize_sizes(node, strategy, first_input_shape.get(node), mesh_shape)
+
+
+def _vocab_parallel_cross_entropy(
+    node: fx.Node, strategy: Strategy, logits_shape: tuple[int, ...], group_key: str
+) -> None:
+    """Logits stay sharded on the class dim; the op all-reduces [N] vectors inside itself."""
+
+    def arg(index: int, name: str, default: Any) -> Any:
+        return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
+
+    node.target = autopar_vocab_parallel_cross_entropy
+    node.args = (
+        node.args[0],
+        node.args[1],
+        group_key,
+        class_axes(strategy),
+        logits_shape[1],
+        arg(3, "reduction", 1),
+        arg(4, "ignore_index", -100),
+        arg(5, "label_smoothing", 0.0),
+    )
+    node.kwargs = {}
 
 
 def _row_axes(placements: Placements | None) -> tuple[int, ...]:

@@ -28,7 +28,7 @@ from autopar.placement import REPLICATE, Placements, Shard, divides, local_shape
 from autopar.planner.pricing import CommPricer, pair_table
 from autopar.planner.saved_activations import SavedRule, saved_rules
 from autopar.strategies import Strategy, input_nodes, strategies_for
-from autopar.strategies.registry import TensorMeta, op_call, tensor_meta
+from autopar.strategies.registry import TensorMeta, in_op_collectives, op_call, tensor_meta
 from cost_models import compute_time_s, op_bytes
 
 VIEW_FAMILIES = frozenset({"view"})
@@ -44,7 +44,8 @@ class NodeSpace:
     strategies: list[Strategy]
     compute_s: np.ndarray
     grad_comm_s: np.ndarray
-    """Gradient all-reduces of activations (Partial gradients of Replicate inputs)."""
+    """Activation collectives: gradient all-reduces of activations (Partial gradients of
+    Replicate inputs) and collectives inside the op (a vocab-parallel cross entropy)."""
     param_grad_comm_s: np.ndarray
     """Gradient all-reduces of parameters (the data-parallel sync)."""
     output_comm_s: np.ndarray
@@ -363,6 +364,10 @@ def _op_space(
                         saved_rule.output * out_bytes + saved_rule.first_input * first_in + owned
                     ) * precision_scale
             transient[i] = out_bytes * (2 if grad else 1)
+        # Collectives inside the op (autopar.strategies.registry.in_op_collectives).
+        for kind, axis, nbytes in in_op_collectives(call, strategy, mesh_shape):
+            if mesh_shape[axis] > 1:
+                grad_comm[i] += pricer.step_s(kind, axis, nbytes * precision_scale)
         # Partial gradients of Replicate inputs are all-reduced (gradient convention).
         for inp, meta, placements, grad_placements in zip(
             inputs, call.inputs, strategy.inputs, strategy.input_grads

@@ -14,15 +14,33 @@ whose log-sum-exp needs every class), with the target sharded alike and class we
   prediction) before the loss.
 
 No loss is linear in its input, so no Partial input is generated.
+
+**Vocab-parallel cross entropy.** ``cross_entropy_loss`` with class-index targets and no class
+weights may also shard the class dim (dim 1) of its logits, with the target Replicate: the op
+then all-gathers a few per-sample ``[N]`` vectors inside itself (each rank's max, sum of
+exponentials and target logit; ``autopar.lowering.vocab_parallel``) and every rank gets
+the whole loss, so the output is Replicate on that axis, for every reduction (the mean divides
+by a count every rank has: the samples are not split on that axis). Those collectives are listed
+by :func:`cross_entropy_collectives` for the planner. ``ignore_index`` and ``label_smoothing``
+are supported; with a ``weight`` the class dim is never sharded.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from autopar.placement import PARTIAL, REPLICATE, Placement, Shard
+from autopar.placement import PARTIAL, REPLICATE, Placement, Shard, local_shape
 from autopar.strategies.pointwise import broadcast_placement
-from autopar.strategies.registry import AxisStrategy, OpCall, TensorMeta, register
+from autopar.strategies.registry import (
+    AxisStrategy,
+    OpCall,
+    Strategy,
+    TensorMeta,
+    register,
+    register_in_op_collectives,
+)
 
 aten = torch.ops.aten
 
@@ -66,9 +84,52 @@ def class_loss_strategies(call: OpCall, reduction: int) -> list[AxisStrategy]:
     return strategies
 
 
+CLASS_DIM = 1
+
+
+def vocab_parallel(call: OpCall) -> bool:
+    """Whether a cross entropy may shard its logits' class dim (class-index targets, no weight)."""
+    x, target = call.inputs[0], call.inputs[1]
+    weight = _arg(call, 2, "weight", None)
+    return x.ndim >= 2 and target.ndim == x.ndim - 1 and not isinstance(weight, TensorMeta)
+
+
+def class_axes(strategy: Strategy) -> tuple[int, ...]:
+    """Mesh axes on which a cross-entropy strategy shards the logits' class dim."""
+    logits = strategy.inputs[0]
+    if logits is None:
+        return ()
+    return tuple(a for a, p in enumerate(logits) if isinstance(p, Shard) and p.dim == CLASS_DIM)
+
+
 @register(aten.cross_entropy_loss.default)
 def cross_entropy_rule(call: OpCall) -> list[AxisStrategy]:
-    return class_loss_strategies(call, int(_arg(call, 3, "reduction", REDUCTION_MEAN)))
+    strategies = class_loss_strategies(call, int(_arg(call, 3, "reduction", REDUCTION_MEAN)))
+    if vocab_parallel(call):
+        weights = tuple(REPLICATE if isinstance(m, TensorMeta) else None for m in call.inputs[2:])
+        strategies.append(
+            AxisStrategy(outputs=(REPLICATE,), inputs=(Shard(CLASS_DIM), REPLICATE, *weights))
+        )
+    return strategies
+
+
+@register_in_op_collectives(aten.cross_entropy_loss.default)
+def cross_entropy_collectives(
+    call: OpCall, strategy: Strategy, mesh_shape: list[int] | tuple[int, ...]
+) -> list[tuple[str, int, float]]:
+    """A vocab-parallel cross entropy's forward all-gathers, per class axis, 3 per-sample
+    vectors (4 with label smoothing) of this rank's samples (the batch may be split on other
+    axes); its backward has no collective. Bytes as ``collective_time_s`` counts an all-gather's:
+    the gathered (full) size."""
+    axes = class_axes(strategy)
+    if not axes:
+        return []
+    x = call.inputs[0]
+    shape = local_shape(x.shape, strategy.inputs[0], mesh_shape)
+    samples = shape[0] * math.prod(shape[2:])
+    num_rows = 4 if float(_arg(call, 5, "label_smoothing", 0.0)) else 3
+    nbytes = float(samples * num_rows * x.dtype.itemsize)
+    return [("all_gather", axis, nbytes * mesh_shape[axis]) for axis in axes]
 
 
 @register(

@@ -124,6 +124,33 @@ def registered_ops() -> list[Any]:
     return list(_RULES)
 
 
+# A strategy whose op communicates inside itself (e.g. a vocab-parallel cross entropy) says so
+# here, so the planner can price it: (kind, mesh axis, local bytes) per collective, forward and
+# backward together, for one strategy on one mesh.
+InOpCollectives = Callable[["OpCall", "Strategy", Sequence[int]], list[tuple[str, int, float]]]
+
+_IN_OP: dict[Any, InOpCollectives] = {}
+
+
+def register_in_op_collectives(*ops: Any) -> Callable[[InOpCollectives], InOpCollectives]:
+    """Register the function that lists the collectives an op's strategies run inside the op."""
+
+    def decorator(fn: InOpCollectives) -> InOpCollectives:
+        for op in ops:
+            _IN_OP[op] = fn
+        return fn
+
+    return decorator
+
+
+def in_op_collectives(
+    call: OpCall, strategy: Strategy, mesh_shape: Sequence[int]
+) -> list[tuple[str, int, float]]:
+    """(kind, mesh axis, local bytes) of each collective ``strategy`` runs inside the op."""
+    fn = _IN_OP.get(call.op)
+    return fn(call, strategy, mesh_shape) if fn is not None else []
+
+
 # --------------------------------------------------------------------------------------------
 # From fx nodes to OpCall
 
@@ -168,7 +195,9 @@ def op_call(node: fx.Node) -> OpCall:
     args = tree_map(meta_of, node.args)
     kwargs = tree_map(meta_of, node.kwargs)
     inputs = tuple(meta_of(n) for n in input_nodes(node))
-    return OpCall(node.target, tuple(args), dict(kwargs), inputs, output_metas(node.meta.get("val")))
+    return OpCall(
+        node.target, tuple(args), dict(kwargs), inputs, output_metas(node.meta.get("val"))
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -220,14 +249,18 @@ def input_grad_placements(
     return tuple(grads)
 
 
-def expand(call: OpCall, per_axis: Iterable[AxisStrategy], mesh_shape: Sequence[int]) -> list[Strategy]:
+def expand(
+    call: OpCall, per_axis: Iterable[AxisStrategy], mesh_shape: Sequence[int]
+) -> list[Strategy]:
     """Cartesian product of per-axis strategies over the mesh, divisible ones only, deduplicated.
 
     On an axis of size 1 only the fully replicated per-axis strategy is used (if the rule gives
     one), since sharding over one device is the same layout.
     """
     options = list(dict.fromkeys(per_axis))
-    plain = [s for s in options if all(p is None or p.is_replicate() for p in (*s.inputs, *s.outputs))]
+    plain = [
+        s for s in options if all(p is None or p.is_replicate() for p in (*s.inputs, *s.outputs))
+    ]
     axis_options = [plain if size == 1 and plain else options for size in mesh_shape]
     strategies: dict[Strategy, None] = {}
     for combo in itertools.product(*axis_options):
