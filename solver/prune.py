@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from solver.eliminate import _MinPlusGraph
+from solver.eliminate import _Memo, _MinPlusGraph
 from solver.presolve import cost_matrix
 from solver.problem import Edge, Node, Problem
 
@@ -66,42 +66,6 @@ class Pruned:
 def edge_entries(problem: Problem) -> int:
     """Entries of the problem's edge tables (what the ILP's pair variables scale with)."""
     return sum(len(e.cost_s) * len(e.cost_s[0]) for e in problem.edges if e.cost_s)
-
-
-def _series_min(
-    uv: np.ndarray, cv: np.ndarray, vw: np.ndarray, *, track: bool = False
-) -> tuple[np.ndarray, np.ndarray | None]:
-    """min_t uv[s, t] + cv[t] + vw[t, r] (and its argmin t with ``track``), one t at a time:
-    2-D work arrays only, about ten times faster than forming the 3-D sum."""
-    best = np.full((uv.shape[0], vw.shape[1]), np.inf)
-    arg = np.zeros(best.shape, dtype=np.intp) if track else None
-    scratch = np.empty_like(best)
-    for t in range(uv.shape[1]):
-        np.add(uv[:, t, None], vw[t, None, :] + cv[t], out=scratch)
-        if arg is None:
-            np.minimum(best, scratch, out=best)
-        else:
-            better = scratch < best
-            np.copyto(best, scratch, where=better)
-            np.copyto(arg, t, where=better)
-    return best, arg
-
-
-class _Memo:
-    """Series products by content: the pinned runs meet the same tables again."""
-
-    def __init__(self) -> None:
-        self._done: dict[tuple, list] = {}
-
-    def series(self, uv: np.ndarray, cv: np.ndarray, vw: np.ndarray) -> np.ndarray:
-        uv, vw = np.ascontiguousarray(uv), np.ascontiguousarray(vw)
-        key = tuple((a.shape, hash(a.tobytes())) for a in (uv, cv, vw))
-        for inputs, result in self._done.get(key, ()):
-            if all(np.array_equal(a, b) for a, b in zip(inputs, (uv, cv, vw), strict=True)):
-                return result
-        result = _series_min(uv, cv, vw)[0]
-        self._done.setdefault(key, []).append(((uv, cv.copy(), vw), result))
-        return result
 
 
 class _Base:
@@ -178,13 +142,13 @@ def _pinned_bound(
     base: _Base, pinned: int, memo: _Memo, *, track: bool = False
 ) -> tuple[np.ndarray, list[int] | None]:
     """LB(pinned, .): eliminate every other node of the relaxed graph (module docstring).
-    With ``track``, also a plan: the pinned node's best strategy and the others' argmins
-    substituted back (copies ignored)."""
+    With ``track``, also a plan: the pinned node's best strategy, then each eliminated node's
+    best given its neighbours' choices, in reverse order (copies ignored)."""
     graph = base.fresh()
     cost = graph.cost
     alive = set(range(base.num)) - {pinned}
     constant = 0.0
-    steps: list[tuple[int, int, int, np.ndarray]] = []
+    steps: list[tuple[int, int, int, np.ndarray | None, np.ndarray, np.ndarray | None]] = []
     while alive:
         v = min(alive, key=lambda k: (len(graph.neighbours[k]), k))
         if len(graph.neighbours[v]) > 2:
@@ -193,22 +157,19 @@ def _pinned_bound(
             alive.discard(v)
         near = sorted(graph.neighbours[v])
         if not near:
-            steps.append((v, -1, -1, np.array(np.argmin(cost[v]))))
+            steps.append((v, -1, -1, None, cost[v], None))
             constant += float(np.min(cost[v]))
         elif len(near) == 1:
             (u,) = near
-            total = graph.oriented(u, v) + cost[v][None, :]
-            steps.append((v, u, -1, np.argmin(total, axis=1)))
-            cost[u] = cost[u] + np.min(total, axis=1)
+            uv = graph.oriented(u, v)
+            steps.append((v, u, -1, uv, cost[v], None))
+            cost[u] = cost[u] + np.min(uv + cost[v][None, :], axis=1)
             graph.drop(u, v)
         else:
             u, w = near
             uv, vw = graph.oriented(u, v), graph.oriented(v, w)
-            if track:
-                best, arg = _series_min(uv, cost[v], vw, track=True)
-                steps.append((v, u, w, arg))
-            else:
-                best = memo.series(uv, cost[v], vw)
+            steps.append((v, u, w, uv, cost[v], vw))
+            best = memo.series(uv, cost[v], vw)[0]
             graph.drop(u, v)
             graph.drop(v, w)
             graph.add_edge(u, w, best)
@@ -217,8 +178,13 @@ def _pinned_bound(
         return bound, None
     full = [0] * len(cost)
     full[pinned] = int(np.argmin(bound))
-    for v, u, w, arg in reversed(steps):
-        full[v] = int(arg) if u < 0 else int(arg[full[u]]) if w < 0 else int(arg[full[u], full[w]])
+    for v, u, w, uv, cv, vw in reversed(steps):
+        local = cv.copy()
+        if uv is not None:
+            local += uv[full[u]]
+        if vw is not None:
+            local += vw[:, full[w]]
+        full[v] = int(np.argmin(local))
     return bound, full[: base.num]
 
 
