@@ -52,6 +52,18 @@ def _matrix(edge: Edge) -> np.ndarray:
     )
 
 
+_KEY_SAMPLES = 256
+"""Entries of an array that its memo key hashes (equal arrays have equal keys; arrays with
+equal keys are compared in full)."""
+
+
+def _content_key(array: np.ndarray) -> tuple:
+    """A hashable key of a contiguous array's content, from a strided sample of it: cheap on
+    the large tables, and a collision costs only a full comparison."""
+    flat = array.reshape(-1)
+    return (array.shape, hash(flat[:: max(1, flat.size // _KEY_SAMPLES)].tobytes()))
+
+
 class _Memo:
     """Series eliminations by content: identical layers present identical (E_uv, c_v, E_vw)
     one layer after another, so the min-plus product is formed once per layer position (the
@@ -62,7 +74,7 @@ class _Memo:
 
     @staticmethod
     def _key(*arrays: np.ndarray) -> tuple:
-        return tuple((a.shape, hash(a.tobytes())) for a in arrays)
+        return tuple(_content_key(a) for a in arrays)
 
     def series(
         self, uv: np.ndarray, cv: np.ndarray, vw: np.ndarray
@@ -89,7 +101,7 @@ class _TupleMemo:
 
     def __call__(self, matrix: np.ndarray) -> tuple[tuple[float | None, ...], ...]:
         matrix = np.ascontiguousarray(matrix)
-        key = (matrix.shape, hash(matrix.tobytes()))
+        key = _content_key(matrix)
         for seen, out in self._done.get(key, ()):
             if np.array_equal(seen, matrix):
                 return out
