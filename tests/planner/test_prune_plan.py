@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+import solver.prune
 import solver.shrink
 from autopar.api import plan_captured
 from autopar.capture.export import capture
@@ -32,6 +33,7 @@ def test_tiny_llama_plan_is_the_same_with_every_core_pruned(
         return out
 
     monkeypatch.setattr(solver.shrink, "PRUNE_MIN_ENTRIES", -1)  # every core
+    monkeypatch.setattr(solver.prune, "GIVE_UP_KEPT", 1.0)  # to the end
     monkeypatch.setattr(solver.shrink, "prune", counting)
     pruned = plan_captured(captured, mesh, options, model_name="tiny", price_baselines=False).data
     assert any(pruned_cores), "no core was pruned: the test would prove nothing"

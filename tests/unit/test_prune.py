@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import solver.prune
 import solver.shrink
 from solver import Edge, InfeasibleError, Node, Problem, brute_force, plan_objective_s, solve
 from solver.lagrangian import priced
@@ -66,7 +67,9 @@ def every_plan(problem: Problem) -> list[tuple[tuple[int, ...], float]]:
 
 @SETTINGS
 @given(cores())
-def test_pruning_keeps_every_optimal_plan_and_brackets_the_optimum(problem: Problem) -> None:
+def test_pruning_keeps_every_optimal_plan_and_brackets_the_optimum(
+    prune_everything, problem: Problem
+) -> None:
     plans = every_plan(problem)
     if not plans:
         return
@@ -102,8 +105,18 @@ def test_a_k4_core_is_pruned_to_its_optimum() -> None:
 
 @pytest.fixture
 def prune_everything(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Prune every budget-free core, however small (the threshold is a speed trade-off)."""
+    """Prune every budget-free core, however small, and never give up (the threshold and the
+    give-up rule are speed trade-offs, not what makes pruning exact)."""
     monkeypatch.setattr(solver.shrink, "PRUNE_MIN_ENTRIES", -1)
+    monkeypatch.setattr(solver.prune, "GIVE_UP_KEPT", 1.0)
+
+
+def test_pruning_gives_up_when_the_first_bound_drops_little() -> None:
+    """Every strategy alike: the first node keeps all of them, so nothing is pruned (None)."""
+    table = ((1.0, 1.0), (1.0, 1.0))
+    nodes = tuple(Node(name=f"n{i}", cost_s=(1.0, 1.0), memory_bytes=(0.0, 0.0)) for i in range(4))
+    edges = tuple(Edge(src=u, dst=v, cost_s=table) for u, v in itertools.combinations(range(4), 2))
+    assert prune(Problem(nodes=nodes, edges=edges)) is None
 
 
 @SETTINGS
