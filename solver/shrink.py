@@ -36,6 +36,7 @@ from solver.errors import InfeasibleError
 from solver.ilp import ZERO_GAP, resolve_backend, solve_model
 from solver.presolve import plan_objective_s, plan_peak_memory_bytes, validate
 from solver.problem import Problem, Solution
+from solver.prune import PRUNE_MIN_ENTRIES, edge_entries, prune
 from solver.realise import restrict
 from solver.tying import contract, expand
 
@@ -121,6 +122,8 @@ def solve(
             msg=msg,
             start_plan=start_plan,
         )
+    if problem.memory_budget_bytes is None and not problem.segments:
+        return _solve_core(problem, backend=backend, time_limit_s=time_limit_s, gap=gap, msg=msg)
     return solve_model(
         problem, backend=backend, time_limit_s=time_limit_s, gap=gap, msg=msg, start_plan=start_plan
     )
@@ -220,7 +223,7 @@ def _solve_eliminated(
 ) -> Solution:
     """Solve what elimination (solver/eliminate.py) left and substitute back."""
     if elim.problem.nodes:
-        solve_next = _solve_tied if elim.problem.tied else solve_model
+        solve_next = _solve_tied if elim.problem.tied else _solve_core
         inner = solve_next(
             elim.problem, backend=backend, time_limit_s=time_limit_s, gap=gap, msg=msg
         )
@@ -250,6 +253,37 @@ def _solve_eliminated(
         peak_memory_bytes=plan_peak_memory_bytes(problem, choices),
         build_s=inner.build_s + eliminate_s,
         details=details,
+    )
+
+
+def _solve_core(
+    problem: Problem, *, backend: str, time_limit_s: float | None, gap: float, msg: bool
+) -> Solution:
+    """What elimination left of a budget-free problem (no ties): pruned by bounds first when
+    its edge tables are large (solver/prune.py: exact, every optimal plan survives), then the
+    ILP on the strategies left, started from the pruning's plan."""
+    start = time.perf_counter()
+    pruned = prune(problem) if edge_entries(problem) > PRUNE_MIN_ENTRIES else None
+    if pruned is None:
+        return solve_model(problem, backend=backend, time_limit_s=time_limit_s, gap=gap, msg=msg)
+    prune_s = time.perf_counter() - start
+    start_plan = tuple(k.index(c) for k, c in zip(pruned.keep, pruned.upper_plan, strict=True))
+    inner = solve_model(
+        pruned.problem,
+        backend=backend,
+        time_limit_s=time_limit_s,
+        gap=gap,
+        msg=msg,
+        start_plan=start_plan,
+    )
+    choices = tuple(k[c] for k, c in zip(pruned.keep, inner.choices, strict=True))
+    details = dict(inner.details)
+    details["pruned_strategies"] = float(
+        sum(n.num_choices - len(k) for n, k in zip(problem.nodes, pruned.keep, strict=True))
+    )
+    details["prune_s"] = prune_s
+    return dataclasses.replace(
+        inner, choices=choices, build_s=inner.build_s + prune_s, details=details
     )
 
 

@@ -16,11 +16,11 @@ solves the classes as counts per strategy and solver/realise.py turns the counts
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
 
+from solver.presolve import cost_matrix
 from solver.problem import Edge, Node, Problem
 
 
@@ -78,24 +78,12 @@ def contract(problem: Problem) -> Contracted:
     # Sum every edge landing on one contracted pair (either orientation) in one array.
     pairs: dict[tuple[int, int], np.ndarray] = {}
     for (src, dst, _), (matrix, count) in counts.items():
-        array = (
-            np.array(
-                [[math.inf if c is None else c for c in row] for row in matrix], dtype=np.float64
-            )
-            * count
-        )
+        array = cost_matrix(matrix) * count
         if src > dst:
             src, dst, array = dst, src, array.T
         pairs[src, dst] = pairs[src, dst] + array if (src, dst) in pairs else array
     new_edges = [
-        Edge(
-            src=src,
-            dst=dst,
-            cost_s=tuple(
-                tuple(c if math.isfinite(c) else None for c in row) for row in array.tolist()
-            ),
-        )
-        for (src, dst), array in pairs.items()
+        Edge(src=src, dst=dst, cost_s=_as_tuples(array)) for (src, dst), array in pairs.items()
     ]
     contracted = Problem(
         nodes=tuple(new_nodes),
@@ -106,19 +94,34 @@ def contract(problem: Problem) -> Contracted:
     return Contracted(problem=contracted, node_map=tuple(node_map))
 
 
+def _as_tuples(array: np.ndarray) -> tuple[tuple[float | None, ...], ...]:
+    """An edge table as the solver's nested tuples (None where +inf: forbidden)."""
+    values = array.astype(object)
+    values[~np.isfinite(array)] = None
+    return tuple(map(tuple, values.tolist()))
+
+
 def _merge_nodes(members: list[Node]) -> Node:
+    """Costs and resident bytes summed member by member, in member order (the same floats as
+    Python's sum), transient bytes the largest."""
     first = members[0]
     num = first.num_choices
+    cost = np.zeros(num)
+    memory = np.zeros(num)
+    for m in members:
+        cost += np.asarray(m.cost_s, dtype=np.float64)
+        memory += np.asarray(m.memory_bytes, dtype=np.float64)
     transient: tuple[float, ...] = ()
     if any(m.transient_bytes for m in members):
-        transient = tuple(
-            max(m.transient_bytes[s] if m.transient_bytes else 0.0 for m in members)
-            for s in range(num)
-        )
+        largest = np.zeros(num)
+        for m in members:
+            if m.transient_bytes:
+                np.maximum(largest, m.transient_bytes, out=largest)
+        transient = tuple(largest.tolist())
     return Node(
         name=f"{first.name}(x{len(members)})",
-        cost_s=tuple(sum(m.cost_s[s] for m in members) for s in range(num)),
-        memory_bytes=tuple(sum(m.memory_bytes[s] for m in members) for s in range(num)),
+        cost_s=tuple(cost.tolist()),
+        memory_bytes=tuple(memory.tolist()),
         transient_bytes=transient,
     )
 

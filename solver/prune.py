@@ -1,0 +1,263 @@
+"""Exact pruning by bounds of a budget-free problem that elimination could not shrink.
+
+Elimination (solver/eliminate.py) removes leaf and series nodes; what it leaves has nodes of
+degree 3 or more. On llama3-70b at batch 256, sequence 8192 on 8x16x8 that core is the rotary
+embedding's butterfly (the real and imaginary halves each feed two products, the cos and sin
+tables each feed two), whose graph has a K4 minor (treewidth 3), with 160-320 strategies per
+node: edges of 37,000 pairs, an ILP of about a million variables (HiGHS about a minute).
+
+Most of those strategies cannot be in an optimal plan, and a bound proves it:
+
+- a lower bound per (node i, strategy s), LB(i, s) <= the cost of every plan with x_i = s:
+  elimination with i pinned (never eliminated) on a RELAXED graph: whenever no other node has
+  degree <= 2, one (v, neighbours n1, n2, ...) is split into two copies that may choose
+  differently: the copy takes n1's edge and half of n2's, and half of v's own cost; v keeps the
+  rest. Every plan of the original is a plan of the relaxation with both copies alike at the
+  same cost, so the relaxation's optimum with x_i = s is at most any such plan's cost. When
+  only i is left, LB(i, .) is its cost vector plus the constant of what was eliminated;
+- an upper bound UB: the exact cost of a plan (each node's strategy of smallest LB, improved
+  by single-node moves while one lowers the exact cost);
+- every (i, s) with LB(i, s) > UB is in no plan that costs UB or less, so in no optimal plan:
+  it is dropped. The optimum of the rest is the optimum of the whole, every optimal plan
+  survives, and a lower bound on the rest is one on the whole (the plan's bound stays valid).
+
+The series products of the pinned runs repeat (the same tables meet in every run away from
+the pinned node), so they share one content memo (eliminate._Memo).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from solver.eliminate import _Memo, _MinPlusGraph
+from solver.presolve import cost_matrix
+from solver.problem import Edge, Node, Problem
+
+PRUNE_MIN_ENTRIES = 200_000
+"""Prune only problems whose edge tables hold more entries than this: below it the ILP is
+quick and the pinned eliminations would cost more than they save."""
+
+GIVE_UP_KEPT = 0.5
+"""When the first node bounded (the one with the most strategies) keeps more than this share
+of them, pruning stops and changes nothing: the relaxation is too far below the plan there
+(llama3-70b at its default batch 8: 12%, 22% dropped) for the other pinned runs to pay off;
+at batch 256 it is within 0.4% and 92% are dropped."""
+
+_TOLERANCE = 1e-9
+"""Relative slack on UB: sums in another order must not drop a strategy of an optimal plan."""
+
+_MAX_MOVES = 8
+"""Passes of single-node improving moves on the upper-bound plan."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Pruned:
+    """A problem restricted to the strategies the bounds leave, and how to map it back."""
+
+    problem: Problem
+    """The restricted problem (no tie classes: pruning runs after contraction)."""
+    keep: tuple[tuple[int, ...], ...]
+    """Per node: the original strategy indices kept, ascending."""
+    upper_plan: tuple[int, ...]
+    """The upper-bound plan, in original strategy indices."""
+    upper_s: float
+    """Its exact cost."""
+    lower_s: float
+    """The smallest LB over the strategies of any node: a lower bound on the optimum."""
+
+
+def edge_entries(problem: Problem) -> int:
+    """Entries of the problem's edge tables (what the ILP's pair variables scale with)."""
+    return sum(len(e.cost_s) * len(e.cost_s[0]) for e in problem.edges if e.cost_s)
+
+
+class _Base:
+    """The problem's node costs and merged edge tables as arrays, restricted as strategies
+    are dropped (``keep``: the original indices of each node's remaining strategies)."""
+
+    def __init__(self, problem: Problem) -> None:
+        self.graph = _MinPlusGraph(problem)
+        self.num = len(problem.nodes)
+        self.keep = [np.arange(n.num_choices) for n in problem.nodes]
+
+    def fresh(self) -> _MinPlusGraph:
+        """A copy to eliminate on (arrays are never written in place, so shared)."""
+        graph = object.__new__(_MinPlusGraph)
+        graph.cost = list(self.graph.cost)
+        graph.edges = dict(self.graph.edges)
+        graph.neighbours = [set(n) for n in self.graph.neighbours]
+        return graph
+
+    def restrict(self, i: int, mask: np.ndarray) -> None:
+        """Keep only the strategies of node i where ``mask`` (over its current ones)."""
+        graph = self.graph
+        self.keep[i] = self.keep[i][mask]
+        graph.cost[i] = graph.cost[i][mask]
+        for j in graph.neighbours[i]:
+            key = (min(i, j), max(i, j))
+            matrix = graph.edges[key]
+            graph.edges[key] = matrix[mask] if i < j else matrix[:, mask]
+
+    def plan_cost(self, plan: list[int]) -> float:
+        """Exact cost of a plan (current strategy indices)."""
+        cost = self.graph.cost
+        terms = [cost[i][plan[i]] for i in range(self.num)]
+        terms += [m[plan[a], plan[b]] for (a, b), m in self.graph.edges.items()]
+        return math.fsum(terms)
+
+    def improve(self, plan: list[int]) -> None:
+        """Single-node moves to the strategy of least exact cost given the neighbours."""
+        graph = self.graph
+        for _ in range(_MAX_MOVES):
+            moved = False
+            for i in range(self.num):
+                local = graph.cost[i].copy()
+                for j in graph.neighbours[i]:
+                    local += graph.oriented(i, j)[:, plan[j]]
+                best = int(np.argmin(local))
+                if local[best] < local[plan[i]]:
+                    plan[i] = best
+                    moved = True
+            if not moved:
+                return
+
+
+def _split(graph: _MinPlusGraph, v: int) -> int:
+    """Split node v (degree >= 3): a new copy takes v's first neighbour's edge, half of its
+    second's and half of v's cost (module docstring). Returns the copy's index."""
+    n1, n2 = sorted(graph.neighbours[v])[:2]
+    copy = len(graph.cost)
+    half = graph.cost[v] * 0.5
+    graph.cost[v] = half
+    graph.cost.append(half)
+    graph.neighbours.append(set())
+    first = graph.oriented(v, n1)
+    second = graph.oriented(v, n2) * 0.5
+    graph.drop(v, n1)
+    graph.drop(v, n2)
+    graph.add_edge(v, n2, second)
+    graph.add_edge(copy, n1, first)
+    graph.add_edge(copy, n2, second)
+    return copy
+
+
+def _pinned_bound(
+    base: _Base, pinned: int, memo: _Memo, *, track: bool = False
+) -> tuple[np.ndarray, list[int] | None]:
+    """LB(pinned, .): eliminate every other node of the relaxed graph (module docstring).
+    With ``track``, also a plan: the pinned node's best strategy, then each eliminated node's
+    best given its neighbours' choices, in reverse order (copies ignored)."""
+    graph = base.fresh()
+    cost = graph.cost
+    alive = set(range(base.num)) - {pinned}
+    constant = 0.0
+    steps: list[tuple[int, int, int, np.ndarray | None, np.ndarray, np.ndarray | None]] = []
+    while alive:
+        v = min(alive, key=lambda k: (len(graph.neighbours[k]), k))
+        if len(graph.neighbours[v]) > 2:
+            v = _split(graph, v)
+        else:
+            alive.discard(v)
+        near = sorted(graph.neighbours[v])
+        if not near:
+            steps.append((v, -1, -1, None, cost[v], None))
+            constant += float(np.min(cost[v]))
+        elif len(near) == 1:
+            (u,) = near
+            uv = graph.oriented(u, v)
+            steps.append((v, u, -1, uv, cost[v], None))
+            cost[u] = cost[u] + np.min(uv + cost[v][None, :], axis=1)
+            graph.drop(u, v)
+        else:
+            u, w = near
+            uv, vw = graph.oriented(u, v), graph.oriented(v, w)
+            steps.append((v, u, w, uv, cost[v], vw))
+            best = memo.series(uv, cost[v], vw)[0]
+            graph.drop(u, v)
+            graph.drop(v, w)
+            graph.add_edge(u, w, best)
+    bound = cost[pinned] + constant
+    if not track:
+        return bound, None
+    full = [0] * len(cost)
+    full[pinned] = int(np.argmin(bound))
+    for v, u, w, uv, cv, vw in reversed(steps):
+        local = cv.copy()
+        if uv is not None:
+            local += uv[full[u]]
+        if vw is not None:
+            local += vw[:, full[w]]
+        full[v] = int(np.argmin(local))
+    return bound, full[: base.num]
+
+
+def prune(problem: Problem) -> Pruned | None:
+    """The problem restricted by bounds (module docstring); None when nothing is dropped.
+
+    ``problem`` must be budget-free and without tie classes or segments. The node with the
+    most strategies is bounded first, with a plan (the upper bound); then every node, most
+    strategies first, each on the graph the earlier ones already restricted (a plan within
+    the upper bound keeps every strategy it uses, so the later bounds still cover it)."""
+    assert problem.memory_budget_bytes is None and not problem.tied and not problem.segments
+    base = _Base(problem)
+    memo = _Memo()
+    order = sorted(range(base.num), key=lambda i: (-problem.nodes[i].num_choices, i))
+    if not order:
+        return None
+    first, plan = _pinned_bound(base, order[0], memo, track=True)
+    assert plan is not None
+    base.improve(plan)
+    upper = base.plan_cost(plan)
+    if not math.isfinite(upper):
+        return None
+    limit = upper + _TOLERANCE * abs(upper)
+    lower = float(np.min(first))
+    for k, i in enumerate(order):
+        bound = first if k == 0 else _pinned_bound(base, i, memo)[0]
+        mask = bound <= limit
+        mask[plan[i]] = True  # the plan's own strategy stays whatever the float noise
+        if k == 0 and np.count_nonzero(mask) > GIVE_UP_KEPT * len(mask):
+            return None  # the relaxation is too weak here to pay for the other runs
+        if not mask.all():
+            plan[i] = int(np.count_nonzero(mask[: plan[i]]))
+            base.restrict(i, mask)
+    keep = tuple(tuple(int(s) for s in k) for k in base.keep)
+    if all(len(k) == node.num_choices for k, node in zip(keep, problem.nodes, strict=True)):
+        return None
+    return Pruned(
+        problem=_restrict(problem, keep),
+        keep=keep,
+        upper_plan=tuple(int(k[c]) for k, c in zip(keep, plan, strict=True)),
+        upper_s=upper,
+        lower_s=lower,
+    )
+
+
+def _restrict(problem: Problem, keep: list[tuple[int, ...]]) -> Problem:
+    """``problem`` with node i offered only ``keep[i]``; shared edge tables stay shared."""
+    nodes = tuple(
+        Node(
+            name=node.name,
+            cost_s=tuple(node.cost_s[s] for s in k),
+            memory_bytes=tuple(node.memory_bytes[s] for s in k),
+            transient_bytes=tuple(node.transient_bytes[s] for s in k)
+            if node.transient_bytes
+            else (),
+        )
+        for node, k in zip(problem.nodes, keep, strict=True)
+    )
+    done: dict[tuple[int, tuple[int, ...], tuple[int, ...]], tuple] = {}
+    edges = []
+    for e in problem.edges:
+        key = (id(e.cost_s), keep[e.src], keep[e.dst])
+        table = done.get(key)
+        if table is None:
+            matrix = cost_matrix(e.cost_s)[np.ix_(keep[e.src], keep[e.dst])]
+            values = matrix.astype(object)
+            values[~np.isfinite(matrix)] = None
+            table = done[key] = tuple(map(tuple, values.tolist()))
+        edges.append(Edge(src=e.src, dst=e.dst, cost_s=table))
+    return Problem(nodes=nodes, edges=tuple(edges), memory_offset_bytes=problem.memory_offset_bytes)
