@@ -83,7 +83,7 @@ def meshes_for(world: int) -> list[str]:
 
 
 def run_world(world: int, *, batch: int, seq: int, quick: bool, out_dir: str, models: list[str],
-              steps: int, ops: bool, profile_paths: dict[str, str]) -> dict[str, Any]:  # fmt: skip
+              steps: int, ops: bool, profile_paths: dict[str, str], recipes: tuple[str, ...] = RECIPES) -> dict[str, Any]:  # fmt: skip
     from autopar.capture.export import capture
     from autopar.mesh import Mesh
     from autopar.options import PlanOptions
@@ -124,7 +124,7 @@ def run_world(world: int, *, batch: int, seq: int, quick: bool, out_dir: str, mo
         plans = {}
         for mesh_text in meshes_for(world):
             made = plans_for_recipes(
-                captured, meshes[mesh_text], PlanOptions(), recipes=RECIPES, model_name=model_key
+                captured, meshes[mesh_text], PlanOptions(), recipes=recipes, model_name=model_key
             )
             for recipe, plan in made.items():
                 plans[f"{recipe}@{mesh_text}"] = plan
@@ -233,19 +233,21 @@ def auto_vs_recipes_rows(
                 same = sorted(a.split("@")[0] for a, kept in m["aliases"].items() if kept == auto)
                 rows.append({"world": rep["world"], "model": model_key, "mesh": mesh, "best": best,
                              "plans": {n.split("@")[0]: (row[n]["predicted_step_s"], row[n]["step_s"]) for n in row},
-                             "auto_equals": same, "ratio_median": statistics.median(ratios),
+                             "auto_equals": same, "ratio": row[auto]["step_s"] / row[best]["step_s"],
+                             "ratio_median": statistics.median(ratios),
                              "ratio_min": min(ratios), "ratio_max": max(ratios),
                              "spearman": spearman(pred, meas)})  # fmt: skip
     lines = ["| ranks | model | mesh | auto predicted / measured ms | recipes predicted / measured ms "
-             "| auto / best measured recipe (median, min-max) | Spearman |", "|---|---|---|---|---|---|---:|"]  # fmt: skip
+             "| auto / best measured recipe: medians of all steps; per repetition median (min-max) | Spearman |", "|---|---|---|---|---|---|---:|"]  # fmt: skip
     for r in rows:
         auto_p, auto_m = r["plans"]["auto"]
         alias = f" (= {', '.join(r['auto_equals'])})" if r["auto_equals"] else ""
         others = "; ".join(f"{n} {p * 1e3:.0f} / {q * 1e3:.0f}" for n, (p, q) in
                            sorted(r["plans"].items(), key=lambda kv: kv[1][1]) if n != "auto")  # fmt: skip
         lines.append(f"| {r['world']} | {r['model']} | {r['mesh']} | {auto_p * 1e3:.0f} / {auto_m * 1e3:.0f}{alias} | "
-                     f"{others} | {r['ratio_median']:.2f}x ({r['ratio_min']:.2f}-{r['ratio_max']:.2f}) vs "
-                     f"{r['best'].split('@')[0]} | {r['spearman']:.2f} |")  # fmt: skip
+                     f"{others} | {r['ratio']:.2f}x vs {r['best'].split('@')[0]}; per repetition {r['ratio_median']:.2f}x "
+                     f"({r['ratio_min']:.2f}-{r['ratio_max']:.2f}) | "
+                     f"{r['spearman']:.2f} |")  # fmt: skip
     pooled = spearman(pooled_pred, pooled_meas) if len(pooled_pred) > 2 else math.nan
     mean_rho = statistics.mean(r["spearman"] for r in rows) if rows else math.nan
     lines.append(f"\nSpearman pooled over all rows (times relative to the row's auto): {pooled:.2f}; "
@@ -265,6 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}"
     )
+    parser.add_argument("--recipes", default=",".join(RECIPES), help="plans to run (auto is always run)")
+    parser.add_argument("--tables-from", nargs="+", metavar="JSON",
+                        help="print the auto-vs-recipes table of earlier runs' cost_model.json files and exit")  # fmt: skip
     parser.add_argument(
         "--reps", type=int, default=3, help="repetitions (groups of interleaved steps)"
     )
@@ -278,8 +283,13 @@ def main(argv: list[str] | None = None) -> int:
     missing = plotting_unavailable()  # this benchmark writes PNGs: say so before measuring
     if missing is not None:
         parser.error(missing)
+    if args.tables_from:
+        reports = [rep for path in args.tables_from for rep in json.load(open(path))]  # noqa: SIM115
+        print(auto_vs_recipes_rows(reports, args.reps)[1])
+        return 0
     os.makedirs(args.out, exist_ok=True)
     reports = []
+    recipes = tuple(dict.fromkeys(["auto", *args.recipes.split(",")]))
     profiles = dict(item.split("=", 1) for item in args.profile)
     models = args.models.split(",")
     unknown = sorted(set(models) - set(MODELS))
@@ -288,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     for world in args.world or [2, 4]:
         reports.append(run_world(world, batch=args.batch, seq=args.seq, quick=args.quick, out_dir=args.out,
                                  models=models, steps=args.reps * args.steps, ops=not args.no_ops,
-                                 profile_paths=profiles))  # fmt: skip
+                                 profile_paths=profiles, recipes=recipes))  # fmt: skip
     print("\n| world | model | plans | step MAPE | Spearman | op MAPE | memory MAPE |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for rep in reports:
@@ -296,13 +306,10 @@ def main(argv: list[str] | None = None) -> int:
             s = m["summary"]
             print(f"| {rep['world']} | {model_key} | {s['num_plans']} | {s['step_mape']:.1f}% | "
                   f"{s['spearman']:.3f} | {s['op_mape']:.1f}% | {s['memory_mape']:.1f}% |")  # fmt: skip
-    _, table = auto_vs_recipes_rows(reports, args.reps)
-    print(
-        "\nThe auto plan vs the recipes (predicted / measured ms per step; measured: median of the slowest rank)"
-    )
-    print(table)
     with open(os.path.join(args.out, "cost_model.json"), "w") as f:
         json.dump(reports, f, indent=1, default=str)
+    print("\nThe auto plan vs the recipes (predicted / measured ms per step; measured: slowest rank, median)")
+    print(auto_vs_recipes_rows(reports, args.reps)[1])
     print(f"command: PYTHONPATH=. python benchmarks/cost_model.py {' '.join(sys.argv[1:])}")
     return 0
 
