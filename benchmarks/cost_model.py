@@ -2,15 +2,20 @@
 
 For each world size (2 ranks, one per core; 4 ranks, oversubscribed on 2 cores):
 
-1. ``autopar calibrate`` on that many ranks (the profile then carries the contention of that
-   world size);
-2. for two models (a GPT and a LLaMA scaled so that compute is measurable on a CPU), plans on
-   every mesh shape of that size (auto, ddp, megatron each; ZeRO recipes where the runtime runs
-   them), all executed in one spawn by ``autopar.tools.bench_cost``;
-3. prints per model: op MAPE per family, step MAPE, Spearman's rho over the plans, memory error,
-   and the auto plan vs the fastest recipe measured in the same run; writes PNGs and a JSON.
+1. ``autopar calibrate`` on every mesh shape of that size (2; 4 and 2x2), each on itself (the
+   profile then carries the contention of that world size and the group sizes of that mesh);
+2. for three models (an MLP, a GPT and a LLaMA scaled so that compute is measurable on a CPU),
+   plans on every mesh shape (auto and the recipes of ``--recipes``; ZeRO recipes where the
+   runtime runs them), planned with that mesh's profile as calibrated and all executed in one
+   spawn per model by ``autopar.tools.bench_cost`` (steps of the plans interleaved);
+3. prints per model: step MAPE, Spearman's rho over the plans, memory error, the auto plan vs
+   the fastest recipe; then one table of rows (model, mesh): every plan's predicted and measured
+   ms, auto / best measured recipe with its spread over ``--reps`` repetitions, Spearman per row
+   and pooled (``auto_vs_recipes_rows``); writes PNGs and a JSON (``--tables-from`` prints the
+   table of earlier JSONs).
 
-    PYTHONPATH=. python benchmarks/cost_model.py                 # both world sizes, ~5 min
+    PYTHONPATH=. python benchmarks/cost_model.py --world 4 --no-ops --reps 3 --steps 4 \
+        --recipes ddp,megatron,fsdp,fsdp+tp                        # ~4 min on 2 loaded cores
     PYTHONPATH=. python benchmarks/cost_model.py --world 2 --quick
 
 The models are factories of this module (``benchmarks.cost_model:gpt``), so
