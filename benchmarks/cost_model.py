@@ -272,7 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}"
     )
-    parser.add_argument("--recipes", default=",".join(RECIPES), help="plans to run (auto is always run)")
+    parser.add_argument(
+        "--recipes", default=",".join(RECIPES), help="plans to run (auto is always run)"
+    )
     parser.add_argument("--tables-from", nargs="+", metavar="JSON",
                         help="print the auto-vs-recipes table of earlier runs' cost_model.json files and exit")  # fmt: skip
     parser.add_argument(
@@ -313,7 +315,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{s['spearman']:.3f} | {s['op_mape']:.1f}% | {s['memory_mape']:.1f}% |")  # fmt: skip
     with open(os.path.join(args.out, "cost_model.json"), "w") as f:
         json.dump(reports, f, indent=1, default=str)
-    print("\nThe auto plan vs the recipes (predicted / measured ms per step; measured: slowest rank, median)")
+    print(
+        "\nThe auto plan vs the recipes (predicted / measured ms per step; measured: slowest rank, median)"
+    )
     print(auto_vs_recipes_rows(reports, args.reps)[1])
     print(f"command: PYTHONPATH=. python benchmarks/cost_model.py {' '.join(sys.argv[1:])}")
     return 0
