@@ -2,15 +2,20 @@
 
 For each world size (2 ranks, one per core; 4 ranks, oversubscribed on 2 cores):
 
-1. ``autopar calibrate`` on that many ranks (the profile then carries the contention of that
-   world size);
-2. for two models (a GPT and a LLaMA scaled so that compute is measurable on a CPU), plans on
-   every mesh shape of that size (auto, ddp, megatron each; ZeRO recipes where the runtime runs
-   them), all executed in one spawn by ``autopar.tools.bench_cost``;
-3. prints per model: op MAPE per family, step MAPE, Spearman's rho over the plans, memory error,
-   and the auto plan vs the fastest recipe measured in the same run; writes PNGs and a JSON.
+1. ``autopar calibrate`` on every mesh shape of that size (2; 4 and 2x2), each on itself (the
+   profile then carries the contention of that world size and the group sizes of that mesh);
+2. for three models (an MLP, a GPT and a LLaMA scaled so that compute is measurable on a CPU),
+   plans on every mesh shape (auto and the recipes of ``--recipes``; ZeRO recipes where the
+   runtime runs them), planned with that mesh's profile as calibrated and all executed in one
+   spawn per model by ``autopar.tools.bench_cost`` (steps of the plans interleaved);
+3. prints per model: step MAPE, Spearman's rho over the plans, memory error, the auto plan vs
+   the fastest recipe; then one table of rows (model, mesh): every plan's predicted and measured
+   ms, auto / best measured recipe with its spread over ``--reps`` repetitions, Spearman per row
+   and pooled (``auto_vs_recipes_rows``); writes PNGs and a JSON (``--tables-from`` prints the
+   table of earlier JSONs).
 
-    PYTHONPATH=. python benchmarks/cost_model.py                 # both world sizes, ~5 min
+    PYTHONPATH=. python benchmarks/cost_model.py --world 4 --no-ops --reps 3 --steps 4 \
+        --recipes ddp,megatron,fsdp,fsdp+tp                        # ~4 min on 2 loaded cores
     PYTHONPATH=. python benchmarks/cost_model.py --world 2 --quick
 
 The models are factories of this module (``benchmarks.cost_model:gpt``), so
@@ -21,14 +26,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import statistics
 import sys
 import time
 from typing import Any
 
 import torch
 
-from autopar.models import GPT, GPTConfig, Llama, LlamaConfig
+from autopar.models import GPT, MLP, GPTConfig, Llama, LlamaConfig, MLPConfig
+from cost_models.calibrate import spearman
 
 WIDTH = 256
 LAYERS = 2
@@ -44,6 +52,17 @@ def gpt(batch: int, seq: int) -> tuple[torch.nn.Module, tuple[torch.Tensor, torc
     return model, (idx, torch.randint(0, VOCAB, (batch, seq), generator=g))
 
 
+def mlp(batch: int, seq: int) -> tuple[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    """A 3-layer MLP 256 -> 1024 -> 1024 -> 256 (about 1.6M parameters) on batch x seq rows."""
+    torch.manual_seed(0)
+    model = MLP(MLPConfig(in_features=WIDTH, hidden=4 * WIDTH, out_features=WIDTH, num_layers=3))
+    g = torch.Generator().manual_seed(1)
+    return model, (
+        torch.randn(batch * seq, WIDTH, generator=g),
+        torch.randn(batch * seq, WIDTH, generator=g),
+    )
+
+
 def llama(batch: int, seq: int) -> tuple[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]]:
     """A 2-layer LLaMA of width 256, 8 heads (4 KV heads), FFN 688, vocabulary 2048."""
     torch.manual_seed(0)
@@ -56,7 +75,11 @@ def llama(batch: int, seq: int) -> tuple[torch.nn.Module, tuple[torch.Tensor, to
 
 
 RECIPES = ("auto", "ddp", "megatron", "fsdp", "fsdp+tp", "replicated")
-MODELS = {"gpt": "benchmarks.cost_model:gpt", "llama": "benchmarks.cost_model:llama"}
+MODELS = {
+    "mlp": "benchmarks.cost_model:mlp",
+    "gpt": "benchmarks.cost_model:gpt",
+    "llama": "benchmarks.cost_model:llama",
+}
 
 
 def meshes_for(world: int) -> list[str]:
@@ -64,7 +87,8 @@ def meshes_for(world: int) -> list[str]:
     return {2: ["2"], 4: ["4", "2x2"]}[world]
 
 
-def run_world(world: int, *, batch: int, seq: int, quick: bool, out_dir: str) -> dict[str, Any]:
+def run_world(world: int, *, batch: int, seq: int, quick: bool, out_dir: str, models: list[str],
+              steps: int, ops: bool, profile_paths: dict[str, str], recipes: tuple[str, ...] = RECIPES) -> dict[str, Any]:  # fmt: skip
     from autopar.capture.export import capture
     from autopar.mesh import Mesh
     from autopar.options import PlanOptions
@@ -72,33 +96,47 @@ def run_world(world: int, *, batch: int, seq: int, quick: bool, out_dir: str) ->
     from autopar.tools.bench_cost import BenchConfig, ModelSpec, report_text, run_bench, summarize
     from autopar.tools.calibration import CalibrationConfig, calibrate
     from autopar.tools.report import plans_for_recipes, plot_op_scatter, plot_step_bars
-    from cost_models import save_profile
+    from cost_models import load_profile, save_profile
 
     start = time.perf_counter()
-    shape = (world,)
-    profile = calibrate(shape, ("a0",), config=CalibrationConfig.tiny() if quick else CalibrationConfig(),
-                        nproc=world, verbose=not quick)  # fmt: skip
-    profile_path = os.path.join(out_dir, f"profile_{world}.json")
-    save_profile(profile, profile_path)
-    # A profile calibrated on a 1-D mesh of the world: every axis of every mesh gets its link.
-    link = profile.links["a0"]
+    # One calibration per mesh shape, on that mesh (as `autopar calibrate --mesh 2x2` does): a
+    # 2x2 mesh's axes are groups of 2 contending with the other group, not a ring of 4.
+    meshes = {}
+    for mesh_text in meshes_for(world):
+        path = profile_paths.get(mesh_text)
+        base = Mesh.parse(mesh_text, device="cpu")
+        names = tuple(f"a{i}" for i in range(base.ndim))
+        if path is None:
+            profile = calibrate(base.shape, names, config=CalibrationConfig.tiny() if quick else CalibrationConfig(),
+                                nproc=world, verbose=not quick)  # fmt: skip
+            path = os.path.join(out_dir, f"profile_{mesh_text}.json")
+            save_profile(profile, path)
+        profile = load_profile(path)
+        meshes[mesh_text] = Mesh(shape=base.shape, axis_names=base.axis_names, device=profile.device or "cpu",
+                                 links=tuple(profile.links[n] for n in names))  # fmt: skip
+        profile_paths[mesh_text] = path
     config = BenchConfig(
-        steps=3 if quick else 5, op_repeat_s=0.003 if quick else 0.01, ops_plan=f"auto@{meshes_for(world)[0]}"
+        steps=steps,
+        measure_ops=ops,
+        op_repeat_s=0.003 if quick else 0.01,
+        ops_plan=f"auto@{meshes_for(world)[0]}",
     )
-    report: dict[str, Any] = {"world": world, "profile": profile_path, "models": {}}
-    for model_key, factory in MODELS.items():
+    report: dict[str, Any] = {"world": world, "profiles": dict(profile_paths), "models": {}}
+    for model_key in models:
+        factory = MODELS[model_key]
         model, args, kwargs = build_preset(factory, batch=batch, seq=seq)
         captured = capture(model, args, kwargs)
         plans = {}
         for mesh_text in meshes_for(world):
-            base = Mesh.parse(mesh_text, device=profile.device or "cpu")
-            mesh = Mesh(shape=base.shape, axis_names=base.axis_names, device=base.device,
-                        links=(link,) * base.ndim)  # fmt: skip
-            made = plans_for_recipes(captured, mesh, PlanOptions(), recipes=RECIPES, model_name=model_key)
+            made = plans_for_recipes(
+                captured, meshes[mesh_text], PlanOptions(), recipes=recipes, model_name=model_key
+            )
             for recipe, plan in made.items():
                 plans[f"{recipe}@{mesh_text}"] = plan
-        plans = _dedupe(plans)
-        result = run_bench(ModelSpec(name=factory, batch=batch, seq=seq), plans, config, nproc=world)
+        plans, aliases = _dedupe(plans)
+        result = run_bench(
+            ModelSpec(name=factory, batch=batch, seq=seq), plans, config, nproc=world
+        )
         summary = summarize(result)
         title = f"{model_key}, {world} gloo ranks, batch {batch} x seq {seq}"
         print(report_text(result, summary, title=title, markdown=True))
@@ -109,24 +147,31 @@ def run_world(world: int, *, batch: int, seq: int, quick: bool, out_dir: str) ->
         ran = [{"plan": n, "predicted_s": p["predicted_step_s"], "measured_s": p["step_s"]}
                for n, p in result["plans"].items() if "skipped" not in p]  # fmt: skip
         plot_step_bars(ran, f"{prefix}_steps.png", title=title)
-        report["models"][model_key] = {"result": result, "summary": summary}
+        report["models"][model_key] = {"result": result, "summary": summary, "aliases": aliases}
     report["seconds"] = time.perf_counter() - start
     return report
 
 
-def _dedupe(plans: dict[str, Any]) -> dict[str, Any]:
+def _dedupe(plans: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
     """Drop plans identical to an earlier one (same mesh and same choices): timing a plan twice
-    would count the same point twice in the rank correlation."""
+    would count the same point twice in the rank correlation. Returns the kept plans and, per
+    dropped name, the kept plan it equals."""
     seen: dict[tuple, str] = {}
     out = {}
+    aliases = {}
     for name, plan in plans.items():
         zero = plan.data["zero"]
-        key = (tuple(plan.data["mesh"]["shape"]), tuple(plan.choice or ()), zero["stage"] if zero["axes"] else 0)
+        key = (
+            tuple(plan.data["mesh"]["shape"]),
+            tuple(plan.choice or ()),
+            zero["stage"] if zero["axes"] else 0,
+        )
         if key in seen:
+            aliases[name] = seen[key]
             continue
         seen[key] = name
         out[name] = plan
-    return out
+    return out, aliases
 
 
 def auto_vs_best(result: dict[str, Any]) -> str:
@@ -154,23 +199,113 @@ def auto_vs_best(result: dict[str, Any]) -> str:
     return line
 
 
+def _rep_medians(times: list[float], reps: int) -> list[float]:
+    """The median of each of ``reps`` consecutive groups of timed steps (one repetition each)."""
+    size = max(1, len(times) // reps)
+    return [
+        statistics.median(times[i * size : (i + 1) * size]) for i in range(min(reps, len(times)))
+    ]
+
+
+def auto_vs_recipes_rows(
+    reports: list[dict[str, Any]], reps: int
+) -> tuple[list[dict[str, Any]], str]:
+    """One row per (model, mesh): every plan's predicted and measured (median) ms, the auto plan
+    over the fastest measured recipe on that mesh (median and min-max over ``reps`` repetitions,
+    each the median of its share of the interleaved steps), Spearman's rho of predicted vs
+    measured over the plans of the row; then rho pooled over all rows (every plan's times
+    divided by its row's auto, so that rows of different models share one scale)."""
+    rows: list[dict[str, Any]] = []
+    pooled_pred: list[float] = []
+    pooled_meas: list[float] = []
+    for rep in reports:
+        for model_key, m in rep["models"].items():
+            plans = {n: p for n, p in m["result"]["plans"].items() if "skipped" not in p}
+            for mesh in meshes_for(rep["world"]):
+                auto = f"auto@{mesh}"
+                row = {n: p for n, p in plans.items() if p["mesh"] == mesh}
+                if auto not in row:
+                    continue
+                recipes = [n for n in row if n != auto]
+                best = min(recipes, key=lambda n: row[n]["step_s"])
+                auto_reps = _rep_medians(row[auto]["step_times_s"], reps)
+                best_reps = _rep_medians(row[best]["step_times_s"], reps)
+                ratios = [a / b for a, b in zip(auto_reps, best_reps)]
+                pred = [row[n]["predicted_step_s"] for n in row]
+                meas = [row[n]["step_s"] for n in row]
+                pooled_pred += [v / row[auto]["predicted_step_s"] for v in pred]
+                pooled_meas += [v / row[auto]["step_s"] for v in meas]
+                same = sorted(a.split("@")[0] for a, kept in m["aliases"].items() if kept == auto)
+                rows.append({"world": rep["world"], "model": model_key, "mesh": mesh, "best": best,
+                             "plans": {n.split("@")[0]: (row[n]["predicted_step_s"], row[n]["step_s"]) for n in row},
+                             "auto_equals": same, "ratio": row[auto]["step_s"] / row[best]["step_s"],
+                             "ratio_median": statistics.median(ratios),
+                             "ratio_min": min(ratios), "ratio_max": max(ratios),
+                             "spearman": spearman(pred, meas)})  # fmt: skip
+    lines = ["| ranks | model | mesh | auto predicted / measured ms | recipes predicted / measured ms "
+             "| auto / best measured recipe: medians of all steps; per repetition median (min-max) | Spearman |", "|---|---|---|---|---|---|---:|"]  # fmt: skip
+    for r in rows:
+        auto_p, auto_m = r["plans"]["auto"]
+        alias = f" (= {', '.join(r['auto_equals'])})" if r["auto_equals"] else ""
+        others = "; ".join(f"{n} {p * 1e3:.0f} / {q * 1e3:.0f}" for n, (p, q) in
+                           sorted(r["plans"].items(), key=lambda kv: kv[1][1]) if n != "auto")  # fmt: skip
+        lines.append(f"| {r['world']} | {r['model']} | {r['mesh']} | {auto_p * 1e3:.0f} / {auto_m * 1e3:.0f}{alias} | "
+                     f"{others} | {r['ratio']:.2f}x vs {r['best'].split('@')[0]}; per repetition {r['ratio_median']:.2f}x "
+                     f"({r['ratio_min']:.2f}-{r['ratio_max']:.2f}) | "
+                     f"{r['spearman']:.2f} |")  # fmt: skip
+    pooled = spearman(pooled_pred, pooled_meas) if len(pooled_pred) > 2 else math.nan
+    mean_rho = statistics.mean(r["spearman"] for r in rows) if rows else math.nan
+    lines.append(f"\nSpearman pooled over all rows (times relative to the row's auto): {pooled:.2f}; "
+                 f"mean of the rows: {mean_rho:.2f}")  # fmt: skip
+    return rows, "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world", type=int, action="append", choices=[2, 4], help="world sizes (default 2 and 4)")
+    parser.add_argument(
+        "--world", type=int, action="append", choices=[2, 4], help="world sizes (default 2 and 4)"
+    )
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--quick", action="store_true", help="small calibration and few steps")
     parser.add_argument("--out", default="benchmarks/out", help="folder for PNGs, profiles, JSON")
+    parser.add_argument(
+        "--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}"
+    )
+    parser.add_argument(
+        "--recipes", default=",".join(RECIPES), help="plans to run (auto is always run)"
+    )
+    parser.add_argument("--tables-from", nargs="+", metavar="JSON",
+                        help="print the auto-vs-recipes table of earlier runs' cost_model.json files and exit")  # fmt: skip
+    parser.add_argument(
+        "--reps", type=int, default=3, help="repetitions (groups of interleaved steps)"
+    )
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per plan per repetition")
+    parser.add_argument("--no-ops", action="store_true", help="do not time the ops one by one")
+    parser.add_argument("--profile", action="append", default=[], metavar="MESH=PATH",
+                        help="use this calibrated profile for a mesh (e.g. 2x2=p.json) instead of calibrating")  # fmt: skip
     args = parser.parse_args(argv)
     from autopar.tools.report import plotting_unavailable
 
     missing = plotting_unavailable()  # this benchmark writes PNGs: say so before measuring
     if missing is not None:
         parser.error(missing)
+    if args.tables_from:
+        reports = [rep for path in args.tables_from for rep in json.load(open(path))]  # noqa: SIM115
+        print(auto_vs_recipes_rows(reports, args.reps)[1])
+        return 0
     os.makedirs(args.out, exist_ok=True)
     reports = []
+    recipes = tuple(dict.fromkeys(["auto", *args.recipes.split(",")]))
+    profiles = dict(item.split("=", 1) for item in args.profile)
+    models = args.models.split(",")
+    unknown = sorted(set(models) - set(MODELS))
+    if unknown:
+        parser.error(f"--models: unknown {', '.join(unknown)}; choose from {', '.join(MODELS)}")
     for world in args.world or [2, 4]:
-        reports.append(run_world(world, batch=args.batch, seq=args.seq, quick=args.quick, out_dir=args.out))
+        reports.append(run_world(world, batch=args.batch, seq=args.seq, quick=args.quick, out_dir=args.out,
+                                 models=models, steps=args.reps * args.steps, ops=not args.no_ops,
+                                 profile_paths=profiles, recipes=recipes))  # fmt: skip
     print("\n| world | model | plans | step MAPE | Spearman | op MAPE | memory MAPE |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for rep in reports:
@@ -180,6 +315,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"{s['spearman']:.3f} | {s['op_mape']:.1f}% | {s['memory_mape']:.1f}% |")  # fmt: skip
     with open(os.path.join(args.out, "cost_model.json"), "w") as f:
         json.dump(reports, f, indent=1, default=str)
+    print(
+        "\nThe auto plan vs the recipes (predicted / measured ms per step; measured: slowest rank, median)"
+    )
+    print(auto_vs_recipes_rows(reports, args.reps)[1])
     print(f"command: PYTHONPATH=. python benchmarks/cost_model.py {' '.join(sys.argv[1:])}")
     return 0
 

@@ -62,9 +62,7 @@ def fit_rate(
         intercept = 0.0
         slope = sum(w * t for w, t in zip(work, times_s)) / sum(w * w for w in work)
     if slope <= 0:
-        raise ValueError(
-            f"timings do not grow with work (slope {slope:.3g}); measure larger sizes"
-        )
+        raise ValueError(f"timings do not grow with work (slope {slope:.3g}); measure larger sizes")
     return 1.0 / slope, intercept
 
 
@@ -85,7 +83,9 @@ def fit_efficiency(
     """
     _check_pairs(ideal_s, times_s, "fit_efficiency")
     overheads = (
-        [float(overhead_s)] * len(ideal_s) if isinstance(overhead_s, (int, float)) else list(overhead_s)
+        [float(overhead_s)] * len(ideal_s)
+        if isinstance(overhead_s, (int, float))
+        else list(overhead_s)
     )
     _check_pairs(ideal_s, overheads, "fit_efficiency overheads")
     num = sum(i * i for i in ideal_s)
@@ -97,11 +97,34 @@ def fit_efficiency(
     return min(1.0, max(1e-3, num / den))
 
 
+def fit_sync_s(
+    mixed_s: Sequence[float], compute_s: Sequence[float], collective_s: Sequence[float]
+) -> float:
+    """Per-call seconds a collective costs between computations beyond its back-to-back time.
+
+    Each argument holds one figure per trial, all per iteration: ``mixed_s`` a computation
+    followed by a small collective, ``compute_s`` the computation alone, ``collective_s`` the
+    collective alone, called back to back. The result, ``median(mixed - compute - collective)``
+    clamped at 0, is ``LinkSpec.sync_s``: the wait for ranks that arrive late (descheduled on
+    shared cores, or slower), which back-to-back timings do not see.
+
+    Raises:
+        ValueError: the sequences are empty or of different lengths.
+    """
+    if not mixed_s or not len(mixed_s) == len(compute_s) == len(collective_s):
+        raise ValueError("fit_sync_s needs one mixed, compute and collective time per trial")
+    excess = sorted(m - c - k for m, c, k in zip(mixed_s, compute_s, collective_s))
+    middle = len(excess) // 2
+    median = excess[middle] if len(excess) % 2 else (excess[middle - 1] + excess[middle]) / 2
+    return max(0.0, median)
+
+
 def link_from_fits(
-    name: str, fits: Mapping[str, tuple[float, float]], *, source: str = ""
+    name: str, fits: Mapping[str, tuple[float, float]], *, source: str = "", sync_s: float = 0.0
 ) -> LinkSpec:
-    """A LinkSpec carrying calibrated ``(alpha, beta)`` per collective; its plain
-    ``latency_s`` / ``bandwidth_Bps`` come from the all-reduce fit (else the first one)."""
+    """A LinkSpec carrying calibrated ``(alpha, beta)`` per collective and the measured
+    ``sync_s``; its plain ``latency_s`` / ``bandwidth_Bps`` come from the all-reduce fit (else
+    the first one)."""
     if not fits:
         raise ValueError(f"link {name!r}: no collective fits to build it from")
     alpha, beta = fits.get("all_reduce") or next(iter(fits.values()))
@@ -111,6 +134,7 @@ def link_from_fits(
         latency_s=alpha,
         collectives=dict(fits),
         source=source,
+        sync_s=sync_s,
     )
 
 

@@ -14,7 +14,8 @@ all_to_all      the bytes each device holds          n-1       (n-1)/n * B
 broadcast       the tensor                           n-1       B
 =============== ==================================== ========= ===============
 
-and ``time = steps * lat + wire / bw``. Ring all-reduce is a reduce-scatter then an all-gather;
+and ``time = steps * lat + wire / bw``, plus the link's ``sync_s`` once per call (the wait for
+the last rank when collectives run between computations; 0 unless calibrated). Ring all-reduce is a reduce-scatter then an all-gather;
 all-to-all sends (n-1)/n of each device's data in n-1 pairwise exchanges; broadcast is a pipelined
 ring (chain) whose bytes cross each link once, after n-1 hops of latency.
 
@@ -63,8 +64,8 @@ def collective_time_s(kind: str, nbytes: float, group_size: int, link: LinkSpec)
     calibrated = link.collectives.get(kind)
     if calibrated is not None:
         alpha, beta = calibrated
-        return alpha * steps + beta * wire
-    return steps * link.latency_s + wire / link.bandwidth_Bps
+        return alpha * steps + beta * wire + link.sync_s
+    return steps * link.latency_s + wire / link.bandwidth_Bps + link.sync_s
 
 
 def fit_alpha_beta(

@@ -142,6 +142,11 @@ class LinkSpec:
     collectives: Mapping[str, tuple[float, float]] = field(default_factory=FrozenMap)
     """Calibrated ``(alpha_s, beta_s_per_byte)`` per collective kind; overrides the formula."""
     source: str = ""
+    sync_s: float = 0.0
+    """Seconds each blocking collective costs on top of its alpha-beta time when it runs
+    between computations, as in a training step: the wait for the last rank to arrive (e.g.
+    ranks that share cores and are descheduled). Back-to-back timings (the alpha) miss it;
+    ``autopar calibrate`` measures it. 0 for datasheet links (GPUs in lockstep)."""
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -150,6 +155,8 @@ class LinkSpec:
             raise ValueError(f"link {self.name!r}: bandwidth_Bps must be > 0")
         if self.latency_s < 0:
             raise ValueError(f"link {self.name!r}: latency_s must be >= 0")
+        if self.sync_s < 0:
+            raise ValueError(f"link {self.name!r}: sync_s must be >= 0")
         frozen: dict[str, tuple[float, float]] = {}
         for kind, pair in self.collectives.items():
             if kind not in COLLECTIVE_KINDS:
@@ -163,14 +170,18 @@ class LinkSpec:
         object.__setattr__(self, "collectives", FrozenMap(frozen))
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-friendly dict with every field (``from_dict`` inverts it exactly)."""
-        return {
+        """JSON-friendly dict with every field (``from_dict`` inverts it exactly); ``sync_s``
+        only where it is not 0 (plans made with datasheet links keep their JSON)."""
+        d: dict[str, Any] = {
             "name": self.name,
             "bandwidth_Bps": self.bandwidth_Bps,
             "latency_s": self.latency_s,
             "collectives": {k: list(v) for k, v in self.collectives.items()},
             "source": self.source,
         }
+        if self.sync_s:
+            d["sync_s"] = self.sync_s
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> LinkSpec:

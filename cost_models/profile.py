@@ -74,6 +74,7 @@ PROFILE_SCHEMA: dict[str, Any] = {
                     "base": _TEXT,
                     "bandwidth_Bps": _POSITIVE,
                     "latency_s": _NONNEGATIVE,
+                    "sync_s": _NONNEGATIVE,
                     "collectives": {
                         "type": "object",
                         "propertyNames": {"enum": list(COLLECTIVE_KINDS)},

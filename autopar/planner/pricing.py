@@ -29,6 +29,7 @@ def _without_latency(link: LinkSpec) -> LinkSpec:
     return dataclasses.replace(
         link,
         latency_s=0.0,
+        sync_s=0.0,
         collectives={kind: (0.0, beta) for kind, (_, beta) in link.collectives.items()},
     )
 
@@ -90,9 +91,9 @@ class CommPricer:
         size, link = self.mesh.shape[axis], self.mesh.links[axis]
         bandwidth_only = _without_latency(link)
         transfer = collective_time_s("all_reduce", nbytes, size, bandwidth_only)
-        latency = collective_time_s("all_reduce", GRAD_BUCKET_BYTES, size, link) - collective_time_s(
-            "all_reduce", GRAD_BUCKET_BYTES, size, bandwidth_only
-        )
+        latency = collective_time_s(
+            "all_reduce", GRAD_BUCKET_BYTES, size, link
+        ) - collective_time_s("all_reduce", GRAD_BUCKET_BYTES, size, bandwidth_only)
         return transfer + latency * nbytes / GRAD_BUCKET_BYTES
 
     def all_reduce_s(self, nbytes: float, axis: int) -> float:

@@ -265,7 +265,7 @@ def time_plans(prepared: Mapping[str, PreparedPlan], config: BenchConfig, device
             plan.step()
         plan.optimizer.zero_grad(set_to_none=True)
         memory = None if peak.peak_delta is None else float(plan.state_bytes() + peak.peak_delta)
-        out[name] = {"step_s": statistics.median(times[name]), "peak_memory_bytes": memory}
+        out[name] = {"step_s": statistics.median(times[name]), "step_times_s": times[name], "peak_memory_bytes": memory}
     return out
 
 
@@ -340,8 +340,9 @@ def bench_on_rank(model_spec: ModelSpec, plans: Mapping[str, Mapping[str, Any]],
             result: dict[str, Any] = {"skipped": skipped[name]}
         else:
             m = measured[name]
-            step_s, memory = _reduce([m["step_s"], m["peak_memory_bytes"] or -1.0], dist.ReduceOp.MAX)
-            result = {"step_s": step_s, "peak_memory_bytes": memory if memory >= 0 else None}
+            # step_times_s: every timed step, the slowest rank's (for the spread over repetitions)
+            step_s, memory, *steps = _reduce([m["step_s"], m["peak_memory_bytes"] or -1.0, *m["step_times_s"]], dist.ReduceOp.MAX)
+            result = {"step_s": step_s, "step_times_s": steps, "peak_memory_bytes": memory if memory >= 0 else None}
         result["predicted_step_s"] = data["predicted"]["step_s"]
         result["predicted_breakdown"] = data["predicted"]["breakdown"]
         result["predicted_peak_memory_bytes"] = data["predicted"]["peak_memory_bytes"]

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from autopar.tools.timing import max_over_ranks, sync_device, time_queued
 from cost_models import collective_steps_and_wire_bytes, fit_alpha_beta
-from cost_models.calibrate import link_from_fits
+from cost_models.calibrate import fit_sync_s, link_from_fits
 
 if TYPE_CHECKING:
     from autopar.tools.calibration import CalibrationConfig
@@ -86,12 +86,57 @@ def measure_links(
                 f"axis {name} (size {size}) {kind}: alpha {alpha * 1e6:.1f} us/step, {1 / beta / 1e9:.2f} GB/s"
             )
         if fits:
+            sync_s, sync_details = _measure_sync(group, device, config)
+            details[f"{name}/sync"] = sync_details
+            log(
+                f"axis {name} (size {size}) wait per collective between computations: {sync_s * 1e6:.1f} us"
+            )
             links[name] = link_from_fits(
                 f"calibrated-{name}",
                 fits,
                 source=f"autopar calibrate, {dist.get_backend()} on {platform.node()}",
+                sync_s=sync_s,
             )
     return links, details
+
+
+SYNC_MATMUL = 256
+"""Side of the square matmul computed between the collectives of the sync measurement (about
+a millisecond on a CPU core: the order of an op of the benchmark models)."""
+SYNC_CALLS = 30
+
+
+def _measure_sync(
+    group: Any, device: torch.device, config: CalibrationConfig
+) -> tuple[float, dict[str, Any]]:
+    """``LinkSpec.sync_s`` of one axis: per trial, ``SYNC_CALLS`` iterations of a matmul then
+    a 1 KiB all-reduce on the axis, of the matmul alone, and of the all-reduce alone (back to
+    back), on every rank at once; the slowest rank's time per iteration counts
+    (``cost_models.calibrate.fit_sync_s``). The three are interleaved per trial so that load
+    from other processes falls on all three alike."""
+    a = torch.randn(SYNC_MATMUL, SYNC_MATMUL, device=device)
+    small = torch.zeros(256, device=device)
+
+    def compute() -> None:
+        torch.mm(a, a)
+
+    def collective() -> None:
+        dist.all_reduce(small, group=group)
+
+    def mixed() -> None:
+        torch.mm(a, a)
+        dist.all_reduce(small, group=group)
+
+    mixed()
+    times: dict[str, list[float]] = {"mixed": [], "compute": [], "collective": []}
+    for _ in range(max(config.trials, 3)):
+        for key, fn in (("mixed", mixed), ("compute", compute), ("collective", collective)):
+            dist.barrier()
+            times[key].append(time_queued(fn, device, SYNC_CALLS, 1))
+    for key in times:
+        times[key] = max_over_ranks(times[key], device)
+    sync_s = fit_sync_s(times["mixed"], times["compute"], times["collective"])
+    return sync_s, {"seconds_per_call": times, "calls": SYNC_CALLS, "matmul": SYNC_MATMUL}
 
 
 def _time_fixed(fn: Callable[[], Any], device: torch.device, config: CalibrationConfig) -> float:

@@ -35,6 +35,8 @@ def test_tiny_calibration_gives_a_profile_the_planner_uses(tmp_path) -> None:
     link = profile.links["tp"]
     assert set(link.collectives) == set(CALIBRATED_COLLECTIVES)
     assert all(alpha >= 0 and beta > 0 for alpha, beta in link.collectives.values())
+    sync = profile.meta["measurements"]["tp/sync"]["seconds_per_call"]
+    assert link.sync_s >= 0 and all(len(v) >= 3 and min(v) > 0 for v in sync.values())
     assert profile.meta["world_size"] == 2 and profile.meta["backend"] == "gloo"
 
     path = tmp_path / "profile.json"
@@ -70,6 +72,7 @@ def test_bench_cost_measures_every_plan_and_op_on_two_ranks(tmp_path, capsys) ->
     for figures in plans.values():
         assert figures["step_s"] > 0 and figures["predicted_step_s"] > 0
         assert figures["peak_memory_bytes"] > 0
+        assert len(figures["step_times_s"]) == 2 and min(figures["step_times_s"]) > 0
     assert data["result"]["ops"], "per-op predicted vs measured times are missing"
     summary = data["summary"]
     assert -1.0 <= summary["spearman"] <= 1.0 and math.isfinite(summary["step_mape"])

@@ -1,0 +1,105 @@
+"""The wait per collective between computations (``LinkSpec.sync_s``): fitted from timings,
+charged once per collective call by the cost model and the planner, absent (0) from datasheet
+links so that plans made with presets do not move."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from cost_models import LINKS, LinkSpec, collective_time_s, load_profile
+from cost_models.calibrate import fit_sync_s, link_from_fits
+
+
+def test_fit_sync_s_recovers_the_wait_per_call() -> None:
+    rng = random.Random(0)
+    compute = [1e-3 * (1 + 0.05 * rng.random()) for _ in range(5)]
+    collective = [200e-6 * (1 + 0.05 * rng.random()) for _ in range(5)]
+    mixed = [c + k + 3e-3 + 1e-5 * rng.random() for c, k in zip(compute, collective)]
+    assert fit_sync_s(mixed, compute, collective) == pytest.approx(3e-3, rel=0.01)
+
+
+def test_fit_sync_s_is_zero_when_collectives_overlap_computation() -> None:
+    assert fit_sync_s([1.0e-3, 1.1e-3, 0.9e-3], [1e-3] * 3, [0.5e-3] * 3) == 0.0
+
+
+def test_fit_sync_s_refuses_unpaired_trials() -> None:
+    with pytest.raises(ValueError, match="one mixed, compute and collective time per trial"):
+        fit_sync_s([1.0], [1.0, 2.0], [1.0])
+    with pytest.raises(ValueError, match="per trial"):
+        fit_sync_s([], [], [])
+
+
+@pytest.mark.parametrize("kind", ["all_reduce", "all_gather", "reduce_scatter", "all_to_all"])
+def test_the_wait_is_charged_once_per_call(kind: str) -> None:
+    fits = {kind: (100e-6, 1e-9)}
+    plain = link_from_fits("l", fits)
+    waiting = link_from_fits("l", fits, sync_s=2e-3)
+    for group_size in (2, 4):
+        for nbytes in (1e3, 1e6):
+            extra = collective_time_s(kind, nbytes, group_size, waiting) - collective_time_s(
+                kind, nbytes, group_size, plain
+            )
+            assert extra == pytest.approx(2e-3)
+    assert collective_time_s(kind, 1e6, 1, waiting) == 0.0  # a group of one: no collective
+
+
+def test_gradient_buckets_pay_the_wait_once_per_bucket() -> None:
+    from autopar.mesh import Mesh
+    from autopar.planner.pricing import GRAD_BUCKET_BYTES, CommPricer
+
+    fits = {"all_reduce": (100e-6, 1e-9)}
+    device = Mesh.spec((4,), device="cpu").device
+
+    def grad_sync_s(sync_s: float, nbytes: float) -> float:
+        link = link_from_fits("l", fits, sync_s=sync_s)
+        mesh = Mesh(shape=(4,), axis_names=("dp",), device=device, links=(link,))
+        return CommPricer(mesh, None).grad_sync_s(nbytes, 0)
+
+    for fraction in (1.0, 0.25):
+        nbytes = fraction * GRAD_BUCKET_BYTES
+        assert grad_sync_s(5e-3, nbytes) - grad_sync_s(0.0, nbytes) == pytest.approx(
+            5e-3 * fraction
+        )
+
+
+def test_datasheet_links_have_no_wait_and_keep_their_json() -> None:
+    for link in LINKS.values():
+        assert link.sync_s == 0.0
+        assert "sync_s" not in link.to_dict()
+    with pytest.raises(ValueError, match="sync_s must be >= 0"):
+        LinkSpec(name="l", bandwidth_Bps=1e9, latency_s=0.0, sync_s=-1.0)
+
+
+def test_a_calibrated_wait_round_trips_through_the_profile(tmp_path) -> None:
+    link = link_from_fits("calibrated-a0", {"all_reduce": (1e-4, 1e-9)}, sync_s=1.5e-3)
+    data = {"version": 1, "links": {"a0": link.to_dict()}}
+    assert load_profile(data).links["a0"] == link
+    with pytest.raises(ValueError, match="sync_s"):
+        load_profile({"version": 1, "links": {"a0": {**link.to_dict(), "sync_s": -1}}})
+
+
+def test_a_wait_per_collective_makes_the_planner_use_fewer_collectives() -> None:
+    """Tensor parallelism trades gradient bytes for activation collectives: where every call
+    waits (ranks sharing cores), the planner keeps fewer of them, down to none."""
+    from autopar.capture.export import capture
+    from autopar.mesh import Mesh
+    from autopar.models import MLP, MLPConfig
+    from autopar.options import PlanOptions
+    from autopar.tools.report import plans_for_recipes
+
+    torch.manual_seed(0)
+    model = MLP(MLPConfig(in_features=256, hidden=1024, out_features=256, num_layers=3))
+    captured = capture(model, (torch.randn(64, 256), torch.randn(64, 256)), {})
+    device = Mesh.spec((4,), device="cpu").device
+    counts = []
+    for sync_s in (0.0, 1e-3, 1e-2):
+        link = LinkSpec(name="l", bandwidth_Bps=2e9, latency_s=1e-4, sync_s=sync_s)
+        mesh = Mesh(shape=(4,), axis_names=("a0",), device=device, links=(link,))
+        plan = plans_for_recipes(captured, mesh, PlanOptions(), recipes=["auto"], model_name="mlp")[
+            "auto"
+        ]
+        counts.append(len(plan.conversions()))
+    assert counts[0] > counts[1] > counts[2] == 0, counts
