@@ -228,33 +228,49 @@ def _pattern_problem(
 
 
 def pattern_dual(
-    problem: Problem, lam: float, solve_free, patterns: list[tuple[int, ...]]
-) -> tuple[float, list[tuple[int, ...]], float]:
+    problem: Problem,
+    lam: float,
+    solve_free,
+    patterns: list[tuple[int, ...]],
+    floor: list[float] | None = None,
+) -> tuple[float, list[tuple[int, ...]], float, list[float]]:
     """min over ``patterns`` of the priced pattern problems' optima (a lower bound each: the
-    solver's bound), every plan solved on the way, and the relaxed peak of the minimiser (the
-    subgradient of D at lam is it less the budget)."""
+    solver's bound), the plans that gave the pattern-free and the smallest value, the relaxed
+    peak of the minimiser (the subgradient of D at lam is it less the budget), and a lower
+    bound per pattern (its value where solved). ``floor``: lower bounds per pattern known
+    from elsewhere (:func:`_chord_floor`); a pattern whose bound is not below the best value
+    found is not solved."""
     base = priced(dataclasses.replace(problem, segments=()), lam)
     base_choices, _, base_lower = solve_free(base)
-    staged = sorted(
-        (
-            (base_lower + terms[0], k, terms)
-            for k, p in enumerate(patterns)
-            for terms in [_pattern_terms(problem, lam, p)]
-        ),
-        key=lambda item: item[:2],
-    )
+    lowers = []
+    for k, pattern in enumerate(patterns):
+        terms = _pattern_terms(problem, lam, pattern)
+        lowers.append(max(base_lower + terms[0], floor[k] if floor else -math.inf))
     best, best_choices, best_peak = math.inf, base_choices, 0.0
-    for lower, k, (_, alive, extra, extra_edges) in staged:
-        if lower >= best:
+    for k in sorted(range(len(patterns)), key=lambda k: lowers[k]):
+        if lowers[k] >= best:
             break  # sorted: no later pattern can do better
+        _, alive, extra, extra_edges = _pattern_terms(problem, lam, patterns[k])
         if not any(patterns[k]):
             choices, value = base_choices, base_lower
         else:
             choices, _, value = solve_free(_pattern_problem(base, extra, extra_edges))
+        lowers[k] = max(lowers[k], value)
         if value < best:
             best, best_choices = value, choices
             best_peak = _pattern_peak(problem, choices, patterns[k], alive)
-    return best, [base_choices, best_choices], best_peak
+    return best, [base_choices, best_choices], best_peak, lowers
+
+
+def _chord_floor(seen: dict[float, list[float]], lam: float) -> list[float] | None:
+    """Each pattern's value is concave in lam (a minimum of functions affine in lam), so
+    between two multipliers already evaluated it is at least the chord of their lower bounds."""
+    below = max((a for a in seen if a < lam), default=None)
+    above = min((b for b in seen if b > lam), default=None)
+    if below is None or above is None:
+        return None
+    t = (lam - below) / (above - below)
+    return [(1.0 - t) * a + t * b for a, b in zip(seen[below], seen[above], strict=True)]
 
 
 def _pattern_peak(
@@ -357,6 +373,7 @@ def relax(
     tried: set[tuple[int, ...]] = set()
     patterns = recompute_patterns(problem)
     exact = False  # the pattern D (second phase) or the separable one
+    seen: dict[float, list[float]] = {}  # per multiplier: a lower bound per pattern
 
     def evaluate(lam: float) -> float:
         """D(lam)'s subgradient (relaxed peak - budget); updates the bound and the best plan."""
@@ -366,7 +383,9 @@ def relax(
             choices, _, lower = solve_free(priced(problem, lam))
             plans, peak = [choices], relaxed_peak(problem, choices, lam)
         else:
-            lower, plans, peak = pattern_dual(problem, lam, solve_free, patterns)
+            lower, plans, peak, seen[lam] = pattern_dual(
+                problem, lam, solve_free, patterns, _chord_floor(seen, lam)
+            )
         bound = lower + lam * constant
         if bound > best_bound:
             best_bound, best_lam = bound, lam
