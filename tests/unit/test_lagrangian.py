@@ -243,6 +243,7 @@ def test_the_mip_started_from_a_plan_returns_one_no_worse(problem) -> None:
     sol = solve(problem, gap=1.0, relax_first=False, start_plan=best)
     tolerance = 1e-9 * max(1.0, abs(optimum))
     assert sol.objective_s <= optimum + tolerance
+    assert sol.status == ("optimal" if sol.gap == 0.0 else "feasible")  # not 'optimal' at a gap
     assert sol.peak_memory_bytes <= problem.memory_budget_bytes + 1e-9
     assert sol.bound_s <= optimum + tolerance
 
