@@ -376,12 +376,15 @@ def solve_model(
     }
     if fell_back:
         details["highs_unavailable"] = 1.0
+    relative_gap = 0.0 if relative_gap < ZERO_GAP else relative_gap
     return Solution(
         choices=choices,
         objective_s=objective,
         bound_s=bound,
-        gap=0.0 if relative_gap < ZERO_GAP else relative_gap,
-        status=outcome.status,
+        gap=relative_gap,
+        # HiGHS says 'optimal' when it stops within the requested gap; the plan is optimal only
+        # at gap 0 (configurations._within_gap accepts either within the gap).
+        status="feasible" if outcome.status == "optimal" and relative_gap > 0.0 else outcome.status,
         backend=backend,
         peak_memory_bytes=plan_peak_memory_bytes(problem, choices, recomputed),
         num_variables=model.num_variables,

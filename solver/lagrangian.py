@@ -28,10 +28,21 @@ budget and bisects. Every relaxed plan is also a candidate: its recomputation is
 exactly for its fixed layouts (a MIP over the segment bits only, :func:`fit_recompute`) and the
 best plan that fits is kept. The bound is valid whatever the search does; the primal plan's
 distance to it is the gap the caller reports.
+
+Where the segments admit few recompute patterns (r_k in [m_k, L_k], pairwise overlapping
+segments never both at full copies: a superset of what can be laid out, at most
+``MAX_PATTERNS``), the segment term is not split over nodes: D(lam) is the minimum over the
+patterns r of one budget-free solve each, with every recomputed segment priced whole (its
+edges' seconds too) and the bytes alive again bounded below by one recomputed segment's
+A_j(x) <= max_{k : r_k > 0} A_k(x) (:func:`pattern_dual`). Patterns whose separable lower
+bound (the pattern-free optimum plus each node's cheapest pattern term) cannot beat the best
+found are not solved. On gpt2-small-2l (2 tied layers, 36 patterns) this moved the bound
+from about 9% to about 1.3% under the optimum.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -41,7 +52,7 @@ import numpy as np
 from solver.checkpointing import freed_bytes, recompute_s
 from solver.errors import InfeasibleError
 from solver.presolve import plan_objective_s, plan_peak_memory_bytes
-from solver.problem import Node, Problem, Segment
+from solver.problem import Edge, Node, Problem, Segment
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -114,6 +125,166 @@ def relaxed_peak(problem: Problem, choices: tuple[int, ...], lam: float) -> floa
     return problem.memory_offset_bytes + transient_floor(problem) + resident - freed
 
 
+MAX_PATTERNS = 64
+"""Above this many recompute patterns the segment term is split over nodes instead."""
+
+
+def recompute_patterns(problem: Problem) -> list[tuple[int, ...]] | None:
+    """Every vector of recomputed copies r (r_k in [min_copies, copies]) in which no two
+    overlapping segments are recomputed beyond what their clique row allows pairwise: a
+    superset of the feasible patterns, so a minimum over it is still a lower bound. None when
+    there are more than MAX_PATTERNS (or no segments)."""
+    segments = problem.segments
+    if not segments:
+        return None
+    footprints = [set(seg.footprint or seg.nodes) for seg in segments]
+    overlaps = [
+        (a, b) for a in range(len(segments)) for b in range(a) if footprints[a] & footprints[b]
+    ]
+    patterns: list[tuple[int, ...]] = [()]
+    for k, seg in enumerate(segments):
+        grown = []
+        for head in patterns:
+            for r in range(seg.min_copies, seg.copies + 1):
+                pattern = (*head, r)
+                if all(
+                    pattern[b] * seg.copies + r * segments[b].copies
+                    <= seg.copies * segments[b].copies
+                    for a, b in overlaps
+                    if a == k
+                ):
+                    grown.append(pattern)
+        patterns = grown
+        if len(patterns) > MAX_PATTERNS:
+            return None
+    return patterns
+
+
+def _pattern_terms(problem: Problem, lam: float, pattern: tuple[int, ...]):
+    """What one recompute pattern adds to the pattern-free priced problem (module
+    docstring): per node and per edge, and a separable lower bound of their sum; also the
+    segment j whose bytes alive again are priced (None: nothing recomputed)."""
+    segments = problem.segments
+    on = [k for k, r in enumerate(pattern) if r]
+    alive = (
+        max(on, key=lambda k: math.fsum(min(row) for row in segments[k].freed_bytes))
+        if on
+        else None
+    )
+    extra: dict[int, np.ndarray] = {}
+    extra_edges: dict[tuple[int, int], np.ndarray] = {}
+    for k in on:
+        seg, r = segments[k], pattern[k]
+        for n, freed, again in zip(seg.nodes, seg.freed_bytes, seg.recompute_s, strict=True):
+            term = r * (np.asarray(again) - lam * np.asarray(freed))
+            if k == alive:
+                term = term + lam * np.asarray(freed)
+            extra[n] = extra.get(n, 0.0) + term
+        for e in seg.edges:
+            key = (e.src, e.dst)
+            extra_edges[key] = extra_edges.get(key, 0.0) + r * np.asarray(e.cost_s, dtype=float)
+    lower = math.fsum(float(np.min(v)) for v in extra.values()) + math.fsum(
+        float(np.min(m)) for m in extra_edges.values()
+    )
+    return lower, alive, extra, extra_edges
+
+
+def _pattern_problem(
+    base: Problem, extra: dict[int, np.ndarray], extra_edges: dict[tuple[int, int], np.ndarray]
+) -> Problem:
+    """``base`` (the pattern-free priced problem) with a pattern's terms added."""
+    extra_edges = dict(extra_edges)
+    nodes = tuple(
+        node
+        if i not in extra
+        else Node(
+            name=node.name,
+            cost_s=tuple((np.asarray(node.cost_s) + extra[i]).tolist()),
+            memory_bytes=node.memory_bytes,
+        )
+        for i, node in enumerate(base.nodes)
+    )
+    edges = []
+    for e in base.edges:
+        m = extra_edges.pop((e.src, e.dst), None)
+        if m is None:
+            edges.append(e)
+        else:
+            edges.append(
+                Edge(
+                    src=e.src,
+                    dst=e.dst,
+                    cost_s=tuple(
+                        tuple(None if c is None else c + float(d) for c, d in zip(row, add))
+                        for row, add in zip(e.cost_s, m, strict=True)
+                    ),
+                )
+            )
+    edges.extend(
+        Edge(src=s, dst=d, cost_s=tuple(tuple(row) for row in m.tolist()))
+        for (s, d), m in extra_edges.items()
+    )
+    return Problem(nodes=nodes, edges=tuple(edges), tied=base.tied)
+
+
+def pattern_dual(
+    problem: Problem,
+    lam: float,
+    solve_free,
+    patterns: list[tuple[int, ...]],
+    floor: list[float] | None = None,
+) -> tuple[float, list[tuple[int, ...]], float, list[float]]:
+    """min over ``patterns`` of the priced pattern problems' optima (a lower bound each: the
+    solver's bound), the plans that gave the pattern-free and the smallest value, the relaxed
+    peak of the minimiser (the subgradient of D at lam is it less the budget), and a lower
+    bound per pattern (its value where solved). ``floor``: lower bounds per pattern known
+    from elsewhere (:func:`_chord_floor`); a pattern whose bound is not below the best value
+    found is not solved."""
+    base = priced(dataclasses.replace(problem, segments=()), lam)
+    base_choices, _, base_lower = solve_free(base)
+    lowers = []
+    for k, pattern in enumerate(patterns):
+        terms = _pattern_terms(problem, lam, pattern)
+        lowers.append(max(base_lower + terms[0], floor[k] if floor else -math.inf))
+    best, best_choices, best_peak = math.inf, base_choices, 0.0
+    for k in sorted(range(len(patterns)), key=lambda k: lowers[k]):
+        if lowers[k] >= best:
+            break  # sorted: no later pattern can do better
+        _, alive, extra, extra_edges = _pattern_terms(problem, lam, patterns[k])
+        if not any(patterns[k]):
+            choices, value = base_choices, base_lower
+        else:
+            choices, _, value = solve_free(_pattern_problem(base, extra, extra_edges))
+        lowers[k] = max(lowers[k], value)
+        if value < best:
+            best, best_choices = value, choices
+            best_peak = _pattern_peak(problem, choices, patterns[k], alive)
+    return best, [base_choices, best_choices], best_peak, lowers
+
+
+def _chord_floor(seen: dict[float, list[float]], lam: float) -> list[float] | None:
+    """Each pattern's value is concave in lam (a minimum of functions affine in lam), so
+    between two multipliers already evaluated it is at least the chord of their lower bounds."""
+    below = max((a for a in seen if a < lam), default=None)
+    above = min((b for b in seen if b > lam), default=None)
+    if below is None or above is None:
+        return None
+    t = (lam - below) / (above - below)
+    return [(1.0 - t) * a + t * b for a, b in zip(seen[below], seen[above], strict=True)]
+
+
+def _pattern_peak(
+    problem: Problem, choices: tuple[int, ...], pattern: tuple[int, ...], alive: int | None
+) -> float:
+    """The bytes the pattern relaxation priced for ``choices``."""
+    resident = math.fsum(n.memory_bytes[c] for n, c in zip(problem.nodes, choices, strict=True))
+    freed = math.fsum(
+        r * freed_bytes(seg, choices) for seg, r in zip(problem.segments, pattern, strict=True) if r
+    )
+    again = freed_bytes(problem.segments[alive], choices) if alive is not None else 0.0
+    return problem.memory_offset_bytes + transient_floor(problem) + resident - freed + again
+
+
 def fit_recompute(
     problem: Problem, choices: tuple[int, ...]
 ) -> tuple[tuple[int, ...], float] | None:
@@ -179,13 +350,19 @@ def relax(
     *,
     start: float | None = None,
     max_evaluations: int = 24,
+    max_pattern_evaluations: int = 8,
     target_gap: float = 0.0,
+    stop_at: float = math.inf,
 ) -> Relaxed:
     """Search the multiplier (module docstring). ``solve_free(problem) -> (choices, value,
-    bound)`` solves a budget-free problem (value: its objective; bound: a lower bound on its
+        bound)`` solves a budget-free problem (value: its objective; bound: a lower bound on its
     optimum, equal to value when proven optimal). ``start``: a multiplier to begin from (a
-    previous configuration's). Stops when the best plan is within ``target_gap`` of the bound,
-    the bracket closes, or after ``max_evaluations`` solves."""
+    previous configuration's). The search runs on the separable D first (one solve each), then,
+    where the recompute patterns are few, on the pattern D (module docstring; one solve per
+    pattern not pruned, ``max_pattern_evaluations`` at most) from the best multiplier found.
+    Each stops when the best plan is within ``target_gap`` of the bound, the bracket closes,
+    the bound reaches ``stop_at`` (a plan found elsewhere that this problem cannot beat by the
+    gap: a cutoff), or after its number of evaluations."""
     clock = time.perf_counter()
     budget = problem.memory_budget_bytes
     assert budget is not None
@@ -194,25 +371,38 @@ def relax(
     best: tuple[float, tuple[int, ...], tuple[int, ...]] | None = None
     evaluations = 0
     tried: set[tuple[int, ...]] = set()
+    patterns = recompute_patterns(problem)
+    exact = False  # the pattern D (second phase) or the separable one
+    seen: dict[float, list[float]] = {}  # per multiplier: a lower bound per pattern
 
     def evaluate(lam: float) -> float:
         """D(lam)'s subgradient (relaxed peak - budget); updates the bound and the best plan."""
         nonlocal best_bound, best_lam, best, evaluations
         evaluations += 1
-        choices, _, lower = solve_free(priced(problem, lam))
+        if not exact:
+            choices, _, lower = solve_free(priced(problem, lam))
+            plans, peak = [choices], relaxed_peak(problem, choices, lam)
+        else:
+            lower, plans, peak, seen[lam] = pattern_dual(
+                problem, lam, solve_free, patterns, _chord_floor(seen, lam)
+            )
         bound = lower + lam * constant
         if bound > best_bound:
             best_bound, best_lam = bound, lam
-        if choices not in tried:
-            tried.add(choices)
-            fitted = fit_recompute(problem, choices)
-            if fitted is not None and (best is None or fitted[1] < best[0]):
-                best = (fitted[1], choices, fitted[0])
-        return relaxed_peak(problem, choices, lam) - budget
+        for choices in plans:
+            if choices not in tried:
+                tried.add(choices)
+                fitted = fit_recompute(problem, choices)
+                if fitted is not None and (best is None or fitted[1] < best[0]):
+                    best = (fitted[1], choices, fitted[0])
+        return peak - budget
 
     def done() -> bool:
-        if best is None or evaluations >= max_evaluations:
-            return evaluations >= max_evaluations
+        if best_bound >= stop_at:
+            return True
+        limit = max_evaluations + (max_pattern_evaluations if exact else 0)
+        if best is None or evaluations >= limit:
+            return evaluations >= limit
         return best[0] - best_bound <= target_gap * abs(best[0])
 
     # Bracket: lo with the relaxed plan over the budget, hi with it within.
@@ -233,6 +423,10 @@ def relax(
             lo = mid
         else:
             hi = mid
+    if patterns is not None:
+        exact, max_evaluations = True, evaluations
+        if not done():
+            _pattern_search(evaluate, best_lam or _first_multiplier(problem), done)
     return Relaxed(
         bound_s=best_bound,
         choices=None if best is None else best[1],
@@ -242,6 +436,34 @@ def relax(
         evaluations=evaluations,
         seconds=time.perf_counter() - clock,
     )
+
+
+def _pattern_search(evaluate, lam: float, done) -> None:
+    """Bracket the pattern D's maximum from ``lam`` (its subgradient changes sign there:
+    ``evaluate`` returns it) in steps of 4, then bisect geometrically until ``done``."""
+    lo, hi = 0.0, None
+    if evaluate(lam) > 0.0:
+        lo = lam
+    else:
+        hi = lam
+    while hi is None and not done():
+        lam *= 4.0
+        if evaluate(lam) > 0.0:
+            lo = lam
+        else:
+            hi = lam
+    while lo == 0.0 and hi is not None and hi > 1e-30 and not done():
+        lam = hi / 4.0
+        if evaluate(lam) > 0.0:
+            lo = lam
+        else:
+            hi = lam
+    while hi is not None and lo > 0.0 and hi - lo > 1e-6 * hi and not done():
+        mid = math.sqrt(lo * hi)
+        if evaluate(mid) > 0.0:
+            lo = mid
+        else:
+            hi = mid
 
 
 def _first_multiplier(problem: Problem) -> float:

@@ -26,6 +26,7 @@ from the expanded choices:
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 
 from solver import highs_direct
@@ -50,6 +51,7 @@ def solve(
     msg: bool = False,
     relax_first: bool = True,
     start_plan: tuple[int, ...] | None = None,
+    cutoff_s: float | None = None,
 ) -> Solution:
     """Choose one strategy per node, minimising step time within the memory budget.
 
@@ -104,7 +106,12 @@ def solve(
     if relax_first and _relaxation_applies(problem, gap):
         validate(problem)
         relaxed = _solve_relaxed(
-            problem, backend=backend, time_limit_s=time_limit_s, gap=gap, msg=msg
+            problem,
+            backend=backend,
+            time_limit_s=time_limit_s,
+            gap=gap,
+            msg=msg,
+            cutoff_s=cutoff_s,
         )
         if relaxed is not None:
             return relaxed
@@ -143,7 +150,13 @@ def _relaxation_applies(problem: Problem, gap: float) -> bool:
 
 
 def _solve_relaxed(
-    problem: Problem, *, backend: str, time_limit_s: float | None, gap: float, msg: bool
+    problem: Problem,
+    *,
+    backend: str,
+    time_limit_s: float | None,
+    gap: float,
+    msg: bool,
+    cutoff_s: float | None = None,
 ) -> Solution | None:
     """Lagrangian relaxation of the budget (solver/lagrangian.py); when its best plan is not
     within ``gap`` of its bound, the exact path (MIP) with the better plan and bound of the
@@ -159,8 +172,9 @@ def _solve_relaxed(
         size[:] = max(size, [free.num_variables, free.num_constraints])
         return free.choices, free.objective_s, free.bound_s
 
+    stop_at = math.inf if cutoff_s is None else cutoff_s * (1.0 - gap)
     try:
-        found = relax(problem, solve_free, target_gap=gap)
+        found = relax(problem, solve_free, target_gap=gap, stop_at=stop_at)
     except InfeasibleError:
         return None
     if found.choices is None:
@@ -175,7 +189,9 @@ def _solve_relaxed(
     }
     num_variables, num_constraints = size
     backend_used = resolve_backend(backend)[0]
-    if objective - bound > gap * abs(objective):
+    if bound >= stop_at:  # cannot beat the plan found elsewhere by more than the gap
+        details["cutoff"] = 1.0
+    elif objective - bound > gap * abs(objective):
         exact = solve(
             problem,
             backend=backend,

@@ -56,8 +56,9 @@ class Solved:
 
 def _within_gap(solution: solver.Solution, gap: float) -> bool:
     """The solve finished: proven optimal, or within the requested gap of its bound (the
-    Lagrangian path reports 'feasible' with its gap; a time limit leaves it above)."""
-    return solution.status == "optimal" or solution.gap <= gap
+    Lagrangian path reports 'feasible' with its gap; a time limit leaves it above), or proven
+    unable to beat the best plan found elsewhere by the gap (a cutoff)."""
+    return solution.status == "optimal" or solution.gap <= gap or "cutoff" in solution.details
 
 
 def tie_levels(space: StrategySpace) -> list[tuple[tuple[int, ...], ...]]:
@@ -105,10 +106,12 @@ class ConfigurationSolver:
         budget: float | None,
         spec: RecipeSpec | None = None,
         tied: Ties | None = None,
+        cutoff_s: float | None = None,
     ) -> Solved:
         """Solve one ZeRO configuration (and recipe, with ``spec``). When the layers tied at the
         tightest level do not fit the budget, the next, looser level is tried, and finally
-        every layer chooses on its own.
+        every layer chooses on its own. ``cutoff_s``: the step of the best plan found so far
+        (solver.solve's cutoff: a configuration proven not to beat it by the gap stops early).
 
         Raises:
             solver.InfeasibleBudgetError: nothing fits even untied (``min_budget_bytes`` set).
@@ -121,11 +124,14 @@ class ConfigurationSolver:
                 backend=self.options.solver,
                 time_limit_s=self.options.time_limit_s,
                 gap=self.options.gap,
+                cutoff_s=cutoff_s,
             )
         except solver.InfeasibleBudgetError:
             if not tied:
                 raise
-            return self.solve(zero, name=name, budget=budget, spec=spec, tied=tied[1:])
+            return self.solve(
+                zero, name=name, budget=budget, spec=spec, tied=tied[1:], cutoff_s=cutoff_s
+            )
         return self._finish(zero, name, built, problem, solution)
 
     def solve_many(
@@ -241,7 +247,7 @@ class ConfigurationSolver:
         counted = (
             problem.memory_budget_bytes is not None
             and bool(built.problem.tied)
-            and not (options.gap > 0 and solution.gap <= options.gap)
+            and not (options.gap > 0 and _within_gap(solution, options.gap))
         )
         if (
             problem.segments

@@ -331,8 +331,13 @@ class Driver:
             if free_z is not None and free_z.evaluation.peak_memory_bytes <= budget:
                 solved = free_z  # its budget-free optimum fits: the optimum under the budget
             else:
+                # The best plan so far is a cutoff: the relaxation stops once it proves this
+                # configuration cannot beat it by the gap (solver.solve cutoff_s).
+                cutoff = best.evaluation.step_s if best is not None and gap > 0 else None
                 try:
-                    solved = self.configurations.solve(zero, name="auto", budget=budget)
+                    solved = self.configurations.solve(
+                        zero, name="auto", budget=budget, cutoff_s=cutoff
+                    )
                 except solver.InfeasibleBudgetError as e:
                     min_needed = min(min_needed, e.min_budget_bytes)
                     log.append(

@@ -43,3 +43,41 @@ def test_default_gap_plan_is_within_it_of_the_proven_optimum_and_says_so() -> No
             assert sol["bound_s"] <= entry["bound_s"]
     if sol["gap"] > 0:
         assert "bound" in fast_plan.summary()
+
+
+def test_a_configuration_cut_off_by_a_better_plan_is_not_solved_again(monkeypatch) -> None:
+    # Driver.auto hands each budgeted ZeRO configuration the best step found so far: once the
+    # relaxation's bound proves the configuration cannot beat it by the gap, its plan so far
+    # comes back ('cutoff'), and ConfigurationSolver._finish must not take its re-solve path
+    # (a 'feasible' solve above the gap otherwise is re-solved without segments).
+    import solver
+    from autopar.planner.driver import Driver
+    from autopar.planner.space import build_space
+    from autopar.planner.zero_choice import zero_candidates
+
+    model, args, kwargs = tiny_gpt()
+    mesh = Mesh.parse("2", device="h100")
+    options = PlanOptions(memory_budget=2_500_000)
+    driver = Driver(build_space(capture(model, args, kwargs), mesh, options))
+    calls = []
+    real_solve = solver.solve
+
+    def counting_solve(problem, **kwargs):
+        calls.append(kwargs.get("cutoff_s"))
+        return real_solve(problem, **kwargs)
+
+    monkeypatch.setattr(solver, "solve", counting_solve)
+    for zero in zero_candidates(mesh.ndim, mesh.shape):  # one the relaxation plans
+        uncut = driver.configurations.solve(zero, name="auto", budget=driver.budget)
+        if "lagrangian_bound_s" in uncut.solution.details:
+            break
+    else:
+        raise AssertionError("no ZeRO configuration went through the relaxation")
+    calls.clear()
+    cut = driver.configurations.solve(zero, name="auto", budget=driver.budget, cutoff_s=1e-12)
+    assert calls == [1e-12]  # one solve: the relaxation stopped at once, nothing re-solved
+    assert cut.solution.details.get("cutoff") == 1.0
+    assert cut.evaluation.peak_memory_bytes <= driver.budget
+    # Its bound is still a bound: not above the configuration's plan solved without a cutoff.
+    assert cut.solution.bound_s <= uncut.solution.objective_s * (1 + 1e-9)
+    assert cut.solution.objective_s >= uncut.solution.bound_s * (1 - 1e-9)

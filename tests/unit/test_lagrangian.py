@@ -11,7 +11,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from solver import Edge, InfeasibleBudgetError, Node, Problem, brute_force, solve
-from solver.lagrangian import priced, relax, transient_floor
+from solver.lagrangian import (
+    pattern_dual,
+    priced,
+    recompute_patterns,
+    relax,
+    transient_floor,
+)
 from solver.problem import Segment
 
 
@@ -123,6 +129,47 @@ def test_the_dual_function_is_below_the_optimum_at_every_multiplier(problem, sca
 
 
 @SETTINGS
+@given(budgeted_problems(), st.floats(0.0, 2.0))
+def test_the_pattern_dual_is_below_the_optimum_at_every_multiplier(problem, scale) -> None:
+    # The stronger D: one budget-free solve per recompute pattern, each segment priced whole.
+    patterns = recompute_patterns(problem)
+    optimum = _optimum(problem)
+    if optimum is None or patterns is None:
+        return
+    lam = scale * 0.5
+    try:
+        lower, plans, _, _ = pattern_dual(problem, lam, _free_solver, patterns)
+    except Exception:  # forbidden pairs everywhere: nothing to bound
+        return
+    budget = problem.memory_budget_bytes
+    dual = lower + lam * (problem.memory_offset_bytes + transient_floor(problem) - budget)
+    assert dual <= optimum + 1e-9 * max(1.0, abs(optimum))
+    assert all(len(plan) == len(problem.nodes) for plan in plans)
+
+
+@settings(SETTINGS, max_examples=12)
+@given(budgeted_problems())
+def test_a_cutoff_stops_the_search_with_a_valid_bound(problem) -> None:
+    # stop_at: the bound at which a plan found elsewhere cannot be beaten by the gap. The search
+    # stops once its bound reaches it, and what it reports is still a bound and a real plan.
+    optimum = _optimum(problem)
+    untied = _optimum(dataclasses.replace(problem, tied=()))
+    if optimum is None or untied is None:
+        return
+    cutoff = optimum - 0.5 * abs(optimum) - 1.0
+    try:
+        found = relax(problem, _free_solver, stop_at=cutoff, max_evaluations=8)
+    except Exception:  # forbidden pairs everywhere
+        return
+    tolerance = 1e-9 * max(1.0, abs(optimum))
+    assert found.bound_s <= optimum + tolerance
+    if found.bound_s >= cutoff:  # stopped there: no more evaluations than the whole search
+        assert found.evaluations <= relax(problem, _free_solver, max_evaluations=8).evaluations
+    if found.choices is not None:  # a plan of the untied problem (elimination unties)
+        assert found.objective_s >= untied - tolerance
+
+
+@SETTINGS
 @given(budgeted_problems(), st.sampled_from([0.01, 0.2]))
 def test_relaxed_solve_fits_and_reports_an_honest_gap(problem, gap) -> None:
     optimum = _optimum(problem)
@@ -196,6 +243,7 @@ def test_the_mip_started_from_a_plan_returns_one_no_worse(problem) -> None:
     sol = solve(problem, gap=1.0, relax_first=False, start_plan=best)
     tolerance = 1e-9 * max(1.0, abs(optimum))
     assert sol.objective_s <= optimum + tolerance
+    assert sol.status == ("optimal" if sol.gap == 0.0 else "feasible")  # not 'optimal' at a gap
     assert sol.peak_memory_bytes <= problem.memory_budget_bytes + 1e-9
     assert sol.bound_s <= optimum + tolerance
 
@@ -234,3 +282,28 @@ def test_a_start_plan_maps_onto_the_strategy_columns_it_chose() -> None:
     kept = [i for i, allowed in enumerate(red.allowed) if plan[i] in allowed]
     assert len(kept) >= 3  # the check is not vacuous
     assert [decoded[i] for i in kept] == [plan[i] for i in kept]
+
+
+def test_the_pattern_dual_prices_each_recomputed_segment_whole() -> None:
+    # Two disjoint segments of 6 bytes each: recomputing both (1 s) fits 20 - 12 + 6 = 14 bytes.
+    # Priced whole, pattern (1, 1) gives D(1) = 2 + 1 + (14 - 14) = 3, the optimum exactly; the
+    # node-by-node split cannot see that one recomputed segment is alive again.
+    nodes = tuple(Node(name=f"n{i}", cost_s=(1.0,), memory_bytes=(10.0,)) for i in range(2))
+    segments = tuple(
+        Segment(name=f"s{i}", nodes=(i,), freed_bytes=((6.0,),), recompute_s=((0.5,),))
+        for i in range(2)
+    )
+    problem = Problem(
+        nodes=nodes,
+        edges=(Edge(src=0, dst=1, cost_s=((0.0,),)),),
+        memory_budget_bytes=14.0,
+        segments=segments,
+    )
+    assert brute_force(problem)[1] == pytest.approx(3.0)
+    patterns = recompute_patterns(problem)
+    assert sorted(patterns) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    lower, _, peak, _ = pattern_dual(problem, 1.0, _free_solver, patterns)
+    assert lower + 1.0 * (0.0 - 14.0) == pytest.approx(3.0)
+    assert peak == pytest.approx(14.0)
+    found = relax(problem, _free_solver, target_gap=0.0)
+    assert found.bound_s == pytest.approx(3.0) and found.objective_s == pytest.approx(3.0)
