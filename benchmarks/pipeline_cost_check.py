@@ -147,10 +147,27 @@ def _repetition(rows: list[torch.Tensor]) -> dict[str, Any]:
     }
 
 
+def from_measured_stages(case: dict[str, Any], busy_per_microbatch: list[float]) -> Any:
+    """The schedule model fed with the MEASURED stage work (busy seconds per microbatch) and the
+    plan's point-to-point seconds: checks the schedule formula apart from the compute model."""
+    from autopar.planner.pipeline_schedule import StageCost, schedule_time
+
+    stages = [
+        StageCost(forward_s=busy, backward_s=0.0, p2p_s=s["p2p_s"])
+        for busy, s in zip(busy_per_microbatch, case["stages"], strict=True)
+    ]
+    return schedule_time(stages, microbatches=case["microbatches"], schedule=case["schedule"])
+
+
 def summarize(cases: list[dict[str, Any]], measured: dict[str, Any]) -> list[dict[str, Any]]:
     table = []
     for case in cases:
         reps = measured[case["key"]]
+        busy = [
+            statistics.median(r["busy_s"][k] for r in reps) / case["microbatches"]
+            for k in range(len(reps[0]["busy_s"]))
+        ]
+        formula = from_measured_stages(case, busy)
         steps = [r["step_s"] for r in reps]
         bubbles = [r["bubble"] for r in reps]
         predicted = case["predicted"]
@@ -163,10 +180,8 @@ def summarize(cases: list[dict[str, Any]], measured: dict[str, Any]) -> list[dic
             "bubble": statistics.median(bubbles), "bubble_min": min(bubbles),
             "bubble_max": max(bubbles),
             "bubble_mean": statistics.median(r["bubble_mean"] for r in reps),
-            "busy_per_microbatch_s": [
-                statistics.median(r["busy_s"][k] for r in reps) / case["microbatches"]
-                for k in range(len(reps[0]["busy_s"]))
-            ],
+            "busy_per_microbatch_s": busy,
+            "formula_step_s": formula.step_s, "formula_bubble": formula.bubble_fraction,
             "predicted_stage_s": [s["forward_s"] + s["backward_s"] + s["p2p_s"]
                                   for s in case["stages"]],
             "optimizer_s": statistics.median(r["optimizer_s"] for r in reps),
@@ -177,8 +192,9 @@ def summarize(cases: list[dict[str, Any]], measured: dict[str, Any]) -> list[dic
 def markdown(world: int, table: list[dict[str, Any]]) -> str:
     lines = [
         "| ranks | model / schedule / m | cuts | predicted step ms | measured step ms (min-max)"
-        " | measured / predicted | predicted bubble | measured bubble (min-max) | bubble ratio |",
-        "|---|---|---|---:|---|---:|---:|---|---:|",
+        " | measured / predicted | predicted bubble | measured bubble (min-max) | bubble ratio"
+        " | schedule model on measured stages: step ratio, bubble |",
+        "|---|---|---|---:|---|---:|---:|---|---:|---|",
     ]
     for row in table:
         cuts = "+".join(str(b - a) for a, b in row["blocks"])
@@ -189,7 +205,8 @@ def markdown(world: int, table: list[dict[str, Any]]) -> str:
             f"{row['step_s'] * 1e3:.1f} ({row['step_min_s'] * 1e3:.1f}-"
             f"{row['step_max_s'] * 1e3:.1f}) | {ratio:.2f} | {row['predicted_bubble']:.3f} | "
             f"{row['bubble']:.3f} ({row['bubble_min']:.3f}-{row['bubble_max']:.3f}) | "
-            f"{bubble_ratio:.2f} |"
+            f"{bubble_ratio:.2f} | {row['step_s'] / row['formula_step_s']:.2f}, "
+            f"{row['formula_bubble']:.3f} |"
         )
     return "\n".join(lines)
 
@@ -245,7 +262,9 @@ def main(argv: list[str] | None = None) -> int:
     path = os.path.join(args.out, f"pipeline_cost_check_{args.world}.json")
     with open(path, "w") as f:
         json.dump({"argv": sys.argv, "table": table}, f, indent=1)
-    print(f"command: PYTHONPATH=. python benchmarks/pipeline_cost_check.py {' '.join(sys.argv[1:])}")
+    print(
+        f"command: PYTHONPATH=. python benchmarks/pipeline_cost_check.py {' '.join(sys.argv[1:])}"
+    )
     return 0
 
 
