@@ -103,6 +103,7 @@ def _gathered(values: list[float]) -> torch.Tensor:
 def run_rank(rank: int, world: int, cases: list[dict[str, Any]], args: Any) -> dict[str, Any]:
     """Build every case's module on this rank, then time them interleaved (module docstring)."""
     import autopar
+    from autopar.tools.bench_cost import _matmul_rate
 
     mesh = autopar.Mesh.from_world((world,), ("pp",))
     built = {}
@@ -119,6 +120,7 @@ def run_rank(rank: int, world: int, cases: list[dict[str, Any]], args: Any) -> d
     out: dict[str, Any] = {key: [] for key in built}
     for _ in range(args.reps):
         for key, (pmodel, opt, batch) in built.items():
+            rate = _matmul_rate(torch.device("cpu"))  # machine speed now (drift probe)
             rows = []
             for _ in range(args.steps):
                 dist.barrier()
@@ -129,7 +131,7 @@ def run_rank(rank: int, world: int, cases: list[dict[str, Any]], args: Any) -> d
                 opt.step()
                 opt.zero_grad()
                 rows.append(_gathered([wall, pmodel.busy_s, time.perf_counter() - start]))
-            out[key].append(_repetition(rows))
+            out[key].append(dict(_repetition(rows), matmul_flops=rate))
     return out
 
 
@@ -147,6 +149,20 @@ def _repetition(rows: list[torch.Tensor]) -> dict[str, Any]:
     }
 
 
+def drift_removed(case: dict[str, Any], speed: float) -> Any:
+    """The plan's schedule with every stage's forward and backward scaled by ``speed``
+    (calibrated matmul FLOP/s over the FLOP/s measured during the run's repetitions): the
+    prediction with the machine's speed drift since calibration removed."""
+    from autopar.planner.pipeline_schedule import StageCost, schedule_time
+
+    stages = [
+        StageCost(forward_s=s["forward_s"] * speed, backward_s=s["backward_s"] * speed,
+                  p2p_s=s["p2p_s"], step_s=s["grad_sync_s"])
+        for s in case["stages"]
+    ]  # fmt: skip
+    return schedule_time(stages, microbatches=case["microbatches"], schedule=case["schedule"])
+
+
 def from_measured_stages(case: dict[str, Any], busy_per_microbatch: list[float]) -> Any:
     """The schedule model fed with the MEASURED stage work (busy seconds per microbatch) and the
     plan's point-to-point seconds: checks the schedule formula apart from the compute model."""
@@ -159,7 +175,9 @@ def from_measured_stages(case: dict[str, Any], busy_per_microbatch: list[float])
     return schedule_time(stages, microbatches=case["microbatches"], schedule=case["schedule"])
 
 
-def summarize(cases: list[dict[str, Any]], measured: dict[str, Any]) -> list[dict[str, Any]]:
+def summarize(
+    cases: list[dict[str, Any]], measured: dict[str, Any], calibrated_flops: float
+) -> list[dict[str, Any]]:
     table = []
     for case in cases:
         reps = measured[case["key"]]
@@ -168,6 +186,8 @@ def summarize(cases: list[dict[str, Any]], measured: dict[str, Any]) -> list[dic
             for k in range(len(reps[0]["busy_s"]))
         ]
         formula = from_measured_stages(case, busy)
+        speed = calibrated_flops / statistics.median(r["matmul_flops"] for r in reps)
+        drift = drift_removed(case, speed)
         steps = [r["step_s"] for r in reps]
         bubbles = [r["bubble"] for r in reps]
         predicted = case["predicted"]
@@ -180,6 +200,10 @@ def summarize(cases: list[dict[str, Any]], measured: dict[str, Any]) -> list[dic
             "bubble": statistics.median(bubbles), "bubble_min": min(bubbles),
             "bubble_max": max(bubbles),
             "bubble_mean": statistics.median(r["bubble_mean"] for r in reps),
+            "predicted_idle": 1 - predicted["compute_s"] / predicted["step_s"],
+            "speed_factor": speed,
+            "drift_removed_step_s": drift.step_s,
+            "drift_removed_idle": 1 - drift.compute_s / drift.step_s,
             "busy_per_microbatch_s": busy,
             "formula_step_s": formula.step_s, "formula_bubble": formula.bubble_fraction,
             "predicted_stage_s": [s["forward_s"] + s["backward_s"] + s["p2p_s"]
@@ -191,22 +215,24 @@ def summarize(cases: list[dict[str, Any]], measured: dict[str, Any]) -> list[dic
 
 def markdown(world: int, table: list[dict[str, Any]]) -> str:
     lines = [
-        "| ranks | model / schedule / m | cuts | predicted step ms | measured step ms (min-max)"
-        " | measured / predicted | predicted bubble | measured bubble (min-max) | bubble ratio"
-        " | schedule model on measured stages: step ratio, bubble |",
-        "|---|---|---|---:|---|---:|---:|---|---:|---|",
+        "| ranks | model / schedule / m | cuts | predicted step ms (drift removed) | measured step"
+        " ms (min-max) | measured / predicted (drift removed) | predicted bubble | predicted idle"
+        " (drift removed) | measured idle (min-max) | idle ratio (drift removed) | schedule"
+        " model on measured stages: step ratio |",
+        "|---|---|---|---|---|---|---:|---|---|---|---:|",
     ]
     for row in table:
         cuts = "+".join(str(b - a) for a, b in row["blocks"])
-        ratio = row["step_s"] / row["predicted_step_s"]
-        bubble_ratio = row["bubble"] / row["predicted_bubble"] if row["predicted_bubble"] else 0
+        step, drift = row["predicted_step_s"], row["drift_removed_step_s"]
+        idle, drift_idle = row["predicted_idle"], row["drift_removed_idle"]
         lines.append(
-            f"| {world} | {row['key']} | {cuts} | {row['predicted_step_s'] * 1e3:.1f} | "
-            f"{row['step_s'] * 1e3:.1f} ({row['step_min_s'] * 1e3:.1f}-"
-            f"{row['step_max_s'] * 1e3:.1f}) | {ratio:.2f} | {row['predicted_bubble']:.3f} | "
-            f"{row['bubble']:.3f} ({row['bubble_min']:.3f}-{row['bubble_max']:.3f}) | "
-            f"{bubble_ratio:.2f} | {row['step_s'] / row['formula_step_s']:.2f}, "
-            f"{row['formula_bubble']:.3f} |"
+            f"| {world} | {row['key']} | {cuts} | {step * 1e3:.0f} ({drift * 1e3:.0f}) | "
+            f"{row['step_s'] * 1e3:.0f} ({row['step_min_s'] * 1e3:.0f}-"
+            f"{row['step_max_s'] * 1e3:.0f}) | {row['step_s'] / step:.2f} "
+            f"({row['step_s'] / drift:.2f}) | {row['predicted_bubble']:.3f} | {idle:.3f} "
+            f"({drift_idle:.3f}) | {row['bubble']:.3f} ({row['bubble_min']:.3f}-"
+            f"{row['bubble_max']:.3f}) | {row['bubble'] / idle:.2f} "
+            f"({row['bubble'] / drift_idle:.2f}) | {row['step_s'] / row['formula_step_s']:.2f} |"
         )
     return "\n".join(lines)
 
@@ -219,7 +245,10 @@ def per_stage_text(table: list[dict[str, Any]]) -> str:
             f"{p * 1e3:.2f}/{b * 1e3:.2f}"
             for p, b in zip(row["predicted_stage_s"], row["busy_per_microbatch_s"])
         )
-        lines.append(f"  {row['key']:22} {pairs}   (SGD step {row['optimizer_s'] * 1e3:.1f} ms)")
+        lines.append(
+            f"  {row['key']:22} {pairs}   (SGD step {row['optimizer_s'] * 1e3:.1f} ms; "
+            f"calibrated / current matmul speed {row['speed_factor']:.2f})"
+        )
     return "\n".join(lines)
 
 
@@ -255,13 +284,13 @@ def main(argv: list[str] | None = None) -> int:
     cases = plan_cases(args.world, profile, args)
     print(f"planned {len(cases)} configurations in {time.perf_counter() - start:.0f} s", flush=True)
     measured = spawn_ranks(run_rank, args.world, cases, args, timeout_s=1800, pg_timeout_s=600)[0]
-    table = summarize(cases, measured)
+    table = summarize(cases, measured, profile.device.peak_flops["float32"])
     print(f"load at end: {_load()}; {time.perf_counter() - start:.0f} s in all")
     print(markdown(args.world, table))
     print(per_stage_text(table))
     path = os.path.join(args.out, f"pipeline_cost_check_{args.world}.json")
     with open(path, "w") as f:
-        json.dump({"argv": sys.argv, "table": table}, f, indent=1)
+        json.dump({"argv": sys.argv, "table": table, "cases": cases}, f, indent=1, default=str)
     print(
         f"command: PYTHONPATH=. python benchmarks/pipeline_cost_check.py {' '.join(sys.argv[1:])}"
     )
