@@ -77,6 +77,8 @@ def plan_cases(world: int, profile: Any, args: argparse.Namespace) -> list[dict[
     for model_name in args.models:
         for schedule in args.schedules:
             for m in args.microbatches:
+                if schedule == "1f1b" and m < world:
+                    continue  # torch's Schedule1F1B refuses fewer microbatches than stages
                 model, batch = build(model_name, args.batch, args.seq)
                 plan = autopar.plan(model, mesh, batch, stages=world, microbatches=m,
                                     schedule=schedule, optimizer="sgd",
