@@ -118,6 +118,7 @@ def test_wrong_world_size_is_one_line(searched):
         ),
         (1, {"stages": 2}, "the model has one block"),
         (4, {"stages": 2, "schedule": "zigzag"}, "unknown schedule 'zigzag'"),
+        (4, {"stages": 2, "microbatches": 1, "schedule": "1f1b"}, "1f1b with 1 microbatches"),
     ],
 )
 def test_bad_pipeline_options_are_one_line_errors(layers, kwargs, message):
