@@ -76,6 +76,16 @@ def check_stage_options(stage: StageOptions, *, batch: int, num_blocks: int, sta
             f"{stage.microbatches} microbatches do not divide the global batch of {batch}: "
             f"choose a divisor of {batch}"
         )
+    if (
+        stage.schedule == "1f1b"
+        and None not in (stage.microbatches, stage.stages)
+        and stage.microbatches < stage.stages  # type: ignore[operator]
+    ):
+        raise ValueError(
+            f"1f1b with {stage.microbatches} microbatches on {stage.stages} stages: torch's "
+            f"Schedule1F1B needs at least as many microbatches as stages; use gpipe or "
+            f"{stage.stages} or more microbatches"
+        )
     if stage.stages is not None and stage.stages < 1:
         raise ValueError(f"stages must be >= 1, got {stage.stages}")
     if stage.stages is not None and stage.stages > 1:

@@ -246,6 +246,8 @@ class StagePlanner:
             ]
         out = []
         for schedule in schedules:
+            if schedule == "1f1b" and m < p:
+                continue  # torch's Schedule1F1B refuses fewer microbatches than stages
             if schedule == "interleaved-1f1b":
                 found = self._interleaved(mesh, m, pricer)
                 if found is not None:
@@ -315,8 +317,8 @@ class StagePlanner:
         """Megatron-LM's 3-D recipe on ``mesh`` with ``m`` microbatches (module docstring)."""
         local = self.model.batch // (m * mesh.dp)
         parts = self.probes.parts(local, mesh.tp, mesh.tp_link, recipe="megatron")
-        if parts is None or mesh.pp > self.model.num_blocks:
-            return None
+        if parts is None or mesh.pp > self.model.num_blocks or (mesh.pp > 1 and m < mesh.pp):
+            return None  # (1F1B: torch needs at least as many microbatches as stages)
         pricer = self._pricer(mesh, (parts,), zero=(1,))
         if mesh.pp == 1:
             found = next(iter(self._candidates(mesh, m, (parts,), (), pricer=pricer)), None)

@@ -31,6 +31,7 @@ sum over the pipeline axis's group.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -119,7 +120,26 @@ def _num_shards(placements: Sequence[Any], mesh_shape: Sequence[int]) -> int:
 
 class _Stage(PipelineStage):
     """torch's PipelineStage; all but a stage's last microbatch backward skip the gradient
-    reduction of its ParallelModule (as torch does for DDP), so it runs once per step."""
+    reduction of its ParallelModule (as torch does for DDP), so it runs once per step.
+
+    ``busy_s`` adds up the wall seconds of its microbatch forwards and backwards (the work the
+    schedule runs between its point-to-point waits): :attr:`PipelineModule.busy_s`."""
+
+    busy_s: float = 0.0
+
+    def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return super().forward_one_chunk(*args, **kwargs)
+        finally:
+            self.busy_s += time.perf_counter() - start
+
+    def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return super().backward_one_chunk(*args, **kwargs)
+        finally:
+            self.busy_s += time.perf_counter() - start
 
     def backward_maybe_with_nosync(
         self, backward_type: Any, bwd_kwargs: dict, last_backward: bool = False
@@ -174,6 +194,12 @@ class PipelineModule(nn.Module):
         pipeline_stages = [
             _Stage(module, index, num_stages, device, group=p2p_group) for index, module in stages
         ]
+        self._stages = pipeline_stages
+        self.busy_s = 0.0
+        """Wall seconds this rank spent in its stages' microbatch forwards and backwards during
+        the last :meth:`step` (the schedule's waits for sends and receives, the loss broadcast
+        and the tied-weight gradient sum excluded): ``1 - busy_s / step seconds`` is this
+        rank's measured bubble (``benchmarks/pipeline_cost_check.py``)."""
         cls = SCHEDULE_CLASSES[schedule]
         self.schedule = cls(
             pipeline_stages if schedule == "interleaved-1f1b" else pipeline_stages[0],
@@ -220,7 +246,10 @@ class PipelineModule(nn.Module):
                 inputs[input_key(i)] = leaf
         losses: list[torch.Tensor] = []
         target = torch.zeros(self.microbatches)
+        for stage in self._stages:
+            stage.busy_s = 0.0
         self.schedule.step(target=target, losses=losses, return_outputs=False, **inputs)
+        self.busy_s = sum(stage.busy_s for stage in self._stages)
         self._sum_shared_grads()
         if self._has_last:
             loss = torch.stack([x.detach() for x in losses]).sum()

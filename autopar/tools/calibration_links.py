@@ -3,6 +3,12 @@
 Every rank runs this at the same time: each collective is timed on every group of a mesh axis at
 once over the message sizes of ``CalibrationConfig.collective_bytes``, the slowest rank counts,
 and ``cost_models.fit_alpha_beta`` turns the timings into ``links[axis].collectives[kind]``.
+
+``broadcast`` is measured as what the planner prices with it: a pipeline stage's
+point-to-point transfer to its neighbour (``planner.stage_pricing``'s ``p2p_s``). Neighbouring
+group ranks (0-1, 2-3, ...) exchange a tensor with ``dist.batch_isend_irecv``, as torch's
+pipeline schedules do, in a ping-pong; half its round trip is one transfer: the latency of a
+waiting rank picking up a message (on an oversubscribed CPU, its wake-up) plus the copy.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ if TYPE_CHECKING:
 
 __all__ = ["CALIBRATED_COLLECTIVES", "measure_links"]
 
-CALIBRATED_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+CALIBRATED_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 
 
 def _run_collective(
@@ -45,7 +51,35 @@ def _run_collective(
     if kind == "all_to_all":
         out = torch.empty_like(full)
         return lambda: dist.all_to_all_single(out, full, group=group)
+    if kind == "broadcast":
+        return _ping_pong(full, group, size)
     raise ValueError(f"unknown collective {kind!r}; known: {CALIBRATED_COLLECTIVES}")
+
+
+def _ping_pong(tensor: torch.Tensor, group: Any, size: int) -> Callable[[], None]:
+    """One round trip between neighbouring group ranks (module docstring); a rank without a
+    neighbour (the last of an odd group) does nothing."""
+    me = dist.get_rank(group)
+    peer = me + 1 if me % 2 == 0 else me - 1
+    if peer >= size:
+        return lambda: None
+    peer_global = dist.get_global_rank(group, peer)
+    reply = torch.empty_like(tensor)
+
+    def exchange(send_first: bool) -> None:
+        ops = (
+            [dist.P2POp(dist.isend, tensor, peer_global, group)]
+            if send_first
+            else [dist.P2POp(dist.irecv, reply, peer_global, group)]
+        )
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+    def round_trip() -> None:
+        exchange(me % 2 == 0)
+        exchange(me % 2 == 1)
+
+    return round_trip
 
 
 def measure_links(
@@ -72,6 +106,8 @@ def measure_links(
                 # would pick would need another collective, so time a fixed number instead.
                 times.append(_time_fixed(fn, device, config))
             times = max_over_ranks(times, device)
+            if kind == "broadcast":  # a round trip is two transfers
+                times = [t / 2 for t in times]
             details[f"{name}/{kind}"] = {"bytes": sizes, "seconds": times}
             try:
                 fits[kind] = fit_alpha_beta(sizes, times, kind, size)

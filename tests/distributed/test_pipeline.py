@@ -96,7 +96,7 @@ def check_pipeline(rank: int, world_size: int, case: Any) -> dict[str, Any]:
         price_baselines=False,
         **options,
     )
-    loss = pmodel.step(*args, **kwargs)
+    loss = _timed_step(pmodel, args, kwargs)
     _close("loss", loss, want["loss"])
     checked: list[str] = []
     for pmodule in pmodel.pmodules:
@@ -112,12 +112,24 @@ def check_pipeline(rank: int, world_size: int, case: Any) -> dict[str, Any]:
     opt.step()
     for _ in range(NUM_STEPS - 1):
         opt.zero_grad()
-        pmodel.step(*args, **kwargs)
+        _timed_step(pmodel, args, kwargs)
         opt.step()
     state = pmodel.state_dict()
     for name, value in state.items():
         _close(f"{name} after {NUM_STEPS} SGD steps", value, want["state"][name])
     return {"grads": sorted(checked), "state": sorted(state), "loss": float(loss)}
+
+
+def _timed_step(pmodel: Any, args: Any, kwargs: Any) -> torch.Tensor:
+    """``pmodel.step``, checking its measured busy time (the measured bubble's numerator): the
+    stages' work of THIS step (reset every step), positive and inside the step's wall time."""
+    import time
+
+    start = time.perf_counter()
+    loss = pmodel.step(*args, **kwargs)
+    wall = time.perf_counter() - start
+    assert 0.0 < pmodel.busy_s < wall, (pmodel.busy_s, wall)
+    return loss
 
 
 @pytest.mark.parametrize("world_size", [2, 4, pytest.param(8, marks=pytest.mark.slow)])

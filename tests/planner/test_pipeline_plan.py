@@ -118,6 +118,7 @@ def test_wrong_world_size_is_one_line(searched):
         ),
         (1, {"stages": 2}, "the model has one block"),
         (4, {"stages": 2, "schedule": "zigzag"}, "unknown schedule 'zigzag'"),
+        (4, {"stages": 2, "microbatches": 1, "schedule": "1f1b"}, "1f1b with 1 microbatches"),
     ],
 )
 def test_bad_pipeline_options_are_one_line_errors(layers, kwargs, message):
@@ -231,3 +232,28 @@ def test_one_stage_gives_the_ordinary_plan_of_the_winning_mesh():
     assert search["accumulate"] == best["microbatches"] == 2
     assert plan.data["mesh"]["shape"] == best["mesh"][1:]
     assert "Stage search:" in plan.summary()
+
+
+def test_stage_p2p_uses_the_calibrated_point_to_point_transfer():
+    """A calibrated link's ``broadcast`` fit (``autopar calibrate`` measures the pipeline's
+    point-to-point transfer under that name) prices a stage's sends; a preset link (no fit)
+    keeps the alpha-beta formula, so plans on presets do not move."""
+    import dataclasses
+
+    from cost_models import LinkSpec, collective_time_s
+
+    preset = _pricer(1e9)
+    calibrated_link = LinkSpec(
+        name="calibrated-pp",
+        bandwidth_Bps=1e9,
+        latency_s=1e-4,
+        collectives={"broadcast": (5e-3, 1e-9)},
+    )
+    calibrated = dataclasses.replace(preset, pp_link=calibrated_link, memo={})
+    kw = dict(blocks=1, first=False, last=False, in_flight=1, microbatches=4)
+    middle = calibrated.price(**kw)
+    assert middle.p2p_s == pytest.approx(2 * (5e-3 + 1e-9 * 2.0))  # activation and gradient sends
+    assert calibrated.price(**{**kw, "first": True}).p2p_s == pytest.approx(5e-3 + 2e-9)
+    formula = collective_time_s("broadcast", 2.0, 2, preset.pp_link)
+    assert preset.price(**kw).p2p_s == pytest.approx(2 * formula)
+    assert formula < 1e-3

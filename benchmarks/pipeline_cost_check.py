@@ -1,0 +1,303 @@
+"""The pipeline cost model against measured gloo steps: step time and bubble, GPipe and 1F1B.
+
+    PYTHONPATH=. python benchmarks/pipeline_cost_check.py --world 2      # 2 stages on 2 ranks
+    PYTHONPATH=. python benchmarks/pipeline_cost_check.py --world 4      # 4 stages, 4 ranks
+    PYTHONPATH=. python benchmarks/pipeline_cost_check.py --world 2 --profile p2.json
+
+For one world size ``p`` (2 ranks, one per core; 4 ranks oversubscribe the 2 cores):
+
+1. ``autopar calibrate`` on ``p`` gloo ranks with a 1-D mesh named ``pp`` (so the profile
+   carries the contention of ``p`` ranks on this machine), or ``--profile`` reuses one;
+2. for each model (a 4-block GPT and LLaMA of width 256), schedule (GPipe, 1F1B) and
+   microbatch count (2, 4, 8): ``autopar.plan(model, Mesh.spec((p,), ("pp",), profile=...),
+   batch, stages=p, microbatches=m, schedule=s)``: the stage planner chooses the cuts, and the
+   plan's ``pipeline.predicted`` holds the predicted step and bubble fraction;
+3. one spawn of ``p`` ranks builds every plan (``autoparallelize(..., pipeline=plan.pipeline)``)
+   and times ``pmodel.step`` (forward and backward of the whole schedule, the loss broadcast;
+   the SGD step after it is timed apart and not part of the figure, as the plan does not price
+   it): ``--reps`` repetitions of ``--steps`` steps, the configurations interleaved within each
+   repetition so that load from other processes hits them alike.
+
+Measured figures, per configuration:
+
+- step: a step's time is the slowest rank's (a barrier before each step); a repetition's
+  figure is the median over its steps; the table gives the median and min-max over
+  repetitions;
+- bubble: per rank, ``busy`` is ``PipelineModule.busy_s``, the wall seconds inside its stage's
+  microbatch forwards and backwards (``PipelineStage.forward_one_chunk`` /
+  ``backward_one_chunk``); the bubble of a step is ``1 - max_r busy_r / step``: the idle share
+  of the busiest rank, the quantity the plan's ``bubble_fraction`` predicts (the slowest
+  stage's idle time ``sum_i t_i - max_i t_i`` over the step). The mean over ranks of
+  ``1 - busy_r / step`` is printed too.
+
+Prints a markdown table (predicted vs measured, ratios) and writes ``--out``'s JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from autopar.models import GPT, GPTConfig, Llama, LlamaConfig
+
+WIDTH, LAYERS, VOCAB = 256, 4, 1024
+
+
+def build(name: str, batch: int, seq: int) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
+    """A 4-block model of width 256 (untied head) and a fixed global batch."""
+    torch.manual_seed(0)
+    if name == "gpt":
+        config = GPTConfig(vocab_size=VOCAB, block_size=seq, n_layer=LAYERS, n_head=8,
+                           n_embd=WIDTH, tie_weights=False)  # fmt: skip
+        model: torch.nn.Module = GPT(config)
+    else:
+        config = LlamaConfig(vocab_size=VOCAB, dim=WIDTH, n_layers=LAYERS, n_heads=8,
+                             n_kv_heads=4, ffn_hidden=688, max_seq_len=seq)  # fmt: skip
+        model = Llama(config)
+    g = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, VOCAB, (batch, seq), generator=g)
+    return model, (idx, torch.roll(idx, -1, dims=1))
+
+
+def plan_cases(world: int, profile: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One planned configuration per (model, schedule, microbatches), in one process."""
+    import autopar
+
+    mesh = autopar.Mesh.spec((world,), ("pp",), profile=profile)
+    cases = []
+    for model_name in args.models:
+        for schedule in args.schedules:
+            for m in args.microbatches:
+                if schedule == "1f1b" and m < world:
+                    continue  # torch's Schedule1F1B refuses fewer microbatches than stages
+                model, batch = build(model_name, args.batch, args.seq)
+                plan = autopar.plan(model, mesh, batch, stages=world, microbatches=m,
+                                    schedule=schedule, optimizer="sgd",
+                                    model_name=model_name)  # fmt: skip
+                pipeline = plan.pipeline
+                cases.append({
+                    "key": f"{model_name}/{schedule}/m{m}",
+                    "model": model_name, "schedule": schedule, "microbatches": m,
+                    "pipeline": pipeline,
+                    "predicted": dict(pipeline.predicted),
+                    "stages": [dict(s.predicted, blocks=list(s.blocks)) for s in pipeline.stages],
+                })  # fmt: skip
+    return cases
+
+
+def _gathered(values: list[float]) -> torch.Tensor:
+    """``values`` of every rank: a (world, len(values)) tensor."""
+    mine = torch.tensor(values, dtype=torch.float64)
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return torch.stack(every)
+
+
+def run_rank(rank: int, world: int, cases: list[dict[str, Any]], args: Any) -> dict[str, Any]:
+    """Build every case's module on this rank, then time them interleaved (module docstring)."""
+    import autopar
+    from autopar.tools.bench_cost import _matmul_rate
+
+    mesh = autopar.Mesh.from_world((world,), ("pp",))
+    built = {}
+    for case in cases:
+        model, batch = build(case["model"], args.batch, args.seq)
+        pmodel = autopar.autoparallelize(model, mesh, batch, pipeline=case["pipeline"],
+                                         optimizer="sgd", price_baselines=False)  # fmt: skip
+        opt = torch.optim.SGD(pmodel.parameters(), lr=1e-3)
+        for _ in range(2):  # warm-up: first-call costs, the schedule's shape inference
+            pmodel.step(*batch)
+            opt.step()
+            opt.zero_grad()
+        built[case["key"]] = (pmodel, opt, batch)
+    out: dict[str, Any] = {key: [] for key in built}
+    for _ in range(args.reps):
+        for key, (pmodel, opt, batch) in built.items():
+            rate = _matmul_rate(torch.device("cpu"))  # machine speed now (drift probe)
+            rows = []
+            for _ in range(args.steps):
+                dist.barrier()
+                start = time.perf_counter()
+                pmodel.step(*batch)
+                wall = time.perf_counter() - start
+                start = time.perf_counter()
+                opt.step()
+                opt.zero_grad()
+                rows.append(_gathered([wall, pmodel.busy_s, time.perf_counter() - start]))
+            out[key].append(dict(_repetition(rows), matmul_flops=rate))
+    return out
+
+
+def _repetition(rows: list[torch.Tensor]) -> dict[str, Any]:
+    """Medians over a repetition's steps (each row: per rank wall, busy, optimizer seconds)."""
+    steps = [float(r[:, 0].max()) for r in rows]
+    return {
+        "step_s": statistics.median(steps),
+        "bubble": statistics.median(1 - float(r[:, 1].max()) / s for r, s in zip(rows, steps)),
+        "bubble_mean": statistics.median(
+            float((1 - r[:, 1] / s).mean()) for r, s in zip(rows, steps)
+        ),
+        "busy_s": [statistics.median(float(r[k, 1]) for r in rows) for k in range(len(rows[0]))],
+        "optimizer_s": statistics.median(float(r[:, 2].max()) for r in rows),
+    }
+
+
+def drift_removed(case: dict[str, Any], speed: float) -> Any:
+    """The plan's schedule with every stage's forward and backward scaled by ``speed``
+    (calibrated matmul FLOP/s over the FLOP/s measured during the run's repetitions): the
+    prediction with the machine's speed drift since calibration removed."""
+    from autopar.planner.pipeline_schedule import StageCost, schedule_time
+
+    stages = [
+        StageCost(forward_s=s["forward_s"] * speed, backward_s=s["backward_s"] * speed,
+                  p2p_s=s["p2p_s"], step_s=s["grad_sync_s"])
+        for s in case["stages"]
+    ]  # fmt: skip
+    return schedule_time(stages, microbatches=case["microbatches"], schedule=case["schedule"])
+
+
+def from_measured_stages(case: dict[str, Any], busy_per_microbatch: list[float]) -> Any:
+    """The schedule model fed with the MEASURED stage work (busy seconds per microbatch) and the
+    plan's point-to-point seconds: checks the schedule formula apart from the compute model."""
+    from autopar.planner.pipeline_schedule import StageCost, schedule_time
+
+    stages = [
+        StageCost(forward_s=busy, backward_s=0.0, p2p_s=s["p2p_s"])
+        for busy, s in zip(busy_per_microbatch, case["stages"], strict=True)
+    ]
+    return schedule_time(stages, microbatches=case["microbatches"], schedule=case["schedule"])
+
+
+def summarize(
+    cases: list[dict[str, Any]], measured: dict[str, Any], calibrated_flops: float
+) -> list[dict[str, Any]]:
+    table = []
+    for case in cases:
+        reps = measured[case["key"]]
+        busy = [
+            statistics.median(r["busy_s"][k] for r in reps) / case["microbatches"]
+            for k in range(len(reps[0]["busy_s"]))
+        ]
+        formula = from_measured_stages(case, busy)
+        speed = calibrated_flops / statistics.median(r["matmul_flops"] for r in reps)
+        drift = drift_removed(case, speed)
+        steps = [r["step_s"] for r in reps]
+        bubbles = [r["bubble"] for r in reps]
+        predicted = case["predicted"]
+        table.append({
+            "key": case["key"],
+            "blocks": [s["blocks"] for s in case["stages"]],
+            "predicted_step_s": predicted["step_s"],
+            "predicted_bubble": predicted["bubble_fraction"],
+            "step_s": statistics.median(steps), "step_min_s": min(steps), "step_max_s": max(steps),
+            "bubble": statistics.median(bubbles), "bubble_min": min(bubbles),
+            "bubble_max": max(bubbles),
+            "bubble_mean": statistics.median(r["bubble_mean"] for r in reps),
+            "predicted_idle": 1 - predicted["compute_s"] / predicted["step_s"],
+            "speed_factor": speed,
+            "drift_removed_step_s": drift.step_s,
+            "drift_removed_idle": 1 - drift.compute_s / drift.step_s,
+            "busy_per_microbatch_s": busy,
+            "formula_step_s": formula.step_s, "formula_bubble": formula.bubble_fraction,
+            "predicted_stage_s": [s["forward_s"] + s["backward_s"] + s["p2p_s"]
+                                  for s in case["stages"]],
+            "optimizer_s": statistics.median(r["optimizer_s"] for r in reps),
+        })  # fmt: skip
+    return table
+
+
+def markdown(world: int, table: list[dict[str, Any]]) -> str:
+    lines = [
+        "| ranks | model / schedule / m | cuts | predicted step ms (drift removed) | measured step"
+        " ms (min-max) | measured / predicted (drift removed) | predicted bubble | predicted idle"
+        " (drift removed) | measured idle (min-max) | idle ratio (drift removed) | schedule"
+        " model on measured stages: step ratio |",
+        "|---|---|---|---|---|---|---:|---|---|---|---:|",
+    ]
+    for row in table:
+        cuts = "+".join(str(b - a) for a, b in row["blocks"])
+        step, drift = row["predicted_step_s"], row["drift_removed_step_s"]
+        idle, drift_idle = row["predicted_idle"], row["drift_removed_idle"]
+        lines.append(
+            f"| {world} | {row['key']} | {cuts} | {step * 1e3:.0f} ({drift * 1e3:.0f}) | "
+            f"{row['step_s'] * 1e3:.0f} ({row['step_min_s'] * 1e3:.0f}-"
+            f"{row['step_max_s'] * 1e3:.0f}) | {row['step_s'] / step:.2f} "
+            f"({row['step_s'] / drift:.2f}) | {row['predicted_bubble']:.3f} | {idle:.3f} "
+            f"({drift_idle:.3f}) | {row['bubble']:.3f} ({row['bubble_min']:.3f}-"
+            f"{row['bubble_max']:.3f}) | {row['bubble'] / idle:.2f} "
+            f"({row['bubble'] / drift_idle:.2f}) | {row['step_s'] / row['formula_step_s']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def per_stage_text(table: list[dict[str, Any]]) -> str:
+    """Per stage: predicted seconds per microbatch vs measured busy seconds per microbatch."""
+    lines = ["per stage, ms per microbatch: predicted (fwd+bwd+p2p) vs measured busy"]
+    for row in table:
+        pairs = ", ".join(
+            f"{p * 1e3:.2f}/{b * 1e3:.2f}"
+            for p, b in zip(row["predicted_stage_s"], row["busy_per_microbatch_s"])
+        )
+        lines.append(
+            f"  {row['key']:22} {pairs}   (SGD step {row['optimizer_s'] * 1e3:.1f} ms; "
+            f"calibrated / current matmul speed {row['speed_factor']:.2f})"
+        )
+    return "\n".join(lines)
+
+
+def _load() -> str:
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world", type=int, default=2, choices=[2, 4])
+    parser.add_argument("--profile", default=None, help="reuse a profile (else calibrate)")
+    parser.add_argument("--models", nargs="+", default=["gpt", "llama"], choices=["gpt", "llama"])
+    parser.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b"])
+    parser.add_argument("--microbatches", nargs="+", type=int, default=[2, 4, 8])
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--out", default="benchmarks/out")
+    args = parser.parse_args(argv)
+    from autopar.runtime.spawn import spawn_ranks
+    from autopar.tools.calibration import calibrate
+    from cost_models import load_profile, save_profile
+
+    os.makedirs(args.out, exist_ok=True)
+    start = time.perf_counter()
+    print(f"load at start: {_load()}", flush=True)
+    if args.profile:
+        profile = load_profile(args.profile)
+    else:
+        profile = calibrate((args.world,), ("pp",), nproc=args.world, verbose=False)
+        save_profile(profile, os.path.join(args.out, f"pipeline_profile_{args.world}.json"))
+    cases = plan_cases(args.world, profile, args)
+    print(f"planned {len(cases)} configurations in {time.perf_counter() - start:.0f} s", flush=True)
+    measured = spawn_ranks(run_rank, args.world, cases, args, timeout_s=1800, pg_timeout_s=600)[0]
+    table = summarize(cases, measured, profile.device.peak_flops["float32"])
+    print(f"load at end: {_load()}; {time.perf_counter() - start:.0f} s in all")
+    print(markdown(args.world, table))
+    print(per_stage_text(table))
+    path = os.path.join(args.out, f"pipeline_cost_check_{args.world}.json")
+    with open(path, "w") as f:
+        json.dump({"argv": sys.argv, "table": table, "cases": cases}, f, indent=1, default=str)
+    print(
+        f"command: PYTHONPATH=. python benchmarks/pipeline_cost_check.py {' '.join(sys.argv[1:])}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
