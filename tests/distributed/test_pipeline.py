@@ -243,7 +243,7 @@ def check_bad_input(what: str) -> str:
     elif what == "wrong world size, plan file":  # a saved plan: read on rank 0 only
         model, args, _ = models.tiny_llama(layers=4)
         offline = autopar.Mesh.spec((4,), ("pp",))
-        saved = autopar.plan(model, offline, args, stages=4, microbatches=2, schedule="1f1b")
+        saved = autopar.plan(model, offline, args, stages=4, microbatches=2, schedule="gpipe")
         path = pathlib.Path(tempfile.mkdtemp()) / "plan.json"
         saved.save(path)
         kwargs = {"pipeline": None, "plan": str(path)}
