@@ -35,6 +35,17 @@ class Node:
     def num_choices(self) -> int:
         return len(self.cost_s)
 
+    def restricted(self, keep: tuple[int, ...] | list[int]) -> Node:
+        """This node offering only the strategies ``keep`` (in that order)."""
+        return Node(
+            name=self.name,
+            cost_s=tuple(self.cost_s[s] for s in keep),
+            memory_bytes=tuple(self.memory_bytes[s] for s in keep),
+            transient_bytes=tuple(self.transient_bytes[s] for s in keep)
+            if self.transient_bytes
+            else (),
+        )
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Edge:

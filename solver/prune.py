@@ -34,7 +34,7 @@ import numpy as np
 
 from solver.eliminate import _Memo, _MinPlusGraph
 from solver.presolve import cost_matrix
-from solver.problem import Edge, Node, Problem
+from solver.problem import Edge, Problem
 
 PRUNE_MIN_ENTRIES = 200_000
 """Prune only problems whose edge tables hold more entries than this: below it the ILP is
@@ -238,17 +238,7 @@ def prune(problem: Problem) -> Pruned | None:
 
 def _restrict(problem: Problem, keep: list[tuple[int, ...]]) -> Problem:
     """``problem`` with node i offered only ``keep[i]``; shared edge tables stay shared."""
-    nodes = tuple(
-        Node(
-            name=node.name,
-            cost_s=tuple(node.cost_s[s] for s in k),
-            memory_bytes=tuple(node.memory_bytes[s] for s in k),
-            transient_bytes=tuple(node.transient_bytes[s] for s in k)
-            if node.transient_bytes
-            else (),
-        )
-        for node, k in zip(problem.nodes, keep, strict=True)
-    )
+    nodes = tuple(node.restricted(k) for node, k in zip(problem.nodes, keep, strict=True))
     done: dict[tuple[int, tuple[int, ...], tuple[int, ...]], tuple] = {}
     edges = []
     for e in problem.edges:

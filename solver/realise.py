@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from solver.problem import Edge, Node, Problem
+from solver.problem import Edge, Problem
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -183,17 +183,7 @@ def restrict(problem: Problem, keep: tuple[tuple[int, ...], ...]) -> Problem:
     solving it realises a counts plan exactly where members may differ (the counts model's
     plan is one of its points), with every layer free to take either of its class's
     strategies within the budget."""
-    nodes = tuple(
-        Node(
-            name=node.name,
-            cost_s=tuple(node.cost_s[s] for s in k),
-            memory_bytes=tuple(node.memory_bytes[s] for s in k),
-            transient_bytes=tuple(node.transient_bytes[s] for s in k)
-            if node.transient_bytes
-            else (),
-        )
-        for node, k in zip(problem.nodes, keep, strict=True)
-    )
+    nodes = tuple(node.restricted(k) for node, k in zip(problem.nodes, keep, strict=True))
     edges = tuple(
         Edge(
             src=e.src,
