@@ -46,8 +46,10 @@ LR = 0.1
 RECIPES = ("auto", "ddp", "megatron")
 BUDGETS = {"mlp": 340_000, "gpt": 1_300_000}
 """Memory budgets (bytes) of the ``auto-budget`` cases: about 60% of the all-Replicate peak for
-the MLP; about 40% for the GPT (2x2 only), under which its auto plan shards the LM head and
-takes the vocab-parallel cross entropy (logits ``R,S1``)."""
+the MLP; about 40% for the GPT (2x2 only). Whether the GPT's auto plan then takes the
+vocab-parallel cross entropy is a near-tie (its proven optimum at gap 0 keeps ``R,R`` logits,
+0.01% faster than the ``R,S1`` plan found within the 1% gap), so it is not asserted here; the
+megatron cases and ``test_conformance`` pin that path."""
 TRAIN_EVAL_BUDGET = 2_100_000
 """Memory budget of ``gpt/train-eval`` (2x2): about 60% of the all-Replicate peak."""
 
@@ -129,10 +131,6 @@ def check_training(model_name: str, recipe: str, mesh: Any) -> dict[str, Any]:
     ]
     vocab_parallel = "autopar_vocab_parallel_cross_entropy" in pmodel.lowered.gm.code
     assert vocab_parallel == any("S1" in p.split(",") for p in loss_inputs), loss_inputs
-    if recipe == "auto-budget" and model_name == "gpt":
-        assert vocab_parallel, (
-            f"the auto plan no longer takes the vocab-parallel loss: {loss_inputs}"
-        )
     if recipe == "megatron" and model_name in ("gpt", "llama"):
         assert loss_inputs[0].split(",")[-1] == "S1", f"megatron loss logits {loss_inputs}"
 
