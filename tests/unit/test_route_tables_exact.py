@@ -4,7 +4,7 @@
 parent links with numpy) and ``price_table``'s memo across calls replaced a plain Dijkstra over
 tuple costs, a per-state route walk and a per-call pricing. The plain versions are kept here as
 the reference: the same trees in the same order, the same step columns, the same count and
-price arrays bit for bit, and the same strategy space of a llama block on a 3-D mesh.
+price arrays bit for bit, and the same strategy space of a GPT-2 block on a 3-D mesh.
 """
 
 from __future__ import annotations
@@ -118,14 +118,14 @@ def routes_placements(code, decode):
     return parse_placements(",".join(decode.get(c, f"S{c}") for c in code))
 
 
-def test_llama_block_space_is_bitwise_the_plain_one(monkeypatch) -> None:
-    """The whole strategy space of a llama block on 2x2x2, fast path against the plain one
+def test_gpt2_block_space_is_bitwise_the_plain_one(monkeypatch) -> None:
+    """The whole strategy space of a GPT-2 block on 2x2x2, fast path against the plain one
     (memoised per source as the plain ``_route_counts`` was)."""
     from autopar.capture.export import capture
     from autopar.planner.space import build_space
     from autopar.presets import build_preset
 
-    model, args, kwargs = build_preset("llama3-8b-1l", batch=8, seq=64)
+    model, args, kwargs = build_preset("gpt2-small-1l", batch=8, seq=64)
     captured = capture(model, args, kwargs)
     mesh = Mesh.parse("2x2x2", device="h100")
 
