@@ -41,6 +41,8 @@ class CommPricer:
         self.mesh = mesh
         self.act_itemsize = act_itemsize
         self._reshard: dict[tuple, float] = {}
+        self._tables: dict = {}
+        """``price_table``'s memo: routes, step prices and rows priced once across edges."""
         self._num_devices = math.prod(mesh.shape)
 
     def itemsize(self, meta: TensorMeta) -> int:
@@ -68,8 +70,8 @@ class CommPricer:
     ) -> np.ndarray:
         """[src, dst] seconds of converting each of ``srcs`` to each of ``dsts`` (inf where
         impossible): one route search per source serves the whole row
-        (:func:`autopar.resharding.pricing.price_table`). Routes depend on the shape only through
-        gcd(dim size, devices); bytes scale with the tensor's size."""
+        (:func:`autopar.resharding.pricing.price_table`, memoised across calls). Routes depend
+        on the shape only through gcd(dim size, devices); bytes scale with the tensor's size."""
         total_bytes = float(math.prod(meta.shape)) * self.itemsize(meta)
         pattern = tuple(math.gcd(size, self._num_devices) for size in meta.shape)
         mesh = self.mesh
@@ -78,7 +80,10 @@ class CommPricer:
             nbytes = fraction * total_bytes
             return collective_time_s(kind, nbytes, mesh.shape[axis], mesh.links[axis])
 
-        fwd, bwd = price_table(srcs, dsts, pattern, mesh.shape, step_s)
+        # step_s depends on nothing but the bytes (one mesh per pricer): the memo's price key.
+        fwd, bwd = price_table(
+            srcs, dsts, pattern, mesh.shape, step_s, memo=self._tables, price_key=total_bytes
+        )
         return fwd if forward_only else fwd + bwd
 
     def step_s(self, kind: str, axis: int, nbytes: float) -> float:

@@ -9,7 +9,7 @@ table costs one matrix product per source once the shapes repeat (layers do).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from functools import lru_cache
 
 import numpy as np
@@ -34,26 +34,48 @@ def price_table(
     shape: Sequence[int],
     mesh_shape: Sequence[int],
     step_s: Callable[[str, int, float], float],
+    *,
+    memo: dict | None = None,
+    price_key: Hashable = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """[src, dst] seconds of converting each of ``srcs`` to each of ``dsts``, as (forward,
     backward) arrays: the sum of ``step_s(kind, axis, bytes per full-tensor byte)`` over the
     collective steps of :func:`reshard_steps`'s route (steps on axes of size 1 left out); 0
     where the placements are equal; inf where :func:`reshard_steps` raises. One route search
-    per source serves the whole row, and each destination is encoded once."""
+    per source serves the whole row, and each destination is encoded once.
+
+    ``memo`` (a dict the caller keeps, initially empty) carries work across calls: each
+    source's priced routes per ``price_key``, which must identify ``step_s`` (calls with equal
+    keys and equal shapes must pass step_s functions giving equal prices), each step's price,
+    and each source's destination rows per destination list. The tables are the same floats
+    with or without it."""
     shape_t = tuple(int(s) for s in shape)
     mesh_t = tuple(int(m) for m in mesh_shape)
-    dst_codes = [_placement_code(dst, shape_t, mesh_t) for dst in dsts]
+    dst_codes = tuple(_placement_code(dst, shape_t, mesh_t) for dst in dsts)
+    if memo is None:
+        memo = {}
+        price_key = None
+    rows_of = memo.setdefault(("rows", shape_t, mesh_t, dst_codes), {})
+    routes = memo.setdefault(("routes", shape_t, mesh_t, price_key), {})
+    step_prices = memo.setdefault(("steps", mesh_t, price_key), {})
     same = {tuple(dst): j for j, dst in enumerate(dsts)}
     fwd_table = np.full((len(srcs), len(dsts)), math.inf)
     bwd_table = np.full((len(srcs), len(dsts)), math.inf)
     for i, src in enumerate(srcs):
         src_code = _placement_code(src, shape_t, mesh_t)
-        index, fwd, bwd = _route_table(src_code, shape_t, mesh_t, step_s)
+        routed = routes.get(src_code)
+        if routed is None:
+            routed = routes[src_code] = _route_table(src_code, shape_t, mesh_t, step_s, step_prices)
+        index, fwd, bwd = routed
         if index:
-            rows = np.array([index.get(c, -1) for c in dst_codes], dtype=np.intp)  # type: ignore
-            found = rows >= 0
-            fwd_table[i, found] = fwd[rows[found]]
-            bwd_table[i, found] = bwd[rows[found]]
+            found_rows = rows_of.get(src_code)
+            if found_rows is None:
+                rows = np.array([index.get(c, -1) for c in dst_codes], dtype=np.intp)  # type: ignore
+                found = rows >= 0
+                found_rows = rows_of[src_code] = (rows[found], found)
+            rows, found = found_rows
+            fwd_table[i, found] = fwd[rows]
+            bwd_table[i, found] = bwd[rows]
         j = same.get(tuple(src))
         if j is not None:
             fwd_table[i, j] = bwd_table[i, j] = 0.0
@@ -73,17 +95,25 @@ def _route_table(
     shape: tuple[int, ...],
     mesh_shape: tuple[int, ...],
     step_s: Callable[[str, int, float], float],
+    step_prices: dict[tuple[str, int, int], float],
 ) -> tuple[dict[Code, int], np.ndarray, np.ndarray]:
     """Every placement reachable from ``src_code`` (:func:`_placement_code`) on its cheapest
     route: ``(code -> row, forward seconds, backward seconds)`` per row, priced by ``step_s``
-    once per distinct (kind, axis, bytes) step. Empty for an invalid source."""
+    once per distinct (kind, axis, bytes) step (memoised in ``step_prices``). Empty for an
+    invalid source."""
     if src_code is None:
         return {}, np.zeros(0), np.zeros(0)
     index, keys, fwd_counts, bwd_counts = _route_counts(
         src_code, len(shape), mesh_shape, divisible_counts(shape, mesh_shape)
     )
     unit_div = float(math.prod(mesh_shape) ** 2)
-    prices = np.array([step_s(kind, axis, units / unit_div) for kind, axis, units in keys])
+    prices = np.zeros(len(keys))
+    for k, key in enumerate(keys):
+        price = step_prices.get(key)
+        if price is None:
+            kind, axis, units = key
+            price = step_prices[key] = step_s(kind, axis, units / unit_div)
+        prices[k] = price
     if not keys:
         zeros = np.zeros(len(index))
         return index, zeros, zeros
@@ -99,39 +129,58 @@ def _route_counts(
 ) -> tuple[dict[Code, int], tuple[tuple[str, int, int], ...], np.ndarray, np.ndarray]:
     """The cheapest routes from ``src`` as step counts: (state -> row, distinct priced steps
     (kind, axis, units), [row, step] forward counts, [row, step] backward counts). Only
-    collectives on axes of size > 1 are counted (the others cost nothing)."""
+    collectives on axes of size > 1 are counted (the others cost nothing).
+
+    Steps are numbered in the order they are first met walking each state's route from the
+    source (states in search order), which fixes the column order of the counts and hence the
+    summation order of ``counts @ prices``. The counts are then summed along parent links with
+    numpy, one pass per route length."""
     came_from = routes_from(src, ndim, mesh_shape, divisible)
     states = [src, *came_from]
     index = {state: k for k, state in enumerate(states)}
     key_of: dict[tuple[str, int, int], int] = {}
-    routes: dict[Code, tuple[list[int], list[int]]] = {src: ([], [])}
+    parent = np.zeros(len(states), dtype=np.intp)
+    fwd_key = np.full(len(states), -1, dtype=np.intp)
+    bwd_key = np.full(len(states), -1, dtype=np.intp)
 
-    def priced(raw: RawStep | None) -> list[int]:
+    def priced(raw: RawStep | None) -> int:
         if raw is None or raw[0] not in COLLECTIVE_KINDS or mesh_shape[raw[1]] == 1:
-            return []
-        return [key_of.setdefault((raw[0], raw[1], raw[4]), len(key_of))]
+            return -1
+        return key_of.setdefault((raw[0], raw[1], raw[4]), len(key_of))
 
-    def route(state: Code) -> tuple[list[int], list[int]]:
+    done = {src}
+    for state in states:
         chain: list[Code] = []
-        while state not in routes:
+        while state not in done:
             chain.append(state)
             state = came_from[state][0]
         for node in reversed(chain):
-            parent, fwd, bwd = came_from[node]
-            before = routes[parent]
-            routes[node] = (before[0] + priced(fwd), before[1] + priced(bwd))
-        return routes[chain[0]] if chain else routes[state]
-
-    for state in states:
-        route(state)
-    fwd_counts = np.zeros((len(states), len(key_of)))
-    bwd_counts = np.zeros((len(states), len(key_of)))
-    for state, (fwd, bwd) in routes.items():
-        for k in fwd:
-            fwd_counts[index[state], k] += 1
-        for k in bwd:
-            bwd_counts[index[state], k] += 1
+            before, fwd, bwd = came_from[node]
+            row = index[node]
+            parent[row] = index[before]
+            fwd_key[row] = priced(fwd)
+            bwd_key[row] = priced(bwd)
+            done.add(node)
+    fwd_counts = _sum_along_routes(parent, fwd_key, len(key_of))
+    bwd_counts = _sum_along_routes(parent, bwd_key, len(key_of))
     return index, tuple(key_of), fwd_counts, bwd_counts
+
+
+def _sum_along_routes(parent: np.ndarray, key: np.ndarray, num_keys: int) -> np.ndarray:
+    """[row, key] how many steps of each key lie on the route to each row (row 0, the source,
+    is every route's root; ``key`` -1 where a row's last step is not counted)."""
+    counts = np.zeros((len(parent), num_keys))
+    rows = np.arange(len(parent))
+    at = rows.copy()
+    while True:
+        live = at != 0
+        if not live.any():
+            return counts
+        rows, at = rows[live], at[live]
+        keys = key[at]
+        counted = keys >= 0
+        counts[rows[counted], keys[counted]] += 1.0  # rows are distinct within a pass
+        at = parent[at]
 
 
 @lru_cache(maxsize=65536)

@@ -151,6 +151,33 @@ def _state_graph(
     return graph
 
 
+_PACK = 1 << 32
+"""(bytes, collectives, steps) packed as ``(bytes * _PACK + collectives) * _PACK + steps``: one
+int that orders as the tuple does, since a route has far fewer than 2**32 steps."""
+_COUNTER_BITS = 40
+"""Heap entries are one int, ``((cost << _COUNTER_BITS) | push number) << state bits | state``:
+ordered by cost, then push order (unique), as ``(cost, push number, state)`` tuples are."""
+
+
+@lru_cache(maxsize=256)
+def _indexed_graph(
+    ndim: int, mesh_shape: tuple[int, ...], divisible: tuple[frozenset[int], ...]
+) -> tuple[list[Code], dict[Code, int], list[list[tuple[int, int, tuple]]]]:
+    """:func:`_state_graph` over state numbers: (states, state -> number, per state its steps
+    as (new state's number, packed cost (``_PACK``), (forward step, backward step)))."""
+    graph = _state_graph(ndim, mesh_shape, divisible)
+    states = list(graph)
+    number = {state: k for k, state in enumerate(states)}
+    steps = [
+        [
+            (number[new], (price * _PACK + collective) * _PACK + 1, (fwd, bwd))
+            for new, fwd, bwd, price, collective in out
+        ]
+        for out in graph.values()
+    ]
+    return states, number, steps
+
+
 @lru_cache(maxsize=4096)
 def routes_from(
     src: Code,
@@ -166,22 +193,35 @@ def routes_from(
     a node's placements costs one search per source placement. Depends on the shape only
     through ``divisible``.
     """
-    graph = _state_graph(ndim, mesh_shape, divisible)
-    counter = itertools.count()
-    best: dict[Code, tuple[int, int, int]] = {src: (0, 0, 0)}
-    came_from: _Tree = {}
-    heap: list[tuple[tuple[int, int, int], int, Code]] = [((0, 0, 0), next(counter), src)]
+    states, number, graph = _indexed_graph(ndim, mesh_shape, divisible)
+    start = number[src]
+    shift = max(len(states).bit_length(), 1)
+    low = (1 << shift) - 1
+    best: list[int | None] = [None] * len(states)
+    best[start] = 0
+    parent = [-1] * len(states)
+    via: list[tuple | None] = [None] * len(states)
+    found: list[int] = []  # in order of discovery (the tree's key order)
+    pushes = 0
+    heap = [start]
     while heap:
-        cost, _, state = heapq.heappop(heap)
-        if cost > best[state]:
+        key = heapq.heappop(heap)
+        state = key & low
+        cost = key >> (shift + _COUNTER_BITS)
+        if cost > best[state]:  # type: ignore[operator]
             continue
-        for new_state, fwd, bwd, price, collective in graph[state]:
-            new_cost = (cost[0] + price, cost[1] + collective, cost[2] + 1)
-            if new_state not in best or new_cost < best[new_state]:
-                best[new_state] = new_cost
-                came_from[new_state] = (state, fwd, bwd)
-                heapq.heappush(heap, (new_cost, next(counter), new_state))
-    return came_from
+        for new, step_cost, steps in graph[state]:
+            new_cost = cost + step_cost
+            known = best[new]
+            if known is None or new_cost < known:
+                if known is None:
+                    found.append(new)
+                best[new] = new_cost
+                parent[new] = state
+                via[new] = steps
+                pushes += 1
+                heapq.heappush(heap, (((new_cost << _COUNTER_BITS) | pushes) << shift) | new)
+    return {states[k]: (states[parent[k]], *via[k]) for k in found}  # type: ignore[misc]
 
 
 @lru_cache(maxsize=65536)
