@@ -39,13 +39,18 @@ from autopar.parallelize import (
     check_plan,
 )
 from autopar.plan.document import Plan
-from autopar.planner.stages import SCHEDULES, PipelinePlan, even_stages
+from autopar.planner.stages import (
+    MULTI_STAGE_SCHEDULES,
+    SCHEDULES,
+    V_SCHEDULES,
+    PipelinePlan,
+    even_stages,
+    stage_rank,
+)
 from autopar.planner.tying import stack_blocks
 from autopar.runtime.pipeline import PipelineModule, StageModule
 
 __all__ = ["autoparallelize_pipeline", "check_pipeline_mesh", "find_stack"]
-
-_SUPPORTED = ("gpipe", "1f1b", "interleaved-1f1b")
 
 
 def find_stack(gm: Any) -> tuple[str, int]:
@@ -80,15 +85,22 @@ def check_pipeline_mesh(pipeline: PipelinePlan, mesh_shape: tuple[int, ...], wor
             f"{pipeline.num_stages} pipeline stages do not fit {ranks} ranks along pipeline axis "
             f"{pipeline.axis} of mesh {mesh_shape} with {pipeline.virtual_stages} stage(s) per rank"
         )
-    if pipeline.schedule not in _SUPPORTED:
+    if pipeline.schedule not in MULTI_STAGE_SCHEDULES and pipeline.virtual_stages != 1:
         raise ValueError(
-            f"schedule {pipeline.schedule!r} does not run with autopar's stage modules (torch's "
-            f"zero-bubble schedules split each backward into input and weight passes, which "
-            f"bypass the stages' gradient reduction); use one of {_SUPPORTED}"
+            f"virtual_stages > 1 needs one of the schedules {MULTI_STAGE_SCHEDULES}, got "
+            f"{pipeline.schedule!r}"
         )
-    if pipeline.schedule != "interleaved-1f1b" and pipeline.virtual_stages != 1:
+    if pipeline.schedule in V_SCHEDULES and pipeline.virtual_stages != 2:
         raise ValueError(
-            f"virtual_stages > 1 needs schedule='interleaved-1f1b', got {pipeline.schedule!r}"
+            f"schedule {pipeline.schedule!r} runs exactly 2 stages per pipeline rank (a V), got "
+            f"virtual_stages={pipeline.virtual_stages}"
+        )
+    placed = [s.pp_rank for s in pipeline.stages]
+    wanted = [stage_rank(pipeline.schedule, s, ranks) for s in range(pipeline.num_stages)]
+    if placed != wanted:
+        raise PlanMismatchError(
+            f"schedule {pipeline.schedule!r} runs stages on pipeline ranks {wanted}, but the "
+            f"plan places them on {placed}"
         )
 
 
@@ -106,7 +118,7 @@ def _pipeline_plan(spec: Any, mesh: Mesh, stack: str, num_blocks: int) -> Pipeli
     axis = mesh.axis_index(axis)
     virtual = int(spec.get("virtual_stages", 1))
     schedule = spec.get("schedule", "1f1b")
-    if schedule == "interleaved-1f1b" and "virtual_stages" not in spec:
+    if schedule in MULTI_STAGE_SCHEDULES and "virtual_stages" not in spec:
         virtual = 2
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; choose from {SCHEDULES}")

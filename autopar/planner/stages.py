@@ -13,8 +13,11 @@ recomputation) by the ordinary ILP on that submesh with the microbatch's shapes.
 - ``"1f1b"``: ``Schedule1F1B``;
 - ``"interleaved-1f1b"``: ``ScheduleInterleaved1F1B`` with ``virtual_stages`` stages per rank
   (stage ``s`` runs on pipeline rank ``s % ranks``);
-- ``"zero-bubble"``: ``ScheduleInterleavedZeroBubble`` (needs the stage modules' backward split
-  into input and weight gradients; where not supported the planner does not offer it).
+- ``"zero-bubble"``: ``ScheduleInterleavedZeroBubble`` (ZB-H1-like; ``virtual_stages`` stages per
+  rank, placed as interleaved 1F1B's), each backward split into an input pass and a weight pass;
+- ``"zbv"``: ``ScheduleZBVZeroBubble`` and ``"dualpipev"``: ``ScheduleDualPipeV``, both with
+  exactly 2 stages per rank in a V: rank ``r`` of ``p`` runs stages ``r`` and ``2p - 1 - r``
+  (:func:`stage_rank`), so the first and the last stage are on rank 0.
 
 This module is the interface between ``planner`` (which chooses a :class:`PipelinePlan`),
 ``plan`` (which stores it as the plan JSON's ``pipeline`` entry) and ``runtime`` (which
@@ -26,7 +29,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev")
+MULTI_STAGE_SCHEDULES = ("interleaved-1f1b", "zero-bubble", "zbv", "dualpipev")
+"""Schedules that may run several stages per pipeline rank (``virtual_stages``)."""
+V_SCHEDULES = ("zbv", "dualpipev")
+"""Schedules with exactly 2 stages per rank placed in a V (:func:`stage_rank`)."""
+
+
+def stage_rank(schedule: str, stage: int, ranks: int) -> int:
+    """The pipeline rank that runs ``stage`` of ``ranks * virtual_stages`` under ``schedule``:
+    ``stage % ranks`` (looped), or in a V for :data:`V_SCHEDULES` (``stage`` on the way down,
+    ``2 * ranks - 1 - stage`` on the way back)."""
+    if schedule in V_SCHEDULES:
+        return stage if stage < ranks else 2 * ranks - 1 - stage
+    return stage % ranks
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -169,7 +185,7 @@ def even_stages(
                 index=k,
                 blocks=(start, start + size),
                 first_fqn=f"{stack}.{start}",
-                pp_rank=k % num_stages,
+                pp_rank=stage_rank(schedule, k, num_stages),
             )
         )
         start += size

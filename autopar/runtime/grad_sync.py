@@ -124,6 +124,11 @@ class GradReducer:
         finally:
             self._enabled = previous
 
+    def reduce_now(self) -> None:
+        """Reduce every bucket's accumulated ``.grad`` now, outside backward (gradients that
+        backward passes under :meth:`no_sync`, or ones that bypass the hooks, left there)."""
+        self._finish()
+
     def remove(self) -> None:
         """Detach the hooks (gradients are then no longer reduced)."""
         for handle in self._handles:

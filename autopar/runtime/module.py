@@ -271,6 +271,14 @@ class ParallelModule(nn.Module):
         stack.enter_context(self.zero.no_sync())
         return stack
 
+    def reduce_accumulated_grads(self) -> None:
+        """Reduce now, outside any backward, the gradients that backward passes under
+        :meth:`no_sync` accumulated (what the next synchronised backward would have reduced):
+        for pipeline schedules whose weight passes run no gradient hooks. A collective."""
+        self.grad_reducer.reduce_now()
+        if self.zero is not None:
+            self.zero.reducer.reduce_pending()
+
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` times the fp16 loss scale (``self.grad_scaler.scale``; identity unless
         ``mixed_precision="fp16"``); then ``self.grad_scaler.step(opt)`` and ``.update()``."""

@@ -5,7 +5,9 @@ interleaved schedule), each a :class:`~autopar.runtime.module.ParallelModule` lo
 stage's submesh (the ranks with this rank's index along the pipeline axis: tensor, data
 parallelism, ZeRO and recomputation inside a stage work as in a one-stage plan), wrapped in
 torch's ``PipelineStage`` over the pipeline axis's process group and driven by torch's
-``ScheduleGPipe`` / ``Schedule1F1B`` / ``ScheduleInterleaved1F1B``. There is no scheduler here.
+``ScheduleGPipe`` / ``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` and the split-backward
+schedules ``ScheduleInterleavedZeroBubble`` / ``ScheduleZBVZeroBubble`` / ``ScheduleDualPipeV``
+(:data:`SPLIT_BACKWARD`). There is no scheduler here.
 
 A training step is ``loss = pmodel.step(*global_inputs)`` (every rank passes the same GLOBAL
 batch; it is cut into ``microbatches`` along dim 0, and each stage takes the model inputs it
@@ -16,7 +18,13 @@ consumes, e.g. the tokens in the first stage and the targets in the last), then
   here divides it by the number of microbatches, so the accumulated gradients are those of the
   global mean (``scale_grads=False``: nothing is rescaled afterwards);
 - the data-parallel gradient reduction inside a stage runs once per step, on the stage's last
-  microbatch backward (the others run under ``ParallelModule.no_sync``);
+  microbatch backward (the others run under ``ParallelModule.no_sync``); under the
+  split-backward schedules every pass runs under ``no_sync`` (the weight passes call
+  ``torch.autograd.grad``, which runs no gradient hooks: :mod:`autopar.runtime.pipeline_backward`)
+  and the stages' reductions (all-reduce buckets, ZeRO's reduce-scatters) run after the
+  schedule, in stage order, before the tied-weight sums. Tensor-parallel collectives inside the
+  passes match across a stage's submesh because its ranks run the same schedule on the same
+  graph (the tests run with ``AUTOPAR_CHECK_COLLECTIVES=1``, which checks every one);
 - a stage's outputs are laid out as the next stage's inputs are planned (the same local block
   travels between the ranks of equal submesh coordinate), and the lowering's mean-over-shards
   convention for sharded outputs is undone, since the next stage returns exact gradients;
@@ -42,15 +50,20 @@ import torch.nn as nn
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
+    ScheduleDualPipeV,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
 )
 from torch.utils._pytree import tree_flatten
 
 from autopar.lowering.local_ops import autopar_scale_grad
 from autopar.placement import Shard
+from autopar.planner.stages import MULTI_STAGE_SCHEDULES
 from autopar.runtime.materialize import local_block
 from autopar.runtime.module import ParallelModule
+from autopar.runtime.pipeline_backward import weight_pass
 
 __all__ = ["PipelineModule", "StageModule", "input_key"]
 
@@ -58,7 +71,12 @@ SCHEDULE_CLASSES = {
     "gpipe": ScheduleGPipe,
     "1f1b": Schedule1F1B,
     "interleaved-1f1b": ScheduleInterleaved1F1B,
+    "zero-bubble": ScheduleInterleavedZeroBubble,
+    "zbv": ScheduleZBVZeroBubble,
+    "dualpipev": ScheduleDualPipeV,
 }
+SPLIT_BACKWARD = ("zero-bubble", "zbv", "dualpipev")
+"""Schedules that split each microbatch backward into an input pass and a weight pass."""
 
 
 def input_key(index: int) -> str:
@@ -84,6 +102,9 @@ class StageModule(nn.Module):
         self.pmodule = pmodule
         self.model_inputs = tuple(model_inputs)
         self.is_last = is_last
+        self.plain_outputs = False
+        """Return no views (torch's input pass of a split backward detaches the outputs in
+        place, which views refuse); set for split-backward schedules."""
         lowered = pmodule.lowered
         # Sharded outputs get the lowering's mean-over-shards gradient convention; the next
         # stage sends exact gradients, so they are scaled back by the number of shards.
@@ -104,10 +125,13 @@ class StageModule(nn.Module):
         out = self.pmodule(*activations, **local)
         if self.is_last:
             return out
-        return tuple(
+        out = tuple(
             autopar_scale_grad(o, float(n)) if n > 1 else o
             for o, n in zip(out, self.output_shards, strict=True)
         )
+        if self.plain_outputs:
+            out = tuple(o.clone() if o._is_view() else o for o in out)
+        return out
 
 
 def _num_shards(placements: Sequence[Any], mesh_shape: Sequence[int]) -> int:
@@ -126,6 +150,9 @@ class _Stage(PipelineStage):
     schedule runs between its point-to-point waits): :attr:`PipelineModule.busy_s`."""
 
     busy_s: float = 0.0
+    defer_reduction: bool = False
+    """Every backward pass runs under ``no_sync``; :meth:`PipelineModule.step` reduces the
+    accumulated gradients after the schedule (split-backward schedules)."""
 
     def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
@@ -141,11 +168,22 @@ class _Stage(PipelineStage):
         finally:
             self.busy_s += time.perf_counter() - start
 
+    def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return super().backward_weight_one_chunk(*args, **kwargs)
+        finally:
+            self.busy_s += time.perf_counter() - start
+
     def backward_maybe_with_nosync(
         self, backward_type: Any, bwd_kwargs: dict, last_backward: bool = False
     ) -> Any:
-        context = contextlib.nullcontext() if last_backward else self.submod.pmodule.no_sync()
+        sync = last_backward and not self.defer_reduction
+        context = contextlib.nullcontext() if sync else self.submod.pmodule.no_sync()
         with context:
+            if backward_type == "weight":  # one autograd call, ZeRO's chunks whole
+                weight_pass(self.submod.parameters(), bwd_kwargs["param_groups"])
+                return (), None
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
 
 
@@ -158,7 +196,7 @@ class PipelineModule(nn.Module):
         pp_group: the pipeline axis's process group of this rank (the loss's broadcast).
         p2p_group: a group of the same ranks for the stages' sends and receives.
         last_pp_rank: group rank (along the pipeline axis) holding the last stage.
-        schedule: "gpipe", "1f1b" or "interleaved-1f1b".
+        schedule: a name of :data:`SCHEDULE_CLASSES`.
         microbatches: microbatches per step.
         num_inputs: flattened model inputs of one step.
         shared: per parameter used by several stages, the process group over which its
@@ -194,6 +232,10 @@ class PipelineModule(nn.Module):
         pipeline_stages = [
             _Stage(module, index, num_stages, device, group=p2p_group) for index, module in stages
         ]
+        self._defer_reduction = schedule in SPLIT_BACKWARD
+        for stage in pipeline_stages:
+            stage.defer_reduction = self._defer_reduction
+            stage.submod.plain_outputs = self._defer_reduction
         self._stages = pipeline_stages
         self.busy_s = 0.0
         """Wall seconds this rank spent in its stages' microbatch forwards and backwards during
@@ -201,12 +243,19 @@ class PipelineModule(nn.Module):
         and the tied-weight gradient sum excluded): ``1 - busy_s / step seconds`` is this
         rank's measured bubble (``benchmarks/pipeline_cost_check.py``)."""
         cls = SCHEDULE_CLASSES[schedule]
-        self.schedule = cls(
-            pipeline_stages if schedule == "interleaved-1f1b" else pipeline_stages[0],
-            microbatches,
-            loss_fn=self._microbatch_loss,
-            scale_grads=False,
-        )
+        try:
+            self.schedule = cls(
+                pipeline_stages if schedule in MULTI_STAGE_SCHEDULES else pipeline_stages[0],
+                microbatches,
+                loss_fn=self._microbatch_loss,
+                scale_grads=False,
+            )
+        except ValueError as error:
+            reason = " ".join(str(error).split())
+            raise ValueError(
+                f"torch's {cls.__name__} refuses {microbatches} microbatches on {num_stages} "
+                f"stages: {reason}; choose another microbatch count or schedule"
+            ) from None
         self._has_last = any(module.is_last for module in self.stage_modules)
 
     def _microbatch_loss(self, output: torch.Tensor, target: Any) -> torch.Tensor:
@@ -250,6 +299,12 @@ class PipelineModule(nn.Module):
             stage.busy_s = 0.0
         self.schedule.step(target=target, losses=losses, return_outputs=False, **inputs)
         self.busy_s = sum(stage.busy_s for stage in self._stages)
+        if self._defer_reduction:
+            # The weight passes (torch.autograd.grad on the parameters' gradient accumulators)
+            # run no gradient hooks: reduce the gradients every pass accumulated, once per step,
+            # in stage order (the same on every rank of a stage's submesh).
+            for pmodule in self.pmodules:
+                pmodule.reduce_accumulated_grads()
         self._sum_shared_grads()
         if self._has_last:
             loss = torch.stack([x.detach() for x in losses]).sum()

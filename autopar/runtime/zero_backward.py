@@ -123,6 +123,18 @@ class GradientReducer:
         if chunk.work is not None:
             self._bound_in_flight(chunk)
 
+    def reduce_pending(self) -> None:
+        """Reduce now, outside backward, what backward passes under :meth:`no_sync`
+        accumulated (each chunk's pending flat gradient), as a synchronised backward would,
+        and set the shard parameters' ``.grad``."""
+        chunks = [chunk for chunk in self.store.chunks if chunk.pending is not None]
+        if not chunks:
+            return
+        self._callback_queued = True  # finished below, not by a callback of a backward
+        for chunk in chunks:
+            self.chunk_backward(chunk, [None] * len(chunk.slots))
+        self._finish_backward()
+
     def zeroed_grad_buffer(self, chunk: Chunk) -> torch.Tensor | None:
         """The G-level buffer that every shard ``.grad`` of the chunk still views (as
         :meth:`_finish_backward` set them), if its O-shard (what the ``.grad`` views cover)

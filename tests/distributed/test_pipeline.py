@@ -7,7 +7,7 @@ every rank, every gradient (gathered whole over the stage's submesh), and the pa
 SGD steps. One spawn per world size runs every case of that size.
 
 The cross product is covered sparsely: every schedule (GPipe, 1F1B, interleaved 1F1B with 2
-stages per rank), every microbatch count (2, 4, 8), every mesh (pp=2; pp=4; pp=2 x dp=2;
+stages per rank; the split-backward zero-bubble, ZBV and DualPipeV with 2 stages per rank), every microbatch count (2, 4, 8), every mesh (pp=2; pp=4; pp=2 x dp=2;
 pp=2 x tp=2; pp=2 x dp=2 x tp=2 on 8 ranks), ZeRO on and off, recomputation inside stages on
 and off each appear at least once (see CASES). Bad input (one line each) runs in the 2-rank spawn.
 """
@@ -36,6 +36,9 @@ CASES: dict[int, dict[str, tuple]] = {
         "pp2/gpt/gpipe/mb2": ((2,), ("pp",), "gpt", 2, 2, "gpipe", {}),
         "pp2/llama/1f1b/mb4/recompute": ((2,), ("pp",), "llama", 2, 4, "1f1b", {"checkpoint": "all"}),
         "pp2/gpt/interleaved/mb4": ((2,), ("pp",), "gpt", 2, 4, "interleaved-1f1b", {}),
+        "pp2/gpt/zero-bubble/mb2": ((2,), ("pp",), "gpt", 2, 2, "zero-bubble", {}),
+        "pp2/llama8/zbv/mb4/recompute": ((2,), ("pp",), "llama8", 2, 4, "zbv", {"checkpoint": "all"}),
+        "pp2/gpt/dualpipev/mb4": ((2,), ("pp",), "gpt", 2, 4, "dualpipev", {}),
     },
     4: {
         "pp4/gpt/1f1b/mb4": ((4,), ("pp",), "gpt", 4, 4, "1f1b", {}),
@@ -46,6 +49,13 @@ CASES: dict[int, dict[str, tuple]] = {
         "pp2xtp2/llama/interleaved/mb2/megatron": (
             (2, 2), ("pp", "tp"), "llama", 2, 2, "interleaved-1f1b", {"recipe": "megatron"},
         ),
+        "pp2xdp2/llama/zero-bubble/mb4/zero3": (
+            (2, 2), ("pp", "dp"), "llama", 2, 4, "zero-bubble", {"recipe": "fsdp"},
+        ),
+        "pp2xdp2/gpt8/zbv/mb8/ddp+recompute": (
+            (2, 2), ("pp", "dp"), "gpt8", 2, 8, "zbv", {"recipe": "ddp", "checkpoint": "all"},
+        ),
+        "pp2xtp2/llama/zbv/mb2/megatron": ((2, 2), ("pp", "tp"), "llama", 2, 2, "zbv", {"recipe": "megatron"}),
     },
     8: {
         "pp2xdp2xtp2/llama/1f1b/mb4/fsdp+tp": (
@@ -57,9 +67,12 @@ CASES: dict[int, dict[str, tuple]] = {
 
 
 def _build(name: str) -> Any:
+    """``gpt`` / ``llama``: 4 blocks; ``gpt8`` / ``llama8``: 8 (2 blocks per stage on 2 ranks
+    with 2 stages each, so recomputation inside a stage has a segment to recompute)."""
     from tests import models
 
-    return (models.tiny_gpt if name == "gpt" else models.tiny_llama)(layers=4)
+    build = models.tiny_gpt if name.startswith("gpt") else models.tiny_llama
+    return build(layers=8 if name.endswith("8") else 4)
 
 
 @functools.cache
@@ -99,10 +112,12 @@ def check_pipeline(rank: int, world_size: int, case: Any) -> dict[str, Any]:
     loss = _timed_step(pmodel, args, kwargs)
     _close("loss", loss, want["loss"])
     checked: list[str] = []
+    # The options reached the stages: recomputed segments (some stage of this rank: a
+    # one-block stage may have none), ZeRO and tensor-parallel layouts (every stage).
+    recomputes = [bool(p.plan.checkpoint_segments()) for p in pmodel.pmodules]
+    assert any(recomputes) == ("checkpoint" in options), recomputes
     for pmodule in pmodel.pmodules:
-        # The options reached every stage: ZeRO, recomputed segments, tensor-parallel layouts.
         assert (pmodule.zero is not None) == options.get("recipe", "").startswith("fsdp")
-        assert bool(pmodule.plan.checkpoint_segments()) == ("checkpoint" in options)
         layouts = set(pmodule.plan.param_placements().values())
         assert any("S" in p for p in layouts) == ("tp" in names), layouts
         for name, grad in full_grads(pmodule).items():
@@ -214,7 +229,8 @@ BAD_INPUT = {
     "one block": "with one block",
     "wrong world size": "but the world size is 2",
     "wrong world size, plan file": "but the world size is 2",
-    "zero-bubble": "does not run with autopar's stage modules",
+    "dualpipev, fewer microbatches than stages": "ScheduleDualPipeV refuses 2 microbatches on 4",
+    "zbv, 3 stages per rank": "runs exactly 2 stages per pipeline rank",
 }
 
 
@@ -247,8 +263,12 @@ def check_bad_input(what: str) -> str:
         path = pathlib.Path(tempfile.mkdtemp()) / "plan.json"
         saved.save(path)
         kwargs = {"pipeline": None, "plan": str(path)}
-    elif what == "zero-bubble":
-        kwargs["pipeline"] = {"stages": 2, "microbatches": 2, "schedule": "zero-bubble"}
+    elif what == "dualpipev, fewer microbatches than stages":
+        model, args, _ = models.tiny_llama(layers=4)
+        kwargs["pipeline"] = {"stages": 2, "microbatches": 2, "schedule": "dualpipev"}
+    elif what == "zbv, 3 stages per rank":
+        model, args, _ = models.tiny_llama(layers=6)
+        kwargs["pipeline"] = {"microbatches": 2, "schedule": "zbv", "virtual_stages": 3}
     with pytest.raises(Exception) as error:
         autopar.autoparallelize(model, mesh, args, price_baselines=False, **kwargs)
     message = str(error.value)
