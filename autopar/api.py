@@ -6,6 +6,7 @@ The thin entry point; the policy (which configurations are solved, and how) is
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -13,6 +14,7 @@ from typing import Any
 import torch.nn as nn
 
 from autopar.capture.export import Captured, capture
+from autopar.capture.stages import StageGraph, split_stages
 from autopar.mesh import Mesh
 from autopar.options import PlanOptions
 from autopar.plan.build import plan_document
@@ -21,6 +23,7 @@ from autopar.plan.pipelined import pipelined_document, search_json
 from autopar.plan.stage_search import StageOptions, search_stages, slice_inputs
 from autopar.planner.driver import Driver, Planned, memory_budget_bytes
 from autopar.planner.space import build_space
+from autopar.planner.stages import PipelinePlan
 
 
 def plan(
@@ -36,6 +39,7 @@ def plan(
     microbatches: int | None = None,
     schedule: str | None = None,
     device: str = "h100",
+    stage_plans: bool = True,
     **options: Any,
 ) -> Plan:
     """Plan ``model`` on ``mesh`` for the GLOBAL batch given by the example inputs.
@@ -49,6 +53,9 @@ def plan(
     ``per_node``, ``device``) and ``mesh=None`` every ``pp x dp x tp`` mesh is searched; with a
     mesh that has an axis named ``pp``, or with ``stages``, ``microbatches`` or ``schedule``
     given, stages are searched on its ``pp`` (else outermost) axis; ``stages=1`` turns them off.
+    A pipelined plan carries each stage's intra-op plan (``pipeline.stage_plans``), which the
+    runtime lowers as saved; ``stage_plans=False`` leaves them out (the runtime then plans each
+    stage on its submesh).
     """
     opts = PlanOptions.from_kwargs(options)
     start = time.perf_counter()
@@ -77,6 +84,7 @@ def plan(
             model_name=name,
             capture_s=capture_s,
             device=device,
+            stage_plans=stage_plans,
         )
     if mesh is None:
         raise ValueError("give a mesh, or devices= (and per_node=) to search one")
@@ -95,13 +103,16 @@ def plan_stages(
     device: str = "h100",
     progress: Callable[[str], None] | None = None,
     capture_microbatch: Callable[[int], Captured] | None = None,
+    stage_plans: bool = True,
 ) -> Plan:
     """Search pipeline stages (``autopar.plan.stage_search``) and return the best plan: a
     pipelined plan (JSON ``pipeline`` entry), or, when no stages win, the ordinary plan on the
     winning ``dp x tp`` mesh; when that plan accumulates ``m > 1`` microbatches it is the plan
     of the whole model captured at ``batch / m`` by ``capture_microbatch`` (default ``probe``),
     run ``m`` times per optimizer step (``plan.data["stage_search"]["accumulate"]``). Either
-    way ``plan.data["stage_search"]`` holds the ranked table."""
+    way ``plan.data["stage_search"]`` holds the ranked table. With ``stage_plans`` a pipelined
+    plan's ``pipeline.stage_plans`` holds every stage's intra-op plan (:func:`plan_stage_graphs`
+    on the model captured at the microbatch's shapes by ``capture_microbatch``)."""
     start = time.perf_counter()
     result, model, ref_mesh = search_stages(
         captured,
@@ -154,7 +165,54 @@ def plan_stages(
         warnings=list(result.notes),
     )
     data["stage_search"] = search
+    if stage_plans:
+        pipeline = PipelinePlan.from_json(data["pipeline"])
+        whole = (capture_microbatch or probe)(model.batch // best.microbatches)
+        sub_mesh = stage_mesh(Mesh.from_dict(data["mesh"]), pipeline.axis)
+        planned = plan_stage_graphs(
+            split_stages(whole, pipeline), sub_mesh, options, model_name=model_name
+        )
+        data["pipeline"]["stage_plans"] = [p.data for p in planned]
+        data["timings"]["stages_s"] = time.perf_counter() - start
     return Plan(data=data)
+
+
+def stage_mesh(mesh: Mesh, axis: int) -> Mesh:
+    """The planning mesh of one pipeline stage: ``mesh`` without its pipeline ``axis`` (a 1-D
+    mesh first gets a size-1 data axis: the ILP needs one axis), without process groups."""
+    if mesh.ndim == 1:
+        name = "dp" if mesh.axis_names[0] != "dp" else "data"
+        mesh = dataclasses.replace(
+            mesh,
+            shape=(*mesh.shape, 1),
+            axis_names=(*mesh.axis_names, name),
+            links=(*mesh.links, mesh.links[0]),
+        )
+    keep = [a for a in range(mesh.ndim) if a != axis]
+    return dataclasses.replace(
+        mesh,
+        shape=tuple(mesh.shape[a] for a in keep),
+        axis_names=tuple(mesh.axis_names[a] for a in keep),
+        links=tuple(mesh.links[a] for a in keep),
+        groups=None,
+    )
+
+
+def plan_stage_graphs(
+    stages: Sequence[StageGraph], mesh: Mesh, options: PlanOptions, *, model_name: str
+) -> list[Plan]:
+    """Each stage graph's intra-op plan on the stage ``mesh`` (one ILP per stage; the offline
+    planner and the runtime, for a plan without stored stage plans, both plan stages here)."""
+    return [
+        plan_captured(
+            s.captured,
+            mesh,
+            options,
+            model_name=f"{model_name}/stage{s.index}",
+            price_baselines=False,
+        )
+        for s in stages
+    ]
 
 
 def plan_captured(
@@ -211,4 +269,11 @@ def document_plan(
     return Plan(data=data, space=space, choice=planned.chosen.choice)
 
 
-__all__ = ["plan", "plan_captured", "plan_stages", "document_plan"]
+__all__ = [
+    "document_plan",
+    "plan",
+    "plan_captured",
+    "plan_stage_graphs",
+    "plan_stages",
+    "stage_mesh",
+]

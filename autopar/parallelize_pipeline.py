@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from autopar.api import plan_captured
+from autopar.api import plan_stage_graphs
 from autopar.capture.blocks import STACK_NAMES
 from autopar.capture.export import capture
 from autopar.capture.stages import StageGraph, block_indices, split_stages
@@ -203,15 +203,18 @@ def autoparallelize_pipeline(
         pipeline: a PipelinePlan, or a dict (``stages``, ``microbatches``, ``schedule``,
             ``virtual_stages``, ``axis``; the blocks are split evenly), or None to take
             ``plan``'s ``pipeline`` entry.
-        plan: a pipelined Plan (its ``pipeline`` entry and mesh are used; each stage is
-            planned again on its submesh at the microbatch's shapes).
+        plan: a pipelined Plan (its ``pipeline`` entry and mesh are used); each stage is
+            lowered with the plan's stored stage plan (``pipeline.stage_plans``: no solve
+            here), or, in a plan without them, planned on its submesh at the microbatch's
+            shapes.
 
     Raises:
         PlanMismatchError: the pipeline does not fit the mesh or the world size.
         UnsupportedModelError: no stack of blocks, one block, more stages than blocks.
         ValueError: the microbatches do not divide the batch; an unsupported schedule.
     """
-    if pipeline is None and plan is not None:
+    from_plan = pipeline is None and plan is not None
+    if from_plan:
         if "pipeline" not in plan.data:
             raise ValueError("the plan has no pipeline entry; pass pipeline=")
         pipeline = PipelinePlan.from_json(plan.data["pipeline"])
@@ -239,20 +242,15 @@ def autoparallelize_pipeline(
     stages = split_stages(captured, pipeline)
     sub_mesh, sub_groups, groups = _submesh(mesh, groups, pipeline.axis)
     name = model_name or type(model).__name__
-    texts = _from_rank0(
-        lambda: [
-            plan_captured(
-                s.captured,
-                sub_mesh,
-                options,
-                model_name=f"{name}/stage{s.index}",
-                price_baselines=False,
-            ).to_json()
-            for s in stages
-        ],
-        what="planning the pipeline stages",
-    )
-    plans = [Plan.from_json(text) for text in texts]
+    plans = _stored_stage_plans(plan if from_plan else None, mesh, pipeline.num_stages)
+    if plans is None:
+        texts = _from_rank0(
+            lambda: [
+                p.to_json() for p in plan_stage_graphs(stages, sub_mesh, options, model_name=name)
+            ],
+            what="planning the pipeline stages",
+        )
+        plans = [Plan.from_json(text) for text in texts]
     _agree(
         lambda: [check_plan(p, s.captured, sub_mesh) for p, s in zip(plans, stages, strict=True)]
     )
@@ -282,6 +280,32 @@ def autoparallelize_pipeline(
     pmodel.plan = plans
     pmodel.pipeline = pipeline
     return pmodel
+
+
+def _stored_stage_plans(plan: Plan | None, mesh: Mesh, num_stages: int) -> list[Plan] | None:
+    """The stage plans ``plan`` stores (None without them: the runtime plans the stages).
+
+    Raises:
+        PlanMismatchError: they are for another mesh shape or another stage count (a stage
+            graph that is not the one they were planned for is refused by ``check_plan``).
+    """
+    stored = None if plan is None else plan.data["pipeline"].get("stage_plans")
+    if not stored:
+        return None
+    plan_mesh = plan.data["mesh"]
+    if tuple(plan_mesh["shape"]) != tuple(mesh.shape):
+        raise PlanMismatchError(
+            f"the plan's stage layouts were planned on mesh {tuple(plan_mesh['shape'])} "
+            f"{tuple(plan_mesh['axis_names'])} but this mesh has shape {tuple(mesh.shape)}; build "
+            f"it as autopar.Mesh.from_world({tuple(plan_mesh['shape'])}, "
+            f"{tuple(plan_mesh['axis_names'])})"
+        )
+    if len(stored) != num_stages:
+        raise PlanMismatchError(
+            f"the plan stores {len(stored)} stage plans for {num_stages} pipeline stages; "
+            f"plan again"
+        )
+    return [Plan.from_dict(data) for data in stored]
 
 
 def _stage_module(

@@ -15,6 +15,7 @@ and off each appear at least once (see CASES). Bad input (one line each) runs in
 from __future__ import annotations
 
 import functools
+import json
 import pathlib
 import tempfile
 from typing import Any
@@ -94,6 +95,8 @@ def check_pipeline(rank: int, world_size: int, case: Any) -> dict[str, Any]:
         return check_bad_input(case[1])
     if case[0] == "dcp":
         return check_dcp(case[1])
+    if case[0] == "saved":
+        return check_saved_plan(case[1])
     shape, names, model_name, stages, microbatches, schedule, options = case
     model, args, kwargs = _build(model_name)
     want = sgd_reference(model, args, kwargs, lr=LR, steps=NUM_STEPS)
@@ -109,9 +112,6 @@ def check_pipeline(rank: int, world_size: int, case: Any) -> dict[str, Any]:
         price_baselines=False,
         **options,
     )
-    loss = _timed_step(pmodel, args, kwargs)
-    _close("loss", loss, want["loss"])
-    checked: list[str] = []
     # The options reached the stages: recomputed segments (some stage of this rank: a
     # one-block stage may have none), ZeRO and tensor-parallel layouts (every stage).
     recomputes = [bool(p.plan.checkpoint_segments()) for p in pmodel.pmodules]
@@ -120,6 +120,16 @@ def check_pipeline(rank: int, world_size: int, case: Any) -> dict[str, Any]:
         assert (pmodule.zero is not None) == options.get("recipe", "").startswith("fsdp")
         layouts = set(pmodule.plan.param_placements().values())
         assert any("S" in p for p in layouts) == ("tp" in names), layouts
+    return _train_and_compare(pmodel, args, kwargs, want)
+
+
+def _train_and_compare(pmodel: Any, args: Any, kwargs: Any, want: dict) -> dict[str, Any]:
+    """One step (loss, every gradient of this rank's stages), then 2 more SGD steps (every
+    parameter), against the single process ``want``; returns what this rank checked."""
+    loss = _timed_step(pmodel, args, kwargs)
+    _close("loss", loss, want["loss"])
+    checked: list[str] = []
+    for pmodule in pmodel.pmodules:
         for name, grad in full_grads(pmodule).items():
             _close(f"grad of {name}", grad, want["grads"][name])
             checked.append(name)
@@ -152,6 +162,8 @@ def test_pipeline_numerics(world_size: int, tmp_path: Any) -> None:
     cases = [(name, case) for name, case in CASES[world_size].items()]
     if world_size == 2:
         cases += [(f"bad/{what}", ("bad", what)) for what in BAD_INPUT]
+    if world_size == 2:
+        cases.append(("saved", ("saved", str(tmp_path / "plan.json"))))
     if world_size == 4:
         cases.append(("dcp", ("dcp", str(tmp_path / "ckpt"))))
     results = run_cases(check_pipeline, world_size, cases, timeout_s=600)
@@ -164,8 +176,77 @@ def test_pipeline_numerics(world_size: int, tmp_path: Any) -> None:
         assert set().union(*(v["state"] for v in values)) >= every, name
     if world_size == 4:
         assert results["dcp"].check()[0] > 0
+    if world_size == 2:
+        saved = results["saved"].check()
+        # The stored stage plans ran on both ranks without a solve; the older plan's stages
+        # were planned on rank 0 only.
+        assert [v["solves"] for v in saved] == [(0, 2), (0, 0)], saved
     for what in BAD_INPUT if world_size == 2 else ():
         results[f"bad/{what}"].check()
+
+
+def check_saved_plan(path: str) -> dict[str, Any]:
+    """A plan saved by ``autopar.plan`` with stages (rank 0 plans and saves it) runs as saved:
+    each stage lowered with its stored intra-op plan, no solve on any rank, the numerics of one
+    process; the same plan without ``stage_plans`` (an older plan) still runs, rank 0 planning
+    the stages; a model whose stage graphs differ and a mesh of another shape are refused with
+    one line. Returns the solves counted (stored, older) and the errors."""
+    import torch.distributed as dist
+
+    import autopar
+    from autopar.errors import PlanMismatchError
+    from autopar.plan.document import Plan
+    from autopar.planner.driver import Driver
+
+    model, args, kwargs = _build("llama")
+    want = sgd_reference(model, args, kwargs, lr=LR, steps=NUM_STEPS)
+    if dist.get_rank() == 0:
+        offline = autopar.Mesh.spec((2,), ("pp",))
+        saved = autopar.plan(model, offline, args, stages=2, microbatches=2, schedule="1f1b")
+        saved.save(path)
+    dist.barrier()
+    stored = Plan.load(path)
+    mesh = _mesh((2, 1, 1), ("pp", "dp", "tp"))
+    solves: list[int] = []
+    solve = Driver.plan
+
+    def counted(self: Any, *a: Any, **k: Any) -> Any:
+        solves.append(1)
+        return solve(self, *a, **k)
+
+    Driver.plan = counted  # type: ignore[method-assign]
+    try:
+        counts = []
+        for plan in (path, _without_stage_plans(stored)):
+            before = len(solves)
+            model, args, kwargs = _build("llama")
+            pmodel = autopar.autoparallelize(model, mesh, args, kwargs, plan=plan)
+            counts.append(len(solves) - before)
+            if plan == path:
+                index = pmodel.stage_indices[0]
+                data = stored.data["pipeline"]["stage_plans"][index]
+                assert pmodel.pmodules[0].plan.data["nodes"] == data["nodes"]
+            _train_and_compare(pmodel, args, kwargs, want)
+        errors = []
+        model, args, kwargs = _build("llama")
+        short = tuple(a[:, :8].contiguous() for a in args)  # other shapes: other stage graphs
+        for other_args, other_mesh in ((short, mesh), (args, _mesh((2,), ("pp",)))):
+            with pytest.raises(PlanMismatchError) as error:
+                autopar.autoparallelize(model, other_mesh, other_args, plan=path)
+            errors.append(str(error.value))
+    finally:
+        Driver.plan = solve  # type: ignore[method-assign]
+    assert "other input shapes" in errors[0] and "from_world((2, 1, 1)" in errors[1], errors
+    assert not any("\n" in e for e in errors), errors
+    return {"solves": tuple(counts), "errors": errors}
+
+
+def _without_stage_plans(plan: Any) -> Any:
+    from autopar.plan.document import Plan
+
+    data = json.loads(plan.to_json())
+    del data["pipeline"]["stage_plans"]
+    return Plan.from_dict(data)
 
 
 def check_dcp(path: str) -> int:
@@ -259,7 +340,9 @@ def check_bad_input(what: str) -> str:
     elif what == "wrong world size, plan file":  # a saved plan: read on rank 0 only
         model, args, _ = models.tiny_llama(layers=4)
         offline = autopar.Mesh.spec((4,), ("pp",))
-        saved = autopar.plan(model, offline, args, stages=4, microbatches=2, schedule="gpipe")
+        saved = autopar.plan(
+            model, offline, args, stages=4, microbatches=2, schedule="gpipe", stage_plans=False
+        )
         path = pathlib.Path(tempfile.mkdtemp()) / "plan.json"
         saved.save(path)
         kwargs = {"pipeline": None, "plan": str(path)}

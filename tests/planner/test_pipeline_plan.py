@@ -28,6 +28,7 @@ def searched() -> Plan:
         stages=2,
         microbatches=4,
         memory_budget="64MiB",
+        stage_plans=False,  # the search is tested here; stored stage plans in test_pipeline
     )
 
 
