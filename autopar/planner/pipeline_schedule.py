@@ -40,8 +40,9 @@ from typing import Any
 import numpy as np
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
-"""Schedules the stage planner offers (``zero-bubble`` needs split input/weight backward in the
-stage modules, which the runtime does not provide)."""
+"""Schedules the stage planner offers. The split-backward schedules (``zero-bubble``, ``zbv``,
+``dualpipev``) run (``pipeline=dict(schedule=...)``) but are not priced: their bubble depends on
+the split of each backward into input and weight passes, which the stage costs do not carry."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
