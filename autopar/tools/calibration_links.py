@@ -11,8 +11,8 @@ every trial (one timing of each kind, then the next trial), so that load from ot
 which drifts over seconds, falls on every kind alike: the planner chooses between kinds (an
 all-reduce, or a reduce-scatter and an all-gather), so their ratio is what must be right. Timed
 one kind after the other over all sizes, a 2x2 calibration on a loaded machine measured the
-all-reduce's latency at twice the runtime's while pricing gloo's reduce-scatter (an all-reduce of
-the whole tensor plus copies) below it.
+all-reduce's latency at twice the runtime's and priced gloo's reduce-scatter below its
+all-reduce, which it is not (README, "The auto plan vs the recipes, measured").
 
 ``broadcast`` is measured as what the planner prices with it: a pipeline stage's
 point-to-point transfer to its neighbour (``planner.stage_pricing``'s ``p2p_s``). Neighbouring
