@@ -74,9 +74,7 @@ def test_fit_efficiency_recovers_the_fraction_of_the_roofline(efficiency: float)
         op_efficiency={"norm": efficiency},
     )
     work = [(5e6, 4e6), (2e7, 1.6e7), (8e7, 6.4e7)]  # (flops, bytes): memory-bound
-    times = [
-        compute_time_s(flops=f, bytes_accessed=b, device=device, family="norm") for f, b in work
-    ]
+    times = [compute_time_s(flops=f, bytes_accessed=b, device=device, family="norm") for f, b in work]
     ideal = [max(f / 50e9, b / 10e9) for f, b in work]
     assert fit_efficiency(ideal, times, overhead_s=8e-6) == pytest.approx(efficiency, rel=1e-9)
 
@@ -121,9 +119,7 @@ def test_calibrated_profile_round_trips_and_drives_the_mesh(tmp_path) -> None:
     assert mesh.link("dp") != link  # an axis the profile does not name keeps its default link
     nbytes = 4 * 2**20
     steps, wire = collective_steps_and_wire_bytes("all_gather", nbytes, 2)
-    assert collective_time_s("all_gather", nbytes, 2, mesh.link("tp")) == pytest.approx(
-        80e-6 * steps + 2e-9 * wire
-    )
+    assert collective_time_s("all_gather", nbytes, 2, mesh.link("tp")) == pytest.approx(80e-6 * steps + 2e-9 * wire)
 
 
 def test_op_work_prices_a_linear_like_the_planner() -> None:
@@ -185,9 +181,7 @@ def mlp_plans():
     captured = capture(model, (torch.randn(8192, 16), torch.randn(8192, 16)), {})
     mesh = Mesh.spec((2, 2), device="cpu")
     recipes = ["auto", "ddp", "fsdp", "megatron", "fsdp+tp"]
-    return captured, plans_for_recipes(
-        captured, mesh, PlanOptions(), recipes=recipes, model_name="mlp"
-    )
+    return captured, plans_for_recipes(captured, mesh, PlanOptions(), recipes=recipes, model_name="mlp")
 
 
 def test_compare_table_lists_every_recipe(mlp_plans) -> None:
@@ -213,9 +207,7 @@ def test_ddp_moves_each_gradient_once_per_axis(mlp_plans) -> None:
 
     captured, plans = mlp_plans
     param_bytes = sum(
-        math.prod(n.meta["val"].shape) * 4
-        for n in captured.gm.graph.nodes
-        if n.name in captured.param_nodes
+        math.prod(n.meta["val"].shape) * 4 for n in captured.gm.graph.nodes if n.name in captured.param_nodes
     )
     volume = comm_volume_by_axis(plans["ddp"])
     for axis in ("dp", "tp"):
@@ -237,23 +229,7 @@ def test_plan_cli_uses_a_profile(tmp_path, capsys) -> None:
     path = tmp_path / "p.json"
     path.write_text(json.dumps(data))
     out = tmp_path / "plan.json"
-    assert (
-        main(
-            [
-                "plan",
-                "mlp-1l",
-                "--mesh",
-                "2",
-                "--profile",
-                str(path),
-                "--batch",
-                "8",
-                "--out",
-                str(out),
-            ]
-        )
-        == 0
-    )
+    assert main(["plan", "mlp-1l", "--mesh", "2", "--profile", str(path), "--batch", "8", "--out", str(out)]) == 0
     plan = json.loads(out.read_text())
     assert plan["mesh"]["device"]["name"] == "slow-cpu"
     assert plan["mesh"]["links"][0]["name"] == "slow-link"
