@@ -4,6 +4,16 @@ Every rank runs this at the same time: each collective is timed on every group o
 once over the message sizes of ``CalibrationConfig.collective_bytes``, the slowest rank counts,
 and ``cost_models.fit_alpha_beta`` turns the timings into ``links[axis].collectives[kind]``.
 
+Each kind is timed with the call the runtime makes (``autopar.comm.collectives`` and ZeRO gather
+and scatter with ``all_gather_single`` / ``reduce_scatter_single``, one flat buffer), not the
+list forms, which take other code paths in gloo. At each size the kinds are timed in turn within
+every trial (one timing of each kind, then the next trial), so that load from other processes,
+which drifts over seconds, falls on every kind alike: the planner chooses between kinds (an
+all-reduce, or a reduce-scatter and an all-gather), so their ratio is what must be right. Timed
+one kind after the other over all sizes, a 2x2 calibration on a loaded machine measured the
+all-reduce's latency at twice the runtime's and priced gloo's reduce-scatter below its
+all-reduce, which it is not (README, "The auto plan vs the recipes, measured").
+
 ``broadcast`` is measured as what the planner prices with it: a pipeline stage's
 point-to-point transfer to its neighbour (``planner.stage_pricing``'s ``p2p_s``). Neighbouring
 group ranks (0-1, 2-3, ...) exchange a tensor with ``dist.batch_isend_irecv``, as torch's
@@ -29,9 +39,18 @@ from cost_models.calibrate import fit_sync_s, link_from_fits
 if TYPE_CHECKING:
     from autopar.tools.calibration import CalibrationConfig
 
-__all__ = ["CALIBRATED_COLLECTIVES", "measure_links"]
+__all__ = ["CALIBRATED_COLLECTIVES", "RUNTIME_CALLS", "interleaved_medians", "measure_links"]
 
 CALIBRATED_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
+
+RUNTIME_CALLS = {
+    "all_reduce": "all_reduce",
+    "all_gather": "all_gather_single",
+    "reduce_scatter": "reduce_scatter_single",
+    "all_to_all": "all_to_all_single",
+    "broadcast": "batch_isend_irecv ping-pong",
+}
+"""The ``torch.distributed`` call timed for each kind: the one the runtime makes."""
 
 
 def _run_collective(
@@ -40,14 +59,13 @@ def _run_collective(
     numel = max(nbytes // 4 // size, 1) * size
     full = torch.randn(numel, device=device)
     part = torch.randn(numel // size, device=device)
-    parts = [torch.empty_like(part) for _ in range(size)]
     if kind == "all_reduce":
         return lambda: dist.all_reduce(full, group=group)
     if kind == "all_gather":
-        return lambda: dist.all_gather(parts, part, group=group)
+        gathered = torch.empty_like(full)
+        return lambda: dist.all_gather_single(gathered, part, group=group)
     if kind == "reduce_scatter":
-        chunks = list(full.chunk(size))
-        return lambda: dist.reduce_scatter(part, chunks, group=group)
+        return lambda: dist.reduce_scatter_single(part, full, group=group)
     if kind == "all_to_all":
         out = torch.empty_like(full)
         return lambda: dist.all_to_all_single(out, full, group=group)
@@ -96,19 +114,19 @@ def measure_links(
             continue
         group = groups.groups[axis]
         fits: dict[str, tuple[float, float]] = {}
+        sizes = [float(max(b // 4 // size, 1) * size * 4) for b in config.collective_bytes]
+        per_size = [
+            _time_kinds_interleaved(group, size, int(nbytes), device, config) for nbytes in sizes
+        ]
         for kind in CALIBRATED_COLLECTIVES:
-            sizes = [float(max(b // 4 // size, 1) * size * 4) for b in config.collective_bytes]
-            times = []
-            for nbytes in sizes:
-                fn = _run_collective(kind, int(nbytes), group, size, device)
-                dist.barrier()
-                # Every rank runs the same count of calls: a fixed count from the time rank 0
-                # would pick would need another collective, so time a fixed number instead.
-                times.append(_time_fixed(fn, device, config))
-            times = max_over_ranks(times, device)
+            times = max_over_ranks([timed[kind] for timed in per_size], device)
             if kind == "broadcast":  # a round trip is two transfers
                 times = [t / 2 for t in times]
-            details[f"{name}/{kind}"] = {"bytes": sizes, "seconds": times}
+            details[f"{name}/{kind}"] = {
+                "bytes": sizes,
+                "seconds": times,
+                "call": RUNTIME_CALLS[kind],
+            }
             try:
                 fits[kind] = fit_alpha_beta(sizes, times, kind, size)
             except ValueError:
@@ -175,14 +193,45 @@ def _measure_sync(
     return sync_s, {"seconds_per_call": times, "calls": SYNC_CALLS, "matmul": SYNC_MATMUL}
 
 
-def _time_fixed(fn: Callable[[], Any], device: torch.device, config: CalibrationConfig) -> float:
-    """Collectives must be called the same number of times on every rank: a fixed count
-    (sized by one probe call, agreed by MAX over ranks) instead of ``time_callable``'s loop."""
-    fn()
-    sync_device(device)
-    start = time.perf_counter()
-    fn()
-    sync_device(device)
-    probe = max_over_ranks([time.perf_counter() - start], device)[0]
-    count = int(min(max(config.min_time_s / max(probe, 1e-7), 2), 200))
-    return time_queued(fn, device, count, config.trials)
+def _time_kinds_interleaved(
+    group: Any, size: int, nbytes: int, device: torch.device, config: CalibrationConfig
+) -> dict[str, float]:
+    """Seconds per call of every kind of ``CALIBRATED_COLLECTIVES`` at ``nbytes`` on this rank:
+    the median over ``config.trials`` trials, each timing every kind once in turn (module
+    docstring). Collectives must be called the same number of times on every rank: each kind's
+    count is sized by one probe call and agreed by MAX over ranks, not ``time_callable``'s loop."""
+    fns = {
+        kind: _run_collective(kind, nbytes, group, size, device) for kind in CALIBRATED_COLLECTIVES
+    }
+    probes = []
+    for fn in fns.values():
+        fn()
+        sync_device(device)
+        start = time.perf_counter()
+        fn()
+        sync_device(device)
+        probes.append(time.perf_counter() - start)
+    probes = max_over_ranks(probes, device)
+    counts = {
+        kind: int(min(max(config.min_time_s / max(p, 1e-7), 2), 200))
+        for kind, p in zip(fns, probes)
+    }
+    return interleaved_medians(fns, counts, config.trials, dist.barrier, device)
+
+
+def interleaved_medians(
+    fns: dict[str, Callable[[], Any]],
+    counts: dict[str, int],
+    trials: int,
+    between: Callable[[], Any],
+    device: torch.device,
+) -> dict[str, float]:
+    """Per key, the median over ``trials`` of the mean seconds per call of ``counts[key]`` calls
+    of ``fns[key]``; every trial times each key once, in order, with ``between()`` (a barrier)
+    before each timing."""
+    times: dict[str, list[float]] = {key: [] for key in fns}
+    for _ in range(max(trials, 1)):
+        for key, fn in fns.items():
+            between()
+            times[key].append(time_queued(fn, device, counts[key], 1))
+    return {key: statistics.median(values) for key, values in times.items()}

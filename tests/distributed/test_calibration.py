@@ -37,6 +37,9 @@ def test_tiny_calibration_gives_a_profile_the_planner_uses(tmp_path) -> None:
     assert all(alpha >= 0 and beta > 0 for alpha, beta in link.collectives.values())
     sync = profile.meta["measurements"]["tp/sync"]["seconds_per_call"]
     assert link.sync_s >= 0 and all(len(v) >= 3 and min(v) > 0 for v in sync.values())
+    timed = profile.meta["measurements"]
+    assert timed["tp/reduce_scatter"]["call"] == "reduce_scatter_single"  # the runtime's call
+    assert all(min(timed[f"tp/{kind}"]["seconds"]) > 0 for kind in CALIBRATED_COLLECTIVES)
     assert profile.meta["world_size"] == 2 and profile.meta["backend"] == "gloo"
 
     path = tmp_path / "profile.json"

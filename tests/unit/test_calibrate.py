@@ -233,3 +233,30 @@ def test_plan_cli_uses_a_profile(tmp_path, capsys) -> None:
     plan = json.loads(out.read_text())
     assert plan["mesh"]["device"]["name"] == "slow-cpu"
     assert plan["mesh"]["links"][0]["name"] == "slow-link"
+
+
+def test_calibration_times_the_collective_kinds_in_turn_within_each_trial() -> None:
+    """Link calibration interleaves the kinds (one timing of each per trial), so that load
+    drifting over seconds falls on every kind alike, and times each kind the runtime's way."""
+    from autopar.tools.calibration_links import (
+        CALIBRATED_COLLECTIVES,
+        RUNTIME_CALLS,
+        interleaved_medians,
+    )
+
+    order: list[str] = []
+    fns = {key: (lambda key=key: order.append(key)) for key in ("all_reduce", "reduce_scatter")}
+    between = []
+    medians = interleaved_medians(
+        fns,
+        {"all_reduce": 2, "reduce_scatter": 3},
+        3,
+        lambda: between.append(1),
+        torch.device("cpu"),
+    )
+    assert order == (["all_reduce"] * 2 + ["reduce_scatter"] * 3) * 3
+    assert len(between) == 6 and set(medians) == set(fns)
+    assert all(math.isfinite(s) and s >= 0 for s in medians.values())
+    assert set(RUNTIME_CALLS) == set(CALIBRATED_COLLECTIVES)
+    assert RUNTIME_CALLS["reduce_scatter"] == "reduce_scatter_single"
+    assert RUNTIME_CALLS["all_gather"] == "all_gather_single"
