@@ -97,6 +97,8 @@ def check_pipeline(rank: int, world_size: int, case: Any) -> dict[str, Any]:
         return check_dcp(case[1])
     if case[0] == "saved":
         return check_saved_plan(case[1])
+    if case[0] == "eval":
+        return check_eval(case[1])
     shape, names, model_name, stages, microbatches, schedule, options = case
     model, args, kwargs = _build(model_name)
     want = sgd_reference(model, args, kwargs, lr=LR, steps=NUM_STEPS)
@@ -164,6 +166,7 @@ def test_pipeline_numerics(world_size: int, tmp_path: Any) -> None:
         cases += [(f"bad/{what}", ("bad", what)) for what in BAD_INPUT]
     if world_size == 2:
         cases.append(("saved", ("saved", str(tmp_path / "plan.json"))))
+        cases.append(("eval", ("eval", "zero-bubble")))
     if world_size == 4:
         cases.append(("dcp", ("dcp", str(tmp_path / "ckpt"))))
     results = run_cases(check_pipeline, world_size, cases, timeout_s=600)
@@ -181,6 +184,7 @@ def test_pipeline_numerics(world_size: int, tmp_path: Any) -> None:
         # The stored stage plans ran on both ranks without a solve; the older plan's stages
         # were planned on rank 0 only.
         assert [v["solves"] for v in saved] == [(0, 2), (0, 0)], saved
+        assert len(results["eval"].check()) == 2
     for what in BAD_INPUT if world_size == 2 else ():
         results[f"bad/{what}"].check()
 
@@ -239,6 +243,39 @@ def check_saved_plan(path: str) -> dict[str, Any]:
     assert "other input shapes" in errors[0] and "from_world((2, 1, 1)" in errors[1], errors
     assert not any("\n" in e for e in errors), errors
     return {"solves": tuple(counts), "errors": errors}
+
+
+def check_eval(schedule: str) -> float:
+    """``pmodel.eval()`` then ``step``: forward only through the stages' eval-mode graphs (a GPT
+    with dropout 0.1, captured in train mode: eval erases the dropout) returns the single
+    process's eval loss on every rank and leaves no gradient; back in train mode the first
+    training step's loss (dropout active) is finite. Returns the eval loss."""
+    import autopar
+    from tests import models
+
+    model, args, kwargs = models.tiny_gpt(dropout=0.1, layers=4)
+    model.eval()
+    with torch.no_grad():
+        want = model(*args, **kwargs)
+    model.train()
+    pmodel = autopar.autoparallelize(
+        model,
+        _mesh((2,), ("pp",)),
+        args,
+        kwargs,
+        pipeline={"microbatches": 2, "schedule": schedule},
+        optimizer="sgd",
+        price_baselines=False,
+    )
+    pmodel.eval()
+    for _ in range(2):  # the second pass reuses the prepared eval graphs
+        got = pmodel(*args, **kwargs)
+        _close("eval loss", got, want)
+    assert all(p.grad is None for p in pmodel.parameters())
+    pmodel.train()
+    assert torch.isfinite(pmodel.step(*args, **kwargs))
+    assert any(p.grad is not None for p in pmodel.parameters())
+    return float(got)
 
 
 def _without_stage_plans(plan: Any) -> Any:
