@@ -286,13 +286,13 @@ def autoparallelize_pipeline(
     pmodel.plan = plans
     pmodel.pipeline = pipeline
     pmodel.prepare_mode = _mode_preparer(
-        _meta_skeleton(model), (mb_args, mb_kwargs), pipeline, sub_mesh, sub_groups, modules
+        model, (mb_args, mb_kwargs), pipeline, sub_mesh, sub_groups, modules
     )
     return pmodel
 
 
 def _mode_preparer(
-    skeleton: nn.Module,
+    model: nn.Module,
     inputs: tuple[tuple, dict],
     pipeline: PipelinePlan,
     sub_mesh: Mesh,
@@ -303,7 +303,12 @@ def _mode_preparer(
     shapes, split it at the pipeline's cuts and lower this rank's stages with every parameter,
     buffer, input and output kept in its layout in the stage's graph of the other mode (the
     ILP restricted to those layouts, on every rank; a collective only in the graph-hash
-    check). Each stage's ParallelModule then switches to the prepared graph."""
+    check). Each stage's ParallelModule then switches to the prepared graph. ``model`` is
+    captured from a meta-device copy (holding none of its memory) where it can be copied."""
+    try:
+        skeleton = _meta_skeleton(model)
+    except Exception:  # an attribute deepcopy refuses (a lock, a handle): keep the model itself
+        skeleton = model
     graphs: dict[tuple[int, bool], Any] = {}
     for index, module in modules:
         module.pmodule.attach_mode_lowering(
