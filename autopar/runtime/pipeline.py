@@ -60,7 +60,7 @@ from torch.utils._pytree import tree_flatten
 
 from autopar.lowering.local_ops import autopar_scale_grad
 from autopar.placement import Shard
-from autopar.planner.stages import MULTI_STAGE_SCHEDULES
+from autopar.planner.stages import MULTI_STAGE_SCHEDULES, V_SCHEDULES
 from autopar.runtime.materialize import local_block
 from autopar.runtime.module import ParallelModule
 from autopar.runtime.pipeline_backward import weight_pass
@@ -245,6 +245,7 @@ class PipelineModule(nn.Module):
         and the tied-weight gradient sum excluded): ``1 - busy_s / step seconds`` is this
         rank's measured bubble (``benchmarks/pipeline_cost_check.py``)."""
         cls = SCHEDULE_CLASSES[schedule]
+        self._schedule_name = schedule
         try:
             self.schedule = cls(
                 pipeline_stages if schedule in MULTI_STAGE_SCHEDULES else pipeline_stages[0],
@@ -269,6 +270,17 @@ class PipelineModule(nn.Module):
     def _microbatch_loss(self, output: torch.Tensor, target: Any) -> torch.Tensor:
         # Microbatch means of equal microbatches: their mean is the global mean.
         return output / self.microbatches
+
+    def train(self, mode: bool = True) -> PipelineModule:
+        """Switch train/eval mode (eval: forward-only :meth:`step`). Refused for the V-shaped
+        schedules, whose torch 2.13 eval path hands a backward input between the two stages
+        of a rank even without backward."""
+        if not mode and self._schedule_name in V_SCHEDULES:
+            raise ValueError(
+                f"eval mode does not run under schedule {self._schedule_name!r} (torch 2.13's "
+                f"V-shaped schedules fail without backward); evaluate with another schedule"
+            )
+        return super().train(mode)
 
     @property
     def pmodules(self) -> list[ParallelModule]:

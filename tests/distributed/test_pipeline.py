@@ -122,7 +122,11 @@ def check_pipeline(rank: int, world_size: int, case: Any) -> dict[str, Any]:
         assert (pmodule.zero is not None) == options.get("recipe", "").startswith("fsdp")
         layouts = set(pmodule.plan.param_placements().values())
         assert any("S" in p for p in layouts) == ("tp" in names), layouts
-    return _train_and_compare(pmodel, args, kwargs, want)
+    checked = _train_and_compare(pmodel, args, kwargs, want)
+    if schedule in ("zbv", "dualpipev"):  # torch's V schedules cannot run eval: one line
+        with pytest.raises(ValueError, match=r"^eval mode does not run under schedule [^\n]*$"):
+            pmodel.eval()
+    return checked
 
 
 def _train_and_compare(pmodel: Any, args: Any, kwargs: Any, want: dict) -> dict[str, Any]:
