@@ -38,8 +38,7 @@ CASES: dict[int, dict[str, tuple]] = {
         "pp2/llama/1f1b/mb4/recompute": ((2,), ("pp",), "llama", 2, 4, "1f1b", {"checkpoint": "all"}),
         "pp2/gpt/interleaved/mb4": ((2,), ("pp",), "gpt", 2, 4, "interleaved-1f1b", {}),
         "pp2/gpt/zero-bubble/mb2": ((2,), ("pp",), "gpt", 2, 2, "zero-bubble", {}),
-        "pp2/llama8/zbv/mb4/recompute": ((2,), ("pp",), "llama8", 2, 4, "zbv", {"checkpoint": "all"}),
-        "pp2/gpt/dualpipev/mb4": ((2,), ("pp",), "gpt", 2, 4, "dualpipev", {}),
+        "pp2/llama/dualpipev/mb4": ((2,), ("pp",), "llama", 2, 4, "dualpipev", {}),
     },
     4: {
         "pp4/gpt/1f1b/mb4": ((4,), ("pp",), "gpt", 4, 4, "1f1b", {}),
@@ -56,7 +55,7 @@ CASES: dict[int, dict[str, tuple]] = {
         "pp2xdp2/gpt8/zbv/mb8/ddp+recompute": (
             (2, 2), ("pp", "dp"), "gpt8", 2, 8, "zbv", {"recipe": "ddp", "checkpoint": "all"},
         ),
-        "pp2xtp2/llama/zbv/mb2/megatron": ((2, 2), ("pp", "tp"), "llama", 2, 2, "zbv", {"recipe": "megatron"}),
+        "pp2xtp2/gpt/zbv/mb2/megatron": ((2, 2), ("pp", "tp"), "gpt", 2, 2, "zbv", {"recipe": "megatron"}),
     },
     8: {
         "pp2xdp2xtp2/llama/1f1b/mb4/fsdp+tp": (
