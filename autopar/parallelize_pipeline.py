@@ -32,11 +32,16 @@ from autopar.mesh import Mesh
 from autopar.options import PlanOptions
 from autopar.parallelize import (
     _agree,
+    _erase_inactive_dropout,
     _from_rank0,
     _mesh_groups,
+    _meta_skeleton,
     _parallel_module,
+    _retarget_factories,
     _runtime_device,
+    _same_hash,
     check_plan,
+    choices_with_layouts,
 )
 from autopar.plan.document import Plan
 from autopar.planner.stages import (
@@ -276,10 +281,69 @@ def autoparallelize_pipeline(
         num_inputs=len(captured.input_nodes),
         shared=_shared_groups(stages, plans, pipeline, groups, [m for _, m in modules]),
         device=_runtime_device(),
+        training=model.training,
     )
     pmodel.plan = plans
     pmodel.pipeline = pipeline
+    pmodel.prepare_mode = _mode_preparer(
+        model, (mb_args, mb_kwargs), pipeline, sub_mesh, sub_groups, modules
+    )
     return pmodel
+
+
+def _mode_preparer(
+    model: nn.Module,
+    inputs: tuple[tuple, dict],
+    pipeline: PipelinePlan,
+    sub_mesh: Mesh,
+    sub_groups: AxisGroups,
+    modules: list[tuple[int, StageModule]],
+) -> Any:
+    """``prepare(training)``: capture ``skeleton`` in that train/eval mode at the microbatch's
+    shapes, split it at the pipeline's cuts and lower this rank's stages with every parameter,
+    buffer, input and output kept in its layout in the stage's graph of the other mode (the
+    ILP restricted to those layouts, on every rank; a collective only in the graph-hash
+    check). Each stage's ParallelModule then switches to the prepared graph. ``model`` is
+    captured from a meta-device copy (holding none of its memory) where it can be copied."""
+    try:
+        skeleton = _meta_skeleton(model)
+    except Exception:  # an attribute deepcopy refuses (a lock, a handle): keep the model itself
+        skeleton = model
+    graphs: dict[tuple[int, bool], Any] = {}
+    for index, module in modules:
+        module.pmodule.attach_mode_lowering(
+            lambda mode, index=index: graphs[(index, mode)]  # type: ignore[misc]
+        )
+
+    def prepare(training: bool) -> None:
+        was_training = skeleton.training
+        skeleton.train(training)
+        try:
+            other = capture(skeleton, *inputs)
+        finally:
+            skeleton.train(was_training)
+        _erase_inactive_dropout(other.gm)
+        _retarget_factories(other.gm, _runtime_device())
+        hashes = [other.graph_hash]
+        dist.broadcast_object_list(hashes, src=0)
+        _agree(lambda: _same_hash(other.graph_hash, hashes[0]))
+        stages = split_stages(other, pipeline)
+        for index, module in modules:
+            reference = module.pmodule.lowered
+            chosen = module.pmodule.plan
+            plan_mesh = Mesh.from_dict(chosen.data["mesh"])
+            plan_options = PlanOptions.from_kwargs(chosen.data["options"])
+            captured = stages[index].captured
+            choices = choices_with_layouts(captured, plan_mesh, plan_options, reference)
+            graphs[(index, training)] = lower(
+                captured,
+                choices,
+                sub_mesh.shape,
+                sub_groups.key,
+                output_placements=None if module.is_last else reference.output_placements,
+            )
+
+    return prepare
 
 
 def _stored_stage_plans(plan: Plan | None, mesh: Mesh, num_stages: int) -> list[Plan] | None:

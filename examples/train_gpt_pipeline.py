@@ -43,7 +43,11 @@ def build_model() -> GPT:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mesh", default="pp=2,dp=2", help="mesh with a pp axis, e.g. pp=2,dp=2")
-    parser.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b or interleaved-1f1b")
+    parser.add_argument(
+        "--schedule",
+        default="1f1b",
+        help="gpipe, 1f1b, interleaved-1f1b, zero-bubble, zbv or dualpipev",
+    )
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--recipe", default="auto", help="plan inside each stage")
     parser.add_argument("--steps", type=int, default=5)

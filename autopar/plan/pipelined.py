@@ -10,9 +10,10 @@ The stage planner's answer (``planner.pipeline.SearchResult``) becomes:
   ``megatron-3d`` and the best plan without stages;
 - the usual top-level figures (``predicted`` with ``pipeline_bubble_s`` and ``p2p_s`` in its
   breakdown, ``baselines`` with ``megatron-3d`` and ``no-stages``), on the ``pp x dp x tp``
-  mesh. ``nodes`` and ``params`` are empty: each stage's layouts are solved again on its own
-  stage graph by the runtime (``runtime`` splits the graph at ``pipeline.cut_fqns``), with the
-  stage's ZeRO stage and recomputation as recorded here.
+  mesh. ``nodes`` and ``params`` are empty: each stage's layouts are in
+  ``pipeline.stage_plans`` (one-stage plan documents of the stage graphs, added by
+  ``autopar.api.plan_stages``), which the runtime lowers as saved; a plan without them has its
+  stages planned again by the runtime on their stage graphs.
 """
 
 from __future__ import annotations

@@ -60,7 +60,7 @@ from torch.utils._pytree import tree_flatten
 
 from autopar.lowering.local_ops import autopar_scale_grad
 from autopar.placement import Shard
-from autopar.planner.stages import MULTI_STAGE_SCHEDULES
+from autopar.planner.stages import MULTI_STAGE_SCHEDULES, V_SCHEDULES
 from autopar.runtime.materialize import local_block
 from autopar.runtime.module import ParallelModule
 from autopar.runtime.pipeline_backward import weight_pass
@@ -202,6 +202,7 @@ class PipelineModule(nn.Module):
         shared: per parameter used by several stages, the process group over which its
             gradient is summed (None when all its copies are on this rank) and the FQN.
         device: where the stages run.
+        training: the mode the stages' graphs were captured in (the module starts in it).
     """
 
     def __init__(
@@ -217,6 +218,7 @@ class PipelineModule(nn.Module):
         num_inputs: int,
         shared: Sequence[tuple[str, Any]] = (),
         device: torch.device,
+        training: bool = True,
     ) -> None:
         super().__init__()
         self.stage_modules = nn.ModuleList(module for _, module in stages)
@@ -243,6 +245,7 @@ class PipelineModule(nn.Module):
         and the tied-weight gradient sum excluded): ``1 - busy_s / step seconds`` is this
         rank's measured bubble (``benchmarks/pipeline_cost_check.py``)."""
         cls = SCHEDULE_CLASSES[schedule]
+        self._schedule_name = schedule
         try:
             self.schedule = cls(
                 pipeline_stages if schedule in MULTI_STAGE_SCHEDULES else pipeline_stages[0],
@@ -257,10 +260,27 @@ class PipelineModule(nn.Module):
                 f"stages: {reason}; choose another microbatch count or schedule"
             ) from None
         self._has_last = any(module.is_last for module in self.stage_modules)
+        self.prepare_mode: Any = None
+        """``prepare_mode(training)``: lower this rank's stages for the other train/eval mode
+        (a collective over every rank; set by ``autoparallelize``), called by :meth:`step` the
+        first time it runs in a mode."""
+        self._prepared_modes = {training}
+        self.train(training)
 
     def _microbatch_loss(self, output: torch.Tensor, target: Any) -> torch.Tensor:
         # Microbatch means of equal microbatches: their mean is the global mean.
         return output / self.microbatches
+
+    def train(self, mode: bool = True) -> PipelineModule:
+        """Switch train/eval mode (eval: forward-only :meth:`step`). Refused for the V-shaped
+        schedules, whose torch 2.13 eval path hands a backward input between the two stages
+        of a rank even without backward."""
+        if not mode and self._schedule_name in V_SCHEDULES:
+            raise ValueError(
+                f"eval mode does not run under schedule {self._schedule_name!r} (torch 2.13's "
+                f"V-shaped schedules fail without backward); evaluate with another schedule"
+            )
+        return super().train(mode)
 
     @property
     def pmodules(self) -> list[ParallelModule]:
@@ -268,15 +288,21 @@ class PipelineModule(nn.Module):
         return [module.pmodule for module in self.stage_modules]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError(
-            "a pipelined module trains with pmodel.step(*global_inputs) (forward and backward "
-            "of the whole schedule, returns the loss); it has no separate forward"
-        )
+        """In eval mode, the forward-only pass of :meth:`step` (the global mean loss on every
+        rank); a training step is ``pmodel.step``."""
+        if self.training:
+            raise RuntimeError(
+                "a pipelined module trains with pmodel.step(*global_inputs) (forward and "
+                "backward of the whole schedule, returns the loss); call pmodel.eval() first for "
+                "a forward-only pass"
+            )
+        return self.step(*args, **kwargs)
 
     def step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """One forward and backward of the GLOBAL batch ``(args, kwargs)`` (the same on every
         rank) under the schedule; returns the global mean loss (detached) on every rank and
-        leaves the gradients in the parameters."""
+        leaves the gradients in the parameters. In eval mode (``pmodel.eval()``), forward
+        only: the stages' eval-mode graphs, the global mean loss on every rank, no gradients."""
         leaves, _ = tree_flatten((args, kwargs))
         if len(leaves) != self.num_inputs:
             raise ValueError(
@@ -297,6 +323,18 @@ class PipelineModule(nn.Module):
         target = torch.zeros(self.microbatches)
         for stage in self._stages:
             stage.busy_s = 0.0
+        if self.training not in self._prepared_modes:
+            if self.prepare_mode is None:
+                raise RuntimeError("this pipelined module cannot switch train/eval mode")
+            self.prepare_mode(self.training)
+            self._prepared_modes.add(self.training)
+        if not self.training:
+            # Forward only (torch's schedules skip their backward actions): the stages' graphs
+            # of eval mode, no gradients, no reductions.
+            with torch.no_grad():
+                self.schedule.eval(target=target, losses=losses, return_outputs=False, **inputs)
+            self.busy_s = sum(stage.busy_s for stage in self._stages)
+            return self._broadcast_loss(losses)
         self.schedule.step(target=target, losses=losses, return_outputs=False, **inputs)
         self.busy_s = sum(stage.busy_s for stage in self._stages)
         if self._defer_reduction:
@@ -306,6 +344,11 @@ class PipelineModule(nn.Module):
             for pmodule in self.pmodules:
                 pmodule.reduce_accumulated_grads()
         self._sum_shared_grads()
+        return self._broadcast_loss(losses)
+
+    def _broadcast_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """The sum of the last stage's microbatch losses (each already divided by the number
+        of microbatches), sent over the pipeline axis's group: the global mean on every rank."""
         if self._has_last:
             loss = torch.stack([x.detach() for x in losses]).sum()
         else:

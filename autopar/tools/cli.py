@@ -277,7 +277,8 @@ def _plan_stages(args, console, captured, mesh, options, capture_s: float) -> in
     with console.status("planning pipeline stages"):
         plan = plan_stages(captured, probe, mesh=mesh, stage=stage, options=options,
                            model_name=args.model, capture_s=capture_s, device=args.device,
-                           progress=console.log, capture_microbatch=whole)
+                           progress=console.log, capture_microbatch=whole,
+                           stage_plans=bool(args.out))  # the file runs as saved: its stages' plans
     print(plan.summary(width=output_width(), verbose=args.verbose))
     print(f"stage search: {time.perf_counter() - start:.1f} s wall")
     if args.out:
