@@ -49,8 +49,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from solver.checkpointing import freed_bytes, recompute_s
-from solver.errors import InfeasibleError
+from solver.checkpointing import fit_segments, freed_bytes, recompute_s
 from solver.presolve import plan_objective_s, plan_peak_memory_bytes
 from solver.problem import Edge, Node, Problem, Segment
 
@@ -290,8 +289,6 @@ def fit_recompute(
 ) -> tuple[tuple[int, ...], float] | None:
     """The fastest recomputation of the plan ``choices`` (layouts fixed) within the budget:
     (recomputed copies per segment, exact step time), or None when no recomputation fits."""
-    from solver.ilp import solve_model  # the MIP over the segment bits only
-
     budget = problem.memory_budget_bytes
     assert budget is not None
     if not problem.segments:
@@ -334,11 +331,9 @@ def fit_recompute(
         memory_offset_bytes=problem.memory_offset_bytes,
         segments=segments,
     )
-    try:
-        sol = solve_model(fixed, backend="highs", time_limit_s=None, gap=0.0, msg=False)
-    except InfeasibleError:
+    recomputed = fit_segments(fixed)
+    if recomputed is None:
         return None
-    recomputed = sol.recomputed
     if plan_peak_memory_bytes(problem, choices, recomputed) > budget:
         return None
     return recomputed, plan_objective_s(problem, choices, recomputed)
@@ -354,9 +349,11 @@ def relax(
     target_gap: float = 0.0,
     stop_at: float = math.inf,
 ) -> Relaxed:
-    """Search the multiplier (module docstring). ``solve_free(problem) -> (choices, value,
-        bound)`` solves a budget-free problem (value: its objective; bound: a lower bound on its
-    optimum, equal to value when proven optimal). ``start``: a multiplier to begin from (a
+    """Search the multiplier (module docstring). ``solve_free(problem, *, multiplier=None) ->
+    (choices, value, bound)`` solves a budget-free problem (value: its objective; bound: a
+    lower bound on its optimum, equal to value when proven optimal); ``multiplier`` is lam for
+    the separable priced problems (node costs concave in lam: solver/prune.py PruneMemo reuses
+    bounds across them) and None for the others. ``start``: a multiplier to begin from (a
     previous configuration's). The search runs on the separable D first (one solve each), then,
     where the recompute patterns are few, on the pattern D (module docstring; one solve per
     pattern not pruned, ``max_pattern_evaluations`` at most) from the best multiplier found.
@@ -380,7 +377,7 @@ def relax(
         nonlocal best_bound, best_lam, best, evaluations
         evaluations += 1
         if not exact:
-            choices, _, lower = solve_free(priced(problem, lam))
+            choices, _, lower = solve_free(priced(problem, lam), multiplier=lam)
             plans, peak = [choices], relaxed_peak(problem, choices, lam)
         else:
             lower, plans, peak, seen[lam] = pattern_dual(
@@ -392,6 +389,8 @@ def relax(
         for choices in plans:
             if choices not in tried:
                 tried.add(choices)
+                if best is not None and plan_objective_s(problem, choices) >= best[0]:
+                    continue  # recomputing only adds time: it cannot beat the best plan
                 fitted = fit_recompute(problem, choices)
                 if fitted is not None and (best is None or fitted[1] < best[0]):
                     best = (fitted[1], choices, fitted[0])
