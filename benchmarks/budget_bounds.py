@@ -41,7 +41,7 @@ def main() -> None:
     driver = Driver(build_space(capture(model, example_args, example_kwargs), mesh, options))
     solves = [0]
 
-    def solve_free(problem, *, multiplier=None):
+    def solve_free(problem):
         solves[0] += 1
         sol = solve(problem)
         return sol.choices, sol.objective_s, sol.bound_s

@@ -113,15 +113,22 @@ def transient_floor(problem: Problem) -> float:
 
 def relaxed_peak(problem: Problem, choices: tuple[int, ...], lam: float) -> float:
     """The separable peak bound of the relaxed plan: a subgradient of D at lam is this less
-    the budget (the recompute part counted at the copies the bound assumed)."""
+    the budget (minimum copies of every segment, and per node the spare copies of the one
+    segment whose negative term :func:`_segment_terms` took)."""
     resident = math.fsum(n.memory_bytes[c] for n, c in zip(problem.nodes, choices, strict=True))
-    freed = 0.0
+    freed = []
+    taken: dict[int, tuple[float, float]] = {}  # node -> (its segment term, bytes it frees)
     for seg in problem.segments:
+        spare = seg.copies - seg.min_copies
         for n, row, again in zip(seg.nodes, seg.freed_bytes, seg.recompute_s, strict=True):
-            v = again[choices[n]] - lam * row[choices[n]]
-            if v < 0.0 or seg.min_copies:
-                freed += (seg.copies if v < 0.0 else seg.min_copies) * row[choices[n]]
-    return problem.memory_offset_bytes + transient_floor(problem) + resident - freed
+            f = row[choices[n]]
+            if seg.min_copies:
+                freed.append(seg.min_copies * f)
+            term = spare * min(again[choices[n]] - lam * f, 0.0)
+            if term < taken.get(n, (0.0, 0.0))[0]:
+                taken[n] = (term, spare * f)
+    freed.extend(f for _, f in taken.values())
+    return problem.memory_offset_bytes + transient_floor(problem) + resident - math.fsum(freed)
 
 
 MAX_PATTERNS = 64
@@ -349,11 +356,9 @@ def relax(
     target_gap: float = 0.0,
     stop_at: float = math.inf,
 ) -> Relaxed:
-    """Search the multiplier (module docstring). ``solve_free(problem, *, multiplier=None) ->
-    (choices, value, bound)`` solves a budget-free problem (value: its objective; bound: a
-    lower bound on its optimum, equal to value when proven optimal); ``multiplier`` is lam for
-    the separable priced problems (node costs concave in lam: solver/prune.py PruneMemo reuses
-    bounds across them) and None for the others. ``start``: a multiplier to begin from (a
+    """Search the multiplier (module docstring). ``solve_free(problem) -> (choices, value,
+        bound)`` solves a budget-free problem (value: its objective; bound: a lower bound on its
+    optimum, equal to value when proven optimal). ``start``: a multiplier to begin from (a
     previous configuration's). The search runs on the separable D first (one solve each), then,
     where the recompute patterns are few, on the pattern D (module docstring; one solve per
     pattern not pruned, ``max_pattern_evaluations`` at most) from the best multiplier found.
@@ -371,14 +376,17 @@ def relax(
     patterns = recompute_patterns(problem)
     exact = False  # the pattern D (second phase) or the separable one
     seen: dict[float, list[float]] = {}  # per multiplier: a lower bound per pattern
+    tangents: dict[float, tuple[float, float]] = {}  # separable D: lam -> (D(lam), slope)
 
     def evaluate(lam: float) -> float:
         """D(lam)'s subgradient (relaxed peak - budget); updates the bound and the best plan."""
         nonlocal best_bound, best_lam, best, evaluations
         evaluations += 1
         if not exact:
-            choices, _, lower = solve_free(priced(problem, lam), multiplier=lam)
+            choices, value, lower = solve_free(priced(problem, lam))
             plans, peak = [choices], relaxed_peak(problem, choices, lam)
+            if value == lower:  # proven optimal: a tangent of D at lam
+                tangents[lam] = (value + lam * constant, peak - budget)
         else:
             lower, plans, peak, seen[lam] = pattern_dual(
                 problem, lam, solve_free, patterns, _chord_floor(seen, lam)
@@ -415,8 +423,8 @@ def relax(
         else:
             hi = lam
     while hi is not None and hi > lo and not done():
-        mid = math.sqrt(lo * hi) if lo > 0.0 else hi / 8.0
-        if hi - lo <= 1e-6 * hi:
+        mid = _next_multiplier(tangents, lo, hi, best_bound, 0.1 * target_gap * abs(best_bound))
+        if mid is None or hi - lo <= 1e-6 * hi:
             break
         if evaluate(mid) > 0.0:
             lo = mid
@@ -463,6 +471,22 @@ def _pattern_search(evaluate, lam: float, done) -> None:
             lo = mid
         else:
             hi = mid
+
+
+def _next_multiplier(
+    tangents: dict[float, tuple[float, float]], lo: float, hi: float, bound: float, tol: float
+) -> float | None:
+    """The multiplier to try next in the bracket (lo, hi); None when no multiplier can raise
+    ``bound`` by more than ``tol``: D is concave, so under its tangents at lo (slope > 0) and
+    hi (slope <= 0). Where they cross when that is well inside, else the geometric middle."""
+    mid = math.sqrt(lo * hi) if lo > 0.0 else hi / 8.0
+    if lo not in tangents or hi not in tangents or tangents[lo][1] <= tangents[hi][1]:
+        return mid
+    (d_lo, g_lo), (d_hi, g_hi) = tangents[lo], tangents[hi]
+    cross = (d_hi - d_lo + g_lo * lo - g_hi * hi) / (g_lo - g_hi)
+    if d_lo + g_lo * (cross - lo) - bound <= tol:
+        return None
+    return cross if lo + 0.05 * (hi - lo) < cross < hi - 0.05 * (hi - lo) else mid
 
 
 def _first_multiplier(problem: Problem) -> float:

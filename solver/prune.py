@@ -23,21 +23,6 @@ Most of those strategies cannot be in an optimal plan, and a bound proves it:
 
 The series products of the pinned runs repeat (the same tables meet in every run away from
 the pinned node), so they share one content memo (eliminate._Memo).
-
-Across the multipliers of the Lagrangian relaxation (solver/lagrangian.py) the same core comes
-back with other node costs, each concave in the multiplier lam (``c + lam m`` plus a minimum
-of affine terms; elimination and tie contraction take minima and sums, which keep that). So
-f_lam(i, s), the least cost of a plan with x_i = s, is concave in lam (a minimum of concave
-functions), and between two multipliers a < lam < b already pruned it is at least the chord
-of what was proven there: with t = (lam - a) / (b - a),
-
-    f_lam(i, s) >= (1 - t) L_a(i, s) + t L_b(i, s),
-
-where L(i, s) = min(LB(i, s), UB) is a lower bound on every plan with x_i = s (LB holds for
-the plans the restricted graph still offers; every other plan costs more than UB).
-:class:`PruneMemo` keeps L and the plan found per multiplier; :func:`prune` drops what the
-chord proves above the new UB (the best of the earlier plans and the first pinned run's, at
-the new costs) before its pinned runs, which then work on far fewer strategies.
 """
 
 from __future__ import annotations
@@ -82,47 +67,6 @@ class Pruned:
     """Its exact cost."""
     lower_s: float
     """The smallest LB over the strategies of any node: a lower bound on the optimum."""
-    bounds: tuple[np.ndarray, ...] = ()
-    """Per node, per original strategy: a lower bound on every plan that uses it (L above)."""
-
-
-class PruneMemo:
-    """What earlier prunes of a core proved at other multipliers (module docstring): set
-    ``multiplier`` before each solve of a priced problem; None (the default) uses nothing."""
-
-    def __init__(self) -> None:
-        self.multiplier: float | None = None
-        self._seen: dict[tuple, dict[float, tuple[tuple[np.ndarray, ...], tuple[int, ...]]]] = {}
-
-    @staticmethod
-    def _key(problem: Problem) -> tuple:
-        return (
-            tuple((n.name, n.num_choices) for n in problem.nodes),
-            tuple((e.src, e.dst) for e in problem.edges),
-        )
-
-    def prior(self, problem: Problem) -> tuple[list[np.ndarray] | None, list[tuple[int, ...]]]:
-        """The chord's lower bounds per node (None: no multiplier on both sides) and the plans
-        found at the other multipliers."""
-        lam = self.multiplier
-        seen = self._seen.get(self._key(problem)) if lam is not None else None
-        if not seen:
-            return None, []
-        plans = [plan for _, plan in seen.values()]
-        if lam in seen:
-            return list(seen[lam][0]), plans
-        below = max((a for a in seen if a < lam), default=None)
-        above = min((b for b in seen if b > lam), default=None)
-        if below is None or above is None:
-            return None, plans
-        t = (lam - below) / (above - below)
-        lower = [(1.0 - t) * a + t * b for a, b in zip(seen[below][0], seen[above][0], strict=True)]
-        return lower, plans
-
-    def record(self, problem: Problem, bounds: tuple[np.ndarray, ...], plan: tuple[int, ...]):
-        """Keep what a prune of ``problem`` at the current multiplier proved, and its plan."""
-        if self.multiplier is not None and bounds:
-            self._seen.setdefault(self._key(problem), {})[self.multiplier] = (bounds, plan)
 
 
 def edge_entries(problem: Problem) -> int:
@@ -250,51 +194,33 @@ def _pinned_bound(
     return bound, full[: base.num]
 
 
-def prune(problem: Problem, memo: PruneMemo | None = None) -> Pruned | None:
+def prune(problem: Problem) -> Pruned | None:
     """The problem restricted by bounds (module docstring); None when nothing is dropped.
 
     ``problem`` must be budget-free and without tie classes or segments. The node with the
     most strategies is bounded first, with a plan (the upper bound); then every node, most
     strategies first, each on the graph the earlier ones already restricted (a plan within
-    the upper bound keeps every strategy it uses, so the later bounds still cover it).
-    ``memo``: bounds and plans of the same core at other multipliers (:class:`PruneMemo`)."""
+    the upper bound keeps every strategy it uses, so the later bounds still cover it)."""
     assert problem.memory_budget_bytes is None and not problem.tied and not problem.segments
     base = _Base(problem)
-    series = _Memo()
+    memo = _Memo()
     order = sorted(range(base.num), key=lambda i: (-problem.nodes[i].num_choices, i))
     if not order:
         return None
-    chord, plans = memo.prior(problem) if memo is not None else (None, [])
-    bounds = [np.full(n.num_choices, -np.inf) for n in problem.nodes]
-    plan, upper = _best_plan(base, plans)
-    if chord is not None and math.isfinite(upper):
-        limit = upper + _TOLERANCE * abs(upper)
-        for i in range(base.num):
-            bounds[i] = np.asarray(chord[i], dtype=np.float64).copy()
-            mask = bounds[i] <= limit
-            mask[plan[i]] = True
-            if not mask.all():
-                plan[i] = int(np.count_nonzero(mask[: plan[i]]))
-                base.restrict(i, mask)
-    first, tracked = _pinned_bound(base, order[0], series, track=True)
-    assert tracked is not None
-    base.improve(tracked)
-    if base.plan_cost(tracked) < upper:
-        plan, upper = tracked, base.plan_cost(tracked)
+    first, plan = _pinned_bound(base, order[0], memo, track=True)
+    assert plan is not None
+    base.improve(plan)
+    upper = base.plan_cost(plan)
     if not math.isfinite(upper):
         return None
     limit = upper + _TOLERANCE * abs(upper)
     lower = float(np.min(first))
     for k, i in enumerate(order):
-        bound = first if k == 0 else _pinned_bound(base, i, series)[0]
-        held = base.keep[i]
-        bounds[i][held] = np.maximum(bounds[i][held], np.minimum(bound, limit))
+        bound = first if k == 0 else _pinned_bound(base, i, memo)[0]
         mask = bound <= limit
         mask[plan[i]] = True  # the plan's own strategy stays whatever the float noise
-        if k == 0 and np.count_nonzero(mask) > GIVE_UP_KEPT * problem.nodes[i].num_choices:
-            if chord is None:
-                return None  # the relaxation is too weak here to pay for the other runs
-            break  # keep what the chord dropped
+        if k == 0 and np.count_nonzero(mask) > GIVE_UP_KEPT * len(mask):
+            return None  # the relaxation is too weak here to pay for the other runs
         if not mask.all():
             plan[i] = int(np.count_nonzero(mask[: plan[i]]))
             base.restrict(i, mask)
@@ -307,21 +233,7 @@ def prune(problem: Problem, memo: PruneMemo | None = None) -> Pruned | None:
         upper_plan=tuple(int(k[c]) for k, c in zip(keep, plan, strict=True)),
         upper_s=upper,
         lower_s=lower,
-        bounds=tuple(bounds),
     )
-
-
-def _best_plan(base: _Base, plans: list[tuple[int, ...]]) -> tuple[list[int], float]:
-    """The cheapest of ``plans`` (original strategy indices) at the current costs, each
-    improved by single-node moves; (any plan, inf) when there are none."""
-    best, best_cost = [0] * base.num, math.inf
-    for found in plans:
-        candidate = list(found)
-        base.improve(candidate)
-        cost = base.plan_cost(candidate)
-        if cost < best_cost:
-            best, best_cost = candidate, cost
-    return best, best_cost
 
 
 def _restrict(problem: Problem, keep: list[tuple[int, ...]]) -> Problem:

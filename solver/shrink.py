@@ -37,12 +37,11 @@ from solver.errors import InfeasibleError
 from solver.ilp import ZERO_GAP, resolve_backend, solve_model
 from solver.presolve import plan_objective_s, plan_peak_memory_bytes, validate
 from solver.problem import Problem, Solution
-from solver.prune import PRUNE_MIN_ENTRIES, PruneMemo, edge_entries, prune
+from solver.prune import PRUNE_MIN_ENTRIES, edge_entries, prune
 from solver.realise import restrict
 from solver.tying import contract, expand
 
 
-# Long: the route through every exact reduction in order, one case after another.
 def solve(
     problem: Problem,
     *,
@@ -53,7 +52,6 @@ def solve(
     relax_first: bool = True,
     start_plan: tuple[int, ...] | None = None,
     cutoff_s: float | None = None,
-    prune_memo: PruneMemo | None = None,
 ) -> Solution:
     """Choose one strategy per node, minimising step time within the memory budget.
 
@@ -68,8 +66,6 @@ def solve(
             (``_solve_relaxed``); False goes straight to the exact path.
         start_plan: a plan's choices (one per node) for the MIP to begin from (HiGHS, budgeted
             path only: the relaxation hands over its best plan); the answer is no worse.
-        prune_memo: bounds of the same budget-free core at other multipliers (the Lagrangian
-            relaxation's priced solves; solver/prune.py PruneMemo).
 
     Raises:
         InfeasibleBudgetError: no allowed plan fits the budget; carries the smallest that fits.
@@ -106,7 +102,6 @@ def solve(
                 time_limit_s=time_limit_s,
                 gap=gap,
                 msg=msg,
-                prune_memo=prune_memo,
             )
     if relax_first and _relaxation_applies(problem, gap):
         validate(problem)
@@ -135,14 +130,7 @@ def solve(
             start_plan=start_plan,
         )
     if problem.memory_budget_bytes is None and not problem.segments:
-        return _solve_core(
-            problem,
-            backend=backend,
-            time_limit_s=time_limit_s,
-            gap=gap,
-            msg=msg,
-            prune_memo=prune_memo,
-        )
+        return _solve_core(problem, backend=backend, time_limit_s=time_limit_s, gap=gap, msg=msg)
     return solve_model(
         problem, backend=backend, time_limit_s=time_limit_s, gap=gap, msg=msg, start_plan=start_plan
     )
@@ -178,20 +166,9 @@ def _solve_relaxed(
     start = time.perf_counter()
 
     size = [0, 0]  # the largest budget-free model solved: (variables, constraints)
-    memo = PruneMemo()
 
-    def solve_free(
-        priced: Problem, *, multiplier: float | None = None
-    ) -> tuple[tuple[int, ...], float, float]:
-        memo.multiplier = multiplier
-        free = solve(
-            priced,
-            backend=backend,
-            time_limit_s=time_limit_s,
-            gap=0.0,
-            msg=msg,
-            prune_memo=memo,
-        )
+    def solve_free(priced: Problem) -> tuple[tuple[int, ...], float, float]:
+        free = solve(priced, backend=backend, time_limit_s=time_limit_s, gap=0.0, msg=msg)
         size[:] = max(size, [free.num_variables, free.num_constraints])
         return free.choices, free.objective_s, free.bound_s
 
@@ -259,18 +236,12 @@ def _solve_eliminated(
     time_limit_s: float | None,
     gap: float,
     msg: bool,
-    prune_memo: PruneMemo | None = None,
 ) -> Solution:
     """Solve what elimination (solver/eliminate.py) left and substitute back."""
     if elim.problem.nodes:
         solve_next = _solve_tied if elim.problem.tied else _solve_core
         inner = solve_next(
-            elim.problem,
-            backend=backend,
-            time_limit_s=time_limit_s,
-            gap=gap,
-            msg=msg,
-            prune_memo=prune_memo,
+            elim.problem, backend=backend, time_limit_s=time_limit_s, gap=gap, msg=msg
         )
     else:
         inner = Solution(
@@ -302,20 +273,13 @@ def _solve_eliminated(
 
 
 def _solve_core(
-    problem: Problem,
-    *,
-    backend: str,
-    time_limit_s: float | None,
-    gap: float,
-    msg: bool,
-    prune_memo: PruneMemo | None = None,
+    problem: Problem, *, backend: str, time_limit_s: float | None, gap: float, msg: bool
 ) -> Solution:
     """What elimination left of a budget-free problem (no ties): pruned by bounds first when
     its edge tables are large (solver/prune.py: exact, every optimal plan survives), then the
-    ILP on the strategies left, started from the pruning's plan. ``prune_memo``: see
-    solver/prune.py; this core's bounds and plan are added to it."""
+    ILP on the strategies left, started from the pruning's plan."""
     start = time.perf_counter()
-    pruned = prune(problem, prune_memo) if edge_entries(problem) > PRUNE_MIN_ENTRIES else None
+    pruned = prune(problem) if edge_entries(problem) > PRUNE_MIN_ENTRIES else None
     if pruned is None:
         return solve_model(problem, backend=backend, time_limit_s=time_limit_s, gap=gap, msg=msg)
     prune_s = time.perf_counter() - start
@@ -329,8 +293,6 @@ def _solve_core(
         start_plan=start_plan,
     )
     choices = tuple(k[c] for k, c in zip(pruned.keep, inner.choices, strict=True))
-    if prune_memo is not None:
-        prune_memo.record(problem, pruned.bounds, choices)
     details = dict(inner.details)
     details["pruned_strategies"] = float(
         sum(n.num_choices - len(k) for n, k in zip(problem.nodes, pruned.keep, strict=True))
@@ -420,7 +382,6 @@ def _solve_tied(
     gap: float,
     msg: bool,
     start_plan: tuple[int, ...] | None = None,
-    prune_memo: PruneMemo | None = None,
 ) -> Solution:
     """Solve the contracted problem (solver/tying.py) and expand its choices to every node.
     ``start_plan``: a plan whose tie classes choose alike, mapped onto the contracted nodes."""
@@ -448,7 +409,6 @@ def _solve_tied(
         msg=msg,
         relax_first=False,
         start_plan=inner_start,
-        prune_memo=prune_memo,
     )
     choices = expand(contracted, inner.choices)
     recomputed = expand_recomputed(problem, groups, inner.recomputed) if problem.segments else ()

@@ -16,7 +16,7 @@ from solver.checkpointing import fit_segments, merge_alike, recompute_terms
 from solver.problem import Segment
 
 SETTINGS = settings(
-    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
 )
 
 # Footprints of one layer's segments, as autopar proposes them (block > attention, MLP; a

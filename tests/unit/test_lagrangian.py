@@ -101,9 +101,7 @@ def _optimum(problem: Problem) -> float | None:
         return None
 
 
-def _free_solver(
-    problem: Problem, *, multiplier: float | None = None
-) -> tuple[tuple[int, ...], float, float]:
+def _free_solver(problem: Problem) -> tuple[tuple[int, ...], float, float]:
     sol = solve(problem)
     return sol.choices, sol.objective_s, sol.bound_s
 

@@ -14,7 +14,7 @@ import solver.prune
 import solver.shrink
 from solver import Edge, InfeasibleError, Node, Problem, brute_force, plan_objective_s, solve
 from solver.lagrangian import priced
-from solver.prune import PruneMemo, prune
+from solver.prune import prune
 from tests.unit.test_lagrangian import budgeted_problems
 from tests.unit.test_tying import check, layered_problems
 
@@ -173,59 +173,3 @@ def test_budgeted_solve_with_pruning_fits_within_its_gap(prune_everything, probl
     assert sol.objective_s * (1 - gap) <= optimum + tolerance
     if gap == 0.0:
         assert sol.objective_s == pytest.approx(optimum, rel=1e-9, abs=1e-9)
-
-
-@st.composite
-def priced_cores(draw: st.DrawFn) -> tuple[Problem, list[tuple[float, float, float, float]]]:
-    """A core (as :func:`cores`) whose node costs are concave in the multiplier lam, as the
-    Lagrangian relaxation's are: c + lam m + min(0, a - lam b) per strategy (the terms drawn
-    per node and strategy, returned beside the problem)."""
-    core = draw(cores())
-    small = st.integers(0, 4).map(float)
-    terms = [
-        [(draw(small), draw(small), draw(small)) for _ in range(n.num_choices)] for n in core.nodes
-    ]
-    return core, terms
-
-
-def _at(core: Problem, terms, lam: float) -> Problem:
-    nodes = tuple(
-        Node(
-            name=n.name,
-            cost_s=tuple(
-                c + lam * m + min(0.0, a - lam * b)
-                for c, (m, a, b) in zip(n.cost_s, t, strict=True)
-            ),
-            memory_bytes=n.memory_bytes,
-        )
-        for n, t in zip(core.nodes, terms, strict=True)
-    )
-    return Problem(nodes=nodes, edges=core.edges)
-
-
-@SETTINGS
-@given(priced_cores())
-def test_pruning_across_multipliers_keeps_every_optimal_plan(prune_everything, drawn) -> None:
-    """A bisection's multipliers in order, one PruneMemo: the chord of the bounds proven at the
-    multipliers on either side drops strategies before the pinned runs; every optimal plan
-    survives at every multiplier, and every bound kept is below every plan that uses it."""
-    core, terms = drawn
-    memo = PruneMemo()
-    for lam in (0.0, 2.0, 1.0, 0.5, 1.5, 0.75, 1.0):
-        problem = _at(core, terms, lam)
-        plans = every_plan(problem)
-        if not plans:
-            return
-        optimum = min(cost for _, cost in plans)
-        tolerance = 1e-9 * max(1.0, abs(optimum))
-        memo.multiplier = lam
-        pruned = prune(problem, memo)
-        if pruned is None:
-            continue
-        for plan, cost in plans:
-            if cost <= optimum + tolerance:
-                assert all(c in k for c, k in zip(plan, pruned.keep, strict=True)), (lam, plan)
-            for i, c in enumerate(plan):
-                assert pruned.bounds[i][c] <= cost + tolerance, (lam, i, c)
-        assert brute_force(pruned.problem)[1] == pytest.approx(optimum, rel=1e-9, abs=1e-9)
-        memo.record(problem, pruned.bounds, pruned.upper_plan)
