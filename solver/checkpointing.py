@@ -25,9 +25,11 @@ attention elsewhere".
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
+from solver.errors import InfeasibleError
 from solver.problem import Problem, Segment, SegmentEdge
 
 
@@ -209,3 +211,101 @@ def expand_recomputed(
                     need -= take
                     taken.update(seg.footprint or seg.nodes)
     return tuple(out)
+
+
+def merge_alike(
+    segments: Sequence[Segment],
+) -> tuple[tuple[Segment, ...], tuple[tuple[int, ...], ...]]:
+    """Repeated groups of segments as one group with copies summed (fit_recompute's segments:
+    each a plan's seconds and bytes per copy on one node, so L identical layers present L
+    identical groups). A group is a connected component of the overlap graph; components
+    with the same values, copies and overlaps (members in index order) merge member by
+    member, the merged members overlapping where the originals do. The merged model admits
+    every recomputation of the originals (each clique row is the sum of the components'), so
+    its optimum is a lower bound; ``expand_recomputed`` over the returned groups gives the
+    originals' counts, which the caller checks (``counts_allowed``).
+
+    Returns:
+        (merged segments, per merged segment the original indices it stands for)."""
+    assert all(seg.nodes == (0,) and not seg.edges for seg in segments)
+    owner: dict[int, int] = {}
+    parent = list(range(len(segments)))
+
+    def root(k: int) -> int:
+        while parent[k] != k:
+            parent[k] = parent[parent[k]]
+            k = parent[k]
+        return k
+
+    for k, seg in enumerate(segments):
+        for n in seg.footprint or seg.nodes:
+            if n in owner:
+                parent[root(k)] = root(owner[n])
+            else:
+                owner[n] = k
+    components: dict[int, list[int]] = {}
+    for k in range(len(segments)):
+        components.setdefault(root(k), []).append(k)
+    classes: dict[tuple, list[list[int]]] = {}
+    for members in components.values():
+        sets = [set(segments[k].footprint or segments[k].nodes) for k in members]
+        overlaps = tuple((a, b) for a in range(len(members)) for b in range(a) if sets[a] & sets[b])
+        values = tuple(
+            (s.freed_bytes, s.recompute_s, s.copies, s.min_copies)
+            for s in (segments[k] for k in members)
+        )
+        classes.setdefault((values, overlaps), []).append(members)
+    merged: list[Segment] = []
+    groups: list[tuple[int, ...]] = []
+    for (values, overlaps), alike in classes.items():
+        base = len(merged)
+        ids: list[list[int]] = [[2 * (base + j)] for j in range(len(values))]
+        for a, b in overlaps:  # a shared footprint id per overlapping pair
+            ids[a].append(2 * (base + a) + 1 + 2 * len(segments) * (b + 1))
+            ids[b].append(ids[a][-1])
+        for j in range(len(values)):
+            first = segments[alike[0][j]]
+            merged.append(
+                Segment(
+                    name=first.name,
+                    nodes=(0,),
+                    freed_bytes=first.freed_bytes,
+                    recompute_s=first.recompute_s,
+                    copies=sum(segments[m[j]].copies for m in alike),
+                    min_copies=sum(segments[m[j]].min_copies for m in alike),
+                    footprint=tuple(ids[j]),
+                )
+            )
+            groups.append(tuple(m[j] for m in alike))
+    return tuple(merged), tuple(groups)
+
+
+def fit_segments(fixed: Problem) -> tuple[int, ...] | None:
+    """The fastest recomputation of a problem of one node (a plan with its layouts fixed:
+    solver/lagrangian.py fit_recompute) within its budget, or None when none fits: the MIP
+    over the segments merged by :func:`merge_alike` (a few integers instead of a bit per
+    segment), its counts spread back over the originals; the MIP over the originals when
+    nothing merges or the spread is not allowed."""
+    from solver.ilp import solve_model  # solver.ilp imports this module
+
+    merged, groups = merge_alike(fixed.segments)
+    if len(merged) < len(fixed.segments):
+        try:
+            sol = solve_model(
+                dataclasses.replace(fixed, segments=merged),
+                backend="highs",
+                time_limit_s=None,
+                gap=0.0,
+                msg=False,
+            )
+        except InfeasibleError:
+            return None  # the merged model admits every recomputation of the originals
+        recomputed = expand_recomputed(fixed, groups, sol.recomputed)
+        placed = [sum(recomputed[k] for k in g) for g in groups]
+        if placed == list(sol.recomputed) and counts_allowed(fixed.segments, recomputed):
+            return recomputed
+    try:
+        sol = solve_model(fixed, backend="highs", time_limit_s=None, gap=0.0, msg=False)
+    except InfeasibleError:
+        return None
+    return sol.recomputed

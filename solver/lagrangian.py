@@ -49,8 +49,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from solver.checkpointing import freed_bytes, recompute_s
-from solver.errors import InfeasibleError
+from solver.checkpointing import fit_segments, freed_bytes, recompute_s
 from solver.presolve import plan_objective_s, plan_peak_memory_bytes
 from solver.problem import Edge, Node, Problem, Segment
 
@@ -114,15 +113,22 @@ def transient_floor(problem: Problem) -> float:
 
 def relaxed_peak(problem: Problem, choices: tuple[int, ...], lam: float) -> float:
     """The separable peak bound of the relaxed plan: a subgradient of D at lam is this less
-    the budget (the recompute part counted at the copies the bound assumed)."""
+    the budget (minimum copies of every segment, and per node the spare copies of the one
+    segment whose negative term :func:`_segment_terms` took)."""
     resident = math.fsum(n.memory_bytes[c] for n, c in zip(problem.nodes, choices, strict=True))
-    freed = 0.0
+    freed = []
+    taken: dict[int, tuple[float, float]] = {}  # node -> (its segment term, bytes it frees)
     for seg in problem.segments:
+        spare = seg.copies - seg.min_copies
         for n, row, again in zip(seg.nodes, seg.freed_bytes, seg.recompute_s, strict=True):
-            v = again[choices[n]] - lam * row[choices[n]]
-            if v < 0.0 or seg.min_copies:
-                freed += (seg.copies if v < 0.0 else seg.min_copies) * row[choices[n]]
-    return problem.memory_offset_bytes + transient_floor(problem) + resident - freed
+            f = row[choices[n]]
+            if seg.min_copies:
+                freed.append(seg.min_copies * f)
+            term = spare * min(again[choices[n]] - lam * f, 0.0)
+            if term < taken.get(n, (0.0, 0.0))[0]:
+                taken[n] = (term, spare * f)
+    freed.extend(f for _, f in taken.values())
+    return problem.memory_offset_bytes + transient_floor(problem) + resident - math.fsum(freed)
 
 
 MAX_PATTERNS = 64
@@ -290,8 +296,6 @@ def fit_recompute(
 ) -> tuple[tuple[int, ...], float] | None:
     """The fastest recomputation of the plan ``choices`` (layouts fixed) within the budget:
     (recomputed copies per segment, exact step time), or None when no recomputation fits."""
-    from solver.ilp import solve_model  # the MIP over the segment bits only
-
     budget = problem.memory_budget_bytes
     assert budget is not None
     if not problem.segments:
@@ -334,11 +338,9 @@ def fit_recompute(
         memory_offset_bytes=problem.memory_offset_bytes,
         segments=segments,
     )
-    try:
-        sol = solve_model(fixed, backend="highs", time_limit_s=None, gap=0.0, msg=False)
-    except InfeasibleError:
+    recomputed = fit_segments(fixed)
+    if recomputed is None:
         return None
-    recomputed = sol.recomputed
     if plan_peak_memory_bytes(problem, choices, recomputed) > budget:
         return None
     return recomputed, plan_objective_s(problem, choices, recomputed)
@@ -374,14 +376,17 @@ def relax(
     patterns = recompute_patterns(problem)
     exact = False  # the pattern D (second phase) or the separable one
     seen: dict[float, list[float]] = {}  # per multiplier: a lower bound per pattern
+    tangents: dict[float, tuple[float, float]] = {}  # separable D: lam -> (D(lam), slope)
 
     def evaluate(lam: float) -> float:
         """D(lam)'s subgradient (relaxed peak - budget); updates the bound and the best plan."""
         nonlocal best_bound, best_lam, best, evaluations
         evaluations += 1
         if not exact:
-            choices, _, lower = solve_free(priced(problem, lam))
+            choices, value, lower = solve_free(priced(problem, lam))
             plans, peak = [choices], relaxed_peak(problem, choices, lam)
+            if value == lower:  # proven optimal: a tangent of D at lam
+                tangents[lam] = (value + lam * constant, peak - budget)
         else:
             lower, plans, peak, seen[lam] = pattern_dual(
                 problem, lam, solve_free, patterns, _chord_floor(seen, lam)
@@ -392,6 +397,8 @@ def relax(
         for choices in plans:
             if choices not in tried:
                 tried.add(choices)
+                if best is not None and plan_objective_s(problem, choices) >= best[0]:
+                    continue  # recomputing only adds time: it cannot beat the best plan
                 fitted = fit_recompute(problem, choices)
                 if fitted is not None and (best is None or fitted[1] < best[0]):
                     best = (fitted[1], choices, fitted[0])
@@ -416,8 +423,8 @@ def relax(
         else:
             hi = lam
     while hi is not None and hi > lo and not done():
-        mid = math.sqrt(lo * hi) if lo > 0.0 else hi / 8.0
-        if hi - lo <= 1e-6 * hi:
+        mid = _next_multiplier(tangents, lo, hi, best_bound, 0.1 * target_gap * abs(best_bound))
+        if mid is None or hi - lo <= 1e-6 * hi:
             break
         if evaluate(mid) > 0.0:
             lo = mid
@@ -464,6 +471,22 @@ def _pattern_search(evaluate, lam: float, done) -> None:
             lo = mid
         else:
             hi = mid
+
+
+def _next_multiplier(
+    tangents: dict[float, tuple[float, float]], lo: float, hi: float, bound: float, tol: float
+) -> float | None:
+    """The multiplier to try next in the bracket (lo, hi); None when no multiplier can raise
+    ``bound`` by more than ``tol``: D is concave, so under its tangents at lo (slope > 0) and
+    hi (slope <= 0). Where they cross when that is well inside, else the geometric middle."""
+    mid = math.sqrt(lo * hi) if lo > 0.0 else hi / 8.0
+    if lo not in tangents or hi not in tangents or tangents[lo][1] <= tangents[hi][1]:
+        return mid
+    (d_lo, g_lo), (d_hi, g_hi) = tangents[lo], tangents[hi]
+    cross = (d_hi - d_lo + g_lo * lo - g_hi * hi) / (g_lo - g_hi)
+    if d_lo + g_lo * (cross - lo) - bound <= tol:
+        return None
+    return cross if lo + 0.05 * (hi - lo) < cross < hi - 0.05 * (hi - lo) else mid
 
 
 def _first_multiplier(problem: Problem) -> float:

@@ -1,0 +1,88 @@
+"""Replay the Lagrangian relaxation (solver/lagrangian.py relax) on the budgeted problems a
+plan command solves, counting priced solves, recompute fits and CPU seconds.
+
+    python benchmarks/relax_replay.py dump DIR plan llama3-70b --mesh 8x16x8 --device h100 \\
+        --budget 80GiB --batch 256 --seq 8192 --no-cache      # pickles every solver.solve input
+    python benchmarks/relax_replay.py replay DIR/p20.pkl     # relax(problem, target_gap=0.01)
+
+``dump`` runs ``autopar`` with ``solver.solve`` wrapped: each top-level call's problem goes to
+DIR/p<k>.pkl (k counts every call, nested ones too), and one line per call to stderr. The
+pickles are this machine's own files; load only those.
+"""
+
+from __future__ import annotations
+
+import pickle
+import runpy
+import sys
+import time
+
+import solver
+import solver.lagrangian as lagrangian
+import solver.shrink as shrink
+from solver.presolve import plan_objective_s
+
+
+def dump(folder: str, argv: list[str]) -> None:
+    original, count, depth = shrink.solve, [0], [0]
+
+    def wrapped(problem, **kwargs):
+        k, top = count[0], depth[0] == 0
+        count[0] += 1
+        depth[0] += 1
+        if top:
+            with open(f"{folder}/p{k}.pkl", "wb") as f:
+                pickle.dump((problem, kwargs), f)
+        clock = time.process_time()
+        try:
+            out = original(problem, **kwargs)
+        finally:
+            depth[0] -= 1
+        if top:
+            print(
+                f"[dump] p{k} budget={problem.memory_budget_bytes} -> {out.status} "
+                f"{out.objective_s:.6f} cpu {time.process_time() - clock:.2f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+        return out
+
+    shrink.solve = solver.solve = wrapped
+    sys.argv = ["autopar", *argv]
+    runpy.run_module("autopar", run_name="__main__")
+
+
+def replay(path: str) -> None:
+    with open(path, "rb") as f:
+        problem, _ = pickle.load(f)
+    fit, fits = lagrangian.fit_recompute, [0, 0.0]
+
+    def timed_fit(p, choices):
+        clock = time.process_time()
+        out = fit(p, choices)
+        fits[0] += 1
+        fits[1] += time.process_time() - clock
+        return out
+
+    def solve_free(priced):
+        sol = solver.solve(priced)
+        plain = plan_objective_s(problem, sol.choices)
+        print(f"  priced solve: value {sol.objective_s:.6f}, plan {plain:.6f}", flush=True)
+        return sol.choices, sol.objective_s, sol.bound_s
+
+    lagrangian.fit_recompute = timed_fit
+    clock = time.process_time()
+    found = lagrangian.relax(problem, solve_free, target_gap=0.01)
+    gap = (found.objective_s - found.bound_s) / found.objective_s
+    print(
+        f"bound {found.bound_s:.6f} s, plan {found.objective_s:.6f} s, gap {gap:.2%}, "
+        f"{found.evaluations} priced solves, {fits[0]} recompute fits ({fits[1]:.1f} s CPU), "
+        f"{time.process_time() - clock:.1f} s CPU in all"
+    )
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "dump":
+        dump(sys.argv[2], sys.argv[3:])
+    else:
+        replay(sys.argv[2])
