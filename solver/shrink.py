@@ -161,7 +161,8 @@ def _solve_relaxed(
     """Lagrangian relaxation of the budget (solver/lagrangian.py); when its best plan is not
     within ``gap`` of its bound, the exact path (MIP) with the better plan and bound of the
     two. None: the relaxation found no plan that fits and the MIP is left to the caller."""
-    from solver.lagrangian import relax
+    from solver.fixing import fix, restrict_budgeted
+    from solver.lagrangian import recompute_patterns, relax
 
     start = time.perf_counter()
 
@@ -192,21 +193,32 @@ def _solve_relaxed(
     if bound >= stop_at:  # cannot beat the plan found elsewhere by more than the gap
         details["cutoff"] = 1.0
     elif objective - bound > gap * abs(objective):
+        # Reduced-cost fixing (solver/fixing.py): the MIP runs over the strategies that some
+        # plan within the relaxation's best plan can use; its bound holds for the whole.
+        fix_start = time.perf_counter()
+        keep = fix(problem, found.multiplier, choices, objective, recompute_patterns(problem))
+        fixed = restrict_budgeted(problem, keep)
+        details["fixed_strategies"] = float(
+            sum(n.num_choices - len(k) for n, k in zip(problem.nodes, keep, strict=True))
+        )
+        details["fixing_s"] = time.perf_counter() - fix_start
         exact = solve(
-            problem,
+            fixed,
             backend=backend,
             time_limit_s=time_limit_s,
             gap=gap,
             msg=msg,
             relax_first=False,
-            start_plan=choices,
+            start_plan=tuple(k.index(c) for k, c in zip(keep, choices, strict=True)),
         )
         details.update(exact.details)
         details["lagrangian_then_mip"] = 1.0
         num_variables, num_constraints = exact.num_variables, exact.num_constraints
         bound = max(bound, exact.bound_s)
         if exact.objective_s < objective:
-            choices, recomputed, objective = exact.choices, exact.recomputed, exact.objective_s
+            choices = tuple(k[c] for k, c in zip(keep, exact.choices, strict=True))
+            recomputed = exact.recomputed
+            objective = plan_objective_s(problem, choices, recomputed)
     bound = min(bound, objective)
     relative_gap = (objective - bound) / abs(objective) if objective else 0.0
     relative_gap = 0.0 if relative_gap <= ZERO_GAP else relative_gap
