@@ -40,6 +40,9 @@ from solver.problem import Edge, Node, Problem, SegmentEdge
 from solver.prune import _split
 from solver.tying import contract
 
+_DENSE_ENTRIES = 4_000_000
+"""A series clique with at most this many (u, v, w) entries is formed as one 3-D array."""
+
 TOLERANCE = 1e-9
 """Relative slack on UB: sums in another order must not drop a strategy of an optimal plan."""
 
@@ -76,7 +79,7 @@ def graph_marginals(graph: _MinPlusGraph, num: int, memo: _Memo) -> list[np.ndar
     cost = graph.cost
     alive = set(range(num))
     steps: list[tuple] = []
-    constant = 0.0
+    alone: dict[int, float] = {}  # per connected component: its last node's smallest cost
     while alive:
         v = min(alive, key=lambda k: (len(graph.neighbours[k]), k))
         if len(graph.neighbours[v]) > 2:
@@ -90,7 +93,7 @@ def graph_marginals(graph: _MinPlusGraph, num: int, memo: _Memo) -> list[np.ndar
         cv = cost[v]
         if not near:
             steps.append(("alone", v, cv))
-            constant += float(np.min(cv))
+            alone[v] = float(np.min(cv))
         elif len(near) == 1:
             (u,) = near
             uv = graph.oriented(u, v)
@@ -125,7 +128,8 @@ def graph_marginals(graph: _MinPlusGraph, num: int, memo: _Memo) -> list[np.ndar
             put(v, n1, pair(copy, n1))
             put(v, n2, pair(copy, n2))
         elif kind == "alone":
-            marginal[v] = step[2] + (constant - float(np.min(step[2])))
+            others = math.fsum(value for k, value in alone.items() if k != v)
+            marginal[v] = step[2] + others  # the other components are independent
         elif kind == "leaf":
             _, v, cv, u, uv, message = step
             rest = _less(marginal[u], message)
@@ -135,12 +139,16 @@ def graph_marginals(graph: _MinPlusGraph, num: int, memo: _Memo) -> list[np.ndar
         else:
             _, v, cv, u, w, uv, vw, best = step
             rest = _less(pair(u, w), best)
-            with_u = np.empty_like(uv)
-            with_w = np.empty_like(vw)
-            for t in range(len(cv)):
-                sums = rest + uv[:, t][:, None] + vw[t][None, :]
-                with_u[:, t] = np.min(sums, axis=1) + cv[t]
-                with_w[t] = np.min(sums, axis=0) + cv[t]
+            if rest.size * len(cv) <= _DENSE_ENTRIES:
+                sums = rest[:, None, :] + uv[:, :, None] + vw[None, :, :]
+                with_u = np.min(sums, axis=2) + cv[None, :]
+                with_w = np.min(sums, axis=0) + cv[:, None]
+            else:  # one strategy of v at a time: 2-D work arrays only
+                with_u, with_w = np.empty_like(uv), np.empty_like(vw)
+                for t in range(len(cv)):
+                    sums = rest + uv[:, t][:, None] + vw[t][None, :]
+                    with_u[:, t] = np.min(sums, axis=1) + cv[t]
+                    with_w[t] = np.min(sums, axis=0) + cv[t]
             marginal[v] = np.min(with_u, axis=0)
             put(u, v, with_u)
             put(v, w, with_w)
@@ -178,14 +186,14 @@ def reduced_cost_keep(
     limit = upper_s + TOLERANCE * abs(upper_s) - constant
     lowest = [np.full(n.num_choices, math.inf) for n in problem.nodes]
     base, node_map, num = _contracted_graph(priced(dataclasses.replace(problem, segments=()), lam))
-    memo = _Memo()
+    memo, cache = _Memo(), {}
     base_marginals = graph_marginals(_copy(base), num, memo)
     base_low = float(np.min(base_marginals[0]))
     for pattern in patterns:
         if not any(pattern):
             found = base_marginals
         else:
-            lower, _, extra, extra_edges = _pattern_terms(problem, lam, pattern)
+            lower, _, extra, extra_edges = _pattern_terms(problem, lam, pattern, cache)
             if base_low + lower > limit:
                 continue  # no plan of this pattern is within UB
             graph = _copy(base)

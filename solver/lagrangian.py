@@ -51,8 +51,9 @@ import numpy as np
 
 from solver.checkpointing import freed_bytes, recompute_s
 from solver.errors import InfeasibleError
-from solver.presolve import plan_objective_s, plan_peak_memory_bytes
+from solver.presolve import cost_matrix, plan_objective_s, plan_peak_memory_bytes
 from solver.problem import Edge, Node, Problem, Segment
+from solver.tying import _as_tuples
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -160,29 +161,45 @@ def recompute_patterns(problem: Problem) -> list[tuple[int, ...]] | None:
     return patterns
 
 
-def _pattern_terms(problem: Problem, lam: float, pattern: tuple[int, ...]):
+def _segment_arrays(problem: Problem, k: int, cache: dict | None) -> tuple:
+    """Segment k's rows as arrays: per node (node, recompute seconds, freed bytes), per edge
+    ((src, dst), seconds), and its smallest freed bytes; kept in ``cache`` when given."""
+    if cache is not None and k in cache:
+        return cache[k]
+    seg = problem.segments[k]
+    rows = [
+        (n, np.asarray(again, dtype=float), np.asarray(freed, dtype=float))
+        for n, freed, again in zip(seg.nodes, seg.freed_bytes, seg.recompute_s, strict=True)
+    ]
+    edges = [((e.src, e.dst), np.asarray(e.cost_s, dtype=float)) for e in seg.edges]
+    smallest = math.fsum(min(row) for row in seg.freed_bytes)
+    if cache is not None:
+        cache[k] = (rows, edges, smallest)
+    return rows, edges, smallest
+
+
+def _pattern_terms(
+    problem: Problem, lam: float, pattern: tuple[int, ...], cache: dict | None = None
+):
     """What one recompute pattern adds to the pattern-free priced problem (module
     docstring): per node and per edge, and a separable lower bound of their sum; also the
-    segment j whose bytes alive again are priced (None: nothing recomputed)."""
-    segments = problem.segments
+    segment j whose bytes alive again are priced (None: nothing recomputed). ``cache``: a
+    dict kept across calls on one problem (the segments as arrays)."""
     on = [k for k, r in enumerate(pattern) if r]
-    alive = (
-        max(on, key=lambda k: math.fsum(min(row) for row in segments[k].freed_bytes))
-        if on
-        else None
-    )
+    arrays = {k: _segment_arrays(problem, k, cache) for k in on}
+    alive = max(on, key=lambda k: arrays[k][2]) if on else None
     extra: dict[int, np.ndarray] = {}
     extra_edges: dict[tuple[int, int], np.ndarray] = {}
     for k in on:
-        seg, r = segments[k], pattern[k]
-        for n, freed, again in zip(seg.nodes, seg.freed_bytes, seg.recompute_s, strict=True):
-            term = r * (np.asarray(again) - lam * np.asarray(freed))
+        r = pattern[k]
+        rows, edges, _ = arrays[k]
+        for n, again, freed in rows:
+            term = r * (again - lam * freed)
             if k == alive:
-                term = term + lam * np.asarray(freed)
+                term = term + lam * freed
             extra[n] = extra.get(n, 0.0) + term
-        for e in seg.edges:
-            key = (e.src, e.dst)
-            extra_edges[key] = extra_edges.get(key, 0.0) + r * np.asarray(e.cost_s, dtype=float)
+        for key, seconds in edges:
+            extra_edges[key] = extra_edges.get(key, 0.0) + r * seconds
     lower = math.fsum(float(np.min(v)) for v in extra.values()) + math.fsum(
         float(np.min(m)) for m in extra_edges.values()
     )
@@ -210,16 +227,7 @@ def _pattern_problem(
         if m is None:
             edges.append(e)
         else:
-            edges.append(
-                Edge(
-                    src=e.src,
-                    dst=e.dst,
-                    cost_s=tuple(
-                        tuple(None if c is None else c + float(d) for c, d in zip(row, add))
-                        for row, add in zip(e.cost_s, m, strict=True)
-                    ),
-                )
-            )
+            edges.append(Edge(src=e.src, dst=e.dst, cost_s=_as_tuples(cost_matrix(e.cost_s) + m)))
     edges.extend(
         Edge(src=s, dst=d, cost_s=tuple(tuple(row) for row in m.tolist()))
         for (s, d), m in extra_edges.items()
@@ -233,6 +241,7 @@ def pattern_dual(
     solve_free,
     patterns: list[tuple[int, ...]],
     floor: list[float] | None = None,
+    cache: dict | None = None,
 ) -> tuple[float, list[tuple[int, ...]], float, list[float]]:
     """min over ``patterns`` of the priced pattern problems' optima (a lower bound each: the
     solver's bound), the plans that gave the pattern-free and the smallest value, the relaxed
@@ -243,14 +252,14 @@ def pattern_dual(
     base = priced(dataclasses.replace(problem, segments=()), lam)
     base_choices, _, base_lower = solve_free(base)
     lowers = []
-    for k, pattern in enumerate(patterns):
-        terms = _pattern_terms(problem, lam, pattern)
-        lowers.append(max(base_lower + terms[0], floor[k] if floor else -math.inf))
+    terms = [_pattern_terms(problem, lam, pattern, cache) for pattern in patterns]
+    for k in range(len(patterns)):
+        lowers.append(max(base_lower + terms[k][0], floor[k] if floor else -math.inf))
     best, best_choices, best_peak = math.inf, base_choices, 0.0
     for k in sorted(range(len(patterns)), key=lambda k: lowers[k]):
         if lowers[k] >= best:
             break  # sorted: no later pattern can do better
-        _, alive, extra, extra_edges = _pattern_terms(problem, lam, patterns[k])
+        _, alive, extra, extra_edges = terms[k]
         if not any(patterns[k]):
             choices, value = base_choices, base_lower
         else:
@@ -374,6 +383,7 @@ def relax(
     patterns = recompute_patterns(problem)
     exact = False  # the pattern D (second phase) or the separable one
     seen: dict[float, list[float]] = {}  # per multiplier: a lower bound per pattern
+    cache: dict = {}  # the segments as arrays (_pattern_terms)
 
     def evaluate(lam: float) -> float:
         """D(lam)'s subgradient (relaxed peak - budget); updates the bound and the best plan."""
@@ -384,7 +394,7 @@ def relax(
             plans, peak = [choices], relaxed_peak(problem, choices, lam)
         else:
             lower, plans, peak, seen[lam] = pattern_dual(
-                problem, lam, solve_free, patterns, _chord_floor(seen, lam)
+                problem, lam, solve_free, patterns, _chord_floor(seen, lam), cache
             )
         bound = lower + lam * constant
         if bound > best_bound:
