@@ -211,18 +211,20 @@ def reduced_cost_keep(
 def fix(
     problem: Problem,
     lam: float,
-    plan: tuple[int, ...],
+    plan: tuple[int, ...] | None,
     upper_s: float,
     patterns: list[tuple[int, ...]] | None,
 ) -> tuple[tuple[int, ...], ...]:
-    """Per node, the strategies (ascending) whose LB at ``lam`` is within ``upper_s``, the
-    step time of ``plan`` (a plan that fits; its own strategies always stay)."""
+    """Per node, the strategies (ascending) whose LB at ``lam`` is within ``upper_s``: the
+    step time of a plan that fits (``plan``, whose own strategies always stay), or less (a
+    cutoff: then a node may keep none, and no plan costs ``upper_s`` or less)."""
     lower = reduced_cost_keep(problem, lam, upper_s, patterns)
     limit = upper_s + TOLERANCE * abs(upper_s)
     keep = []
-    for low, c in zip(lower, plan, strict=True):
+    for low, c in zip(lower, plan or (None,) * len(lower), strict=True):
         mask = low <= limit
-        mask[c] = True
+        if c is not None:
+            mask[c] = True
         keep.append(tuple(int(s) for s in np.flatnonzero(mask)))
     return tuple(keep)
 

@@ -145,3 +145,43 @@ def test_fixing_drops_the_strategies_no_cheap_plan_uses() -> None:
     keep = fix(problem, 0.2, plan, optimum, None)
     assert keep == ((0, 1), (0, 1), (0,))
     assert solve(restrict_budgeted(problem, keep), gap=0.0).objective_s == optimum
+
+
+@SETTINGS
+@given(budgeted_problems(), st.sampled_from([0.9, 1.0, 1.05]), st.sampled_from([0.0001, 0.05]))
+def test_fixing_against_a_cutoff_keeps_the_bound_valid(problem, scale, gap) -> None:
+    # solver.solve(cutoff_s=) fixes against the better of its own plan and the cutoff (a plan
+    # found elsewhere, less the gap): when nothing is left, the problem is cut off with the
+    # limit as its bound; either way the bound is below this problem's optimum.
+    optimum = _optimum(problem)
+    untied = _optimum(dataclasses.replace(problem, tied=()))
+    if optimum is None or untied is None:
+        return
+    try:
+        sol = solve(problem, gap=gap, cutoff_s=optimum * scale)
+    except Exception:  # forbidden pairs everywhere
+        return
+    tolerance = 1e-9 * max(1.0, abs(optimum))
+    assert sol.bound_s <= optimum + tolerance
+    assert sol.peak_memory_bytes <= problem.memory_budget_bytes + 1e-9
+    assert sol.objective_s >= untied - tolerance
+
+
+@SETTINGS
+@given(budgeted_problems(), st.one_of(st.just(0.0), st.floats(0.0, 1.0)))
+def test_fixing_at_a_cutoff_without_a_plan_keeps_the_optimum(problem, lam) -> None:
+    # What solver.solve does with a cutoff below its own best plan (shrink._fixed_mip, no
+    # plan kept by force): at the optimum as the limit the MIP over what stays finds it; just
+    # below it, nothing within the limit is left.
+    from solver.shrink import _fixed_mip
+
+    optimum = _optimum(problem)
+    if optimum is None or _optimum(dataclasses.replace(problem, tied=())) != optimum:
+        return
+    options = {"backend": "highs", "time_limit_s": None, "gap": 0.0, "msg": False}
+    exact, _ = _fixed_mip(problem, lam, None, optimum, {}, **options)
+    assert exact is not None
+    assert exact.objective_s == pytest.approx(optimum, rel=1e-9, abs=1e-9)
+    below = optimum - 1e-3 * max(1.0, abs(optimum))
+    exact, _ = _fixed_mip(problem, lam, None, below, {}, **options)
+    assert exact is None or exact.objective_s >= optimum - 1e-9 * max(1.0, abs(optimum))
