@@ -427,8 +427,8 @@ def relax(
             hi = lam
     while hi is not None and hi > lo and not done():
         mid = math.sqrt(lo * hi) if lo > 0.0 else hi / 8.0
-        if hi - lo <= 1e-6 * hi:
-            break
+        if hi - lo <= (1e-3 if target_gap > 0.0 else 1e-6) * hi:
+            break  # with a gap to spend, D varies too little within 0.1% of lam to matter
         if evaluate(mid) > 0.0:
             lo = mid
         else:
