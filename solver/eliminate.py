@@ -47,9 +47,9 @@ class Eliminated:
 
 
 def _matrix(edge: Edge) -> np.ndarray:
-    return np.array(
-        [[math.inf if c is None else c for c in row] for row in edge.cost_s], dtype=np.float64
-    )
+    matrix = np.array(edge.cost_s, dtype=np.float64)  # None becomes nan
+    matrix[np.isnan(matrix)] = np.inf
+    return matrix
 
 
 _KEY_SAMPLES = 256

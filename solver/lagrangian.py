@@ -50,8 +50,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from solver.checkpointing import fit_segments, freed_bytes, recompute_s
-from solver.presolve import plan_objective_s, plan_peak_memory_bytes
+from solver.multiplier import first_multiplier, next_multiplier, pattern_search
+from solver.presolve import cost_matrix, plan_objective_s, plan_peak_memory_bytes
 from solver.problem import Edge, Node, Problem, Segment
+from solver.tying import _as_tuples
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -166,29 +168,45 @@ def recompute_patterns(problem: Problem) -> list[tuple[int, ...]] | None:
     return patterns
 
 
-def _pattern_terms(problem: Problem, lam: float, pattern: tuple[int, ...]):
+def _segment_arrays(problem: Problem, k: int, cache: dict | None) -> tuple:
+    """Segment k's rows as arrays: per node (node, recompute seconds, freed bytes), per edge
+    ((src, dst), seconds), and its smallest freed bytes; kept in ``cache`` when given."""
+    if cache is not None and k in cache:
+        return cache[k]
+    seg = problem.segments[k]
+    rows = [
+        (n, np.asarray(again, dtype=float), np.asarray(freed, dtype=float))
+        for n, freed, again in zip(seg.nodes, seg.freed_bytes, seg.recompute_s, strict=True)
+    ]
+    edges = [((e.src, e.dst), np.asarray(e.cost_s, dtype=float)) for e in seg.edges]
+    smallest = math.fsum(min(row) for row in seg.freed_bytes)
+    if cache is not None:
+        cache[k] = (rows, edges, smallest)
+    return rows, edges, smallest
+
+
+def _pattern_terms(
+    problem: Problem, lam: float, pattern: tuple[int, ...], cache: dict | None = None
+):
     """What one recompute pattern adds to the pattern-free priced problem (module
     docstring): per node and per edge, and a separable lower bound of their sum; also the
-    segment j whose bytes alive again are priced (None: nothing recomputed)."""
-    segments = problem.segments
+    segment j whose bytes alive again are priced (None: nothing recomputed). ``cache``: a
+    dict kept across calls on one problem (the segments as arrays)."""
     on = [k for k, r in enumerate(pattern) if r]
-    alive = (
-        max(on, key=lambda k: math.fsum(min(row) for row in segments[k].freed_bytes))
-        if on
-        else None
-    )
+    arrays = {k: _segment_arrays(problem, k, cache) for k in on}
+    alive = max(on, key=lambda k: arrays[k][2]) if on else None
     extra: dict[int, np.ndarray] = {}
     extra_edges: dict[tuple[int, int], np.ndarray] = {}
     for k in on:
-        seg, r = segments[k], pattern[k]
-        for n, freed, again in zip(seg.nodes, seg.freed_bytes, seg.recompute_s, strict=True):
-            term = r * (np.asarray(again) - lam * np.asarray(freed))
+        r = pattern[k]
+        rows, edges, _ = arrays[k]
+        for n, again, freed in rows:
+            term = r * (again - lam * freed)
             if k == alive:
-                term = term + lam * np.asarray(freed)
+                term = term + lam * freed
             extra[n] = extra.get(n, 0.0) + term
-        for e in seg.edges:
-            key = (e.src, e.dst)
-            extra_edges[key] = extra_edges.get(key, 0.0) + r * np.asarray(e.cost_s, dtype=float)
+        for key, seconds in edges:
+            extra_edges[key] = extra_edges.get(key, 0.0) + r * seconds
     lower = math.fsum(float(np.min(v)) for v in extra.values()) + math.fsum(
         float(np.min(m)) for m in extra_edges.values()
     )
@@ -216,16 +234,7 @@ def _pattern_problem(
         if m is None:
             edges.append(e)
         else:
-            edges.append(
-                Edge(
-                    src=e.src,
-                    dst=e.dst,
-                    cost_s=tuple(
-                        tuple(None if c is None else c + float(d) for c, d in zip(row, add))
-                        for row, add in zip(e.cost_s, m, strict=True)
-                    ),
-                )
-            )
+            edges.append(Edge(src=e.src, dst=e.dst, cost_s=_as_tuples(cost_matrix(e.cost_s) + m)))
     edges.extend(
         Edge(src=s, dst=d, cost_s=tuple(tuple(row) for row in m.tolist()))
         for (s, d), m in extra_edges.items()
@@ -239,6 +248,7 @@ def pattern_dual(
     solve_free,
     patterns: list[tuple[int, ...]],
     floor: list[float] | None = None,
+    cache: dict | None = None,
 ) -> tuple[float, list[tuple[int, ...]], float, list[float]]:
     """min over ``patterns`` of the priced pattern problems' optima (a lower bound each: the
     solver's bound), the plans that gave the pattern-free and the smallest value, the relaxed
@@ -249,14 +259,14 @@ def pattern_dual(
     base = priced(dataclasses.replace(problem, segments=()), lam)
     base_choices, _, base_lower = solve_free(base)
     lowers = []
-    for k, pattern in enumerate(patterns):
-        terms = _pattern_terms(problem, lam, pattern)
-        lowers.append(max(base_lower + terms[0], floor[k] if floor else -math.inf))
+    terms = [_pattern_terms(problem, lam, pattern, cache) for pattern in patterns]
+    for k in range(len(patterns)):
+        lowers.append(max(base_lower + terms[k][0], floor[k] if floor else -math.inf))
     best, best_choices, best_peak = math.inf, base_choices, 0.0
     for k in sorted(range(len(patterns)), key=lambda k: lowers[k]):
         if lowers[k] >= best:
             break  # sorted: no later pattern can do better
-        _, alive, extra, extra_edges = _pattern_terms(problem, lam, patterns[k])
+        _, alive, extra, extra_edges = terms[k]
         if not any(patterns[k]):
             choices, value = base_choices, base_lower
         else:
@@ -377,6 +387,7 @@ def relax(
     exact = False  # the pattern D (second phase) or the separable one
     seen: dict[float, list[float]] = {}  # per multiplier: a lower bound per pattern
     tangents: dict[float, tuple[float, float]] = {}  # separable D: lam -> (D(lam), slope)
+    cache: dict = {}  # the segments as arrays (_pattern_terms)
 
     def evaluate(lam: float) -> float:
         """D(lam)'s subgradient (relaxed peak - budget); updates the bound and the best plan."""
@@ -389,7 +400,7 @@ def relax(
                 tangents[lam] = (value + lam * constant, peak - budget)
         else:
             lower, plans, peak, seen[lam] = pattern_dual(
-                problem, lam, solve_free, patterns, _chord_floor(seen, lam)
+                problem, lam, solve_free, patterns, _chord_floor(seen, lam), cache
             )
         bound = lower + lam * constant
         if bound > best_bound:
@@ -416,16 +427,16 @@ def relax(
     lo, hi = 0.0, None
     if evaluate(0.0) <= 0.0:
         hi = 0.0
-    lam = start if start else _first_multiplier(problem)
+    lam = start if start else first_multiplier(problem)
     while hi is None and not done():
         if evaluate(lam) > 0.0:
             lo, lam = lam, lam * 8.0
         else:
             hi = lam
     while hi is not None and hi > lo and not done():
-        mid = _next_multiplier(tangents, lo, hi, best_bound, 0.1 * target_gap * abs(best_bound))
-        if mid is None or hi - lo <= 1e-6 * hi:
-            break
+        mid = next_multiplier(tangents, lo, hi, best_bound, 0.1 * target_gap * abs(best_bound))
+        if mid is None or hi - lo <= (1e-3 if target_gap > 0.0 else 1e-6) * hi:
+            break  # with a gap to spend, D varies too little within 0.1% of lam to matter
         if evaluate(mid) > 0.0:
             lo = mid
         else:
@@ -433,7 +444,7 @@ def relax(
     if patterns is not None:
         exact, max_evaluations = True, evaluations
         if not done():
-            _pattern_search(evaluate, best_lam or _first_multiplier(problem), done)
+            pattern_search(evaluate, best_lam or first_multiplier(problem), done)
     return Relaxed(
         bound_s=best_bound,
         choices=None if best is None else best[1],
@@ -443,55 +454,3 @@ def relax(
         evaluations=evaluations,
         seconds=time.perf_counter() - clock,
     )
-
-
-def _pattern_search(evaluate, lam: float, done) -> None:
-    """Bracket the pattern D's maximum from ``lam`` (its subgradient changes sign there:
-    ``evaluate`` returns it) in steps of 4, then bisect geometrically until ``done``."""
-    lo, hi = 0.0, None
-    if evaluate(lam) > 0.0:
-        lo = lam
-    else:
-        hi = lam
-    while hi is None and not done():
-        lam *= 4.0
-        if evaluate(lam) > 0.0:
-            lo = lam
-        else:
-            hi = lam
-    while lo == 0.0 and hi is not None and hi > 1e-30 and not done():
-        lam = hi / 4.0
-        if evaluate(lam) > 0.0:
-            lo = lam
-        else:
-            hi = lam
-    while hi is not None and lo > 0.0 and hi - lo > 1e-6 * hi and not done():
-        mid = math.sqrt(lo * hi)
-        if evaluate(mid) > 0.0:
-            lo = mid
-        else:
-            hi = mid
-
-
-def _next_multiplier(
-    tangents: dict[float, tuple[float, float]], lo: float, hi: float, bound: float, tol: float
-) -> float | None:
-    """The multiplier to try next in the bracket (lo, hi); None when no multiplier can raise
-    ``bound`` by more than ``tol``: D is concave, so under its tangents at lo (slope > 0) and
-    hi (slope <= 0). Where they cross when that is well inside, else the geometric middle."""
-    mid = math.sqrt(lo * hi) if lo > 0.0 else hi / 8.0
-    if lo not in tangents or hi not in tangents or tangents[lo][1] <= tangents[hi][1]:
-        return mid
-    (d_lo, g_lo), (d_hi, g_hi) = tangents[lo], tangents[hi]
-    cross = (d_hi - d_lo + g_lo * lo - g_hi * hi) / (g_lo - g_hi)
-    if d_lo + g_lo * (cross - lo) - bound <= tol:
-        return None
-    return cross if lo + 0.05 * (hi - lo) < cross < hi - 0.05 * (hi - lo) else mid
-
-
-def _first_multiplier(problem: Problem) -> float:
-    """A multiplier of the right order: the spread of node seconds over the spread of node
-    bytes, summed over the graph."""
-    seconds = math.fsum(max(n.cost_s) - min(n.cost_s) for n in problem.nodes)
-    bytes_ = math.fsum(max(n.memory_bytes) - min(n.memory_bytes) for n in problem.nodes)
-    return seconds / bytes_ if seconds > 0.0 and bytes_ > 0.0 else 1e-12

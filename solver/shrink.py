@@ -192,21 +192,32 @@ def _solve_relaxed(
     if bound >= stop_at:  # cannot beat the plan found elsewhere by more than the gap
         details["cutoff"] = 1.0
     elif objective - bound > gap * abs(objective):
-        exact = solve(
+        # Reduced-cost fixing (solver/fixing.py): the MIP runs over the strategies that some
+        # plan better than both this relaxation's best plan and the cutoff can use.
+        limit = min(objective, stop_at)
+        exact, keep = _fixed_mip(
             problem,
+            found.multiplier,
+            choices if objective <= limit else None,
+            limit,
+            details,
             backend=backend,
             time_limit_s=time_limit_s,
             gap=gap,
             msg=msg,
-            relax_first=False,
-            start_plan=choices,
         )
-        details.update(exact.details)
-        details["lagrangian_then_mip"] = 1.0
-        num_variables, num_constraints = exact.num_variables, exact.num_constraints
-        bound = max(bound, exact.bound_s)
-        if exact.objective_s < objective:
-            choices, recomputed, objective = exact.choices, exact.recomputed, exact.objective_s
+        if exact is None:  # no plan of this problem costs at most the limit
+            bound = max(bound, limit)
+            if bound >= stop_at:
+                details["cutoff"] = 1.0
+        else:
+            num_variables, num_constraints = exact.num_variables, exact.num_constraints
+            # Every plan outside what the fixing kept costs more than the limit.
+            bound = max(bound, min(exact.bound_s, limit))
+            if exact.objective_s < objective:
+                choices = tuple(k[c] for k, c in zip(keep, exact.choices, strict=True))
+                recomputed = exact.recomputed
+                objective = plan_objective_s(problem, choices, recomputed)
     bound = min(bound, objective)
     relative_gap = (objective - bound) / abs(objective) if objective else 0.0
     relative_gap = 0.0 if relative_gap <= ZERO_GAP else relative_gap
@@ -225,6 +236,53 @@ def _solve_relaxed(
         details=details,
         recomputed=recomputed if problem.segments else (),
     )
+
+
+def _fixed_mip(
+    problem: Problem,
+    multiplier: float,
+    plan: tuple[int, ...] | None,
+    limit: float,
+    details: dict[str, float],
+    *,
+    backend: str,
+    time_limit_s: float | None,
+    gap: float,
+    msg: bool,
+) -> tuple[Solution | None, tuple[tuple[int, ...], ...]]:
+    """The budgeted MIP over the strategies that reduced-cost fixing at ``multiplier`` leaves
+    for plans costing at most ``limit`` (solver/fixing.py; ``plan``, a plan within it, is kept
+    and starts the MIP): its solution (in the restricted problem's strategy indices) and the
+    strategies kept per node. None: no plan costs at most ``limit``."""
+    from solver.fixing import fix, restrict_budgeted
+    from solver.lagrangian import recompute_patterns
+
+    fix_start = time.perf_counter()
+    keep = fix(problem, multiplier, plan, limit, recompute_patterns(problem))
+    details["fixed_strategies"] = float(
+        sum(n.num_choices - len(k) for n, k in zip(problem.nodes, keep, strict=True))
+    )
+    details["fixing_s"] = time.perf_counter() - fix_start
+    if not all(keep):
+        return None, keep
+    start_plan = (
+        None if plan is None else tuple(k.index(c) for k, c in zip(keep, plan, strict=True))
+    )
+    try:
+        exact = solve(
+            restrict_budgeted(problem, keep),
+            backend=backend,
+            time_limit_s=time_limit_s,
+            gap=gap,
+            msg=msg,
+            relax_first=False,
+            start_plan=start_plan,
+        )
+    except InfeasibleError:  # InfeasibleBudgetError included
+        return None, keep
+    details.update(exact.details)
+    details["lagrangian_then_mip"] = 1.0
+    return exact, keep
 
 
 def _solve_eliminated(
