@@ -23,6 +23,9 @@ Measured figures, per configuration:
 - step: a step's time is the slowest rank's (a barrier before each step); a repetition's
   figure is the median over its steps; the table gives the median and min-max over
   repetitions;
+- drift: a matmul probe on every rank at once (as calibration measures ``peak_flops``) just
+  before and just after a configuration's steps in each repetition (geometric mean; median over
+  repetitions); calibrated over probed FLOP/s scales the stages' forward and backward;
 - bubble: per rank, ``busy`` is ``PipelineModule.busy_s``, the wall seconds inside its stage's
   microbatch forwards and backwards (``PipelineStage.forward_one_chunk`` /
   ``backward_one_chunk``); the bubble of a step is ``1 - max_r busy_r / step``: the idle share
@@ -133,6 +136,9 @@ def run_rank(rank: int, world: int, cases: list[dict[str, Any]], args: Any) -> d
                 opt.step()
                 opt.zero_grad()
                 rows.append(_gathered([wall, pmodel.busy_s, time.perf_counter() - start]))
+            # The probe before and after the steps (geometric mean): the load of other processes
+            # changes within seconds on a shared machine.
+            rate = (rate * _matmul_rate(torch.device("cpu"))) ** 0.5
             out[key].append(dict(_repetition(rows), matmul_flops=rate))
     return out
 
