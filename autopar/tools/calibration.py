@@ -240,8 +240,8 @@ def measure_busy_rank_speed(
     config: CalibrationConfig, device: torch.device, log: Callable[[str], None], rounds: int = 3
 ) -> tuple[dict[str, float], dict[str, Any]]:
     """``DeviceSpec.busy_rank_speed`` on CPU ranks: the largest matmul timed with only ranks
-    ``0..k-1`` computing (the others wait at a barrier, as a pipeline's idle stages wait in a
-    receive), for ``k`` = 1, 2, 4, ... and every rank; per-rank speed relative to every rank
+    ``0..k-1`` computing (the others wait in the all-reduce that collects the timings, as a
+    pipeline's idle stages wait in a receive), for ``k`` = 1, 2, 4, ... and every rank; per-rank speed relative to every rank
     computing. The counts are interleaved over ``rounds`` rounds (median per count) so that a
     change in the machine's load hits them alike. Empty on GPUs and on one rank (each rank
     has its own device, or nothing shares it)."""
