@@ -23,6 +23,9 @@ Measured figures, per configuration:
 - step: a step's time is the slowest rank's (a barrier before each step); a repetition's
   figure is the median over its steps; the table gives the median and min-max over
   repetitions;
+- drift: a matmul probe on every rank at once (as calibration measures ``peak_flops``) just
+  before and just after a configuration's steps in each repetition (geometric mean; median over
+  repetitions); calibrated over probed FLOP/s scales the stages' forward and backward;
 - bubble: per rank, ``busy`` is ``PipelineModule.busy_s``, the wall seconds inside its stage's
   microbatch forwards and backwards (``PipelineStage.forward_one_chunk`` /
   ``backward_one_chunk``); the bubble of a step is ``1 - max_r busy_r / step``: the idle share
@@ -133,6 +136,9 @@ def run_rank(rank: int, world: int, cases: list[dict[str, Any]], args: Any) -> d
                 opt.step()
                 opt.zero_grad()
                 rows.append(_gathered([wall, pmodel.busy_s, time.perf_counter() - start]))
+            # The probe before and after the steps (geometric mean): the load of other processes
+            # changes within seconds on a shared machine.
+            rate = (rate * _matmul_rate(torch.device("cpu"))) ** 0.5
             out[key].append(dict(_repetition(rows), matmul_flops=rate))
     return out
 
@@ -151,7 +157,20 @@ def _repetition(rows: list[torch.Tensor]) -> dict[str, Any]:
     }
 
 
-def drift_removed(case: dict[str, Any], speed: float) -> Any:
+def closed_form(case: dict[str, Any]) -> Any:
+    """The plan's stages under the closed-form schedule model (every stage at the all-ranks-busy
+    speed whatever the others do): the prediction before ``busy_rank_speed``."""
+    from autopar.planner.pipeline_schedule import StageCost, schedule_time
+
+    stages = [
+        StageCost(forward_s=s["forward_s"], backward_s=s["backward_s"], p2p_s=s["p2p_s"],
+                  step_s=s["grad_sync_s"])
+        for s in case["stages"]
+    ]  # fmt: skip
+    return schedule_time(stages, microbatches=case["microbatches"], schedule=case["schedule"])
+
+
+def drift_removed(case: dict[str, Any], speed: float, busy_rank_speed: Any) -> Any:
     """The plan's schedule with every stage's forward and backward scaled by ``speed``
     (calibrated matmul FLOP/s over the FLOP/s measured during the run's repetitions): the
     prediction with the machine's speed drift since calibration removed."""
@@ -162,7 +181,10 @@ def drift_removed(case: dict[str, Any], speed: float) -> Any:
                   p2p_s=s["p2p_s"], step_s=s["grad_sync_s"])
         for s in case["stages"]
     ]  # fmt: skip
-    return schedule_time(stages, microbatches=case["microbatches"], schedule=case["schedule"])
+    return schedule_time(
+        stages, microbatches=case["microbatches"], schedule=case["schedule"],
+        busy_rank_speed=busy_rank_speed,
+    )  # fmt: skip
 
 
 def from_measured_stages(case: dict[str, Any], busy_per_microbatch: list[float]) -> Any:
@@ -178,8 +200,9 @@ def from_measured_stages(case: dict[str, Any], busy_per_microbatch: list[float])
 
 
 def summarize(
-    cases: list[dict[str, Any]], measured: dict[str, Any], calibrated_flops: float
+    cases: list[dict[str, Any]], measured: dict[str, Any], device: Any
 ) -> list[dict[str, Any]]:
+    calibrated_flops = device.peak_flops["float32"]
     table = []
     for case in cases:
         reps = measured[case["key"]]
@@ -189,7 +212,7 @@ def summarize(
         ]
         formula = from_measured_stages(case, busy)
         speed = calibrated_flops / statistics.median(r["matmul_flops"] for r in reps)
-        drift = drift_removed(case, speed)
+        drift = drift_removed(case, speed, device.busy_rank_speed)
         steps = [r["step_s"] for r in reps]
         bubbles = [r["bubble"] for r in reps]
         predicted = case["predicted"]
@@ -197,6 +220,7 @@ def summarize(
             "key": case["key"],
             "blocks": [s["blocks"] for s in case["stages"]],
             "predicted_step_s": predicted["step_s"],
+            "closed_form_step_s": closed_form(case).step_s,
             "predicted_bubble": predicted["bubble_fraction"],
             "step_s": statistics.median(steps), "step_min_s": min(steps), "step_max_s": max(steps),
             "bubble": statistics.median(bubbles), "bubble_min": min(bubbles),
@@ -218,10 +242,11 @@ def summarize(
 def markdown(world: int, table: list[dict[str, Any]]) -> str:
     lines = [
         "| ranks | model / schedule / m | cuts | predicted step ms (drift removed) | measured step"
-        " ms (min-max) | measured / predicted (drift removed) | predicted bubble | predicted idle"
+        " ms (min-max) | measured / predicted (drift removed) | before: closed form ms (measured"
+        " / closed form) | predicted bubble | predicted idle"
         " (drift removed) | measured idle (min-max) | idle ratio (drift removed) | schedule"
         " model on measured stages: step ratio |",
-        "|---|---|---|---|---|---|---:|---|---|---|---:|",
+        "|---|---|---|---|---|---|---|---:|---|---|---|---:|",
     ]
     for row in table:
         cuts = "+".join(str(b - a) for a, b in row["blocks"])
@@ -231,7 +256,9 @@ def markdown(world: int, table: list[dict[str, Any]]) -> str:
             f"| {world} | {row['key']} | {cuts} | {step * 1e3:.0f} ({drift * 1e3:.0f}) | "
             f"{row['step_s'] * 1e3:.0f} ({row['step_min_s'] * 1e3:.0f}-"
             f"{row['step_max_s'] * 1e3:.0f}) | {row['step_s'] / step:.2f} "
-            f"({row['step_s'] / drift:.2f}) | {row['predicted_bubble']:.3f} | {idle:.3f} "
+            f"({row['step_s'] / drift:.2f}) | {row['closed_form_step_s'] * 1e3:.0f} "
+            f"({row['step_s'] / row['closed_form_step_s']:.2f}) | "
+            f"{row['predicted_bubble']:.3f} | {idle:.3f} "
             f"({drift_idle:.3f}) | {row['bubble']:.3f} ({row['bubble_min']:.3f}-"
             f"{row['bubble_max']:.3f}) | {row['bubble'] / idle:.2f} "
             f"({row['bubble'] / drift_idle:.2f}) | {row['step_s'] / row['formula_step_s']:.2f} |"
@@ -286,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     cases = plan_cases(args.world, profile, args)
     print(f"planned {len(cases)} configurations in {time.perf_counter() - start:.0f} s", flush=True)
     measured = spawn_ranks(run_rank, args.world, cases, args, timeout_s=1800, pg_timeout_s=600)[0]
-    table = summarize(cases, measured, profile.device.peak_flops["float32"])
+    table = summarize(cases, measured, profile.device)
+    print(f"busy_rank_speed of the profile: {dict(profile.device.busy_rank_speed)}")
     print(f"load at end: {_load()}; {time.perf_counter() - start:.0f} s in all")
     print(markdown(args.world, table))
     print(per_stage_text(table))

@@ -79,6 +79,12 @@ class DeviceSpec:
     """Per op family: fraction of the ideal roofline reached (written by calibration)."""
     source: str = ""
     """Where the figures come from (datasheet name and the figures used, or a calibration)."""
+    busy_rank_speed: Mapping[str, float] = field(default_factory=FrozenMap)
+    """Per-rank compute speed when ``k`` ranks of the job compute at once (key ``str(k)``),
+    relative to the speed the other figures were measured at (every rank computing at once).
+    Ranks that share cores (CPU gloo ranks) run faster when few compute, as in a pipeline's
+    ramp-up; ``autopar calibrate`` measures it on CPU. Empty (presets, GPUs): every rank has
+    its own device, the speed does not depend on how many compute."""
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -98,6 +104,17 @@ class DeviceSpec:
         _check_fraction(f"device {self.name!r}", "memory_efficiency", self.memory_efficiency)
         for family, eff in self.op_efficiency.items():
             _check_fraction(f"device {self.name!r}", f"op_efficiency[{family!r}]", eff)
+        for busy, speed in self.busy_rank_speed.items():
+            if not (str(busy).isdigit() and int(busy) >= 1 and speed > 0):
+                raise ValueError(
+                    f"device {self.name!r}: busy_rank_speed needs rank counts >= 1 as keys "
+                    f"and speeds > 0, got {busy!r}: {speed!r}"
+                )
+        object.__setattr__(
+            self,
+            "busy_rank_speed",
+            FrozenMap({str(int(k)): float(v) for k, v in self.busy_rank_speed.items()}),
+        )
         object.__setattr__(
             self, "peak_flops", FrozenMap({k: float(v) for k, v in self.peak_flops.items()})
         )
@@ -118,6 +135,8 @@ class DeviceSpec:
             "kernel_overhead_s": self.kernel_overhead_s,
             "op_efficiency": dict(self.op_efficiency),
             "source": self.source,
+            # Written only when measured, so preset documents (and plans) stay as they were.
+            **({"busy_rank_speed": dict(self.busy_rank_speed)} if self.busy_rank_speed else {}),
         }
 
     @classmethod

@@ -57,6 +57,11 @@ PROFILE_SCHEMA: dict[str, Any] = {
                 "memory_efficiency": _FRACTION,
                 "kernel_overhead_s": _NONNEGATIVE,
                 "op_efficiency": {"type": "object", "additionalProperties": _FRACTION},
+                "busy_rank_speed": {
+                    "type": "object",
+                    "propertyNames": {"pattern": "^[1-9][0-9]*$"},
+                    "additionalProperties": _POSITIVE,
+                },
                 "source": {"type": "string"},
             },
             "anyOf": [

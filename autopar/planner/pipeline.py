@@ -42,6 +42,7 @@ from autopar.planner.pipeline_schedule import (
 )
 from autopar.planner.stage_pricing import Parts, StagePricer
 from autopar.planner.stage_probes import ProbeCache
+from cost_models.hardware import get_device
 
 INTERLEAVED_VIRTUAL = 2
 _SCHEDULE_ORDER = {"none": 0, "1f1b": 1, "interleaved-1f1b": 2, "gpipe": 3}
@@ -136,6 +137,7 @@ class StagePlanner:
         self.options = options
         self.budget = budget
         self.probes = ProbeCache(model.probe, options=options, device=device)
+        self.busy_rank_speed = get_device(device).busy_rank_speed  # ranks sharing cores
         self._report = progress or (lambda line: None)
 
     def search(
@@ -269,7 +271,13 @@ class StagePlanner:
                 continue
             sizes = cuts[0]
             stages = tuple(table(i, k) for i, k in enumerate(sizes))
-            t = schedule_time(stages, microbatches=m, schedule=schedule)  # type: ignore[arg-type]
+            t = schedule_time(
+                stages,  # type: ignore[arg-type]
+                microbatches=m,
+                schedule=schedule,
+                busy_rank_speed=self.busy_rank_speed,
+                ranks_per_stage=mesh.dp * mesh.tp,
+            )
             out.append(
                 Candidate(
                     mesh=mesh,

@@ -33,7 +33,7 @@ stops once ``S(inf) + (m - 1) * M`` cannot beat the best found.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,11 +110,31 @@ class ScheduleTime:
 
 
 def schedule_time(
-    stages: Sequence[StageCost], *, microbatches: int, schedule: str, num_ranks: int | None = None
+    stages: Sequence[StageCost],
+    *,
+    microbatches: int,
+    schedule: str,
+    num_ranks: int | None = None,
+    busy_rank_speed: Mapping[str, float] | None = None,
+    ranks_per_stage: int = 1,
 ) -> ScheduleTime:
     """The step of ``stages`` (in pipeline order; ``num_ranks`` < len(stages) for interleaving,
-    chunk ``c`` on rank ``c % num_ranks``) under ``schedule`` (module docstring)."""
+    chunk ``c`` on rank ``c % num_ranks``) under ``schedule`` (module docstring).
+
+    With a measured ``busy_rank_speed`` (``DeviceSpec``'s: ranks sharing cores) GPipe and 1F1B
+    over several stages are simulated instead (:mod:`planner.shared_cores`), each stage being
+    ``ranks_per_stage`` ranks."""
     m = microbatches
+    if busy_rank_speed and schedule in ("gpipe", "1f1b") and len(stages) > 1:
+        from autopar.planner.shared_cores import shared_schedule_time  # imports this module
+
+        return shared_schedule_time(
+            stages,
+            microbatches=m,
+            schedule=schedule,
+            busy_rank_speed=busy_rank_speed,
+            ranks_per_stage=ranks_per_stage,
+        )
     ranks = len(stages) if num_ranks is None else num_ranks
     sync = max(s.step_s for s in stages)
     if schedule == "interleaved-1f1b":

@@ -9,6 +9,8 @@ schema ``cost_models.load_profile`` reads:
 - ``device.peak_flops[dtype]``: large-matmul throughput (fp32; bf16 where it runs);
 - ``device.mem_bandwidth_Bps``: large-copy bandwidth (read + write bytes per second);
 - ``device.kernel_overhead_s``: the time of a one-element op;
+- ``device.busy_rank_speed`` (CPU ranks only): per-rank matmul speed with 1, 2, 4, ... ranks
+  computing at once, relative to all of them (ranks sharing cores; priced by pipelines);
 - ``device.op_efficiency[family]``: for matmul, attention, pointwise, norm, softmax, embedding,
   reduction and loss, the fraction of the roofline ``max(flops / peak, bytes / bandwidth)`` that a
   representative op reaches forward plus backward, with FLOPs from ``autopar.capture.flops`` and bytes
@@ -22,10 +24,12 @@ This module measures the device and drives the run; the links are measured by
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import math
 import os
 import platform
+import statistics
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -106,14 +110,18 @@ class CalibrationConfig:
 # Work of one op, as the planner prices it
 
 
-def op_work(target: Any, args: Sequence[Any], kwargs: dict[str, Any] | None = None) -> tuple[float, float, float, float]:
+def op_work(
+    target: Any, args: Sequence[Any], kwargs: dict[str, Any] | None = None
+) -> tuple[float, float, float, float]:
     """``(fwd_flops, bwd_flops, fwd_bytes, bwd_bytes)`` of ``target(*args)`` as the planner
     prices it: ``autopar.capture.flops.op_costs``, i.e. the formulas of ``cost_models.compute``."""
     work = op_costs(target, args, kwargs)
     return work.fwd_flops, work.bwd_flops, float(work.fwd_bytes), float(work.bwd_bytes)
 
 
-def family_cases(scale: int, device: torch.device) -> dict[str, tuple[Any, list[Any], dict[str, Any]]]:
+def family_cases(
+    scale: int, device: torch.device
+) -> dict[str, tuple[Any, list[Any], dict[str, Any]]]:
     """A representative op per family at size ``scale``: family -> (target, args, kwargs)."""
 
     def t(*shape: int, grad: bool = True) -> torch.Tensor:
@@ -228,6 +236,43 @@ def measure_device(
     return spec, details
 
 
+def measure_busy_rank_speed(
+    config: CalibrationConfig, device: torch.device, log: Callable[[str], None], rounds: int = 3
+) -> tuple[dict[str, float], dict[str, Any]]:
+    """``DeviceSpec.busy_rank_speed`` on CPU ranks: the largest matmul timed with only ranks
+    ``0..k-1`` computing (the others wait in the all-reduce that collects the timings, as a
+    pipeline's idle stages wait in a receive), for ``k`` = 1, 2, 4, ... and every rank; per-rank speed relative to every rank
+    computing. The counts are interleaved over ``rounds`` rounds (median per count) so that a
+    change in the machine's load hits them alike. Empty on GPUs and on one rank (each rank
+    has its own device, or nothing shares it)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if device.type != "cpu" or world == 1:
+        return {}, {}
+    counts = sorted({2**e for e in range(world.bit_length()) if 2**e < world} | {world})
+    n = max(config.matmul_sizes)
+    a = torch.randn(n, n, device=device)
+    seconds: dict[int, list[float]] = {k: [] for k in counts}
+    for _ in range(rounds):
+        for k in counts:
+            dist.barrier()
+            mine = 0.0
+            if rank < k:
+                mine = time_callable(
+                    lambda: a @ a, device=device, min_time_s=config.min_time_s, trials=config.trials
+                )
+            total = torch.tensor([mine], dtype=torch.float64)
+            dist.all_reduce(total)
+            seconds[k].append(float(total[0]) / k)
+    median = {k: statistics.median(v) for k, v in seconds.items()}
+    speed = {str(k): median[world] / median[k] for k in counts}
+    log(
+        "speed per rank by ranks computing: " + ", ".join(f"{k}: {v:.2f}" for k, v in speed.items())
+    )
+    detail = {"matmul_n": n, "seconds": {str(k): v for k, v in seconds.items()},
+              "cpu_count": os.cpu_count()}  # fmt: skip
+    return speed, detail
+
+
 def _device_label(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -269,11 +314,15 @@ def calibrate_on_rank(
     else:
         device = torch.device("cpu")
     groups = axis_groups(tuple(mesh_shape), tuple(axis_names), key="autopar-calibrate")
-    log(f"calibrating {dist.get_world_size()} ranks ({dist.get_backend()}) on mesh "
-        + " x ".join(f"{n}={s}" for n, s in zip(axis_names, mesh_shape)))
+    log(
+        f"calibrating {dist.get_world_size()} ranks ({dist.get_backend()}) on mesh "
+        + " x ".join(f"{n}={s}" for n, s in zip(axis_names, mesh_shape))
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         spec, device_details = measure_device(config, device, log)
+        speed, device_details["busy_rank_speed"] = measure_busy_rank_speed(config, device, log)
+        spec = dataclasses.replace(spec, busy_rank_speed=speed)
         links, link_details = measure_links(config, groups, device, log)
     profile = build_profile(
         device=spec,
@@ -315,8 +364,12 @@ def spawn_local(
 
 
 def _calibrate_rank(
-    rank: int, world_size: int, mesh_shape: tuple[int, ...], axis_names: tuple[str, ...],
-    config: CalibrationConfig, verbose: bool,
+    rank: int,
+    world_size: int,
+    mesh_shape: tuple[int, ...],
+    axis_names: tuple[str, ...],
+    config: CalibrationConfig,
+    verbose: bool,
 ) -> dict[str, Any] | None:
     data = calibrate_on_rank(mesh_shape, axis_names, config, verbose=verbose)
     return data if rank == 0 else None
@@ -346,7 +399,9 @@ def calibrate(
     devices = math.prod(shape)
     if nproc is not None:
         if nproc != devices:
-            raise ValueError(f"mesh {shape} has {devices} devices but --nproc is {nproc}; make them equal")
+            raise ValueError(
+                f"mesh {shape} has {devices} devices but --nproc is {nproc}; make them equal"
+            )
         data = spawn_local(_calibrate_rank, nproc, shape, names, config, verbose)[0]
         return load_profile(data)
     if not dist.is_initialized():

@@ -32,6 +32,10 @@ def test_tiny_calibration_gives_a_profile_the_planner_uses(tmp_path) -> None:
     assert device.mem_bandwidth_Bps > 1e8
     assert set(device.op_efficiency) == set(CALIBRATED_FAMILIES)
     assert all(0 < e <= 1 for e in device.op_efficiency.values())
+    # Per-rank speed with 1 and 2 ranks computing, relative to 2 (ranks sharing this CPU).
+    assert set(device.busy_rank_speed) == {"1", "2"} and device.busy_rank_speed["2"] == 1.0
+    assert 0 < device.busy_rank_speed["1"] < 100
+    assert profile.meta["measurements"]["busy_rank_speed"]["cpu_count"] >= 1
     link = profile.links["tp"]
     assert set(link.collectives) == set(CALIBRATED_COLLECTIVES)
     assert all(alpha >= 0 and beta > 0 for alpha, beta in link.collectives.values())

@@ -258,3 +258,33 @@ def test_stage_p2p_uses_the_calibrated_point_to_point_transfer():
     formula = collective_time_s("broadcast", 2.0, 2, preset.pp_link)
     assert preset.price(**kw).p2p_s == pytest.approx(2 * formula)
     assert formula < 1e-3
+
+
+def test_ranks_sharing_cores_price_the_pipeline_with_their_solo_speed():
+    """A device with a measured ``busy_rank_speed`` (CPU ranks sharing cores) prices GPipe by
+    the simulated schedule: the same cuts and stage prices as without it, a shorter step
+    (a stage computing alone runs faster), equal to ``shared_schedule_time`` of the stages."""
+    import dataclasses
+
+    from autopar.planner.pipeline_schedule import StageCost
+    from autopar.planner.shared_cores import shared_schedule_time
+    from cost_models.hardware import get_device
+
+    model, args, _ = tiny_gpt(layers=2)
+    plain = get_device("cpu")
+    shared = dataclasses.replace(plain, busy_rank_speed={"1": 2.0, "2": 1.0})
+    kw = dict(stages=2, microbatches=2, schedule="gpipe", memory_budget="1GiB")
+    before = autopar.plan(model, Mesh.spec((2,), ("pp",), device=plain), args, **kw).pipeline
+    after = autopar.plan(model, Mesh.spec((2,), ("pp",), device=shared), args, **kw).pipeline
+    assert [s.blocks for s in after.stages] == [s.blocks for s in before.stages]
+    assert [s.predicted for s in after.stages] == [s.predicted for s in before.stages]
+    stages = [
+        StageCost(forward_s=s.predicted["forward_s"], backward_s=s.predicted["backward_s"],
+                  p2p_s=s.predicted["p2p_s"], step_s=s.predicted["grad_sync_s"])
+        for s in after.stages
+    ]  # fmt: skip
+    expected = shared_schedule_time(
+        stages, microbatches=2, schedule="gpipe", busy_rank_speed=shared.busy_rank_speed
+    )
+    assert after.predicted["step_s"] == pytest.approx(expected.step_s)
+    assert after.predicted["step_s"] < 0.9 * before.predicted["step_s"]

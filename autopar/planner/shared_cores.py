@@ -1,0 +1,123 @@
+"""A GPipe / 1F1B step on ranks that share cores: the schedule simulated, microbatch by microbatch.
+
+The closed form of :mod:`planner.pipeline_schedule` assumes a stage takes the same time whether
+the other stages compute or wait. On ranks that share CPU cores (gloo ranks on one machine) that
+is false: a stage computing alone (a pipeline's ramp-up and drain, or while the others wait for
+its activation) runs several times faster than with every rank computing, the condition under
+which ``autopar calibrate`` measured the device. ``DeviceSpec.busy_rank_speed`` holds the
+measured per-rank speed for ``k`` ranks computing at once, relative to all of them.
+
+The simulation runs the schedule's per-rank order of forwards ``F(j)`` and backwards ``B(j)``
+(GPipe: every forward, then every backward; 1F1B: ``min(p - i - 1, m)`` warm-up forwards on stage
+``i``, then one forward and one backward alternately, then the remaining backwards; microbatches
+in order), with the dependencies ``F(i, j)`` after ``F(i - 1, j)`` and ``B(i, j)`` after
+``B(i + 1, j)``. A task is its compute (the stage's ``forward_s`` or ``backward_s``, priced at the
+all-busy speed) followed by half the stage's per-microbatch ``p2p_s`` (its send, which holds no
+core). Compute progresses at ``speed(busy ranks)`` (processor sharing): between two events every
+computing rank advances by ``dt * speed(k)`` with ``k`` the ranks computing in that interval (each
+stage's ``ranks_per_stage`` ranks count). ``speed`` interpolates ``busy_rank_speed`` linearly in
+seconds per unit of work between measured counts and is constant beyond them.
+
+With ``speed == 1`` and equal stages this is exactly the closed form; for unequal stages it is the
+event-exact makespan of the schedule's order (1F1B can then beat the closed form, which charges
+the slowest stage GPipe's whole ramp). Interleaved 1F1B keeps the closed form.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from autopar.planner.pipeline_schedule import ScheduleTime, StageCost
+
+
+def speed_at(busy_rank_speed: Mapping[str, float], busy: int) -> float:
+    """Per-rank speed with ``busy`` ranks computing (module docstring; 1.0 for an empty table)."""
+    if not busy_rank_speed:
+        return 1.0
+    points = sorted((int(k), 1.0 / v) for k, v in busy_rank_speed.items())
+    if busy <= points[0][0]:
+        return 1.0 / points[0][1]
+    for (k0, s0), (k1, s1) in zip(points, points[1:]):
+        if busy <= k1:
+            return 1.0 / (s0 + (s1 - s0) * (busy - k0) / (k1 - k0))
+    return 1.0 / points[-1][1]
+
+
+def rank_order(
+    schedule: str, position: int, num_stages: int, microbatches: int
+) -> list[tuple[str, int]]:
+    """The stage's tasks in the order it runs them: ``("F", j)`` and ``("B", j)``."""
+    m = microbatches
+    if schedule == "gpipe":
+        return [("F", j) for j in range(m)] + [("B", j) for j in range(m)]
+    if schedule != "1f1b":
+        raise ValueError(f"schedule {schedule!r} is not simulated; use 'gpipe' or '1f1b'")
+    warmup = min(num_stages - position - 1, m)
+    order = [("F", j) for j in range(warmup)]
+    for j in range(m - warmup):
+        order += [("F", warmup + j), ("B", j)]
+    return order + [("B", j) for j in range(m - warmup, m)]
+
+
+def shared_schedule_time(
+    stages: Sequence[StageCost],
+    *,
+    microbatches: int,
+    schedule: str,
+    busy_rank_speed: Mapping[str, float],
+    ranks_per_stage: int = 1,
+) -> ScheduleTime:
+    """The step of ``stages`` under ``schedule`` on ranks sharing cores (module docstring).
+
+    ``bubble_s`` is the step less the busiest rank's compute and sends; ``compute_s`` and
+    ``p2p_s`` are that rank's."""
+    p = len(stages)
+    orders = [rank_order(schedule, i, p, microbatches) for i in range(p)]
+    done: dict[tuple[str, int, int], float] = {}
+    nxt = [0] * p  # index of each rank's next task
+    left = [[0.0, 0.0] for _ in range(p)]  # remaining compute work, remaining send seconds
+    running = [False] * p
+    busy = [0.0] * p  # compute seconds per rank
+    speeds = [speed_at(busy_rank_speed, k * ranks_per_stage) for k in range(p + 1)]
+    now = 0.0
+    while True:
+        for i in range(p):
+            if running[i] or nxt[i] == len(orders[i]):
+                continue
+            kind, j = orders[i][nxt[i]]
+            before = (kind, i - 1, j) if kind == "F" else (kind, i + 1, j)
+            if 0 <= before[1] < p and before not in done:
+                continue
+            work = stages[i].forward_s if kind == "F" else stages[i].backward_s
+            left[i] = [work, stages[i].p2p_s / 2]
+            running[i] = True
+        active = [i for i in range(p) if running[i]]
+        if not active:
+            break
+        computing = [i for i in active if left[i][0] > 0]
+        rate = speeds[len(computing)]
+        dt = min(left[i][0] / rate if left[i][0] > 0 else left[i][1] for i in active)
+        now += dt
+        for i in active:
+            if left[i][0] > 0:
+                left[i][0] -= dt * rate
+                busy[i] += dt
+            else:
+                left[i][1] -= dt
+            left[i] = [x if x > 1e-12 else 0.0 for x in left[i]]  # rounding: the phase is over
+            if left[i] == [0.0, 0.0]:
+                kind, j = orders[i][nxt[i]]
+                done[(kind, i, j)] = now
+                nxt[i] += 1
+                running[i] = False
+    assert all(n == len(o) for n, o in zip(nxt, orders)), "schedule deadlocked"
+    sync = max(s.step_s for s in stages)
+    worst = max(range(p), key=lambda i: busy[i] + microbatches * stages[i].p2p_s)
+    sends = microbatches * stages[worst].p2p_s
+    return ScheduleTime(
+        step_s=now + sync,
+        bubble_s=now - busy[worst] - sends,
+        compute_s=busy[worst],
+        p2p_s=sends,
+        collectives_s=sync,
+    )

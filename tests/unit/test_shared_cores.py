@@ -1,0 +1,95 @@
+"""Pipelines on ranks that share cores: ``DeviceSpec.busy_rank_speed`` and the simulated
+GPipe / 1F1B step (``autopar.planner.shared_cores``), against the closed form and by hand."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from autopar.planner.pipeline_schedule import StageCost, schedule_time
+from autopar.planner.shared_cores import rank_order, speed_at
+from cost_models import load_profile
+from cost_models.hardware import DeviceSpec, get_device
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize(("stages", "microbatches"), [(2, 2), (2, 8), (3, 5), (4, 4), (4, 8)])
+def test_uniform_speed_gives_the_closed_form(schedule, stages, microbatches):
+    equal = [StageCost(forward_s=1.0, backward_s=2.0, p2p_s=0.2, step_s=0.1)] * stages
+    closed = schedule_time(equal, microbatches=microbatches, schedule=schedule)
+    simulated = schedule_time(
+        equal, microbatches=microbatches, schedule=schedule, busy_rank_speed={"1": 1.0}
+    )
+    for field in ("step_s", "bubble_s", "compute_s", "p2p_s", "collectives_s"):
+        assert getattr(simulated, field) == pytest.approx(getattr(closed, field), rel=1e-9)
+
+
+def test_a_stage_computing_alone_runs_at_its_solo_speed():
+    """2 stages, 2 microbatches, GPipe, forward 1 and backward 2 at the all-busy speed, twice
+    as fast alone: F0 on stage 0 alone (0.5), F1 and stage 1's F0 together (1.0), stage 1's F1
+    alone (0.5), its B0 alone (1.0), its B1 with stage 0's B0 (2.0), stage 0's B1 alone (1.0)."""
+    stages = [StageCost(forward_s=1.0, backward_s=2.0)] * 2
+    t = schedule_time(
+        stages, microbatches=2, schedule="gpipe", busy_rank_speed={"1": 2.0, "2": 1.0}
+    )
+    assert t.step_s == pytest.approx(6.0)  # the closed form says 9.0
+    assert t.compute_s == pytest.approx(4.5) and t.bubble_s == pytest.approx(1.5)
+    # Two ranks per stage (dp=2): one stage computing is two busy ranks, the all-busy speed.
+    assert schedule_time(
+        stages, microbatches=2, schedule="gpipe", busy_rank_speed={"2": 2.0, "4": 1.0},
+        ranks_per_stage=2,
+    ).step_s == pytest.approx(6.0)  # fmt: skip
+
+
+def test_unequal_stages_follow_each_schedules_order():
+    """Stages of forward 1, 3, 2 (backward twice, sends 0.1), 6 microbatches, uniform speed.
+    GPipe: the closed form, 18.3 + 5 * 9.1 = 63.8. 1F1B: stage 1 (the slowest) runs F0 and F1,
+    waits for stage 2's B0 until 10.2, then computes its remaining 48.5 with one wait of 0.05
+    (stage 2's B5 ends at 52.7, after stage 1's B4 at 52.65), and stage 0's last backward
+    (2.05) follows: 60.8, less than the closed form, which charges the slowest stage the
+    whole ramp (sum_i t_i - max_i t_i) as GPipe pays it."""
+    stages = [StageCost(forward_s=f, backward_s=2 * f, p2p_s=0.1) for f in (1.0, 3.0, 2.0)]
+    speed = {"3": 1.0}
+    gpipe = schedule_time(stages, microbatches=6, schedule="gpipe", busy_rank_speed=speed)
+    one_f_one_b = schedule_time(stages, microbatches=6, schedule="1f1b", busy_rank_speed=speed)
+    assert schedule_time(stages, microbatches=6, schedule="1f1b").step_s == pytest.approx(63.8)
+    assert gpipe.step_s == pytest.approx(63.8)
+    assert one_f_one_b.step_s == pytest.approx(60.8)
+
+
+def test_1f1b_order_is_warmup_then_alternate_then_drain():
+    assert rank_order("1f1b", 0, 3, 4) == [
+        ("F", 0), ("F", 1), ("F", 2), ("B", 0), ("F", 3), ("B", 1), ("B", 2), ("B", 3)
+    ]  # fmt: skip
+    assert rank_order("1f1b", 2, 3, 2) == [("F", 0), ("B", 0), ("F", 1), ("B", 1)]
+    with pytest.raises(ValueError, match="not simulated"):
+        rank_order("interleaved-1f1b", 0, 2, 4)
+
+
+def test_speed_interpolates_seconds_per_work_between_measured_counts():
+    table = {"1": 2.0, "4": 1.0}
+    assert speed_at(table, 1) == 2.0 and speed_at(table, 4) == 1.0
+    assert speed_at(table, 2) == pytest.approx(1 / (0.5 + 0.5 / 3))
+    assert speed_at(table, 8) == 1.0 and speed_at({}, 3) == 1.0
+
+
+def test_presets_have_no_busy_rank_speed_so_their_plans_keep_the_closed_form():
+    h100 = get_device("h100")
+    assert not h100.busy_rank_speed and "busy_rank_speed" not in h100.to_dict()
+    stages = [StageCost(forward_s=1.0, backward_s=2.0)] * 2
+    assert schedule_time(
+        stages, microbatches=2, schedule="gpipe", busy_rank_speed=h100.busy_rank_speed
+    ).step_s == pytest.approx(9.0)
+
+
+def test_busy_rank_speed_round_trips_and_bad_values_are_one_line_errors():
+    spec = dataclasses.replace(get_device("cpu"), busy_rank_speed={"1": 1.8, "2": 1.0})
+    loaded = load_profile({"version": 1, "device": spec.to_dict()}).device
+    assert loaded == spec and dict(loaded.busy_rank_speed) == {"1": 1.8, "2": 1.0}
+    with pytest.raises(ValueError, match="busy_rank_speed needs rank counts >= 1"):
+        DeviceSpec.from_dict({"base": "cpu", "busy_rank_speed": {"0": 1.0}})
+    with pytest.raises(ValueError, match="busy_rank_speed needs rank counts >= 1"):
+        DeviceSpec.from_dict({"base": "cpu", "busy_rank_speed": {"2": -1.0}})
+    with pytest.raises(ValueError, match="busy_rank_speed"):
+        load_profile({"version": 1, "device": {"base": "cpu", "busy_rank_speed": {"x": 1.0}}})
