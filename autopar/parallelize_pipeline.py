@@ -249,13 +249,7 @@ def autoparallelize_pipeline(
     name = model_name or type(model).__name__
     plans = _stored_stage_plans(plan if from_plan else None, mesh, pipeline.num_stages)
     if plans is None:
-        texts = _from_rank0(
-            lambda: [
-                p.to_json() for p in plan_stage_graphs(stages, sub_mesh, options, model_name=name)
-            ],
-            what="planning the pipeline stages",
-        )
-        plans = [Plan.from_json(text) for text in texts]
+        plans = _plan_on_rank0(stages, sub_mesh, options, name, pipeline.stack)
     _agree(
         lambda: [check_plan(p, s.captured, sub_mesh) for p, s in zip(plans, stages, strict=True)]
     )
@@ -344,6 +338,20 @@ def _mode_preparer(
             )
 
     return prepare
+
+
+def _plan_on_rank0(
+    stages: tuple[StageGraph, ...], mesh: Mesh, options: PlanOptions, name: str, stack: str
+) -> list[Plan]:
+    """Rank 0 plans every stage (twin stages solved once), every rank gets the plans."""
+    texts = _from_rank0(
+        lambda: [
+            p.to_json()
+            for p in plan_stage_graphs(stages, mesh, options, model_name=name, stack=stack)
+        ],
+        what="planning the pipeline stages",
+    )
+    return [Plan.from_json(text) for text in texts]
 
 
 def _stored_stage_plans(plan: Plan | None, mesh: Mesh, num_stages: int) -> list[Plan] | None:
