@@ -4,10 +4,13 @@ A 4-stage LLaMA (one block per stage) has two twin middle stages: ``plan_stage_g
 three ILPs for four stages, and the plan it derives for the second middle stage (the first one's
 plan renamed) equals a direct solve of that stage, field by field (choices, costs, memory,
 alternatives), apart from the solver's own timings. Stages that are not twins are not renamed.
+A stored plan keeps the twin as ``{"renamed_from": 1}`` and loads back to the same plans.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from typing import Any
 
 import pytest
@@ -15,9 +18,15 @@ import pytest
 from autopar.api import plan_captured, plan_stage_graphs
 from autopar.capture.export import capture
 from autopar.capture.stages import split_stages
+from autopar.errors import PlanMismatchError
 from autopar.mesh import Mesh
 from autopar.options import PlanOptions
-from autopar.plan.stage_copies import renamed_plan, twin_key
+from autopar.plan.stage_copies import (
+    renamed_plan,
+    stage_plans_from_stored,
+    stored_entries,
+    twin_key,
+)
 from autopar.planner.driver import Driver
 from autopar.planner.stages import even_stages
 from tests import models
@@ -55,3 +64,12 @@ def test_twin_middle_stages_are_solved_once(monkeypatch: pytest.MonkeyPatch) -> 
             assert derived[key] == direct.data[key], key
     # The first stage's plan does not rename onto a middle stage (other nodes).
     assert renamed_plan(plans[0].data, stages[0], stages[1], model_name="x") is None
+    # Stored: the twin as a reference, renamed again on load; a stage graph that is not a
+    # renamed copy of its source is refused in one line.
+    entries = stored_entries([p.data for p in plans], [None, None, 1, None])
+    assert entries[2] == {"renamed_from": 1}
+    loaded = stage_plans_from_stored(json.loads(json.dumps(entries)), stages)
+    assert [p.data for p in loaded] == [p.data for p in plans]
+    other = [stages[0], stages[1], dataclasses.replace(stages[3], index=2), stages[3]]
+    with pytest.raises(PlanMismatchError, match=r"^[^\n]*stage 2 is not a renamed copy[^\n]*$"):
+        stage_plans_from_stored(entries, other)
