@@ -20,6 +20,7 @@ from autopar.options import PlanOptions
 from autopar.plan.build import plan_document
 from autopar.plan.document import Plan
 from autopar.plan.pipelined import pipelined_document, search_json
+from autopar.plan.stage_copies import renamed_plan, stored_entries, twin_key
 from autopar.plan.stage_search import StageOptions, search_stages, slice_inputs
 from autopar.planner.driver import Driver, Planned, memory_budget_bytes
 from autopar.planner.space import build_space
@@ -169,10 +170,12 @@ def plan_stages(
         pipeline = PipelinePlan.from_json(data["pipeline"])
         whole = (capture_microbatch or probe)(model.batch // best.microbatches)
         sub_mesh = stage_mesh(Mesh.from_dict(data["mesh"]), pipeline.axis)
-        planned = plan_stage_graphs(
-            split_stages(whole, pipeline), sub_mesh, options, model_name=model_name
+        planned = _plan_stage_graphs(
+            split_stages(whole, pipeline), sub_mesh, options, model_name, pipeline.stack
         )
-        data["pipeline"]["stage_plans"] = [p.data for p in planned]
+        data["pipeline"]["stage_plans"] = stored_entries(
+            [p.data for p, _ in planned], [source for _, source in planned]
+        )
         data["timings"]["stages_s"] = time.perf_counter() - start
     return Plan(data=data)
 
@@ -199,20 +202,44 @@ def stage_mesh(mesh: Mesh, axis: int) -> Mesh:
 
 
 def plan_stage_graphs(
-    stages: Sequence[StageGraph], mesh: Mesh, options: PlanOptions, *, model_name: str
+    stages: Sequence[StageGraph],
+    mesh: Mesh,
+    options: PlanOptions,
+    *,
+    model_name: str,
+    stack: str | None = None,
 ) -> list[Plan]:
-    """Each stage graph's intra-op plan on the stage ``mesh`` (one ILP per stage; the offline
-    planner and the runtime, for a plan without stored stage plans, both plan stages here)."""
-    return [
-        plan_captured(
-            s.captured,
-            mesh,
-            options,
-            model_name=f"{model_name}/stage{s.index}",
-            price_baselines=False,
-        )
-        for s in stages
-    ]
+    """Each stage graph's intra-op plan on the stage ``mesh`` (the offline planner and the
+    runtime, for a plan without stored stage plans, both plan stages here). With the pipeline's
+    ``stack``, twin stages (same graph up to the block index, :mod:`autopar.plan.stage_copies`)
+    are solved once and the others get that plan renamed; else one ILP per stage."""
+    return [p for p, _ in _plan_stage_graphs(stages, mesh, options, model_name, stack)]
+
+
+def _plan_stage_graphs(
+    stages: Sequence[StageGraph],
+    mesh: Mesh,
+    options: PlanOptions,
+    model_name: str,
+    stack: str | None,
+) -> list[tuple[Plan, int | None]]:
+    """:func:`plan_stage_graphs`, each plan with the stage it was renamed from (None: solved)."""
+    planned: list[tuple[Plan, int | None]] = []
+    solved: dict[tuple, tuple[StageGraph, Plan]] = {}
+    for s in stages:
+        name = f"{model_name}/stage{s.index}"
+        key = None if stack is None else twin_key(s, stack)
+        if key in solved:
+            source, plan = solved[key]
+            data = renamed_plan(plan.data, source, s, model_name=name)
+            if data is not None:
+                planned.append((Plan(data=data), source.index))
+                continue
+        plan = plan_captured(s.captured, mesh, options, model_name=name, price_baselines=False)
+        if key is not None:
+            solved.setdefault(key, (s, plan))
+        planned.append((plan, None))
+    return planned
 
 
 def plan_captured(

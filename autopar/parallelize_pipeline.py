@@ -44,6 +44,7 @@ from autopar.parallelize import (
     choices_with_layouts,
 )
 from autopar.plan.document import Plan
+from autopar.plan.stage_copies import stage_plans_from_stored
 from autopar.planner.stages import (
     MULTI_STAGE_SCHEDULES,
     SCHEDULES,
@@ -247,15 +248,11 @@ def autoparallelize_pipeline(
     stages = split_stages(captured, pipeline)
     sub_mesh, sub_groups, groups = _submesh(mesh, groups, pipeline.axis)
     name = model_name or type(model).__name__
-    plans = _stored_stage_plans(plan if from_plan else None, mesh, pipeline.num_stages)
-    if plans is None:
-        texts = _from_rank0(
-            lambda: [
-                p.to_json() for p in plan_stage_graphs(stages, sub_mesh, options, model_name=name)
-            ],
-            what="planning the pipeline stages",
-        )
-        plans = [Plan.from_json(text) for text in texts]
+    stored = _stored_stage_plans(plan if from_plan else None, mesh, pipeline.num_stages)
+    if stored is not None:
+        plans = stage_plans_from_stored(stored, stages)
+    else:
+        plans = _plan_on_rank0(stages, sub_mesh, options, name, pipeline.stack)
     _agree(
         lambda: [check_plan(p, s.captured, sub_mesh) for p, s in zip(plans, stages, strict=True)]
     )
@@ -346,8 +343,23 @@ def _mode_preparer(
     return prepare
 
 
-def _stored_stage_plans(plan: Plan | None, mesh: Mesh, num_stages: int) -> list[Plan] | None:
-    """The stage plans ``plan`` stores (None without them: the runtime plans the stages).
+def _plan_on_rank0(
+    stages: tuple[StageGraph, ...], mesh: Mesh, options: PlanOptions, name: str, stack: str
+) -> list[Plan]:
+    """Rank 0 plans every stage (twin stages solved once), every rank gets the plans."""
+    texts = _from_rank0(
+        lambda: [
+            p.to_json()
+            for p in plan_stage_graphs(stages, mesh, options, model_name=name, stack=stack)
+        ],
+        what="planning the pipeline stages",
+    )
+    return [Plan.from_json(text) for text in texts]
+
+
+def _stored_stage_plans(plan: Plan | None, mesh: Mesh, num_stages: int) -> list[dict] | None:
+    """The stage plan entries ``plan`` stores (None without them: the runtime plans the
+    stages); :func:`stage_plans_from_stored` makes them plans.
 
     Raises:
         PlanMismatchError: they are for another mesh shape or another stage count (a stage
@@ -369,7 +381,7 @@ def _stored_stage_plans(plan: Plan | None, mesh: Mesh, num_stages: int) -> list[
             f"the plan stores {len(stored)} stage plans for {num_stages} pipeline stages; "
             f"plan again"
         )
-    return [Plan.from_dict(data) for data in stored]
+    return stored
 
 
 def _stage_module(

@@ -184,9 +184,9 @@ def test_pipeline_numerics(world_size: int, tmp_path: Any) -> None:
         assert results["dcp"].check()[0] > 0
     if world_size == 2:
         saved = results["saved"].check()
-        # The stored stage plans ran on both ranks without a solve; the older plan's stages
-        # were planned on rank 0 only.
-        assert [v["solves"] for v in saved] == [(0, 2), (0, 0)], saved
+        # The stored stage plans ran on both ranks without a solve; the older plan's 4 stages
+        # were planned on rank 0 only, the twin middle stages once.
+        assert [v["solves"] for v in saved] == [(0, 3), (0, 0)], saved
         assert len(results["eval"].check()) == 2
     for what in BAD_INPUT if world_size == 2 else ():
         results[f"bad/{what}"].check()
@@ -209,10 +209,14 @@ def check_saved_plan(path: str) -> dict[str, Any]:
     want = sgd_reference(model, args, kwargs, lr=LR, steps=NUM_STEPS)
     if dist.get_rank() == 0:
         offline = autopar.Mesh.spec((2,), ("pp",))
-        saved = autopar.plan(model, offline, args, stages=2, microbatches=2, schedule="1f1b")
+        saved = autopar.plan(
+            model, offline, args, stages=2, microbatches=2, schedule="interleaved-1f1b"
+        )
         saved.save(path)
     dist.barrier()
     stored = Plan.load(path)
+    # The twin middle stages: stage 2 is stored as stage 1's plan, renamed on load.
+    assert stored.data["pipeline"]["stage_plans"][2] == {"renamed_from": 1}
     mesh = _mesh((2, 1, 1), ("pp", "dp", "tp"))
     solves: list[int] = []
     solve = Driver.plan
