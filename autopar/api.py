@@ -180,17 +180,25 @@ def plan_stages(
     return Plan(data=data)
 
 
+def with_stage_axis(mesh: Mesh) -> Mesh:
+    """``mesh``, a 1-D one with a size-1 data axis added (a stage's planning mesh drops the
+    pipeline axis and the ILP needs one axis left), without process groups then."""
+    if mesh.ndim != 1:
+        return mesh
+    name = "dp" if mesh.axis_names[0] != "dp" else "data"
+    return dataclasses.replace(
+        mesh,
+        shape=(*mesh.shape, 1),
+        axis_names=(*mesh.axis_names, name),
+        links=(*mesh.links, mesh.links[0]),
+        groups=None,
+    )
+
+
 def stage_mesh(mesh: Mesh, axis: int) -> Mesh:
-    """The planning mesh of one pipeline stage: ``mesh`` without its pipeline ``axis`` (a 1-D
-    mesh first gets a size-1 data axis: the ILP needs one axis), without process groups."""
-    if mesh.ndim == 1:
-        name = "dp" if mesh.axis_names[0] != "dp" else "data"
-        mesh = dataclasses.replace(
-            mesh,
-            shape=(*mesh.shape, 1),
-            axis_names=(*mesh.axis_names, name),
-            links=(*mesh.links, mesh.links[0]),
-        )
+    """The planning mesh of one pipeline stage: ``mesh`` without its pipeline ``axis``
+    (:func:`with_stage_axis` first), without process groups."""
+    mesh = with_stage_axis(mesh)
     keep = [a for a in range(mesh.ndim) if a != axis]
     return dataclasses.replace(
         mesh,
@@ -303,4 +311,5 @@ __all__ = [
     "plan_stage_graphs",
     "plan_stages",
     "stage_mesh",
+    "with_stage_axis",
 ]

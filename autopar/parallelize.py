@@ -160,6 +160,23 @@ def _read_plan(plan: Plan | str | os.PathLike[str] | None) -> Plan | None:
     return Plan.from_json(text)
 
 
+def capture_mode(skeleton: nn.Module, training: bool, args: tuple, kwargs: dict) -> Captured:
+    """``skeleton``'s graph in train (``training``) or eval mode, inactive dropout erased and
+    factories on this rank's device; every rank checks it captured the same graph."""
+    was_training = skeleton.training
+    skeleton.train(training)
+    try:
+        other = capture(skeleton, args, kwargs)
+    finally:
+        skeleton.train(was_training)
+    _erase_inactive_dropout(other.gm)
+    _retarget_factories(other.gm, _runtime_device())
+    hashes = [other.graph_hash]
+    dist.broadcast_object_list(hashes, src=0)
+    _agree(lambda: _same_hash(other.graph_hash, hashes[0]))
+    return other
+
+
 def _mode_lowering(
     skeleton: nn.Module,
     args: tuple[Any, ...],
@@ -175,17 +192,7 @@ def _mode_lowering(
     and lowered with every parameter, buffer and input kept in its layout in ``lowered``."""
 
     def lower_mode(training: bool) -> LoweredGraph:
-        was_training = skeleton.training
-        skeleton.train(training)
-        try:
-            other = capture(skeleton, args, kwargs)
-        finally:
-            skeleton.train(was_training)
-        _erase_inactive_dropout(other.gm)
-        _retarget_factories(other.gm, _runtime_device())
-        hashes = [other.graph_hash]
-        dist.broadcast_object_list(hashes, src=0)
-        _agree(lambda: _same_hash(other.graph_hash, hashes[0]))
+        other = capture_mode(skeleton, training, args, kwargs)
         choices = _from_rank0(
             lambda: choices_with_layouts(other, plan_mesh, plan_options, lowered),
             what=f"planning the {'train' if training else 'eval'}-mode graph",

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from autopar.api import plan_stage_graphs
+from autopar.api import plan_stage_graphs, with_stage_axis
 from autopar.capture.blocks import STACK_NAMES
 from autopar.capture.export import capture
 from autopar.capture.stages import StageGraph, block_indices, split_stages
@@ -32,14 +32,12 @@ from autopar.mesh import Mesh
 from autopar.options import PlanOptions
 from autopar.parallelize import (
     _agree,
-    _erase_inactive_dropout,
     _from_rank0,
     _mesh_groups,
     _meta_skeleton,
     _parallel_module,
-    _retarget_factories,
     _runtime_device,
-    _same_hash,
+    capture_mode,
     check_plan,
     choices_with_layouts,
 )
@@ -149,14 +147,7 @@ def _submesh(mesh: Mesh, groups: AxisGroups, axis: int) -> tuple[Mesh, AxisGroup
     """(planning mesh of one stage, its live groups, the whole mesh's groups): the mesh without
     the pipeline axis; a 1-D mesh gets a size-1 data axis (the ILP needs one axis)."""
     if mesh.ndim == 1:
-        name = "dp" if mesh.axis_names[0] != "dp" else "data"
-        mesh = dataclasses.replace(
-            mesh,
-            shape=(*mesh.shape, 1),
-            axis_names=(*mesh.axis_names, name),
-            links=(*mesh.links, mesh.links[0]),
-            groups=None,
-        )
+        mesh = with_stage_axis(mesh)
         groups = axis_groups(mesh.shape, mesh.axis_names, key=f"{groups.key}+stage-axis")
     keep = [a for a in range(mesh.ndim) if a != axis]
     names = tuple(mesh.axis_names[a] for a in keep)
@@ -313,17 +304,7 @@ def _mode_preparer(
         )
 
     def prepare(training: bool) -> None:
-        was_training = skeleton.training
-        skeleton.train(training)
-        try:
-            other = capture(skeleton, *inputs)
-        finally:
-            skeleton.train(was_training)
-        _erase_inactive_dropout(other.gm)
-        _retarget_factories(other.gm, _runtime_device())
-        hashes = [other.graph_hash]
-        dist.broadcast_object_list(hashes, src=0)
-        _agree(lambda: _same_hash(other.graph_hash, hashes[0]))
+        other = capture_mode(skeleton, training, *inputs)
         stages = split_stages(other, pipeline)
         for index, module in modules:
             reference = module.pmodule.lowered
