@@ -25,12 +25,13 @@ from autopar.capture.blocks import STACK_NAMES
 from autopar.capture.export import capture
 from autopar.capture.stages import StageGraph, block_indices, split_stages
 from autopar.comm.process_groups import AxisGroups, axis_groups, register_axis_groups
-from autopar.errors import PlanMismatchError, UnsupportedModelError
+from autopar.errors import PlanMismatchError, PlanningError, UnsupportedModelError
 from autopar.lowering import lower
 from autopar.lowering.checkpointing import checkpoint_lowered
 from autopar.mesh import Mesh
 from autopar.options import PlanOptions
 from autopar.parallelize import (
+    _ERRORS,
     _agree,
     _from_rank0,
     _mesh_groups,
@@ -42,7 +43,7 @@ from autopar.parallelize import (
     choices_with_layouts,
 )
 from autopar.plan.document import Plan
-from autopar.plan.stage_copies import stage_plans_from_stored
+from autopar.plan.stage_copies import stage_plans_from_stored, stored_stage_plans
 from autopar.planner.stages import (
     MULTI_STAGE_SCHEDULES,
     SCHEDULES,
@@ -239,7 +240,7 @@ def autoparallelize_pipeline(
     stages = split_stages(captured, pipeline)
     sub_mesh, sub_groups, groups = _submesh(mesh, groups, pipeline.axis)
     name = model_name or type(model).__name__
-    stored = _stored_stage_plans(plan if from_plan else None, mesh, pipeline.num_stages)
+    stored = stored_stage_plans(plan if from_plan else None, mesh, pipeline.num_stages)
     if stored is not None:
         plans = stage_plans_from_stored(stored, stages)
     else:
@@ -274,7 +275,13 @@ def autoparallelize_pipeline(
     pmodel.plan = plans
     pmodel.pipeline = pipeline
     pmodel.prepare_mode = _mode_preparer(
-        model, (mb_args, mb_kwargs), pipeline, sub_mesh, sub_groups, modules
+        model,
+        (mb_args, mb_kwargs),
+        pipeline,
+        sub_mesh,
+        sub_groups,
+        modules,
+        _leaders(pipeline, groups),
     )
     return pmodel
 
@@ -286,13 +293,16 @@ def _mode_preparer(
     sub_mesh: Mesh,
     sub_groups: AxisGroups,
     modules: list[tuple[int, StageModule]],
+    leaders: dict[int, int],
 ) -> Any:
     """``prepare(training)``: capture ``skeleton`` in that train/eval mode at the microbatch's
     shapes, split it at the pipeline's cuts and lower this rank's stages with every parameter,
     buffer, input and output kept in its layout in the stage's graph of the other mode (the
-    ILP restricted to those layouts, on every rank; a collective only in the graph-hash
-    check). Each stage's ParallelModule then switches to the prepared graph. ``model`` is
-    captured from a meta-device copy (holding none of its memory) where it can be copied."""
+    ILP restricted to those layouts, solved once per stage by its leader in ``leaders`` and
+    gathered on every rank: every holder of a stage lowers the same choices by construction;
+    collectives in the graph-hash check and the gather). Each stage's ParallelModule then
+    switches to the prepared graph. ``model`` is captured from a meta-device copy (holding
+    none of its memory) where it can be copied."""
     try:
         skeleton = _meta_skeleton(model)
     except Exception:  # an attribute deepcopy refuses (a lock, a handle): keep the model itself
@@ -303,25 +313,67 @@ def _mode_preparer(
             lambda mode, index=index: graphs[(index, mode)]  # type: ignore[misc]
         )
 
+    held = dict(modules)
+
     def prepare(training: bool) -> None:
         other = capture_mode(skeleton, training, *inputs)
         stages = split_stages(other, pipeline)
-        for index, module in modules:
-            reference = module.pmodule.lowered
+
+        def solve(index: int) -> dict:
+            module = held[index]
             chosen = module.pmodule.plan
             plan_mesh = Mesh.from_dict(chosen.data["mesh"])
             plan_options = PlanOptions.from_kwargs(chosen.data["options"])
-            captured = stages[index].captured
-            choices = choices_with_layouts(captured, plan_mesh, plan_options, reference)
+            return choices_with_layouts(
+                stages[index].captured, plan_mesh, plan_options, module.pmodule.lowered
+            )
+
+        solved = _solved_by_leaders(
+            solve, leaders, what=f"planning the {'train' if training else 'eval'}-mode stages"
+        )
+        for index, module in modules:
+            reference = module.pmodule.lowered
             graphs[(index, training)] = lower(
-                captured,
-                choices,
+                stages[index].captured,
+                solved[index],
                 sub_mesh.shape,
                 sub_groups.key,
                 output_placements=None if module.is_last else reference.output_placements,
             )
 
     return prepare
+
+
+def _leaders(pipeline: PipelinePlan, groups: AxisGroups) -> dict[int, int]:
+    """Per stage index, the lowest global rank holding it (its pipeline coordinate)."""
+    grid = groups.device_mesh.mesh
+    return {
+        s.index: int(grid.select(pipeline.axis, s.pp_rank).min().item()) for s in pipeline.stages
+    }
+
+
+def _solved_by_leaders(solve: Any, leaders: dict[int, int], *, what: str) -> dict[int, Any]:
+    """``solve(index)`` for every stage, run on the stage's leader and gathered on every rank;
+    an error on any leader is raised on every rank (as ``_from_rank0`` does)."""
+    rank = dist.get_rank()
+    mine: dict[int, tuple] = {}
+    for index, leader in leaders.items():
+        if leader != rank:
+            continue
+        try:
+            mine[index] = ("ok", solve(index), "")
+        except Exception as exc:  # every rank must learn of it, or they wait in the gather
+            mine[index] = ("error", type(exc).__name__, str(exc))
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    out: dict[int, Any] = {}
+    for leader, part in enumerate(gathered):
+        for index, (status, value, detail) in part.items():
+            if status == "error":
+                cls = _ERRORS.get(value, PlanningError)
+                raise cls(f"rank {leader} failed {what} (stage {index}): {detail}")
+            out[index] = value
+    return out
 
 
 def _plan_on_rank0(
@@ -336,33 +388,6 @@ def _plan_on_rank0(
         what="planning the pipeline stages",
     )
     return [Plan.from_json(text) for text in texts]
-
-
-def _stored_stage_plans(plan: Plan | None, mesh: Mesh, num_stages: int) -> list[dict] | None:
-    """The stage plan entries ``plan`` stores (None without them: the runtime plans the
-    stages); :func:`stage_plans_from_stored` makes them plans.
-
-    Raises:
-        PlanMismatchError: they are for another mesh shape or another stage count (a stage
-            graph that is not the one they were planned for is refused by ``check_plan``).
-    """
-    stored = None if plan is None else plan.data["pipeline"].get("stage_plans")
-    if not stored:
-        return None
-    plan_mesh = plan.data["mesh"]
-    if tuple(plan_mesh["shape"]) != tuple(mesh.shape):
-        raise PlanMismatchError(
-            f"the plan's stage layouts were planned on mesh {tuple(plan_mesh['shape'])} "
-            f"{tuple(plan_mesh['axis_names'])} but this mesh has shape {tuple(mesh.shape)}; build "
-            f"it as autopar.Mesh.from_world({tuple(plan_mesh['shape'])}, "
-            f"{tuple(plan_mesh['axis_names'])})"
-        )
-    if len(stored) != num_stages:
-        raise PlanMismatchError(
-            f"the plan stores {len(stored)} stage plans for {num_stages} pipeline stages; "
-            f"plan again"
-        )
-    return stored
 
 
 def _stage_module(

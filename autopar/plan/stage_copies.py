@@ -24,9 +24,16 @@ from typing import Any
 from autopar.capture.blocks import index_in_stack, node_path
 from autopar.capture.stages import StageGraph
 from autopar.errors import PlanMismatchError
+from autopar.mesh import Mesh
 from autopar.plan.document import Plan
 
-__all__ = ["renamed_plan", "stage_plans_from_stored", "stored_entries", "twin_key"]
+__all__ = [
+    "renamed_plan",
+    "stage_plans_from_stored",
+    "stored_entries",
+    "stored_stage_plans",
+    "twin_key",
+]
 
 
 def _relative_path(path: str, stack: str, first_block: int) -> str:
@@ -143,3 +150,30 @@ def stage_plans_from_stored(
             )
         plans.append(Plan(data=data))
     return plans
+
+
+def stored_stage_plans(plan: Plan | None, mesh: Mesh, num_stages: int) -> list[dict] | None:
+    """The stage plan entries ``plan`` stores (None without them: the runtime plans the
+    stages); :func:`stage_plans_from_stored` makes them plans.
+
+    Raises:
+        PlanMismatchError: they are for another mesh shape or another stage count (a stage
+            graph that is not the one they were planned for is refused by ``check_plan``).
+    """
+    stored = None if plan is None else plan.data["pipeline"].get("stage_plans")
+    if not stored:
+        return None
+    plan_mesh = plan.data["mesh"]
+    if tuple(plan_mesh["shape"]) != tuple(mesh.shape):
+        raise PlanMismatchError(
+            f"the plan's stage layouts were planned on mesh {tuple(plan_mesh['shape'])} "
+            f"{tuple(plan_mesh['axis_names'])} but this mesh has shape {tuple(mesh.shape)}; build "
+            f"it as autopar.Mesh.from_world({tuple(plan_mesh['shape'])}, "
+            f"{tuple(plan_mesh['axis_names'])})"
+        )
+    if len(stored) != num_stages:
+        raise PlanMismatchError(
+            f"the plan stores {len(stored)} stage plans for {num_stages} pipeline stages; "
+            f"plan again"
+        )
+    return stored
