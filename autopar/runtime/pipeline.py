@@ -41,7 +41,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -154,26 +154,26 @@ class _Stage(PipelineStage):
     """Every backward pass runs under ``no_sync``; :meth:`PipelineModule.step` reduces the
     accumulated gradients after the schedule (split-backward schedules)."""
 
-    def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+    @contextlib.contextmanager
+    def _busy(self) -> Iterator[None]:
+        """Adds the wall seconds of the block to :attr:`busy_s`."""
         start = time.perf_counter()
         try:
-            return super().forward_one_chunk(*args, **kwargs)
+            yield
         finally:
             self.busy_s += time.perf_counter() - start
+
+    def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        with self._busy():
+            return super().forward_one_chunk(*args, **kwargs)
 
     def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        try:
+        with self._busy():
             return super().backward_one_chunk(*args, **kwargs)
-        finally:
-            self.busy_s += time.perf_counter() - start
 
     def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        try:
+        with self._busy():
             return super().backward_weight_one_chunk(*args, **kwargs)
-        finally:
-            self.busy_s += time.perf_counter() - start
 
     def backward_maybe_with_nosync(
         self, backward_type: Any, bwd_kwargs: dict, last_backward: bool = False
