@@ -179,13 +179,9 @@ def eliminate(problem: Problem) -> Eliminated:
     as_tuples = _TupleMemo()
     for (a, b), matrix in sorted(graph.edges.items()):
         rows, cols = strategies[position[a]], strategies[position[b]]
-        new_edges.append(
-            Edge(
-                src=position[a],
-                dst=position[b],
-                cost_s=as_tuples(matrix[np.ix_(rows, cols)]),
-            )
-        )
+        if len(rows) < matrix.shape[0] or len(cols) < matrix.shape[1]:
+            matrix = matrix[np.ix_(rows, cols)]
+        new_edges.append(Edge(src=position[a], dst=position[b], cost_s=as_tuples(matrix)))
     reduced = Problem(
         nodes=tuple(new_nodes),
         edges=tuple(new_edges),
@@ -256,23 +252,33 @@ def _eliminate_nodes(
 def _kept_nodes(
     problem: Problem, graph: _MinPlusGraph, kept: tuple[int, ...]
 ) -> tuple[list[tuple[int, ...]], list[Node]]:
-    """Per kept node: its strategies of finite cost, and the node restricted to them."""
+    """Per kept node: its strategies of finite cost, and the node restricted to them (the same
+    floats as indexing one by one; a node keeping every strategy shares its byte tuples)."""
     strategies = []
     new_nodes = []
     for i in kept:
-        finite = tuple(int(s) for s in np.flatnonzero(np.isfinite(graph.cost[i])))
-        if not finite:
-            raise _no_strategy_left(problem, i)
-        strategies.append(finite)
+        cost = graph.cost[i]
+        finite_mask = np.isfinite(cost)
         node = problem.nodes[i]
+        if finite_mask.all():
+            finite = tuple(range(len(cost)))
+            memory, transient = node.memory_bytes, node.transient_bytes
+        else:
+            finite = tuple(np.flatnonzero(finite_mask).tolist())
+            if not finite:
+                raise _no_strategy_left(problem, i)
+            cost = cost[finite_mask]
+            memory = tuple(map(node.memory_bytes.__getitem__, finite))
+            transient = (
+                tuple(map(node.transient_bytes.__getitem__, finite)) if node.transient_bytes else ()
+            )
+        strategies.append(finite)
         new_nodes.append(
             Node(
                 name=node.name,
-                cost_s=tuple(float(graph.cost[i][s]) for s in finite),
-                memory_bytes=tuple(node.memory_bytes[s] for s in finite),
-                transient_bytes=tuple(node.transient_bytes[s] for s in finite)
-                if node.transient_bytes
-                else (),
+                cost_s=tuple(cost.tolist()),
+                memory_bytes=memory,
+                transient_bytes=transient,
             )
         )
     return strategies, new_nodes

@@ -208,6 +208,28 @@ def node_cost_vector(space: StrategySpace, node: NodeSpace, zero: ZeroConfig) ->
 _NO_BANS: frozenset[tuple[int, int]] = frozenset()
 
 
+def _edge_tuples(
+    table: np.ndarray,
+    rows: tuple[int, ...],
+    cols: tuple[int, ...],
+    banned: frozenset[tuple[int, int]] | set[tuple[int, int]],
+) -> tuple[tuple[float | None, ...], ...]:
+    """The solver's nested tuples of ``table[rows][:, cols]``: None where not finite or
+    banned, else the entry as a Python float (the same values as reading them one by one)."""
+    sub = np.asarray(table, dtype=np.float64)
+    if rows != tuple(range(sub.shape[0])) or cols != tuple(range(sub.shape[1])):
+        sub = sub[np.ix_(rows, cols)]
+    values = sub.astype(object)
+    values[~np.isfinite(sub)] = None
+    if banned:
+        row_at = {a: k for k, a in enumerate(rows)}
+        col_at = {b: k for k, b in enumerate(cols)}
+        for a, b in banned:
+            if a in row_at and b in col_at:
+                values[row_at[a], col_at[b]] = None
+    return tuple(map(tuple, values.tolist()))
+
+
 def build_problem(
     space: StrategySpace,
     zero: ZeroConfig,
@@ -230,12 +252,15 @@ def build_problem(
         if not idx:
             raise ValueError(f"recipe leaves node {node.name} without a strategy")
         cost, memory = node_cost_vector(space, node, zero)
+        picked = list(idx)  # float64 rows to Python floats: the same values as float(x[i])
         solver_nodes.append(
             solver.Node(
                 name=node.name,
-                cost_s=tuple(float(cost[i]) for i in idx),
-                memory_bytes=tuple(float(memory[i]) for i in idx),
-                transient_bytes=tuple(float(node.transient_bytes[i]) for i in idx),
+                cost_s=tuple(np.asarray(cost, dtype=np.float64)[picked].tolist()),
+                memory_bytes=tuple(np.asarray(memory, dtype=np.float64)[picked].tolist()),
+                transient_bytes=tuple(
+                    np.asarray(node.transient_bytes, dtype=np.float64)[picked].tolist()
+                ),
             )
         )
         allowed_idx.append(idx)
@@ -251,16 +276,7 @@ def build_problem(
         key = (id(edge.cost_s), rows, cols, id(banned))
         matrix = converted.get(key)
         if matrix is None:
-            finite = np.isfinite(edge.cost_s)
-            values = edge.cost_s.tolist()
-            matrix = tuple(
-                tuple(
-                    None if (not finite[a, b] or (a, b) in banned) else values[a][b]
-                    for b in cols
-                )
-                for a in rows
-            )
-            converted[key] = matrix
+            matrix = converted[key] = _edge_tuples(edge.cost_s, rows, cols, banned)
         solver_edges.append(solver.Edge(src=edge.src, dst=edge.dst, cost_s=matrix))
     classes = tuple(
         tuple(members)
