@@ -20,6 +20,7 @@ import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -79,6 +80,9 @@ class DirectModel:
     num_constraints: int
     budgeted: bool = False
     """The model has the budget row (run() tunes HiGHS for it when a gap is allowed)."""
+    integer_columns: np.ndarray | None = None
+    """Budget-free models without segments (assignment rows and edge links only): their
+    integer columns, for run()'s linear relaxation first."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -223,6 +227,11 @@ def build(problem: Problem, red: Reduced, *, minimise_peak: bool) -> DirectModel
         num_variables=num_cols,
         num_constraints=sink.num_rows,
         budgeted=problem.memory_budget_bytes is not None and not minimise_peak,
+        integer_columns=(
+            np.array(sink.integer, dtype=np.int32)
+            if problem.memory_budget_bytes is None and not problem.segments and sink.integer
+            else None
+        ),
     )
 
 
@@ -256,6 +265,10 @@ def run(
         columns = np.fromiter(start.keys(), dtype=np.int32, count=len(start))
         values = np.fromiter(start.values(), dtype=np.float64, count=len(start))
         _check(h.setSolution(len(start), columns, values), "setSolution")
+    elif model.integer_columns is not None:
+        relaxed = _integral_relaxation(h, model.integer_columns)
+        if relaxed is not None:
+            return relaxed
     h.run()
     status = h.getModelStatus()
     ms = highspy.HighsModelStatus
@@ -276,6 +289,34 @@ def run(
         bound = info.objective_function_value
     values = np.asarray(h.getSolution().col_value, dtype=np.float64)
     return DirectOutcome(status=kind, bound=bound if math.isfinite(bound) else None, values=values)
+
+
+_INTEGRAL_TOL = 1e-9
+
+
+def _integral_relaxation(h: Any, integer: np.ndarray) -> DirectOutcome | None:
+    """The linear relaxation of a budget-free model, solved first: its root LP is usually
+    integral (every layout model of the presets was), and then its optimum is the MIP's,
+    proven (its bound is its objective), at a tenth of the MIP's time (llama3-8b b32 8x8:
+    0.06 vs 0.7 s; the MIP spends the rest on symmetry detection and heuristics before it
+    reads the same root). None when the relaxation is fractional: the integrality comes back
+    and the caller runs the MIP."""
+    count = len(integer)
+    continuous = np.full(count, highspy.HighsVarType.kContinuous.value, dtype=np.uint8)
+    _check(h.changeColsIntegrality(count, integer, continuous), "changeColsIntegrality")
+    h.run()
+    status = h.getModelStatus()
+    if status == highspy.HighsModelStatus.kOptimal:
+        values = np.asarray(h.getSolution().col_value, dtype=np.float64)
+        picked = values[integer]
+        if np.all(np.abs(picked - np.round(picked)) <= _INTEGRAL_TOL):
+            values[integer] = np.round(picked)
+            bound = h.getInfo().objective_function_value
+            return DirectOutcome(status="optimal", bound=bound, values=values)
+    kinds = np.full(count, highspy.HighsVarType.kInteger.value, dtype=np.uint8)
+    _check(h.changeColsIntegrality(count, integer, kinds), "changeColsIntegrality")
+    _check(h.clearSolver(), "clearSolver")
+    return None
 
 
 def decode(red: Reduced, model: DirectModel, values: np.ndarray) -> tuple[int, ...]:

@@ -20,6 +20,7 @@ from autopar.options import PlanOptions
 from autopar.planner.checkpointing import (
     Candidate,
     ChosenSegment,
+    candidate_segments,
     chosen_segments,
     solver_segments,
     with_segments,
@@ -27,6 +28,7 @@ from autopar.planner.checkpointing import (
 from autopar.planner.problem import (
     BuiltProblem,
     Evaluation,
+    ProblemMemo,
     StrategySpace,
     ZeroConfig,
     build_problem,
@@ -91,12 +93,23 @@ class ConfigurationSolver:
         *,
         options: PlanOptions,
         tied: Ties,
-        candidates: tuple[Candidate, ...],
+        candidates: tuple[Candidate, ...] | None = None,
     ) -> None:
         self.space = space
         self.options = options
         self.tied = tied
-        self.candidates = candidates
+        self._candidates = candidates
+        self.memo = ProblemMemo()
+        """Nodes and edge matrices converted for one configuration, reused by the others."""
+
+    @property
+    def candidates(self) -> tuple[Candidate, ...]:
+        """The checkpoint candidates (given, else ``candidate_segments`` of the options'
+        ``checkpoint``, priced on first use: a plan whose budget-free solves fit never needs
+        them)."""
+        if self._candidates is None:
+            self._candidates = candidate_segments(self.space, self.options.checkpoint)
+        return self._candidates
 
     def solve(
         self,
@@ -217,10 +230,11 @@ class ConfigurationSolver:
             forbid=spec.forbid if spec else None,
             memory_budget_bytes=budget,
             tied=tied[0] if tied else (),
+            memo=self.memo,
         )
         problem = built.problem
         forced = self.options.checkpoint == "all"
-        if self.candidates and (budget is not None or forced):
+        if (budget is not None or forced) and self.candidates:
             problem = dataclasses.replace(
                 problem, segments=solver_segments(self.candidates, built.allowed, forced=forced)
             )

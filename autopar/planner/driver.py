@@ -36,16 +36,13 @@ import solver
 from autopar.errors import BudgetError, NoLayoutError, infeasible_error
 from autopar.mesh import Mesh
 from autopar.options import PlanOptions, format_bytes
-from autopar.planner.checkpointing import (
-    Candidate,
-    candidate_segments,
-)
+from autopar.planner.checkpointing import Candidate
 from autopar.planner.configurations import ConfigurationSolver, Solved, Ties, log_entry, tie_levels
 from autopar.planner.problem import (
     StrategySpace,
     ZeroConfig,
 )
-from autopar.planner.recipes import BASELINE_RECIPES, RecipeSpec, recipe_spec
+from autopar.planner.recipes import BASELINE_RECIPES, RecipeSpec, recipe_spec, recipe_specs
 from autopar.planner.zero_choice import forced_zero, zero_candidates
 
 MEMORY_RESERVE = 0.10
@@ -127,11 +124,9 @@ class Driver:
         self.options = options or space.options
         self.budget = memory_budget_bytes(space.mesh, self.options) if budget is None else budget
         self.tied = tie_levels(space) if tied is None else list(tied)
-        if candidates is None:
-            candidates = candidate_segments(space, self.options.checkpoint)
-        self.candidates = candidates
+        # Candidates None: priced on first use (ConfigurationSolver.candidates).
         self.configurations = ConfigurationSolver(
-            space, options=self.options, tied=self.tied, candidates=self.candidates
+            space, options=self.options, tied=self.tied, candidates=candidates
         )
         self._report = progress or (lambda line: None)
         self._recipes: dict[str, Solved] = {}
@@ -143,11 +138,16 @@ class Driver:
         """The same space under another budget (tie levels and candidates shared)."""
         other = object.__new__(Driver)
         other.space, other.options, other.budget = self.space, self.options, budget
-        other.tied, other.candidates, other._report = self.tied, self.candidates, self._report
+        other.tied, other._report = self.tied, self._report
         other.configurations = self.configurations
         other._recipes, other._free_auto, other.notes = self._recipes, self._free_auto, self.notes
         other._within = {}
         return other
+
+    @property
+    def candidates(self) -> tuple[Candidate, ...]:
+        """The checkpoint candidates (``planner.checkpointing``), priced on first use."""
+        return self.configurations.candidates
 
     # ----------------------------------------------------------------------------------------
     # What the entry points call
@@ -218,8 +218,7 @@ class Driver:
         configuration (ZeRO stage 0, no budget) in the same side-by-side batch."""
         todo = [r for r in names if r not in self._recipes]
         jobs: list[tuple[str, ZeroConfig, RecipeSpec | None, float | None]] = []
-        for name in todo:
-            spec = recipe_spec(self.space, name)
+        for name, spec in recipe_specs(self.space, todo).items():
             self.notes.extend(n for n in spec.notes if n not in self.notes)
             jobs.append((name, spec.zero, spec, None))
         want_free = free_auto and self._free_auto is None

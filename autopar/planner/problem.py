@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -56,7 +56,6 @@ __all__ = [
     "param_state",
     "placeholder_strategies",
 ]
-
 
 
 @dataclass(frozen=True, slots=True, init=False)
@@ -164,7 +163,11 @@ def param_state(
     options = space.options
     mesh = space.mesh
     if node.alias_of is not None:
-        return 0.0, 0.0, {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "master": 0.0, "total": 0.0}
+        return (
+            0.0,
+            0.0,
+            {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "master": 0.0, "total": 0.0},
+        )
     placements = node.strategies[s].outputs[0]
     replicate = [a for a in range(mesh.ndim) if placements[a].is_replicate() and mesh.shape[a] > 1]
     # Per-axis stages: parameters sharded over P, gradients over G, optimizer state over O.
@@ -191,7 +194,9 @@ def param_state(
     return breakdown.total, comm, breakdown.to_dict()
 
 
-def node_cost_vector(space: StrategySpace, node: NodeSpace, zero: ZeroConfig) -> tuple[np.ndarray, np.ndarray]:
+def node_cost_vector(
+    space: StrategySpace, node: NodeSpace, zero: ZeroConfig
+) -> tuple[np.ndarray, np.ndarray]:
     """(seconds, resident bytes) per strategy of ``node`` under ``zero``."""
     cost = node.compute_s + node.grad_comm_s + node.param_grad_comm_s + node.output_comm_s
     memory = node.activation_bytes + node.fixed_bytes
@@ -230,6 +235,16 @@ def _edge_tuples(
     return tuple(map(tuple, values.tolist()))
 
 
+@dataclass(kw_only=True, slots=True)
+class ProblemMemo:
+    """What :func:`build_problem` converted, for later calls on the same strategy space (the
+    ZeRO configurations and recipes of one plan differ in a few nodes' costs only). Keys hold
+    ids of the space's cost arrays: use one memo with one space."""
+
+    nodes: dict[tuple, solver.Node] = field(default_factory=dict)
+    edges: dict[tuple, tuple[tuple[float | None, ...], ...]] = field(default_factory=dict)
+
+
 def build_problem(
     space: StrategySpace,
     zero: ZeroConfig,
@@ -238,23 +253,32 @@ def build_problem(
     forbid: dict[int, set[tuple[int, int]]] | None = None,
     memory_budget_bytes: float | None,
     tied: Sequence[Sequence[int]] = (),
+    memo: ProblemMemo | None = None,
 ) -> BuiltProblem:
     """Emit the solver problem. ``allowed`` restricts nodes' strategies (recipes); ``forbid``
     maps an edge index to (src strategy, dst strategy) pairs that are not allowed; ``tied``
     lists classes of node indices that must choose alike (``autopar.planner.tying.repeated_blocks``);
-    a class whose members are offered different strategies is left untied."""
+    a class whose members are offered different strategies is left untied. ``memo``: the
+    converted nodes and unbanned edge matrices of earlier calls on the same space, reused (the
+    same problem, built once per configuration instead of once per node and edge)."""
+    memo = ProblemMemo() if memo is None else memo
     allowed_idx: list[tuple[int, ...]] = []
     solver_nodes: list[solver.Node] = []
-    for node in space.nodes:
-        idx = tuple(allowed[node.name]) if allowed and node.name in allowed else tuple(
-            range(len(node.strategies))
+    for k, node in enumerate(space.nodes):
+        idx = (
+            tuple(allowed[node.name])
+            if allowed and node.name in allowed
+            else tuple(range(len(node.strategies)))
         )
         if not idx:
             raise ValueError(f"recipe leaves node {node.name} without a strategy")
-        cost, memory = node_cost_vector(space, node, zero)
-        picked = list(idx)  # float64 rows to Python floats: the same values as float(x[i])
-        solver_nodes.append(
-            solver.Node(
+        # Only a parameter's costs depend on the ZeRO configuration (param_state).
+        node_key = (k, idx, zero if node.kind == "param" else None)
+        solver_node = memo.nodes.get(node_key)
+        if solver_node is None:
+            cost, memory = node_cost_vector(space, node, zero)
+            picked = list(idx)  # float64 rows to Python floats: the same values as float(x[i])
+            solver_node = memo.nodes[node_key] = solver.Node(
                 name=node.name,
                 cost_s=tuple(np.asarray(cost, dtype=np.float64)[picked].tolist()),
                 memory_bytes=tuple(np.asarray(memory, dtype=np.float64)[picked].tolist()),
@@ -262,11 +286,13 @@ def build_problem(
                     np.asarray(node.transient_bytes, dtype=np.float64)[picked].tolist()
                 ),
             )
-        )
+        solver_nodes.append(solver_node)
         allowed_idx.append(idx)
     solver_edges: list[solver.Edge] = []
     # Repeated layers share cost arrays: convert each (array, rows, cols, bans) once and share
-    # the tuple, which also lets the solver merge a tied layer's edges by identity.
+    # the tuple, which also lets the solver merge a tied layer's edges by identity. Unbanned
+    # matrices are kept in the memo across calls (a banned set's id is stable only while the
+    # caller's ``forbid`` lives, so those are kept for this call only).
     converted: dict[tuple, tuple[tuple[float | None, ...], ...]] = {}
     for e, edge in enumerate(space.edges):
         rows = allowed_idx[edge.src]
@@ -274,9 +300,10 @@ def build_problem(
         banned = forbid.get(e, _NO_BANS) if forbid else _NO_BANS
         # Recipes share one banned set per layer position (alive in ``forbid``: ids are stable).
         key = (id(edge.cost_s), rows, cols, id(banned))
-        matrix = converted.get(key)
+        cache = memo.edges if banned is _NO_BANS else converted
+        matrix = cache.get(key)
         if matrix is None:
-            matrix = converted[key] = _edge_tuples(edge.cost_s, rows, cols, banned)
+            matrix = cache[key] = _edge_tuples(edge.cost_s, rows, cols, banned)
         solver_edges.append(solver.Edge(src=edge.src, dst=edge.dst, cost_s=matrix))
     classes = tuple(
         tuple(members)
@@ -323,7 +350,9 @@ def _zero_free_sums(space: StrategySpace, choice: tuple[int, ...]) -> dict[str, 
     if key in cache:
         return cache[key]
     compute = grad_sync = act_comm = out_comm = transient = 0.0
-    memory = dict.fromkeys(("params", "grads", "optimizer", "master", "activations", "inputs_buffers"), 0.0)
+    memory = dict.fromkeys(
+        ("params", "grads", "optimizer", "master", "activations", "inputs_buffers"), 0.0
+    )
     node_s = [0.0] * len(space.nodes)
     params = []
     for i, node in enumerate(space.nodes):
@@ -333,7 +362,10 @@ def _zero_free_sums(space: StrategySpace, choice: tuple[int, ...]) -> dict[str, 
         act_comm += node.grad_comm_s[s]
         out_comm += node.output_comm_s[s]
         node_s[i] = float(
-            node.compute_s[s] + node.param_grad_comm_s[s] + node.grad_comm_s[s] + node.output_comm_s[s]
+            node.compute_s[s]
+            + node.param_grad_comm_s[s]
+            + node.grad_comm_s[s]
+            + node.output_comm_s[s]
         )
         memory["activations"] += node.activation_bytes[s]
         memory["inputs_buffers"] += node.fixed_bytes[s]

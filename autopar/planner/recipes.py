@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 import operator
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -84,13 +85,38 @@ def tp_axis(axis_names: tuple[str, ...]) -> int:
 
 def recipe_spec(space: StrategySpace, recipe: str) -> RecipeSpec:
     """The restriction of ``space`` that is ``recipe`` (see the module docstring)."""
-    if recipe not in BASELINE_RECIPES:
-        raise ValueError(f"unknown recipe {recipe!r}; choose one of {', '.join(BASELINE_RECIPES)}")
-    mesh = space.mesh
-    ndim = mesh.ndim
-    tp = tp_axis(mesh.axis_names) if recipe in ("megatron", "fsdp+tp") else None
+    return recipe_specs(space, (recipe,))[recipe]
+
+
+_LABEL = "\x00recipe\x00"  # the recipe's name in the notes of layouts several recipes share
+
+
+def recipe_specs(space: StrategySpace, names: Sequence[str]) -> dict[str, RecipeSpec]:
+    """:func:`recipe_spec` of each of ``names``, the layouts worked out once per tp axis."""
+    shared: dict[int | None, tuple[dict[str, list[int]], dict, list[str]]] = {}
+    out: dict[str, RecipeSpec] = {}
+    for recipe in names:
+        if recipe not in BASELINE_RECIPES:
+            raise ValueError(
+                f"unknown recipe {recipe!r}; choose one of {', '.join(BASELINE_RECIPES)}"
+            )
+        tp = tp_axis(space.mesh.axis_names) if recipe in ("megatron", "fsdp+tp") else None
+        if tp not in shared:
+            shared[tp] = _layouts(space, tp)
+        allowed, forbid, notes = shared[tp]
+        axes = [a for a in range(space.mesh.ndim) if a != tp] if "fsdp" in recipe else ()
+        named = [note.replace(_LABEL, recipe) for note in notes]
+        zero = ZeroConfig(stage=3, axes=axes)  # no axes: stage 0
+        spec = RecipeSpec(name=recipe, allowed=allowed, forbid=forbid, zero=zero, notes=named)
+        out[recipe] = spec
+    return out
+
+
+def _layouts(space: StrategySpace, tp: int | None) -> tuple[dict, dict, list[str]]:
+    """(allowed, forbid, notes naming the recipe ``_LABEL``) of tensor-parallel axis ``tp``."""
+    ndim = space.mesh.ndim
     notes: list[str] = []
-    axes = _batch_axes(space, tp, recipe, notes)
+    axes = _batch_axes(space, tp, _LABEL, notes)
     param_layout = megatron_layout(space, tp, notes) if tp is not None else {}
     allowed: dict[str, list[int]] = {}
     for node in space.nodes:
@@ -102,17 +128,11 @@ def recipe_spec(space: StrategySpace, recipe: str) -> RecipeSpec:
             # Not divisible on some axis: fall back to Replicate there, and say so.
             wanted = tuple(REPLICATE for _ in range(ndim))
             match = [i for i, s in enumerate(node.strategies) if s.outputs[0] == wanted]
-            notes.append(f"{recipe}: {node.fqn or node.name} kept replicated (shape not divisible)")
+            notes.append(f"{_LABEL}: {node.fqn or node.name} kept replicated (shape not divisible)")
         allowed[node.name] = match
-    allowed.update(_batch_parallel_ops(space, axes, allowed, recipe, notes))
+    allowed.update(_batch_parallel_ops(space, axes, allowed, _LABEL, notes))
     forbid = _forbid_conversions(space, allowed, tp, param_layout)
-    if recipe == "fsdp":
-        zero = ZeroConfig(stage=3, axes=tuple(range(ndim)))
-    elif recipe == "fsdp+tp":
-        zero = ZeroConfig(stage=3, axes=tuple(a for a in range(ndim) if a != tp))
-    else:
-        zero = ZeroConfig()
-    return RecipeSpec(name=recipe, allowed=allowed, forbid=forbid, zero=zero, notes=notes)
+    return allowed, forbid, notes
 
 
 def _batch_axes(space: StrategySpace, tp: int | None, recipe: str, notes: list[str]) -> _Axes:
@@ -456,7 +476,9 @@ def megatron_layout(space: StrategySpace, tp: int, notes: list[str]) -> dict[str
         else:
             wanted = on_tp(Shard(out_dim if role == "col" else in_dim))
             if not fits(weight, wanted):
-                notes.append(f"megatron: {params[weight.name]} not divisible on the tp axis, kept replicated")
+                notes.append(
+                    f"megatron: {params[weight.name]} not divisible on the tp axis, kept replicated"
+                )
                 roles[node.name] = "none"
                 continue
             layout[weight.name] = wanted
