@@ -76,7 +76,7 @@ def main() -> None:
 
 def _fixing_row(problem, found, patterns) -> None:
     """Reduced-cost fixing (solver/fixing.py) at the relaxation's multiplier against its best
-    plan, and the MIP at gap 0.01 over what stays vs over everything (shrink._solve_relaxed
+    plan, and the MIP at gap 0.01 over what stays vs over everything (budgeted.solve_relaxed
     runs the first)."""
     start = time.perf_counter()
     keep = fix(problem, found.multiplier, found.choices, found.objective_s, patterns)

@@ -4,6 +4,7 @@ plan command solves, counting priced solves, recompute fits and CPU seconds.
     python benchmarks/relax_replay.py dump DIR plan llama3-70b --mesh 8x16x8 --device h100 \\
         --budget 80GiB --batch 256 --seq 8192 --no-cache      # pickles every solver.solve input
     python benchmarks/relax_replay.py replay DIR/p20.pkl     # relax(problem, target_gap=0.01)
+    python benchmarks/relax_replay.py solve DIR/p20.pkl ...  # solver.solve(problem, **as dumped)
 
 ``dump`` runs ``autopar`` with ``solver.solve`` wrapped: each top-level call's problem goes to
 DIR/p<k>.pkl (k counts every call, nested ones too), and one line per call to stderr. The
@@ -66,8 +67,13 @@ def replay(path: str) -> None:
 
     def solve_free(priced):
         sol = solver.solve(priced)
-        plain = plan_objective_s(problem, sol.choices)
-        print(f"  priced solve: value {sol.objective_s:.6f}, plan {plain:.6f}", flush=True)
+        # The pattern phase over count patterns solves the contracted problem: no plan here.
+        plain = (
+            f"{plan_objective_s(problem, sol.choices):.6f}"
+            if len(sol.choices) == len(problem.nodes)
+            else "(contracted)"
+        )
+        print(f"  priced solve: value {sol.objective_s:.6f}, plan {plain}", flush=True)
         return sol.choices, sol.objective_s, sol.bound_s
 
     lagrangian.fit_recompute = timed_fit
@@ -81,8 +87,31 @@ def replay(path: str) -> None:
     )
 
 
+def solve_again(paths: list[str]) -> None:
+    """Each dumped problem solved again as the plan command solved it (its own keyword
+    arguments, the cutoff included): CPU seconds, objective, bound, gap, variables."""
+    total = 0.0
+    for path in paths:
+        with open(path, "rb") as f:
+            problem, kwargs = pickle.load(f)
+        clock = time.process_time()
+        sol = solver.solve(problem, **kwargs)
+        cpu = time.process_time() - clock
+        total += cpu
+        print(
+            f"{path}: {cpu:.2f} s CPU, objective {sol.objective_s * 1e3:.4f} ms, bound "
+            f"{sol.bound_s * 1e3:.4f} ms, gap {sol.gap:.3%}, {sol.num_variables:,} variables, "
+            f"MIP {'yes' if 'lagrangian_then_mip' in sol.details else 'no'}, "
+            f"cut off {'yes' if 'cutoff' in sol.details else 'no'}",
+            flush=True,
+        )
+    print(f"{total:.2f} s CPU in all")
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "dump":
         dump(sys.argv[2], sys.argv[3:])
+    elif sys.argv[1] == "solve":
+        solve_again(sys.argv[2:])
     else:
         replay(sys.argv[2])

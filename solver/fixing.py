@@ -34,6 +34,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from solver.count_patterns import CountPatterns
 from solver.eliminate import _Memo, _MinPlusGraph
 from solver.lagrangian import _pattern_terms, priced, transient_floor
 from solver.problem import Edge, Node, Problem, SegmentEdge
@@ -214,11 +215,18 @@ def fix(
     plan: tuple[int, ...] | None,
     upper_s: float,
     patterns: list[tuple[int, ...]] | None,
+    counted: CountPatterns | None = None,
 ) -> tuple[tuple[int, ...], ...]:
     """Per node, the strategies (ascending) whose LB at ``lam`` is within ``upper_s``: the
     step time of a plan that fits (``plan``, whose own strategies always stay), or less (a
-    cutoff: then a node may keep none, and no plan costs ``upper_s`` or less)."""
-    lower = reduced_cost_keep(problem, lam, upper_s, patterns)
+    cutoff: then a node may keep none, and no plan costs ``upper_s`` or less). ``counted``:
+    the LB over count patterns on the contracted problem instead (solver/count_patterns.py;
+    a bound over plans whose tie classes choose alike, as the budgeted MIP's are)."""
+    if counted is None:
+        lower = reduced_cost_keep(problem, lam, upper_s, patterns)
+    else:
+        found = reduced_cost_keep(counted.problem, lam, upper_s, counted.patterns)
+        lower = [found[k] for k in counted.contracted.node_map]
     limit = upper_s + TOLERANCE * abs(upper_s)
     keep = []
     for low, c in zip(lower, plan or (None,) * len(lower), strict=True):

@@ -243,9 +243,12 @@ def run(
     abs_gap: float | None,
     msg: bool,
     start: dict[int, float] | None = None,
+    relaxation: bool = False,
 ) -> DirectOutcome:
     """Solve; the status words are ilp._Outcome's. ``start``: column -> value of a known plan
-    (its strategy columns only; HiGHS completes the rest), handed over as a starting solution."""
+    (its strategy columns only; HiGHS completes the rest), handed over as a starting solution.
+    ``relaxation``: solve the LP relaxation only (its optimum is the bound; its values, maybe
+    fractional, are decoded as usual)."""
     h = model.highs
     if not model.num_variables:
         return DirectOutcome(status="optimal", bound=0.0, values=np.zeros(0))
@@ -261,6 +264,8 @@ def run(
         # (gpt2-small-2l's two budgeted configurations, README "Stronger bounds and cutoffs").
         # Not at gap 0, whose proven plans tests/planner/stored_plans pin.
         h.setOptionValue("mip_allow_restart", False)
+    if relaxation:
+        h.setOptionValue("solve_relaxation", True)
     if start:
         columns = np.fromiter(start.keys(), dtype=np.int32, count=len(start))
         values = np.fromiter(start.values(), dtype=np.float64, count=len(start))
@@ -285,7 +290,9 @@ def run(
     else:
         raise RuntimeError(f"highs stopped without a plan: {h.modelStatusToString(status)}")
     bound = info.mip_dual_bound
-    if kind == "optimal" and gap == 0.0:  # proven: the bound is the objective itself
+    if relaxation and kind == "optimal":
+        bound = info.objective_function_value  # the LP's optimum: below every integer plan
+    elif kind == "optimal" and gap == 0.0:  # proven: the bound is the objective itself
         bound = info.objective_function_value
     values = np.asarray(h.getSolution().col_value, dtype=np.float64)
     return DirectOutcome(status=kind, bound=bound if math.isfinite(bound) else None, values=values)

@@ -322,9 +322,12 @@ def solve_model(
     gap: float,
     msg: bool,
     start_plan: tuple[int, ...] | None = None,
+    relaxation: bool = False,
 ) -> Solution:
     """Presolve, build and run the ILP (the module docstring's model). ``start_plan``: a plan's
-    choices to begin the search from (HiGHS only; strategies presolve removed are left out)."""
+    choices to begin the search from (HiGHS only; strategies presolve removed are left out).
+    ``relaxation`` (HiGHS only): the LP relaxation's optimum as the bound, the plan decoded
+    from its values (the Lagrangian relaxation needs bounds, not proofs)."""
     backend, fell_back = resolve_backend(backend)
     start = time.perf_counter()
     validate(problem)
@@ -344,6 +347,7 @@ def solve_model(
             abs_gap=_ABS_GAP if gap == 0.0 else None,
             msg=msg,
             start=None if start_plan is None else _start_columns(red, model.x_index, start_plan),
+            relaxation=relaxation,
         )
     else:
         outcome = _run(model, backend=backend, time_limit_s=time_limit_s, gap=gap, msg=msg)

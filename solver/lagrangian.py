@@ -50,10 +50,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from solver.checkpointing import fit_segments, freed_bytes, recompute_s
+from solver.count_patterns import CountPatterns, count_patterns
 from solver.multiplier import first_multiplier, next_multiplier, pattern_search
 from solver.presolve import cost_matrix, plan_objective_s, plan_peak_memory_bytes
 from solver.problem import Edge, Node, Problem, Segment
-from solver.tying import _as_tuples
+from solver.tying import _as_tuples, expand
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -71,6 +72,8 @@ class Relaxed:
     """The multiplier of the best bound (seconds per byte)."""
     evaluations: int
     seconds: float
+    counted: CountPatterns | None = None
+    """The count patterns of the pattern phase, where they replaced the per-segment ones."""
 
 
 def _segment_terms(problem: Problem, lam: float) -> list[np.ndarray]:
@@ -278,6 +281,18 @@ def pattern_dual(
     return best, [base_choices, best_choices], best_peak, lowers
 
 
+def _phase_two(problem: Problem, counted: CountPatterns | None, lam: float, *args):
+    """pattern_dual on ``problem`` or, with count patterns, on its contraction: the plans
+    expanded to every node, the bound shifted to ``problem``'s transient floor (the
+    contraction's is at least as high: a class's transient is its members' largest)."""
+    if counted is None:
+        return pattern_dual(problem, lam, *args)
+    lower, plans, peak, lowers = pattern_dual(counted.problem, lam, *args)
+    shift = lam * (transient_floor(counted.problem) - transient_floor(problem))
+    plans = [expand(counted.contracted, c) for c in plans]
+    return lower + shift, plans, peak, lowers
+
+
 def _chord_floor(seen: dict[float, list[float]], lam: float) -> list[float] | None:
     """Each pattern's value is concave in lam (a minimum of functions affine in lam), so
     between two multipliers already evaluated it is at least the chord of their lower bounds."""
@@ -369,14 +384,13 @@ def relax(
     """Search the multiplier (module docstring). ``solve_free(problem) -> (choices, value,
         bound)`` solves a budget-free problem (value: its objective; bound: a lower bound on its
     optimum, equal to value when proven optimal). ``start``: a multiplier to begin from (a
-    previous configuration's). The search runs on the separable D first (one solve each), then,
-    where the recompute patterns are few, on the pattern D (module docstring; one solve per
-    pattern not pruned, ``max_pattern_evaluations`` at most) from the best multiplier found.
-    Each stops when the best plan is within ``target_gap`` of the bound, the bracket closes,
-    the bound reaches ``stop_at`` (a plan found elsewhere that this problem cannot beat by the
-    gap: a cutoff), or after its number of evaluations."""
-    clock = time.perf_counter()
-    budget = problem.memory_budget_bytes
+    previous configuration's). The search runs on the separable D first (one solve each), then
+    on the pattern D (module docstring; per-segment or count patterns, solver/count_patterns.py;
+    one solve per pattern not pruned, ``max_pattern_evaluations`` at most) from the best
+    multiplier found. Each stops when the best plan is within ``target_gap`` of the bound, the
+    bracket closes, the bound reaches ``stop_at`` (a plan found elsewhere that this problem
+    cannot beat by the gap: a cutoff), or after its number of evaluations."""
+    clock, budget = time.perf_counter(), problem.memory_budget_bytes
     assert budget is not None
     constant = problem.memory_offset_bytes + transient_floor(problem) - budget
     best_bound, best_lam = -math.inf, 0.0
@@ -384,6 +398,7 @@ def relax(
     evaluations = 0
     tried: set[tuple[int, ...]] = set()
     patterns = recompute_patterns(problem)
+    counted = None if patterns is not None else count_patterns(problem)  # deep tied stacks
     exact = False  # the pattern D (second phase) or the separable one
     seen: dict[float, list[float]] = {}  # per multiplier: a lower bound per pattern
     tangents: dict[float, tuple[float, float]] = {}  # separable D: lam -> (D(lam), slope)
@@ -399,8 +414,8 @@ def relax(
             if value == lower:  # proven optimal: a tangent of D at lam
                 tangents[lam] = (value + lam * constant, peak - budget)
         else:
-            lower, plans, peak, seen[lam] = pattern_dual(
-                problem, lam, solve_free, patterns, _chord_floor(seen, lam), cache
+            lower, plans, peak, seen[lam] = _phase_two(
+                problem, counted, lam, solve_free, patterns, _chord_floor(seen, lam), cache
             )
         bound = lower + lam * constant
         if bound > best_bound:
@@ -441,7 +456,8 @@ def relax(
             lo = mid
         else:
             hi = mid
-    if patterns is not None:
+    if patterns is not None or counted is not None:
+        patterns = patterns if counted is None else counted.patterns
         exact, max_evaluations = True, evaluations
         if not done():
             pattern_search(evaluate, best_lam or first_multiplier(problem), done)
@@ -453,4 +469,5 @@ def relax(
         multiplier=best_lam,
         evaluations=evaluations,
         seconds=time.perf_counter() - clock,
+        counted=counted,
     )

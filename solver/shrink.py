@@ -13,7 +13,7 @@ from the expanded choices:
   (solver/tying.py, ``_solve_tied``), and elimination runs again on the contracted graph;
 - with a budget and ``gap`` > 0 (no ties, or ties with checkpoint segments, which force the
   classes alike): Lagrangian relaxation of the budget first (solver/lagrangian.py,
-  ``_solve_relaxed``): budget-free solves give a lower bound and plans that fit; when the best
+  solver/budgeted.py): budget-free solves give a lower bound and plans that fit; when the best
   is within ``gap`` of the bound that is the answer, else the MIP below runs (its bound and the
   relaxation's, whichever is higher, is reported);
 - with a budget (HiGHS, no checkpoint segments) tie classes are solved as counts per strategy
@@ -26,7 +26,6 @@ from the expanded choices:
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 
 from solver import highs_direct
@@ -52,6 +51,7 @@ def solve(
     relax_first: bool = True,
     start_plan: tuple[int, ...] | None = None,
     cutoff_s: float | None = None,
+    relaxation: bool = False,
 ) -> Solution:
     """Choose one strategy per node, minimising step time within the memory budget.
 
@@ -63,9 +63,12 @@ def solve(
         gap: relative gap at which the search may stop; 0 proves optimality.
         msg: show the solver's log.
         relax_first: with a budget and ``gap`` > 0, try the Lagrangian relaxation first
-            (``_solve_relaxed``); False goes straight to the exact path.
+            (solver/budgeted.py ``solve_relaxed``); False goes straight to the exact path.
         start_plan: a plan's choices (one per node) for the MIP to begin from (HiGHS, budgeted
             path only: the relaxation hands over its best plan); the answer is no worse.
+        relaxation: budget-free only: the bound is the LP relaxation's of what elimination
+            leaves (HiGHS), the plan decoded from it; the Lagrangian relaxation's priced
+            solves need bounds, and the LP is much cheaper than HiGHS's MIP there.
 
     Raises:
         InfeasibleBudgetError: no allowed plan fits the budget; carries the smallest that fits.
@@ -76,18 +79,13 @@ def solve(
         raise ValueError(f"gap must be >= 0, got {gap}")
     if time_limit_s is not None and time_limit_s <= 0.0:
         raise ValueError(f"time_limit_s must be positive or None, got {time_limit_s}")
+    common = {"backend": backend, "time_limit_s": time_limit_s, "gap": gap, "msg": msg}
     if problem.segments:
         validate_segments(problem)
         if problem.memory_budget_bytes is None and not any(
             seg.min_copies for seg in problem.segments
         ):  # recomputing only costs time: without a budget nothing is recomputed
-            inner = solve(
-                dataclasses.replace(problem, segments=()),
-                backend=backend,
-                time_limit_s=time_limit_s,
-                gap=gap,
-                msg=msg,
-            )
+            inner = solve(dataclasses.replace(problem, segments=()), **common)
             return dataclasses.replace(inner, recomputed=(0,) * len(problem.segments))
     if problem.memory_budget_bytes is None and problem.edges and not problem.segments:
         validate(problem)
@@ -95,24 +93,13 @@ def solve(
         elim = eliminate(problem)
         if len(elim.kept) < len(problem.nodes):
             return _solve_eliminated(
-                problem,
-                elim,
-                time.perf_counter() - start,
-                backend=backend,
-                time_limit_s=time_limit_s,
-                gap=gap,
-                msg=msg,
+                problem, elim, time.perf_counter() - start, **common, relaxation=relaxation
             )
     if relax_first and _relaxation_applies(problem, gap):
         validate(problem)
-        relaxed = _solve_relaxed(
-            problem,
-            backend=backend,
-            time_limit_s=time_limit_s,
-            gap=gap,
-            msg=msg,
-            cutoff_s=cutoff_s,
-        )
+        from solver.budgeted import solve_relaxed  # it calls solve for its priced problems
+
+        relaxed = solve_relaxed(problem, **common, cutoff_s=cutoff_s)
         if relaxed is not None:
             return relaxed
     if problem.tied:
@@ -123,17 +110,13 @@ def solve(
                 return counted
         return _solve_tied(
             problem,
-            backend=backend,
-            time_limit_s=time_limit_s,
-            gap=gap,
-            msg=msg,
+            **common,
             start_plan=start_plan,
+            relaxation=relaxation and problem.memory_budget_bytes is None,
         )
     if problem.memory_budget_bytes is None and not problem.segments:
-        return _solve_core(problem, backend=backend, time_limit_s=time_limit_s, gap=gap, msg=msg)
-    return solve_model(
-        problem, backend=backend, time_limit_s=time_limit_s, gap=gap, msg=msg, start_plan=start_plan
-    )
+        return _solve_core(problem, **common, relaxation=relaxation)
+    return solve_model(problem, **common, start_plan=start_plan)
 
 
 def _relaxation_applies(problem: Problem, gap: float) -> bool:
@@ -149,142 +132,6 @@ def _relaxation_applies(problem: Problem, gap: float) -> bool:
     )
 
 
-def _solve_relaxed(
-    problem: Problem,
-    *,
-    backend: str,
-    time_limit_s: float | None,
-    gap: float,
-    msg: bool,
-    cutoff_s: float | None = None,
-) -> Solution | None:
-    """Lagrangian relaxation of the budget (solver/lagrangian.py); when its best plan is not
-    within ``gap`` of its bound, the exact path (MIP) with the better plan and bound of the
-    two. None: the relaxation found no plan that fits and the MIP is left to the caller."""
-    from solver.lagrangian import relax
-
-    start = time.perf_counter()
-
-    size = [0, 0]  # the largest budget-free model solved: (variables, constraints)
-
-    def solve_free(priced: Problem) -> tuple[tuple[int, ...], float, float]:
-        free = solve(priced, backend=backend, time_limit_s=time_limit_s, gap=0.0, msg=msg)
-        size[:] = max(size, [free.num_variables, free.num_constraints])
-        return free.choices, free.objective_s, free.bound_s
-
-    stop_at = math.inf if cutoff_s is None else cutoff_s * (1.0 - gap)
-    try:
-        found = relax(problem, solve_free, target_gap=gap, stop_at=stop_at)
-    except InfeasibleError:
-        return None
-    if found.choices is None:
-        return None
-    choices, recomputed, objective = found.choices, found.recomputed, found.objective_s
-    bound = found.bound_s
-    details = {
-        "lagrangian_bound_s": bound,
-        "lagrangian_multiplier": found.multiplier,
-        "lagrangian_solves": float(found.evaluations),
-        "lagrangian_s": found.seconds,
-    }
-    num_variables, num_constraints = size
-    backend_used = resolve_backend(backend)[0]
-    if bound >= stop_at:  # cannot beat the plan found elsewhere by more than the gap
-        details["cutoff"] = 1.0
-    elif objective - bound > gap * abs(objective):
-        # Reduced-cost fixing (solver/fixing.py): the MIP runs over the strategies that some
-        # plan better than both this relaxation's best plan and the cutoff can use.
-        limit = min(objective, stop_at)
-        exact, keep = _fixed_mip(
-            problem,
-            found.multiplier,
-            choices if objective <= limit else None,
-            limit,
-            details,
-            backend=backend,
-            time_limit_s=time_limit_s,
-            gap=gap,
-            msg=msg,
-        )
-        if exact is None:  # no plan of this problem costs at most the limit
-            bound = max(bound, limit)
-            if bound >= stop_at:
-                details["cutoff"] = 1.0
-        else:
-            num_variables, num_constraints = exact.num_variables, exact.num_constraints
-            # Every plan outside what the fixing kept costs more than the limit.
-            bound = max(bound, min(exact.bound_s, limit))
-            if exact.objective_s < objective:
-                choices = tuple(k[c] for k, c in zip(keep, exact.choices, strict=True))
-                recomputed = exact.recomputed
-                objective = plan_objective_s(problem, choices, recomputed)
-    bound = min(bound, objective)
-    relative_gap = (objective - bound) / abs(objective) if objective else 0.0
-    relative_gap = 0.0 if relative_gap <= ZERO_GAP else relative_gap
-    return Solution(
-        choices=choices,
-        objective_s=objective,
-        bound_s=bound,
-        gap=relative_gap,
-        status="optimal" if relative_gap == 0.0 else "feasible",
-        backend=backend_used,
-        peak_memory_bytes=plan_peak_memory_bytes(problem, choices, recomputed),
-        num_variables=num_variables,
-        num_constraints=num_constraints,
-        build_s=0.0,
-        solve_s=time.perf_counter() - start,
-        details=details,
-        recomputed=recomputed if problem.segments else (),
-    )
-
-
-def _fixed_mip(
-    problem: Problem,
-    multiplier: float,
-    plan: tuple[int, ...] | None,
-    limit: float,
-    details: dict[str, float],
-    *,
-    backend: str,
-    time_limit_s: float | None,
-    gap: float,
-    msg: bool,
-) -> tuple[Solution | None, tuple[tuple[int, ...], ...]]:
-    """The budgeted MIP over the strategies that reduced-cost fixing at ``multiplier`` leaves
-    for plans costing at most ``limit`` (solver/fixing.py; ``plan``, a plan within it, is kept
-    and starts the MIP): its solution (in the restricted problem's strategy indices) and the
-    strategies kept per node. None: no plan costs at most ``limit``."""
-    from solver.fixing import fix, restrict_budgeted
-    from solver.lagrangian import recompute_patterns
-
-    fix_start = time.perf_counter()
-    keep = fix(problem, multiplier, plan, limit, recompute_patterns(problem))
-    details["fixed_strategies"] = float(
-        sum(n.num_choices - len(k) for n, k in zip(problem.nodes, keep, strict=True))
-    )
-    details["fixing_s"] = time.perf_counter() - fix_start
-    if not all(keep):
-        return None, keep
-    start_plan = (
-        None if plan is None else tuple(k.index(c) for k, c in zip(keep, plan, strict=True))
-    )
-    try:
-        exact = solve(
-            restrict_budgeted(problem, keep),
-            backend=backend,
-            time_limit_s=time_limit_s,
-            gap=gap,
-            msg=msg,
-            relax_first=False,
-            start_plan=start_plan,
-        )
-    except InfeasibleError:  # InfeasibleBudgetError included
-        return None, keep
-    details.update(exact.details)
-    details["lagrangian_then_mip"] = 1.0
-    return exact, keep
-
-
 def _solve_eliminated(
     problem: Problem,
     elim: Eliminated,
@@ -294,12 +141,18 @@ def _solve_eliminated(
     time_limit_s: float | None,
     gap: float,
     msg: bool,
+    relaxation: bool = False,
 ) -> Solution:
     """Solve what elimination (solver/eliminate.py) left and substitute back."""
     if elim.problem.nodes:
         solve_next = _solve_tied if elim.problem.tied else _solve_core
         inner = solve_next(
-            elim.problem, backend=backend, time_limit_s=time_limit_s, gap=gap, msg=msg
+            elim.problem,
+            backend=backend,
+            time_limit_s=time_limit_s,
+            gap=gap,
+            msg=msg,
+            relaxation=relaxation,
         )
     else:
         inner = Solution(
@@ -331,7 +184,13 @@ def _solve_eliminated(
 
 
 def _solve_core(
-    problem: Problem, *, backend: str, time_limit_s: float | None, gap: float, msg: bool
+    problem: Problem,
+    *,
+    backend: str,
+    time_limit_s: float | None,
+    gap: float,
+    msg: bool,
+    relaxation: bool = False,
 ) -> Solution:
     """What elimination left of a budget-free problem (no ties): pruned by bounds first when
     its edge tables are large (solver/prune.py: exact, every optimal plan survives), then the
@@ -339,7 +198,14 @@ def _solve_core(
     start = time.perf_counter()
     pruned = prune(problem) if edge_entries(problem) > PRUNE_MIN_ENTRIES else None
     if pruned is None:
-        return solve_model(problem, backend=backend, time_limit_s=time_limit_s, gap=gap, msg=msg)
+        return solve_model(
+            problem,
+            backend=backend,
+            time_limit_s=time_limit_s,
+            gap=gap,
+            msg=msg,
+            relaxation=relaxation,
+        )
     prune_s = time.perf_counter() - start
     start_plan = tuple(k.index(c) for k, c in zip(pruned.keep, pruned.upper_plan, strict=True))
     inner = solve_model(
@@ -349,6 +215,7 @@ def _solve_core(
         gap=gap,
         msg=msg,
         start_plan=start_plan,
+        relaxation=relaxation,
     )
     choices = tuple(k[c] for k, c in zip(pruned.keep, inner.choices, strict=True))
     details = dict(inner.details)
@@ -440,6 +307,7 @@ def _solve_tied(
     gap: float,
     msg: bool,
     start_plan: tuple[int, ...] | None = None,
+    relaxation: bool = False,
 ) -> Solution:
     """Solve the contracted problem (solver/tying.py) and expand its choices to every node.
     ``start_plan``: a plan whose tie classes choose alike, mapped onto the contracted nodes."""
@@ -467,6 +335,7 @@ def _solve_tied(
         msg=msg,
         relax_first=False,
         start_plan=inner_start,
+        relaxation=relaxation,
     )
     choices = expand(contracted, inner.choices)
     recomputed = expand_recomputed(problem, groups, inner.recomputed) if problem.segments else ()

@@ -171,21 +171,21 @@ def test_fixing_against_a_cutoff_keeps_the_bound_valid(problem, scale, gap) -> N
 @SETTINGS
 @given(budgeted_problems(), st.one_of(st.just(0.0), st.floats(0.0, 1.0)))
 def test_fixing_at_a_cutoff_without_a_plan_keeps_the_optimum(problem, lam) -> None:
-    # What solver.solve does with a cutoff below its own best plan (shrink._fixed_mip, no
+    # What solver.solve does with a cutoff below its own best plan (budgeted._fixed_mip, no
     # plan kept by force): at the optimum as the limit the MIP over what stays finds it; just
     # below it, nothing within the limit is left.
-    from solver.shrink import _fixed_mip
+    from solver.budgeted import _fixed_mip
 
     optimum = _optimum(problem)
     if optimum is None or _optimum(dataclasses.replace(problem, tied=())) != optimum:
         return
     options = {"backend": "highs", "time_limit_s": None, "gap": 0.0, "msg": False}
-    exact, keep = _fixed_mip(problem, lam, None, optimum, {}, **options)
+    exact, keep = _fixed_mip(problem, lam, None, None, optimum, {}, **options)
     assert exact is not None
     choices = tuple(k[c] for k, c in zip(keep, exact.choices, strict=True))
     if plan_peak_memory_bytes(problem, choices, exact.recomputed) > problem.memory_budget_bytes:
         return  # within HiGHS's feasibility tolerance only: brute force counts it out
     assert exact.objective_s == pytest.approx(optimum, rel=1e-9, abs=1e-9)
     below = optimum - 1e-3 * max(1.0, abs(optimum))
-    exact, _ = _fixed_mip(problem, lam, None, below, {}, **options)
+    exact, _ = _fixed_mip(problem, lam, None, None, below, {}, **options)
     assert exact is None or exact.objective_s >= optimum - 1e-9 * max(1.0, abs(optimum))

@@ -233,7 +233,7 @@ def test_the_relaxed_plan_reports_its_bound() -> None:
 @SETTINGS
 @given(budgeted_problems())
 def test_the_mip_started_from_a_plan_returns_one_no_worse(problem) -> None:
-    # What the relaxation hands the MIP (solver/shrink.py _solve_relaxed): at gap 1 HiGHS may
+    # What the relaxation hands the MIP (solver/budgeted.py solve_relaxed): at gap 1 HiGHS may
     # stop at its first plan, so only the start makes the optimum come back every time.
     problem = dataclasses.replace(problem, tied=())
     try:

@@ -1,0 +1,164 @@
+"""The budgeted path of solver/shrink.py ``solve`` at a gap > 0: the Lagrangian relaxation
+of the budget (solver/lagrangian.py) first, then, where its best plan is not within the gap
+of its bound, the budgeted MIP over the strategies that reduced-cost fixing leaves
+(solver/fixing.py). The priced budget-free problems are solved by ``solve`` itself, their
+bounds from the LP relaxation of what elimination leaves (``relaxation=True``)."""
+
+from __future__ import annotations
+
+import math
+import time
+
+from solver.errors import InfeasibleError
+from solver.ilp import ZERO_GAP, resolve_backend
+from solver.presolve import plan_objective_s, plan_peak_memory_bytes
+from solver.problem import Problem, Solution
+
+
+def solve_relaxed(
+    problem: Problem,
+    *,
+    backend: str,
+    time_limit_s: float | None,
+    gap: float,
+    msg: bool,
+    cutoff_s: float | None = None,
+) -> Solution | None:
+    """Lagrangian relaxation of the budget (solver/lagrangian.py); when its best plan is not
+    within ``gap`` of its bound, the exact path (MIP) with the better plan and bound of the
+    two. None: the relaxation found no plan that fits and the MIP is left to the caller."""
+    from solver.lagrangian import relax
+    from solver.shrink import solve  # solver.shrink imports this module
+
+    start = time.perf_counter()
+
+    size = [0, 0]  # the largest budget-free model solved: (variables, constraints)
+
+    def solve_free(priced: Problem) -> tuple[tuple[int, ...], float, float]:
+        free = solve(
+            priced,
+            backend=backend,
+            time_limit_s=time_limit_s,
+            gap=0.0,
+            msg=msg,
+            relaxation=True,
+        )
+        size[:] = max(size, [free.num_variables, free.num_constraints])
+        return free.choices, free.objective_s, free.bound_s
+
+    stop_at = math.inf if cutoff_s is None else cutoff_s * (1.0 - gap)
+    try:
+        found = relax(problem, solve_free, target_gap=gap, stop_at=stop_at)
+    except InfeasibleError:
+        return None
+    if found.choices is None:
+        return None
+    choices, recomputed, objective = found.choices, found.recomputed, found.objective_s
+    bound = found.bound_s
+    details = {
+        "lagrangian_bound_s": bound,
+        "lagrangian_multiplier": found.multiplier,
+        "lagrangian_solves": float(found.evaluations),
+        "lagrangian_s": found.seconds,
+    }
+    num_variables, num_constraints = size
+    backend_used = resolve_backend(backend)[0]
+    if bound >= stop_at:  # cannot beat the plan found elsewhere by more than the gap
+        details["cutoff"] = 1.0
+    elif objective - bound > gap * abs(objective):
+        # Reduced-cost fixing (solver/fixing.py): the MIP runs over the strategies that some
+        # plan better than both this relaxation's best plan and the cutoff can use.
+        limit = min(objective, stop_at)
+        exact, keep = _fixed_mip(
+            problem,
+            found.multiplier,
+            found.counted,
+            choices if objective <= limit else None,
+            limit,
+            details,
+            backend=backend,
+            time_limit_s=time_limit_s,
+            gap=gap,
+            msg=msg,
+        )
+        if exact is None:  # no plan of this problem costs at most the limit
+            bound = max(bound, limit)
+            if bound >= stop_at:
+                details["cutoff"] = 1.0
+        else:
+            num_variables, num_constraints = exact.num_variables, exact.num_constraints
+            # Every plan outside what the fixing kept costs more than the limit.
+            bound = max(bound, min(exact.bound_s, limit))
+            if exact.objective_s < objective:
+                choices = tuple(k[c] for k, c in zip(keep, exact.choices, strict=True))
+                recomputed = exact.recomputed
+                objective = plan_objective_s(problem, choices, recomputed)
+    bound = min(bound, objective)
+    relative_gap = (objective - bound) / abs(objective) if objective else 0.0
+    relative_gap = 0.0 if relative_gap <= ZERO_GAP else relative_gap
+    return Solution(
+        choices=choices,
+        objective_s=objective,
+        bound_s=bound,
+        gap=relative_gap,
+        status="optimal" if relative_gap == 0.0 else "feasible",
+        backend=backend_used,
+        peak_memory_bytes=plan_peak_memory_bytes(problem, choices, recomputed),
+        num_variables=num_variables,
+        num_constraints=num_constraints,
+        build_s=0.0,
+        solve_s=time.perf_counter() - start,
+        details=details,
+        recomputed=recomputed if problem.segments else (),
+    )
+
+
+def _fixed_mip(
+    problem: Problem,
+    multiplier: float,
+    counted,
+    plan: tuple[int, ...] | None,
+    limit: float,
+    details: dict[str, float],
+    *,
+    backend: str,
+    time_limit_s: float | None,
+    gap: float,
+    msg: bool,
+) -> tuple[Solution | None, tuple[tuple[int, ...], ...]]:
+    """The budgeted MIP over the strategies that reduced-cost fixing at ``multiplier`` leaves
+    for plans costing at most ``limit`` (solver/fixing.py; ``plan``, a plan within it, is kept
+    and starts the MIP): its solution (in the restricted problem's strategy indices) and the
+    strategies kept per node. None: no plan costs at most ``limit``. ``counted``: the count
+    patterns the relaxation used (solver/count_patterns.py), or None."""
+    from solver.fixing import fix, restrict_budgeted
+    from solver.lagrangian import recompute_patterns
+    from solver.shrink import solve
+
+    fix_start = time.perf_counter()
+    patterns = None if counted is not None else recompute_patterns(problem)
+    keep = fix(problem, multiplier, plan, limit, patterns, counted)
+    details["fixed_strategies"] = float(
+        sum(n.num_choices - len(k) for n, k in zip(problem.nodes, keep, strict=True))
+    )
+    details["fixing_s"] = time.perf_counter() - fix_start
+    if not all(keep):
+        return None, keep
+    start_plan = (
+        None if plan is None else tuple(k.index(c) for k, c in zip(keep, plan, strict=True))
+    )
+    try:
+        exact = solve(
+            restrict_budgeted(problem, keep),
+            backend=backend,
+            time_limit_s=time_limit_s,
+            gap=gap,
+            msg=msg,
+            relax_first=False,
+            start_plan=start_plan,
+        )
+    except InfeasibleError:  # InfeasibleBudgetError included
+        return None, keep
+    details.update(exact.details)
+    details["lagrangian_then_mip"] = 1.0
+    return exact, keep
