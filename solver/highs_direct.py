@@ -270,7 +270,7 @@ def run(
         columns = np.fromiter(start.keys(), dtype=np.int32, count=len(start))
         values = np.fromiter(start.values(), dtype=np.float64, count=len(start))
         _check(h.setSolution(len(start), columns, values), "setSolution")
-    elif model.integer_columns is not None:
+    elif model.integer_columns is not None and not relaxation:  # solve_relaxation runs it
         relaxed = _integral_relaxation(h, model.integer_columns)
         if relaxed is not None:
             return relaxed
