@@ -176,77 +176,105 @@ def _bf16_matmul_works(device: torch.device) -> bool:
         return False
 
 
-def measure_device(
-    config: CalibrationConfig, device: torch.device, log: Callable[[str], None]
-) -> tuple[DeviceSpec, dict[str, Any]]:
-    """Peak FLOP/s per dtype, memory bandwidth, launch overhead and per-family efficiency."""
-    timing = {"device": device, "min_time_s": config.min_time_s, "trials": config.trials}
-    details: dict[str, Any] = {}
-    peak: dict[str, float] = {}
-    dtypes = [torch.float32] + ([torch.bfloat16] if _bf16_matmul_works(device) else [])
+def _time_round(
+    config: CalibrationConfig, device: torch.device, dtypes: list[torch.dtype]
+) -> dict[str, Any]:
+    """One round of every device timing (each op once, ``min_time_s`` of calls), averaged over
+    ranks: matmuls per dtype, copies, the one-element op and every family case."""
+    timing = {"device": device, "min_time_s": config.min_time_s, "trials": 1}
+    out: dict[str, Any] = {}
     for dtype in dtypes:
-        flops, times = [], []
+        times = []
         for n in config.matmul_sizes:
             a = torch.randn(n, n, device=device, dtype=dtype)
             b = torch.randn(n, n, device=device, dtype=dtype)
             times.append(time_callable(lambda a=a, b=b: a @ b, **timing))
-            flops.append(matmul_flops(n, n, n))
-        times = mean_over_ranks(times, device)
-        name = str(dtype).removeprefix("torch.")
-        peak[name] = fit_rate(flops, times, through_origin=True)[0]
-        details[f"matmul_{name}"] = {"flops": flops, "seconds": times}
-        log(f"matmul {name}: {peak[name] / 1e9:.1f} GFLOP/s")
-
-    moved, times = [], []
+        out[str(dtype).removeprefix("torch.")] = mean_over_ranks(times, device)
+    times = []
     for nbytes in config.copy_bytes:
         src = torch.empty(nbytes // 4, device=device)
         dst = torch.empty_like(src)
         src.uniform_()
         times.append(time_callable(lambda s=src, d=dst: d.copy_(s), **timing))
-        moved.append(2.0 * nbytes)
-    times = mean_over_ranks(times, device)
-    bandwidth = fit_rate(moved, times, through_origin=True)[0]
-    details["copy"] = {"bytes": moved, "seconds": times}
-    log(f"memory bandwidth: {bandwidth / 1e9:.2f} GB/s")
-
+    out["copy"] = mean_over_ranks(times, device)
     one = torch.ones(1, device=device)
-    overhead = mean_over_ranks([time_callable(lambda: one.add(1.0), **timing)], device)[0]
-    log(f"kernel overhead: {overhead * 1e6:.1f} us")
-
-    samples: dict[str, tuple[list[float], list[float], list[float]]] = {
-        f: ([], [], []) for f in CALIBRATED_FAMILIES
-    }
+    out["overhead"] = mean_over_ranks([time_callable(lambda: one.add(1.0), **timing)], device)[0]
+    work: dict[str, list[tuple[float, float, float, float, int, int]]] = {}
+    times = []
     for scale in config.op_scales:
         for family, cases in family_cases(scale, device).items():
             for target, args, kwargs in cases:
                 fwd_flops, bwd_flops, fwd_bytes, bwd_bytes = op_work(target, args, kwargs)
-                ideal = max(fwd_flops / peak["float32"], fwd_bytes / bandwidth)
-                kernels = 1
-                if bwd_bytes > 0:
-                    ideal += max(bwd_flops / peak["float32"], bwd_bytes / bandwidth)
-                    kernels = 2
-                ideals, measured, overheads = samples[family]
-                ideals.append(ideal)
-                measured.append(time_callable(fwd_bwd_callable(target, args, kwargs), **timing))
-                overheads.append(kernels * overhead)
-    efficiency: dict[str, float] = {}
-    for family, (ideals, measured, overheads) in samples.items():
-        measured = mean_over_ranks(measured, device)
-        efficiency[family] = fit_efficiency(
-            ideals, measured, overheads, max_efficiency=MAX_OP_EFFICIENCY
-        )
-        details[f"op_{family}"] = {"ideal_s": ideals, "seconds": measured}
-    log("op efficiency: " + ", ".join(f"{f} {e:.2f}" for f, e in efficiency.items()))
+                kernels = 2 if bwd_bytes > 0 else 1
+                work.setdefault(family, []).append(
+                    (fwd_flops, bwd_flops, fwd_bytes, bwd_bytes, kernels, len(times))
+                )
+                times.append(time_callable(fwd_bwd_callable(target, args, kwargs), **timing))
+    times = mean_over_ranks(times, device)
+    # Per family: (fwd_flops, bwd_flops, fwd_bytes, bwd_bytes, kernels, seconds).
+    out["ops"] = {f: [(*w[:5], times[w[5]]) for w in entries] for f, entries in work.items()}
+    return out
 
+
+def measure_device(
+    config: CalibrationConfig, device: torch.device, log: Callable[[str], None]
+) -> tuple[DeviceSpec, dict[str, Any]]:
+    """Peak FLOP/s per dtype, memory bandwidth, launch overhead and per-family efficiency.
+
+    Measured in ``config.trials`` interleaved rounds, each timing everything once: a family's
+    efficiency is fitted against the peak and bandwidth of ITS round and the median over rounds
+    kept (as are the peak, bandwidth and overhead). On a machine whose load changes within
+    seconds (ranks sharing cores with other processes) a family timed seconds after the peak
+    otherwise carries the load change into its efficiency (2x swings seen)."""
+    dtypes = [torch.float32] + ([torch.bfloat16] if _bf16_matmul_works(device) else [])
+    names = [str(d).removeprefix("torch.") for d in dtypes]
+    rounds = [_time_round(config, device, dtypes) for _ in range(max(config.trials, 1))]
+    flops = [matmul_flops(n, n, n) for n in config.matmul_sizes]
+    moved = [2.0 * nbytes for nbytes in config.copy_bytes]
+    fits: dict[str, list[float]] = {}
+    for timed in rounds:
+        peak = {name: fit_rate(flops, timed[name], through_origin=True)[0] for name in names}
+        bandwidth = fit_rate(moved, timed["copy"], through_origin=True)[0]
+        for name in names:
+            fits.setdefault(name, []).append(peak[name])
+        fits.setdefault("bandwidth", []).append(bandwidth)
+        fits.setdefault("overhead", []).append(timed["overhead"])
+        for family, samples in timed["ops"].items():
+            ideals = [
+                max(ff / peak["float32"], fb / bandwidth)
+                + (max(bf / peak["float32"], bb / bandwidth) if kernels == 2 else 0.0)
+                for ff, bf, fb, bb, kernels, _ in samples
+            ]
+            efficiency = fit_efficiency(
+                ideals,
+                [t for *_, t in samples],
+                [kernels * timed["overhead"] for *_, kernels, _ in samples],
+                max_efficiency=MAX_OP_EFFICIENCY,
+            )
+            fits.setdefault(f"op_{family}", []).append(efficiency)
+    median = {key: statistics.median(values) for key, values in fits.items()}
+    for name in names:
+        log(f"matmul {name}: {median[name] / 1e9:.1f} GFLOP/s")
+    log(f"memory bandwidth: {median['bandwidth'] / 1e9:.2f} GB/s")
+    log(f"kernel overhead: {median['overhead'] * 1e6:.1f} us")
+    efficiency = {f: median[f"op_{f}"] for f in CALIBRATED_FAMILIES}
+    log("op efficiency: " + ", ".join(f"{f} {e:.2f}" for f, e in efficiency.items()))
+    details: dict[str, Any] = {
+        **{f"matmul_{n}": {"flops": flops, "seconds": [r[n] for r in rounds]} for n in names},
+        "copy": {"bytes": moved, "seconds": [r["copy"] for r in rounds]},
+        "fits_per_round": fits,
+    }
+    for family in CALIBRATED_FAMILIES:
+        details[f"op_{family}"] = {"seconds": [[s[-1] for s in r["ops"][family]] for r in rounds]}
     spec = DeviceSpec(
         name=f"calibrated-{device.type}",
-        peak_flops=peak,
-        mem_bandwidth_Bps=bandwidth,
+        peak_flops={name: median[name] for name in names},
+        mem_bandwidth_Bps=median["bandwidth"],
         mem_capacity_bytes=_memory_capacity(device),
         # The datasheet-style fields (families without a calibrated figure) stay fractions.
         matmul_efficiency=min(1.0, efficiency["matmul"]),
         memory_efficiency=min(1.0, efficiency["pointwise"]),
-        kernel_overhead_s=overhead,
+        kernel_overhead_s=median["overhead"],
         op_efficiency=efficiency,
         source=f"autopar calibrate on {platform.node()} ({_device_label(device)})",
     )

@@ -33,8 +33,16 @@ def test_tiny_calibration_gives_a_profile_the_planner_uses(tmp_path) -> None:
     assert device.mem_bandwidth_Bps > 1e8
     assert set(device.op_efficiency) == set(CALIBRATED_FAMILIES)
     assert all(0 < e <= MAX_OP_EFFICIENCY for e in device.op_efficiency.values())
-    # The pointwise family is fitted over gelu, add, mul and silu at every scale.
-    assert len(profile.meta["measurements"]["op_pointwise"]["seconds"]) == 4
+    # Interleaved rounds (CalibrationConfig.trials), each timing every op once; the pointwise
+    # family is fitted over gelu, add, mul and silu, each round against its own peak.
+    timed_rounds = profile.meta["measurements"]["op_pointwise"]["seconds"]
+    assert len(timed_rounds) == 2 and all(len(r) == 4 and min(r) > 0 for r in timed_rounds)
+    fits = profile.meta["measurements"]["fits_per_round"]
+    assert (
+        device.peak_flops["float32"]
+        == sorted(fits["float32"])[0]
+        + (sorted(fits["float32"])[1] - sorted(fits["float32"])[0]) / 2
+    )  # the median of the 2 rounds' peaks
     # Per-rank speed with 1 and 2 ranks computing, relative to 2 (ranks sharing this CPU).
     assert set(device.busy_rank_speed) == {"1", "2"} and device.busy_rank_speed["2"] == 1.0
     assert 0 < device.busy_rank_speed["1"] < 100
