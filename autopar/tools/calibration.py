@@ -319,8 +319,8 @@ def measure_busy_rank_speed(
         log(f"speed per rank by ranks computing ({name}): "
             + ", ".join(f"{k}: {v:.2f}" for k, v in speeds[name].items()))  # fmt: skip
     # The profile keeps the matmul's figure; the op mix (every family case once, as a model's
-    # stage runs them) is recorded beside it: in pipelines on 2 shared cores a rank computing
-    # alone ran 1.0-1.5x faster, not the matmul's 2.1x (README "Per op family").
+    # stage runs them) is recorded beside it. Both measured about 2x alone on 2 shared cores,
+    # while pipelines there fitted 1.0-1.5x (README "Per op family"): not the op mix.
     detail = {"matmul_n": n, "seconds": {str(k): v for k, v in seconds["matmul"].items()},
               "op_mix_speed": speeds["op_mix"],
               "op_mix_seconds": {str(k): v for k, v in seconds["op_mix"].items()},
