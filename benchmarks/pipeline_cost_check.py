@@ -34,6 +34,9 @@ Measured figures, per configuration:
   ``1 - busy_r / step`` is printed too.
 
 Prints a markdown table (predicted vs measured, ratios) and writes ``--out``'s JSON.
+``--fit-from JSON`` instead fits, per configuration of such a JSON, the stage scale and the
+lone-rank speed-up that make the shared-cores simulation reproduce the measured step and busy
+time (``fitted_speeds``).
 """
 
 from __future__ import annotations
@@ -281,6 +284,49 @@ def per_stage_text(table: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def fitted_speeds(case: dict[str, Any], row: dict[str, Any]) -> tuple[float, float, float]:
+    """``(stage scale, lone speed-up, rms log error)``: the shared-cores simulation of the plan's
+    stages, their forward and backward scaled by ``stage scale`` and ``busy_rank_speed`` set to
+    ``{1: lone speed-up, 2+: 1}``, fitted (grid search) to the measured step and busiest rank's
+    busy seconds. Separates the level (calibrated speed) from how much faster a rank computing
+    alone really runs in the pipeline (the profile's ``busy_rank_speed[1]``)."""
+    import math
+
+    from autopar.planner.pipeline_schedule import StageCost
+    from autopar.planner.shared_cores import shared_schedule_time
+
+    step, busy = row["step_s"], (1 - row["bubble"]) * row["step_s"]
+    best = (math.inf, 0.0, 0.0)
+    for scale in (k / 100 for k in range(10, 151)):
+        stages = [
+            StageCost(forward_s=s["forward_s"] * scale, backward_s=s["backward_s"] * scale,
+                      p2p_s=s["p2p_s"])
+            for s in case["stages"]
+        ]  # fmt: skip
+        for lone in (k / 20 for k in range(20, 81)):
+            sim = shared_schedule_time(stages, microbatches=case["microbatches"],
+                                       schedule=case["schedule"],
+                                       busy_rank_speed={"1": lone, "2": 1.0})  # fmt: skip
+            err = math.log(sim.step_s / step) ** 2 + math.log(sim.compute_s / busy) ** 2
+            best = min(best, (err, scale, lone))
+    return best[1], best[2], math.sqrt(best[0] / 2)
+
+
+def fit_text(path: str) -> str:
+    """``fitted_speeds`` for every configuration of a ``--out`` JSON (``--fit-from``)."""
+    with open(path) as f:
+        data = json.load(f)
+    cases = {c["key"]: c for c in data["cases"]}
+    lines = [
+        "| model / schedule / m | stage scale | lone speed-up | rms log error |",
+        "|---|---|---|---|",
+    ]
+    for row in data["table"]:
+        scale, lone, err = fitted_speeds(cases[row["key"]], row)
+        lines.append(f"| {row['key']} | {scale:.2f} | {lone:.2f} | {err:.3f} |")
+    return "\n".join(lines)
+
+
 def _load() -> str:
     return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
@@ -297,7 +343,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--out", default="benchmarks/out")
+    parser.add_argument("--fit-from", default=None, metavar="JSON",
+                        help="only fit stage scale and lone speed-up to a previous --out JSON")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.fit_from:
+        print(fit_text(args.fit_from))
+        return 0
     from autopar.runtime.spawn import spawn_ranks
     from autopar.tools.calibration import calibrate
     from cost_models import load_profile, save_profile

@@ -67,10 +67,14 @@ def fit_rate(
 
 
 def fit_efficiency(
-    ideal_s: Sequence[float], times_s: Sequence[float], overhead_s: Sequence[float] | float = 0.0
+    ideal_s: Sequence[float],
+    times_s: Sequence[float],
+    overhead_s: Sequence[float] | float = 0.0,
+    *,
+    max_efficiency: float = 1.0,
 ) -> float:
     """The fraction ``e`` of the ideal roofline reached: least squares of
-    ``time - overhead = ideal / e`` over the measurements, clamped to [1e-3, 1].
+    ``time - overhead = ideal / e`` over the measurements, clamped to [1e-3, max_efficiency].
 
     Args:
         ideal_s: per measurement, ``max(flops / peak, bytes / bandwidth)`` summed over the
@@ -78,8 +82,9 @@ def fit_efficiency(
         times_s: the measured seconds.
         overhead_s: the launch overhead included in each measurement (one value, or one each).
 
-    A family faster than the roofline (its ideal underestimates it, e.g. data that stays in
-    cache) gets ``e = 1``; the clamp keeps the value valid for ``DeviceSpec.op_efficiency``.
+        max_efficiency: the largest value returned. A family faster than the roofline (its
+            ideal underestimates it, e.g. data that stays in cache) gets ``e > 1`` up to this
+            (calibration passes ``hardware.MAX_OP_EFFICIENCY``); 1 by default.
     """
     _check_pairs(ideal_s, times_s, "fit_efficiency")
     overheads = (
@@ -93,8 +98,8 @@ def fit_efficiency(
         raise ValueError("fit_efficiency: every ideal time is 0; time ops that do work")
     den = sum(i * max(t - o, 0.0) for i, t, o in zip(ideal_s, times_s, overheads))
     if den <= 0:
-        return 1.0
-    return min(1.0, max(1e-3, num / den))
+        return max_efficiency
+    return min(max_efficiency, max(1e-3, num / den))
 
 
 def fit_sync_s(

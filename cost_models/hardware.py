@@ -22,6 +22,11 @@ from typing import Any, TypeVar
 
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 DTYPES = ("float64", "float32", "tf32", "bfloat16", "float16", "float8")
+MAX_OP_EFFICIENCY = 8.0
+"""Upper bound of a calibrated ``op_efficiency``. Above 1 means faster than the roofline built
+from the calibrated copy bandwidth: on a CPU a model's activations (a few MiB) stay in cache while
+the bandwidth is measured on copies of 16-64 MiB, so cheap elementwise ops (add, mul) run 2-4x
+faster than that roofline (README "Pipeline cost model, predicted vs measured")."""
 _GiB = 2**30
 
 
@@ -76,7 +81,8 @@ class DeviceSpec:
     kernel_overhead_s: float = 5e-6
     """Seconds added per op launch."""
     op_efficiency: Mapping[str, float] = field(default_factory=FrozenMap)
-    """Per op family: fraction of the ideal roofline reached (written by calibration)."""
+    """Per op family: fraction of the ideal roofline reached (written by calibration); up to
+    ``MAX_OP_EFFICIENCY``, above 1 where the family's data stays in cache."""
     source: str = ""
     """Where the figures come from (datasheet name and the figures used, or a calibration)."""
     busy_rank_speed: Mapping[str, float] = field(default_factory=FrozenMap)
@@ -103,7 +109,11 @@ class DeviceSpec:
         _check_fraction(f"device {self.name!r}", "matmul_efficiency", self.matmul_efficiency)
         _check_fraction(f"device {self.name!r}", "memory_efficiency", self.memory_efficiency)
         for family, eff in self.op_efficiency.items():
-            _check_fraction(f"device {self.name!r}", f"op_efficiency[{family!r}]", eff)
+            if not 0.0 < eff <= MAX_OP_EFFICIENCY:
+                raise ValueError(
+                    f"device {self.name!r}: op_efficiency[{family!r}] must be in "
+                    f"(0, {MAX_OP_EFFICIENCY}], got {eff}"
+                )
         for busy, speed in self.busy_rank_speed.items():
             if not (str(busy).isdigit() and int(busy) >= 1 and speed > 0):
                 raise ValueError(

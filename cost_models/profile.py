@@ -24,7 +24,13 @@ from typing import Any
 
 import jsonschema
 
-from cost_models.hardware import COLLECTIVE_KINDS, DeviceSpec, FrozenMap, LinkSpec
+from cost_models.hardware import (
+    COLLECTIVE_KINDS,
+    MAX_OP_EFFICIENCY,
+    DeviceSpec,
+    FrozenMap,
+    LinkSpec,
+)
 
 __all__ = ["PROFILE_SCHEMA", "PROFILE_VERSION", "Profile", "load_profile", "save_profile"]
 
@@ -56,7 +62,14 @@ PROFILE_SCHEMA: dict[str, Any] = {
                 "matmul_efficiency": _FRACTION,
                 "memory_efficiency": _FRACTION,
                 "kernel_overhead_s": _NONNEGATIVE,
-                "op_efficiency": {"type": "object", "additionalProperties": _FRACTION},
+                "op_efficiency": {
+                    "type": "object",
+                    "additionalProperties": {
+                        "type": "number",
+                        "exclusiveMinimum": 0,
+                        "maximum": MAX_OP_EFFICIENCY,
+                    },
+                },
                 "busy_rank_speed": {
                     "type": "object",
                     "propertyNames": {"pattern": "^[1-9][0-9]*$"},

@@ -20,6 +20,7 @@ def test_tiny_calibration_gives_a_profile_the_planner_uses(tmp_path) -> None:
     from autopar.tools.calibration import CALIBRATED_FAMILIES
     from autopar.tools.calibration_links import CALIBRATED_COLLECTIVES
     from cost_models import collective_time_s, load_profile, save_profile
+    from cost_models.hardware import MAX_OP_EFFICIENCY
     from tests.distributed.launcher import run_distributed
 
     results = run_distributed(_calibrate, 2, timeout_s=120)
@@ -31,11 +32,23 @@ def test_tiny_calibration_gives_a_profile_the_planner_uses(tmp_path) -> None:
     assert device.peak_flops["float32"] > 1e8
     assert device.mem_bandwidth_Bps > 1e8
     assert set(device.op_efficiency) == set(CALIBRATED_FAMILIES)
-    assert all(0 < e <= 1 for e in device.op_efficiency.values())
+    assert all(0 < e <= MAX_OP_EFFICIENCY for e in device.op_efficiency.values())
+    # Interleaved rounds (CalibrationConfig.trials), each timing every op once; the pointwise
+    # family is fitted over gelu, add, mul and silu, each round against its own peak.
+    timed_rounds = profile.meta["measurements"]["op_pointwise"]["seconds"]
+    assert len(timed_rounds) == 2 and all(len(r) == 4 and min(r) > 0 for r in timed_rounds)
+    fits = profile.meta["measurements"]["fits_per_round"]
+    assert (
+        device.peak_flops["float32"]
+        == sorted(fits["float32"])[0]
+        + (sorted(fits["float32"])[1] - sorted(fits["float32"])[0]) / 2
+    )  # the median of the 2 rounds' peaks
     # Per-rank speed with 1 and 2 ranks computing, relative to 2 (ranks sharing this CPU).
     assert set(device.busy_rank_speed) == {"1", "2"} and device.busy_rank_speed["2"] == 1.0
     assert 0 < device.busy_rank_speed["1"] < 100
     assert profile.meta["measurements"]["busy_rank_speed"]["cpu_count"] >= 1
+    mix = profile.meta["measurements"]["busy_rank_speed"]["op_mix_speed"]
+    assert set(mix) == {"1", "2"} and mix["2"] == 1.0 and 0 < mix["1"] < 100
     link = profile.links["tp"]
     assert set(link.collectives) == set(CALIBRATED_COLLECTIVES)
     assert all(alpha >= 0 and beta > 0 for alpha, beta in link.collectives.values())

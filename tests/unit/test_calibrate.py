@@ -74,13 +74,48 @@ def test_fit_efficiency_recovers_the_fraction_of_the_roofline(efficiency: float)
         op_efficiency={"norm": efficiency},
     )
     work = [(5e6, 4e6), (2e7, 1.6e7), (8e7, 6.4e7)]  # (flops, bytes): memory-bound
-    times = [compute_time_s(flops=f, bytes_accessed=b, device=device, family="norm") for f, b in work]
+    times = [
+        compute_time_s(flops=f, bytes_accessed=b, device=device, family="norm") for f, b in work
+    ]
     ideal = [max(f / 50e9, b / 10e9) for f, b in work]
     assert fit_efficiency(ideal, times, overhead_s=8e-6) == pytest.approx(efficiency, rel=1e-9)
 
 
 def test_fit_efficiency_clamps_to_one_when_faster_than_the_roofline() -> None:
     assert fit_efficiency([1e-3, 2e-3], [0.5e-3, 1e-3]) == 1.0
+
+
+def test_fit_efficiency_above_one_for_data_in_cache_up_to_the_bound() -> None:
+    """Calibration lets a family run faster than the copy-bandwidth roofline (cache-resident
+    adds and muls), and fits one efficiency over the family's members."""
+    from cost_models.hardware import MAX_OP_EFFICIENCY
+
+    faster = fit_efficiency([1e-3, 2e-3], [0.5e-3, 1e-3], max_efficiency=MAX_OP_EFFICIENCY)
+    assert faster == pytest.approx(2.0)
+    # gelu at the roofline (e = 1) and an add 3x faster: least squares in between.
+    mixed = fit_efficiency([1e-3, 1e-3], [1e-3, 1e-3 / 3], max_efficiency=MAX_OP_EFFICIENCY)
+    assert 1.0 < mixed < 3.0
+    assert fit_efficiency([1e-3], [1e-6], max_efficiency=MAX_OP_EFFICIENCY) == MAX_OP_EFFICIENCY
+
+
+def test_op_efficiency_above_one_prices_faster_and_round_trips(tmp_path) -> None:
+    from cost_models import load_profile, save_profile
+    from cost_models.hardware import MAX_OP_EFFICIENCY
+
+    base = dict(name="cpu", peak_flops={"float32": 50e9}, mem_bandwidth_Bps=10e9,
+                mem_capacity_bytes=2**30, kernel_overhead_s=0.0)  # fmt: skip
+    fast = DeviceSpec(**base, op_efficiency={"pointwise": 2.0})
+    slow = DeviceSpec(**base, op_efficiency={"pointwise": 1.0})
+    args = dict(flops=1e6, bytes_accessed=1e8, family="pointwise")
+    assert compute_time_s(device=fast, **args) == pytest.approx(
+        compute_time_s(device=slow, **args) / 2
+    )
+    profile = build_profile(device=fast, links={})
+    save_profile(profile, tmp_path / "p.json")  # validates against the schema
+    assert load_profile(tmp_path / "p.json").device.op_efficiency["pointwise"] == 2.0
+    for bad in (0.0, MAX_OP_EFFICIENCY * 1.5):
+        with pytest.raises(ValueError, match=r"op_efficiency\['pointwise'\] must be in \(0, 8"):
+            DeviceSpec(**base, op_efficiency={"pointwise": bad})
 
 
 def test_mape_and_spearman_on_known_data() -> None:
@@ -119,7 +154,9 @@ def test_calibrated_profile_round_trips_and_drives_the_mesh(tmp_path) -> None:
     assert mesh.link("dp") != link  # an axis the profile does not name keeps its default link
     nbytes = 4 * 2**20
     steps, wire = collective_steps_and_wire_bytes("all_gather", nbytes, 2)
-    assert collective_time_s("all_gather", nbytes, 2, mesh.link("tp")) == pytest.approx(80e-6 * steps + 2e-9 * wire)
+    assert collective_time_s("all_gather", nbytes, 2, mesh.link("tp")) == pytest.approx(
+        80e-6 * steps + 2e-9 * wire
+    )
 
 
 def test_op_work_prices_a_linear_like_the_planner() -> None:
@@ -181,7 +218,9 @@ def mlp_plans():
     captured = capture(model, (torch.randn(8192, 16), torch.randn(8192, 16)), {})
     mesh = Mesh.spec((2, 2), device="cpu")
     recipes = ["auto", "ddp", "fsdp", "megatron", "fsdp+tp"]
-    return captured, plans_for_recipes(captured, mesh, PlanOptions(), recipes=recipes, model_name="mlp")
+    return captured, plans_for_recipes(
+        captured, mesh, PlanOptions(), recipes=recipes, model_name="mlp"
+    )
 
 
 def test_compare_table_lists_every_recipe(mlp_plans) -> None:
@@ -207,7 +246,9 @@ def test_ddp_moves_each_gradient_once_per_axis(mlp_plans) -> None:
 
     captured, plans = mlp_plans
     param_bytes = sum(
-        math.prod(n.meta["val"].shape) * 4 for n in captured.gm.graph.nodes if n.name in captured.param_nodes
+        math.prod(n.meta["val"].shape) * 4
+        for n in captured.gm.graph.nodes
+        if n.name in captured.param_nodes
     )
     volume = comm_volume_by_axis(plans["ddp"])
     for axis in ("dp", "tp"):
@@ -229,7 +270,23 @@ def test_plan_cli_uses_a_profile(tmp_path, capsys) -> None:
     path = tmp_path / "p.json"
     path.write_text(json.dumps(data))
     out = tmp_path / "plan.json"
-    assert main(["plan", "mlp-1l", "--mesh", "2", "--profile", str(path), "--batch", "8", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "mlp-1l",
+                "--mesh",
+                "2",
+                "--profile",
+                str(path),
+                "--batch",
+                "8",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     plan = json.loads(out.read_text())
     assert plan["mesh"]["device"]["name"] == "slow-cpu"
     assert plan["mesh"]["links"][0]["name"] == "slow-link"
