@@ -246,6 +246,13 @@ def emit_steps(graph: fx.Graph, value: fx.Node, steps: Sequence[Step], group_key
             )
         elif step.kind == "slice":
             call = (collectives.autopar_slice, (value, group_key, step.axis, step.dim))
+        elif step.kind in ("gather_sections", "select_sections"):
+            fn = (
+                collectives.autopar_gather_sections
+                if step.kind == "gather_sections"
+                else collectives.autopar_select_sections
+            )
+            call = (fn, (value, group_key, step.axis, step.dim, step.sections))
         else:
             assert step.kind == "zero_out", step.kind
             call = (collectives.autopar_zero_out, (value, group_key, step.axis))
