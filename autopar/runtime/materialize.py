@@ -15,7 +15,15 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from autopar.lowering.rewrite import LoweredGraph
-from autopar.placement import Partial, Placements, Shard, format_placements, replicated
+from autopar.placement import (
+    Partial,
+    Placements,
+    SectionShard,
+    Shard,
+    format_placements,
+    replicated,
+)
+from autopar.resharding.sections import from_rank_major, select_sections
 from autopar.runtime.state_source import StateSource, block_index
 
 __all__ = ["SourceState", "container", "gather_full", "local_block", "read_source"]
@@ -24,10 +32,18 @@ __all__ = ["SourceState", "container", "gather_full", "local_block", "read_sourc
 def local_block(
     full: torch.Tensor, placements: Placements, mesh_shape: Sequence[int], coords: Sequence[int]
 ) -> torch.Tensor:
-    """This rank's block of ``full`` (a view): axis 0 outermost when a dim is split over several axes."""
+    """This rank's block of ``full`` (a view; a copy under a SectionShard): axis 0 outermost when
+    a dim is split over several axes."""
     block = full
     for axis, p in enumerate(placements):
-        if isinstance(p, Shard):
+        if isinstance(p, SectionShard):
+            if any(size % mesh_shape[axis] for size in p.sections):
+                raise ValueError(
+                    f"sections {p.sections} do not split {mesh_shape[axis]} ways "
+                    f"(placements {format_placements(placements)})"
+                )
+            block = select_sections(block, p.dim, p.sections, mesh_shape[axis], coords[axis])
+        elif isinstance(p, Shard):
             size = mesh_shape[axis]
             if block.shape[p.dim] % size:
                 raise ValueError(
@@ -50,11 +66,13 @@ def gather_full(
     value = local.detach().contiguous()
     for axis in reversed(range(len(placements))):
         p = placements[axis]
-        if isinstance(p, Shard):
+        if isinstance(p, (Shard, SectionShard)):
             group = group_of(axis)
             parts = [torch.empty_like(value) for _ in range(dist.get_world_size(group))]
             dist.all_gather(parts, value, group=group)
             value = torch.cat(parts, dim=p.dim)
+            if isinstance(p, SectionShard):
+                value = from_rank_major(value, p.dim, p.sections, len(parts))
         elif isinstance(p, Partial):
             group = group_of(axis)
             value = value.clone()

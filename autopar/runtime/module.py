@@ -33,7 +33,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from autopar.lowering.rewrite import LoweredGraph
-from autopar.placement import Placements, Shard, format_placements, replicated
+from autopar.placement import Placements, SectionShard, Shard, format_placements, replicated
 from autopar.runtime.grad_sync import DEFAULT_BUCKET_BYTES, GradReducer
 from autopar.runtime.materialize import (
     SourceState,
@@ -291,7 +291,9 @@ class ParallelModule(nn.Module):
             self._split_axes = {}
             for name, p in self.named_parameters():
                 axes = {
-                    a for a, x in enumerate(self._param_placements[name]) if isinstance(x, Shard)
+                    a
+                    for a, x in enumerate(self._param_placements[name])
+                    if isinstance(x, (Shard, SectionShard))
                 }
                 if self.zero is not None:
                     axes |= set(self.zero.zero_axes_of(p))

@@ -42,6 +42,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.nn.modules.module import _IncompatibleKeys
 
+from autopar.placement import format_placements, section_axis
 from autopar.runtime.state_source import StateSource, block_index, global_shape
 
 __all__ = [
@@ -156,6 +157,12 @@ class _Layouts:
         """(mesh axis order, DTensor placements in that order, global shape) of one tensor."""
         pmodel = self.pmodel
         tp = pmodel._param_placements.get(name) or pmodel._buffer_placements[name]
+        if section_axis(tp) is not None:
+            # DTensor has no placement for it (_StridedShard cannot express unequal sections).
+            raise ValueError(
+                f"{name}: a section-sharded parameter ({format_placements(tp)}) has no sharded "
+                f"(DTensor) state dict yet; save the full state_dict() instead"
+            )
         num_axes = len(self.mesh_shape)
         if zero is None:
             return tuple(range(num_axes)), tuple(tp), global_shape(param.shape, tp, self.mesh_shape)

@@ -31,7 +31,7 @@ import pytest
 import torch
 import torch.fx as fx
 
-from autopar.placement import Placements, Replicate, Shard, replicated
+from autopar.placement import Placements, Replicate, SectionShard, Shard, replicated, section_axis
 from autopar.strategies.registry import (
     Strategy,
     input_nodes,
@@ -39,6 +39,7 @@ from autopar.strategies.registry import (
     replicate_all,
     strategies_for,
 )
+from autopar.strategies.sections import section_strategies
 from tests.distributed.reference import assert_close_named, model_loss, sgd_reference, sgd_steps
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -76,10 +77,13 @@ def greedy_choices(
     mesh_shape: tuple[int, ...],
     fixed: dict[str, Placements],
     forced: dict[Any, Placements] | None = None,
+    *,
+    sections: bool = False,
 ) -> dict[str, Strategy]:
     """Placeholders as in ``fixed`` (else Replicate); each op the best-matching strategy, except
     ops in ``forced`` (op -> placements), which take the first strategy requiring those
-    placements of their first input."""
+    placements of their first input. With ``sections``, the section-sharded strategies
+    (``autopar.strategies.sections``) are candidates too."""
     num_axes = len(mesh_shape)
     params = set(captured.param_nodes) | set(captured.buffer_nodes)
     choices: dict[str, Strategy] = {}
@@ -92,14 +96,20 @@ def greedy_choices(
             strategies, _ = strategies_for(node, mesh_shape)
             choices[node.name] = next(s for s in strategies if s.inputs[0] == forced[node.target])
         elif node.op == "call_function":
-            choices[node.name] = _best_strategy(node, mesh_shape, choices, params)
+            choices[node.name] = _best_strategy(node, mesh_shape, choices, params, sections)
     return choices
 
 
 def _best_strategy(
-    node: fx.Node, mesh_shape: tuple[int, ...], choices: dict[str, Strategy], params: set[str]
+    node: fx.Node,
+    mesh_shape: tuple[int, ...],
+    choices: dict[str, Strategy],
+    params: set[str],
+    sections: bool = False,
 ) -> Strategy:
     strategies, _ = strategies_for(node, mesh_shape)
+    if sections:
+        strategies = section_strategies(node, mesh_shape) + strategies
     have: list[Placements | None] = []
     for producer in input_nodes(node):
         outputs = choices[producer.name].outputs
@@ -142,6 +152,19 @@ def tp_layout(captured: Any, mesh_shape: tuple[int, ...]) -> dict[str, Placement
             fixed[name] = (Replicate(),) * (len(mesh_shape) - 1) + (Shard(0),)
         elif fqn.endswith(_ROW):
             fixed[name] = (Replicate(),) * (len(mesh_shape) - 1) + (Shard(1),)
+    return fixed
+
+
+def tp_sections_layout(captured: Any, mesh_shape: tuple[int, ...]) -> dict[str, Placements]:
+    """``tp_layout`` with the fused qkv weight and bias section-sharded on the last axis (q, k
+    and v each split over it: Megatron's per-rank order), so attention runs on local heads."""
+    fixed = tp_layout(captured, mesh_shape)
+    for name, fqn in captured.param_nodes.items():
+        if fqn.endswith(("qkv.weight", "qkv.bias")):
+            rows = captured.gm.graph.find_nodes(op="placeholder", target=name)[0].meta["val"]
+            width = rows.shape[0] // 3
+            sections = SectionShard(0, (width, width, width))
+            fixed[name] = (Replicate(),) * (len(mesh_shape) - 1) + (sections,)
     return fixed
 
 
@@ -339,6 +362,17 @@ def _chooser(layout: str) -> Callable[[Any, tuple[int, ...]], dict[str, Strategy
         if layout == "mixed":
             fixed, forced = mixed_layout(captured, mesh_shape)
             return greedy_choices(captured, mesh_shape, fixed, forced)
+        if layout == "tp_sections":
+            choices = greedy_choices(
+                captured, mesh_shape, tp_sections_layout(captured, mesh_shape), sections=True
+            )
+            # Attention runs on local heads: no conversion of the section-sharded qkv output.
+            assert any(
+                s.outputs[0] is not None and section_axis(s.outputs[0]) is not None
+                for s in choices.values()
+                if s.inputs
+            )
+            return choices
         fixed = (dp_layout if layout == "dp" else tp_layout)(captured, mesh_shape)
         return greedy_choices(captured, mesh_shape, fixed)
 
@@ -354,6 +388,7 @@ CASES = [
     "mlp/mixed",
     "gpt/dp",
     "gpt/tp",
+    "gpt/tp_sections",
     "llama/dp",
     "llama/tp",
 ]
