@@ -42,7 +42,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.nn.modules.module import _IncompatibleKeys
 
-from autopar.placement import format_placements, section_axis
+from autopar.placement import Placements, format_placements, section_axis
+from autopar.runtime.state_sections import contiguous_sections, convert_sections
 from autopar.runtime.state_source import StateSource, block_index, global_shape
 
 __all__ = [
@@ -114,6 +115,11 @@ class _Layouts:
             self._meshes[order] = mesh
         return mesh
 
+    def placements_of(self, name: str) -> Placements:
+        """The plan's (tensor-parallel) placements of a parameter or buffer."""
+        pmodel = self.pmodel
+        return pmodel._param_placements.get(name) or pmodel._buffer_placements[name]
+
     def zero_group(self, param: torch.Tensor) -> _ZeroGroup | None:
         """The ZeRO geometry of a managed shard parameter (None if not managed)."""
         engine = self.pmodel.zero
@@ -156,13 +162,16 @@ class _Layouts:
     ) -> tuple[tuple[int, ...], tuple[Any, ...], tuple[int, ...]]:
         """(mesh axis order, DTensor placements in that order, global shape) of one tensor."""
         pmodel = self.pmodel
-        tp = pmodel._param_placements.get(name) or pmodel._buffer_placements[name]
+        tp = self.placements_of(name)
         if section_axis(tp) is not None:
-            # DTensor has no placement for it (_StridedShard cannot express unequal sections).
-            raise ValueError(
-                f"{name}: a section-sharded parameter ({format_placements(tp)}) has no sharded "
-                f"(DTensor) state dict yet; save the full state_dict() instead"
-            )
+            if zero is not None:
+                raise ValueError(
+                    f"{name}: a section-sharded parameter ({format_placements(tp)}) under ZeRO "
+                    f"has no sharded (DTensor) state dict yet; save the full state_dict() instead"
+                )
+            # DCP needs contiguous blocks (it refuses _StridedShard's overlapping chunks): the
+            # sharded form is the contiguous Shard of the dim (see _contiguous_sections).
+            tp = contiguous_sections(tp)
         num_axes = len(self.mesh_shape)
         if zero is None:
             return tuple(range(num_axes)), tuple(tp), global_shape(param.shape, tp, self.mesh_shape)
@@ -256,7 +265,8 @@ def _to_dtensors(
             continue
         zero = layouts.zero_group(param)
         if zero is None:
-            out[name] = done[id(value)] = _dtensor(layouts, name, param, value.detach(), None)
+            local = convert_sections(layouts.placements_of(name), value.detach(), layouts.groups)
+            out[name] = done[id(value)] = _dtensor(layouts, name, param, local, None)
         else:
             zero_items.setdefault(value.dtype, []).append((name, zero, param, value))
     for dtype in sorted(zero_items, key=str):
@@ -350,7 +360,8 @@ def _store(
         seen.add((id(param), id(value)))
         zero = layouts.zero_group(param)
         if zero is None:
-            put(param, local)
+            tp = layouts.placements_of(name)
+            put(param, convert_sections(tp, local, layouts.groups, to_contiguous=False))
         else:
             zero_items.setdefault(local.dtype, []).append((zero, param, local))
     touched: set[int] = set()
