@@ -24,8 +24,7 @@ optimizer's state follows the same rules per state tensor (:func:`sharded_optim_
 ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``, so a plain module on one
 process loads it with ``set_optimizer_state_dict``.
 
-Lazy full loading: :class:`StateSource` and :func:`block_index` live in
-:mod:`autopar.runtime.state_source` and are re-exported here.
+Lazy full loading: :class:`StateSource` and :func:`block_index` (:mod:`.state_source`).
 """
 
 from __future__ import annotations
@@ -42,7 +41,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.nn.modules.module import _IncompatibleKeys
 
-from autopar.placement import Placements, format_placements, section_axis
+from autopar.placement import Placements, section_axis
 from autopar.runtime.state_sections import contiguous_sections, convert_sections
 from autopar.runtime.state_source import StateSource, block_index, global_shape
 
@@ -163,16 +162,13 @@ class _Layouts:
         """(mesh axis order, DTensor placements in that order, global shape) of one tensor."""
         pmodel = self.pmodel
         tp = self.placements_of(name)
-        if section_axis(tp) is not None:
-            if zero is not None:
-                raise ValueError(
-                    f"{name}: a section-sharded parameter ({format_placements(tp)}) under ZeRO "
-                    f"has no sharded (DTensor) state dict yet; save the full state_dict() instead"
-                )
-            # DCP needs contiguous blocks (it refuses _StridedShard's overlapping chunks): the
-            # sharded form is the contiguous Shard of the dim (see _contiguous_sections).
-            tp = contiguous_sections(tp)
         num_axes = len(self.mesh_shape)
+        if section_axis(tp) is not None:
+            # DCP needs contiguous blocks: the contiguous Shard of the dim, the whole local
+            # block, Replicate on any ZeRO axes (runtime/state_sections.py).
+            block = param.shape if zero is None else pmodel.zero.slot_of(param)[1].shape
+            shape = global_shape(block, tp, self.mesh_shape)
+            return tuple(range(num_axes)), contiguous_sections(tp), shape
         if zero is None:
             return tuple(range(num_axes)), tuple(tp), global_shape(param.shape, tp, self.mesh_shape)
         engine = pmodel.zero
@@ -259,12 +255,15 @@ def _to_dtensors(
     out: dict[str, Any] = {}
     done: dict[int, DTensor] = {}
     zero_items: dict[torch.dtype, list[tuple[str, _ZeroGroup, torch.Tensor, torch.Tensor]]] = {}
+    section_items: list[tuple[str, _ZeroGroup, torch.Tensor, torch.Tensor]] = []
     for name, param, value in entries:
         if id(value) in done:
             out[name] = done[id(value)]
             continue
         zero = layouts.zero_group(param)
-        if zero is None:
+        if zero is not None and section_axis(layouts.placements_of(name)) is not None:
+            section_items.append((name, zero, param, value))
+        elif zero is None:
             local = convert_sections(layouts.placements_of(name), value.detach(), layouts.groups)
             out[name] = done[id(value)] = _dtensor(layouts, name, param, local, None)
         else:
@@ -275,6 +274,14 @@ def _to_dtensors(
         for (name, zero, param, value), flat in zip(items, rows):
             dt = _dtensor(layouts, name, param, flat.view(zero.rows_shape), zero)
             out[name] = done[id(value)] = dt
+    if section_items:
+        # Whole local blocks (gathered over the ZeRO axes), then their contiguous form.
+        pieces = {id(p): v.detach() for _, _, p, v in section_items}
+        blocks = layouts.pmodel.zero.gather_pieces(pieces)
+        for name, zero, param, value in section_items:
+            tp = layouts.placements_of(name)
+            local = convert_sections(tp, blocks[id(param)], layouts.groups)
+            out[name] = done[id(value)] = _dtensor(layouts, name, param, local, zero)
     return {name: out[name] for name, _, _ in entries}
 
 
@@ -353,18 +360,22 @@ def _store(
     engine = layouts.pmodel.zero
     zero_items: dict[torch.dtype, list[tuple[_ZeroGroup, torch.Tensor, torch.Tensor]]] = {}
     seen: set[tuple[int, int]] = set()
+    touched: set[int] = set()
     for name, param, value in entries:
         local = _local_of(layouts, name, param, value)
         if (id(param), id(value)) in seen:
             continue  # a tied parameter's other name
         seen.add((id(param), id(value)))
         zero = layouts.zero_group(param)
+        tp = layouts.placements_of(name)
         if zero is None:
-            tp = layouts.placements_of(name)
             put(param, convert_sections(tp, local, layouts.groups, to_contiguous=False))
+        elif section_axis(tp) is not None:
+            block = convert_sections(tp, local, layouts.groups, to_contiguous=False)
+            put(param, engine.piece_of(param, block))
+            touched.add(engine.slot_of(param)[0].index)
         else:
             zero_items.setdefault(local.dtype, []).append((zero, param, local))
-    touched: set[int] = set()
     for dtype in sorted(zero_items, key=str):
         items = zero_items[dtype]
         pieces = _exchange([(z, v.reshape(-1)) for z, _, v in items], backwards=True)

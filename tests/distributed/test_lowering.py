@@ -264,6 +264,35 @@ def check_case(
         check_sharded_checkpoint(pmodel, fresh, local_args, local_kwargs)
 
 
+def check_sections_under_zero3(mesh_shape: tuple[int, ...], groups: Any) -> None:
+    """The section-sharded GPT with ZeRO-3 on axis 0 (fsdp+tp's shape on 2x2): 3 SGD steps
+    match one process, and the sharded checkpoint round trip holds."""
+    from autopar.capture.export import capture
+    from autopar.lowering import lower
+    from autopar.runtime.module import ParallelModule
+    from tests.models import tiny_gpt
+
+    want = _reference(tiny_gpt)
+    model, args, kwargs = tiny_gpt()
+    captured = capture(model, args, kwargs)
+    lowered = lower(captured, _chooser("tp_sections")(captured, mesh_shape), mesh_shape, groups.key)
+
+    def build(source: Any) -> Any:
+        return ParallelModule(
+            lowered, source, groups, zero_stage=3, zero_axes=(0,), chunk_bytes=8192
+        )
+
+    pmodel = build(model)
+    qkv = dict(pmodel.named_parameters())["blocks.0.attn.qkv.weight"]
+    assert pmodel.zero.manages(qkv) and pmodel.zero.zero_axes_of(qkv) == (0,)
+    local = pmodel.shard_inputs(*args)
+    _loss(pmodel(*local)).backward()
+    sgd_steps(pmodel, local, {}, lr=LR, steps=NUM_STEPS)
+    for name, value in pmodel.state_dict().items():
+        _close(f"{name} after {NUM_STEPS} SGD steps (ZeRO-3)", value, want["state"][name])
+    check_sharded_checkpoint(pmodel, build(tiny_gpt()[0]), local, {})
+
+
 def check_sharded_checkpoint(pmodel: Any, fresh: Any, args: Any, kwargs: dict) -> None:
     """``state_dict(sharded=True)`` and the sharded AdamW state through ``dcp.save`` /
     ``dcp.load`` into another module give back every tensor (section-sharded ones included)."""
@@ -442,6 +471,8 @@ CASES = [
     "llama/tp",
 ]
 HF_CASES = ["hf_gpt2/dp", "hf_llama/dp"]
+TWO_D_CASES = ["gpt/tp_sections_zero3"]
+"""Cases that need a data-parallel axis next to the tensor-parallel one (2x2 only)."""
 """Hugging Face models (keyword inputs, ModelOutput results) run on the 1-D mesh only, for time."""
 MESHES = {"mesh2": (2,), "mesh2x2": (2, 2)}
 
@@ -467,6 +498,9 @@ def run_case(rank: int, world_size: int, case: str, mesh_shape: tuple[int, ...])
     if case == "mlp/local_loss":
         check_local_loss(mesh_shape, groups)
         return
+    if case == "gpt/tp_sections_zero3":
+        check_sections_under_zero3(mesh_shape, groups)
+        return
     model_name, layout = case.split("/")
     build = {"mlp": models.tiny_mlp, "gpt": models.tiny_gpt, "llama": models.tiny_llama}.get(
         model_name
@@ -483,7 +517,7 @@ def mesh_results(request: pytest.FixtureRequest) -> dict[str, Any]:
 
     mesh_shape = MESHES[request.param]
     world_size = math.prod(mesh_shape)
-    cases = CASES + HF_CASES if len(mesh_shape) == 1 else CASES
+    cases = CASES + HF_CASES if len(mesh_shape) == 1 else CASES + TWO_D_CASES
     return run_cases(
         run_case,
         world_size,
@@ -496,10 +530,10 @@ def mesh_results(request: pytest.FixtureRequest) -> dict[str, Any]:
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("case", CASES + HF_CASES)
+@pytest.mark.parametrize("case", CASES + HF_CASES + TWO_D_CASES)
 def test_lowered_model_matches_single_process(mesh_results: dict[str, Any], case: str) -> None:
     if case not in mesh_results:
-        pytest.skip("Hugging Face models run on the 1-D mesh only")
+        pytest.skip("Hugging Face models run on the 1-D mesh only; ZeRO next to TP on 2x2")
     mesh_results[case].check()
 
 
