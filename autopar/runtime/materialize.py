@@ -23,7 +23,12 @@ from autopar.placement import (
     format_placements,
     replicated,
 )
-from autopar.resharding.sections import from_rank_major, select_sections
+from autopar.resharding.sections import (
+    from_rank_major,
+    sections_of,
+    select_sections,
+    without_sections,
+)
 from autopar.runtime.state_source import StateSource, block_index
 
 __all__ = ["SourceState", "container", "gather_full", "local_block", "read_source"]
@@ -144,6 +149,25 @@ def read_source(
     )
 
 
+def read_block(
+    state_source: StateSource,
+    name: str,
+    shape: Sequence[int],
+    placements: Placements,
+    mesh_shape: Sequence[int],
+    coords: Sequence[int],
+) -> torch.Tensor:
+    """This rank's block of ``name`` read from ``state_source``; a section-sharded one is read
+    whole along its sections' dim (one block without that axis) and its pieces selected."""
+    found = sections_of(placements)
+    if found is None:
+        return state_source.read(name, block_index(shape, placements, mesh_shape, coords))
+    axis, p = found
+    index = block_index(shape, without_sections(placements), mesh_shape, coords)
+    whole = state_source.read(name, index)
+    return select_sections(whole, p.dim, p.sections, mesh_shape[axis], coords[axis])
+
+
 def param_block_index(
     lowered: LoweredGraph, src: SourceState, key: str, coords: Sequence[int]
 ) -> tuple[slice, ...]:
@@ -160,6 +184,13 @@ def flat_reader(
     read from ``state_source`` as fp32 (what ZeRO fills its chunks from)."""
 
     def read_flat(key: str, lo: int, hi: int) -> torch.Tensor:
+        placements = lowered.param_placements.get(key, replicated(len(lowered.mesh_shape)))
+        if sections_of(placements) is not None:
+            shape = src.full[src.read_as[key]].shape
+            block = read_block(
+                state_source, src.read_as[key], shape, placements, lowered.mesh_shape, coords
+            )
+            return block.reshape(-1)[lo:hi].to(torch.float32)
         index = param_block_index(lowered, src, key, coords)
         value = state_source.read_flat(src.read_as[key], index, lo, hi)
         return value.to(torch.float32)

@@ -261,7 +261,24 @@ def check_case(
     for name, value in fresh.state_dict().items():
         _close(f"{name} after load_state_dict", value, want["state"][name])
     if any(section_axis(p) is not None for p in lowered.param_placements.values()):
+        check_from_state_source(lowered, build, groups, want["state"] | _non_persistent(model))
         check_sharded_checkpoint(pmodel, fresh, local_args, local_kwargs)
+
+
+def check_from_state_source(
+    lowered: Any, build: Any, groups: Any, state: dict, **zero: Any
+) -> None:
+    """A module built on the meta device reads its blocks (section-sharded ones included) from
+    a StateSource of the full tensors."""
+    from autopar.runtime.module import ParallelModule
+    from autopar.runtime.state import StateSource
+
+    with torch.device("meta"):
+        meta_model = build()[0]
+    source = StateSource(state)
+    pmodel = ParallelModule(lowered, meta_model, groups, state_source=source, **zero)
+    for name, value in pmodel.state_dict().items():
+        _close(f"{name} read from a StateSource", value, state[name])
 
 
 def check_sections_under_zero3(mesh_shape: tuple[int, ...], groups: Any) -> None:
@@ -291,6 +308,10 @@ def check_sections_under_zero3(mesh_shape: tuple[int, ...], groups: Any) -> None
     for name, value in pmodel.state_dict().items():
         _close(f"{name} after {NUM_STEPS} SGD steps (ZeRO-3)", value, want["state"][name])
     check_sharded_checkpoint(pmodel, build(tiny_gpt()[0]), local, {})
+    state = pmodel.state_dict() | _non_persistent(model)
+    check_from_state_source(
+        lowered, tiny_gpt, groups, state, zero_stage=3, zero_axes=(0,), chunk_bytes=8192
+    )
 
 
 def check_sharded_checkpoint(pmodel: Any, fresh: Any, args: Any, kwargs: dict) -> None:
