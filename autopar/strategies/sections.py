@@ -10,9 +10,8 @@ weight (and bias) is section-sharded the same way along dim 0. Sections may diff
 
 Which sections a projection's output has depends on its consumers, so the producer's options
 come from :func:`section_hints` (the splits among the node's users). These strategies are
-listed by :func:`section_strategies`, apart from the registry's rules, so no plan takes them
-until the planner, the lowering of the split's sizes and the runtime's parameter storage
-support the layout (README, "Section-sharded fused projections").
+listed by :func:`section_strategies`, apart from the registry's rules (the planner adds them
+to a node's strategies, and :func:`fused_param_sections` to its parameters' layouts).
 """
 
 from __future__ import annotations
@@ -30,13 +29,20 @@ from autopar.strategies.registry import (
     TensorMeta,
     expand,
     get_rule,
+    input_nodes,
     op_call,
 )
 from autopar.strategies.views import normalize_dim
 
 aten = torch.ops.aten
 
-__all__ = ["SPLIT_OPS", "section_hints", "section_strategies", "split_sections"]
+__all__ = [
+    "SPLIT_OPS",
+    "fused_param_sections",
+    "section_hints",
+    "section_strategies",
+    "split_sections",
+]
 
 SPLIT_OPS = frozenset(
     {
@@ -141,3 +147,18 @@ def section_strategies(node: fx.Node, mesh_shape: Sequence[int]) -> list[Strateg
         for s in expand(call, [*rule(call), *extra], mesh_shape)
         if any(p is not None and section_axis(p) is not None for p in (*s.inputs, *s.outputs))
     ]
+
+
+def fused_param_sections(gm: fx.GraphModule) -> dict[str, tuple[tuple[int, ...], ...]]:
+    """Placeholder -> the sections of every fused projection (``linear``) whose weight or bias
+    it is and whose output a split cuts into sections along the last dim."""
+    found: dict[str, dict[tuple[int, ...], None]] = {}
+    for node in gm.graph.nodes:
+        if node.target is not aten.linear.default:
+            continue
+        ndim = node.meta["val"].dim()
+        sections = [s for dim, s in section_hints(node) if dim == ndim - 1]
+        for inp in input_nodes(node)[1:3] if sections else ():
+            if inp.op == "placeholder":
+                found.setdefault(inp.name, {}).update(dict.fromkeys(sections))
+    return {name: tuple(s) for name, s in found.items()}
