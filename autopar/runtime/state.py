@@ -42,6 +42,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.nn.modules.module import _IncompatibleKeys
 
 from autopar.placement import Placements, section_axis
+from autopar.runtime.materialize import local_block
 from autopar.runtime.state_sections import contiguous_sections, convert_sections
 from autopar.runtime.state_source import StateSource, block_index, global_shape
 
@@ -163,12 +164,8 @@ class _Layouts:
         pmodel = self.pmodel
         tp = self.placements_of(name)
         num_axes = len(self.mesh_shape)
-        if section_axis(tp) is not None:
-            # DCP needs contiguous blocks: the contiguous Shard of the dim, the whole local
-            # block, Replicate on any ZeRO axes (runtime/state_sections.py).
-            block = param.shape if zero is None else pmodel.zero.slot_of(param)[1].shape
-            shape = global_shape(block, tp, self.mesh_shape)
-            return tuple(range(num_axes)), contiguous_sections(tp), shape
+        # DCP needs contiguous blocks: a SectionShard is the Shard of its dim (state_sections).
+        tp = contiguous_sections(tp)
         if zero is None:
             return tuple(range(num_axes)), tuple(tp), global_shape(param.shape, tp, self.mesh_shape)
         engine = pmodel.zero
@@ -280,8 +277,9 @@ def _to_dtensors(
         blocks = layouts.pmodel.zero.gather_pieces(pieces)
         for name, zero, param, value in section_items:
             tp = layouts.placements_of(name)
-            local = convert_sections(tp, blocks[id(param)], layouts.groups)
-            out[name] = done[id(value)] = _dtensor(layouts, name, param, local, zero)
+            local = convert_sections(tp, blocks[id(param)], layouts.groups).reshape(-1)
+            rows = local[zero.want[zero.me][0] : zero.want[zero.me][1]].view(zero.rows_shape)
+            out[name] = done[id(value)] = _dtensor(layouts, name, param, rows, zero)
     return {name: out[name] for name, _, _ in entries}
 
 
@@ -371,7 +369,9 @@ def _store(
         if zero is None:
             put(param, convert_sections(tp, local, layouts.groups, to_contiguous=False))
         elif section_axis(tp) is not None:
-            block = convert_sections(tp, local, layouts.groups, to_contiguous=False)
+            # Rows of the contiguous form: gathered whole (one tensor), then this rank's block.
+            full = value.full_tensor()
+            block = local_block(full, tp, layouts.mesh_shape, layouts.coords)
             put(param, engine.piece_of(param, block))
             touched.add(engine.slot_of(param)[0].index)
         else:
