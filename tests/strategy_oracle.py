@@ -27,7 +27,16 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from autopar.placement import Partial, Placement, Replicate, Shard, format_placements
+from autopar.placement import (
+    Partial,
+    Placement,
+    Replicate,
+    SectionShard,
+    Shard,
+    format_placements,
+    section_axis,
+)
+from autopar.resharding.sections import from_rank_major, to_rank_major
 from autopar.strategies.registry import (
     OpCall,
     Strategy,
@@ -83,7 +92,14 @@ def _coords(mesh_shape: Sequence[int]) -> list[Coord]:
 def _shard_slice(
     t: torch.Tensor, placements: Sequence[Placement], mesh_shape: Sequence[int], coord: Coord
 ) -> torch.Tensor:
-    """The rank's chunk: each dim split over its Shard axes in mesh-axis order (axis 0 outermost)."""
+    """The rank's chunk: each dim split over its Shard axes in mesh-axis order (axis 0 outermost).
+
+    A SectionShard dim is put in rank-major order first (a copy, so only for reading)."""
+    axis = section_axis(placements)
+    if axis is not None:
+        p = placements[axis]
+        t = to_rank_major(t, p.dim % t.ndim, p.sections, mesh_shape[axis])
+        placements = _contiguous(placements)
     out = t
     for dim in range(t.ndim):
         index, count = 0, 1
@@ -96,6 +112,11 @@ def _shard_slice(
             size = t.shape[dim] // count
             out = out.narrow(dim, index * size, size)
     return out
+
+
+def _contiguous(placements: Sequence[Placement]) -> tuple[Placement, ...]:
+    """``placements`` with a SectionShard read as the Shard of its dim."""
+    return tuple(Shard(p.dim) if isinstance(p, SectionShard) else p for p in placements)
 
 
 def _partial_parts(
@@ -140,7 +161,7 @@ def _local_shape(
 ) -> tuple[int, ...]:
     out = list(shape)
     for axis, p in enumerate(placements):
-        if isinstance(p, Shard):
+        if isinstance(p, (Shard, SectionShard)):
             out[p.dim % len(shape)] //= mesh_shape[axis]
     return tuple(out)
 
@@ -155,7 +176,22 @@ def _assemble(
     rtol: float,
     atol: float,
 ) -> torch.Tensor:
-    """Global tensor from per-rank values: Shard -> concatenate, Partial -> sum, Replicate -> equal."""
+    """Global tensor from per-rank values: Shard -> concatenate, Partial -> sum, Replicate -> equal.
+
+    A SectionShard is assembled as a Shard of the rank-major order, then put in section order."""
+    axis = section_axis(placements)
+    if axis is not None:
+        p = placements[axis]
+        rank_major = _assemble(
+            locals_,
+            _contiguous(placements),
+            mesh_shape,
+            full_shape,
+            what,
+            rtol=rtol,
+            atol=atol,
+        )
+        return from_rank_major(rank_major, p.dim % len(full_shape), p.sections, mesh_shape[axis])
     any_local = next(iter(locals_.values()))
     result = torch.zeros(tuple(full_shape), dtype=any_local.dtype)
     rep_axes = [a for a, p in enumerate(placements) if isinstance(p, Replicate)]

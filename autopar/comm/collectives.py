@@ -43,6 +43,7 @@ from autopar.comm.collective_check import (
     describe,
 )
 from autopar.comm.process_groups import AxisGroups, lookup_axis_groups
+from autopar.resharding.sections import from_rank_major, select_sections
 from autopar.resharding.steps import Step
 
 __all__ = [
@@ -60,8 +61,10 @@ __all__ = [
     "autopar_all_gather",
     "autopar_all_reduce",
     "autopar_all_to_all",
+    "autopar_gather_sections",
     "autopar_grad_all_reduce",
     "autopar_reduce_scatter",
+    "autopar_select_sections",
     "autopar_slice",
     "autopar_zero_out",
     "gather_stacked",
@@ -250,6 +253,50 @@ class Slice(torch.autograd.Function):
         return _gather(grad, *ctx.args), None, None, None
 
 
+class GatherSections(torch.autograd.Function):
+    """SectionShard(dim, sections) -> R on ``axis``: all-gather, then section order; backward:
+    this rank's pieces of every section."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, t: Tensor, groups: AxisGroups, axis: int, dim: int, sections: tuple[int, ...]
+    ) -> Tensor:
+        ctx.args = (groups, axis, dim, sections)
+        gathered = _gather(t, groups, axis, dim)
+        return from_rank_major(gathered, dim, sections, groups.mesh_shape[axis])
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        groups, axis, dim, sections = ctx.args
+        size, index = groups.mesh_shape[axis], groups.coordinate[axis]
+        return select_sections(grad, dim, sections, size, index), None, None, None, None
+
+
+class SelectSections(torch.autograd.Function):
+    """R -> SectionShard(dim, sections) on ``axis`` (no communication); backward: all-gather,
+    then section order."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, t: Tensor, groups: AxisGroups, axis: int, dim: int, sections: tuple[int, ...]
+    ) -> Tensor:
+        ctx.args = (groups, axis, dim, sections)
+        size, index = groups.mesh_shape[axis], groups.coordinate[axis]
+        return select_sections(t, dim, sections, size, index)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        groups, axis, dim, sections = ctx.args
+        gathered = _gather(grad.contiguous(), groups, axis, dim)
+        return (
+            from_rank_major(gathered, dim, sections, groups.mesh_shape[axis]),
+            None,
+            None,
+            None,
+            None,
+        )
+
+
 class ZeroOut(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, t: Tensor, groups: AxisGroups, axis: int) -> Tensor:
@@ -276,7 +323,13 @@ class GradAllReduce(torch.autograd.Function):
 
 
 def _apply(
-    t: Tensor, groups: AxisGroups, kind: str, axis: int, dim: int | None, dst_dim: int | None
+    t: Tensor,
+    groups: AxisGroups,
+    kind: str,
+    axis: int,
+    dim: int | None,
+    dst_dim: int | None,
+    sections: tuple[int, ...] | None = None,
 ) -> Tensor:
     if kind == "all_gather":
         assert dim is not None
@@ -294,6 +347,10 @@ def _apply(
         return Slice.apply(t, groups, axis, dim)
     if kind == "zero_out":
         return ZeroOut.apply(t, groups, axis)
+    if kind in ("gather_sections", "select_sections"):
+        assert dim is not None and sections is not None
+        fn = GatherSections if kind == "gather_sections" else SelectSections
+        return fn.apply(t, groups, axis, dim, tuple(sections))
     raise ValueError(f"unknown step kind {kind!r}")
 
 
@@ -301,7 +358,7 @@ def run_steps(tensor: Tensor, steps: Sequence[Step], groups: AxisGroups) -> Tens
     """Execute the forward ``steps`` of :func:`autopar.resharding.steps.reshard_steps` on this rank's
     local tensor; autograd then runs the matching backward steps."""
     for step in steps:
-        tensor = _apply(tensor, groups, step.kind, step.axis, step.dim, step.dst_dim)
+        tensor = _apply(tensor, groups, step.kind, step.axis, step.dim, step.dst_dim, step.sections)
     return tensor
 
 
@@ -320,6 +377,20 @@ def apply_step(
 def autopar_all_gather(t: Tensor, group_key: str, axis: int, dim: int) -> Tensor:
     """S(dim) -> R on ``axis``; backward: local slice."""
     return AllGather.apply(t, lookup_axis_groups(group_key), axis, dim)
+
+
+def autopar_gather_sections(
+    t: Tensor, group_key: str, axis: int, dim: int, sections: tuple[int, ...]
+) -> Tensor:
+    """SectionShard(dim, sections) -> R on ``axis``; backward: local selection."""
+    return GatherSections.apply(t, lookup_axis_groups(group_key), axis, dim, tuple(sections))
+
+
+def autopar_select_sections(
+    t: Tensor, group_key: str, axis: int, dim: int, sections: tuple[int, ...]
+) -> Tensor:
+    """R -> SectionShard(dim, sections) on ``axis`` (no communication); backward: all-gather."""
+    return SelectSections.apply(t, lookup_axis_groups(group_key), axis, dim, tuple(sections))
 
 
 def autopar_all_reduce(t: Tensor, group_key: str, axis: int) -> Tensor:

@@ -33,11 +33,19 @@ from autopar.capture.export import ASSERT_OPS
 from autopar.comm import collectives
 from autopar.comm.process_groups import lookup_axis_groups
 from autopar.lowering.vocab_parallel import autopar_vocab_parallel_cross_entropy
-from autopar.placement import Placements, Shard, format_placements, local_shape, replicated
+from autopar.placement import (
+    Placements,
+    Shard,
+    format_placements,
+    local_shape,
+    replicated,
+    section_axis,
+)
 from autopar.resharding.steps import Step, reshard_steps
 from autopar.strategies.embedding import vocab_parallel_embedding
 from autopar.strategies.losses import class_axes
 from autopar.strategies.registry import Strategy
+from autopar.strategies.sections import SPLIT_OPS
 
 aten = torch.ops.aten
 
@@ -189,6 +197,10 @@ def _localize_sizes(
         dim = int(node.args[1]) % len(in_shape)
         out_local = local_shape(shape_of(node), out_placements, mesh_shape)
         node.update_arg(2, list(out_local[dim : dim + len(node.args[2])]))
+    elif (
+        target in SPLIT_OPS and strategy.inputs[0] and section_axis(strategy.inputs[0]) is not None
+    ):
+        _localize_section_split(node, strategy, mesh_shape)
     elif target in _DIM_ARG:
         assert in_shape is not None
         _check_dim_not_sharded(node, strategy, in_shape)
@@ -199,6 +211,21 @@ def _localize_sizes(
                 f"output placement {format_placements(out_placements)} is sharded; rules must "
                 f"keep strided ops replicated"
             )
+
+
+def _localize_section_split(node: fx.Node, strategy: Strategy, mesh_shape: tuple[int, ...]) -> None:
+    """A split of a section-sharded tensor at its sections: each piece's size becomes its local
+    size (``chunk`` of equal pieces keeps its count)."""
+    placements = strategy.inputs[0]
+    assert placements is not None
+    axis = section_axis(placements)
+    assert axis is not None
+    num = mesh_shape[axis]
+    if node.target is aten.chunk.default:
+        return
+    size = node.args[1]
+    local = size // num if isinstance(size, int) else [s // num for s in size]
+    node.update_arg(1, local)
 
 
 def _check_dim_not_sharded(node: fx.Node, strategy: Strategy, shape: tuple[int, ...]) -> None:
@@ -246,6 +273,13 @@ def emit_steps(graph: fx.Graph, value: fx.Node, steps: Sequence[Step], group_key
             )
         elif step.kind == "slice":
             call = (collectives.autopar_slice, (value, group_key, step.axis, step.dim))
+        elif step.kind in ("gather_sections", "select_sections"):
+            fn = (
+                collectives.autopar_gather_sections
+                if step.kind == "gather_sections"
+                else collectives.autopar_select_sections
+            )
+            call = (fn, (value, group_key, step.axis, step.dim, step.sections))
         else:
             assert step.kind == "zero_out", step.kind
             call = (collectives.autopar_zero_out, (value, group_key, step.axis))

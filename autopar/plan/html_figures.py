@@ -101,7 +101,7 @@ def placement_colour(axis_placement: str) -> str:
         return _REPLICATE_COLOUR
     if axis_placement == "P":
         return _PARTIAL_COLOUR
-    match = re.fullmatch(r"S(\d+)", axis_placement)
+    match = re.fullmatch(r"S(\d+)(\[[\d:]+\])?", axis_placement)
     return _SHARD_COLOURS[int(match.group(1)) % len(_SHARD_COLOURS)] if match else "#ffffff"
 
 
@@ -110,7 +110,9 @@ def placement_words(axis_placement: str) -> str:
         return "replicated"
     if axis_placement == "P":
         return "partial sums"
-    match = re.fullmatch(r"S(\d+)", axis_placement)
+    match = re.fullmatch(r"S(\d+)(?:\[([\d:]+)\])?", axis_placement)
+    if match and match.group(2):
+        return f"split on dim {match.group(1)}, each of its sections {match.group(2)}"
     return f"split on dim {match.group(1)}" if match else axis_placement
 
 

@@ -40,9 +40,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from autopar.placement import REPLICATE, Placement, Placements, Shard, divides
+from autopar.placement import REPLICATE, Placement, Placements, SectionShard, Shard, divides
 from autopar.planner.problem import StrategySpace, ZeroConfig
 from autopar.strategies import Strategy, input_nodes
+from autopar.strategies.sections import section_hints
 
 aten = torch.ops.aten
 
@@ -407,6 +408,15 @@ def _wanted_layout(node, ndim: int, axes: _Axes, param_layout: dict[str, Placeme
     return tuple(Shard(0) if axis in axes.data else REPLICATE for axis in range(ndim))
 
 
+def _fused_sections(node: fx.Node) -> SectionShard | None:
+    """The weight layout of a ``linear`` whose output a split cuts into sections, or None."""
+    if node.target is not aten.linear.default:
+        return None
+    ndim = node.meta["val"].dim()
+    hints = [s for dim, s in section_hints(node) if dim == ndim - 1]
+    return SectionShard(0, hints[0]) if hints else None
+
+
 def megatron_layout(space: StrategySpace, tp: int, notes: list[str]) -> dict[str, Placements]:
     """Parameter placeholder name -> placements for Megatron tensor parallelism on axis ``tp``."""
     gm = space.captured.gm
@@ -475,6 +485,10 @@ def megatron_layout(space: StrategySpace, tp: int, notes: list[str]) -> dict[str
             role = "col" if first == Shard(out_dim) else "row" if first == Shard(in_dim) else role
         else:
             wanted = on_tp(Shard(out_dim if role == "col" else in_dim))
+            sections = _fused_sections(node) if role == "col" else None
+            if sections is not None and fits(weight, on_tp(sections)):
+                # A fused projection (qkv) split into sections: Megatron's per-rank order.
+                wanted = on_tp(sections)
             if not fits(weight, wanted):
                 notes.append(
                     f"megatron: {params[weight.name]} not divisible on the tp axis, kept replicated"
@@ -489,7 +503,8 @@ def megatron_layout(space: StrategySpace, tp: int, notes: list[str]) -> dict[str
         if bias_index is not None and bias_index < len(ins) and ins[bias_index].name in params:
             bias = ins[bias_index]
             if role == "col" and bias.name not in layout and fits(bias, on_tp(Shard(0))):
-                layout[bias.name] = on_tp(Shard(0))
+                bias_layout = on_tp(layout[weight.name][tp])
+                layout[bias.name] = bias_layout if fits(bias, bias_layout) else on_tp(Shard(0))
     # A tied parameter lifted as several placeholders is one parameter: one layout for all.
     by_fqn = {fqn: name for name, fqn in params.items()}
     for name, fqn in params.items():

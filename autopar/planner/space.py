@@ -24,11 +24,12 @@ from autopar.capture.export import Captured
 from autopar.capture.flops import node_costs
 from autopar.mesh import Mesh
 from autopar.options import PlanOptions
-from autopar.placement import REPLICATE, Placements, Shard, divides, local_shape
+from autopar.placement import REPLICATE, Placements, SectionShard, Shard, divides, local_shape
 from autopar.planner.pricing import CommPricer, pair_table
 from autopar.planner.saved_activations import SavedRule, saved_rules
 from autopar.strategies import Strategy, input_nodes, strategies_for
 from autopar.strategies.registry import TensorMeta, in_op_collectives, op_call, tensor_meta
+from autopar.strategies.sections import fused_param_sections, section_hints, section_strategies
 from cost_models import compute_time_s, op_bytes
 
 VIEW_FAMILIES = frozenset({"view"})
@@ -107,9 +108,13 @@ def _tensor_value(node: fx.Node) -> bool:
     return isinstance(val, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in val)
 
 
-def placeholder_strategies(meta: TensorMeta, mesh_shape: Sequence[int]) -> list[Strategy]:
-    """Every layout of a graph input: Replicate or Shard(d) per axis, divisible ones only."""
+def placeholder_strategies(
+    meta: TensorMeta, mesh_shape: Sequence[int], sections: Sequence[tuple[int, ...]] = ()
+) -> list[Strategy]:
+    """Every layout of a graph input: Replicate or Shard(d) per axis, divisible ones only; and
+    ``SectionShard(0, s)`` on one axis for each of ``sections`` (``fused_param_sections``)."""
     per_axis = [REPLICATE, *(Shard(d) for d in range(meta.ndim))]
+    per_axis += [SectionShard(0, s) for s in sections]
     out: list[Strategy] = []
     for combo in itertools.product(*[per_axis if size > 1 else [REPLICATE] for size in mesh_shape]):
         if divides(meta.shape, combo, mesh_shape):
@@ -127,7 +132,7 @@ def _split_factor(strategy: Strategy, mesh_shape: Sequence[int]) -> int:
     factor = 1
     for axis, size in enumerate(mesh_shape):
         placements = [p[axis] for p in (*strategy.inputs, *strategy.outputs) if p is not None]
-        if any(isinstance(p, Shard) for p in placements):
+        if any(isinstance(p, (Shard, SectionShard)) for p in placements):
             factor *= size
     return factor
 
@@ -182,6 +187,7 @@ def build_space(captured: Captured, mesh: Mesh, options: PlanOptions) -> Strateg
     index: dict[str, int] = {}
     warnings: list[str] = []
     output_users = _output_requirements(captured, mesh, options)
+    param_sections = fused_param_sections(gm)
     op_cache: dict[tuple, NodeSpace] = {}
     signatures: dict[str, tuple] = {}
 
@@ -196,10 +202,11 @@ def build_space(captured: Captured, mesh: Mesh, options: PlanOptions) -> Strateg
                 else "buffer" if node.name in captured.buffer_nodes else "input"
             )
             # Each layer's parameters repeat (kind, shape, dtype): priced once, shared.
-            key = ("placeholder", kind, meta)
+            sections = param_sections.get(node.name, ())
+            key = ("placeholder", kind, meta, sections)
             template = op_cache.get(key)
             if template is None:
-                strategies = placeholder_strategies(meta, mesh_shape)
+                strategies = placeholder_strategies(meta, mesh_shape, sections)
                 space = _placeholder_space(node, kind, meta, strategies, mesh_shape, pricer)
                 op_cache[key] = dataclasses.replace(space)
             else:
@@ -213,6 +220,7 @@ def build_space(captured: Captured, mesh: Mesh, options: PlanOptions) -> Strateg
             template = op_cache.get(key)
             if template is None:
                 strategies, warning = strategies_for(node, mesh_shape)
+                strategies = strategies + section_strategies(node, mesh_shape)
                 space = _op_space(
                     node, strategies, mesh, options, pricer, needs_grad, saved.get(node.name)
                 )
@@ -423,6 +431,7 @@ def _op_signature(node: fx.Node, needs_grad: set[str]) -> tuple:
         _freeze(call.outputs),
         node.name in needs_grad,
         tuple((inp.name in needs_grad, inp.op == "placeholder") for inp in inputs),
+        section_hints(node),
     )
 
 

@@ -14,7 +14,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from autopar.placement import Placement, local_shape
+from autopar.placement import Placement, SectionShard, Shard, local_shape, shard_counts
 from autopar.resharding.routes import (
     COLLECTIVE_KINDS,
     Code,
@@ -23,7 +23,8 @@ from autopar.resharding.routes import (
     encode,
     routes_from,
 )
-from autopar.resharding.steps import normalize_placements
+from autopar.resharding.sections import sections_of, without_sections
+from autopar.resharding.steps import gradient_placements, normalize_placements
 
 __all__ = ["price_table"]
 
@@ -48,7 +49,15 @@ def price_table(
     source's priced routes per ``price_key``, which must identify ``step_s`` (calls with equal
     keys and equal shapes must pass step_s functions giving equal prices), each step's price,
     and each source's destination rows per destination list. The tables are the same floats
-    with or without it."""
+    with or without it.
+
+    A placement with a :class:`SectionShard` is priced as ``reshard_steps`` routes it: the
+    gather_sections all-gather, the contiguous route with that axis Replicate, the local
+    selection (:func:`_with_sections`). ``shape`` may be a divisibility pattern (gcd of each
+    size with the device count, as the planner passes it): the section sizes are then checked
+    for divisibility by the axis, not for their sum, which the strategy rules guarantee."""
+    if any(isinstance(p, SectionShard) for pls in (*srcs, *dsts) for p in pls):
+        return _with_sections(srcs, dsts, shape, mesh_shape, step_s, memo, price_key)
     shape_t = tuple(int(s) for s in shape)
     mesh_t = tuple(int(m) for m in mesh_shape)
     dst_codes = tuple(_placement_code(dst, shape_t, mesh_t) for dst in dsts)
@@ -195,3 +204,42 @@ def _checked_code(
     except ValueError:
         return None
     return encode(normal)
+
+
+def _with_sections(srcs, dsts, shape, mesh_shape, step_s, memo, price_key):
+    """:func:`price_table` where some placements carry a SectionShard (see there)."""
+    fwd, bwd = price_table(
+        [without_sections(p) for p in srcs],
+        [without_sections(p) for p in dsts],
+        shape,
+        mesh_shape,
+        step_s,
+        memo=memo,
+        price_key=price_key,
+    )
+    fwd, bwd = fwd.copy(), bwd.copy()
+
+    def gather_s(placements: Sequence[Placement], replicated: Sequence[Placement]) -> float:
+        found = sections_of(placements)
+        if found is None or mesh_shape[found[0]] == 1:
+            return 0.0
+        axis, p = found
+        ndim = len(shape)
+        if not -ndim <= p.dim < ndim or any(size % mesh_shape[axis] for size in p.sections):
+            return math.inf
+        sharding = [q for q in placements if isinstance(q, (Shard, SectionShard))]
+        if sum(1 for q in sharding if q.dim % ndim == p.dim % ndim) > 1:
+            return math.inf  # the dim is also Shard on another axis
+        fraction = 1.0 / math.prod(shard_counts(replicated, mesh_shape, ndim))
+        return step_s("all_gather", axis, fraction)
+
+    for i, src in enumerate(srcs):
+        fwd[i, :] += gather_s(src, without_sections(src))
+    for j, dst in enumerate(dsts):
+        bwd[:, j] += gather_s(dst, gradient_placements(without_sections(dst)))
+    for i, src in enumerate(srcs):
+        if math.isfinite(gather_s(src, without_sections(src))):
+            for j, dst in enumerate(dsts):
+                if tuple(dst) == tuple(src):
+                    fwd[i, j] = bwd[i, j] = 0.0
+    return fwd, bwd

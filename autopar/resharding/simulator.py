@@ -12,7 +12,8 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from autopar.placement import Partial, Placement, Shard, local_shape
+from autopar.placement import Partial, Placement, SectionShard, Shard, local_shape
+from autopar.resharding.sections import from_rank_major, select_sections, to_rank_major
 from autopar.resharding.steps import Step, normalize_placements
 
 __all__ = ["Shards", "assemble", "shard_full", "simulate_steps"]
@@ -53,6 +54,16 @@ def simulate_steps(shards: Shards, steps: Sequence[Step], mesh_shape: Sequence[i
             elif step.kind == "slice":
                 for k, c in enumerate(group):
                     new[c] = locals_[k].chunk(size, dim=step.dim)[k].clone()
+            elif step.kind == "gather_sections":
+                assert step.sections is not None
+                gathered = torch.cat(locals_, dim=step.dim)
+                full = from_rank_major(gathered, step.dim, step.sections, size)
+                new.update({c: full.clone() for c in group})
+            elif step.kind == "select_sections":
+                assert step.sections is not None
+                for k, c in enumerate(group):
+                    ordered = to_rank_major(locals_[k], step.dim, step.sections, size)
+                    new[c] = ordered.chunk(size, dim=step.dim)[k].clone()
             else:  # zero_out
                 for k, c in enumerate(group):
                     new[c] = locals_[k].clone() if k == 0 else torch.zeros_like(locals_[k])
@@ -82,6 +93,8 @@ def shard_full(
         for prefix, value in level.items():
             if isinstance(p, Shard):
                 parts = [c.clone() for c in value.chunk(size, dim=p.dim)]
+            elif isinstance(p, SectionShard):
+                parts = [select_sections(value, p.dim, p.sections, size, k) for k in range(size)]
             elif isinstance(p, Partial):
                 parts = [
                     torch.randint(-4, 5, value.shape, generator=gen).to(value.dtype)
@@ -117,6 +130,9 @@ def assemble(
             parts = [level[prefix + (k,)] for k in range(mesh_shape[axis])]
             if isinstance(p, Shard):
                 next_level[prefix] = torch.cat(parts, dim=p.dim)
+            elif isinstance(p, SectionShard):
+                gathered = torch.cat(parts, dim=p.dim)
+                next_level[prefix] = from_rank_major(gathered, p.dim, p.sections, len(parts))
             elif isinstance(p, Partial):
                 next_level[prefix] = torch.stack(parts).sum(0)
             else:

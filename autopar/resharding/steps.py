@@ -19,6 +19,12 @@ all_to_all     S(i) -> S(j) slice and gather conditions hold       all_to_all S(
 zero_out       R -> P       always                                 (identity)
 =============  ===========  =====================================  ===================
 
+A :class:`autopar.placement.SectionShard` axis converts through Replicate on that axis:
+``gather_sections`` (SS -> R: all-gather along the dim, then the local reordering
+:func:`autopar.resharding.sections.from_rank_major`; backward ``select_sections``) first, the
+contiguous route between the two placements with that axis Replicate, then
+``select_sections`` (R -> SS: a local selection; backward ``gather_sections``).
+
 The conditions keep DTensor's chunk order for a dim sharded over several axes (axis 0 outermost):
 only the innermost sharding axis of a dim can be gathered in place, and a new sharding axis must
 become the innermost one. ``S -> P`` is never a single step (it goes through ``R``). The route
@@ -41,6 +47,7 @@ from autopar.placement import (
     Placement,
     Placements,
     Replicate,
+    SectionShard,
     Shard,
     divides,
     format_placements,
@@ -53,6 +60,7 @@ from autopar.resharding.routes import (
     encode,
     search_route,
 )
+from autopar.resharding.sections import sections_of, without_sections
 
 __all__ = [
     "STEP_KINDS",
@@ -63,7 +71,16 @@ __all__ = [
     "reshard_steps",
 ]
 
-STEP_KINDS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "slice", "zero_out")
+STEP_KINDS = (
+    "all_gather",
+    "all_reduce",
+    "reduce_scatter",
+    "all_to_all",
+    "slice",
+    "zero_out",
+    "gather_sections",
+    "select_sections",
+)
 
 _R = Replicate()
 _P = Partial("sum")
@@ -84,6 +101,8 @@ class Step:
     nbytes: float = 0.0
     """Bytes the cost model charges: the gathered (pre-scatter) local size for all_gather and
     reduce_scatter, the local size for all_reduce and all_to_all, 0 for slice and zero_out."""
+    sections: tuple[int, ...] | None = None
+    """gather_sections / select_sections only: the section sizes along ``dim``."""
 
     def __post_init__(self) -> None:
         if self.kind not in STEP_KINDS:
@@ -91,7 +110,14 @@ class Step:
 
     @property
     def is_collective(self) -> bool:
-        return self.kind in COLLECTIVE_KINDS
+        return self.kind in COLLECTIVE_KINDS or self.kind == "gather_sections"
+
+    @property
+    def collective_kind(self) -> str | None:
+        """The collective the step runs (for pricing), or None for a local step."""
+        if self.kind == "gather_sections":
+            return "all_gather"
+        return self.kind if self.kind in COLLECTIVE_KINDS else None
 
     def __str__(self) -> str:
         if self.kind == "all_to_all":
@@ -134,10 +160,16 @@ def normalize_placements(
             if not -ndim <= p.dim < ndim:
                 raise ValueError(f"Shard({p.dim}) is out of range for a {ndim}-D tensor")
             out.append(Shard(p.dim % ndim))
+        elif isinstance(p, SectionShard):
+            if not -ndim <= p.dim < ndim:
+                raise ValueError(f"SectionShard({p.dim}) is out of range for a {ndim}-D tensor")
+            out.append(SectionShard(p.dim % ndim, tuple(int(s) for s in p.sections)))
         elif isinstance(p, Replicate):
             out.append(_R)
         else:
-            raise ValueError(f"unsupported placement {p!r}; use Shard, Replicate or Partial")
+            raise ValueError(
+                f"unsupported placement {p!r}; use Shard, SectionShard, Replicate or Partial"
+            )
     return tuple(out)
 
 
@@ -190,6 +222,10 @@ def reshard_steps(
     dst_n = normalize_placements(dst, len(shape_t), mesh_t)
     local_shape(shape_t, src_n, mesh_t)  # raises with the dim and sizes when not divisible
     local_shape(shape_t, dst_n, mesh_t)
+    if src_n == dst_n:
+        return (), ()
+    if sections_of(src_n) is not None or sections_of(dst_n) is not None:
+        return _section_steps(src_n, dst_n, shape_t, int(itemsize), mesh_t)
     forward, backward = search_route(
         encode(src_n), encode(dst_n), len(shape_t), mesh_t, divisible_counts(shape_t, mesh_t)
     )
@@ -211,3 +247,44 @@ def reshard_steps(
         )
 
     return to_steps(forward), to_steps(backward)
+
+
+def _section_steps(
+    src: Placements,
+    dst: Placements,
+    shape: tuple[int, ...],
+    itemsize: int,
+    mesh_shape: tuple[int, ...],
+) -> tuple[tuple[Step, ...], tuple[Step, ...]]:
+    """A conversion with a SectionShard on either side: gather_sections, the contiguous route
+    between the placements with that axis Replicate, select_sections (module docstring)."""
+    src_r, dst_r = without_sections(src), without_sections(dst)
+    mid_fwd, mid_bwd = reshard_steps(src_r, dst_r, shape, itemsize, mesh_shape)
+
+    def gather(placements: Placements, replicated: Placements) -> tuple[Step, ...]:
+        found = sections_of(placements)
+        if found is None or mesh_shape[found[0]] == 1:
+            return ()
+        axis, p = found
+        gathered_bytes = math.prod(local_shape(shape, replicated, mesh_shape)) * itemsize
+        return (
+            Step(
+                kind="gather_sections",
+                axis=axis,
+                dim=p.dim,
+                sections=p.sections,
+                nbytes=float(gathered_bytes),
+            ),
+        )
+
+    def select(placements: Placements) -> tuple[Step, ...]:
+        found = sections_of(placements)
+        if found is None or mesh_shape[found[0]] == 1:
+            return ()
+        axis, p = found
+        return (Step(kind="select_sections", axis=axis, dim=p.dim, sections=p.sections),)
+
+    forward = (*gather(src, src_r), *mid_fwd, *select(dst))
+    dst_grad = gradient_placements(dst_r)
+    backward = (*gather(dst, dst_grad), *mid_bwd, *select(src))
+    return forward, backward

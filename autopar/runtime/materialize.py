@@ -15,7 +15,20 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from autopar.lowering.rewrite import LoweredGraph
-from autopar.placement import Partial, Placements, Shard, format_placements, replicated
+from autopar.placement import (
+    Partial,
+    Placements,
+    SectionShard,
+    Shard,
+    format_placements,
+    replicated,
+)
+from autopar.resharding.sections import (
+    from_rank_major,
+    sections_of,
+    select_sections,
+    without_sections,
+)
 from autopar.runtime.state_source import StateSource, block_index
 
 __all__ = ["SourceState", "container", "gather_full", "local_block", "read_source"]
@@ -24,10 +37,18 @@ __all__ = ["SourceState", "container", "gather_full", "local_block", "read_sourc
 def local_block(
     full: torch.Tensor, placements: Placements, mesh_shape: Sequence[int], coords: Sequence[int]
 ) -> torch.Tensor:
-    """This rank's block of ``full`` (a view): axis 0 outermost when a dim is split over several axes."""
+    """This rank's block of ``full`` (a view; a copy under a SectionShard): axis 0 outermost when
+    a dim is split over several axes."""
     block = full
     for axis, p in enumerate(placements):
-        if isinstance(p, Shard):
+        if isinstance(p, SectionShard):
+            if any(size % mesh_shape[axis] for size in p.sections):
+                raise ValueError(
+                    f"sections {p.sections} do not split {mesh_shape[axis]} ways "
+                    f"(placements {format_placements(placements)})"
+                )
+            block = select_sections(block, p.dim, p.sections, mesh_shape[axis], coords[axis])
+        elif isinstance(p, Shard):
             size = mesh_shape[axis]
             if block.shape[p.dim] % size:
                 raise ValueError(
@@ -50,11 +71,13 @@ def gather_full(
     value = local.detach().contiguous()
     for axis in reversed(range(len(placements))):
         p = placements[axis]
-        if isinstance(p, Shard):
+        if isinstance(p, (Shard, SectionShard)):
             group = group_of(axis)
             parts = [torch.empty_like(value) for _ in range(dist.get_world_size(group))]
             dist.all_gather(parts, value, group=group)
             value = torch.cat(parts, dim=p.dim)
+            if isinstance(p, SectionShard):
+                value = from_rank_major(value, p.dim, p.sections, len(parts))
         elif isinstance(p, Partial):
             group = group_of(axis)
             value = value.clone()
@@ -126,6 +149,25 @@ def read_source(
     )
 
 
+def read_block(
+    state_source: StateSource,
+    name: str,
+    shape: Sequence[int],
+    placements: Placements,
+    mesh_shape: Sequence[int],
+    coords: Sequence[int],
+) -> torch.Tensor:
+    """This rank's block of ``name`` read from ``state_source``; a section-sharded one is read
+    whole along its sections' dim (one block without that axis) and its pieces selected."""
+    found = sections_of(placements)
+    if found is None:
+        return state_source.read(name, block_index(shape, placements, mesh_shape, coords))
+    axis, p = found
+    index = block_index(shape, without_sections(placements), mesh_shape, coords)
+    whole = state_source.read(name, index)
+    return select_sections(whole, p.dim, p.sections, mesh_shape[axis], coords[axis])
+
+
 def param_block_index(
     lowered: LoweredGraph, src: SourceState, key: str, coords: Sequence[int]
 ) -> tuple[slice, ...]:
@@ -142,6 +184,13 @@ def flat_reader(
     read from ``state_source`` as fp32 (what ZeRO fills its chunks from)."""
 
     def read_flat(key: str, lo: int, hi: int) -> torch.Tensor:
+        placements = lowered.param_placements.get(key, replicated(len(lowered.mesh_shape)))
+        if sections_of(placements) is not None:
+            shape = src.full[src.read_as[key]].shape
+            block = read_block(
+                state_source, src.read_as[key], shape, placements, lowered.mesh_shape, coords
+            )
+            return block.reshape(-1)[lo:hi].to(torch.float32)
         index = param_block_index(lowered, src, key, coords)
         value = state_source.read_flat(src.read_as[key], index, lo, hi)
         return value.to(torch.float32)

@@ -33,7 +33,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from autopar.lowering.rewrite import LoweredGraph
-from autopar.placement import Placements, Shard, format_placements, replicated
+from autopar.placement import Placements, SectionShard, Shard, format_placements, replicated
 from autopar.runtime.grad_sync import DEFAULT_BUCKET_BYTES, GradReducer
 from autopar.runtime.materialize import (
     SourceState,
@@ -41,7 +41,7 @@ from autopar.runtime.materialize import (
     flat_reader,
     gather_full,
     local_block,
-    param_block_index,
+    read_block,
     read_source,
 )
 from autopar.runtime.norms import clip_grad_norm_
@@ -215,8 +215,12 @@ class ParallelModule(nn.Module):
         tensor-parallel block."""
         for key, param in list(self._params.items()):
             if param.is_meta:
-                index = param_block_index(self.lowered, src, key, self.coords)
-                value = state_source.read(src.read_as[key], index)
+                shape = src.full[src.read_as[key]].shape
+                placements = self.lowered.param_placements.get(key, replicated(len(self.coords)))
+                mesh_shape = self.lowered.mesh_shape
+                value = read_block(
+                    state_source, src.read_as[key], shape, placements, mesh_shape, self.coords
+                )
                 self._params[key] = nn.Parameter(
                     value.to(device=device, dtype=param.dtype),
                     requires_grad=param.requires_grad,
@@ -291,7 +295,9 @@ class ParallelModule(nn.Module):
             self._split_axes = {}
             for name, p in self.named_parameters():
                 axes = {
-                    a for a, x in enumerate(self._param_placements[name]) if isinstance(x, Shard)
+                    a
+                    for a, x in enumerate(self._param_placements[name])
+                    if isinstance(x, (Shard, SectionShard))
                 }
                 if self.zero is not None:
                     axes |= set(self.zero.zero_axes_of(p))

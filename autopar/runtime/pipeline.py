@@ -59,7 +59,7 @@ from torch.distributed.pipelining import (
 from torch.utils._pytree import tree_flatten
 
 from autopar.lowering.local_ops import autopar_scale_grad
-from autopar.placement import Shard
+from autopar.placement import SectionShard, Shard
 from autopar.planner.stages import MULTI_STAGE_SCHEDULES, V_SCHEDULES
 from autopar.runtime.materialize import local_block
 from autopar.runtime.module import ParallelModule
@@ -137,7 +137,7 @@ class StageModule(nn.Module):
 def _num_shards(placements: Sequence[Any], mesh_shape: Sequence[int]) -> int:
     count = 1
     for size, p in zip(mesh_shape, placements, strict=True):
-        if isinstance(p, Shard):
+        if isinstance(p, (Shard, SectionShard)):
             count *= size
     return count
 

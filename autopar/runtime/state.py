@@ -24,8 +24,7 @@ optimizer's state follows the same rules per state tensor (:func:`sharded_optim_
 ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``, so a plain module on one
 process loads it with ``set_optimizer_state_dict``.
 
-Lazy full loading: :class:`StateSource` and :func:`block_index` live in
-:mod:`autopar.runtime.state_source` and are re-exported here.
+Lazy full loading: :class:`StateSource` and :func:`block_index` (:mod:`.state_source`).
 """
 
 from __future__ import annotations
@@ -42,6 +41,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.nn.modules.module import _IncompatibleKeys
 
+from autopar.placement import Placements, section_axis
+from autopar.runtime.materialize import local_block
+from autopar.runtime.state_sections import contiguous_sections, convert_sections
 from autopar.runtime.state_source import StateSource, block_index, global_shape
 
 __all__ = [
@@ -113,6 +115,11 @@ class _Layouts:
             self._meshes[order] = mesh
         return mesh
 
+    def placements_of(self, name: str) -> Placements:
+        """The plan's (tensor-parallel) placements of a parameter or buffer."""
+        pmodel = self.pmodel
+        return pmodel._param_placements.get(name) or pmodel._buffer_placements[name]
+
     def zero_group(self, param: torch.Tensor) -> _ZeroGroup | None:
         """The ZeRO geometry of a managed shard parameter (None if not managed)."""
         engine = self.pmodel.zero
@@ -155,8 +162,10 @@ class _Layouts:
     ) -> tuple[tuple[int, ...], tuple[Any, ...], tuple[int, ...]]:
         """(mesh axis order, DTensor placements in that order, global shape) of one tensor."""
         pmodel = self.pmodel
-        tp = pmodel._param_placements.get(name) or pmodel._buffer_placements[name]
+        tp = self.placements_of(name)
         num_axes = len(self.mesh_shape)
+        # DCP needs contiguous blocks: a SectionShard is the Shard of its dim (state_sections).
+        tp = contiguous_sections(tp)
         if zero is None:
             return tuple(range(num_axes)), tuple(tp), global_shape(param.shape, tp, self.mesh_shape)
         engine = pmodel.zero
@@ -243,13 +252,17 @@ def _to_dtensors(
     out: dict[str, Any] = {}
     done: dict[int, DTensor] = {}
     zero_items: dict[torch.dtype, list[tuple[str, _ZeroGroup, torch.Tensor, torch.Tensor]]] = {}
+    section_items: list[tuple[str, _ZeroGroup, torch.Tensor, torch.Tensor]] = []
     for name, param, value in entries:
         if id(value) in done:
             out[name] = done[id(value)]
             continue
         zero = layouts.zero_group(param)
-        if zero is None:
-            out[name] = done[id(value)] = _dtensor(layouts, name, param, value.detach(), None)
+        if zero is not None and section_axis(layouts.placements_of(name)) is not None:
+            section_items.append((name, zero, param, value))
+        elif zero is None:
+            local = convert_sections(layouts.placements_of(name), value.detach(), layouts.groups)
+            out[name] = done[id(value)] = _dtensor(layouts, name, param, local, None)
         else:
             zero_items.setdefault(value.dtype, []).append((name, zero, param, value))
     for dtype in sorted(zero_items, key=str):
@@ -258,6 +271,15 @@ def _to_dtensors(
         for (name, zero, param, value), flat in zip(items, rows):
             dt = _dtensor(layouts, name, param, flat.view(zero.rows_shape), zero)
             out[name] = done[id(value)] = dt
+    if section_items:
+        # Whole local blocks (gathered over the ZeRO axes), then their contiguous form.
+        pieces = {id(p): v.detach() for _, _, p, v in section_items}
+        blocks = layouts.pmodel.zero.gather_pieces(pieces)
+        for name, zero, param, value in section_items:
+            tp = layouts.placements_of(name)
+            local = convert_sections(tp, blocks[id(param)], layouts.groups).reshape(-1)
+            rows = local[zero.want[zero.me][0] : zero.want[zero.me][1]].view(zero.rows_shape)
+            out[name] = done[id(value)] = _dtensor(layouts, name, param, rows, zero)
     return {name: out[name] for name, _, _ in entries}
 
 
@@ -336,17 +358,24 @@ def _store(
     engine = layouts.pmodel.zero
     zero_items: dict[torch.dtype, list[tuple[_ZeroGroup, torch.Tensor, torch.Tensor]]] = {}
     seen: set[tuple[int, int]] = set()
+    touched: set[int] = set()
     for name, param, value in entries:
         local = _local_of(layouts, name, param, value)
         if (id(param), id(value)) in seen:
             continue  # a tied parameter's other name
         seen.add((id(param), id(value)))
         zero = layouts.zero_group(param)
+        tp = layouts.placements_of(name)
         if zero is None:
-            put(param, local)
+            put(param, convert_sections(tp, local, layouts.groups, to_contiguous=False))
+        elif section_axis(tp) is not None:
+            # Rows of the contiguous form: gathered whole (one tensor), then this rank's block.
+            full = value.full_tensor()
+            block = local_block(full, tp, layouts.mesh_shape, layouts.coords)
+            put(param, engine.piece_of(param, block))
+            touched.add(engine.slot_of(param)[0].index)
         else:
             zero_items.setdefault(local.dtype, []).append((zero, param, local))
-    touched: set[int] = set()
     for dtype in sorted(zero_items, key=str):
         items = zero_items[dtype]
         pieces = _exchange([(z, v.reshape(-1)) for z, _, v in items], backwards=True)

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from autopar.placement import Placements, Shard, format_placements
+from autopar.placement import Placements, SectionShard, Shard, format_placements, section_axis
 
 __all__ = ["StateSource", "block_index", "global_shape"]
 
@@ -32,7 +32,7 @@ def global_shape(
     """The full shape of a tensor-parallel block (plan placements split dims evenly)."""
     shape = list(local_shape)
     for axis, p in enumerate(placements):
-        if isinstance(p, Shard):
+        if isinstance(p, (Shard, SectionShard)):
             shape[p.dim] *= mesh_shape[axis]
     return tuple(shape)
 
@@ -45,6 +45,11 @@ def block_index(
 ) -> tuple[slice, ...]:
     """Per dim, the slice of the full tensor that is this rank's tensor-parallel block (the
     region :func:`autopar.runtime.module.local_block` cuts: axis 0 outermost)."""
+    if section_axis(placements) is not None:
+        raise ValueError(
+            f"a section-sharded tensor (placements {format_placements(placements)}) is not one "
+            f"block of the full tensor; read it from a full state dict instead of a StateSource"
+        )
     start = [0] * len(full_shape)
     size = list(full_shape)
     for axis, p in enumerate(placements):

@@ -29,6 +29,7 @@ from autopar.placement import (
     REPLICATE,
     Placement,
     Placements,
+    SectionShard,
     Shard,
     divides,
     format_placements,
@@ -224,7 +225,7 @@ def input_grad_placements(
         if placements is None:
             continue
         for axis, p in enumerate(placements):
-            if isinstance(p, Shard):
+            if isinstance(p, (Shard, SectionShard)):
                 split[axis] = True
     for placements in outputs:
         if placements is None:

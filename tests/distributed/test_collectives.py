@@ -35,12 +35,22 @@ def full_grad() -> torch.Tensor:
     return torch.arange(16, dtype=torch.float64).reshape(SHAPE).flip(0) * 3.0 - 7.0
 
 
+# Section-sharded layouts (dim 1 as two sections of 2: rank r holds column r of each) to and
+# from the plain ones below, both ways, and between themselves.
+SECTION_LAYOUTS = {1: ["S1[2:2]"], 2: ["S1[2:2],R", "S0,S1[2:2]", "P,S1[2:2]", "R,S1[2:2]"]}
+SECTION_PEERS = {1: ["R", "P", "S0", "S1"], 2: ["R,R", "S0,S1", "S1,S0", "P,R", "R,S1", "S0,R"]}
+
+
 def pairs(mesh_shape: tuple[int, ...]) -> list[tuple[str, tuple[str, str, str]]]:
     layouts = [",".join(p) for p in itertools.product(PLACEMENTS, repeat=len(mesh_shape))]
+    sections = SECTION_LAYOUTS[len(mesh_shape)]
+    peers = SECTION_PEERS[len(mesh_shape)] + sections
+    candidates = [(src, dst) for src in layouts for dst in layouts]
+    candidates += [(src, dst) for src in sections for dst in peers]
+    candidates += [(src, dst) for src in SECTION_PEERS[len(mesh_shape)] for dst in sections]
     return [
         (f"{src}->{dst}", ("pair", src, dst))
-        for src in layouts
-        for dst in layouts
+        for src, dst in candidates
         if is_supported_pair(parse_placements(src), parse_placements(dst), SHAPE, mesh_shape)
     ]
 

@@ -133,6 +133,10 @@ def check_training(model_name: str, recipe: str, mesh: Any) -> dict[str, Any]:
     assert vocab_parallel == any("S1" in p.split(",") for p in loss_inputs), loss_inputs
     if recipe == "megatron" and model_name in ("gpt", "llama"):
         assert loss_inputs[0].split(",")[-1] == "S1", f"megatron loss logits {loss_inputs}"
+    if recipe == "megatron" and model_name == "gpt":
+        # The fused qkv is section-sharded (q, k, v each split): attention on local heads.
+        qkv = pmodel.plan.param_placements()["blocks.0.attn.qkv.weight"]
+        assert qkv.split(",")[-1].startswith("S0["), qkv
 
     local = pmodel.shard_inputs(*args, **kwargs)
     local_args, local_kwargs = local if kwargs else (local, {})

@@ -31,7 +31,7 @@ import pytest
 import torch
 import torch.fx as fx
 
-from autopar.placement import Placements, Replicate, Shard, replicated
+from autopar.placement import Placements, Replicate, SectionShard, Shard, replicated, section_axis
 from autopar.strategies.registry import (
     Strategy,
     input_nodes,
@@ -39,6 +39,7 @@ from autopar.strategies.registry import (
     replicate_all,
     strategies_for,
 )
+from autopar.strategies.sections import section_strategies
 from tests.distributed.reference import assert_close_named, model_loss, sgd_reference, sgd_steps
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -76,10 +77,13 @@ def greedy_choices(
     mesh_shape: tuple[int, ...],
     fixed: dict[str, Placements],
     forced: dict[Any, Placements] | None = None,
+    *,
+    sections: bool = False,
 ) -> dict[str, Strategy]:
     """Placeholders as in ``fixed`` (else Replicate); each op the best-matching strategy, except
     ops in ``forced`` (op -> placements), which take the first strategy requiring those
-    placements of their first input."""
+    placements of their first input. With ``sections``, the section-sharded strategies
+    (``autopar.strategies.sections``) are candidates too."""
     num_axes = len(mesh_shape)
     params = set(captured.param_nodes) | set(captured.buffer_nodes)
     choices: dict[str, Strategy] = {}
@@ -92,14 +96,20 @@ def greedy_choices(
             strategies, _ = strategies_for(node, mesh_shape)
             choices[node.name] = next(s for s in strategies if s.inputs[0] == forced[node.target])
         elif node.op == "call_function":
-            choices[node.name] = _best_strategy(node, mesh_shape, choices, params)
+            choices[node.name] = _best_strategy(node, mesh_shape, choices, params, sections)
     return choices
 
 
 def _best_strategy(
-    node: fx.Node, mesh_shape: tuple[int, ...], choices: dict[str, Strategy], params: set[str]
+    node: fx.Node,
+    mesh_shape: tuple[int, ...],
+    choices: dict[str, Strategy],
+    params: set[str],
+    sections: bool = False,
 ) -> Strategy:
     strategies, _ = strategies_for(node, mesh_shape)
+    if sections:
+        strategies = section_strategies(node, mesh_shape) + strategies
     have: list[Placements | None] = []
     for producer in input_nodes(node):
         outputs = choices[producer.name].outputs
@@ -142,6 +152,19 @@ def tp_layout(captured: Any, mesh_shape: tuple[int, ...]) -> dict[str, Placement
             fixed[name] = (Replicate(),) * (len(mesh_shape) - 1) + (Shard(0),)
         elif fqn.endswith(_ROW):
             fixed[name] = (Replicate(),) * (len(mesh_shape) - 1) + (Shard(1),)
+    return fixed
+
+
+def tp_sections_layout(captured: Any, mesh_shape: tuple[int, ...]) -> dict[str, Placements]:
+    """``tp_layout`` with the fused qkv weight and bias section-sharded on the last axis (q, k
+    and v each split over it: Megatron's per-rank order), so attention runs on local heads."""
+    fixed = tp_layout(captured, mesh_shape)
+    for name, fqn in captured.param_nodes.items():
+        if fqn.endswith(("qkv.weight", "qkv.bias")):
+            rows = captured.gm.graph.find_nodes(op="placeholder", target=name)[0].meta["val"]
+            width = rows.shape[0] // 3
+            sections = SectionShard(0, (width, width, width))
+            fixed[name] = (Replicate(),) * (len(mesh_shape) - 1) + (sections,)
     return fixed
 
 
@@ -237,6 +260,105 @@ def check_case(
     fresh.load_state_dict(want["state"])
     for name, value in fresh.state_dict().items():
         _close(f"{name} after load_state_dict", value, want["state"][name])
+    if any(section_axis(p) is not None for p in lowered.param_placements.values()):
+        check_from_state_source(lowered, build, groups, want["state"] | _non_persistent(model))
+        check_sharded_checkpoint(pmodel, fresh, local_args, local_kwargs)
+
+
+def check_from_state_source(
+    lowered: Any, build: Any, groups: Any, state: dict, **zero: Any
+) -> None:
+    """A module built on the meta device reads its blocks (section-sharded ones included) from
+    a StateSource of the full tensors."""
+    from autopar.runtime.module import ParallelModule
+    from autopar.runtime.state import StateSource
+
+    with torch.device("meta"):
+        meta_model = build()[0]
+    source = StateSource(state)
+    pmodel = ParallelModule(lowered, meta_model, groups, state_source=source, **zero)
+    for name, value in pmodel.state_dict().items():
+        _close(f"{name} read from a StateSource", value, state[name])
+
+
+def check_sections_under_zero3(mesh_shape: tuple[int, ...], groups: Any) -> None:
+    """The section-sharded GPT with ZeRO-3 on axis 0 (fsdp+tp's shape on 2x2): 3 SGD steps
+    match one process, and the sharded checkpoint round trip holds."""
+    from autopar.capture.export import capture
+    from autopar.lowering import lower
+    from autopar.runtime.module import ParallelModule
+    from tests.models import tiny_gpt
+
+    want = _reference(tiny_gpt)
+    model, args, kwargs = tiny_gpt()
+    captured = capture(model, args, kwargs)
+    lowered = lower(captured, _chooser("tp_sections")(captured, mesh_shape), mesh_shape, groups.key)
+
+    def build(source: Any) -> Any:
+        return ParallelModule(
+            lowered, source, groups, zero_stage=3, zero_axes=(0,), chunk_bytes=8192
+        )
+
+    pmodel = build(model)
+    qkv = dict(pmodel.named_parameters())["blocks.0.attn.qkv.weight"]
+    assert pmodel.zero.manages(qkv) and pmodel.zero.zero_axes_of(qkv) == (0,)
+    local = pmodel.shard_inputs(*args)
+    _loss(pmodel(*local)).backward()
+    sgd_steps(pmodel, local, {}, lr=LR, steps=NUM_STEPS)
+    for name, value in pmodel.state_dict().items():
+        _close(f"{name} after {NUM_STEPS} SGD steps (ZeRO-3)", value, want["state"][name])
+    check_sharded_checkpoint(pmodel, build(tiny_gpt()[0]), local, {})
+    state = pmodel.state_dict() | _non_persistent(model)
+    check_from_state_source(
+        lowered, tiny_gpt, groups, state, zero_stage=3, zero_axes=(0,), chunk_bytes=8192
+    )
+
+
+def check_sharded_checkpoint(pmodel: Any, fresh: Any, args: Any, kwargs: dict) -> None:
+    """``state_dict(sharded=True)`` and the sharded AdamW state through ``dcp.save`` /
+    ``dcp.load`` into another module give back every tensor (section-sharded ones included)."""
+    import tempfile
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from autopar.optim import load_sharded_optim_state_dict, sharded_optim_state_dict
+
+    opt = torch.optim.AdamW(pmodel.parameters(), lr=LR)
+    _loss(pmodel(*args, **kwargs)).backward()
+    opt.step()
+    path = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(path, src=0)
+    saved = {
+        "model": pmodel.state_dict(sharded=True),
+        "optim": sharded_optim_state_dict(pmodel, opt),
+    }
+    dcp.save(saved, checkpoint_id=path[0])
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=LR)
+    loaded = {
+        "model": fresh.state_dict(sharded=True),
+        "optim": sharded_optim_state_dict(fresh, fresh_opt),
+    }
+    dcp.load(loaded, checkpoint_id=path[0])
+    fresh.load_state_dict(loaded["model"])
+    load_sharded_optim_state_dict(fresh, fresh_opt, loaded["optim"])
+    want = pmodel.state_dict()
+    for name, value in fresh.state_dict().items():
+        _close(f"{name} after dcp.load", value, want[name])
+    # Into plain full tensors: the checkpoint holds each tensor in its original order.
+    plain = {"model": {name: torch.zeros_like(value) for name, value in want.items()}}
+    dcp.load(plain, checkpoint_id=path[0])
+    for name, value in plain["model"].items():
+        _close(f"{name} loaded whole", value, want[name])
+    fresh_params = dict(fresh.named_parameters())
+    for name, param in pmodel.named_parameters():
+        for key, value in opt.state[param].items():
+            if torch.is_tensor(value) and value.shape == param.shape:
+                _close(
+                    f"AdamW {key} of {name} after dcp.load",
+                    fresh_opt.state[fresh_params[name]][key],
+                    value,
+                )
 
 
 def check_grad_buffers(mesh_shape: tuple[int, ...], groups: Any) -> None:
@@ -339,6 +461,17 @@ def _chooser(layout: str) -> Callable[[Any, tuple[int, ...]], dict[str, Strategy
         if layout == "mixed":
             fixed, forced = mixed_layout(captured, mesh_shape)
             return greedy_choices(captured, mesh_shape, fixed, forced)
+        if layout == "tp_sections":
+            choices = greedy_choices(
+                captured, mesh_shape, tp_sections_layout(captured, mesh_shape), sections=True
+            )
+            # Attention runs on local heads: no conversion of the section-sharded qkv output.
+            assert any(
+                s.outputs[0] is not None and section_axis(s.outputs[0]) is not None
+                for s in choices.values()
+                if s.inputs
+            )
+            return choices
         fixed = (dp_layout if layout == "dp" else tp_layout)(captured, mesh_shape)
         return greedy_choices(captured, mesh_shape, fixed)
 
@@ -354,10 +487,13 @@ CASES = [
     "mlp/mixed",
     "gpt/dp",
     "gpt/tp",
+    "gpt/tp_sections",
     "llama/dp",
     "llama/tp",
 ]
 HF_CASES = ["hf_gpt2/dp", "hf_llama/dp"]
+TWO_D_CASES = ["gpt/tp_sections_zero3"]
+"""Cases that need a data-parallel axis next to the tensor-parallel one (2x2 only)."""
 """Hugging Face models (keyword inputs, ModelOutput results) run on the 1-D mesh only, for time."""
 MESHES = {"mesh2": (2,), "mesh2x2": (2, 2)}
 
@@ -383,6 +519,9 @@ def run_case(rank: int, world_size: int, case: str, mesh_shape: tuple[int, ...])
     if case == "mlp/local_loss":
         check_local_loss(mesh_shape, groups)
         return
+    if case == "gpt/tp_sections_zero3":
+        check_sections_under_zero3(mesh_shape, groups)
+        return
     model_name, layout = case.split("/")
     build = {"mlp": models.tiny_mlp, "gpt": models.tiny_gpt, "llama": models.tiny_llama}.get(
         model_name
@@ -399,7 +538,7 @@ def mesh_results(request: pytest.FixtureRequest) -> dict[str, Any]:
 
     mesh_shape = MESHES[request.param]
     world_size = math.prod(mesh_shape)
-    cases = CASES + HF_CASES if len(mesh_shape) == 1 else CASES
+    cases = CASES + HF_CASES if len(mesh_shape) == 1 else CASES + TWO_D_CASES
     return run_cases(
         run_case,
         world_size,
@@ -412,10 +551,10 @@ def mesh_results(request: pytest.FixtureRequest) -> dict[str, Any]:
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("case", CASES + HF_CASES)
+@pytest.mark.parametrize("case", CASES + HF_CASES + TWO_D_CASES)
 def test_lowered_model_matches_single_process(mesh_results: dict[str, Any], case: str) -> None:
     if case not in mesh_results:
-        pytest.skip("Hugging Face models run on the 1-D mesh only")
+        pytest.skip("Hugging Face models run on the 1-D mesh only; ZeRO next to TP on 2x2")
     mesh_results[case].check()
 
 

@@ -11,7 +11,7 @@ import torch
 import autopar
 from autopar.api import plan_captured
 from autopar.options import PlanOptions
-from autopar.placement import Replicate, Shard
+from autopar.placement import Replicate, SectionShard, Shard
 from autopar.planner.recipes import BASELINE_RECIPES, tp_axis
 from autopar.presets import build_preset
 from autopar.strategies import input_nodes
@@ -34,11 +34,15 @@ CASES = [
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("name", "mesh", "batch", "seq"), CASES, ids=[f"{c[0][:20]}-{c[1]}" for c in CASES])
+@pytest.mark.parametrize(
+    ("name", "mesh", "batch", "seq"), CASES, ids=[f"{c[0][:20]}-{c[1]}" for c in CASES]
+)
 def test_auto_plan_is_never_slower_than_a_recipe_that_fits(name, mesh, batch, seq):
     model, args, kwargs = build_preset(name, batch=batch, seq=seq)
     captured = autopar.capture(model, args, kwargs)
-    plan = plan_captured(captured, autopar.Mesh.parse(mesh, device="h100"), PlanOptions(), model_name=name)
+    plan = plan_captured(
+        captured, autopar.Mesh.parse(mesh, device="h100"), PlanOptions(), model_name=name
+    )
     assert plan.data["solver"]["status"] == "optimal"
     fitting = {k: v for k, v in plan.baselines.items() if v["fits"]}
     assert fitting, "with the default budget at least one recipe should fit these small models"
@@ -65,7 +69,9 @@ def test_data_parallel_recipes_never_gather_the_batch(recipe):
     from_inputs = {n.name for n in captured.gm.graph.nodes if n.name in captured.input_nodes}
     checked = 0
     for node in captured.gm.graph.nodes:
-        if node.op != "call_function" or not any(i.name in from_inputs for i in node.all_input_nodes):
+        if node.op != "call_function" or not any(
+            i.name in from_inputs for i in node.all_input_nodes
+        ):
             continue
         from_inputs.add(node.name)
         val = node.meta.get("val")
@@ -79,7 +85,9 @@ def test_data_parallel_recipes_never_gather_the_batch(recipe):
     assert checked > 20
 
 
-@pytest.mark.parametrize(("pair", "mesh"), [(("ddp", "fsdp"), "2x2"), (("megatron", "fsdp+tp"), "2x2")])
+@pytest.mark.parametrize(
+    ("pair", "mesh"), [(("ddp", "fsdp"), "2x2"), (("megatron", "fsdp+tp"), "2x2")]
+)
 def test_recipes_that_differ_only_in_zero_share_one_solve_and_it_is_their_optimum(pair, mesh):
     """fsdp's ZeRO-3 terms are constants when every parameter's layout is fixed: its layouts
     are ddp's, and solving its own ILP finds no faster plan (the shared solve is exact)."""
@@ -92,7 +100,9 @@ def test_recipes_that_differ_only_in_zero_share_one_solve_and_it_is_their_optimu
     space = build_space(captured, autopar.Mesh.parse(mesh, device="h100"), PlanOptions())
     specs = [recipe_spec(space, recipe) for recipe in pair]
     driver = Driver(space, tied=(), candidates=())
-    first, second = driver.configurations.solve_many([(r, s.zero, s, None) for r, s in zip(pair, specs)])
+    first, second = driver.configurations.solve_many(
+        [(r, s.zero, s, None) for r, s in zip(pair, specs)]
+    )
     assert first.choice == second.choice
     assert first.zero != second.zero and second.evaluation.step_s != first.evaluation.step_s
     alone = driver.configurations.solve(specs[1].zero, name=pair[1], budget=None, spec=specs[1])
@@ -150,7 +160,11 @@ def _expected_param(fqn: str, shape, mesh, tp: int | None) -> tuple:
     role = _megatron_role(fqn) if tp is not None else None
     if role is not None:
         dim = 1 if role == "row" else 0
-        if shape[dim] % mesh.shape[tp] == 0:  # otherwise the recipe keeps it replicated
+        sections = (shape[0] // 3,) * 3
+        if fqn.rpartition(".")[0].endswith("attn.qkv") and sections[0] % mesh.shape[tp] == 0:
+            # The fused qkv (split into q, k, v): each section split, Megatron's per-rank order.
+            wanted[tp] = SectionShard(0, sections)
+        elif shape[dim] % mesh.shape[tp] == 0:  # otherwise the recipe keeps it replicated
             wanted[tp] = Shard(dim)
     return tuple(wanted)
 

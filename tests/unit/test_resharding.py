@@ -15,7 +15,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autopar.placement import Partial, Placement, Replicate, Shard, parse_placements
+from autopar.placement import (
+    Partial,
+    Placement,
+    Replicate,
+    SectionShard,
+    Shard,
+    parse_placements,
+)
 from autopar.resharding.pricing import price_table
 from autopar.resharding.simulator import assemble, shard_full, simulate_steps
 from autopar.resharding.steps import Step, gradient_placements, is_supported_pair, reshard_steps
@@ -28,17 +35,34 @@ DIM_SIZES = [1, 2, 3, 4, 6, 8, 12]
 def placements_for(
     draw: st.DrawFn, shape: tuple[int, ...], mesh: tuple[int, ...]
 ) -> tuple[Placement, ...]:
-    """Random S(d)/R/P per axis; a shard the shape cannot divide becomes Replicate."""
+    """Random S(d)/R/P per axis, and at most one SectionShard (sections drawn so each divides
+    by the axis); a shard the shape cannot divide becomes Replicate."""
     choices: list[Placement] = [Replicate(), Partial()] + [Shard(d) for d in range(len(shape))]
+    choices += [SectionShard(d, (shape[d],)) for d in range(len(shape))]  # sections drawn below
     counts = [1] * len(shape)
+    section_dim = None
+    sharded: set[int] = set()
     out: list[Placement] = []
     for axis_size in mesh:
         p = draw(st.sampled_from(choices))
-        if isinstance(p, Shard):
-            if shape[p.dim] % (counts[p.dim] * axis_size):
+        if isinstance(p, SectionShard):
+            pieces = shape[p.dim] // axis_size
+            if section_dim is not None or p.dim in sharded or shape[p.dim] % axis_size:
+                p = Replicate()
+            else:
+                # Up to 3 sections whose sizes are multiples of the axis size, summing to the dim.
+                cuts = sorted(draw(st.sets(st.integers(1, max(pieces - 1, 1)), max_size=2)))
+                cuts = [c for c in cuts if c < pieces]
+                bounds = [0, *cuts, pieces]
+                sizes = tuple((b - a) * axis_size for a, b in zip(bounds, bounds[1:]))
+                p = SectionShard(p.dim, sizes)
+                section_dim = p.dim
+        elif isinstance(p, Shard):
+            if shape[p.dim] % (counts[p.dim] * axis_size) or p.dim == section_dim:
                 p = Replicate()
             else:
                 counts[p.dim] *= axis_size
+                sharded.add(p.dim)
         out.append(p)
     return tuple(out)
 
@@ -201,8 +225,12 @@ def test_price_table_prices_reshard_steps_routes(case) -> None:
     (fwd_s, same_f, bad_f), (bwd_s, same_b, bad_b) = fwd_t[0], bwd_t[0]
     fwd, bwd = reshard_steps(src, dst, shape, 1, mesh)
     total = math.prod(shape)
-    want_f = sum(step_s(s.kind, s.axis, s.nbytes / total) for s in fwd if s.is_collective)
-    want_b = sum(step_s(s.kind, s.axis, s.nbytes / total) for s in bwd if s.is_collective)
+    want_f = sum(
+        step_s(s.collective_kind, s.axis, s.nbytes / total) for s in fwd if s.is_collective
+    )
+    want_b = sum(
+        step_s(s.collective_kind, s.axis, s.nbytes / total) for s in bwd if s.is_collective
+    )
     assert fwd_s == pytest.approx(want_f, rel=1e-12, abs=1e-15)
     assert bwd_s == pytest.approx(want_b, rel=1e-12, abs=1e-15)
     assert (same_f, same_b) == (0.0, 0.0)
