@@ -213,6 +213,30 @@ def expand_recomputed(
     return tuple(out)
 
 
+def overlap_components(segments: Sequence[Segment]) -> list[list[int]]:
+    """Connected components of the overlap graph (segments whose footprints share a node),
+    each a list of segment indices in increasing order."""
+    parent = list(range(len(segments)))
+
+    def root(k: int) -> int:
+        while parent[k] != k:
+            parent[k] = parent[parent[k]]
+            k = parent[k]
+        return k
+
+    owner: dict[int, int] = {}
+    for k, seg in enumerate(segments):
+        for n in seg.footprint or seg.nodes:
+            if n in owner:
+                parent[root(k)] = root(owner[n])
+            else:
+                owner[n] = k
+    out: dict[int, list[int]] = {}
+    for k in range(len(segments)):
+        out.setdefault(root(k), []).append(k)
+    return list(out.values())
+
+
 def merge_alike(
     segments: Sequence[Segment],
 ) -> tuple[tuple[Segment, ...], tuple[tuple[int, ...], ...]]:
@@ -228,26 +252,9 @@ def merge_alike(
     Returns:
         (merged segments, per merged segment the original indices it stands for)."""
     assert all(seg.nodes == (0,) and not seg.edges for seg in segments)
-    owner: dict[int, int] = {}
-    parent = list(range(len(segments)))
-
-    def root(k: int) -> int:
-        while parent[k] != k:
-            parent[k] = parent[parent[k]]
-            k = parent[k]
-        return k
-
-    for k, seg in enumerate(segments):
-        for n in seg.footprint or seg.nodes:
-            if n in owner:
-                parent[root(k)] = root(owner[n])
-            else:
-                owner[n] = k
-    components: dict[int, list[int]] = {}
-    for k in range(len(segments)):
-        components.setdefault(root(k), []).append(k)
+    components = overlap_components(segments)
     classes: dict[tuple, list[list[int]]] = {}
-    for members in components.values():
+    for members in components:
         sets = [set(segments[k].footprint or segments[k].nodes) for k in members]
         overlaps = tuple((a, b) for a in range(len(members)) for b in range(a) if sets[a] & sets[b])
         values = tuple(

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from solver import highs_direct
-from solver.checkpointing import contract_segments
+from solver.checkpointing import contract_segments, overlap_components
 from solver.problem import Problem, Segment
 from solver.tying import Contracted, contract
 
@@ -65,29 +65,6 @@ class CountPatterns:
     contracted: Contracted
     """Maps the contracted nodes back to the original ones (tying.expand)."""
     patterns: list[tuple[int, ...]]
-
-
-def _components(segments: tuple[Segment, ...]) -> list[list[int]]:
-    """Connected components of the overlap graph (footprints sharing a node)."""
-    parent = list(range(len(segments)))
-
-    def root(k: int) -> int:
-        while parent[k] != k:
-            parent[k] = parent[parent[k]]
-            k = parent[k]
-        return k
-
-    owner: dict[int, int] = {}
-    for k, seg in enumerate(segments):
-        for n in seg.footprint or seg.nodes:
-            if n in owner:
-                parent[root(k)] = root(owner[n])
-            else:
-                owner[n] = k
-    out: dict[int, list[int]] = {}
-    for k in range(len(segments)):
-        out.setdefault(root(k), []).append(k)
-    return list(out.values())
 
 
 def _local_patterns(
@@ -123,7 +100,7 @@ def count_patterns(problem: Problem) -> CountPatterns | None:
     kind = {k: g for g, members in enumerate(groups) for k in members}
     num_kinds = len(merged)
     classes: dict[tuple, int] = {}  # the set of a component's local kind vectors -> components
-    for members in _components(problem.segments):
+    for members in overlap_components(problem.segments):
         local = _local_patterns(problem.segments, members)
         if local is None:
             return None
