@@ -63,8 +63,9 @@ def solve_relaxed(
     }
     num_variables, num_constraints = size
     backend_used = resolve_backend(backend)[0]
+    cut_off = False
     if bound >= stop_at:  # cannot beat the plan found elsewhere by more than the gap
-        details["cutoff"] = 1.0
+        cut_off = True
     elif objective - bound > gap * abs(objective):
         # Reduced-cost fixing (solver/fixing.py): the MIP runs over the strategies that some
         # plan better than both this relaxation's best plan and the cutoff can use.
@@ -84,7 +85,7 @@ def solve_relaxed(
         if exact is None:  # no plan of this problem costs at most the limit
             bound = max(bound, limit)
             if bound >= stop_at:
-                details["cutoff"] = 1.0
+                cut_off = True
         else:
             num_variables, num_constraints = exact.num_variables, exact.num_constraints
             # Every plan outside what the fixing kept costs more than the limit.
@@ -110,6 +111,7 @@ def solve_relaxed(
         solve_s=time.perf_counter() - start,
         details=details,
         recomputed=recomputed if problem.segments else (),
+        cut_off=cut_off,
     )
 
 

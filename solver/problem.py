@@ -140,3 +140,6 @@ class Solution:
     recomputed: tuple[int, ...] = ()
     """Per Problem.segments entry: copies recomputed (0 or 1 unless copies > 1); () without
     segments."""
+    cut_off: bool = False
+    """The solve stopped because its bound proved it cannot beat ``solve(cutoff_s=)`` (a plan
+    found elsewhere) by the gap; its plan is the best it had, its bound still a bound."""

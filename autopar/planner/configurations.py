@@ -60,7 +60,7 @@ def _within_gap(solution: solver.Solution, gap: float) -> bool:
     """The solve finished: proven optimal, or within the requested gap of its bound (the
     Lagrangian path reports 'feasible' with its gap; a time limit leaves it above), or proven
     unable to beat the best plan found elsewhere by the gap (a cutoff)."""
-    return solution.status == "optimal" or solution.gap <= gap or "cutoff" in solution.details
+    return solution.status == "optimal" or solution.gap <= gap or solution.cut_off
 
 
 def tie_levels(space: StrategySpace) -> list[tuple[tuple[int, ...], ...]]:

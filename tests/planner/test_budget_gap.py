@@ -76,7 +76,7 @@ def test_a_configuration_cut_off_by_a_better_plan_is_not_solved_again(monkeypatc
     calls.clear()
     cut = driver.configurations.solve(zero, name="auto", budget=driver.budget, cutoff_s=1e-12)
     assert calls == [1e-12]  # one solve: the relaxation stopped at once, nothing re-solved
-    assert cut.solution.details.get("cutoff") == 1.0
+    assert cut.solution.cut_off
     assert cut.evaluation.peak_memory_bytes <= driver.budget
     # Its bound is still a bound: not above the configuration's plan solved without a cutoff.
     assert cut.solution.bound_s <= uncut.solution.objective_s * (1 + 1e-9)
