@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from autopar.plan.document import Plan
+from autopar.plan.document import PLAN_VERSION, Plan
 from autopar.plan.report_html import render_plan_html, write_plan_html
 from autopar.tools.cli import main
 from tests.browser.report_dom import (
@@ -130,10 +130,12 @@ def test_report_loads_nothing_from_outside_the_file(browser, tmp_path) -> None:
 
 def test_cli_show_writes_the_report_of_the_saved_plan(browser, tmp_path, capsys) -> None:
     report = tmp_path / "show.html"
-    plan_file = tmp_path / "plan.json"  # the stored plans leave out the volatile version field
+    plan_file = tmp_path / "plan.json"  # the stored plans leave out the volatile version fields
     data = _data("tiny-gpt-2-tight")
     data.update(
-        autopar_version="0.1.0", timings={"capture_s": 1.0, "strategies_s": 1.0, "solve_s": 1.0}
+        version=PLAN_VERSION,
+        autopar_version="0.1.0",
+        timings={"capture_s": 1.0, "strategies_s": 1.0, "solve_s": 1.0},
     )
     data["solver"].update(build_s=0.1, solve_s=0.2)
     plan_file.write_text(json.dumps(data))
