@@ -124,7 +124,10 @@ def megatron_layout(space: StrategySpace, tp: int, notes: list[str]) -> dict[str
         if bias_index is not None and bias_index < len(ins) and ins[bias_index].name in params:
             bias = ins[bias_index]
             if role == "col" and bias.name not in layout and fits(bias, on_tp(Shard(0))):
-                bias_layout = on_tp(layout[weight.name][tp])
+                # Sectioned with its fused weight (qkv), else split with the output features
+                # (a Conv1D weight is Shard(1): its bias still splits along its only dim).
+                first = layout[weight.name][tp]
+                bias_layout = on_tp(first if isinstance(first, SectionShard) else Shard(0))
                 layout[bias.name] = bias_layout if fits(bias, bias_layout) else on_tp(Shard(0))
     # A tied parameter lifted as several placeholders is one parameter: one layout for all.
     by_fqn = {fqn: name for name, fqn in params.items()}
