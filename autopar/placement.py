@@ -204,6 +204,9 @@ def divides(
 ) -> bool:
     if _sections_error(global_shape, placements, mesh_shape) is not None:
         return False
+    ndim = len(global_shape)
+    if any(isinstance(p, Shard) and not -ndim <= p.dim < ndim for p in placements):
+        return False  # e.g. Shard(1) of a 1-D bias: no such dim to split
     counts = shard_counts(placements, mesh_shape, len(global_shape))
     return all(size % n == 0 for size, n in zip(global_shape, counts))
 

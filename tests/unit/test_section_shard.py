@@ -101,3 +101,12 @@ def test_price_table_prices_section_conversions_as_their_steps() -> None:
             )
             assert math.isclose(table[0, j], want, rel_tol=1e-12, abs_tol=1e-15), (dst, direction)
     assert fwd[0, 2] == bwd[0, 2] == 0.0
+
+
+def test_a_shard_dim_beyond_the_tensor_does_not_divide_it() -> None:
+    """Only -ndim <= dim < ndim splits a tensor: Shard(1) of a 1-D bias is no layout."""
+    assert not divides((8,), (Shard(1),), (2,))
+    assert not divides((8,), (Shard(-2),), (2,))
+    assert not divides((), (Shard(0),), (2,))
+    assert divides((8,), (Shard(-1),), (2,))
+    assert divides((8, 4), (Shard(1), Replicate()), (2, 2))
