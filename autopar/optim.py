@@ -35,6 +35,7 @@ __all__ = [
     "sharded_optim_state_dict",
 ]
 
+
 class LAMB(torch.optim.Optimizer):
     """LAMB (You et al., 2020): Adam's update scaled per parameter by ``||p|| / ||update||``,
     with both norms over the whole parameter (``split_groups``; module docstring).

@@ -79,7 +79,11 @@ def _zero_spec(spec: Any) -> int | tuple[int, ...] | tuple[tuple[str, int], ...]
         items = tuple(spec)
         if items and all(isinstance(x, Sequence) and not isinstance(x, str) for x in items):
             return _zero_spec(dict(items))  # (name, stage) pairs, as stored
-        bad = [x for x in items if isinstance(x, bool) or not isinstance(x, int) or x not in (0, 1, 2, 3)]
+        bad = [
+            x
+            for x in items
+            if isinstance(x, bool) or not isinstance(x, int) or x not in (0, 1, 2, 3)
+        ]
         if bad or not items:
             raise ValueError(f"zero_stage must be {valid}; bad stages: {bad or list(items)}")
         return items
@@ -126,7 +130,9 @@ class PlanOptions:
             raise ValueError(f"unknown solver {self.solver!r}; choose one of {', '.join(SOLVERS)}")
         object.__setattr__(self, "zero_stage", _zero_spec(self.zero_stage))
         if self.mixed_precision not in (None, "bf16", "fp16"):
-            raise ValueError(f"mixed_precision must be None, 'bf16' or 'fp16', got {self.mixed_precision!r}")
+            raise ValueError(
+                f"mixed_precision must be None, 'bf16' or 'fp16', got {self.mixed_precision!r}"
+            )
         if self.memory_budget is not None:
             parse_bytes(self.memory_budget)
         if not 0 <= self.gap < 1:

@@ -43,9 +43,7 @@ def brute_force_recompute(problem: Problem) -> tuple[tuple[int, ...], float, tup
     Without a budget and forced copies nothing is recomputed (it only costs time).
     """
     segments = problem.segments
-    if segments and problem.memory_budget_bytes is None and not any(
-        s.min_copies for s in segments
-    ):
+    if segments and problem.memory_budget_bytes is None and not any(s.min_copies for s in segments):
         segments = ()
     vectors = [
         v

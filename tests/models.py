@@ -45,7 +45,12 @@ def tiny_mlp() -> Built:
 def tiny_gpt(dropout: float = 0.0, layers: int = LAYERS) -> Built:
     torch.manual_seed(0)
     config = GPTConfig(
-        vocab_size=VOCAB, block_size=SEQ, n_layer=layers, n_head=HEADS, n_embd=WIDTH, dropout=dropout
+        vocab_size=VOCAB,
+        block_size=SEQ,
+        n_layer=layers,
+        n_head=HEADS,
+        n_embd=WIDTH,
+        dropout=dropout,
     )
     return GPT(config), _tokens(1), {}
 

@@ -28,7 +28,9 @@ def _fake_value(node: fx.Node) -> Any:
     return node.meta.get("val") if isinstance(node, fx.Node) else node
 
 
-def _insert(graph: fx.Graph, like: fx.Node, target: Any, args: tuple, kwargs: dict | None = None) -> fx.Node:
+def _insert(
+    graph: fx.Graph, like: fx.Node, target: Any, args: tuple, kwargs: dict | None = None
+) -> fx.Node:
     """Insert ``target(*args)`` before ``like`` with its FakeTensor value and provenance."""
     kwargs = kwargs or {}
     with graph.inserting_before(like):
@@ -106,7 +108,10 @@ def _cross_entropy(graph: fx.Graph, node: fx.Node) -> bool:
         kept = _insert(graph, node, aten.ne.Scalar, (target, ignore_index))
         count = _insert(graph, node, aten.sum.default, (kept,))
     total = _insert(
-        graph, node, aten.cross_entropy_loss.default, (logits, target, None, SUM_REDUCTION, ignore_index, 0.0)
+        graph,
+        node,
+        aten.cross_entropy_loss.default,
+        (logits, target, None, SUM_REDUCTION, ignore_index, 0.0),
     )
     _divide(graph, node, total, count)
     return True

@@ -133,9 +133,7 @@ def capture(
         if replicated is not None:
             exported = replicated[0]
         else:
-            exported = torch.export.export(
-                model, tuple(example_args), example_kwargs, strict=False
-            )
+            exported = torch.export.export(model, tuple(example_args), example_kwargs, strict=False)
     except Exception as error:  # torch raises many types here; all mean "not capturable"
         raise UnsupportedModelError(_explain_export_failure(error)) from error
     finally:

@@ -70,7 +70,8 @@ def node_alternatives(
     permitted = set(allowed[node.name]) if allowed and node.name in allowed else None
     # A tied parameter lifted twice is one tensor: its aliases take the same layout with it.
     group = [i] + [
-        j for j, other in enumerate(space.nodes)
+        j
+        for j, other in enumerate(space.nodes)
         if other.alias_of == node.name and len(other.strategies) == len(node.strategies)
     ]
     costs = {j: node_cost_vector(space, space.nodes[j], zero)[0] for j in group[1:]}
@@ -90,7 +91,9 @@ def node_alternatives(
     for s, strategy in enumerate(node.strategies):
         delta_s = total(s) - base_s
         delta_mem = float(memory[s]) - base_mem
-        layout = strategy.describe() if node.kind == "op" else format_placements(strategy.outputs[0])
+        layout = (
+            strategy.describe() if node.kind == "op" else format_placements(strategy.outputs[0])
+        )
         if s == chosen:
             reason = "chosen"
         elif permitted is not None and s not in permitted:
@@ -114,7 +117,11 @@ def node_alternatives(
                 "step_delta_s": delta_s if math.isfinite(delta_s) else None,
                 "memory_delta_bytes": delta_mem,
                 "reason": reason,
-                "_order": (s != chosen, not math.isfinite(delta_s), delta_s if math.isfinite(delta_s) else 0.0),
+                "_order": (
+                    s != chosen,
+                    not math.isfinite(delta_s),
+                    delta_s if math.isfinite(delta_s) else 0.0,
+                ),
             }
         )
     rows.sort(key=lambda r: r["_order"])
@@ -146,8 +153,14 @@ def alternatives_document(
     entries = {}
     for i in params + ops[:top_nodes]:
         entries[space.nodes[i].name] = node_alternatives(
-            space, chosen.choice, chosen.zero, i, headroom_bytes=headroom, allowed=allowed,
-            recipe=recipe, adjacency=adjacency,
+            space,
+            chosen.choice,
+            chosen.zero,
+            i,
+            headroom_bytes=headroom,
+            allowed=allowed,
+            recipe=recipe,
+            adjacency=adjacency,
         )
     return {"top_nodes": top_nodes, "entries": entries}
 

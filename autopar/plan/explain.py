@@ -58,19 +58,32 @@ def _alternatives_lines(alt: dict[str, Any], width: int | None) -> list[str]:
     more = f", the fastest {shown} shown" if shown < alt["num_strategies"] else ""
     lines = _wrap(
         f"{alt['num_strategies']} layouts weighed{more}; step time and memory per device vs the "
-        "chosen one, every other layout fixed at this plan's choice:", width, "  ", "  ",
+        "chosen one, every other layout fixed at this plan's choice:",
+        width,
+        "  ",
+        "  ",
     )
     rows = [
-        [("* " if o["reason"] == "chosen" else "  ") + o["layout"], _signed_seconds(o["step_delta_s"]),
-         _signed_bytes(o["memory_delta_bytes"]), o["reason"]]
+        [
+            ("* " if o["reason"] == "chosen" else "  ") + o["layout"],
+            _signed_seconds(o["step_delta_s"]),
+            _signed_bytes(o["memory_delta_bytes"]),
+            o["reason"],
+        ]
         for o in alt["options"]
     ]
-    body = table(["  layout", "step", "memory", "why not"], rows, width=None if width is None else width - 2,
-                 wrap_last=True)
+    body = table(
+        ["  layout", "step", "memory", "why not"],
+        rows,
+        width=None if width is None else width - 2,
+        wrap_last=True,
+    )
     return lines + ["  " + line for line in body]
 
 
-def _node_lines(d: dict[str, Any], entry: dict[str, Any], live: Live | None, width: int | None) -> list[str]:
+def _node_lines(
+    d: dict[str, Any], entry: dict[str, Any], live: Live | None, width: int | None
+) -> list[str]:
     where = entry["module_path"] or "(top)"
     if entry["kind"] == "param":
         param = d["params"].get(entry.get("fqn", ""), {})
@@ -78,7 +91,11 @@ def _node_lines(d: dict[str, Any], entry: dict[str, Any], live: Live | None, wid
         head = (
             f"parameter {entry.get('fqn', entry['name'])} {param.get('shape', '')} in module {where}: "
             f"{entry['outputs'][0]}"
-            + (f", ZeRO stage {zero['stage']} on {','.join(zero['axes'])}" if zero.get("stage") else "")
+            + (
+                f", ZeRO stage {zero['stage']} on {','.join(zero['axes'])}"
+                if zero.get("stage")
+                else ""
+            )
         )
     else:
         head = (
@@ -100,29 +117,43 @@ def _node_lines(d: dict[str, Any], entry: dict[str, Any], live: Live | None, wid
     alt = stored["entries"].get(entry["name"]) if stored else None
     if alt is None and live is not None:
         alt = live(entry["name"])
-    tied = d["params"].get(entry.get("fqn", ""), {}).get("tied_to") if entry["kind"] == "param" else None
+    tied = (
+        d["params"].get(entry.get("fqn", ""), {}).get("tied_to")
+        if entry["kind"] == "param"
+        else None
+    )
     if alt is not None:
         lines += _alternatives_lines(alt, width)
     elif tied and stored is not None:
         lines += _wrap(
             f"tied to {', '.join(tied)} (one tensor, one layout): explain {tied[0]} for the "
-            "layouts weighed", width, "  ", "  ",
+            "layouts weighed",
+            width,
+            "  ",
+            "  ",
         )
     elif stored is None:
         lines += _wrap(
             "this plan file stores no alternatives (written before autopar stored them); "
-            "re-plan to see what the solver weighed", width, "  ", "  ",
+            "re-plan to see what the solver weighed",
+            width,
+            "  ",
+            "  ",
         )
     else:
         lines += _wrap(
             f"alternatives are stored for every parameter and the {stored['top_nodes']} most "
             "expensive ops, and this op is not among them: explain a parameter of its module",
-            width, "  ", "  ",
+            width,
+            "  ",
+            "  ",
         )
     return lines
 
 
-def explain_text(d: dict[str, Any], name: str, *, live: Live | None = None, width: int | None = None) -> str:
+def explain_text(
+    d: dict[str, Any], name: str, *, live: Live | None = None, width: int | None = None
+) -> str:
     """Why ``name`` (parameter FQN, module path or node name) got its layout.
 
     Raises:
@@ -135,12 +166,18 @@ def explain_text(d: dict[str, Any], name: str, *, live: Live | None = None, widt
     node = next((e for e in nodes if e["name"] == name), None)
     if node is not None:
         return "\n".join(_node_lines(d, node, live, width))
-    inside = [e for e in nodes if e["module_path"] == name or e["module_path"].startswith(name + ".")]
+    inside = [
+        e for e in nodes if e["module_path"] == name or e["module_path"].startswith(name + ".")
+    ]
     if not inside:
         words = vocabulary(d)
         close = difflib.get_close_matches(name, words, n=5, cutoff=0.6)
         close += [w for w in words if name in w and w not in close][: 5 - len(close)]
-        hint = f"; did you mean {', '.join(close)}?" if close else "; names are parameter FQNs or module paths"
+        hint = (
+            f"; did you mean {', '.join(close)}?"
+            if close
+            else "; names are parameter FQNs or module paths"
+        )
         raise KeyError(f"no parameter or module {name!r} in this plan{hint}")
     params = [e for e in inside if e["kind"] == "param"]
     stored = d.get("alternatives") or {"entries": {}}

@@ -56,13 +56,21 @@ def wrap(text: str, width: int | None, indent: str = "", hanging: str | None = N
     if width is None:
         return [indent + text]
     return textwrap.wrap(
-        text, width=width, initial_indent=indent, subsequent_indent=indent if hanging is None else hanging,
+        text,
+        width=width,
+        initial_indent=indent,
+        subsequent_indent=indent if hanging is None else hanging,
         break_on_hyphens=False,
     ) or [indent]
 
 
 def table(
-    header: Sequence[str], rows: Sequence[Sequence[str]], *, width: int | None, left: int = 1, wrap_last: bool = False
+    header: Sequence[str],
+    rows: Sequence[Sequence[str]],
+    *,
+    width: int | None,
+    left: int = 1,
+    wrap_last: bool = False,
 ) -> list[str]:
     """Columns separated by two spaces; the first ``left`` columns left-aligned, the rest right;
     with ``wrap_last`` the last column is left-aligned and wrapped to fit ``width``."""
@@ -74,7 +82,11 @@ def table(
         last_width = max(16, min(widths[-1], width - used))
 
     def cells(row: Sequence[str]) -> list[str]:
-        lines = textwrap.wrap(str(row[-1]), last_width) if wrap_last and width is not None else [str(row[-1])]
+        lines = (
+            textwrap.wrap(str(row[-1]), last_width)
+            if wrap_last and width is not None
+            else [str(row[-1])]
+        )
         out = []
         for k, piece in enumerate(lines or [""]):
             parts = []
@@ -87,7 +99,9 @@ def table(
         return out
 
     lines = cells(header)
-    lines.append("  ".join("-" * (w if c < cols - 1 else min(w, last_width)) for c, w in enumerate(widths)))
+    lines.append(
+        "  ".join("-" * (w if c < cols - 1 else min(w, last_width)) for c, w in enumerate(widths))
+    )
     for row in rows:
         lines.extend(cells(row))
     return lines
@@ -121,7 +135,16 @@ def _recipes(rows: list[dict[str, Any]], width: int | None) -> list[str]:
     mem, m = unit_of([r["peak_memory_bytes"] for r in rows], _BYTES)
     recompute = any(r["recompute_s"] for r in rows)
     dt, dm = _decimals(times, s), _decimals([r["peak_memory_bytes"] for r in rows], m)
-    header = ["plan", "step", "vs this", "compute", "comm", *(["recompute"] if recompute else []), "peak mem", "fits"]
+    header = [
+        "plan",
+        "step",
+        "vs this",
+        "compute",
+        "comm",
+        *(["recompute"] if recompute else []),
+        "peak mem",
+        "fits",
+    ]
     body = [
         [
             r["plan"] + (" (this)" if r["this_plan"] else ""),
@@ -137,7 +160,9 @@ def _recipes(rows: list[dict[str, Any]], width: int | None) -> list[str]:
     ]
     title = f"Recipes under the same cost model (time in {sec}, peak memory in {mem} per device):"
     lines = [*wrap(title, width), *table(header, body, width=width)]
-    recomputing = [f"{r['plan']} ({r['recomputed_segments']})" for r in rows if r.get("recomputed_segments")]
+    recomputing = [
+        f"{r['plan']} ({r['recomputed_segments']})" for r in rows if r.get("recomputed_segments")
+    ]
     if recomputing:
         lines += wrap(
             "Recomputing to fit the budget (segments), each recipe with its own best checkpointing: "
@@ -150,14 +175,22 @@ def _recipes(rows: list[dict[str, Any]], width: int | None) -> list[str]:
 def _blocks(blocks: list[dict[str, Any]], legend: list[str], width: int | None) -> list[str]:
     sec, s = unit_of([b["seconds"] for b in blocks], _SECONDS)
     mem, m = unit_of([b["memory_bytes"] for b in blocks], _BYTES)
-    lines = wrap(f"Layouts per layer block, in model order (time in {sec}, memory in {mem} per device):", width)
+    lines = wrap(
+        f"Layouts per layer block, in model order (time in {sec}, memory in {mem} per device):",
+        width,
+    )
     for text in legend:
         lines += wrap(text, width, "  ", "    ")
     name_w = max(len("block"), *(len(b["name"]) for b in blocks))
     lines.append(f"{'block':<{name_w}}  {'time':>9}  {'memory':>9}")
-    dt, dm = _decimals([b["seconds"] for b in blocks], s), _decimals([b["memory_bytes"] for b in blocks], m)
+    dt, dm = (
+        _decimals([b["seconds"] for b in blocks], s),
+        _decimals([b["memory_bytes"] for b in blocks], m),
+    )
     for b in blocks:
-        lines.append(f"{b['name']:<{name_w}}  {_num(b['seconds'], s, dt):>9}  {_num(b['memory_bytes'], m, dm):>9}")
+        lines.append(
+            f"{b['name']:<{name_w}}  {_num(b['seconds'], s, dt):>9}  {_num(b['memory_bytes'], m, dm):>9}"
+        )
         if b["params"]:
             lines += wrap("  ".join(f"{n}={p}" for n, p in b["params"]), width, "  ", "    ")
         if b["activations"]:
@@ -170,7 +203,9 @@ def _details(x: dict[str, Any], width: int | None) -> list[str]:
     keys = [k for k in x["memory_keys"] if any(r["memory"].get(k) for r in x["per_stage"])]
     sec, s = unit_of([r["step_s"] for r in x["per_stage"]], _SECONDS)
     mem, m = unit_of([r["peak_memory_bytes"] for r in x["per_stage"]], _BYTES)
-    lines = wrap(f"These layouts under each ZeRO stage (time in {sec}, memory in {mem} per device):", width)
+    lines = wrap(
+        f"These layouts under each ZeRO stage (time in {sec}, memory in {mem} per device):", width
+    )
     header = ["ZeRO stage", "step", *(_MEMORY_SHORT.get(k, k) for k in keys), "peak"]
     rows = x["per_stage"]
     columns = [
@@ -178,7 +213,10 @@ def _details(x: dict[str, Any], width: int | None) -> list[str]:
         *(column([r["memory"].get(k, 0.0) for r in rows], m) for k in keys),
         column([r["peak_memory_bytes"] for r in rows], m),
     ]
-    body = [[r["stage"] + (" (chosen)" if r["chosen"] else ""), *(c[k] for c in columns)] for k, r in enumerate(rows)]
+    body = [
+        [r["stage"] + (" (chosen)" if r["chosen"] else ""), *(c[k] for c in columns)]
+        for k, r in enumerate(rows)
+    ]
     lines += table(header, body, width=width)
     if x["considered"]:
         sec, s = unit_of([r["step_s"] for r in x["considered"]], _SECONDS)
@@ -186,13 +224,21 @@ def _details(x: dict[str, Any], width: int | None) -> list[str]:
         lines.append("")
         lines += wrap(
             f"ZeRO configurations considered (time in {sec}, memory in {mem}; layouts: own = solved "
-            "for it, chosen = this plan's priced under it):", width,
+            "for it, chosen = this plan's priced under it):",
+            width,
         )
         rows = x["considered"]
         steps = column([r["step_s"] for r in rows], s)
         peaks = column([r["peak_memory_bytes"] for r in rows], m)
-        body = [[r["label"], r["layouts"], steps[k], peaks[k], r["verdict"]] for k, r in enumerate(rows)]
-        lines += table(["configuration", "layouts", "step", "peak", "verdict"], body, width=width, wrap_last=True)
+        body = [
+            [r["label"], r["layouts"], steps[k], peaks[k], r["verdict"]] for k, r in enumerate(rows)
+        ]
+        lines += table(
+            ["configuration", "layouts", "step", "peak", "verdict"],
+            body,
+            width=width,
+            wrap_last=True,
+        )
     if x["zero_reason"]:
         lines += wrap(f"ZeRO choice: {x['zero_reason']}", width)
     segments = x["segments"]
@@ -203,14 +249,18 @@ def _details(x: dict[str, Any], width: int | None) -> list[str]:
         again = sum(seg["recompute_s"] for seg in segments)
         mem, m = unit_of([saved], _BYTES)
         sec, s = unit_of([again], _SECONDS)
-        paths = ", ".join(seg["module_path"] + ("" if seg["policy"] == "full" else " [selective]") for seg in segments)
+        paths = ", ".join(
+            seg["module_path"] + ("" if seg["policy"] == "full" else " [selective]")
+            for seg in segments
+        )
         text += f" ({paths}); {_num(saved, m)} {mem} of activations saved, +{_num(again, s)} {sec} per step"
     lines += wrap(text, width)
     sol = x["solver"]
     lines += wrap(
         f"Solver {sol['backend']}: {sol['status']}, gap {sol['gap']:.2%} (bound {sol['bound_s']:.5g} s), "
         f"{sol['num_variables']:,} variables, "
-        f"{sol['num_constraints']:,} constraints, {sol['solve_s']:.2f} s", width,
+        f"{sol['num_constraints']:,} constraints, {sol['solve_s']:.2f} s",
+        width,
     )
     return lines
 

@@ -13,7 +13,15 @@ import re
 from typing import Any
 
 RECIPE_ORDER = ("auto", "replicated", "ddp", "fsdp", "megatron", "fsdp+tp")
-_MEMORY_ORDER = ("params", "grads", "optimizer", "master", "activations", "inputs_buffers", "transient")
+_MEMORY_ORDER = (
+    "params",
+    "grads",
+    "optimizer",
+    "master",
+    "activations",
+    "inputs_buffers",
+    "transient",
+)
 _PEAK_DTYPE = {"bf16": "bfloat16", "fp16": "float16", None: "float32"}
 
 
@@ -65,7 +73,18 @@ def _axis_roles(d: dict[str, Any]) -> list[tuple[str, str]]:
         batch = sum(e["seconds"] for e in ops if e["outputs"][0].split(",")[a] == "S0")
         data = batch / total > 0.5
         tensor = any(p["placement"].split(",")[a].startswith("S") for p in d["params"].values())
-        out.append((name, "data+tensor" if data and tensor else "data" if data else "tensor" if tensor else "none"))
+        out.append(
+            (
+                name,
+                "data+tensor"
+                if data and tensor
+                else "data"
+                if data
+                else "tensor"
+                if tensor
+                else "none",
+            )
+        )
     return out
 
 
@@ -87,7 +106,9 @@ def sentence(d: dict[str, Any]) -> str:
     for name, role in roles:
         by_role.setdefault(role, []).append(name)
     parts = []
-    tp_words = "Megatron tensor parallel" if d["recipe"] in ("megatron", "fsdp+tp") else "tensor parallel"
+    tp_words = (
+        "Megatron tensor parallel" if d["recipe"] in ("megatron", "fsdp+tp") else "tensor parallel"
+    )
     if by_role.get("tensor"):
         parts.append(f"{tp_words} on {','.join(by_role['tensor'])}")
     data_axes = [name for name, role in roles if role in ("data", "data+tensor")]
@@ -100,7 +121,11 @@ def sentence(d: dict[str, Any]) -> str:
     if by_role.get("none"):
         parts.append(f"replicated on {','.join(by_role['none'])}")
     if not any(by_role.get(r) for r in ("tensor", "data", "data+tensor")):
-        head = "replicated: no parallelism pays at this size" if d["recipe"] == "auto" else "replicated"
+        head = (
+            "replicated: no parallelism pays at this size"
+            if d["recipe"] == "auto"
+            else "replicated"
+        )
     else:
         head = " with ".join(parts[:2]) + "".join(f", {p}" for p in parts[2:])
     zero = d["zero"]
@@ -128,7 +153,11 @@ def mfu(d: dict[str, Any]) -> float | None:
     """Predicted model FLOPs utilisation: train_flops / (step x peak FLOP/s x devices), at the
     peak of the compute dtype; None when the plan lacks the figures (older plan files)."""
     flops = d["model"].get("train_flops")
-    peak = d["mesh"]["device"].get("peak_flops", {}).get(_PEAK_DTYPE.get(d["options"].get("mixed_precision")))
+    peak = (
+        d["mesh"]["device"]
+        .get("peak_flops", {})
+        .get(_PEAK_DTYPE.get(d["options"].get("mixed_precision")))
+    )
     devices = 1
     for size in d["mesh"]["shape"]:
         devices *= size
@@ -150,7 +179,10 @@ def recipe_rows(d: dict[str, Any]) -> list[dict[str, Any]]:
     for name, b in d["baselines"].items():
         figures.setdefault(name, (b, b["fits"]))
         segments.setdefault(name, b.get("recomputed_segments", 0))
-    order = sorted(figures, key=lambda n: (n != d["recipe"], RECIPE_ORDER.index(n) if n in RECIPE_ORDER else 99))
+    order = sorted(
+        figures,
+        key=lambda n: (n != d["recipe"], RECIPE_ORDER.index(n) if n in RECIPE_ORDER else 99),
+    )
     rows = []
     for name in order:
         fig, fits = figures[name]
@@ -193,10 +225,16 @@ def blocks(d: dict[str, Any]) -> list[dict[str, Any]]:
                 blk["acts"][entry["outputs"][0]] = blk["acts"].get(entry["outputs"][0], 0) + 1
     # Ties (a weight and a bias used by one op) break by graph position, never by dict order
     # (a saved plan's keys are sorted).
-    position = {e["fqn"]: k for k, e in enumerate(d["nodes"]) if e["kind"] == "param" and e.get("fqn")}
+    position = {
+        e["fqn"]: k for k, e in enumerate(d["nodes"]) if e["kind"] == "param" and e.get("fqn")
+    }
     end = len(d["nodes"])
     use = {
-        fqn: (first_use.get(d["nodes"][position[fqn]]["name"], end) if fqn in position else end, position.get(fqn, end), fqn)
+        fqn: (
+            first_use.get(d["nodes"][position[fqn]]["name"], end) if fqn in position else end,
+            position.get(fqn, end),
+            fqn,
+        )
         for fqn in d["params"]
     }
     for fqn in sorted(d["params"], key=lambda f: use[f]):
@@ -204,7 +242,9 @@ def blocks(d: dict[str, Any]) -> list[dict[str, Any]]:
         name = block_of(p["module_path"])
         blk = raw.setdefault(name, {"params": [], "acts": {}, "seconds": 0.0, "memory_bytes": 0.0})
         order.setdefault(name, use[fqn][0])
-        blk["params"].append((fqn[len(name) + 1 :] if fqn.startswith(name + ".") else fqn, p["placement"]))
+        blk["params"].append(
+            (fqn[len(name) + 1 :] if fqn.startswith(name + ".") else fqn, p["placement"])
+        )
     out: list[dict[str, Any]] = []
     for name in sorted(raw, key=lambda n: order.get(n, len(d["nodes"]))):
         blk = raw[name]
@@ -220,8 +260,12 @@ def blocks(d: dict[str, Any]) -> list[dict[str, Any]]:
             and int(index) == last["last"] + 1
         ):
             last["last"] = int(index)
-            last["seconds"] = (last["seconds"] * last["count"] + blk["seconds"]) / (last["count"] + 1)
-            last["memory_bytes"] = (last["memory_bytes"] * last["count"] + blk["memory_bytes"]) / (last["count"] + 1)
+            last["seconds"] = (last["seconds"] * last["count"] + blk["seconds"]) / (
+                last["count"] + 1
+            )
+            last["memory_bytes"] = (last["memory_bytes"] * last["count"] + blk["memory_bytes"]) / (
+                last["count"] + 1
+            )
             last["count"] += 1
             last["name"] = f"{prefix}.{last['first']}-{index}"
             continue
@@ -255,7 +299,9 @@ def legend(d: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
         lines.append(f"'{layout} x{count}' = {count} activations laid out {on}.")
     merged = next((r for r in rows if r["count"] > 1), None)
     if merged:
-        lines.append(f"'{merged['name']}' = {merged['count']} alike blocks; time and memory are the mean per block.")
+        lines.append(
+            f"'{merged['name']}' = {merged['count']} alike blocks; time and memory are the mean per block."
+        )
     return lines
 
 
@@ -303,7 +349,9 @@ def details(d: dict[str, Any]) -> dict[str, Any]:
     per_stage = zero.get("per_stage") or {chosen_key: pred}
     return {
         # A fixed order: a saved plan's keys are sorted, a live one's are not.
-        "memory_keys": sorted(pred["memory"], key=lambda k: (_MEMORY_ORDER.index(k) if k in _MEMORY_ORDER else 99, k)),
+        "memory_keys": sorted(
+            pred["memory"], key=lambda k: (_MEMORY_ORDER.index(k) if k in _MEMORY_ORDER else 99, k)
+        ),
         "per_stage": [
             {"stage": key, "chosen": key == chosen_key, **fig} for key, fig in per_stage.items()
         ],
@@ -335,7 +383,11 @@ def planning_note(d: dict[str, Any], *, live: bool) -> str:
     total = sum(t.values())
     parts = ", ".join(
         f"{label} {t[key]:.2f} s"
-        for key, label in (("capture_s", "capture"), ("strategies_s", "strategies"), ("solve_s", "solve"))
+        for key, label in (
+            ("capture_s", "capture"),
+            ("strategies_s", "strategies"),
+            ("solve_s", "solve"),
+        )
         if key in t
     )
     when = "planned in" if live else "planned earlier in"

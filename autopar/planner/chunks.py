@@ -114,4 +114,3 @@ def choose_chunk_bytes(
         if waste <= best_waste:
             best_numel, best_waste = chunk_numel, waste
     return best_numel * itemsize, float(best_waste)
-

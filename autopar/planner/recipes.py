@@ -48,6 +48,7 @@ aten = torch.ops.aten
 
 BASELINE_RECIPES = ("ddp", "fsdp", "megatron", "fsdp+tp")
 
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RecipeSpec:
     name: str

@@ -75,9 +75,7 @@ class ShardedGradScaler:
                 "it once per step, before step()"
             )
         inverse = 1.0 / self._scale
-        grads = [
-            p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None
-        ]
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         device = grads[0].device if grads else torch.device("cpu")
         if dist.is_initialized() and dist.get_backend() == "nccl":
             device = torch.device("cuda", torch.cuda.current_device())

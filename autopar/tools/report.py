@@ -109,14 +109,28 @@ def comm_volume_by_axis(plan: Plan) -> dict[str, float]:
 
     def itemsize(entry: Mapping[str, Any]) -> int:
         dtype = entry.get("dtype", "float32")
-        size = {"float64": 8, "int64": 8, "float16": 2, "bfloat16": 2, "bool": 1, "int8": 1, "uint8": 1}.get(dtype, 4)
-        if act_itemsize is not None and entry["kind"] == "op" and dtype.startswith(("float", "bfloat")):
+        size = {
+            "float64": 8,
+            "int64": 8,
+            "float16": 2,
+            "bfloat16": 2,
+            "bool": 1,
+            "int8": 1,
+            "uint8": 1,
+        }.get(dtype, 4)
+        if (
+            act_itemsize is not None
+            and entry["kind"] == "op"
+            and dtype.startswith(("float", "bfloat"))
+        ):
             return act_itemsize
         return size
 
     def add(kind: str, axis: int, nbytes: float) -> None:
         if kind in _COLLECTIVES and mesh_shape[axis] > 1 and nbytes > 0:
-            volume[names[axis]] += collective_steps_and_wire_bytes(kind, nbytes, mesh_shape[axis])[1]
+            volume[names[axis]] += collective_steps_and_wire_bytes(kind, nbytes, mesh_shape[axis])[
+                1
+            ]
 
     def local_bytes(shape: Sequence[int], placements: str, size: int) -> float:
         count = float(math.prod(shape))
@@ -130,7 +144,9 @@ def comm_volume_by_axis(plan: Plan) -> dict[str, float]:
             producer = by_name.get(arg)
             if producer is None or entry["inputs"][j] is None:
                 continue
-            index = entry.get("getitem_index", 0) if entry["op"] == "<built-in function getitem>" else 0
+            index = (
+                entry.get("getitem_index", 0) if entry["op"] == "<built-in function getitem>" else 0
+            )
             src = producer["outputs"][index]
             dst = entry["inputs"][j]
             shape = producer["shapes"][index]
@@ -138,7 +154,9 @@ def comm_volume_by_axis(plan: Plan) -> dict[str, float]:
                 continue
             size = itemsize(producer)
             if src != dst:
-                fwd, bwd = reshard_steps(parse_placements(src), parse_placements(dst), shape, size, mesh_shape)
+                fwd, bwd = reshard_steps(
+                    parse_placements(src), parse_placements(dst), shape, size, mesh_shape
+                )
                 for step in (*fwd, *bwd):
                     add(step.kind, step.axis, step.nbytes)
             grads = entry.get("input_grads", [])
@@ -154,7 +172,9 @@ def comm_volume_by_axis(plan: Plan) -> dict[str, float]:
                 continue
             info = d["params"].get(entry["fqn"], {})
             placement = info.get("placement", entry["outputs"][0])
-            nbytes = local_bytes(entry["shapes"][0], placement, 2 if act_itemsize else itemsize(entry))
+            nbytes = local_bytes(
+                entry["shapes"][0], placement, 2 if act_itemsize else itemsize(entry)
+            )
             for axis_name in info.get("zero", {}).get("axes", []):
                 add("all_gather", names.index(axis_name), nbytes)
     return volume
@@ -183,7 +203,9 @@ def compare_rows(plans: Mapping[str, Plan]) -> list[dict[str, Any]]:
     return rows
 
 
-def compare_table(rows: Sequence[Mapping[str, Any]], *, markdown: bool = False, title: str = "") -> str:
+def compare_table(
+    rows: Sequence[Mapping[str, Any]], *, markdown: bool = False, title: str = ""
+) -> str:
     """The rows of :func:`compare_rows` as a table: rich text, or Markdown to paste."""
     axes = list(rows[0]["comm_bytes"]) if rows else []
     best = min((r["step_s"] for r in rows if r["fits"]), default=math.nan)
@@ -201,14 +223,18 @@ def compare_table(rows: Sequence[Mapping[str, Any]], *, markdown: bool = False, 
                 format_seconds(r["comm_s"]),
                 *(format_bytes(r["comm_bytes"][a]) for a in axes),
                 format_bytes(r["peak_memory_bytes"]),
-                f"{zero['stage']} on {','.join(zero['axes'])}" if zero["stage"] and zero["axes"] else "-",
+                f"{zero['stage']} on {','.join(zero['axes'])}"
+                if zero["stage"] and zero["axes"]
+                else "-",
                 "yes" if r["fits"] else "NO",
             ]
         )
     return _table(header, body, markdown=markdown, title=title)
 
 
-def _table(header: Sequence[str], body: Sequence[Sequence[str]], *, markdown: bool, title: str = "") -> str:
+def _table(
+    header: Sequence[str], body: Sequence[Sequence[str]], *, markdown: bool, title: str = ""
+) -> str:
     if markdown:
         lines = [f"**{title}**", ""] if title else []
         lines.append("| " + " | ".join(header) + " |")
@@ -228,7 +254,9 @@ def _table(header: Sequence[str], body: Sequence[Sequence[str]], *, markdown: bo
     return console.export_text().rstrip()
 
 
-def table(header: Sequence[str], body: Sequence[Sequence[str]], *, markdown: bool = False, title: str = "") -> str:
+def table(
+    header: Sequence[str], body: Sequence[Sequence[str]], *, markdown: bool = False, title: str = ""
+) -> str:
     """A generic table (rich text or Markdown) for the bench-cost report."""
     return _table(header, body, markdown=markdown, title=title)
 
@@ -246,7 +274,9 @@ def plotting_unavailable() -> str | None:
     try:
         import matplotlib  # noqa: F401 - only whether it imports
     except ImportError:
-        return f"matplotlib is not installed (optional, for PNG plots); install it with {PLOT_INSTALL}"
+        return (
+            f"matplotlib is not installed (optional, for PNG plots); install it with {PLOT_INSTALL}"
+        )
     return None
 
 
@@ -313,8 +343,15 @@ def plot_step_bars(rows: Sequence[Mapping[str, Any]], path: str, *, title: str =
     fig, ax = plt.subplots(figsize=(max(5, 1.2 * len(rows) + 2), 4))
     xs = range(len(rows))
     width = 0.38
-    ax.bar([x - width / 2 for x in xs], [r["predicted_s"] * 1e3 for r in rows], width, label="predicted")
-    ax.bar([x + width / 2 for x in xs], [r["measured_s"] * 1e3 for r in rows], width, label="measured")
+    ax.bar(
+        [x - width / 2 for x in xs],
+        [r["predicted_s"] * 1e3 for r in rows],
+        width,
+        label="predicted",
+    )
+    ax.bar(
+        [x + width / 2 for x in xs], [r["measured_s"] * 1e3 for r in rows], width, label="measured"
+    )
     ax.set_xticks(list(xs))
     ax.set_xticklabels([r["plan"] for r in rows], rotation=20, ha="right", fontsize=8)
     ax.set_ylabel("step time (ms, forward + backward)")

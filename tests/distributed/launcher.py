@@ -49,7 +49,12 @@ __all__ = ["CaseResult", "DistributedRunError", "free_port", "run_cases", "run_d
 DistributedRunError = SpawnError
 """A rank failed, died, or the run passed its timeout; the message has every rank's story."""
 
-_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "autopar.resharding.simulator"]
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.distributed.tensor",
+    "autopar.resharding.simulator",
+]
 
 
 def _context() -> Any:

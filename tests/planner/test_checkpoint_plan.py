@@ -188,7 +188,11 @@ def test_cli_sweep_budget_prints_the_table_and_writes_the_plot(
     calls = {}
 
     def fake_sweep(driver, *, num_points):
-        calls.update(checkpoint=driver.options.checkpoint, num_points=num_points, mesh=driver.space.mesh.shape)
+        calls.update(
+            checkpoint=driver.options.checkpoint,
+            num_points=num_points,
+            mesh=driver.space.mesh.shape,
+        )
         return [
             SweepPoint(
                 budget_bytes=2**20,

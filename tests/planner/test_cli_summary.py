@@ -16,13 +16,26 @@ import pytest
 from autopar.tools.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
-QUICK_START = ["plan", "llama3-8b-2l", "--mesh", "2x4", "--device", "h100", "--batch", "8", "--seq", "2048"]
+QUICK_START = [
+    "plan",
+    "llama3-8b-2l",
+    "--mesh",
+    "2x4",
+    "--device",
+    "h100",
+    "--batch",
+    "8",
+    "--seq",
+    "2048",
+]
 
 
 def _summary_part(text: str) -> str:
     """The printed summary without the planning-time and 'plan written' lines."""
     return "\n".join(
-        line for line in text.splitlines() if not line.startswith(("planned in", "planned earlier in", "plan written"))
+        line
+        for line in text.splitlines()
+        if not line.startswith(("planned in", "planned earlier in", "plan written"))
     )
 
 
@@ -80,15 +93,23 @@ def test_120_columns_and_redirected_output(quick_start, monkeypatch, capsys) -> 
     monkeypatch.delenv("COLUMNS")
     assert main(["show", str(path)]) == 0  # stdout is not a terminal here: plain unwrapped lines
     plain = capsys.readouterr().out
-    assert any(line.startswith("  attention_norm.weight=") and "feed_forward.w2.weight=" in line for line in plain.splitlines())
+    assert any(
+        line.startswith("  attention_norm.weight=") and "feed_forward.w2.weight=" in line
+        for line in plain.splitlines()
+    )
 
 
-def test_explain_flag_before_or_after_the_file_and_on_plan(quick_start, monkeypatch, capsys) -> None:
+def test_explain_flag_before_or_after_the_file_and_on_plan(
+    quick_start, monkeypatch, capsys
+) -> None:
     _, path = quick_start
     monkeypatch.setenv("COLUMNS", "80")
     assert main(["show", "--explain", "layers.0.attention.wq.weight", str(path)]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("parameter layers.0.attention.wq.weight [4096, 4096]") and "layouts weighed" in out
+    assert (
+        out.startswith("parameter layers.0.attention.wq.weight [4096, 4096]")
+        and "layouts weighed" in out
+    )
     assert max(len(line) for line in out.splitlines()) <= 80
     assert main(["show", str(path), "--explain", "output.weight,layers.1.feed_forward"]) == 0
     out = capsys.readouterr().out
@@ -105,16 +126,44 @@ def test_explain_from_a_saved_file_in_a_fresh_process(quick_start) -> None:
     _, path = quick_start
     env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "100"}
     run = subprocess.run(
-        [sys.executable, "-m", "autopar.tools.cli", "show", "--explain", "layers.1.attention.wk.weight", str(path)],
-        capture_output=True, text=True, env=env, cwd=ROOT, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "autopar.tools.cli",
+            "show",
+            "--explain",
+            "layers.1.attention.wk.weight",
+            str(path),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=120,
     )
     assert run.returncode == 0, run.stderr
     assert "layouts weighed" in run.stdout and "* " in run.stdout and "slower by" in run.stdout
     assert "stores no alternatives" not in run.stdout
     bad = subprocess.run(
-        [sys.executable, "-m", "autopar.tools.cli", "show", "--explain", "layers.0.attention.wq.wieght", str(path)],
-        capture_output=True, text=True, env=env, cwd=ROOT, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "autopar.tools.cli",
+            "show",
+            "--explain",
+            "layers.0.attention.wq.wieght",
+            str(path),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=120,
     )
     assert bad.returncode == 2 and bad.stdout == ""
-    assert bad.stderr.count("\n") == 1 and bad.stderr.startswith("autopar: error: no parameter or module")
-    assert "did you mean layers.0.attention.wq.weight" in bad.stderr and "p_layers" not in bad.stderr
+    assert bad.stderr.count("\n") == 1 and bad.stderr.startswith(
+        "autopar: error: no parameter or module"
+    )
+    assert (
+        "did you mean layers.0.attention.wq.weight" in bad.stderr and "p_layers" not in bad.stderr
+    )

@@ -37,11 +37,17 @@ def test_every_parameter_and_the_top_ops_have_stored_alternatives(gpt_plan: Plan
     owners = {n.fqn for n in gpt_plan.space.nodes if n.kind == "param" and n.alias_of is None}
     assert fqns == owners
     ops = [e for e in stored["entries"].values() if e["kind"] == "op"]
-    by_cost = sorted((e for e in gpt_plan.data["nodes"] if e["kind"] == "op"), key=lambda e: -e["seconds"])
+    by_cost = sorted(
+        (e for e in gpt_plan.data["nodes"] if e["kind"] == "op"), key=lambda e: -e["seconds"]
+    )
     assert {e["node"] for e in ops} == {e["name"] for e in by_cost[: stored["top_nodes"]]}
     for entry in stored["entries"].values():
         first = entry["options"][0]
-        assert first["reason"] == "chosen" and first["step_delta_s"] == 0 and first["memory_delta_bytes"] == 0
+        assert (
+            first["reason"] == "chosen"
+            and first["step_delta_s"] == 0
+            and first["memory_delta_bytes"] == 0
+        )
         assert entry["chosen"] == first["layout"]
         assert 1 <= len(entry["options"]) <= min(8, entry["num_strategies"])
         deltas = [o["step_delta_s"] for o in entry["options"][1:] if o["step_delta_s"] is not None]
@@ -70,7 +76,9 @@ def test_stored_deltas_equal_the_plan_priced_with_one_layout_changed(gpt_plan: P
             if option["step_delta_s"] is None:
                 assert not math.isfinite(other.step_s)
                 continue
-            assert other.step_s - base.step_s == pytest.approx(option["step_delta_s"], rel=1e-9, abs=1e-15)
+            assert other.step_s - base.step_s == pytest.approx(
+                option["step_delta_s"], rel=1e-9, abs=1e-15
+            )
             assert _resident(other.memory) - _resident(base.memory) == pytest.approx(
                 option["memory_delta_bytes"], rel=1e-9, abs=1e-6
             )
@@ -89,13 +97,19 @@ def test_a_tied_parameter_is_explained_with_its_twin(gpt_plan: Plan) -> None:
 def test_reasons_say_slower_over_budget_or_forbidden_by_the_recipe() -> None:
     model, args, _ = tiny_gpt()
     megatron = autopar.plan(model, MESH, args, recipe="megatron")
-    reasons = [o["reason"] for e in megatron.data["alternatives"]["entries"].values() for o in e["options"]]
+    reasons = [
+        o["reason"] for e in megatron.data["alternatives"]["entries"].values() for o in e["options"]
+    ]
     assert any(r == "forbidden by recipe megatron" for r in reasons)
     assert any(r.startswith("slower by ") for r in reasons)
     # Under a budget the replicated layouts exceed, keeping a parameter whole is over budget.
     free = autopar.plan(model, MESH, args).predicted_peak_memory_bytes
-    tight = autopar.plan(model, MESH, args, memory_budget=int(0.6 * free), zero_stage=0, checkpoint="none")
-    reasons = [o["reason"] for e in tight.data["alternatives"]["entries"].values() for o in e["options"]]
+    tight = autopar.plan(
+        model, MESH, args, memory_budget=int(0.6 * free), zero_stage=0, checkpoint="none"
+    )
+    reasons = [
+        o["reason"] for e in tight.data["alternatives"]["entries"].values() for o in e["options"]
+    ]
     assert any(r.startswith("over budget by ") for r in reasons)
 
 
@@ -108,7 +122,10 @@ def test_explain_by_fqn_module_path_or_node_from_a_loaded_plan(gpt_plan: Plan) -
     assert text.startswith(f"parameter {fqn} ") and "layouts weighed" in text and "* " in text
     assert "chosen" in text and ("slower by" in text or "as fast" in text)
     module = loaded.explain("blocks.0.attn")
-    assert module.startswith("module blocks.0.attn:") and "parameter blocks.0.attn.proj.weight" in module
+    assert (
+        module.startswith("module blocks.0.attn:")
+        and "parameter blocks.0.attn.proj.weight" in module
+    )
     op = max((e for e in loaded.data["nodes"] if e["kind"] == "op"), key=lambda e: e["seconds"])
     assert "layouts weighed" in loaded.explain(op["name"])
 

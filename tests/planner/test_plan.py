@@ -59,9 +59,7 @@ def test_budget_too_small_for_replicated_weights_forces_sharded_weights():
     mesh = autopar.Mesh.spec((4,), device="h100")
     free = autopar.plan(model, mesh, args, zero_stage=0)
     assert set(free.param_placements().values()) == {"R"}, "unconstrained optimum should be DP"
-    replicated_state = sum(
-        n["memory_bytes"] for n in free.data["nodes"] if n["kind"] == "param"
-    )
+    replicated_state = sum(n["memory_bytes"] for n in free.data["nodes"] if n["kind"] == "param")
     budget = int(free.predicted_peak_memory_bytes - replicated_state / 2)
     tight = autopar.plan(model, mesh, args, zero_stage=0, memory_budget=budget)
     assert tight.predicted_peak_memory_bytes <= budget
@@ -95,7 +93,12 @@ def test_recipes_are_plans_in_their_own_right():
     assert fsdp.zero["stage"] == 3 and fsdp.zero["axes"] == ["dp", "tp"]
     # The recipe plan's figures equal the baseline entry of the auto plan.
     auto = autopar.plan(model, mesh, args)
-    for recipe, plan in (("ddp", ddp), ("megatron", megatron), ("fsdp", fsdp), ("fsdp+tp", fsdp_tp)):
+    for recipe, plan in (
+        ("ddp", ddp),
+        ("megatron", megatron),
+        ("fsdp", fsdp),
+        ("fsdp+tp", fsdp_tp),
+    ):
         assert auto.baselines[recipe]["step_s"] == pytest.approx(plan.predicted_step_s, rel=1e-9)
 
 
@@ -177,11 +180,18 @@ def test_cli_plans_a_preset_and_shows_the_saved_plan(tmp_path, capsys):
     from autopar.tools.cli import main
 
     out = tmp_path / "plan.json"
-    assert main(["plan", "mlp", "--mesh", "2x2", "--device", "a100", "--batch", "16", "--out", str(out)]) == 0
+    assert (
+        main(
+            ["plan", "mlp", "--mesh", "2x2", "--device", "a100", "--batch", "16", "--out", str(out)]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "per layer block" in printed and "planned in" in printed
     plan = Plan.load(out)
-    assert plan.data["mesh"]["shape"] == [2, 2] and plan.data["mesh"]["device"]["name"].startswith("a100")
+    assert plan.data["mesh"]["shape"] == [2, 2] and plan.data["mesh"]["device"]["name"].startswith(
+        "a100"
+    )
     assert main(["show", str(out)]) == 0
     assert "megatron" in capsys.readouterr().out
     assert main(["show", str(out), "--explain", "layers.0.weight"]) == 0

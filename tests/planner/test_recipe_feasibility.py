@@ -26,8 +26,15 @@ def bert_captured():
 
 
 @pytest.mark.parametrize("mesh", ["2", "2x2", "4"])
-def test_bert_plans_megatron_with_the_tied_head_bias_split_like_its_weight(bert_captured, mesh) -> None:
-    plan = plan_captured(bert_captured, autopar.Mesh.parse(mesh, device="h100"), PlanOptions(recipe="megatron"), model_name=BERT)
+def test_bert_plans_megatron_with_the_tied_head_bias_split_like_its_weight(
+    bert_captured, mesh
+) -> None:
+    plan = plan_captured(
+        bert_captured,
+        autopar.Mesh.parse(mesh, device="h100"),
+        PlanOptions(recipe="megatron"),
+        model_name=BERT,
+    )
     params = plan.data["params"]
     weight = params["bert.embeddings.word_embeddings.weight"]["placement"]
     bias = params["cls.predictions.decoder.bias"]["placement"]
@@ -42,7 +49,12 @@ def _contradictory_megatron(space, tp, notes):
     """A broken layout: layers.0's bias split while its weight is Replicate (a recipe uses
     parameters where they live, so no strategy of the matmul accepts both)."""
     bias = next(n for n, fqn in space.captured.param_nodes.items() if fqn == "layers.0.bias")
-    return {bias: tuple(Shard(0) if a == tp else p for a, p in enumerate(space.nodes[0].strategies[0].outputs[0]))}
+    return {
+        bias: tuple(
+            Shard(0) if a == tp else p
+            for a, p in enumerate(space.nodes[0].strategies[0].outputs[0])
+        )
+    }
 
 
 def test_an_infeasible_baseline_is_left_out_of_the_auto_plan_with_a_note(monkeypatch) -> None:
@@ -69,6 +81,8 @@ def test_compare_leaves_out_a_recipe_with_no_plan(monkeypatch) -> None:
     model, args, kwargs = build_preset("mlp", batch=8, seq=1)
     captured = autopar.capture(model, args, kwargs)
     mesh = autopar.Mesh.parse("2", device="h100")
-    plans = plans_for_recipes(captured, mesh, PlanOptions(), recipes=["auto", "ddp", "megatron"], model_name="mlp")
+    plans = plans_for_recipes(
+        captured, mesh, PlanOptions(), recipes=["auto", "ddp", "megatron"], model_name="mlp"
+    )
     assert set(plans) == {"auto", "ddp"}
     assert any(w.startswith("megatron: left out") for w in plans["auto"].data["warnings"])

@@ -190,7 +190,9 @@ def test_checkpoint_auto_under_a_binding_budget_is_no_worse_than_counts(space) -
     zero = ZeroConfig()
     budget, _ = binding_budget(space, zero)
     tied = tie_levels(space)
-    counts = solver.solve(build_problem(space, zero, memory_budget_bytes=budget, tied=tied[0]).problem)
+    counts = solver.solve(
+        build_problem(space, zero, memory_budget_bytes=budget, tied=tied[0]).problem
+    )
     # gap 0: the claim is about the optima (the default 1% gap may stop within 1% of either)
     options = PlanOptions(checkpoint="auto", gap=0.0)
     driver = Driver(space, options=options, tied=tied, candidates=candidate_segments(space, "auto"))

@@ -72,8 +72,13 @@ def test_parameters_are_listed_in_order_of_first_use(gpt_plan: Plan) -> None:
     node_of = {e["fqn"]: e["name"] for e in d["nodes"] if e["kind"] == "param" and e.get("fqn")}
     for block in summary_data(d)["blocks"]:
         base = block["name"].split("-")[0]
-        fqns = [f"{base}.{name}" if base != "(top)" and not name.startswith(base) else name for name, _ in block["params"]]
-        uses = [first_use[node_of[f]] for f in fqns if node_of.get(f) in first_use]  # tied: one is used
+        fqns = [
+            f"{base}.{name}" if base != "(top)" and not name.startswith(base) else name
+            for name, _ in block["params"]
+        ]
+        uses = [
+            first_use[node_of[f]] for f in fqns if node_of.get(f) in first_use
+        ]  # tied: one is used
         assert uses == sorted(uses), block["name"]
 
 
@@ -119,8 +124,14 @@ def test_sentence_names_the_parallelism_in_words(wide_mlp_plan: Plan, gpt_plan: 
             e["outputs"] = ["S0,S0" if o else o for o in e["outputs"]]
     ddp["zero"].update(stage=1, axes=["dp", "tp"], stages={"dp": 1, "tp": 1})
     ddp["checkpoint"]["segments"] = [
-        {"module_path": "blocks.0.mlp", "nodes": [], "keep": [], "policy": "full",
-         "saved_bytes": 1.0, "recompute_s": 1.0}
+        {
+            "module_path": "blocks.0.mlp",
+            "nodes": [],
+            "keep": [],
+            "policy": "full",
+            "saved_bytes": 1.0,
+            "recompute_s": 1.0,
+        }
     ]
     text = summary_data(ddp)["sentence"]
     assert text == "Data parallel on dp,tp, ZeRO-1 on dp,tp, 1 of 2 layers recomputed"
@@ -134,7 +145,9 @@ def test_sentence_names_the_parallelism_in_words(wide_mlp_plan: Plan, gpt_plan: 
 def test_recipes_start_with_this_plan_in_a_fixed_order(gpt_plan: Plan) -> None:
     rows = summary_data(gpt_plan.data)["recipes"]
     assert rows[0]["plan"] == "auto" and rows[0]["this_plan"] and rows[0]["vs_this"] == 1.0
-    assert [r["plan"] for r in rows[1:]] == [r for r in ("ddp", "fsdp", "megatron", "fsdp+tp") if r in gpt_plan.baselines]
+    assert [r["plan"] for r in rows[1:]] == [
+        r for r in ("ddp", "fsdp", "megatron", "fsdp+tp") if r in gpt_plan.baselines
+    ]
     for row in rows[1:]:
         assert row["step_s"] == gpt_plan.baselines[row["plan"]]["step_s"]
 
@@ -148,7 +161,9 @@ def test_text_fits_the_width_and_each_column_has_one_unit(gpt_plan: Plan, width:
     text = gpt_plan.summary(width=width)
     # Units are named once in each section title; the cells are bare numbers.
     table = text.split("Recipes under the same cost model")[1].split("\n\n")[0].splitlines()
-    assert re.search(r"\(time in (s|ms|us), peak memory in (B|KiB|MiB|GiB|TiB) per device\)", table[0])
+    assert re.search(
+        r"\(time in (s|ms|us), peak memory in (B|KiB|MiB|GiB|TiB) per device\)", table[0]
+    )
     for line in table[3:]:
         assert not re.search(r"\d (s|ms|us|B|KiB|MiB|GiB)\b", line), line
     # Decimals are aligned down each numeric column.
@@ -180,7 +195,9 @@ def test_loaded_plan_summarises_exactly_like_the_live_one(gpt_plan: Plan) -> Non
     loaded = Plan.from_json(gpt_plan.to_json())
     for width in (None, 80):
         for verbose in (False, True):
-            assert loaded.summary(width=width, verbose=verbose) == gpt_plan.summary(width=width, verbose=verbose)
+            assert loaded.summary(width=width, verbose=verbose) == gpt_plan.summary(
+                width=width, verbose=verbose
+            )
 
 
 def test_mfu_is_finite_and_shown(gpt_plan: Plan) -> None:

@@ -65,10 +65,7 @@ def _stage0_peak(mesh: tuple[tuple[int, ...], tuple[str, ...]]) -> float:
 def test_configurations_are_every_stage_per_axis() -> None:
     configs = zero_configurations((2, 2))
     assert [z.stages for z, _ in configs] == [()] + [
-        ZeroConfig(stages=(a, b)).stages
-        for a in range(4)
-        for b in range(4)
-        if (a, b) != (0, 0)
+        ZeroConfig(stages=(a, b)).stages for a in range(4) for b in range(4) if (a, b) != (0, 0)
     ]
     for zero, by in configs:
         lifted = tuple(2 if x < 2 else x for x in (zero.stage_of(0), zero.stage_of(1)))
@@ -100,17 +97,21 @@ def test_pruned_configurations_are_no_better_than_their_dominator() -> None:
         if dominated_by is None or zero.stage == 0:
             continue
         if dominated_by not in tops:
-            tops[dominated_by] = Driver(space, options=options, tied=(), candidates=()).configurations.solve(dominated_by, name="top", budget=budget)
+            tops[dominated_by] = Driver(
+                space, options=options, tied=(), candidates=()
+            ).configurations.solve(dominated_by, name="top", budget=budget)
         try:
-            solved = Driver(space, options=options, tied=(), candidates=()).configurations.solve(zero, name="pruned", budget=budget)
+            solved = Driver(space, options=options, tied=(), candidates=()).configurations.solve(
+                zero, name="pruned", budget=budget
+            )
         except solver.InfeasibleBudgetError:
             continue
         checked += 1
         top = tops[dominated_by]
         assert solved.evaluation.step_s >= top.evaluation.step_s * (1 - 1e-9), zero
-        assert solved.evaluation.peak_memory_bytes >= top.evaluation.peak_memory_bytes * (1 - 1e-9) or (
-            solved.evaluation.step_s > top.evaluation.step_s * (1 + 1e-9)
-        ), zero
+        assert solved.evaluation.peak_memory_bytes >= top.evaluation.peak_memory_bytes * (
+            1 - 1e-9
+        ) or (solved.evaluation.step_s > top.evaluation.step_s * (1 + 1e-9)), zero
     # The pruned candidates that fit at all must have been compared.
     assert checked >= 1
 
@@ -230,7 +231,9 @@ def test_budget_between_stage_3_and_stage_2_picks_mixed_stages() -> None:
     again = Plan.from_json(plan.to_json())
     assert again.zero["stages"] == zero["stages"]
     old = json.loads(plan.to_json())
-    old["zero"] = {k: v for k, v in old["zero"].items() if k not in ("stages", "considered", "per_stage")}
+    old["zero"] = {
+        k: v for k, v in old["zero"].items() if k not in ("stages", "considered", "per_stage")
+    }
     old["zero"]["stage"], old["zero"]["axes"] = 3, ["gpu"]
     for entry in old["params"].values():
         entry["zero"].pop("stages")
@@ -322,4 +325,3 @@ def test_zero_config_refuses_bad_stages() -> None:
     assert (mixed.stage, mixed.axes, mixed.is_uniform) == (3, (0, 1), False)
     assert mixed.split((0, 1)) == ((1,), (0, 1), (0, 1))
     assert ZeroConfig(stages=(1, 2)).split((1,)) == ((), (1,), (1,))
-

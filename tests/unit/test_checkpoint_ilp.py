@@ -446,7 +446,10 @@ def _mixed_segment_copies(problem: Problem) -> bool:
     from solver.tying import contract
 
     _, groups = contract_segments(problem, contract(problem).node_map)
-    footprint = [set().union(*(problem.segments[k].footprint or problem.segments[k].nodes for k in g)) for g in groups]
+    footprint = [
+        set().union(*(problem.segments[k].footprint or problem.segments[k].nodes for k in g))
+        for g in groups
+    ]
     for a, ga in enumerate(groups):
         for b in range(a + 1, len(groups)):
             if len(ga) != len(groups[b]) and footprint[a] & footprint[b]:

@@ -112,7 +112,9 @@ def test_hf_unknown_key_names_close_matches(capsys) -> None:
 
 
 def test_hf_attribute_map_keys_are_known() -> None:
-    model, _, _ = build_preset("hf:gpt2?num_hidden_layers=1&n_embd=32&n_head=2", batch=1, seq=8, device="meta")
+    model, _, _ = build_preset(
+        "hf:gpt2?num_hidden_layers=1&n_embd=32&n_head=2", batch=1, seq=8, device="meta"
+    )
     assert len(model.transformer.h) == 1
 
 
@@ -161,9 +163,26 @@ def test_factory_next_to_the_user_imports_without_pythonpath(tmp_path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     # -P: Python itself adds no working directory to sys.path (as the installed script).
     run = subprocess.run(
-        [sys.executable, "-P", "-m", "autopar", "plan", "mymodels_h:build", "--mesh", "2",
-         "--batch", "4", "--device", "cpu", "--no-cache"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-P",
+            "-m",
+            "autopar",
+            "plan",
+            "mymodels_h:build",
+            "--mesh",
+            "2",
+            "--batch",
+            "4",
+            "--device",
+            "cpu",
+            "--no-cache",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert run.returncode == 0, run.stderr[-2000:]
     assert "mymodels_h:build" in run.stdout
@@ -178,15 +197,22 @@ def test_missing_factory_is_one_line(capsys) -> None:
 # bench-cost without op timings
 
 
-def test_bench_cost_without_ops_prints_no_nan_and_names_only_written_plots(monkeypatch, tmp_path, capsys) -> None:
+def test_bench_cost_without_ops_prints_no_nan_and_names_only_written_plots(
+    monkeypatch, tmp_path, capsys
+) -> None:
     from autopar.tools import bench_cost, report
 
     def fake_run(spec, plans, config, nproc):
         return {
             "ops": [],
             "plans": {
-                name: {"mesh": "2", "predicted_step_s": 1e-3, "step_s": 2e-3,
-                       "predicted_peak_memory_bytes": 1e6, "peak_memory_bytes": 1e6}
+                name: {
+                    "mesh": "2",
+                    "predicted_step_s": 1e-3,
+                    "step_s": 2e-3,
+                    "predicted_peak_memory_bytes": 1e6,
+                    "peak_memory_bytes": 1e6,
+                }
                 for name in plans
             },
         }
@@ -196,7 +222,22 @@ def test_bench_cost_without_ops_prints_no_nan_and_names_only_written_plots(monke
     monkeypatch.setattr(report, "plot_step_bars", lambda rows, path, title: written.append(path))
     monkeypatch.setattr(report, "plot_op_scatter", lambda ops, path, title: written.append(path))
     prefix = str(tmp_path / "b")
-    assert main(["bench-cost", "mlp", "--mesh", "2", "--no-ops", "--recipes", "auto,ddp", "--plots", prefix]) == 0
+    assert (
+        main(
+            [
+                "bench-cost",
+                "mlp",
+                "--mesh",
+                "2",
+                "--no-ops",
+                "--recipes",
+                "auto,ddp",
+                "--plots",
+                prefix,
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "nan" not in out and "ops not timed" in out
     assert written == [f"{prefix}_steps.png"]

@@ -25,7 +25,9 @@ def chain(seed: int, *, budget: float | None = None) -> Problem:
         Edge(
             src=i,
             dst=i + 1,
-            cost_s=tuple(tuple(0.0 if s == t else rng.uniform(0, 3) for t in range(4)) for s in range(4)),
+            cost_s=tuple(
+                tuple(0.0 if s == t else rng.uniform(0, 3) for t in range(4)) for s in range(4)
+            ),
         )
         for i in range(11)
     )
