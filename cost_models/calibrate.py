@@ -25,9 +25,11 @@ __all__ = [
     "build_profile",
     "fit_efficiency",
     "fit_rate",
+    "fit_step_error",
     "link_from_fits",
     "mape",
     "rank",
+    "relative_spread",
     "spearman",
 ]
 
@@ -122,6 +124,41 @@ def fit_sync_s(
     middle = len(excess) // 2
     median = excess[middle] if len(excess) % 2 else (excess[middle - 1] + excess[middle]) / 2
     return max(0.0, median)
+
+
+STEP_ERROR_MAX = 0.5
+"""Cap of :func:`fit_step_error`: beyond it the profile is too noisy to rank plans at all."""
+
+
+def relative_spread(values: Sequence[float]) -> float:
+    """Half the range of repeated measurements of one quantity, relative to their median:
+    ``(max - min) / (2 * median)`` (0 for fewer than two values or a median of 0)."""
+    ordered = sorted(values)
+    if len(ordered) < 2:
+        return 0.0
+    middle = len(ordered) // 2
+    median = ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+    return (ordered[-1] - ordered[0]) / (2 * median) if median > 0 else 0.0
+
+
+def fit_step_error(spreads: Sequence[float]) -> float:
+    """``DeviceSpec.step_error``: how far a step time predicted from this calibration may be
+    off from one measurement to the next, as the median over the calibrated quantities (peak
+    FLOP/s, bandwidth, op efficiencies per round; every collective kind and size per trial) of
+    their :func:`relative_spread`, capped at :data:`STEP_ERROR_MAX`. A prediction built from
+    figures that move by this much between repetitions cannot rank two plans closer than it.
+
+    Raises:
+        ValueError: no spreads, or a negative one.
+    """
+    if not spreads:
+        raise ValueError("fit_step_error needs at least one spread")
+    if any(s < 0 for s in spreads):
+        raise ValueError(f"spreads must be >= 0, got {min(spreads)}")
+    ordered = sorted(spreads)
+    middle = len(ordered) // 2
+    median = ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+    return min(STEP_ERROR_MAX, median)
 
 
 def link_from_fits(
