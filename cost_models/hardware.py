@@ -112,7 +112,9 @@ class DeviceSpec:
         if self.kernel_overhead_s < 0:
             raise ValueError(f"device {self.name!r}: kernel_overhead_s must be >= 0")
         if not 0.0 <= self.step_error < 1.0:
-            raise ValueError(f"device {self.name!r}: step_error must be in [0, 1), got {self.step_error}")
+            raise ValueError(
+                f"device {self.name!r}: step_error must be in [0, 1), got {self.step_error}"
+            )
         _check_fraction(f"device {self.name!r}", "matmul_efficiency", self.matmul_efficiency)
         _check_fraction(f"device {self.name!r}", "memory_efficiency", self.memory_efficiency)
         for family, eff in self.op_efficiency.items():

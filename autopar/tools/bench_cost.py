@@ -457,6 +457,7 @@ def bench_cost_cli(args: Any, config: BenchConfig) -> int:
         solver=args.solver,
         time_limit_s=args.time_limit,
         gap=args.gap,
+        auto_margin=args.auto_margin,
     )
     model, ex_args, ex_kwargs = build_preset(args.model, batch=args.batch, seq=args.seq)
     captured = capture(model, ex_args, ex_kwargs)

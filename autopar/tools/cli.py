@@ -139,6 +139,13 @@ def _add_plan_options(
         help="relative optimality gap at which the solver may stop, in [0, 1) (default 0.01; 0: proven optimum)",
     )
     parser.add_argument(
+        "--auto-margin",
+        type=float,
+        default=None,
+        help="keep the fastest recipe unless the auto plan is predicted faster by this fraction "
+        "(default: the profile's measured error, 0 for datasheet devices; 0: always auto)",
+    )
+    parser.add_argument(
         "--solver", default="highs", choices=SOLVERS, help="ILP backend (default highs)"
     )
     if not planning:
@@ -255,6 +262,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         time_limit_s=args.time_limit,
         gap=args.gap,
         solver=args.solver,
+        auto_margin=args.auto_margin,
     )
     start = time.perf_counter()
     with console.status("loading torch and the planner"):
@@ -463,6 +471,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         solver=args.solver,
         time_limit_s=args.time_limit,
         gap=args.gap,
+        auto_margin=args.auto_margin,
     )
     model, example_args, example_kwargs = build_preset(args.model, batch=args.batch, seq=args.seq)
     captured = capture(model, example_args, example_kwargs)
