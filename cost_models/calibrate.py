@@ -130,35 +130,40 @@ STEP_ERROR_MAX = 0.5
 """Cap of :func:`fit_step_error`: beyond it the profile is too noisy to rank plans at all."""
 
 
-def relative_spread(values: Sequence[float]) -> float:
-    """Half the range of repeated measurements of one quantity, relative to their median:
-    ``(max - min) / (2 * median)`` (0 for fewer than two values or a median of 0)."""
+def _median(values: Sequence[float]) -> float:
     ordered = sorted(values)
-    if len(ordered) < 2:
-        return 0.0
     middle = len(ordered) // 2
-    median = ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
-    return (ordered[-1] - ordered[0]) / (2 * median) if median > 0 else 0.0
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
-def fit_step_error(spreads: Sequence[float]) -> float:
-    """``DeviceSpec.step_error``: how far a step time predicted from this calibration may be
-    off from one measurement to the next, as the median over the calibrated quantities (peak
-    FLOP/s, bandwidth, op efficiencies per round; every collective kind and size per trial) of
-    their :func:`relative_spread`, capped at :data:`STEP_ERROR_MAX`. A prediction built from
-    figures that move by this much between repetitions cannot rank two plans closer than it.
+def relative_spread(values: Sequence[float]) -> float:
+    """The median absolute deviation of repeated measurements of one quantity, relative to
+    their median (robust: one trial descheduled by another process does not move it); 0 for
+    fewer than two values or a median of 0."""
+    if len(values) < 2:
+        return 0.0
+    median = _median(values)
+    return _median([abs(v - median) for v in values]) / median if median > 0 else 0.0
+
+
+def fit_step_error(spreads: Sequence[float], trials: int) -> float:
+    """``DeviceSpec.step_error``: the relative standard error of the calibrated figures, each
+    the median of ``trials`` repeated measurements, taken as the median over the calibrated
+    quantities (peak FLOP/s, bandwidth, op efficiencies per round; every collective kind and
+    size per trial) of their :func:`relative_spread` ``r``: for normal noise sigma = 1.4826 r
+    and the median of n draws has standard error 1.2533 sigma / sqrt(n). Capped at
+    :data:`STEP_ERROR_MAX`. Plans predicted closer than this cannot be ranked by the profile.
 
     Raises:
-        ValueError: no spreads, or a negative one.
+        ValueError: no spreads, a negative one, or fewer than one trial.
     """
     if not spreads:
         raise ValueError("fit_step_error needs at least one spread")
     if any(s < 0 for s in spreads):
         raise ValueError(f"spreads must be >= 0, got {min(spreads)}")
-    ordered = sorted(spreads)
-    middle = len(ordered) // 2
-    median = ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
-    return min(STEP_ERROR_MAX, median)
+    if trials < 1:
+        raise ValueError(f"trials must be >= 1, got {trials}")
+    return min(STEP_ERROR_MAX, 1.4826 * 1.2533 * _median(spreads) / math.sqrt(trials))
 
 
 def link_from_fits(

@@ -385,7 +385,8 @@ def calibrate_on_rank(
         speed, device_details["busy_rank_speed"] = measure_busy_rank_speed(config, device, log)
         spec = dataclasses.replace(spec, busy_rank_speed=speed)
         links, link_details = measure_links(config, groups, device, log)
-    spec = dataclasses.replace(spec, step_error=_step_error(device_details, link_details))
+    step_error = _step_error(device_details, link_details, config.trials)
+    spec = dataclasses.replace(spec, step_error=step_error)
     log(f"step-time error (spread of repeated measurements): {spec.step_error:.1%}")
     profile = build_profile(
         device=spec,
@@ -406,14 +407,14 @@ def calibrate_on_rank(
     return profile.to_dict()
 
 
-def _step_error(device_details: dict[str, Any], link_details: dict[str, Any]) -> float:
+def _step_error(device_details: dict[str, Any], link_details: dict[str, Any], trials: int) -> float:
     """``DeviceSpec.step_error`` from the repeated measurements: every per-round device fit
     (peak FLOP/s, bandwidth, launch overhead, op efficiencies) and every collective kind and
     size per trial (``cost_models.calibrate.fit_step_error``)."""
     spreads = [relative_spread(v) for v in device_details.get("fits_per_round", {}).values()]
     for entry in link_details.values():
         spreads += entry.get("spread", [])
-    return fit_step_error(spreads) if spreads else 0.0
+    return fit_step_error(spreads, max(trials, 1)) if spreads else 0.0
 
 
 # --------------------------------------------------------------------------------------------

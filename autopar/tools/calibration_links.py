@@ -126,7 +126,7 @@ def measure_links(
                 "bytes": sizes,
                 "seconds": times,
                 "call": RUNTIME_CALLS[kind],
-                # Per size, the relative half-range of the trials (the least steady rank):
+                # Per size, the trials' relative median deviation (the least steady rank):
                 # what DeviceSpec.step_error is fitted from.
                 "spread": max_over_ranks([spread[kind] for _, spread in per_size], device),
             }

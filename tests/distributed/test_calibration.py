@@ -59,7 +59,7 @@ def test_tiny_calibration_gives_a_profile_the_planner_uses(tmp_path) -> None:
     assert timed["tp/reduce_scatter"]["call"] == "reduce_scatter_single"  # the runtime's call
     assert all(min(timed[f"tp/{kind}"]["seconds"]) > 0 for kind in CALIBRATED_COLLECTIVES)
     assert profile.meta["world_size"] == 2 and profile.meta["backend"] == "gloo"
-    # The profile's own error: the median relative half-range of the repeated measurements.
+    # The profile's own error: the standard error of its figures (spread of the trials).
     spreads = [timed[f"tp/{kind}"]["spread"] for kind in CALIBRATED_COLLECTIVES]
     assert all(len(s) == len(timed["tp/all_reduce"]["bytes"]) for s in spreads)
     assert 0 < device.step_error <= STEP_ERROR_MAX
