@@ -301,6 +301,8 @@ def document_plan(
         warnings=sorted(set(space.warnings)) + sorted(set(planned.notes)),
         timings=timings,
     )
+    if planned.decision is not None:  # written only where a margin was weighed
+        data["auto_choice"] = planned.decision
     return Plan(data=data, space=space, choice=planned.chosen.choice)
 
 

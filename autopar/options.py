@@ -118,6 +118,12 @@ class PlanOptions:
     of the budget (solver/lagrangian.py) answer without the MIP."""
     solver: str = "highs"
     """ILP backend: 'highs' or 'cbc'."""
+    auto_margin: float | str | None = None
+    """The relative gain the auto plan's predicted step must have over the fastest recipe
+    that fits, else the recipe's layout is chosen (autopar/planner/auto_margin.py); None or 0 =
+    always the auto plan (the default: measured in session 9, a margin of the profile's error
+    kept ddp where the auto plan ran as fast or faster on 5 of 6 rows); "profile" = the
+    profile's measured error (``DeviceSpec.step_error``; 0 for datasheet devices)."""
 
     def __post_init__(self) -> None:
         if self.recipe not in RECIPES:
@@ -137,6 +143,15 @@ class PlanOptions:
             parse_bytes(self.memory_budget)
         if not 0 <= self.gap < 1:
             raise ValueError(f"gap must be in [0, 1), got {self.gap}")
+        if isinstance(self.auto_margin, str):
+            if self.auto_margin != "profile":
+                raise ValueError(
+                    f"auto_margin must be a fraction in [0, 1) or 'profile', got {self.auto_margin!r}"
+                )
+        elif self.auto_margin is not None and not 0 <= self.auto_margin < 1:
+            raise ValueError(
+                f"auto_margin must be in [0, 1) (a fraction such as 0.05), got {self.auto_margin}"
+            )
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> PlanOptions:
@@ -153,6 +168,8 @@ class PlanOptions:
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
+        if out["auto_margin"] is None:
+            del out["auto_margin"]  # the default: plans and cache keys stay as they were
         if isinstance(self.zero_stage, tuple):
             pairs = self.zero_stage and isinstance(self.zero_stage[0], tuple)
             out["zero_stage"] = dict(self.zero_stage) if pairs else list(self.zero_stage)

@@ -88,7 +88,8 @@ def meshes_for(world: int) -> list[str]:
 
 
 def run_world(world: int, *, batch: int, seq: int, quick: bool, out_dir: str, models: list[str],
-              steps: int, ops: bool, profile_paths: dict[str, str], recipes: tuple[str, ...] = RECIPES) -> dict[str, Any]:  # fmt: skip
+              steps: int, ops: bool, profile_paths: dict[str, str], recipes: tuple[str, ...] = RECIPES,
+              auto_margin: float | str | None = None) -> dict[str, Any]:  # fmt: skip
     from autopar.capture.export import capture
     from autopar.mesh import Mesh
     from autopar.options import PlanOptions
@@ -127,10 +128,18 @@ def run_world(world: int, *, batch: int, seq: int, quick: bool, out_dir: str, mo
         model, args, kwargs = build_preset(factory, batch=batch, seq=seq)
         captured = capture(model, args, kwargs)
         plans = {}
+        decisions = {}
         for mesh_text in meshes_for(world):
             made = plans_for_recipes(
-                captured, meshes[mesh_text], PlanOptions(), recipes=recipes, model_name=model_key
+                captured, meshes[mesh_text], PlanOptions(auto_margin=auto_margin), recipes=recipes,
+                model_name=model_key,
             )
+            choice = decisions[mesh_text] = made["auto"].data.get("auto_choice") or {}
+            if choice.get("chosen", "auto") != "auto":
+                # The recipe was kept within the profile's error: run the ILP's own plan too
+                # ("ilp"), so the table shows what the margin bought (never a "best recipe").
+                made["ilp"] = plans_for_recipes(captured, meshes[mesh_text], PlanOptions(auto_margin=0.0),
+                                                recipes=("auto",), model_name=model_key)["auto"]  # fmt: skip
             for recipe, plan in made.items():
                 plans[f"{recipe}@{mesh_text}"] = plan
         plans, aliases = _dedupe(plans)
@@ -147,7 +156,8 @@ def run_world(world: int, *, batch: int, seq: int, quick: bool, out_dir: str, mo
         ran = [{"plan": n, "predicted_s": p["predicted_step_s"], "measured_s": p["step_s"]}
                for n, p in result["plans"].items() if "skipped" not in p]  # fmt: skip
         plot_step_bars(ran, f"{prefix}_steps.png", title=title)
-        report["models"][model_key] = {"result": result, "summary": summary, "aliases": aliases}
+        report["models"][model_key] = {"result": result, "summary": summary, "aliases": aliases,
+                                       "decisions": decisions}  # fmt: skip
     report["seconds"] = time.perf_counter() - start
     return report
 
@@ -180,7 +190,7 @@ def auto_vs_best(result: dict[str, Any]) -> str:
     the measured gap)."""
     plans = {n: p for n, p in result["plans"].items() if "skipped" not in p}
     autos = {n: p for n, p in plans.items() if n.startswith("auto")}
-    recipes = {n: p for n, p in plans.items() if not n.startswith("auto")}
+    recipes = {n: p for n, p in plans.items() if not n.startswith(("auto", "ilp"))}
     if not autos or not recipes:
         return "auto vs best recipe: not enough executed plans"
     best_auto = min(autos, key=lambda n: autos[n]["step_s"])
@@ -226,7 +236,7 @@ def auto_vs_recipes_rows(
                 row = {n: p for n, p in plans.items() if p["mesh"] == mesh}
                 if auto not in row:
                     continue
-                recipes = [n for n in row if n != auto]
+                recipes = [n for n in row if n != auto and not n.startswith("ilp@")]
                 best = min(recipes, key=lambda n: row[n]["step_s"])
                 auto_reps = _rep_medians(row[auto]["step_times_s"], reps)
                 best_reps = _rep_medians(row[best]["step_times_s"], reps)
@@ -241,12 +251,17 @@ def auto_vs_recipes_rows(
                              "auto_equals": same, "ratio": row[auto]["step_s"] / row[best]["step_s"],
                              "ratio_median": statistics.median(ratios),
                              "ratio_min": min(ratios), "ratio_max": max(ratios),
-                             "spearman": spearman(pred, meas)})  # fmt: skip
+                             "spearman": spearman(pred, meas),
+                             "decision": m.get("decisions", {}).get(mesh) or {}})  # fmt: skip
     lines = ["| ranks | model | mesh | auto predicted / measured ms | recipes predicted / measured ms "
              "| auto / best measured recipe: medians of all steps; per repetition median (min-max) | Spearman |", "|---|---|---|---|---|---|---:|"]  # fmt: skip
     for r in rows:
         auto_p, auto_m = r["plans"]["auto"]
         alias = f" (= {', '.join(r['auto_equals'])})" if r["auto_equals"] else ""
+        if r["decision"]:
+            d = r["decision"]
+            alias += (f" [ILP gain {d['predicted_gain']:.1%} vs {d['recipe']}, margin "
+                      f"{d['margin']:.1%}: {d['chosen']}]")  # fmt: skip
         others = "; ".join(f"{n} {p * 1e3:.0f} / {q * 1e3:.0f}" for n, (p, q) in
                            sorted(r["plans"].items(), key=lambda kv: kv[1][1]) if n != "auto")  # fmt: skip
         lines.append(f"| {r['world']} | {r['model']} | {r['mesh']} | {auto_p * 1e3:.0f} / {auto_m * 1e3:.0f}{alias} | "
@@ -282,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--steps", type=int, default=5, help="timed steps per plan per repetition")
     parser.add_argument("--no-ops", action="store_true", help="do not time the ops one by one")
+    parser.add_argument("--auto-margin", default=None,
+                        help="PlanOptions.auto_margin for the auto plan: a fraction or 'profile' (default 0)")  # fmt: skip
     parser.add_argument("--profile", action="append", default=[], metavar="MESH=PATH",
                         help="use this calibrated profile for a mesh (e.g. 2x2=p.json) instead of calibrating")  # fmt: skip
     args = parser.parse_args(argv)
@@ -299,13 +316,14 @@ def main(argv: list[str] | None = None) -> int:
     recipes = tuple(dict.fromkeys(["auto", *args.recipes.split(",")]))
     profiles = dict(item.split("=", 1) for item in args.profile)
     models = args.models.split(",")
+    margin = args.auto_margin if args.auto_margin in (None, "profile") else float(args.auto_margin)
     unknown = sorted(set(models) - set(MODELS))
     if unknown:
         parser.error(f"--models: unknown {', '.join(unknown)}; choose from {', '.join(MODELS)}")
     for world in args.world or [2, 4]:
         reports.append(run_world(world, batch=args.batch, seq=args.seq, quick=args.quick, out_dir=args.out,
                                  models=models, steps=args.reps * args.steps, ops=not args.no_ops,
-                                 profile_paths=profiles, recipes=recipes))  # fmt: skip
+                                 profile_paths=profiles, recipes=recipes, auto_margin=margin))  # fmt: skip
     print("\n| world | model | plans | step MAPE | Spearman | op MAPE | memory MAPE |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for rep in reports:

@@ -25,9 +25,11 @@ __all__ = [
     "build_profile",
     "fit_efficiency",
     "fit_rate",
+    "fit_step_error",
     "link_from_fits",
     "mape",
     "rank",
+    "relative_spread",
     "spearman",
 ]
 
@@ -122,6 +124,46 @@ def fit_sync_s(
     middle = len(excess) // 2
     median = excess[middle] if len(excess) % 2 else (excess[middle - 1] + excess[middle]) / 2
     return max(0.0, median)
+
+
+STEP_ERROR_MAX = 0.5
+"""Cap of :func:`fit_step_error`: beyond it the profile is too noisy to rank plans at all."""
+
+
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def relative_spread(values: Sequence[float]) -> float:
+    """The median absolute deviation of repeated measurements of one quantity, relative to
+    their median (robust: one trial descheduled by another process does not move it); 0 for
+    fewer than two values or a median of 0."""
+    if len(values) < 2:
+        return 0.0
+    median = _median(values)
+    return _median([abs(v - median) for v in values]) / median if median > 0 else 0.0
+
+
+def fit_step_error(spreads: Sequence[float], trials: int) -> float:
+    """``DeviceSpec.step_error``: the relative standard error of the calibrated figures, each
+    the median of ``trials`` repeated measurements, taken as the median over the calibrated
+    quantities (peak FLOP/s, bandwidth, op efficiencies per round; every collective kind and
+    size per trial) of their :func:`relative_spread` ``r``: for normal noise sigma = 1.4826 r
+    and the median of n draws has standard error 1.2533 sigma / sqrt(n). Capped at
+    :data:`STEP_ERROR_MAX`. Plans predicted closer than this cannot be ranked by the profile.
+
+    Raises:
+        ValueError: no spreads, a negative one, or fewer than one trial.
+    """
+    if not spreads:
+        raise ValueError("fit_step_error needs at least one spread")
+    if any(s < 0 for s in spreads):
+        raise ValueError(f"spreads must be >= 0, got {min(spreads)}")
+    if trials < 1:
+        raise ValueError(f"trials must be >= 1, got {trials}")
+    return min(STEP_ERROR_MAX, 1.4826 * 1.2533 * _median(spreads) / math.sqrt(trials))
 
 
 def link_from_fits(

@@ -91,6 +91,11 @@ class DeviceSpec:
     Ranks that share cores (CPU gloo ranks) run faster when few compute, as in a pipeline's
     ramp-up; ``autopar calibrate`` measures it on CPU. Empty (presets, GPUs): every rank has
     its own device, the speed does not depend on how many compute."""
+    step_error: float = 0.0
+    """Relative error of a step time predicted with these figures: how much the calibrated
+    quantities moved between repeated measurements (``cost_models.calibrate.fit_step_error``).
+    The planner keeps the plain recipe when the auto plan's predicted gain is below it
+    (``PlanOptions.auto_margin``). 0 for datasheet devices: their figures are taken as exact."""
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -106,6 +111,10 @@ class DeviceSpec:
             raise ValueError(f"device {self.name!r}: mem_capacity_bytes must be > 0")
         if self.kernel_overhead_s < 0:
             raise ValueError(f"device {self.name!r}: kernel_overhead_s must be >= 0")
+        if not 0.0 <= self.step_error < 1.0:
+            raise ValueError(
+                f"device {self.name!r}: step_error must be in [0, 1), got {self.step_error}"
+            )
         _check_fraction(f"device {self.name!r}", "matmul_efficiency", self.matmul_efficiency)
         _check_fraction(f"device {self.name!r}", "memory_efficiency", self.memory_efficiency)
         for family, eff in self.op_efficiency.items():
@@ -147,6 +156,7 @@ class DeviceSpec:
             "source": self.source,
             # Written only when measured, so preset documents (and plans) stay as they were.
             **({"busy_rank_speed": dict(self.busy_rank_speed)} if self.busy_rank_speed else {}),
+            **({"step_error": self.step_error} if self.step_error else {}),
         }
 
     @classmethod

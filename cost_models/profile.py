@@ -75,6 +75,7 @@ PROFILE_SCHEMA: dict[str, Any] = {
                     "propertyNames": {"pattern": "^[1-9][0-9]*$"},
                     "additionalProperties": _POSITIVE,
                 },
+                "step_error": {"type": "number", "minimum": 0, "exclusiveMaximum": 1},
                 "source": {"type": "string"},
             },
             "anyOf": [

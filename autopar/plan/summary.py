@@ -146,6 +146,8 @@ def sentence(d: dict[str, Any]) -> str:
     text = ", ".join([head, *extras])
     if d["recipe"] != "auto":
         text = f"recipe {d['recipe']}: {text}"
+    if d.get("auto_choice"):  # the auto plan vs the best recipe under the model's error
+        text += f" ({d['auto_choice']['reason']})"
     return text[0].upper() + text[1:]
 
 

@@ -36,6 +36,7 @@ import solver
 from autopar.errors import BudgetError, NoLayoutError, infeasible_error
 from autopar.mesh import Mesh
 from autopar.options import PlanOptions, format_bytes
+from autopar.planner.auto_margin import auto_or_recipe
 from autopar.planner.checkpointing import Candidate
 from autopar.planner.configurations import ConfigurationSolver, Solved, Ties, log_entry, tie_levels
 from autopar.planner.problem import (
@@ -66,6 +67,8 @@ class Planned:
     notes: list[str] = field(default_factory=list)
     """The recipes' notes (layouts they could not keep, and why)."""
     solve_s: float = 0.0
+    decision: dict[str, Any] | None = None
+    """Auto vs the fastest recipe under the model's error (``planner.auto_margin``), or None."""
 
 
 def memory_budget_bytes(mesh: Mesh, options: PlanOptions) -> float:
@@ -170,6 +173,7 @@ class Driver:
                 f"unknown recipe {recipe!r}; choose from {', '.join(REFERENCE_RECIPES)}"
             )
         start = time.perf_counter()
+        decision = None
         wanted = (
             BASELINE_RECIPES
             if price_baselines
@@ -196,6 +200,7 @@ class Driver:
                 solve_line("auto", chosen, time.perf_counter() - auto_start)
                 + f", {len(log)} configuration(s) tried"
             )
+            chosen, decision = auto_or_recipe(self, chosen)
         elif recipe == "replicated":
             chosen = self.solve_pinned(replicated_allowed(self.space), name=recipe)
             log = [log_entry(chosen)]
@@ -210,6 +215,7 @@ class Driver:
             log=log,
             notes=list(self.notes),
             solve_s=time.perf_counter() - start,
+            decision=decision,
         )
 
     def recipes(self, names: Sequence[str], *, free_auto: bool = False) -> dict[str, Solved]:

@@ -410,7 +410,7 @@ def bench_cost_cli(args: Any, config: BenchConfig) -> int:
     under_torchrun = "WORLD_SIZE" in os.environ and args.nproc is None
     rank = int(os.environ.get("RANK", "0")) if under_torchrun else 0
     options = PlanOptions(memory_budget=args.budget, optimizer=args.optimizer, solver=args.solver,
-                          time_limit_s=args.time_limit, gap=args.gap)
+                          time_limit_s=args.time_limit, gap=args.gap, auto_margin=args.auto_margin)
     model, ex_args, ex_kwargs = build_preset(args.model, batch=args.batch, seq=args.seq)
     captured = capture(model, ex_args, ex_kwargs)
     recipes = [r for r in args.recipes.split(",") if r]

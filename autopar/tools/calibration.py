@@ -46,7 +46,13 @@ from autopar.runtime.spawn import pg_timeout_s, spawn_ranks
 from autopar.tools.calibration_links import measure_links
 from autopar.tools.timing import fwd_bwd_callable, mean_over_ranks, time_callable
 from cost_models import DeviceSpec, Profile
-from cost_models.calibrate import build_profile, fit_efficiency, fit_rate
+from cost_models.calibrate import (
+    build_profile,
+    fit_efficiency,
+    fit_rate,
+    fit_step_error,
+    relative_spread,
+)
 from cost_models.compute import matmul_flops
 from cost_models.hardware import MAX_OP_EFFICIENCY
 
@@ -379,6 +385,9 @@ def calibrate_on_rank(
         speed, device_details["busy_rank_speed"] = measure_busy_rank_speed(config, device, log)
         spec = dataclasses.replace(spec, busy_rank_speed=speed)
         links, link_details = measure_links(config, groups, device, log)
+    step_error = _step_error(device_details, link_details, config.trials)
+    spec = dataclasses.replace(spec, step_error=step_error)
+    log(f"step-time error (spread of repeated measurements): {spec.step_error:.1%}")
     profile = build_profile(
         device=spec,
         links=links,
@@ -396,6 +405,16 @@ def calibrate_on_rank(
     )
     log(f"done in {time.perf_counter() - start:.1f} s")
     return profile.to_dict()
+
+
+def _step_error(device_details: dict[str, Any], link_details: dict[str, Any], trials: int) -> float:
+    """``DeviceSpec.step_error`` from the repeated measurements: every per-round device fit
+    (peak FLOP/s, bandwidth, launch overhead, op efficiencies) and every collective kind and
+    size per trial (``cost_models.calibrate.fit_step_error``)."""
+    spreads = [relative_spread(v) for v in device_details.get("fits_per_round", {}).values()]
+    for entry in link_details.values():
+        spreads += entry.get("spread", [])
+    return fit_step_error(spreads, max(trials, 1)) if spreads else 0.0
 
 
 # --------------------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from autopar.tools.timing import max_over_ranks, sync_device, time_queued
 from cost_models import collective_steps_and_wire_bytes, fit_alpha_beta
-from cost_models.calibrate import fit_sync_s, link_from_fits
+from cost_models.calibrate import fit_sync_s, link_from_fits, relative_spread
 
 if TYPE_CHECKING:
     from autopar.tools.calibration import CalibrationConfig
@@ -119,13 +119,16 @@ def measure_links(
             _time_kinds_interleaved(group, size, int(nbytes), device, config) for nbytes in sizes
         ]
         for kind in CALIBRATED_COLLECTIVES:
-            times = max_over_ranks([timed[kind] for timed in per_size], device)
+            times = max_over_ranks([timed[kind] for timed, _ in per_size], device)
             if kind == "broadcast":  # a round trip is two transfers
                 times = [t / 2 for t in times]
             details[f"{name}/{kind}"] = {
                 "bytes": sizes,
                 "seconds": times,
                 "call": RUNTIME_CALLS[kind],
+                # Per size, the trials' relative median deviation (the least steady rank):
+                # what DeviceSpec.step_error is fitted from.
+                "spread": max_over_ranks([spread[kind] for _, spread in per_size], device),
             }
             try:
                 fits[kind] = fit_alpha_beta(sizes, times, kind, size)
@@ -195,10 +198,10 @@ def _measure_sync(
 
 def _time_kinds_interleaved(
     group: Any, size: int, nbytes: int, device: torch.device, config: CalibrationConfig
-) -> dict[str, float]:
+) -> tuple[dict[str, float], dict[str, float]]:
     """Seconds per call of every kind of ``CALIBRATED_COLLECTIVES`` at ``nbytes`` on this rank:
     the median over ``config.trials`` trials, each timing every kind once in turn (module
-    docstring). Collectives must be called the same number of times on every rank: each kind's
+    docstring); and per kind the trials' ``relative_spread``. Collectives must be called the same number of times on every rank: each kind's
     count is sized by one probe call and agreed by MAX over ranks, not ``time_callable``'s loop."""
     fns = {
         kind: _run_collective(kind, nbytes, group, size, device) for kind in CALIBRATED_COLLECTIVES
@@ -216,7 +219,27 @@ def _time_kinds_interleaved(
         kind: int(min(max(config.min_time_s / max(p, 1e-7), 2), 200))
         for kind, p in zip(fns, probes)
     }
-    return interleaved_medians(fns, counts, config.trials, dist.barrier, device)
+    times = interleaved_times(fns, counts, config.trials, dist.barrier, device)
+    medians = {key: statistics.median(values) for key, values in times.items()}
+    return medians, {key: relative_spread(values) for key, values in times.items()}
+
+
+def interleaved_times(
+    fns: dict[str, Callable[[], Any]],
+    counts: dict[str, int],
+    trials: int,
+    between: Callable[[], Any],
+    device: torch.device,
+) -> dict[str, list[float]]:
+    """Per key, one figure per trial (``trials`` of them): the mean seconds per call of
+    ``counts[key]`` calls of ``fns[key]``; every trial times each key once, in order, with
+    ``between()`` (a barrier) before each timing."""
+    times: dict[str, list[float]] = {key: [] for key in fns}
+    for _ in range(max(trials, 1)):
+        for key, fn in fns.items():
+            between()
+            times[key].append(time_queued(fn, device, counts[key], 1))
+    return times
 
 
 def interleaved_medians(
@@ -226,12 +249,6 @@ def interleaved_medians(
     between: Callable[[], Any],
     device: torch.device,
 ) -> dict[str, float]:
-    """Per key, the median over ``trials`` of the mean seconds per call of ``counts[key]`` calls
-    of ``fns[key]``; every trial times each key once, in order, with ``between()`` (a barrier)
-    before each timing."""
-    times: dict[str, list[float]] = {key: [] for key in fns}
-    for _ in range(max(trials, 1)):
-        for key, fn in fns.items():
-            between()
-            times[key].append(time_queued(fn, device, counts[key], 1))
+    """Per key, the median over the trials of :func:`interleaved_times`."""
+    times = interleaved_times(fns, counts, trials, between, device)
     return {key: statistics.median(values) for key, values in times.items()}

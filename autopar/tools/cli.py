@@ -67,6 +67,10 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def _margin(text: str) -> float | str:
+    return text if text == "profile" else float(text)
+
+
 def _add_plan_options(parser: argparse.ArgumentParser, *, planning: bool = True, precision: bool = True) -> None:
     """Model, mesh and cost-model flags; ``planning`` adds the flags that shape one plan
     (--recipe, --zero, --checkpoint, --no-cache), which compare and bench-cost do not take
@@ -94,6 +98,9 @@ def _add_plan_options(parser: argparse.ArgumentParser, *, planning: bool = True,
     parser.add_argument("--time-limit", type=float, default=None, help="solver time limit in seconds")
     parser.add_argument("--gap", type=float, default=0.01,
                         help="relative optimality gap at which the solver may stop, in [0, 1) (default 0.01; 0: proven optimum)")
+    parser.add_argument("--auto-margin", type=_margin, default=None,
+                        help="keep the fastest recipe unless the auto plan is predicted faster by this fraction, "
+                        "or 'profile': by the calibrated profile's measured error (default 0: always the auto plan)")
     parser.add_argument("--solver", default="highs", choices=SOLVERS, help="ILP backend (default highs)")
     if not planning:
         return
@@ -182,6 +189,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         time_limit_s=args.time_limit,
         gap=args.gap,
         solver=args.solver,
+        auto_margin=args.auto_margin,
     )
     start = time.perf_counter()
     with console.status("loading torch and the planner"):
@@ -358,7 +366,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     recipes = ["auto", *(r for r in args.baselines.split(",") if r)] if args.baselines else ["auto", *BASELINE_RECIPES]
     options = PlanOptions(memory_budget=args.budget, optimizer=args.optimizer,
                           mixed_precision=args.mixed_precision, solver=args.solver,
-                          time_limit_s=args.time_limit, gap=args.gap)
+                          time_limit_s=args.time_limit, gap=args.gap, auto_margin=args.auto_margin)
     model, example_args, example_kwargs = build_preset(args.model, batch=args.batch, seq=args.seq)
     captured = capture(model, example_args, example_kwargs)
     plans = plans_for_recipes(captured, mesh, options, recipes=recipes, model_name=args.model)

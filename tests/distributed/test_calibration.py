@@ -20,6 +20,7 @@ def test_tiny_calibration_gives_a_profile_the_planner_uses(tmp_path) -> None:
     from autopar.tools.calibration import CALIBRATED_FAMILIES
     from autopar.tools.calibration_links import CALIBRATED_COLLECTIVES
     from cost_models import collective_time_s, load_profile, save_profile
+    from cost_models.calibrate import STEP_ERROR_MAX
     from cost_models.hardware import MAX_OP_EFFICIENCY
     from tests.distributed.launcher import run_distributed
 
@@ -58,6 +59,10 @@ def test_tiny_calibration_gives_a_profile_the_planner_uses(tmp_path) -> None:
     assert timed["tp/reduce_scatter"]["call"] == "reduce_scatter_single"  # the runtime's call
     assert all(min(timed[f"tp/{kind}"]["seconds"]) > 0 for kind in CALIBRATED_COLLECTIVES)
     assert profile.meta["world_size"] == 2 and profile.meta["backend"] == "gloo"
+    # The profile's own error: the standard error of its figures (spread of the trials).
+    spreads = [timed[f"tp/{kind}"]["spread"] for kind in CALIBRATED_COLLECTIVES]
+    assert all(len(s) == len(timed["tp/all_reduce"]["bytes"]) for s in spreads)
+    assert 0 < device.step_error <= STEP_ERROR_MAX
 
     path = tmp_path / "profile.json"
     save_profile(profile, path)

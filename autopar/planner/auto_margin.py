@@ -1,0 +1,101 @@
+"""Deciding between the auto plan and the best recipe when the cost model may be wrong.
+
+The auto plan is the ILP's optimum under the cost model; the recipes (``planner.recipes``) are
+fixed layouts priced by the same model. When the model's own error is larger than the gain it
+predicts for the auto plan over the fastest recipe, the measured order of the two is a coin
+toss, and the recipe is the better bet: fewer and plainer collectives (one gradient all-reduce,
+or ZeRO's gathers, instead of layout conversions between ops), the layout a user would have
+written. The rule, applied by :meth:`planner.driver.Driver.plan` to the auto plan:
+
+    gain = (recipe_step_s - auto_step_s) / recipe_step_s      (the fastest recipe that fits)
+    gain < margin   ->  the recipe's layout (ZeRO and recomputation included)
+    otherwise       ->  the auto plan
+
+``margin`` is ``PlanOptions.auto_margin``: 0 by default (always the auto plan), or with
+``"profile"`` the profile's measured error (``DeviceSpec.step_error``, written by ``autopar
+calibrate``; datasheet devices have 0, which never changes a plan). The decision, with both predictions, goes into the plan JSON
+(``auto_choice``) and its one-line reason into the summary.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from autopar.mesh import Mesh
+from autopar.options import PlanOptions
+from autopar.planner.configurations import Solved
+from autopar.planner.recipes import BASELINE_RECIPES
+
+if TYPE_CHECKING:
+    from autopar.planner.driver import Driver
+
+
+def auto_margin(mesh: Mesh, options: PlanOptions) -> tuple[float, str]:
+    """The margin the auto plan must beat the best recipe by, and where it comes from
+    ("option" or "profile")."""
+    if options.auto_margin == "profile":
+        return float(mesh.device.step_error), "profile"
+    return float(options.auto_margin or 0.0), "option"
+
+
+def prefer_recipe_within_margin(
+    auto: Solved,
+    recipes: dict[str, Solved],
+    *,
+    margin: float,
+    source: str = "profile",
+    budget: float,
+) -> tuple[Solved, dict[str, Any] | None]:
+    """The auto plan, or the fastest recipe that fits ``budget`` when the auto plan's predicted
+    gain over it is below ``margin`` (module docstring); with the decision as a JSON-ready dict
+    (None when ``margin`` is 0 or no recipe fits: nothing was weighed)."""
+    fitting = {n: s for n, s in recipes.items() if s.evaluation.peak_memory_bytes <= budget}
+    if margin <= 0 or not fitting:
+        return auto, None
+    best = min(fitting, key=lambda n: (fitting[n].evaluation.step_s, n))
+    auto_s = auto.evaluation.step_s
+    recipe_s = fitting[best].evaluation.step_s
+    gain = (recipe_s - auto_s) / recipe_s if recipe_s > 0 else 0.0
+    keep_recipe = gain < margin
+    what = "the profile's" if source == "profile" else "the auto_margin option's"
+    if gain >= 0:
+        said = f"auto predicted {gain:.1%} faster than {best}"
+    else:
+        said = f"auto predicted {-gain:.1%} slower than {best}"
+    if keep_recipe:
+        reason = f"{said}, within {what} {margin:.1%} error: {best}'s layout chosen"
+    else:
+        reason = f"{said}, beyond {what} {margin:.1%} error: the auto layout kept"
+    decision = {
+        "margin": margin,
+        "margin_source": source,
+        "auto_step_s": auto_s,
+        "recipe": best,
+        "recipe_step_s": recipe_s,
+        "predicted_gain": gain,
+        "chosen": best if keep_recipe else "auto",
+        "reason": reason,
+    }
+    return (fitting[best] if keep_recipe else auto), decision
+
+
+def auto_or_recipe(driver: Driver, auto: Solved) -> tuple[Solved, dict[str, Any] | None]:
+    """What :meth:`Driver.plan` returns for "auto": ``auto``, or the fastest recipe that fits
+    the driver's budget (recomputing to fit, as the baselines table prices it) when the auto
+    plan's predicted gain over it is within the margin; with the decision."""
+    margin, source = auto_margin(driver.space.mesh, driver.options)
+    if margin <= 0:
+        return auto, None
+    recipes = {
+        name: driver.recipe_within_budget(name, free, strict=False)
+        for name, free in driver.recipes(BASELINE_RECIPES).items()
+    }
+    chosen, decision = prefer_recipe_within_margin(
+        auto, recipes, margin=margin, source=source, budget=driver.budget
+    )
+    if decision is not None:
+        driver._report(decision["reason"])
+    return chosen, decision
+
+
+__all__ = ["auto_margin", "auto_or_recipe", "prefer_recipe_within_margin"]
