@@ -1,4 +1,4 @@
-"""build_problem's edge tables: the vectorised conversion gives exactly the tuples of reading
+"""build_problem's edge tables (solver/tables.py float_table): the vectorised conversion gives exactly the tuples of reading
 every entry one by one (the reference below), with recipe subsets, reordered strategies and
 banned pairs."""
 
@@ -8,7 +8,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autopar.planner.problem import _edge_tuples
+from solver.tables import float_table
 
 
 def one_by_one(table, rows, cols, banned):
@@ -40,7 +40,7 @@ def test_edge_tables_equal_reading_every_entry(case, full) -> None:
     table, rows, cols, banned = case
     if full:
         rows, cols = tuple(range(table.shape[0])), tuple(range(table.shape[1]))
-    got = _edge_tuples(table, rows, cols, banned)
+    got = float_table(table, rows, cols, banned)
     want = one_by_one(table, rows, cols, banned)
     assert got == want
     flat_got = [x for row in got for x in row]
