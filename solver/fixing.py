@@ -39,6 +39,7 @@ from solver.eliminate import _Memo, _MinPlusGraph
 from solver.lagrangian import _pattern_terms, priced, transient_floor
 from solver.problem import Edge, Node, Problem, SegmentEdge
 from solver.prune import _split
+from solver.tables import Table, entry_array, sub_table
 from solver.tying import contract
 
 _DENSE_ENTRIES = 4_000_000
@@ -245,9 +246,20 @@ def restrict_budgeted(problem: Problem, keep: tuple[tuple[int, ...], ...]) -> Pr
     """``problem`` (budget, tie classes and segments kept) with node i offered only
     ``keep[i]`` (ascending; members of a tie class must keep the same strategies)."""
     index = [np.asarray(k, dtype=np.intp) for k in keep]
+    arrays: dict[int, np.ndarray] = {}  # id(table) -> its entries: shared tables convert once
+    sliced: dict[tuple[int, tuple[int, ...], tuple[int, ...]], Table] = {}
 
-    def table(rows, src: int, dst: int):
-        return tuple(tuple(rows[s][t] for t in keep[dst]) for s in keep[src])
+    def table(rows: Table, src: int, dst: int) -> Table:
+        key = (id(rows), keep[src], keep[dst])
+        found = sliced.get(key)
+        if found is None:
+            entries = arrays.get(id(rows))
+            if entries is None:
+                entries = arrays[id(rows)] = entry_array(rows)
+            found = sliced[key] = sub_table(entries, keep[src], keep[dst])
+        # Each edge gets its own table object (its rows shared), as one built entry by entry:
+        # tie contraction sums tables by identity, so sharing them would change its floats.
+        return tuple(list(found))
 
     edges = tuple(
         Edge(src=e.src, dst=e.dst, cost_s=table(e.cost_s, e.src, e.dst)) for e in problem.edges

@@ -40,7 +40,8 @@ from autopar.planner.space import (  # re-exported: the bridge's inputs
     build_space,
     placeholder_strategies,
 )
-from cost_models import collective_time_s, training_state_bytes
+from cost_models import MemoryBreakdown, collective_time_s, training_state_bytes
+from solver.tables import float_table
 
 __all__ = [
     "BuiltProblem",
@@ -160,25 +161,45 @@ def param_state(
     space: StrategySpace, node: NodeSpace, s: int, zero: ZeroConfig
 ) -> tuple[float, float, dict[str, float]]:
     """(memory bytes, ZeRO comm seconds, memory breakdown) of parameter strategy ``s``."""
-    options = space.options
-    mesh = space.mesh
     if node.alias_of is not None:
         return (
             0.0,
             0.0,
             {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "master": 0.0, "total": 0.0},
         )
+    total, comm, breakdown = _param_state_of(space, *_param_key(space, node, s), zero)
+    return total, comm, breakdown.to_dict()
+
+
+def _param_key(space: StrategySpace, node: NodeSpace, s: int) -> tuple[tuple[int, ...], float, int]:
+    """What :func:`param_state` depends on besides the ZeRO configuration: the mesh axes (of
+    size > 1) where strategy ``s`` replicates the parameter, its local elements, its itemsize."""
+    mesh = space.mesh
     placements = node.strategies[s].outputs[0]
-    replicate = [a for a in range(mesh.ndim) if placements[a].is_replicate() and mesh.shape[a] > 1]
+    replicate = tuple(
+        a for a in range(mesh.ndim) if placements[a].is_replicate() and mesh.shape[a] > 1
+    )
+    assert node.local_numel is not None
+    return replicate, float(node.local_numel[s]), node.itemsize
+
+
+def _param_state_of(
+    space: StrategySpace,
+    replicate: tuple[int, ...],
+    numel: float,
+    itemsize: int,
+    zero: ZeroConfig,
+) -> tuple[float, float, MemoryBreakdown]:
+    """(memory bytes, ZeRO comm seconds, breakdown) of a parameter (:func:`_param_key`)."""
+    options = space.options
+    mesh = space.mesh
     # Per-axis stages: parameters sharded over P, gradients over G, optimizer state over O.
     # Stages 1-2 cost no time (reduce-scatter + all-gather = the all-reduce already priced);
     # each P axis adds one all-gather of the parameter.
     param_axes, grad_axes, state_axes = zero.split(replicate)
-    assert node.local_numel is not None
-    numel = float(node.local_numel[s])
     breakdown = training_state_bytes(
         num_elements=numel,
-        param_dtype_bytes=node.itemsize,
+        param_dtype_bytes=itemsize,
         optimizer=options.optimizer,
         mixed_precision=options.mixed_precision,
         param_shards=math.prod(mesh.shape[a] for a in param_axes),
@@ -186,53 +207,43 @@ def param_state(
         state_shards=math.prod(mesh.shape[a] for a in state_axes),
     )
     comm = 0.0
-    gather_itemsize = 2 if options.mixed_precision else node.itemsize
+    gather_itemsize = 2 if options.mixed_precision else itemsize
     for axis in param_axes:
         comm += collective_time_s(
             "all_gather", numel * gather_itemsize, mesh.shape[axis], mesh.links[axis]
         )
-    return breakdown.total, comm, breakdown.to_dict()
+    return breakdown.total, comm, breakdown
 
 
 def node_cost_vector(
-    space: StrategySpace, node: NodeSpace, zero: ZeroConfig
+    space: StrategySpace,
+    node: NodeSpace,
+    zero: ZeroConfig,
+    states: dict[tuple, tuple[float, float]] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(seconds, resident bytes) per strategy of ``node`` under ``zero``."""
+    """(seconds, resident bytes) per strategy of ``node`` under ``zero``. ``states``: a memo
+    of parameter states by :func:`_param_key` and configuration (one per space), shared
+    between the strategies and parameters that replicate alike and hold as many elements."""
     cost = node.compute_s + node.grad_comm_s + node.param_grad_comm_s + node.output_comm_s
     memory = node.activation_bytes + node.fixed_bytes
     if node.kind == "param":
         extra_mem = np.zeros(len(node.strategies))
         extra_cost = np.zeros(len(node.strategies))
-        for s in range(len(node.strategies)):
-            extra_mem[s], extra_cost[s], _ = param_state(space, node, s, zero)
+        if node.alias_of is None:  # an alias holds no state of its own (param_state: zeros)
+            states = {} if states is None else states
+            for s in range(len(node.strategies)):
+                key = (*_param_key(space, node, s), zero)
+                state = states.get(key)
+                if state is None:
+                    total, comm, _ = _param_state_of(space, *key)
+                    state = states[key] = (total, comm)
+                extra_mem[s], extra_cost[s] = state
         cost = cost + extra_cost
         memory = memory + extra_mem
     return cost, memory
 
 
 _NO_BANS: frozenset[tuple[int, int]] = frozenset()
-
-
-def _edge_tuples(
-    table: np.ndarray,
-    rows: tuple[int, ...],
-    cols: tuple[int, ...],
-    banned: frozenset[tuple[int, int]] | set[tuple[int, int]],
-) -> tuple[tuple[float | None, ...], ...]:
-    """The solver's nested tuples of ``table[rows][:, cols]``: None where not finite or
-    banned, else the entry as a Python float (the same values as reading them one by one)."""
-    sub = np.asarray(table, dtype=np.float64)
-    if rows != tuple(range(sub.shape[0])) or cols != tuple(range(sub.shape[1])):
-        sub = sub[np.ix_(rows, cols)]
-    values = sub.astype(object)
-    values[~np.isfinite(sub)] = None
-    if banned:
-        row_at = {a: k for k, a in enumerate(rows)}
-        col_at = {b: k for k, b in enumerate(cols)}
-        for a, b in banned:
-            if a in row_at and b in col_at:
-                values[row_at[a], col_at[b]] = None
-    return tuple(map(tuple, values.tolist()))
 
 
 @dataclass(kw_only=True, slots=True)
@@ -243,6 +254,8 @@ class ProblemMemo:
 
     nodes: dict[tuple, solver.Node] = field(default_factory=dict)
     edges: dict[tuple, tuple[tuple[float | None, ...], ...]] = field(default_factory=dict)
+    param_states: dict[tuple, tuple[float, float]] = field(default_factory=dict)
+    """(memory bytes, ZeRO comm seconds) of a parameter by its key and configuration."""
 
 
 def build_problem(
@@ -276,7 +289,7 @@ def build_problem(
         node_key = (k, idx, zero if node.kind == "param" else None)
         solver_node = memo.nodes.get(node_key)
         if solver_node is None:
-            cost, memory = node_cost_vector(space, node, zero)
+            cost, memory = node_cost_vector(space, node, zero, memo.param_states)
             picked = list(idx)  # float64 rows to Python floats: the same values as float(x[i])
             solver_node = memo.nodes[node_key] = solver.Node(
                 name=node.name,
@@ -303,7 +316,7 @@ def build_problem(
         cache = memo.edges if banned is _NO_BANS else converted
         matrix = cache.get(key)
         if matrix is None:
-            matrix = cache[key] = _edge_tuples(edge.cost_s, rows, cols, banned)
+            matrix = cache[key] = float_table(edge.cost_s, rows, cols, banned)
         solver_edges.append(solver.Edge(src=edge.src, dst=edge.dst, cost_s=matrix))
     classes = tuple(
         tuple(members)
