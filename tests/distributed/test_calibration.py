@@ -47,6 +47,8 @@ def test_tiny_calibration_gives_a_profile_the_planner_uses(tmp_path) -> None:
     assert set(device.busy_rank_speed) == {"1", "2"} and device.busy_rank_speed["2"] == 1.0
     assert 0 < device.busy_rank_speed["1"] < 100
     assert profile.meta["measurements"]["busy_rank_speed"]["cpu_count"] >= 1
+    # Each rank its own session (scheduling group), as torchrun starts them.
+    assert profile.meta["measurements"]["busy_rank_speed"]["sessions"] == 2
     mix = profile.meta["measurements"]["busy_rank_speed"]["op_mix_speed"]
     assert set(mix) == {"1", "2"} and mix["2"] == 1.0 and 0 < mix["1"] < 100
     link = profile.links["tp"]
