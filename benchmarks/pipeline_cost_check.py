@@ -23,9 +23,15 @@ Measured figures, per configuration:
 - step: a step's time is the slowest rank's (a barrier before each step); a repetition's
   figure is the median over its steps; the table gives the median and min-max over
   repetitions;
-- drift: a matmul probe on every rank at once (as calibration measures ``peak_flops``) just
-  before and just after a configuration's steps in each repetition (geometric mean; median over
-  repetitions); calibrated over probed FLOP/s scales the stages' forward and backward;
+- drift: calibration's matmul fit on every rank at once (as calibration measures
+  ``peak_flops``) just before and just after a configuration's steps in each repetition
+  (geometric mean; median over repetitions); calibrated over probed FLOP/s scales the stages'
+  forward and backward ("drift removed");
+- the run's ``busy_rank_speed``: calibration's lone-rank probe, one round, before and after
+  the steps (geometric mean; median over repetitions); "at the run's load" prices the plan's
+  stages with the drift removed AND this speed-up in place of the profile's;
+- ranks run in their own sessions (``own_scheduling_group``), as calibration and torchrun
+  run them (README "Session 9": Linux shares the cores per session);
 - bubble: per rank, ``busy`` is ``PipelineModule.busy_s``, the wall seconds inside its stage's
   microbatch forwards and backwards (``PipelineStage.forward_one_chunk`` /
   ``backward_one_chunk``); the bubble of a step is ``1 - max_r busy_r / step``: the idle share
