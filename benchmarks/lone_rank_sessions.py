@@ -62,6 +62,8 @@ def run_rank(rank: int, world: int, own_session: bool) -> dict[str, dict[str, fl
                 total = torch.tensor([seconds], dtype=torch.float64)
                 dist.all_reduce(total)  # rank 1 waits here in "alone_allreduce"
                 timed[mode].append(seconds)
+        if rank != 0:
+            continue  # rank 1 computes only when both do
         both = statistics.median(timed["both"])
         out[f"{n}^3 x {calls}"] = {
             "both_ms": both * 1e3,
