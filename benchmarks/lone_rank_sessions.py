@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.runtime.spawn import spawn_ranks
-from autopar.tools.calibration import own_scheduling_group
+from autopar.tools.sessions import own_scheduling_group
 
 MODES = ("both", "alone_allreduce", "alone_irecv", "alone_sleep")
 

@@ -161,7 +161,7 @@ def busy_rank_speed_now() -> dict[str, float]:
 def run_rank(rank: int, world: int, cases: list[dict[str, Any]], args: Any) -> dict[str, Any]:
     """Build every case's module on this rank, then time them interleaved (module docstring)."""
     import autopar
-    from autopar.tools.calibration import own_scheduling_group
+    from autopar.tools.sessions import own_scheduling_group
 
     own_scheduling_group()  # one session per rank, as calibration and torchrun run them
     mesh = autopar.Mesh.from_world((world,), ("pp",))

@@ -44,6 +44,7 @@ import torch.distributed as dist
 from autopar.capture.flops import op_costs
 from autopar.runtime.spawn import pg_timeout_s, spawn_ranks
 from autopar.tools.calibration_links import measure_links
+from autopar.tools.sessions import own_scheduling_group, session_count
 from autopar.tools.timing import fwd_bwd_callable, mean_over_ranks, time_callable
 from cost_models import DeviceSpec, Profile
 from cost_models.calibrate import build_profile, fit_efficiency, fit_rate
@@ -321,11 +322,8 @@ def measure_busy_rank_speed(
     # The profile keeps the matmul's figure; the op mix (every family case once, as a model's
     # stage runs them) is recorded beside it. Both measured about 2x alone on 2 shared cores,
     # while pipelines there fitted 1.0-1.5x (README "Per op family"): not the op mix.
-    session = torch.tensor([os.getsid(0) if hasattr(os, "getsid") else 0], dtype=torch.int64)
-    sessions = [torch.zeros_like(session) for _ in range(world)]
-    dist.all_gather(sessions, session)
     detail = {"matmul_n": n, "seconds": {str(k): v for k, v in seconds["matmul"].items()},
-              "sessions": len({int(s) for s in sessions}),  # own_scheduling_group: one each
+              "sessions": session_count(),  # own_scheduling_group: one per rank
               "op_mix_speed": speeds["op_mix"],
               "op_mix_seconds": {str(k): v for k, v in seconds["op_mix"].items()},
               "cpu_count": os.cpu_count()}  # fmt: skip
@@ -421,18 +419,6 @@ def spawn_local(
     return spawn_ranks(
         fn, nproc, *args, timeout_s=timeout_s, pg_timeout_s=pg_timeout_s(), grace_s=5.0
     )
-
-
-def own_scheduling_group() -> None:
-    """Make this rank its own session, as torchrun starts every rank (``start_new_session``).
-
-    Linux's autogroup scheduler shares the cores fairly between sessions, not processes: ranks
-    spawned into one session split one share, so a rank computing alone ran 2-3x faster than
-    each of two busy ones whenever other sessions loaded the machine, and 1x when they did not
-    (README, "Session 9"); one rank per session, as under torchrun, measures what a torchrun
-    job meets. A no-op where the process already leads its session or has no ``setsid``."""
-    if hasattr(os, "setsid") and os.getsid(0) != os.getpid():
-        os.setsid()
 
 
 def _calibrate_rank(
