@@ -23,9 +23,15 @@ Measured figures, per configuration:
 - step: a step's time is the slowest rank's (a barrier before each step); a repetition's
   figure is the median over its steps; the table gives the median and min-max over
   repetitions;
-- drift: a matmul probe on every rank at once (as calibration measures ``peak_flops``) just
-  before and just after a configuration's steps in each repetition (geometric mean; median over
-  repetitions); calibrated over probed FLOP/s scales the stages' forward and backward;
+- drift: calibration's matmul fit on every rank at once (as calibration measures
+  ``peak_flops``) just before and just after a configuration's steps in each repetition
+  (geometric mean; median over repetitions); calibrated over probed FLOP/s scales the stages'
+  forward and backward ("drift removed");
+- the run's ``busy_rank_speed``: calibration's lone-rank probe, one round, before and after
+  the steps (geometric mean; median over repetitions); "at the run's load" prices the plan's
+  stages with the drift removed AND this speed-up in place of the profile's;
+- ranks run in their own sessions (``own_scheduling_group``), as calibration and torchrun
+  run them (README "Session 9": Linux shares the cores per session);
 - bubble: per rank, ``busy`` is ``PipelineModule.busy_s``, the wall seconds inside its stage's
   microbatch forwards and backwards (``PipelineStage.forward_one_chunk`` /
   ``backward_one_chunk``); the bubble of a step is ``1 - max_r busy_r / step``: the idle share
@@ -108,11 +114,56 @@ def _gathered(values: list[float]) -> torch.Tensor:
     return torch.stack(every)
 
 
+def matmul_rate() -> float:
+    """fp32 FLOP/s now as calibration measures ``peak_flops``: every rank timing calibration's
+    matmul sizes (256, 512, 768) at once, mean over ranks, the through-origin fit; the single
+    512^3 probe used before was not the quantity calibration fits (README, session 8)."""
+    from autopar.tools.calibration import CalibrationConfig
+    from autopar.tools.timing import mean_over_ranks, time_callable
+    from cost_models.calibrate import fit_rate
+    from cost_models.compute import matmul_flops
+
+    config, times = CalibrationConfig(), []
+    for n in config.matmul_sizes:
+        a = torch.randn(n, n)
+        times.append(time_callable(lambda a=a: a @ a, device=torch.device("cpu"),
+                                   min_time_s=config.min_time_s, trials=1))  # fmt: skip
+    times = mean_over_ranks(times, torch.device("cpu"))
+    flops = [matmul_flops(n, n, n) for n in config.matmul_sizes]
+    return fit_rate(flops, times, through_origin=True)[0]
+
+
+def busy_rank_speed_now() -> dict[str, float]:
+    """``busy_rank_speed`` as calibration measures it (calibration's largest matmul timed with
+    only ranks ``0..k-1`` computing, the others waiting in the all-reduce), one round, now: the
+    lone-rank speed-up follows the other sessions' load (README, session 9), so the run's own
+    figure is what the pipeline met."""
+    from autopar.tools.calibration import CalibrationConfig
+    from autopar.tools.timing import time_callable
+
+    world, rank, config = dist.get_world_size(), dist.get_rank(), CalibrationConfig()
+    counts = sorted({2**e for e in range(world.bit_length()) if 2**e < world} | {world})
+    n = max(config.matmul_sizes)
+    a = torch.randn(n, n)
+    seconds = {}
+    for k in counts:
+        dist.barrier()
+        mine = 0.0
+        if rank < k:
+            mine = time_callable(lambda: a @ a, device=torch.device("cpu"),
+                                 min_time_s=config.min_time_s, trials=3)  # fmt: skip
+        total = torch.tensor([mine], dtype=torch.float64)
+        dist.all_reduce(total)
+        seconds[k] = float(total[0]) / k
+    return {str(k): seconds[world] / seconds[k] for k in counts}
+
+
 def run_rank(rank: int, world: int, cases: list[dict[str, Any]], args: Any) -> dict[str, Any]:
     """Build every case's module on this rank, then time them interleaved (module docstring)."""
     import autopar
-    from autopar.tools.bench_cost import _matmul_rate
+    from autopar.tools.sessions import own_scheduling_group
 
+    own_scheduling_group()  # one session per rank, as calibration and torchrun run them
     mesh = autopar.Mesh.from_world((world,), ("pp",))
     built = {}
     for case in cases:
@@ -128,7 +179,8 @@ def run_rank(rank: int, world: int, cases: list[dict[str, Any]], args: Any) -> d
     out: dict[str, Any] = {key: [] for key in built}
     for _ in range(args.reps):
         for key, (pmodel, opt, batch) in built.items():
-            rate = _matmul_rate(torch.device("cpu"))  # machine speed now (drift probe)
+            rate = matmul_rate()  # machine speed now (drift probe)
+            lone = busy_rank_speed_now()
             rows = []
             for _ in range(args.steps):
                 dist.barrier()
@@ -141,8 +193,10 @@ def run_rank(rank: int, world: int, cases: list[dict[str, Any]], args: Any) -> d
                 rows.append(_gathered([wall, pmodel.busy_s, time.perf_counter() - start]))
             # The probe before and after the steps (geometric mean): the load of other processes
             # changes within seconds on a shared machine.
-            rate = (rate * _matmul_rate(torch.device("cpu"))) ** 0.5
-            out[key].append(dict(_repetition(rows), matmul_flops=rate))
+            rate = (rate * matmul_rate()) ** 0.5
+            lone = {k: (v * busy_rank_speed_now()[k]) ** 0.5 for k, v in lone.items()}
+            out[key].append(dict(_repetition(rows), matmul_flops=rate, busy_rank_speed=lone,
+                                 at_s=time.time(), load=os.getloadavg()[0]))  # fmt: skip
     return out
 
 
@@ -216,6 +270,11 @@ def summarize(
         formula = from_measured_stages(case, busy)
         speed = calibrated_flops / statistics.median(r["matmul_flops"] for r in reps)
         drift = drift_removed(case, speed, device.busy_rank_speed)
+        # The machine's load during the run: level (matmul probe) and lone speed-up both taken
+        # from the run's own probes, as calibration measures them.
+        run_speed = {k: statistics.median(r["busy_rank_speed"][k] for r in reps)
+                     for k in reps[0]["busy_rank_speed"]}  # fmt: skip
+        at_run = drift_removed(case, speed, run_speed)
         steps = [r["step_s"] for r in reps]
         bubbles = [r["bubble"] for r in reps]
         predicted = case["predicted"]
@@ -233,6 +292,9 @@ def summarize(
             "speed_factor": speed,
             "drift_removed_step_s": drift.step_s,
             "drift_removed_idle": 1 - drift.compute_s / drift.step_s,
+            "run_busy_rank_speed": run_speed,
+            "at_run_step_s": at_run.step_s,
+            "at_run_idle": 1 - at_run.compute_s / at_run.step_s,
             "busy_per_microbatch_s": busy,
             "formula_step_s": formula.step_s, "formula_bubble": formula.bubble_fraction,
             "predicted_stage_s": [s["forward_s"] + s["backward_s"] + s["p2p_s"]
@@ -248,8 +310,9 @@ def markdown(world: int, table: list[dict[str, Any]]) -> str:
         " ms (min-max) | measured / predicted (drift removed) | before: closed form ms (measured"
         " / closed form) | predicted bubble | predicted idle"
         " (drift removed) | measured idle (min-max) | idle ratio (drift removed) | schedule"
-        " model on measured stages: step ratio |",
-        "|---|---|---|---|---|---|---|---:|---|---|---|---:|",
+        " model on measured stages: step ratio | run's lone speed-up | at the run's load:"
+        " predicted ms, measured / predicted, idle ratio |",
+        "|---|---|---|---|---|---|---|---:|---|---|---|---:|---:|---|",
     ]
     for row in table:
         cuts = "+".join(str(b - a) for a, b in row["blocks"])
@@ -264,9 +327,41 @@ def markdown(world: int, table: list[dict[str, Any]]) -> str:
             f"{row['predicted_bubble']:.3f} | {idle:.3f} "
             f"({drift_idle:.3f}) | {row['bubble']:.3f} ({row['bubble_min']:.3f}-"
             f"{row['bubble_max']:.3f}) | {row['bubble'] / idle:.2f} "
-            f"({row['bubble'] / drift_idle:.2f}) | {row['step_s'] / row['formula_step_s']:.2f} |"
+            f"({row['bubble'] / drift_idle:.2f}) | {row['step_s'] / row['formula_step_s']:.2f} | "
+            f"{row['run_busy_rank_speed']['1']:.2f} | {row['at_run_step_s'] * 1e3:.0f}, "
+            f"{row['step_s'] / row['at_run_step_s']:.2f}, {row['bubble'] / row['at_run_idle']:.2f} |"
         )
     return "\n".join(lines)
+
+
+def drift_text(measured: dict[str, Any], device: Any) -> str:
+    """The drift probe against the machine's load and the run's clock: every repetition of every
+    configuration, calibrated over probed matmul FLOP/s beside the 1-minute load average and the
+    seconds since the first one, with the least-squares slope of the ratio over each. A load
+    change (other processes) shows as a ratio that follows the load; a systematic slowdown of
+    our own run (heat, memory, a leak) as one that grows with time at the same load."""
+    rows = sorted((r["at_s"], r["load"], device.peak_flops["float32"] / r["matmul_flops"])
+                  for reps in measured.values() for r in reps)  # fmt: skip
+    start = rows[0][0]
+
+    def slope(xs: list[float], ys: list[float]) -> float:
+        mx, my = statistics.fmean(xs), statistics.fmean(ys)
+        den = sum((x - mx) ** 2 for x in xs)
+        return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / den if den else 0.0
+
+    times, loads, ratios = ([r[k] for r in rows] for k in range(3))
+    times = [t - start for t in times]
+    corr = statistics.correlation(loads, ratios) if len(set(loads)) > 1 else 0.0
+    # The ratio's time trend with the load's part taken out (residual after the load fit).
+    per_load = slope(loads, ratios)
+    residual = [r - per_load * (x - statistics.fmean(loads)) for r, x in zip(ratios, loads)]
+    return (
+        f"drift probe (calibrated / current matmul FLOP/s) over {len(rows)} repetitions: "
+        f"{min(ratios):.2f}-{max(ratios):.2f}; load average {min(loads):.1f}-{max(loads):.1f}; "
+        f"correlation with load {corr:.2f} (slope {per_load:.3f} per unit of load); trend "
+        f"{slope(times, ratios) * 60:+.3f} per minute raw, {slope(times, residual) * 60:+.3f} "
+        f"per minute at constant load, over {times[-1]:.0f} s"
+    )
 
 
 def per_stage_text(table: list[dict[str, Any]]) -> str:
@@ -369,9 +464,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load at end: {_load()}; {time.perf_counter() - start:.0f} s in all")
     print(markdown(args.world, table))
     print(per_stage_text(table))
+    print(drift_text(measured, profile.device))
     path = os.path.join(args.out, f"pipeline_cost_check_{args.world}.json")
     with open(path, "w") as f:
-        json.dump({"argv": sys.argv, "table": table, "cases": cases}, f, indent=1, default=str)
+        json.dump({"argv": sys.argv, "table": table, "cases": cases, "measured": measured}, f,
+                  indent=1, default=str)  # fmt: skip
     print(
         f"command: PYTHONPATH=. python benchmarks/pipeline_cost_check.py {' '.join(sys.argv[1:])}"
     )

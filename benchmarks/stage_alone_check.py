@@ -91,8 +91,10 @@ def per_op(profile: object, names: list[str], rows_list: list[int], top: int) ->
             targets = sorted((k for k in sums if k.startswith(" ")), key=lambda k: -sums[k][0])
             for key in families + targets[:top]:
                 p, m, c = sums[key]
-                print(f"| {key} | {c:.0f} | {p * 1e3:.2f} | {m * 1e3:.2f} | {m / p:.2f} | "
-                      f"{m * speed / p:.2f} |", flush=True)  # fmt: skip
+                # Ops that return their input are priced at 0 (README "Session 9").
+                ratio = f"{m / p:.2f} | {m * speed / p:.2f}" if p > 0 else "- | -"
+                print(f"| {key} | {c:.0f} | {p * 1e3:.2f} | {m * 1e3:.2f} | {ratio} |",
+                      flush=True)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,7 +7,11 @@ knows (``mv``, ``einsum``, ...) run once on meta tensors under it. The conventio
 multiply-add, causal attention counts its unmasked pairs, attention backward 2.5x, norm
 backward 2x, ...) are documented on those functions and in README.md ("The cost model").
 
-A node with no input needing a gradient has no backward work at all.
+A node with no input needing a gradient has no backward work at all. An op that returns its
+input tensor itself (``returns_input``: ``dropout`` with p = 0 or in eval, ``contiguous`` of a
+contiguous tensor) does no work and is priced like a view; a cast to the tensor's own dtype
+(``to``, ``type_as``) is flagged ``same_dtype_cast``: free in the captured precision, a real cast
+under mixed precision, where the planner prices it as one.
 
 Results are cached by (op, argument shapes/dtypes/requires-grad, constants, output shapes):
 the layers of a transformer repeat, so a 5,000-node graph prices a few dozen distinct calls.
@@ -15,6 +19,7 @@ the layers of a transformer repeat, so a 5,000-node graph prices a few dozen dis
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import operator
 from dataclasses import dataclass
@@ -62,6 +67,15 @@ class NodeWork:
     """Bytes read and written by its backward."""
     family: str
     """One of FAMILIES: how the op scales and which roofline applies."""
+    same_dtype_cast: bool = False
+    """A ``to`` / ``type_as`` to the tensor's own captured dtype: it returns its input (no work)
+    when the graph runs in that dtype; the FLOPs and bytes above are those of a real cast, what
+    it costs under mixed precision (autocast changes the input's dtype)."""
+
+    def cast_is_free(self, mixed_precision: str | None) -> bool:
+        """Whether this op is a same-dtype cast that returns its input when the graph runs in its
+        captured dtype (``mixed_precision`` None); under autocast it may be a real cast."""
+        return self.same_dtype_cast and mixed_precision is None
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,6 +190,9 @@ def node_costs(node: fx.Node) -> NodeWork:
     """
     if node.op != "call_function":
         return NodeWork(fwd_flops=0.0, bwd_flops=0.0, fwd_bytes=0, bwd_bytes=0, family="other")
+    kind = returns_input(node)
+    if kind == "alias":
+        return NodeWork(fwd_flops=0.0, bwd_flops=0.0, fwd_bytes=0, bwd_bytes=0, family="view")
     requires_grad = _requires_grad_map(node)
 
     def sig(value: Any) -> Any:
@@ -205,9 +222,48 @@ def node_costs(node: fx.Node) -> NodeWork:
     kwargs = tuple(sorted((k, sig(v)) for k, v in node.kwargs.items()))
     outputs = _output_sigs(node.meta.get("val"))
     try:
-        return _work(node.target, args, kwargs, outputs)
+        work = _work(node.target, args, kwargs, outputs)
     except TypeError:  # an unhashable constant argument: price without the cache
-        return _work.__wrapped__(node.target, args, kwargs, outputs)
+        work = _work.__wrapped__(node.target, args, kwargs, outputs)
+    return dataclasses.replace(work, same_dtype_cast=True) if kind == "cast" else work
+
+
+def returns_input(node: fx.Node) -> str | None:
+    """Whether ``node``'s op returns its input tensor itself instead of computing a new one.
+
+    Returns:
+        "alias": always (``dropout`` with p = 0 or ``train=False``, whose CPU and GPU kernels both
+        return the input; ``contiguous`` of a tensor already contiguous in the requested format);
+        "cast": ``to.dtype`` / ``type_as`` to the input's own captured dtype (no copy requested),
+        free in that dtype but a real cast under autocast; None: the op does work. ``clone`` and
+        ``_to_copy`` always copy (the lowering keeps them).
+    """
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or not node.args:
+        return None
+    source = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+    if not isinstance(source, torch.Tensor):
+        return None
+    bound = _bind(target, tuple(node.args), tuple(node.kwargs.items()))
+    aten = torch.ops.aten
+    if target is aten.dropout.default:
+        p, train = bound.get("p"), bound.get("train")
+        return "alias" if p == 0 or train is False else None
+    if target is aten.contiguous.default:
+        memory_format = bound.get("memory_format") or torch.contiguous_format
+        return "alias" if source.is_contiguous(memory_format=memory_format) else None
+    output = node.meta.get("val")
+    if not isinstance(output, torch.Tensor) or output.dtype != source.dtype:
+        return None
+    if target is aten.type_as.default:
+        return "cast"
+    if target is aten.to.dtype and not bound.get("copy"):
+        memory_format = bound.get("memory_format")
+        if memory_format in (None, torch.preserve_format) or source.is_contiguous(
+            memory_format=memory_format
+        ):
+            return "cast"
+    return None
 
 
 def op_costs(target: Any, args: Any, kwargs: dict[str, Any] | None = None) -> NodeWork:

@@ -323,7 +323,7 @@ def _op_space(
     activation = _zeros(n)
     transient = _zeros(n)
     forward = _zeros(n)
-    is_view = work.family in VIEW_FAMILIES
+    is_view = work.family in VIEW_FAMILIES or work.cast_is_free(options.mixed_precision)
     # Under mixed precision activations are half precision whatever the captured dtype.
     precision_scale = pricer.itemsize(TensorMeta((), dtype)) / dtype.itemsize
     for i, strategy in enumerate(strategies):

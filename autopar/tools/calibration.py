@@ -44,6 +44,7 @@ import torch.distributed as dist
 from autopar.capture.flops import op_costs
 from autopar.runtime.spawn import pg_timeout_s, spawn_ranks
 from autopar.tools.calibration_links import measure_links
+from autopar.tools.sessions import own_scheduling_group, session_count
 from autopar.tools.timing import fwd_bwd_callable, mean_over_ranks, time_callable
 from cost_models import DeviceSpec, Profile
 from cost_models.calibrate import (
@@ -328,6 +329,7 @@ def measure_busy_rank_speed(
     # stage runs them) is recorded beside it. Both measured about 2x alone on 2 shared cores,
     # while pipelines there fitted 1.0-1.5x (README "Per op family"): not the op mix.
     detail = {"matmul_n": n, "seconds": {str(k): v for k, v in seconds["matmul"].items()},
+              "sessions": session_count(),  # own_scheduling_group: one per rank
               "op_mix_speed": speeds["op_mix"],
               "op_mix_seconds": {str(k): v for k, v in seconds["op_mix"].items()},
               "cpu_count": os.cpu_count()}  # fmt: skip
@@ -374,6 +376,7 @@ def calibrate_on_rank(
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
+        own_scheduling_group()
     groups = axis_groups(tuple(mesh_shape), tuple(axis_names), key="autopar-calibrate")
     log(
         f"calibrating {dist.get_world_size()} ranks ({dist.get_backend()}) on mesh "

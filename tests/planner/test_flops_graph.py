@@ -68,7 +68,7 @@ def test_planner_prices_each_replicated_node_with_node_costs(name: str) -> None:
             if any(p != REPLICATE for placement in placements for p in placement):
                 continue
             expected = 0.0
-            if work.family != "view":
+            if work.family != "view" and not work.same_dtype_cast:
                 for flops, nbytes in (
                     (work.fwd_flops, work.fwd_bytes),
                     (work.bwd_flops, work.bwd_bytes),
@@ -79,3 +79,20 @@ def test_planner_prices_each_replicated_node_with_node_costs(name: str) -> None:
             assert node_space.compute_s[i] == pytest.approx(expected, rel=1e-9), node.name
             families.add(work.family)
     assert {"matmul", "attention", "embedding", "pointwise", "loss"} <= families
+
+
+def test_same_dtype_casts_are_free_in_fp32_and_priced_under_mixed_precision() -> None:
+    """tiny_llama's RMSNorm and rotary casts to float32 return their input in an fp32 graph;
+    under autocast (bf16) they are real casts and stay priced."""
+    model, args, kwargs = ALL_MODELS["tiny_llama"]()
+    captured = capture(model, args, kwargs, decompose=False)
+    casts = {n.name for n in captured.gm.graph.nodes if node_costs(n).same_dtype_cast}
+    assert len(casts) >= 4
+    mesh = Mesh.spec((2,), ("dp",), device="h100")
+    for options, free in ((PlanOptions(), True), (PlanOptions(mixed_precision="bf16"), False)):
+        space = build_space(captured, mesh, options)
+        priced = [n for n in space.nodes if n.name in casts]
+        assert len(priced) == len(casts)
+        for node_space in priced:
+            assert all((s == 0.0) == free for s in node_space.compute_s), node_space.name
+            assert all((b == 0.0) == free for b in node_space.transient_bytes), node_space.name

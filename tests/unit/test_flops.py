@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autopar.capture.flops import op_costs
+from autopar.capture.flops import node_costs, op_costs, returns_input
 from cost_models import attention_pairs
 from tests.flop_counting import counted_forward_backward
 
@@ -203,3 +203,49 @@ def test_flop_counter_mode_counts_nothing_for_the_per_element_families() -> None
         lambda: aten.cross_entropy_loss.default(x.view(32, 32), torch.zeros(32, dtype=torch.long)),
     ):
         assert counted_forward_backward(fn) == (0, 0)
+
+
+# --------------------------------------------------------------------------------------------
+# (c) Ops that return their input cost nothing (issue 15, session 9)
+
+
+def test_ops_that_return_their_input_cost_nothing_and_real_copies_do() -> None:
+    x = _t(8, 16)
+    same = op_costs(aten.to.dtype, (x, torch.float32))
+    assert same.same_dtype_cast and same.fwd_bytes > 0  # free in fp32; the bytes of a real cast
+    assert op_costs(aten.type_as.default, (x, _t(2, 2))).same_dtype_cast
+    cast = op_costs(aten.to.dtype, (x, torch.bfloat16))
+    assert not cast.same_dtype_cast and cast.fwd_bytes == F32 * 128 + 2 * 128
+    assert not op_costs(aten.to.dtype, (x, torch.float32), {"copy": True}).same_dtype_cast
+    for target, args in (
+        (aten.dropout.default, (x, 0.0, True)),
+        (aten.dropout.default, (x, 0.5, False)),
+        (aten.contiguous.default, (x,)),
+    ):
+        work = op_costs(target, args)
+        assert (work.family, work.fwd_flops, work.bwd_flops, work.fwd_bytes, work.bwd_bytes) == (
+            "view", 0.0, 0.0, 0, 0,
+        ), target  # fmt: skip
+    for target, args in (
+        (aten.dropout.default, (x, 0.1, True)),
+        (aten.clone.default, (x,)),
+        (aten._to_copy.default, (x,)),
+    ):
+        work = op_costs(target, args)
+        assert work.family == "pointwise" and work.fwd_bytes > 0 and not work.same_dtype_cast, (
+            target
+        )
+
+
+def test_contiguous_of_a_transposed_tensor_is_a_real_copy() -> None:
+    # op_costs makes its inputs contiguous meta tensors; a graph keeps the strides.
+    graph = torch.fx.Graph()
+    source = graph.placeholder("x")
+    source.meta["val"] = torch.empty(8, 16, device="meta").t()
+    node = graph.call_function(aten.contiguous.default, (source,))
+    node.meta["val"] = torch.empty(16, 8, device="meta")
+    assert returns_input(node) is None
+    assert node_costs(node).fwd_bytes == 2 * F32 * 128
+    source.meta["val"] = torch.empty(16, 8, device="meta")
+    del source.meta["autopar_requires_grad"], node.meta["autopar_requires_grad"]
+    assert returns_input(node) == "alias" and node_costs(node).fwd_bytes == 0
