@@ -14,7 +14,10 @@ One spawn per mesh runs every variant in the same processes. After ``--warmup`` 
 the timed steps are interleaved: for each step index, every variant runs one step (the
 order rotated from step to step), all ranks meeting at a barrier before each; a step's time is
 the slowest rank's. This repeats ``--reps`` times; each repetition gives a ratio (autopar's
-median step over its peer's), and the table shows the median ratio and its min-max. "loss
+median step over its peer's), and the table shows the median ratio and its min-max. The "CPU
+ratio" is the same for the CPU seconds a step costs the process (``time.process_time``: its
+threads, gloo's included; the largest rank's), which waiting for a descheduled peer on a shared
+machine does not inflate as it inflates wall time. "loss
 diff" is the largest difference between the two sides' losses over every step (both run the
 same batches from the same initial weights).
 
@@ -133,7 +136,8 @@ def interleaved(args: argparse.Namespace, variants: dict[str, Any]) -> tuple[Any
     import torch.distributed as dist
 
     names = list(variants)
-    times = torch.zeros(len(names), args.reps, args.steps, dtype=torch.float64)
+    # [variant, rep, step, (wall s, CPU s of this process)]
+    times = torch.zeros(len(names), args.reps, args.steps, 2, dtype=torch.float64)
     losses: dict[str, dict[int, float]] = {name: {} for name in names}
     for rep in range(args.reps):
         for s in range(args.steps):
@@ -142,9 +146,10 @@ def interleaved(args: argparse.Namespace, variants: dict[str, Any]) -> tuple[Any
             for k in range(len(names)):
                 v = (k + s + rep) % len(names)
                 dist.barrier()
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 losses[names[v]][index] = variants[names[v]].step(*batch)
-                times[v, rep, s] = time.perf_counter() - t0
+                times[v, rep, s, 0] = time.perf_counter() - t0
+                times[v, rep, s, 1] = time.process_time() - c0
     return times, losses
 
 
@@ -178,7 +183,8 @@ def run_rank(rank: int, port: int, args: argparse.Namespace, mesh_name: str, res
         rows = {}
         for i, (name, variant) in enumerate(variants.items()):
             rows[name] = {
-                "times_s": times[i].tolist(),
+                "times_s": times[i, :, :, 0].tolist(),
+                "cpu_s": times[i, :, :, 1].tolist(),
                 "losses": [losses[name][k] for k in sorted(losses[name])],
                 "held_mib": float(held[i]) / 1024,
                 **counts[name],
@@ -203,6 +209,10 @@ def pair_rows(rows: dict[str, Any], args: argparse.Namespace) -> list[dict[str, 
             statistics.median(ta) / statistics.median(tb)
             for ta, tb in zip(a["times_s"], b["times_s"])
         ]
+        cpu_ratios = [
+            statistics.median(ta) / statistics.median(tb)
+            for ta, tb in zip(a.get("cpu_s", []), b.get("cpu_s", []))
+        ]
         mem_a = a["held_mib"] + a["step_peak_mib"]
         mem_b = b["held_mib"] + b["step_peak_mib"]
         out.append(
@@ -213,6 +223,9 @@ def pair_rows(rows: dict[str, Any], args: argparse.Namespace) -> list[dict[str, 
                 "ratio": statistics.median(ratios),
                 "ratio_min": min(ratios),
                 "ratio_max": max(ratios),
+                "cpu_ratio": [statistics.median(cpu_ratios), min(cpu_ratios), max(cpu_ratios)]
+                if cpu_ratios
+                else None,
                 "loss_diff": max(abs(x - y) for x, y in zip(a["losses"], b["losses"])),
                 "mem_ratio": mem_a / max(mem_b, 1e-9),
                 **{key: [a[key], b[key]] for key in _COUNTED},
@@ -240,6 +253,7 @@ def report(mesh_name: str, pairs: list[dict[str, Any]], args: argparse.Namespace
         "peer",
         "step ms",
         "time ratio (min-max)",
+        "CPU ratio (min-max)",
         "loss diff",
         "ops",
         "copies (MiB)",
@@ -257,6 +271,7 @@ def report(mesh_name: str, pairs: list[dict[str, Any]], args: argparse.Namespace
             row["peer"],
             f"{a:.0f} / {b:.0f}",
             f"{row['ratio']:.2f}x ({row['ratio_min']:.2f}-{row['ratio_max']:.2f})",
+            _cpu_ratio(row),
             f"{row['loss_diff']:.1e}",
             "{} / {}".format(*row["ops"]),
             "{} ({:.1f}) / {} ({:.1f})".format(
@@ -271,13 +286,20 @@ def report(mesh_name: str, pairs: list[dict[str, Any]], args: argparse.Namespace
     Console(width=200).print(out)
 
 
+def _cpu_ratio(row: dict[str, Any]) -> str:
+    """The CPU-seconds ratio of a pair row as "median (min-max)" ("-" in older runs)."""
+    if not row.get("cpu_ratio"):
+        return "-"
+    return "{:.2f}x ({:.2f}-{:.2f})".format(*row["cpu_ratio"])
+
+
 def markdown(results: dict[str, Any], before: dict[str, Any] | None) -> str:
     """The pairs of every mesh as one markdown table; with ``before`` (an earlier run's JSON
     results), its time ratio and copied / allocated MiB too, as before -> now."""
     lines = [
-        "| ranks | pair | peer | time ratio (min-max) | loss diff | ops | copied MiB | "
-        "allocated MiB | step peak MiB | held MiB | mem ratio |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| ranks | pair | peer | time ratio (min-max) | CPU ratio (min-max) | loss diff | ops | "
+        "copied MiB | allocated MiB | step peak MiB | held MiB | mem ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for mesh_name, result in results.items():
         old = {}
@@ -291,10 +313,12 @@ def markdown(results: dict[str, Any], before: dict[str, Any] | None) -> str:
                 return now if was is None else f"{was[key][0]:.{digits}f} -> {now}"
 
             ratio = f"{row['ratio']:.2f}x ({row['ratio_min']:.2f}-{row['ratio_max']:.2f})"
+            cpu = _cpu_ratio(row)
             if was is not None:
                 ratio = f"{was['ratio']:.2f}x -> {ratio}"
+                cpu = f"{_cpu_ratio(was)} -> {cpu}"
             lines.append(
-                f"| {mesh_name} | {row['pair']} | {row['peer']} | {ratio} | "
+                f"| {mesh_name} | {row['pair']} | {row['peer']} | {ratio} | {cpu} | "
                 f"{row['loss_diff']:.1e} | {pair_of('ops', 0)} | {pair_of('copy_mib')} | "
                 f"{pair_of('alloc_mib')} | {pair_of('step_peak_mib')} | {pair_of('held_mib')} | "
                 f"{row['mem_ratio']:.2f}x |"
