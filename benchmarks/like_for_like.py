@@ -14,7 +14,10 @@ One spawn per mesh runs every variant in the same processes. After ``--warmup`` 
 the timed steps are interleaved: for each step index, every variant runs one step (the
 order rotated from step to step), all ranks meeting at a barrier before each; a step's time is
 the slowest rank's. This repeats ``--reps`` times; each repetition gives a ratio (autopar's
-median step over its peer's), and the table shows the median ratio and its min-max. "loss
+median step over its peer's), and the table shows the median ratio and its min-max. The "CPU
+ratio" is the same for the CPU seconds a step costs the process (``time.process_time``: its
+threads, gloo's included; the largest rank's), which waiting for a descheduled peer on a shared
+machine does not inflate as it inflates wall time. "loss
 diff" is the largest difference between the two sides' losses over every step (both run the
 same batches from the same initial weights).
 
@@ -104,6 +107,24 @@ def _numel(shape: Any) -> int:
     return out
 
 
+def warm_up_pairs(args: argparse.Namespace, mesh_name: str, mesh: Any) -> None:
+    """Build each side of every pair once at full size and step it once, then drop it, so
+    that one-time costs of each code path at these shapes (autopar's capture, planning,
+    lowering and runtime modules and the heap they leave; DTensor TP, ZeroRedundancyOptimizer,
+    checkpoint) land on no variant's held memory. Measured on the megatron pair (2 ranks): the
+    first autopar variant built in a process held 9.0 MiB and a second, identical one 4.4 MiB
+    (DTensor TP 4.7 MiB), with the same live tensor bytes (3.6 MiB); warmed on a tiny GPT
+    instead, it still held 5.7 MiB against 4.0."""
+    from peers import PAIRS
+
+    for pair_name in args.pairs:
+        pair = PAIRS[pair_name]
+        if mesh_name in pair.meshes:
+            for build in (pair.autopar, pair.peer):
+                build(args, mesh, pair.optimizer).step(*batch_for(0, args))
+                gc.collect()
+
+
 def build_variants(args: argparse.Namespace, mesh_name: str, mesh: Any) -> dict[str, Any]:
     """Every variant of the pairs that run on this mesh, in a fixed order, with what it holds."""
     import torch.distributed as dist
@@ -133,7 +154,8 @@ def interleaved(args: argparse.Namespace, variants: dict[str, Any]) -> tuple[Any
     import torch.distributed as dist
 
     names = list(variants)
-    times = torch.zeros(len(names), args.reps, args.steps, dtype=torch.float64)
+    # [variant, rep, step, (wall s, CPU s of this process)]
+    times = torch.zeros(len(names), args.reps, args.steps, 2, dtype=torch.float64)
     losses: dict[str, dict[int, float]] = {name: {} for name in names}
     for rep in range(args.reps):
         for s in range(args.steps):
@@ -142,9 +164,10 @@ def interleaved(args: argparse.Namespace, variants: dict[str, Any]) -> tuple[Any
             for k in range(len(names)):
                 v = (k + s + rep) % len(names)
                 dist.barrier()
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 losses[names[v]][index] = variants[names[v]].step(*batch)
-                times[v, rep, s] = time.perf_counter() - t0
+                times[v, rep, s, 0] = time.perf_counter() - t0
+                times[v, rep, s, 1] = time.process_time() - c0
     return times, losses
 
 
@@ -163,6 +186,7 @@ def run_rank(rank: int, port: int, args: argparse.Namespace, mesh_name: str, res
         # One-time costs (imports of torch.export and DTensor, gloo and allocator set-up) land
         # on no variant's held memory.
         warm_up(autopar.Mesh.from_world((world,)))
+        warm_up_pairs(args, mesh_name, mesh)
         variants = build_variants(args, mesh_name, mesh)
         times, losses = interleaved(args, variants)
         dist.all_reduce(times, op=dist.ReduceOp.MAX)
@@ -178,7 +202,8 @@ def run_rank(rank: int, port: int, args: argparse.Namespace, mesh_name: str, res
         rows = {}
         for i, (name, variant) in enumerate(variants.items()):
             rows[name] = {
-                "times_s": times[i].tolist(),
+                "times_s": times[i, :, :, 0].tolist(),
+                "cpu_s": times[i, :, :, 1].tolist(),
                 "losses": [losses[name][k] for k in sorted(losses[name])],
                 "held_mib": float(held[i]) / 1024,
                 **counts[name],
@@ -203,6 +228,10 @@ def pair_rows(rows: dict[str, Any], args: argparse.Namespace) -> list[dict[str, 
             statistics.median(ta) / statistics.median(tb)
             for ta, tb in zip(a["times_s"], b["times_s"])
         ]
+        cpu_ratios = [
+            statistics.median(ta) / statistics.median(tb)
+            for ta, tb in zip(a.get("cpu_s", []), b.get("cpu_s", []))
+        ]
         mem_a = a["held_mib"] + a["step_peak_mib"]
         mem_b = b["held_mib"] + b["step_peak_mib"]
         out.append(
@@ -213,6 +242,9 @@ def pair_rows(rows: dict[str, Any], args: argparse.Namespace) -> list[dict[str, 
                 "ratio": statistics.median(ratios),
                 "ratio_min": min(ratios),
                 "ratio_max": max(ratios),
+                "cpu_ratio": [statistics.median(cpu_ratios), min(cpu_ratios), max(cpu_ratios)]
+                if cpu_ratios
+                else None,
                 "loss_diff": max(abs(x - y) for x, y in zip(a["losses"], b["losses"])),
                 "mem_ratio": mem_a / max(mem_b, 1e-9),
                 **{key: [a[key], b[key]] for key in _COUNTED},
@@ -240,6 +272,7 @@ def report(mesh_name: str, pairs: list[dict[str, Any]], args: argparse.Namespace
         "peer",
         "step ms",
         "time ratio (min-max)",
+        "CPU ratio (min-max)",
         "loss diff",
         "ops",
         "copies (MiB)",
@@ -257,6 +290,7 @@ def report(mesh_name: str, pairs: list[dict[str, Any]], args: argparse.Namespace
             row["peer"],
             f"{a:.0f} / {b:.0f}",
             f"{row['ratio']:.2f}x ({row['ratio_min']:.2f}-{row['ratio_max']:.2f})",
+            _cpu_ratio(row),
             f"{row['loss_diff']:.1e}",
             "{} / {}".format(*row["ops"]),
             "{} ({:.1f}) / {} ({:.1f})".format(
@@ -271,13 +305,20 @@ def report(mesh_name: str, pairs: list[dict[str, Any]], args: argparse.Namespace
     Console(width=200).print(out)
 
 
+def _cpu_ratio(row: dict[str, Any]) -> str:
+    """The CPU-seconds ratio of a pair row as "median (min-max)" ("-" in older runs)."""
+    if not row.get("cpu_ratio"):
+        return "-"
+    return "{:.2f}x ({:.2f}-{:.2f})".format(*row["cpu_ratio"])
+
+
 def markdown(results: dict[str, Any], before: dict[str, Any] | None) -> str:
     """The pairs of every mesh as one markdown table; with ``before`` (an earlier run's JSON
     results), its time ratio and copied / allocated MiB too, as before -> now."""
     lines = [
-        "| ranks | pair | peer | time ratio (min-max) | loss diff | ops | copied MiB | "
-        "allocated MiB | step peak MiB | held MiB | mem ratio |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| ranks | pair | peer | time ratio (min-max) | CPU ratio (min-max) | loss diff | ops | "
+        "copied MiB | allocated MiB | step peak MiB | held MiB | mem ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for mesh_name, result in results.items():
         old = {}
@@ -291,10 +332,12 @@ def markdown(results: dict[str, Any], before: dict[str, Any] | None) -> str:
                 return now if was is None else f"{was[key][0]:.{digits}f} -> {now}"
 
             ratio = f"{row['ratio']:.2f}x ({row['ratio_min']:.2f}-{row['ratio_max']:.2f})"
+            cpu = _cpu_ratio(row)
             if was is not None:
                 ratio = f"{was['ratio']:.2f}x -> {ratio}"
+                cpu = f"{_cpu_ratio(was)} -> {cpu}"
             lines.append(
-                f"| {mesh_name} | {row['pair']} | {row['peer']} | {ratio} | "
+                f"| {mesh_name} | {row['pair']} | {row['peer']} | {ratio} | {cpu} | "
                 f"{row['loss_diff']:.1e} | {pair_of('ops', 0)} | {pair_of('copy_mib')} | "
                 f"{pair_of('alloc_mib')} | {pair_of('step_peak_mib')} | {pair_of('held_mib')} | "
                 f"{row['mem_ratio']:.2f}x |"

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from autopar.comm.collective_check import run_collective
+from autopar.comm.collective_check import run_collective, wait_collective
 
 __all__ = ["Chunk", "Slot", "ZeroMesh", "resolve_stages"]
 
@@ -156,3 +156,44 @@ class ZeroMesh:
             )  # fmt: skip
             value = dst
         return value
+
+    def fill_flat(self, buffer: torch.Tensor, shard_numel: int, axes: Sequence[int]) -> None:
+        """Complete ``buffer`` in place over ``axes``: it holds this rank's ``shard_numel``
+        elements at its row-major shard index and receives every other rank's there (no
+        temporary, no copy; the in-place form of :meth:`gather_flat`).
+
+        On gloo, one broadcast per rank of each axis straight into its piece of ``buffer``:
+        gloo's all-gather stages its output in a temporary the size of the result and copies
+        it out (and the input in), which is what ZeroRedundancyOptimizer's per-parameter
+        broadcasts avoid. Elsewhere (NCCL), one all-gather per axis whose input is this rank's
+        piece of its output, NCCL's in-place form, as FSDP2 gathers.
+        """
+        block = shard_numel
+        # Innermost axis first: after it, this rank's block of the next axis is complete.
+        for i in reversed(range(len(axes))):
+            axis, group = axes[i], self.group_of(axes[i])
+            size, label = self.shape[axis], self.axis_names[axis]
+            start = self.index(axes[:i]) * block * size
+            region = buffer[start : start + block * size]
+            if dist.get_backend(group) != "gloo":
+                mine = region[self.coords[axis] * block : (self.coords[axis] + 1) * block]
+                run_collective(
+                    "all_gather", "zero flat shard", mine, group, label,
+                    lambda: dist.all_gather_single(region, mine, group=group),  # noqa: B023
+                )  # fmt: skip
+            else:
+                pieces = [region[j * block : (j + 1) * block] for j in range(size)]
+                works = [
+                    run_collective(
+                        "broadcast",
+                        f"zero flat shard {j}",
+                        piece,
+                        group,
+                        label,
+                        lambda: dist.broadcast(piece, group=group, group_src=j, async_op=True),  # noqa: B023
+                    )  # fmt: skip
+                    for j, piece in enumerate(pieces)
+                ]
+                for j, (work, piece) in enumerate(zip(works, pieces)):
+                    wait_collective(work, "broadcast", f"zero flat shard {j}", piece, group, label)
+            block *= size

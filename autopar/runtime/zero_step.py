@@ -102,9 +102,12 @@ class OptimizerStepHook:
         if not rest:
             return
         assert chunk.kept is not None and chunk.shard is not None
-        # From a copy (the shard is a view into the buffer being written), straight into the
-        # kept buffer (no full-size temporary and copy after it).
-        self.mesh.gather_flat(self.store.compute_shard(chunk).clone(), rest, out=chunk.kept)
+        kept, lo = chunk.kept, chunk.shard_in_kept
+        mine = kept[lo : lo + chunk.shard_numel]
+        if mine.data_ptr() != chunk.shard.data_ptr():  # mixed precision: cast into place
+            mine.copy_(chunk.shard)
+        # In place: the O-shard already sits at its offset in the kept buffer.
+        self.mesh.fill_flat(kept, chunk.shard_numel, rest)
 
 
 def _register_optimizer_hooks(hook: OptimizerStepHook) -> list[Any]:

@@ -267,6 +267,8 @@ def run_case(
                 pmodel(*pmodel.shard_inputs(*args)).backward()
                 measured["peak_gathered"] = engine.peak_gathered_bytes
                 measured["largest_chunk"] = max(c.numel * 4 for c in engine.chunks)
+        if stage in (1, 2):
+            _check_refresh_copies_nothing(pmodel, got["opt"], args)
         if kind == "sgd":
             # Forward without autograd (evaluation) gives the same loss and leaves nothing
             # gathered; then the full state dict round-trips through a fresh module.
@@ -326,6 +328,36 @@ def run_case(
         )
         return None
     raise AssertionError(case)
+
+
+def _check_refresh_copies_nothing(pmodel: Any, opt: torch.optim.Optimizer, args: Any) -> None:
+    """Stages 1-2: the refresh of the kept buffers after an optimizer step copies no tensor
+    and allocates nothing (each updated O-shard already sits in its kept buffer, which is
+    completed in place), and leaves the buffers equal to the gather of the shards."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = pmodel.zero
+    pmodel(*pmodel.shard_inputs(*args)).backward()
+    opt.step()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True) as p:
+        for index in range(len(engine.chunks)):
+            engine.sync_full(index)
+    # The tests' check mode (and TORCH_DISTRIBUTED_DEBUG) copy small fingerprints: count what
+    # is as large as the largest O-shard (its copy and its gathered temporary were).
+    largest = max(c.shard_numel for c in engine.chunks)
+    copies = [
+        (e.name, e.input_shapes[0])
+        for e in p.events()
+        if e.name in ("aten::copy_", "aten::clone") and math.prod(e.input_shapes[0]) >= largest
+    ]
+    allocs = [e.name for e in p.events() if e.self_cpu_memory_usage >= 4 * largest]
+    assert not copies and not allocs, f"the refresh copied {copies}, allocated in {allocs}"
+    for chunk in engine.chunks:
+        rest = chunk.zero_axes[chunk.num_param_axes :]
+        if rest:
+            want = engine.mesh.gather_flat(chunk.shard.detach().clone(), rest)
+            assert torch.equal(chunk.kept, want), f"chunk {chunk.index} after the refresh"
+    opt.zero_grad()
 
 
 def _check_optim_state(plan: str | None, mesh_shape: tuple[int, ...], stage: int) -> Any:
