@@ -112,7 +112,7 @@ def test_the_count_pattern_dual_is_below_the_optimum(problem, scale) -> None:
     if optimum is None:
         return
     lam = scale * 0.5
-    lower, plans, _, _ = pattern_dual(counted.problem, lam, _free_solver, counted.patterns)
+    lower, plans, _, _, _ = pattern_dual(counted.problem, lam, _free_solver, counted.patterns)
     budget = problem.memory_budget_bytes
     inner = counted.problem
     dual = lower + lam * (inner.memory_offset_bytes + transient_floor(inner) - budget)
