@@ -75,6 +75,9 @@ class Relaxed:
     seconds: float
     counted: CountPatterns | None = None
     """The count patterns of the pattern phase, where they replaced the per-segment ones."""
+    pattern_lowers: list[float] | None = None
+    """At ``multiplier``, when the pattern phase evaluated it: a lower bound per pattern on its
+    priced optimum (pattern_dual's, before the bound's constant)."""
 
 
 def _segment_terms(problem: Problem, lam: float) -> list[np.ndarray]:
@@ -261,11 +264,10 @@ def pattern_dual(
     exact, a tangent: the subgradient of D at lam is the peak less the budget), a lower bound
     per pattern (its value where solved), and that smallest priced value. ``floor``: lower
     bounds per pattern known from elsewhere (pattern_bounds.chord_floor); a pattern whose bound is
-    not below the best value found is not solved, nor are the others once one is solved
-    (solver/pattern_bounds.py raises their bounds). ``give_up``: once a priced plan is below
-    it, D(lam) is too and the rest is not solved (the first value is then the smallest lower
-    bound over the patterns, still below D(lam)); once every pattern left is bounded at or
-    above it, so is D(lam), and they are not solved either."""
+    not below the best value found is not solved (each solve raises the others' bounds:
+    solver/pattern_bounds.py). ``give_up``: once a priced plan is below it, D(lam) is too
+    and the rest is not solved (the first value is then the smallest bound left, below
+    D(lam)); once every pattern left is bounded at or above it, so is D(lam): idem."""
     base = priced(dataclasses.replace(problem, segments=()), lam)
     base_choices, base_value, base_lower = solve_free(base)
     lowers = []
@@ -494,4 +496,5 @@ def relax(
         evaluations=evaluations,
         seconds=time.perf_counter() - clock,
         counted=counted,
+        pattern_lowers=seen.get(best_lam),
     )
