@@ -96,9 +96,7 @@ def solve_relaxed(
                 recomputed = exact.recomputed
                 objective = plan_objective_s(problem, choices, recomputed)
     bound = min(bound, objective)
-    # The fixed MIP's bound (capped at the cutoff) may prove the cutoff too: the caller then
-    # need not re-solve this configuration another way (ConfigurationSolver._finish).
-    cut_off = cut_off or bound >= stop_at
+    cut_off = cut_off or bound >= stop_at  # the fixed MIP's bound may prove the cutoff too
     relative_gap = (objective - bound) / abs(objective) if objective else 0.0
     relative_gap = 0.0 if relative_gap <= ZERO_GAP else relative_gap
     return Solution(

@@ -36,7 +36,8 @@ import numpy as np
 
 from solver.count_patterns import CountPatterns
 from solver.eliminate import _Memo, _MinPlusGraph
-from solver.lagrangian import _pattern_terms, priced, transient_floor
+from solver.lagrangian import priced, transient_floor
+from solver.pattern_bounds import pattern_terms
 from solver.problem import Edge, Node, Problem, SegmentEdge
 from solver.prune import _split
 from solver.tying import contract
@@ -199,7 +200,7 @@ def reduced_cost_keep(
         if not any(pattern):
             found = base_marginals
         else:
-            lower, _, extra, extra_edges = _pattern_terms(problem, lam, pattern, cache)
+            lower, _, extra, extra_edges = pattern_terms(problem, lam, pattern, cache)
             if base_low + lower > limit:
                 continue
             graph = _copy(base)

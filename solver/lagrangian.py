@@ -52,7 +52,7 @@ import numpy as np
 from solver.checkpointing import fit_segments, freed_bytes, recompute_s
 from solver.count_patterns import CountPatterns, count_patterns
 from solver.multiplier import first_multiplier, next_multiplier, pattern_search
-from solver.pattern_bounds import PatternTerms, chord_floor
+from solver.pattern_bounds import PatternTerms, chord_floor, pattern_terms
 from solver.presolve import cost_matrix, plan_objective_s, plan_peak_memory_bytes
 from solver.problem import Edge, Node, Problem, Segment
 from solver.tying import _as_tuples, expand
@@ -175,51 +175,6 @@ def recompute_patterns(problem: Problem) -> list[tuple[int, ...]] | None:
     return patterns
 
 
-def _segment_arrays(problem: Problem, k: int, cache: dict | None) -> tuple:
-    """Segment k's rows as arrays: per node (node, recompute seconds, freed bytes), per edge
-    ((src, dst), seconds), and its smallest freed bytes; kept in ``cache`` when given."""
-    if cache is not None and k in cache:
-        return cache[k]
-    seg = problem.segments[k]
-    rows = [
-        (n, np.asarray(again, dtype=float), np.asarray(freed, dtype=float))
-        for n, freed, again in zip(seg.nodes, seg.freed_bytes, seg.recompute_s, strict=True)
-    ]
-    edges = [((e.src, e.dst), np.asarray(e.cost_s, dtype=float)) for e in seg.edges]
-    smallest = math.fsum(min(row) for row in seg.freed_bytes)
-    if cache is not None:
-        cache[k] = (rows, edges, smallest)
-    return rows, edges, smallest
-
-
-def _pattern_terms(
-    problem: Problem, lam: float, pattern: tuple[int, ...], cache: dict | None = None
-):
-    """What one recompute pattern adds to the pattern-free priced problem (module
-    docstring): per node and per edge, and a separable lower bound of their sum; also the
-    segment j whose bytes alive again are priced (None: nothing recomputed). ``cache``: a
-    dict kept across calls on one problem (the segments as arrays)."""
-    on = [k for k, r in enumerate(pattern) if r]
-    arrays = {k: _segment_arrays(problem, k, cache) for k in on}
-    alive = max(on, key=lambda k: arrays[k][2]) if on else None
-    extra: dict[int, np.ndarray] = {}
-    extra_edges: dict[tuple[int, int], np.ndarray] = {}
-    for k in on:
-        r = pattern[k]
-        rows, edges, _ = arrays[k]
-        for n, again, freed in rows:
-            term = r * (again - lam * freed)
-            if k == alive:
-                term = term + lam * freed
-            extra[n] = extra.get(n, 0.0) + term
-        for key, seconds in edges:
-            extra_edges[key] = extra_edges.get(key, 0.0) + r * seconds
-    lower = math.fsum(float(np.min(v)) for v in extra.values()) + math.fsum(
-        float(np.min(m)) for m in extra_edges.values()
-    )
-    return lower, alive, extra, extra_edges
-
-
 def _pattern_problem(
     base: Problem, extra: dict[int, np.ndarray], extra_edges: dict[tuple[int, int], np.ndarray]
 ) -> Problem:
@@ -271,7 +226,7 @@ def pattern_dual(
     base = priced(dataclasses.replace(problem, segments=()), lam)
     base_choices, base_value, base_lower = solve_free(base)
     lowers = []
-    terms = [_pattern_terms(problem, lam, pattern, cache) for pattern in patterns]
+    terms = [pattern_terms(problem, lam, pattern, cache) for pattern in patterns]
     for k in range(len(patterns)):
         lowers.append(max(base_lower + terms[k][0], floor[k] if floor else -math.inf))
     best, upper, upper_choices, upper_peak = math.inf, math.inf, base_choices, 0.0
@@ -387,6 +342,7 @@ def fit_recompute(
     return recomputed, plan_objective_s(problem, choices, recomputed)
 
 
+# Long: one search whose state (bound, best plan, bounds per pattern) its closures share.
 def relax(
     problem: Problem,
     solve_free,
@@ -418,7 +374,7 @@ def relax(
     exact = False  # the pattern D (second phase) or the separable one
     seen: dict[float, list[float]] = {}  # per multiplier: a lower bound per pattern
     tangents: dict[float, tuple[float, float]] = {}  # separable D: lam -> (D(lam), slope)
-    cache: dict = {}  # the segments as arrays (_pattern_terms)
+    cache: dict = {}  # the segments as arrays (pattern_terms)
 
     def evaluate(lam: float, give_up: bool = False) -> tuple[float, float, bool]:
         """A priced plan's value at lam, the slope of its line above D (relaxed peak -

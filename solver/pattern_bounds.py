@@ -10,14 +10,64 @@ segments). For any two patterns p and q and every plan x,
 with v_q a lower bound on q's optimum, so once q is solved every other pattern's lower bound
 may rise to that. Against the pattern-free problem (q = nothing recomputed) this is the bound
 ``pattern_dual`` started from; against a solved pattern that differs from p in a few segments
-it is much closer, so fewer patterns need their own solve (torch-free).
+it is much closer, so fewer patterns need their own solve (torch-free). Also here: the
+terms themselves (``pattern_terms``) and the chord of a pattern's values across multipliers.
 """
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
-__all__ = ["PatternTerms", "chord_floor"]
+from solver.problem import Problem
+
+__all__ = ["PatternTerms", "chord_floor", "pattern_terms"]
+
+
+def _segment_arrays(problem: Problem, k: int, cache: dict | None) -> tuple:
+    """Segment k's rows as arrays: per node (node, recompute seconds, freed bytes), per edge
+    ((src, dst), seconds), and its smallest freed bytes; kept in ``cache`` when given."""
+    if cache is not None and k in cache:
+        return cache[k]
+    seg = problem.segments[k]
+    rows = [
+        (n, np.asarray(again, dtype=float), np.asarray(freed, dtype=float))
+        for n, freed, again in zip(seg.nodes, seg.freed_bytes, seg.recompute_s, strict=True)
+    ]
+    edges = [((e.src, e.dst), np.asarray(e.cost_s, dtype=float)) for e in seg.edges]
+    smallest = math.fsum(min(row) for row in seg.freed_bytes)
+    if cache is not None:
+        cache[k] = (rows, edges, smallest)
+    return rows, edges, smallest
+
+
+def pattern_terms(
+    problem: Problem, lam: float, pattern: tuple[int, ...], cache: dict | None = None
+):
+    """What one recompute pattern adds to the pattern-free priced problem (module
+    docstring): per node and per edge, and a separable lower bound of their sum; also the
+    segment j whose bytes alive again are priced (None: nothing recomputed). ``cache``: a
+    dict kept across calls on one problem (the segments as arrays)."""
+    on = [k for k, r in enumerate(pattern) if r]
+    arrays = {k: _segment_arrays(problem, k, cache) for k in on}
+    alive = max(on, key=lambda k: arrays[k][2]) if on else None
+    extra: dict[int, np.ndarray] = {}
+    extra_edges: dict[tuple[int, int], np.ndarray] = {}
+    for k in on:
+        r = pattern[k]
+        rows, edges, _ = arrays[k]
+        for n, again, freed in rows:
+            term = r * (again - lam * freed)
+            if k == alive:
+                term = term + lam * freed
+            extra[n] = extra.get(n, 0.0) + term
+        for key, seconds in edges:
+            extra_edges[key] = extra_edges.get(key, 0.0) + r * seconds
+    lower = math.fsum(float(np.min(v)) for v in extra.values()) + math.fsum(
+        float(np.min(m)) for m in extra_edges.values()
+    )
+    return lower, alive, extra, extra_edges
 
 
 class PatternTerms:
