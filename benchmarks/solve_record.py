@@ -3,12 +3,16 @@
     python benchmarks/solve_record.py record calls.pkl plan llama3-8b --mesh 8x8 ...  # autopar CLI
     PYTHONPATH=TREE python benchmarks/solve_record.py solve calls.pkl answers-TREE.pkl
     python benchmarks/solve_record.py compare answers-A.pkl answers-B.pkl
+    PYTHONPATH=TREE python benchmarks/solve_record.py budgeted calls.pkl   # the budgeted calls
 
 ``record`` runs the CLI with the planner's ``solver.solve`` and ``solve_all`` wrapped (each
 problem and its options pickled; solver problems are torch-free). ``solve`` answers each
 recorded call in this process with the solver found on PYTHONPATH and prints its CPU seconds.
 ``compare`` prints, per call, whether status, choices, recomputed copies, objective, bound and
-gap are identical (floats compared exactly) and both CPU times.
+gap are identical (floats compared exactly) and both CPU times. ``budgeted`` solves again
+only the calls with a budget and checkpoint segments and prints, per call, the priced
+budget-free solves of the relaxation (``relaxation=True``), its evaluations, the result and
+whether a MIP ran: counts that do not depend on the machine's load.
 """
 
 from __future__ import annotations
@@ -84,6 +88,36 @@ def compare(a_path: str, b_path: str) -> None:
     )
 
 
+def budgeted(calls_path: str) -> None:
+    import solver
+    import solver.shrink as shrink
+
+    with open(calls_path, "rb") as f:
+        calls = pickle.load(f)
+    solve, count = shrink.solve, [0]
+
+    def counted(problem, **options):
+        count[0] += bool(options.get("relaxation"))
+        return solve(problem, **options)
+
+    shrink.solve = counted
+    for k, (problem, options) in enumerate(calls):
+        if problem.memory_budget_bytes is None or not problem.segments:
+            continue
+        count[0] = 0
+        try:
+            sol = solver.solve(problem, **options)
+        except solver.InfeasibleError as error:
+            print(f"call {k}: {type(error).__name__}")
+            continue
+        d = sol.details
+        print(
+            f"call {k}: {count[0]} priced solves, {int(d.get('lagrangian_solves', 0))} "
+            f"evaluations, {sol.objective_s * 1e3:.4f} ms, bound {sol.bound_s * 1e3:.4f} ms, "
+            f"gap {sol.gap:.3%}, cut off {sol.cut_off}, MIP {'lagrangian_then_mip' in d}"
+        )
+
+
 if __name__ == "__main__":
     command, args = sys.argv[1], sys.argv[2:]
     if command == "record":
@@ -92,5 +126,9 @@ if __name__ == "__main__":
         answer(args[0], args[1])
     elif command == "compare":
         compare(args[0], args[1])
+    elif command == "budgeted":
+        budgeted(args[0])
     else:
-        raise SystemExit("usage: solve_record.py record|solve|compare ... (see the docstring)")
+        raise SystemExit(
+            "usage: solve_record.py record|solve|compare|budgeted ... (see the docstring)"
+        )

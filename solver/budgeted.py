@@ -81,6 +81,7 @@ def solve_relaxed(
             time_limit_s=time_limit_s,
             gap=gap,
             msg=msg,
+            floors=found.pattern_lowers,
         )
         if exact is None:  # no plan of this problem costs at most the limit
             bound = max(bound, limit)
@@ -95,6 +96,7 @@ def solve_relaxed(
                 recomputed = exact.recomputed
                 objective = plan_objective_s(problem, choices, recomputed)
     bound = min(bound, objective)
+    cut_off = cut_off or bound >= stop_at  # the fixed MIP's bound may prove the cutoff too
     relative_gap = (objective - bound) / abs(objective) if objective else 0.0
     relative_gap = 0.0 if relative_gap <= ZERO_GAP else relative_gap
     return Solution(
@@ -127,19 +129,21 @@ def _fixed_mip(
     time_limit_s: float | None,
     gap: float,
     msg: bool,
+    floors: list[float] | None = None,
 ) -> tuple[Solution | None, tuple[tuple[int, ...], ...]]:
-    """The budgeted MIP over the strategies that reduced-cost fixing at ``multiplier`` leaves
-    for plans costing at most ``limit`` (solver/fixing.py; ``plan``, a plan within it, is kept
-    and starts the MIP): its solution (in the restricted problem's strategy indices) and the
+    """The budgeted MIP over the strategies that reduced-cost fixing at the relaxation's
+    multiplier leaves for plans costing at most ``limit`` (solver/fixing.py; ``plan``, a
+    plan within it, is kept and starts the MIP): its solution (in the restricted problem's strategy indices) and the
     strategies kept per node. None: no plan costs at most ``limit``. ``counted``: the count
-    patterns the relaxation used (solver/count_patterns.py), or None."""
+    patterns the relaxation used (solver/count_patterns.py), or None; ``floors``: its lower
+    bound per pattern at ``multiplier`` (Relaxed.pattern_lowers), or None."""
     from solver.fixing import fix, restrict_budgeted
     from solver.lagrangian import recompute_patterns
     from solver.shrink import solve
 
     fix_start = time.perf_counter()
     patterns = None if counted is not None else recompute_patterns(problem)
-    keep = fix(problem, multiplier, plan, limit, patterns, counted)
+    keep = fix(problem, multiplier, plan, limit, patterns, counted, floors)
     details["fixed_strategies"] = float(
         sum(n.num_choices - len(k) for n, k in zip(problem.nodes, keep, strict=True))
     )

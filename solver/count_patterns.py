@@ -8,7 +8,7 @@ one node per class, the segments that become identical merged into one "kind" wi
 copies summed (checkpointing.contract_segments). There a pattern is a vector of counts r per
 kind, and for plans x (alike) the pattern relaxation of a count vector r whose recomputed
 kind of highest priority is j (priority: the kind's smallest freed bytes, the same rule by
-which ``_pattern_terms`` picks the segment alive again) is
+which ``pattern_terms`` picks the segment alive again) is
 
     L_j(x, r) = F_lam(x) + sum_g r_g (T_g(x) - lam A_g(x)) + lam A_j(x),
 
@@ -113,7 +113,7 @@ def count_patterns(problem: Problem) -> CountPatterns | None:
         key = tuple(sorted(vectors))
         classes[key] = classes.get(key, 0) + 1
     smallest = [math.fsum(min(row) for row in seg.freed_bytes) for seg in merged]
-    rank = {g: (smallest[g], -g) for g in range(num_kinds)}  # _pattern_terms's alive rule
+    rank = {g: (smallest[g], -g) for g in range(num_kinds)}  # pattern_terms's alive rule
     found: set[tuple[int, ...]] = set()
     items = list(classes.items())
     for j in [None, *range(num_kinds)]:

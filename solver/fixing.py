@@ -36,7 +36,8 @@ import numpy as np
 
 from solver.count_patterns import CountPatterns
 from solver.eliminate import _Memo, _MinPlusGraph
-from solver.lagrangian import _pattern_terms, priced, transient_floor
+from solver.lagrangian import priced, transient_floor
+from solver.pattern_bounds import pattern_terms
 from solver.problem import Edge, Node, Problem, SegmentEdge
 from solver.prune import _split
 from solver.tables import Table, entry_array, sub_table
@@ -176,10 +177,13 @@ def reduced_cost_keep(
     lam: float,
     upper_s: float,
     patterns: list[tuple[int, ...]] | None,
+    floors: list[float] | None = None,
 ) -> list[np.ndarray]:
     """Per node of the budgeted ``problem``: LB(i, .) at the multiplier ``lam`` (module
     docstring), over the recompute ``patterns`` when given (else the separable segment
-    term). Patterns whose separable bound exceeds ``upper_s`` are skipped (+inf)."""
+    term). Patterns whose bound exceeds ``upper_s`` are skipped (+inf): the separable one,
+    or ``floors`` (per pattern, a lower bound on its priced optimum at ``lam``, the
+    relaxation's)."""
     budget = problem.memory_budget_bytes
     assert budget is not None
     constant = lam * (problem.memory_offset_bytes + transient_floor(problem) - budget)
@@ -191,13 +195,15 @@ def reduced_cost_keep(
     memo, cache = _Memo(), {}
     base_marginals = graph_marginals(_copy(base), num, memo)
     base_low = float(np.min(base_marginals[0]))
-    for pattern in patterns:
+    for k, pattern in enumerate(patterns):
+        if floors is not None and floors[k] > limit:
+            continue  # no plan of this pattern is within UB
         if not any(pattern):
             found = base_marginals
         else:
-            lower, _, extra, extra_edges = _pattern_terms(problem, lam, pattern, cache)
+            lower, _, extra, extra_edges = pattern_terms(problem, lam, pattern, cache)
             if base_low + lower > limit:
-                continue  # no plan of this pattern is within UB
+                continue
             graph = _copy(base)
             for i, add in extra.items():
                 k = node_map[i]
@@ -217,16 +223,18 @@ def fix(
     upper_s: float,
     patterns: list[tuple[int, ...]] | None,
     counted: CountPatterns | None = None,
+    floors: list[float] | None = None,
 ) -> tuple[tuple[int, ...], ...]:
     """Per node, the strategies (ascending) whose LB at ``lam`` is within ``upper_s``: the
     step time of a plan that fits (``plan``, whose own strategies always stay), or less (a
     cutoff: then a node may keep none, and no plan costs ``upper_s`` or less). ``counted``:
     the LB over count patterns on the contracted problem instead (solver/count_patterns.py;
-    a bound over plans whose tie classes choose alike, as the budgeted MIP's are)."""
+    a bound over plans whose tie classes choose alike, as the budgeted MIP's are).
+    ``floors``: per pattern, a lower bound on its priced optimum at ``lam``."""
     if counted is None:
-        lower = reduced_cost_keep(problem, lam, upper_s, patterns)
+        lower = reduced_cost_keep(problem, lam, upper_s, patterns, floors)
     else:
-        found = reduced_cost_keep(counted.problem, lam, upper_s, counted.patterns)
+        found = reduced_cost_keep(counted.problem, lam, upper_s, counted.patterns, floors)
         lower = [found[k] for k in counted.contracted.node_map]
     limit = upper_s + TOLERANCE * abs(upper_s)
     keep = []

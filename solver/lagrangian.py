@@ -52,6 +52,7 @@ import numpy as np
 from solver.checkpointing import fit_segments, freed_bytes, recompute_s
 from solver.count_patterns import CountPatterns, count_patterns
 from solver.multiplier import first_multiplier, next_multiplier, pattern_search
+from solver.pattern_bounds import PatternTerms, chord_floor, pattern_terms
 from solver.presolve import cost_matrix, plan_objective_s, plan_peak_memory_bytes
 from solver.problem import Edge, Node, Problem, Segment
 from solver.tying import _as_tuples, expand
@@ -74,6 +75,9 @@ class Relaxed:
     seconds: float
     counted: CountPatterns | None = None
     """The count patterns of the pattern phase, where they replaced the per-segment ones."""
+    pattern_lowers: list[float] | None = None
+    """At ``multiplier``, when the pattern phase evaluated it: a lower bound per pattern on its
+    priced optimum (pattern_dual's, before the bound's constant)."""
 
 
 def _segment_terms(problem: Problem, lam: float) -> list[np.ndarray]:
@@ -171,51 +175,6 @@ def recompute_patterns(problem: Problem) -> list[tuple[int, ...]] | None:
     return patterns
 
 
-def _segment_arrays(problem: Problem, k: int, cache: dict | None) -> tuple:
-    """Segment k's rows as arrays: per node (node, recompute seconds, freed bytes), per edge
-    ((src, dst), seconds), and its smallest freed bytes; kept in ``cache`` when given."""
-    if cache is not None and k in cache:
-        return cache[k]
-    seg = problem.segments[k]
-    rows = [
-        (n, np.asarray(again, dtype=float), np.asarray(freed, dtype=float))
-        for n, freed, again in zip(seg.nodes, seg.freed_bytes, seg.recompute_s, strict=True)
-    ]
-    edges = [((e.src, e.dst), np.asarray(e.cost_s, dtype=float)) for e in seg.edges]
-    smallest = math.fsum(min(row) for row in seg.freed_bytes)
-    if cache is not None:
-        cache[k] = (rows, edges, smallest)
-    return rows, edges, smallest
-
-
-def _pattern_terms(
-    problem: Problem, lam: float, pattern: tuple[int, ...], cache: dict | None = None
-):
-    """What one recompute pattern adds to the pattern-free priced problem (module
-    docstring): per node and per edge, and a separable lower bound of their sum; also the
-    segment j whose bytes alive again are priced (None: nothing recomputed). ``cache``: a
-    dict kept across calls on one problem (the segments as arrays)."""
-    on = [k for k, r in enumerate(pattern) if r]
-    arrays = {k: _segment_arrays(problem, k, cache) for k in on}
-    alive = max(on, key=lambda k: arrays[k][2]) if on else None
-    extra: dict[int, np.ndarray] = {}
-    extra_edges: dict[tuple[int, int], np.ndarray] = {}
-    for k in on:
-        r = pattern[k]
-        rows, edges, _ = arrays[k]
-        for n, again, freed in rows:
-            term = r * (again - lam * freed)
-            if k == alive:
-                term = term + lam * freed
-            extra[n] = extra.get(n, 0.0) + term
-        for key, seconds in edges:
-            extra_edges[key] = extra_edges.get(key, 0.0) + r * seconds
-    lower = math.fsum(float(np.min(v)) for v in extra.values()) + math.fsum(
-        float(np.min(m)) for m in extra_edges.values()
-    )
-    return lower, alive, extra, extra_edges
-
-
 def _pattern_problem(
     base: Problem, extra: dict[int, np.ndarray], extra_edges: dict[tuple[int, int], np.ndarray]
 ) -> Problem:
@@ -252,33 +211,53 @@ def pattern_dual(
     patterns: list[tuple[int, ...]],
     floor: list[float] | None = None,
     cache: dict | None = None,
-) -> tuple[float, list[tuple[int, ...]], float, list[float]]:
+    give_up: float = -math.inf,
+) -> tuple[float, list[tuple[int, ...]], float, list[float], float]:
     """min over ``patterns`` of the priced pattern problems' optima (a lower bound each: the
-    solver's bound), the plans that gave the pattern-free and the smallest value, the relaxed
-    peak of the minimiser (the subgradient of D at lam is it less the budget), and a lower
-    bound per pattern (its value where solved). ``floor``: lower bounds per pattern known
-    from elsewhere (:func:`_chord_floor`); a pattern whose bound is not below the best value
-    found is not solved."""
+    solver's bound), the plans that gave the pattern-free and the smallest priced value, the
+    relaxed peak of the latter (with that value, a line above D in lam; where the solves are
+    exact, a tangent: the subgradient of D at lam is the peak less the budget), a lower bound
+    per pattern (its value where solved), and that smallest priced value. ``floor``: lower
+    bounds per pattern known from elsewhere (pattern_bounds.chord_floor); a pattern whose bound is
+    not below the best value found is not solved (each solve raises the others' bounds:
+    solver/pattern_bounds.py). ``give_up``: once a priced plan is below it, D(lam) is too
+    and the rest is not solved (the first value is then the smallest bound left, below
+    D(lam)); once every pattern left is bounded at or above it, so is D(lam): idem."""
     base = priced(dataclasses.replace(problem, segments=()), lam)
-    base_choices, _, base_lower = solve_free(base)
+    base_choices, base_value, base_lower = solve_free(base)
     lowers = []
-    terms = [_pattern_terms(problem, lam, pattern, cache) for pattern in patterns]
+    terms = [pattern_terms(problem, lam, pattern, cache) for pattern in patterns]
     for k in range(len(patterns)):
         lowers.append(max(base_lower + terms[k][0], floor[k] if floor else -math.inf))
-    best, best_choices, best_peak = math.inf, base_choices, 0.0
-    for k in sorted(range(len(patterns)), key=lambda k: lowers[k]):
-        if lowers[k] >= best:
-            break  # sorted: no later pattern can do better
+    best, upper, upper_choices, upper_peak = math.inf, math.inf, base_choices, 0.0
+    table = PatternTerms([(t[2], t[3]) for t in terms])
+    unsolved = set(range(len(patterns)))
+    reached = give_up if give_up > -math.inf else math.inf
+    while unsolved:
+        # Nothing recomputed first (solved already), then the lowest bound first.
+        k = min(unsolved, key=lambda k: (any(patterns[k]), lowers[k]))
+        if any(patterns[k]) and lowers[k] >= min(best, reached):
+            # No pattern left can do better, or none is below the target: D(lam) is not.
+            best = min(best, lowers[k])
+            break
+        unsolved.discard(k)
         _, alive, extra, extra_edges = terms[k]
         if not any(patterns[k]):
-            choices, value = base_choices, base_lower
+            choices, value, lower = base_choices, base_value, base_lower
         else:
-            choices, _, value = solve_free(_pattern_problem(base, extra, extra_edges))
-        lowers[k] = max(lowers[k], value)
-        if value < best:
-            best, best_choices = value, choices
-            best_peak = _pattern_peak(problem, choices, patterns[k], alive)
-    return best, [base_choices, best_choices], best_peak, lowers
+            choices, value, lower = solve_free(_pattern_problem(base, extra, extra_edges))
+            rest = list(unsolved)
+            for p, v in zip(rest, table.floors(k, lower)[rest].tolist(), strict=True):
+                lowers[p] = max(lowers[p], v)
+        lowers[k] = max(lowers[k], lower)
+        best = min(best, lower)
+        if value < upper:
+            upper, upper_choices = value, choices
+            upper_peak = _pattern_peak(problem, choices, patterns[k], alive)
+        if upper < give_up:
+            best = min(lowers)
+            break
+    return best, [base_choices, upper_choices], upper_peak, lowers, upper
 
 
 def _phase_two(problem: Problem, counted: CountPatterns | None, lam: float, *args):
@@ -287,21 +266,13 @@ def _phase_two(problem: Problem, counted: CountPatterns | None, lam: float, *arg
     contraction's is at least as high: a class's transient is its members' largest)."""
     if counted is None:
         return pattern_dual(problem, lam, *args)
-    lower, plans, peak, lowers = pattern_dual(counted.problem, lam, *args)
     shift = lam * (transient_floor(counted.problem) - transient_floor(problem))
+    *args, give_up = args
+    lower, plans, peak, lowers, value = pattern_dual(
+        counted.problem, lam, *args, give_up=give_up - shift
+    )
     plans = [expand(counted.contracted, c) for c in plans]
-    return lower + shift, plans, peak, lowers
-
-
-def _chord_floor(seen: dict[float, list[float]], lam: float) -> list[float] | None:
-    """Each pattern's value is concave in lam (a minimum of functions affine in lam), so
-    between two multipliers already evaluated it is at least the chord of their lower bounds."""
-    below = max((a for a in seen if a < lam), default=None)
-    above = min((b for b in seen if b > lam), default=None)
-    if below is None or above is None:
-        return None
-    t = (lam - below) / (above - below)
-    return [(1.0 - t) * a + t * b for a, b in zip(seen[below], seen[above], strict=True)]
+    return lower + shift, plans, peak, lowers, value + shift
 
 
 def _pattern_peak(
@@ -371,6 +342,7 @@ def fit_recompute(
     return recomputed, plan_objective_s(problem, choices, recomputed)
 
 
+# Long: one search whose state (bound, best plan, bounds per pattern) its closures share.
 def relax(
     problem: Problem,
     solve_free,
@@ -402,21 +374,27 @@ def relax(
     exact = False  # the pattern D (second phase) or the separable one
     seen: dict[float, list[float]] = {}  # per multiplier: a lower bound per pattern
     tangents: dict[float, tuple[float, float]] = {}  # separable D: lam -> (D(lam), slope)
-    cache: dict = {}  # the segments as arrays (_pattern_terms)
+    cache: dict = {}  # the segments as arrays (pattern_terms)
 
-    def evaluate(lam: float) -> float:
-        """D(lam)'s subgradient (relaxed peak - budget); updates the bound and the best plan."""
+    def evaluate(lam: float, give_up: bool = False) -> tuple[float, float, bool]:
+        """A priced plan's value at lam, the slope of its line above D (relaxed peak -
+        budget), and whether the evaluation was complete (that line then touches D where the
+        solves are exact: a tangent); updates the bound and the best plan."""
         nonlocal best_bound, best_lam, best, evaluations
         evaluations += 1
+        complete = True
         if not exact:
             choices, value, lower = solve_free(priced(problem, lam))
             plans, peak = [choices], relaxed_peak(problem, choices, lam)
             if value == lower:  # proven optimal: a tangent of D at lam
                 tangents[lam] = (value + lam * constant, peak - budget)
         else:
-            lower, plans, peak, seen[lam] = _phase_two(
-                problem, counted, lam, solve_free, patterns, _chord_floor(seen, lam), cache
+            floor = chord_floor(seen, lam)
+            below = target() - lam * constant if give_up else -math.inf
+            lower, plans, peak, seen[lam], value = _phase_two(
+                problem, counted, lam, solve_free, patterns, floor, cache, below
             )
+            complete = value >= below
         bound = lower + lam * constant
         if bound > best_bound:
             best_bound, best_lam = bound, lam
@@ -428,7 +406,11 @@ def relax(
                 fitted = fit_recompute(problem, choices)
                 if fitted is not None and (best is None or fitted[1] < best[0]):
                     best = (fitted[1], choices, fitted[0])
-        return peak - budget
+        return value + lam * constant, peak - budget, complete
+
+    def target() -> float:
+        """The bound that ends the search: the cutoff, or the best plan less the gap."""
+        return stop_at if best is None else min(stop_at, best[0] - target_gap * abs(best[0]))
 
     def done() -> bool:
         if best_bound >= stop_at:
@@ -440,11 +422,11 @@ def relax(
 
     # Bracket: lo with the relaxed plan over the budget, hi with it within.
     lo, hi = 0.0, None
-    if evaluate(0.0) <= 0.0:
+    if evaluate(0.0)[1] <= 0.0:
         hi = 0.0
     lam = start if start else first_multiplier(problem)
     while hi is None and not done():
-        if evaluate(lam) > 0.0:
+        if evaluate(lam)[1] > 0.0:
             lo, lam = lam, lam * 8.0
         else:
             hi = lam
@@ -452,7 +434,7 @@ def relax(
         mid = next_multiplier(tangents, lo, hi, best_bound, 0.1 * target_gap * abs(best_bound))
         if mid is None or hi - lo <= (1e-3 if target_gap > 0.0 else 1e-6) * hi:
             break  # with a gap to spend, D varies too little within 0.1% of lam to matter
-        if evaluate(mid) > 0.0:
+        if evaluate(mid)[1] > 0.0:
             lo = mid
         else:
             hi = mid
@@ -460,7 +442,7 @@ def relax(
         patterns = patterns if counted is None else counted.patterns
         exact, max_evaluations = True, evaluations
         if not done():
-            pattern_search(evaluate, best_lam or first_multiplier(problem), done)
+            pattern_search(evaluate, best_lam or first_multiplier(problem), done, target)
     return Relaxed(
         bound_s=best_bound,
         choices=None if best is None else best[1],
@@ -470,4 +452,5 @@ def relax(
         evaluations=evaluations,
         seconds=time.perf_counter() - clock,
         counted=counted,
+        pattern_lowers=seen.get(best_lam),
     )

@@ -12,7 +12,8 @@ from solver import Edge, Node, Problem, solve
 from solver.checkpointing import contract_segments, counts_allowed
 from solver.count_patterns import count_patterns
 from solver.fixing import fix
-from solver.lagrangian import _pattern_terms, pattern_dual, transient_floor
+from solver.lagrangian import pattern_dual, transient_floor
+from solver.pattern_bounds import pattern_terms
 from solver.problem import Segment, SegmentEdge
 from tests.unit.test_lagrangian import SETTINGS, _free_solver, _optimum
 
@@ -88,7 +89,7 @@ def test_the_count_patterns_cover_every_recomputation(problem, lam, data) -> Non
     x = tuple(data.draw(st.integers(0, n.num_choices - 1)) for n in inner.nodes)
 
     def terms(counts: tuple[int, ...]) -> float:
-        _, _, extra, extra_edges = _pattern_terms(inner, lam, counts)
+        _, _, extra, extra_edges = pattern_terms(inner, lam, counts)
         nodes = math.fsum(float(row[x[i]]) for i, row in extra.items())
         return nodes + math.fsum(float(m[x[a]][x[b]]) for (a, b), m in extra_edges.items())
 
@@ -112,7 +113,7 @@ def test_the_count_pattern_dual_is_below_the_optimum(problem, scale) -> None:
     if optimum is None:
         return
     lam = scale * 0.5
-    lower, plans, _, _ = pattern_dual(counted.problem, lam, _free_solver, counted.patterns)
+    lower, plans, _, _, _ = pattern_dual(counted.problem, lam, _free_solver, counted.patterns)
     budget = problem.memory_budget_bytes
     inner = counted.problem
     dual = lower + lam * (inner.memory_offset_bytes + transient_floor(inner) - budget)
