@@ -175,6 +175,9 @@ def test_relaxed_solve_fits_and_reports_an_honest_gap(problem, gap) -> None:
     optimum = _optimum(problem)
     untied = _optimum(dataclasses.replace(problem, tied=()))
     if untied is None:
+        looser = problem.memory_budget_bytes + 1e-6
+        if _optimum(dataclasses.replace(problem, tied=(), memory_budget_bytes=looser)) is not None:
+            return  # the least bytes equal the budget up to rounding: fitting and not are both right
         with pytest.raises(Exception):  # noqa: B017 -- infeasible budget or forbidden pairs
             solve(problem, gap=gap)
         return
