@@ -19,7 +19,9 @@ Two entry points:
 ``fn`` / ``case_fn`` must be module-level functions (they are pickled into the children) and
 their results picklable. Children come from a forkserver that imported torch once (spawn where
 there is none): after the first run, starting 4 ranks takes well under a second instead of
-importing torch in every child (3-10 s each on a busy machine).
+importing torch in every child (3-10 s each on a busy machine). The forkserver also runs
+tests/distributed/warm_ranks.py once (autopar's imports, a first capture and a first plan), which
+saves about 2 s of CPU in every rank that captures.
 
 Both run through autopar.runtime.spawn.spawn_ranks (read its docstring: every run is bounded,
 a failing rank's peers get ``grace_s`` and are then killed, the error names every rank's story;
@@ -54,6 +56,7 @@ _PRELOAD = [
     "torch.distributed",
     "torch.distributed.tensor",
     "autopar.resharding.simulator",
+    "tests.distributed.warm_ranks",
 ]
 
 

@@ -4,17 +4,18 @@ Meshes (one spawn each):
 
 * ``(2,)``: the tiny GPT data parallel (every input batch-split, parameters Replicate), ZeRO on
   the one axis; stage 3 also from the ``fsdp`` recipe's plan.
-* ``(4,)`` inside the 2x2 spawn (its 4 ranks): data parallel, ZeRO 4 ways, stages 0-3, 5 SGD
-  and 5 AdamW steps against one process (same tolerances as below).
+* ``(4,)`` inside the 2x2 spawn (its 4 ranks): data parallel, ZeRO 4 ways, stages 0-3, 3 SGD
+  and 3 AdamW steps against one process (same tolerances as below).
 * ``(2, 2)``: the ``fsdp+tp`` recipe's plan (Megatron tensor parallelism on ``tp``, batch split
   on ``dp``) with ZeRO on ``dp`` (the plan's ``zero`` entry), stages 0-3; and the batch split
   over both axes with ZeRO over both (4 shards per chunk, gathered and scattered axis by axis).
 
-For every stage: losses of 5 SGD steps, the first gradients (gathered to full) and the
-parameters after 5 steps equal the single-process run (rtol 1e-5, atol 1e-6) and equal stage 0's;
-5 AdamW steps too, at rtol 1e-4 / atol 2e-5 (Adam divides by sqrt(v): gradients that are ~0 up to
+For every stage: losses of 3 SGD steps, the first gradients (gathered to full) and the
+parameters after 3 steps equal the single-process run (rtol 1e-5, atol 1e-6) and equal stage 0's;
+3 AdamW steps too, at rtol 1e-4 / atol 2e-5 (Adam divides by sqrt(v): gradients that are ~0 up to
 rounding, such as the key bias's, see their fp32 reduction-order noise amplified towards lr=1e-3;
-measured: 4.5e-6 on (2,), 6.7e-6 on (2, 2), identical for stage 0 and 3, so 3x margin). The full state dict
+measured after 5 steps: 4.5e-6 on (2,), 6.7e-6 on (2, 2), identical for stage 0 and 3, so 3x
+margin; 3 steps since session 10, to save CI time: the contract is "a few" steps, >= 3). The full state dict
 round-trips through a fresh module of the same stage; gradient accumulation under ``no_sync()``
 equals one large batch; a whole-parameter optimizer is refused. Measured bytes of live parameter,
 gradient and optimizer-state storages per rank follow the stage (stage 3 ~ 1/N) and agree with
@@ -41,7 +42,7 @@ from tests.distributed.reference import full_grads
 
 RTOL, ATOL = 1e-5, 1e-6
 ADAM_RTOL, ADAM_ATOL = 1e-4, 2e-5
-NUM_STEPS = 5
+NUM_STEPS = 3  # the contract's "a few optimizer steps" (5 until session 10)
 LR = 0.1
 MAX_CHUNK_BYTES = 16384  # several chunks in the tiny GPT: exercises prefetch and ordering
 
@@ -149,7 +150,9 @@ def _local_numel(pmodel: Any, param: torch.Tensor) -> int:
     return engine.chunks[index].slots[k].numel
 
 
+@functools.cache
 def _reference(optimizer: str, steps: int) -> dict[str, Any]:
+    """One process's run; cached per rank (every case compares with it, nobody mutates it)."""
     from tests.models import tiny_gpt
 
     model, args, _ = tiny_gpt()

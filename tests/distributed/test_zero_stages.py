@@ -5,9 +5,9 @@ axes, every parameter Replicate on both), with a stage per axis (``(dp, tp)`` st
 both axes are data parallel here, the names are the test mesh's):
 
 * ``sgd/<stages>`` for (3, 2), (3, 1), (2, 3), (3, 0), (1, 2): the chunks' split order is P, then
-  G \\ P, then O \\ G; losses of 5 SGD steps, the first gradients (gathered to full) and the
-  parameters after 5 steps equal one process (rtol 1e-5, atol 1e-6, as in test_zero.py).
-* ``adamw/<stages>`` for (2, 3) and (3, 1): 5 AdamW steps at test_zero.py's AdamW tolerance
+  G \\ P, then O \\ G; losses of 3 SGD steps, the first gradients (gathered to full) and the
+  parameters after 3 steps equal one process (rtol 1e-5, atol 1e-6, as in test_zero.py).
+* ``adamw/<stages>`` for (2, 3) and (3, 1): 3 AdamW steps at test_zero.py's AdamW tolerance
   (rtol 1e-4, atol 2e-5); then the measured bytes of live parameter, gradient and
   optimizer-state storages per rank equal what the planner prices for these stages
   (``cost_models.training_state_bytes`` with the P / G / O shard counts, as
