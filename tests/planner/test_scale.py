@@ -98,28 +98,34 @@ def test_tied_optimum_equals_untied_optimum_when_the_budget_does_not_bind(space)
         assert sol.num_variables <= untied.num_variables
 
 
-def binding_budget(space, zero: ZeroConfig) -> tuple[float, solver.Solution]:
+@pytest.fixture(scope="module")
+def binding(space) -> dict[str, object]:
     """A budget a quarter of the way from the smallest peak that fits to the budget-free
-    plan's peak (it binds), and that budget-free plan."""
+    plan's peak (it binds), that budget-free plan, the tie levels and the counts model's
+    solution under the budget (tied layers, solver/counts.py solve_counts). Solved once per
+    space for the two tests below (the counts solve takes about 20 s on gpt2-small-4l 2x2)."""
+    zero = ZeroConfig()
     free = solver.solve(build_problem(space, zero, memory_budget_bytes=None).problem)
     try:
         solver.solve(build_problem(space, zero, memory_budget_bytes=1.0).problem)
     except solver.InfeasibleBudgetError as e:
         smallest = e.min_budget_bytes
-    return smallest + 0.25 * (free.peak_memory_bytes - smallest), free
+    budget = smallest + 0.25 * (free.peak_memory_bytes - smallest)
+    tied = tie_levels(space)
+    counts = solver.solve(
+        build_problem(space, zero, memory_budget_bytes=budget, tied=tied[0]).problem
+    )
+    return {"budget": budget, "free": free, "tied": tied, "counts": counts}
 
 
-def test_tied_plan_under_a_binding_budget_is_close_to_the_untied_one(space) -> None:
+def test_tied_plan_under_a_binding_budget_is_close_to_the_untied_one(space, binding) -> None:
     zero = ZeroConfig()
-    budget, free = binding_budget(space, zero)
+    budget, free = binding["budget"], binding["free"]
     untied = solver.solve(build_problem(space, zero, memory_budget_bytes=budget).problem)
     assert untied.objective_s > free.objective_s  # the budget binds
-    tied_all = tie_levels(space)[0]
     # Counts per strategy (solver/counts.py solve_counts): layers may differ, the model does not
     # grow with depth, and its bound is a lower bound on the untied optimum.
-    tied = solver.solve(
-        build_problem(space, zero, memory_budget_bytes=budget, tied=tied_all).problem
-    )
+    tied = binding["counts"]
     gap = (tied.objective_s - untied.objective_s) / untied.objective_s
     print(
         f"binding budget: tied {tied.objective_s:.6g} s, untied {untied.objective_s:.6g} s, gap "
@@ -181,18 +187,14 @@ def test_solved_model_does_not_grow_with_depth() -> None:
     assert sizes[4] == sizes[8] > 0
 
 
-def test_checkpoint_auto_under_a_binding_budget_is_no_worse_than_counts(space) -> None:
+def test_checkpoint_auto_under_a_binding_budget_is_no_worse_than_counts(space, binding) -> None:
     """With checkpoint segments the joint ILP forces tied layers alike (counts cannot price a
     segment); the planner also solves the counts model without segments and keeps the better,
     so checkpoint='auto' is never behind layer-mixing counts under a binding budget."""
     from autopar.planner.checkpointing import candidate_segments
 
     zero = ZeroConfig()
-    budget, _ = binding_budget(space, zero)
-    tied = tie_levels(space)
-    counts = solver.solve(
-        build_problem(space, zero, memory_budget_bytes=budget, tied=tied[0]).problem
-    )
+    budget, tied, counts = binding["budget"], binding["tied"], binding["counts"]
     # gap 0: the claim is about the optima (the default 1% gap may stop within 1% of either)
     options = PlanOptions(checkpoint="auto", gap=0.0)
     driver = Driver(space, options=options, tied=tied, candidates=candidate_segments(space, "auto"))
