@@ -60,6 +60,7 @@ def extra_cases() -> list[tuple[str, tuple[str, ...]]]:
         ("grad_all_reduce", ("grad_all_reduce",)),
         ("fx_graph_calls_collectives_by_key", ("fx",)),
         ("axis_groups_layout", ("layout",)),
+        ("ranks_start_warm", ("warm",)),
         ("shard_full_matches_dtensor", ("dtensor",)),
         ("wrong_mesh_size_is_refused", ("wrong_mesh",)),
         ("failing_collective_names_rank_op_axis_shape", ("mismatch",)),
@@ -106,6 +107,11 @@ def run_case(rank: int, world_size: int, case: tuple[str, ...], mesh_shape: tupl
         return gm.code, gm(torch.full((2, 1), float(coord[0])))
     if kind == "layout":
         return coord, tuple(groups.ranks_of_axis(a) for a in range(len(mesh_shape)))
+    if kind == "warm":
+        import sys
+
+        warm = sys.modules.get("tests.distributed.warm_ranks")
+        return None if warm is None else warm.WARM_CPU_S
     if kind == "dtensor":
         from torch.distributed.tensor import distribute_tensor
 
@@ -230,6 +236,21 @@ def test_axis_groups_are_rank_major(results: dict[str, dict[str, CaseResult]]) -
         ((1, 0), ((0, 2), (2, 3))),
         ((1, 1), ((1, 3), (2, 3))),
     )
+
+
+@pytest.mark.distributed
+def test_ranks_are_forked_from_the_warmed_forkserver(
+    results: dict[str, dict[str, CaseResult]],
+) -> None:
+    """The launcher's forkserver ran tests/distributed/warm_ranks.py (a capture and a plan)
+    before forking the ranks: a broken warm-up would only make every spawn ~2 s per rank
+    slower, silently, so it is asserted here."""
+    import multiprocessing
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        pytest.skip("no forkserver on this platform: ranks are spawned cold")
+    for values in (results[name]["ranks_start_warm"].check() for name in MESHES):
+        assert all(isinstance(v, float) and v > 0 for v in values), values
 
 
 @pytest.mark.distributed
