@@ -46,6 +46,7 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -204,6 +205,22 @@ def _pattern_problem(
     return Problem(nodes=nodes, edges=tuple(edges), tied=base.tied)
 
 
+class PatternDual(NamedTuple):
+    """One evaluation of the pattern D at a multiplier (:func:`pattern_dual`)."""
+
+    lower: float
+    """min over the patterns of a lower bound on each priced optimum (before the bound's
+    constant); after giving up, the smallest bound left."""
+    plans: list[tuple[int, ...]]
+    """The pattern-free plan and the plan of the smallest priced value."""
+    peak: float
+    """The relaxed peak of the latter: with ``value``, a line above D in lam."""
+    lowers: list[float]
+    """A lower bound per pattern (its value where solved)."""
+    value: float
+    """The smallest priced value found."""
+
+
 def pattern_dual(
     problem: Problem,
     lam: float,
@@ -212,7 +229,7 @@ def pattern_dual(
     floor: list[float] | None = None,
     cache: dict | None = None,
     give_up: float = -math.inf,
-) -> tuple[float, list[tuple[int, ...]], float, list[float], float]:
+) -> PatternDual:
     """min over ``patterns`` of the priced pattern problems' optima (a lower bound each: the
     solver's bound), the plans that gave the pattern-free and the smallest priced value, the
     relaxed peak of the latter (with that value, a line above D in lam; where the solves are
@@ -257,10 +274,10 @@ def pattern_dual(
         if upper < give_up:
             best = min(lowers)
             break
-    return best, [base_choices, upper_choices], upper_peak, lowers, upper
+    return PatternDual(best, [base_choices, upper_choices], upper_peak, lowers, upper)
 
 
-def _phase_two(problem: Problem, counted: CountPatterns | None, lam: float, *args):
+def _phase_two(problem: Problem, counted: CountPatterns | None, lam: float, *args) -> PatternDual:
     """pattern_dual on ``problem`` or, with count patterns, on its contraction: the plans
     expanded to every node, the bound shifted to ``problem``'s transient floor (the
     contraction's is at least as high: a class's transient is its members' largest)."""
@@ -268,11 +285,12 @@ def _phase_two(problem: Problem, counted: CountPatterns | None, lam: float, *arg
         return pattern_dual(problem, lam, *args)
     shift = lam * (transient_floor(counted.problem) - transient_floor(problem))
     *args, give_up = args
-    lower, plans, peak, lowers, value = pattern_dual(
-        counted.problem, lam, *args, give_up=give_up - shift
+    found = pattern_dual(counted.problem, lam, *args, give_up=give_up - shift)
+    return found._replace(
+        lower=found.lower + shift,
+        plans=[expand(counted.contracted, c) for c in found.plans],
+        value=found.value + shift,
     )
-    plans = [expand(counted.contracted, c) for c in plans]
-    return lower + shift, plans, peak, lowers, value + shift
 
 
 def _pattern_peak(
@@ -391,9 +409,9 @@ def relax(
         else:
             floor = chord_floor(seen, lam)
             below = target() - lam * constant if give_up else -math.inf
-            lower, plans, peak, seen[lam], value = _phase_two(
-                problem, counted, lam, solve_free, patterns, floor, cache, below
-            )
+            found = _phase_two(problem, counted, lam, solve_free, patterns, floor, cache, below)
+            lower, plans, peak, value = found.lower, found.plans, found.peak, found.value
+            seen[lam] = found.lowers
             complete = value >= below
         bound = lower + lam * constant
         if bound > best_bound:

@@ -138,13 +138,13 @@ def test_the_pattern_dual_is_below_the_optimum_at_every_multiplier(problem, scal
         return
     lam = scale * 0.5
     try:
-        lower, plans, _, _, _ = pattern_dual(problem, lam, _free_solver, patterns)
+        found = pattern_dual(problem, lam, _free_solver, patterns)
     except Exception:  # forbidden pairs everywhere: nothing to bound
         return
     budget = problem.memory_budget_bytes
-    dual = lower + lam * (problem.memory_offset_bytes + transient_floor(problem) - budget)
+    dual = found.lower + lam * (problem.memory_offset_bytes + transient_floor(problem) - budget)
     assert dual <= optimum + 1e-9 * max(1.0, abs(optimum))
-    assert all(len(plan) == len(problem.nodes) for plan in plans)
+    assert all(len(plan) == len(problem.nodes) for plan in found.plans)
 
 
 @settings(SETTINGS, max_examples=12)
@@ -305,8 +305,8 @@ def test_the_pattern_dual_prices_each_recomputed_segment_whole() -> None:
     assert brute_force(problem)[1] == pytest.approx(3.0)
     patterns = recompute_patterns(problem)
     assert sorted(patterns) == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    lower, _, peak, _, _ = pattern_dual(problem, 1.0, _free_solver, patterns)
-    assert lower + 1.0 * (0.0 - 14.0) == pytest.approx(3.0)
-    assert peak == pytest.approx(14.0)
+    found = pattern_dual(problem, 1.0, _free_solver, patterns)
+    assert found.lower + 1.0 * (0.0 - 14.0) == pytest.approx(3.0)
+    assert found.peak == pytest.approx(14.0)
     found = relax(problem, _free_solver, target_gap=0.0)
     assert found.bound_s == pytest.approx(3.0) and found.objective_s == pytest.approx(3.0)

@@ -17,8 +17,12 @@ from solver.pattern_bounds import PatternTerms, pattern_terms
 from tests.unit.test_lagrangian import SETTINGS, _free_solver, budgeted_problems
 
 
-def _pattern_optima(problem, lam, patterns) -> list[float] | None:
-    """Each pattern's priced optimum at lam, by brute force (None: edges forbid everything)."""
+def _patterns_and_optima(problem, lam) -> tuple[list, list[float]] | None:
+    """The recompute patterns and each one's priced optimum at lam, by brute force (None: no
+    patterns, or edges forbid everything)."""
+    patterns = recompute_patterns(problem)
+    if not patterns:
+        return None
     base = priced(dataclasses.replace(problem, segments=()), lam)
     optima = []
     for pattern in patterns:
@@ -27,18 +31,16 @@ def _pattern_optima(problem, lam, patterns) -> list[float] | None:
             optima.append(brute_force(_pattern_problem(base, extra, extra_edges))[1])
         except Exception:  # noqa: BLE001 - forbidden pairs everywhere: nothing to bound
             return None
-    return optima
+    return patterns, optima
 
 
 @SETTINGS
 @given(budgeted_problems(), st.floats(0.0, 2.0))
 def test_bounds_from_a_solved_pattern_are_below_every_other_patterns_optimum(problem, lam):
-    patterns = recompute_patterns(problem)
-    if not patterns:
+    found = _patterns_and_optima(problem, lam)
+    if found is None:
         return
-    optima = _pattern_optima(problem, lam, patterns)
-    if optima is None:
-        return
+    patterns, optima = found
     terms = [pattern_terms(problem, lam, p) for p in patterns]
     table = PatternTerms([(t[2], t[3]) for t in terms])
     for q, value in enumerate(optima):
@@ -57,22 +59,20 @@ def test_an_evaluation_gives_up_only_below_the_target_and_keeps_a_bound(problem,
     # or above the level. Untied: the budget-free solver lets tie classes mix (a relaxation
     # of the alike plans brute force counts), so with ties its plans may cost less than that.
     problem = dataclasses.replace(problem, tied=())
-    patterns = recompute_patterns(problem)
-    if not patterns:
+    found = _patterns_and_optima(problem, lam)
+    if found is None:
         return
-    optima = _pattern_optima(problem, lam, patterns)
-    if optima is None:
-        return
+    patterns, optima = found
     dual = min(optima)
     give_up = dual + level * (max(optima) - dual + 1.0)
-    lower, _, _, lowers, value = pattern_dual(problem, lam, _free_solver, patterns, give_up=give_up)
+    evaluated = pattern_dual(problem, lam, _free_solver, patterns, give_up=give_up)
     tol = 1e-9 * max(1.0, abs(dual))
-    assert lower <= dual + tol
-    assert all(low <= opt + tol for low, opt in zip(lowers, optima, strict=True))
-    if value < give_up:
-        assert dual <= value + tol
+    assert evaluated.lower <= dual + tol
+    assert all(low <= opt + tol for low, opt in zip(evaluated.lowers, optima, strict=True))
+    if evaluated.value < give_up:
+        assert dual <= evaluated.value + tol
     else:
-        assert lower >= min(dual, give_up) - tol
+        assert evaluated.lower >= min(dual, give_up) - tol
 
 
 def _lines_search(lines, target, start):
