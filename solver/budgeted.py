@@ -23,10 +23,12 @@ def solve_relaxed(
     gap: float,
     msg: bool,
     cutoff_s: float | None = None,
+    warm: tuple[float, float] | None = None,
 ) -> Solution | None:
     """Lagrangian relaxation of the budget (solver/lagrangian.py); when its best plan is not
     within ``gap`` of its bound, the exact path (MIP) with the better plan and bound of the
-    two. None: the relaxation found no plan that fits and the MIP is left to the caller."""
+    two. None: the relaxation found no plan that fits and the MIP is left to the caller.
+    ``warm``: where the multiplier search starts (lagrangian.relax)."""
     from solver.lagrangian import relax
     from solver.shrink import solve  # solver.shrink imports this module
 
@@ -48,7 +50,7 @@ def solve_relaxed(
 
     stop_at = math.inf if cutoff_s is None else cutoff_s * (1.0 - gap)
     try:
-        found = relax(problem, solve_free, target_gap=gap, stop_at=stop_at)
+        found = relax(problem, solve_free, target_gap=gap, stop_at=stop_at, warm=warm)
     except InfeasibleError:
         return None
     if found.choices is None:
@@ -58,6 +60,7 @@ def solve_relaxed(
     details = {
         "lagrangian_bound_s": bound,
         "lagrangian_multiplier": found.multiplier,
+        "lagrangian_separable_multiplier": found.separable_multiplier,
         "lagrangian_solves": float(found.evaluations),
         "lagrangian_s": found.seconds,
     }

@@ -72,6 +72,8 @@ class Relaxed:
     """Its exact step time (math.inf without a plan)."""
     multiplier: float
     """The multiplier of the best bound (seconds per byte)."""
+    separable_multiplier: float = 0.0
+    """The multiplier of the best separable bound (the first phase's)."""
     evaluations: int
     seconds: float
     counted: CountPatterns | None = None
@@ -366,6 +368,7 @@ def relax(
     solve_free,
     *,
     start: float | None = None,
+    warm: tuple[float, float] | None = None,
     max_evaluations: int = 24,
     max_pattern_evaluations: int = 8,
     target_gap: float = 0.0,
@@ -374,7 +377,11 @@ def relax(
     """Search the multiplier (module docstring). ``solve_free(problem) -> (choices, value,
         bound)`` solves a budget-free problem (value: its objective; bound: a lower bound on its
     optimum, equal to value when proven optimal). ``start``: a multiplier to begin from (a
-    previous configuration's). The search runs on the separable D first (one solve each), then
+    previous configuration's). ``warm``: the separable and best multipliers of a similar
+    problem's search (Relaxed.separable_multiplier and .multiplier of another ZeRO
+    configuration: only parameter costs differ): the separable phase evaluates the first
+    only, then the pattern phase starts from the second (any multiplier gives a valid bound,
+    so only the number of evaluations changes). The search runs on the separable D first (one solve each), then
     on the pattern D (module docstring; per-segment or count patterns, solver/count_patterns.py;
     one solve per pattern not pruned, ``max_pattern_evaluations`` at most) from the best
     multiplier found. Each stops when the best plan is within ``target_gap`` of the bound, the
@@ -443,6 +450,16 @@ def relax(
     if evaluate(0.0)[1] <= 0.0:
         hi = 0.0
     lam = start if start else first_multiplier(problem)
+    pattern_start = 0.0
+    if warm is not None and warm[0] > 0.0 and hi is None and not done():
+        lam = warm[0]
+        if evaluate(lam)[1] > 0.0:
+            lo, lam = lam, lam * 8.0
+        else:
+            hi = lam
+        if patterns is not None or counted is not None:
+            # Straight to the pattern phase, from where the other problem's ended.
+            hi, pattern_start = lo, warm[1]
     while hi is None and not done():
         if evaluate(lam)[1] > 0.0:
             lo, lam = lam, lam * 8.0
@@ -456,17 +473,20 @@ def relax(
             lo = mid
         else:
             hi = mid
+    separable_lam = best_lam
     if patterns is not None or counted is not None:
         patterns = patterns if counted is None else counted.patterns
         exact, max_evaluations = True, evaluations
         if not done():
-            pattern_search(evaluate, best_lam or first_multiplier(problem), done, target)
+            lam = pattern_start or best_lam or first_multiplier(problem)
+            pattern_search(evaluate, lam, done, target)
     return Relaxed(
         bound_s=best_bound,
         choices=None if best is None else best[1],
         recomputed=() if best is None else best[2],
         objective_s=math.inf if best is None else best[0],
         multiplier=best_lam,
+        separable_multiplier=separable_lam,
         evaluations=evaluations,
         seconds=time.perf_counter() - clock,
         counted=counted,
