@@ -33,7 +33,6 @@ def solve_relaxed(
     from solver.shrink import solve  # solver.shrink imports this module
 
     start = time.perf_counter()
-
     size = [0, 0]  # the largest budget-free model solved: (variables, constraints)
 
     def solve_free(priced: Problem) -> tuple[tuple[int, ...], float, float]:
@@ -66,10 +65,8 @@ def solve_relaxed(
     }
     num_variables, num_constraints = size
     backend_used = resolve_backend(backend)[0]
-    cut_off = False
-    if bound >= stop_at:  # cannot beat the plan found elsewhere by more than the gap
-        cut_off = True
-    elif objective - bound > gap * abs(objective):
+    cut_off = bound >= stop_at  # cannot beat the plan found elsewhere by more than the gap
+    if not cut_off and objective - bound > gap * abs(objective):
         # Reduced-cost fixing (solver/fixing.py): the MIP runs over the strategies that some
         # plan better than both this relaxation's best plan and the cutoff can use.
         limit = min(objective, stop_at)
