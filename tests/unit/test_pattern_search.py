@@ -7,13 +7,13 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from solver import brute_force
 from solver.lagrangian import _pattern_problem, pattern_dual, priced, recompute_patterns
 from solver.multiplier import pattern_search
-from solver.pattern_bounds import PatternTerms, pattern_terms
+from solver.pattern_bounds import PatternTerms, chord_floor, pattern_terms
 from tests.unit.test_lagrangian import SETTINGS, _free_solver, budgeted_problems
 
 
@@ -123,3 +123,29 @@ def test_the_steps_reach_a_reachable_target_and_otherwise_bracket_the_maximum(li
         assert best >= target  # a reachable target is reached within 12 evaluations
     else:
         assert any(complete for _, complete in seen)  # the bound is from complete evaluations
+
+
+@settings(SETTINGS, max_examples=15)
+@given(
+    budgeted_problems(),
+    st.lists(st.floats(0.0, 2.0), min_size=3, max_size=4, unique=True),
+    st.lists(st.floats(0.0, 1.0), min_size=4, max_size=4),
+)
+def test_chord_floors_over_every_pair_are_below_each_patterns_optimum(problem, lams, slack):
+    # Lower bounds per pattern at a few multipliers (the optima less a random slack, as an
+    # evaluation that gave up leaves them): at a multiplier between them, the highest chord
+    # over every pair is still below each pattern's optimum there (concave in lam).
+    lams = sorted(lams)
+    inside = 0.5 * (lams[0] + lams[1])
+    evaluated = [_patterns_and_optima(problem, lam) for lam in [*lams, inside]]
+    if any(found is None for found in evaluated):
+        return
+    seen = {
+        lam: [opt - extra for opt in found[1]]
+        for lam, found, extra in zip(lams, evaluated, slack, strict=False)
+    }
+    floor = chord_floor(seen, inside)
+    assert floor is not None
+    optima = evaluated[-1][1]
+    for low, opt in zip(floor, optima, strict=True):
+        assert low <= opt + 1e-9 * max(1.0, abs(opt))
