@@ -23,15 +23,16 @@ def solve_relaxed(
     gap: float,
     msg: bool,
     cutoff_s: float | None = None,
+    warm: tuple[float, float] | None = None,
 ) -> Solution | None:
     """Lagrangian relaxation of the budget (solver/lagrangian.py); when its best plan is not
     within ``gap`` of its bound, the exact path (MIP) with the better plan and bound of the
-    two. None: the relaxation found no plan that fits and the MIP is left to the caller."""
+    two. None: the relaxation found no plan that fits and the MIP is left to the caller.
+    ``warm``: where the multiplier search starts (lagrangian.relax)."""
     from solver.lagrangian import relax
     from solver.shrink import solve  # solver.shrink imports this module
 
     start = time.perf_counter()
-
     size = [0, 0]  # the largest budget-free model solved: (variables, constraints)
 
     def solve_free(priced: Problem) -> tuple[tuple[int, ...], float, float]:
@@ -48,7 +49,7 @@ def solve_relaxed(
 
     stop_at = math.inf if cutoff_s is None else cutoff_s * (1.0 - gap)
     try:
-        found = relax(problem, solve_free, target_gap=gap, stop_at=stop_at)
+        found = relax(problem, solve_free, target_gap=gap, stop_at=stop_at, warm=warm)
     except InfeasibleError:
         return None
     if found.choices is None:
@@ -58,15 +59,14 @@ def solve_relaxed(
     details = {
         "lagrangian_bound_s": bound,
         "lagrangian_multiplier": found.multiplier,
+        "lagrangian_separable_multiplier": found.separable_multiplier,
         "lagrangian_solves": float(found.evaluations),
         "lagrangian_s": found.seconds,
     }
     num_variables, num_constraints = size
     backend_used = resolve_backend(backend)[0]
-    cut_off = False
-    if bound >= stop_at:  # cannot beat the plan found elsewhere by more than the gap
-        cut_off = True
-    elif objective - bound > gap * abs(objective):
+    cut_off = bound >= stop_at  # cannot beat the plan found elsewhere by more than the gap
+    if not cut_off and objective - bound > gap * abs(objective):
         # Reduced-cost fixing (solver/fixing.py): the MIP runs over the strategies that some
         # plan better than both this relaxation's best plan and the cutoff can use.
         limit = min(objective, stop_at)

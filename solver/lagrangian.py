@@ -46,6 +46,7 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -71,6 +72,8 @@ class Relaxed:
     """Its exact step time (math.inf without a plan)."""
     multiplier: float
     """The multiplier of the best bound (seconds per byte)."""
+    separable_multiplier: float = 0.0
+    """The multiplier of the best separable bound (the first phase's)."""
     evaluations: int
     seconds: float
     counted: CountPatterns | None = None
@@ -204,6 +207,22 @@ def _pattern_problem(
     return Problem(nodes=nodes, edges=tuple(edges), tied=base.tied)
 
 
+class PatternDual(NamedTuple):
+    """One evaluation of the pattern D at a multiplier (:func:`pattern_dual`)."""
+
+    lower: float
+    """min over the patterns of a lower bound on each priced optimum (before the bound's
+    constant); after giving up, the smallest bound left."""
+    plans: list[tuple[int, ...]]
+    """The pattern-free plan and the plan of the smallest priced value."""
+    peak: float
+    """The relaxed peak of the latter: with ``value``, a line above D in lam."""
+    lowers: list[float]
+    """A lower bound per pattern (its value where solved)."""
+    value: float
+    """The smallest priced value found."""
+
+
 def pattern_dual(
     problem: Problem,
     lam: float,
@@ -212,7 +231,7 @@ def pattern_dual(
     floor: list[float] | None = None,
     cache: dict | None = None,
     give_up: float = -math.inf,
-) -> tuple[float, list[tuple[int, ...]], float, list[float], float]:
+) -> PatternDual:
     """min over ``patterns`` of the priced pattern problems' optima (a lower bound each: the
     solver's bound), the plans that gave the pattern-free and the smallest priced value, the
     relaxed peak of the latter (with that value, a line above D in lam; where the solves are
@@ -257,10 +276,10 @@ def pattern_dual(
         if upper < give_up:
             best = min(lowers)
             break
-    return best, [base_choices, upper_choices], upper_peak, lowers, upper
+    return PatternDual(best, [base_choices, upper_choices], upper_peak, lowers, upper)
 
 
-def _phase_two(problem: Problem, counted: CountPatterns | None, lam: float, *args):
+def _phase_two(problem: Problem, counted: CountPatterns | None, lam: float, *args) -> PatternDual:
     """pattern_dual on ``problem`` or, with count patterns, on its contraction: the plans
     expanded to every node, the bound shifted to ``problem``'s transient floor (the
     contraction's is at least as high: a class's transient is its members' largest)."""
@@ -268,11 +287,12 @@ def _phase_two(problem: Problem, counted: CountPatterns | None, lam: float, *arg
         return pattern_dual(problem, lam, *args)
     shift = lam * (transient_floor(counted.problem) - transient_floor(problem))
     *args, give_up = args
-    lower, plans, peak, lowers, value = pattern_dual(
-        counted.problem, lam, *args, give_up=give_up - shift
+    found = pattern_dual(counted.problem, lam, *args, give_up=give_up - shift)
+    return found._replace(
+        lower=found.lower + shift,
+        plans=[expand(counted.contracted, c) for c in found.plans],
+        value=found.value + shift,
     )
-    plans = [expand(counted.contracted, c) for c in plans]
-    return lower + shift, plans, peak, lowers, value + shift
 
 
 def _pattern_peak(
@@ -348,6 +368,7 @@ def relax(
     solve_free,
     *,
     start: float | None = None,
+    warm: tuple[float, float] | None = None,
     max_evaluations: int = 24,
     max_pattern_evaluations: int = 8,
     target_gap: float = 0.0,
@@ -356,7 +377,11 @@ def relax(
     """Search the multiplier (module docstring). ``solve_free(problem) -> (choices, value,
         bound)`` solves a budget-free problem (value: its objective; bound: a lower bound on its
     optimum, equal to value when proven optimal). ``start``: a multiplier to begin from (a
-    previous configuration's). The search runs on the separable D first (one solve each), then
+    previous configuration's). ``warm``: the separable and best multipliers of a similar
+    problem's search (Relaxed.separable_multiplier and .multiplier of another ZeRO
+    configuration: only parameter costs differ): the separable phase evaluates the first
+    only, then the pattern phase starts from the second (any multiplier gives a valid bound,
+    so only the number of evaluations changes). The search runs on the separable D first (one solve each), then
     on the pattern D (module docstring; per-segment or count patterns, solver/count_patterns.py;
     one solve per pattern not pruned, ``max_pattern_evaluations`` at most) from the best
     multiplier found. Each stops when the best plan is within ``target_gap`` of the bound, the
@@ -391,9 +416,9 @@ def relax(
         else:
             floor = chord_floor(seen, lam)
             below = target() - lam * constant if give_up else -math.inf
-            lower, plans, peak, seen[lam], value = _phase_two(
-                problem, counted, lam, solve_free, patterns, floor, cache, below
-            )
+            found = _phase_two(problem, counted, lam, solve_free, patterns, floor, cache, below)
+            lower, plans, peak, value = found.lower, found.plans, found.peak, found.value
+            seen[lam] = found.lowers
             complete = value >= below
         bound = lower + lam * constant
         if bound > best_bound:
@@ -425,6 +450,16 @@ def relax(
     if evaluate(0.0)[1] <= 0.0:
         hi = 0.0
     lam = start if start else first_multiplier(problem)
+    pattern_start = 0.0
+    if warm is not None and warm[0] > 0.0 and hi is None and not done():
+        lam = warm[0]
+        if evaluate(lam)[1] > 0.0:
+            lo, lam = lam, lam * 8.0
+        else:
+            hi = lam
+        if patterns is not None or counted is not None:
+            # Straight to the pattern phase, from where the other problem's ended.
+            hi, pattern_start = lo, warm[1]
     while hi is None and not done():
         if evaluate(lam)[1] > 0.0:
             lo, lam = lam, lam * 8.0
@@ -438,17 +473,20 @@ def relax(
             lo = mid
         else:
             hi = mid
+    separable_lam = best_lam
     if patterns is not None or counted is not None:
         patterns = patterns if counted is None else counted.patterns
         exact, max_evaluations = True, evaluations
         if not done():
-            pattern_search(evaluate, best_lam or first_multiplier(problem), done, target)
+            lam = pattern_start or best_lam or first_multiplier(problem)
+            pattern_search(evaluate, lam, done, target)
     return Relaxed(
         bound_s=best_bound,
         choices=None if best is None else best[1],
         recomputed=() if best is None else best[2],
         objective_s=math.inf if best is None else best[0],
         multiplier=best_lam,
+        separable_multiplier=separable_lam,
         evaluations=evaluations,
         seconds=time.perf_counter() - clock,
         counted=counted,

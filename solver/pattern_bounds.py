@@ -108,10 +108,17 @@ class PatternTerms:
 
 def chord_floor(seen: dict[float, list[float]], lam: float) -> list[float] | None:
     """Each pattern's value is concave in lam (a minimum of functions affine in lam), so
-    between two multipliers already evaluated it is at least the chord of their lower bounds."""
-    below = max((a for a in seen if a < lam), default=None)
-    above = min((b for b in seen if b > lam), default=None)
-    if below is None or above is None:
+    between two multipliers already evaluated it is at least the chord of their lower bounds:
+    per pattern, the highest chord over every pair around ``lam`` (the nearest pair's can be
+    weak where one end's evaluation gave up early: its bounds are then loose)."""
+    lefts = [a for a in seen if a < lam]
+    rights = [b for b in seen if b > lam]
+    if not lefts or not rights:
         return None
-    t = (lam - below) / (above - below)
-    return [(1.0 - t) * a + t * b for a, b in zip(seen[below], seen[above], strict=True)]
+    floor = np.full(len(seen[lefts[0]]), -np.inf)
+    for a in lefts:
+        low = np.asarray(seen[a])
+        for b in rights:
+            t = (lam - a) / (b - a)
+            np.maximum(floor, (1.0 - t) * low + t * np.asarray(seen[b]), out=floor)
+    return floor.tolist()

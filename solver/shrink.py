@@ -52,6 +52,7 @@ def solve(
     start_plan: tuple[int, ...] | None = None,
     cutoff_s: float | None = None,
     relaxation: bool = False,
+    warm_multipliers: tuple[float, float] | None = None,
 ) -> Solution:
     """Choose one strategy per node, minimising step time within the memory budget.
 
@@ -69,6 +70,10 @@ def solve(
         relaxation: budget-free only: the bound is the LP relaxation's of what elimination
             leaves (HiGHS), the plan decoded from it; the Lagrangian relaxation's priced
             solves need bounds, and the LP is much cheaper than HiGHS's MIP there.
+        warm_multipliers: with the Lagrangian relaxation, where its multiplier search starts:
+            the ``lagrangian_separable_multiplier`` and ``lagrangian_multiplier`` details of a
+            similar problem's solution (another ZeRO configuration of the same model). Only
+            the number of priced solves changes: every multiplier gives a valid bound.
 
     Raises:
         InfeasibleBudgetError: no allowed plan fits the budget; carries the smallest that fits.
@@ -99,7 +104,7 @@ def solve(
         validate(problem)
         from solver.budgeted import solve_relaxed  # it calls solve for its priced problems
 
-        relaxed = solve_relaxed(problem, **common, cutoff_s=cutoff_s)
+        relaxed = solve_relaxed(problem, **common, cutoff_s=cutoff_s, warm=warm_multipliers)
         if relaxed is not None:
             return relaxed
     if problem.tied:

@@ -55,6 +55,16 @@ class Solved:
     segments: tuple[ChosenSegment, ...] = ()
     """Checkpoint segments recomputed (evaluation already includes them)."""
 
+    @property
+    def warm_multipliers(self) -> tuple[float, float] | None:
+        """Where its solve's Lagrangian relaxation ended (the separable phase's multiplier,
+        the best bound's), to start another configuration's from (ConfigurationSolver.solve
+        ``warm_from``); None when no relaxation ran."""
+        details = self.solution.details
+        if "lagrangian_separable_multiplier" not in details:
+            return None
+        return details["lagrangian_separable_multiplier"], details["lagrangian_multiplier"]
+
 
 def _within_gap(solution: solver.Solution, gap: float) -> bool:
     """The solve finished: proven optimal, or within the requested gap of its bound (the
@@ -120,11 +130,15 @@ class ConfigurationSolver:
         spec: RecipeSpec | None = None,
         tied: Ties | None = None,
         cutoff_s: float | None = None,
+        warm_from: Solved | None = None,
     ) -> Solved:
         """Solve one ZeRO configuration (and recipe, with ``spec``). When the layers tied at the
         tightest level do not fit the budget, the next, looser level is tried, and finally
         every layer chooses on its own. ``cutoff_s``: the step of the best plan found so far
         (solver.solve's cutoff: a configuration proven not to beat it by the gap stops early).
+        ``warm_from``: another configuration solved, whose Lagrangian relaxation's multipliers
+        (``Solved.warm_multipliers``) start this one's (solver.solve ``warm_multipliers``:
+        configurations differ only in parameter costs; any multiplier gives a valid bound).
 
         Raises:
             solver.InfeasibleBudgetError: nothing fits even untied (``min_budget_bytes`` set).
@@ -138,12 +152,19 @@ class ConfigurationSolver:
                 time_limit_s=self.options.time_limit_s,
                 gap=self.options.gap,
                 cutoff_s=cutoff_s,
+                warm_multipliers=None if warm_from is None else warm_from.warm_multipliers,
             )
         except solver.InfeasibleBudgetError:
             if not tied:
                 raise
             return self.solve(
-                zero, name=name, budget=budget, spec=spec, tied=tied[1:], cutoff_s=cutoff_s
+                zero,
+                name=name,
+                budget=budget,
+                spec=spec,
+                tied=tied[1:],
+                cutoff_s=cutoff_s,
+                warm_from=warm_from,
             )
         return self._finish(zero, name, built, problem, solution)
 

@@ -59,11 +59,12 @@ def test_a_configuration_cut_off_by_a_better_plan_is_not_solved_again(monkeypatc
     mesh = Mesh.parse("2", device="h100")
     options = PlanOptions(memory_budget=2_500_000)
     driver = Driver(build_space(capture(model, args, kwargs), mesh, options))
-    calls = []
+    calls, warm_starts = [], []
     real_solve = solver.solve
 
     def counting_solve(problem, **kwargs):
         calls.append(kwargs.get("cutoff_s"))
+        warm_starts.append(kwargs.get("warm_multipliers"))
         return real_solve(problem, **kwargs)
 
     monkeypatch.setattr(solver, "solve", counting_solve)
@@ -81,3 +82,12 @@ def test_a_configuration_cut_off_by_a_better_plan_is_not_solved_again(monkeypatc
     # Its bound is still a bound: not above the configuration's plan solved without a cutoff.
     assert cut.solution.bound_s <= uncut.solution.objective_s * (1 + 1e-9)
     assert cut.solution.objective_s >= uncut.solution.bound_s * (1 - 1e-9)
+    # Driver.auto starts each configuration's relaxation where the best plan's ended
+    # (warm_from): the multipliers reach solver.solve, and the bound is still a bound.
+    assert uncut.warm_multipliers is not None and min(uncut.warm_multipliers) >= 0.0
+    warm_starts.clear()
+    warm = driver.configurations.solve(zero, name="auto", budget=driver.budget, warm_from=uncut)
+    assert warm_starts[0] == uncut.warm_multipliers
+    assert warm.evaluation.peak_memory_bytes <= driver.budget
+    assert warm.solution.bound_s <= uncut.solution.objective_s * (1 + 1e-9)
+    assert warm.solution.objective_s >= uncut.solution.bound_s * (1 - 1e-9)

@@ -113,12 +113,12 @@ def test_the_count_pattern_dual_is_below_the_optimum(problem, scale) -> None:
     if optimum is None:
         return
     lam = scale * 0.5
-    lower, plans, _, _, _ = pattern_dual(counted.problem, lam, _free_solver, counted.patterns)
+    found = pattern_dual(counted.problem, lam, _free_solver, counted.patterns)
     budget = problem.memory_budget_bytes
     inner = counted.problem
-    dual = lower + lam * (inner.memory_offset_bytes + transient_floor(inner) - budget)
+    dual = found.lower + lam * (inner.memory_offset_bytes + transient_floor(inner) - budget)
     assert dual <= optimum + 1e-9 * max(1.0, abs(optimum))
-    assert all(len(plan) == len(inner.nodes) for plan in plans)
+    assert all(len(plan) == len(inner.nodes) for plan in found.plans)
     # Reduced-cost fixing over the count patterns keeps the optimal plan's strategies.
     from solver import brute_force
 

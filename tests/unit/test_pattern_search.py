@@ -7,18 +7,22 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from solver import brute_force
 from solver.lagrangian import _pattern_problem, pattern_dual, priced, recompute_patterns
 from solver.multiplier import pattern_search
-from solver.pattern_bounds import PatternTerms, pattern_terms
+from solver.pattern_bounds import PatternTerms, chord_floor, pattern_terms
 from tests.unit.test_lagrangian import SETTINGS, _free_solver, budgeted_problems
 
 
-def _pattern_optima(problem, lam, patterns) -> list[float] | None:
-    """Each pattern's priced optimum at lam, by brute force (None: edges forbid everything)."""
+def _patterns_and_optima(problem, lam) -> tuple[list, list[float]] | None:
+    """The recompute patterns and each one's priced optimum at lam, by brute force (None: no
+    patterns, or edges forbid everything)."""
+    patterns = recompute_patterns(problem)
+    if not patterns:
+        return None
     base = priced(dataclasses.replace(problem, segments=()), lam)
     optima = []
     for pattern in patterns:
@@ -27,18 +31,16 @@ def _pattern_optima(problem, lam, patterns) -> list[float] | None:
             optima.append(brute_force(_pattern_problem(base, extra, extra_edges))[1])
         except Exception:  # noqa: BLE001 - forbidden pairs everywhere: nothing to bound
             return None
-    return optima
+    return patterns, optima
 
 
 @SETTINGS
 @given(budgeted_problems(), st.floats(0.0, 2.0))
 def test_bounds_from_a_solved_pattern_are_below_every_other_patterns_optimum(problem, lam):
-    patterns = recompute_patterns(problem)
-    if not patterns:
+    found = _patterns_and_optima(problem, lam)
+    if found is None:
         return
-    optima = _pattern_optima(problem, lam, patterns)
-    if optima is None:
-        return
+    patterns, optima = found
     terms = [pattern_terms(problem, lam, p) for p in patterns]
     table = PatternTerms([(t[2], t[3]) for t in terms])
     for q, value in enumerate(optima):
@@ -57,22 +59,20 @@ def test_an_evaluation_gives_up_only_below_the_target_and_keeps_a_bound(problem,
     # or above the level. Untied: the budget-free solver lets tie classes mix (a relaxation
     # of the alike plans brute force counts), so with ties its plans may cost less than that.
     problem = dataclasses.replace(problem, tied=())
-    patterns = recompute_patterns(problem)
-    if not patterns:
+    found = _patterns_and_optima(problem, lam)
+    if found is None:
         return
-    optima = _pattern_optima(problem, lam, patterns)
-    if optima is None:
-        return
+    patterns, optima = found
     dual = min(optima)
     give_up = dual + level * (max(optima) - dual + 1.0)
-    lower, _, _, lowers, value = pattern_dual(problem, lam, _free_solver, patterns, give_up=give_up)
+    evaluated = pattern_dual(problem, lam, _free_solver, patterns, give_up=give_up)
     tol = 1e-9 * max(1.0, abs(dual))
-    assert lower <= dual + tol
-    assert all(low <= opt + tol for low, opt in zip(lowers, optima, strict=True))
-    if value < give_up:
-        assert dual <= value + tol
+    assert evaluated.lower <= dual + tol
+    assert all(low <= opt + tol for low, opt in zip(evaluated.lowers, optima, strict=True))
+    if evaluated.value < give_up:
+        assert dual <= evaluated.value + tol
     else:
-        assert lower >= min(dual, give_up) - tol
+        assert evaluated.lower >= min(dual, give_up) - tol
 
 
 def _lines_search(lines, target, start):
@@ -123,3 +123,29 @@ def test_the_steps_reach_a_reachable_target_and_otherwise_bracket_the_maximum(li
         assert best >= target  # a reachable target is reached within 12 evaluations
     else:
         assert any(complete for _, complete in seen)  # the bound is from complete evaluations
+
+
+@settings(SETTINGS, max_examples=15)
+@given(
+    budgeted_problems(),
+    st.lists(st.floats(0.0, 2.0), min_size=3, max_size=4, unique=True),
+    st.lists(st.floats(0.0, 1.0), min_size=4, max_size=4),
+)
+def test_chord_floors_over_every_pair_are_below_each_patterns_optimum(problem, lams, slack):
+    # Lower bounds per pattern at a few multipliers (the optima less a random slack, as an
+    # evaluation that gave up leaves them): at a multiplier between them, the highest chord
+    # over every pair is still below each pattern's optimum there (concave in lam).
+    lams = sorted(lams)
+    inside = 0.5 * (lams[0] + lams[1])
+    evaluated = [_patterns_and_optima(problem, lam) for lam in [*lams, inside]]
+    if any(found is None for found in evaluated):
+        return
+    seen = {
+        lam: [opt - extra for opt in found[1]]
+        for lam, found, extra in zip(lams, evaluated, slack, strict=False)
+    }
+    floor = chord_floor(seen, inside)
+    assert floor is not None
+    optima = evaluated[-1][1]
+    for low, opt in zip(floor, optima, strict=True):
+        assert low <= opt + 1e-9 * max(1.0, abs(opt))
