@@ -363,6 +363,12 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--meshes", nargs="+", default=list(MESHES), choices=MESHES)
     parser.add_argument("--pairs", nargs="+", default=list(PAIRS), choices=list(PAIRS))
+    parser.add_argument(
+        "--chunk-bytes",
+        type=int,
+        default=None,
+        help="zero1: this ZeRO chunk size instead of the planner's priced one",
+    )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per mesh")
     parser.add_argument("--out", default=str(OUT_DIR / "like_for_like.json"))
     parser.add_argument(

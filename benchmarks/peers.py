@@ -202,6 +202,29 @@ def torch_fsdp_tp(args: argparse.Namespace, mesh: Any, optimizer: str) -> Varian
     return Variant(_dp_step(model, opt, dp_rank, dp_size, context=loss_parallel), model)
 
 
+def _planned_chunk_bytes(plan: dict[str, Any], model: Any, mesh: Any, zero: Any) -> int:
+    """The chunk size the planner gives a plan of this ZeRO configuration
+    (``autopar.plan.build``; the ``ddp`` recipe's plan has none, its stage being 0): priced on
+    the mesh's links, the plan's compute split 1:2 between forward and backward (the planner
+    has the per-node split; the plan document keeps the sum), its budget's headroom."""
+    from autopar.planner.chunks import ChunkPricing, planned_chunk_bytes
+
+    compute = plan["predicted"]["breakdown"]["compute_s"]
+    pricing = ChunkPricing.on_mesh(
+        shape=mesh.shape,
+        links=mesh.links,
+        device_name=mesh.device.name,
+        stages=zero.stages,
+        forward_s=compute / 3,
+        backward_s=2 * compute / 3,
+    )
+    headroom = plan["memory_budget_bytes"] - plan["predicted"]["peak_memory_bytes"]
+    numels = [p.numel() for p in model.parameters()]
+    return planned_chunk_bytes(
+        numels, pricing, max_stage=max(zero.stages), headroom_bytes=headroom
+    )[0]
+
+
 def autopar_variant(
     args: argparse.Namespace, mesh: Any, optimizer: str, *, recipe: str, **options: Any
 ) -> Variant:
@@ -218,7 +241,12 @@ def autopar_variant(
     if stage is not None and dist.get_rank() == 0:
         plan = autopar.plan(model, mesh, batch, recipe=recipe, optimizer=optimizer)
         zero = ZeroConfig(stages=(stage,) * len(mesh.shape))
-        plan.data["zero"] = {**plan.data["zero"], **zero.to_json(mesh.axis_names)}
+        plan.data["zero"] = {
+            **plan.data["zero"],
+            **zero.to_json(mesh.axis_names),
+            "chunk_bytes": getattr(args, "chunk_bytes", None)
+            or _planned_chunk_bytes(plan.data, model, mesh, zero),
+        }
     pmodel = autopar.autoparallelize(
         model,
         mesh,

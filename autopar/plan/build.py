@@ -66,10 +66,7 @@ def plan_document(
     considered, reason = zero_considered(space, chosen, log, budget, recipe)
     chunk_bytes = padding_waste = None
     if zero.stage > 0 and zero_numels:
-        from autopar.planner.chunks import MIN_CHUNKS, choose_chunk_bytes
-
-        shards = math.prod(mesh.shape[a] for a in zero.axes)
-        chunk_bytes, padding_waste = choose_chunk_bytes(zero_numels, shards, min_chunks=MIN_CHUNKS)
+        chunk_bytes, padding_waste = _chunk_size(space, chosen, zero_numels, budget)
     return {
         "version": PLAN_VERSION,
         "autopar_version": version(),
@@ -125,6 +122,38 @@ def plan_document(
         "warnings": warnings,
         "alternatives": alternatives_document(space, chosen, budget=budget, recipe=recipe),
     }
+
+
+def _chunk_size(
+    space: StrategySpace, chosen: Solved, zero_numels: list[int], budget: float
+) -> tuple[int, float]:
+    """The ZeRO chunk size (bytes) and its padding waste: the fewest exposed seconds of the
+    chunks' collectives under the mesh's links and the plan's compute
+    (:class:`~autopar.planner.chunks.ChunkPricing`), with the chunk transients
+    (:data:`~autopar.planner.chunks.CHUNK_TRANSIENTS`) within the budget's headroom."""
+    from autopar.planner.chunks import ChunkPricing, planned_chunk_bytes
+
+    mesh, zero, ev = space.mesh, chosen.zero, chosen.evaluation
+    forward = sum(
+        float(node.forward_s[s])
+        for node, s in zip(space.nodes, chosen.choice)
+        if node.forward_s is not None
+    )
+    compute = ev.compute_s + ev.recompute_s
+    pricing = ChunkPricing.on_mesh(
+        shape=mesh.shape,
+        links=mesh.links,
+        device_name=mesh.device.name,
+        stages=zero.stages,
+        forward_s=min(forward, compute),
+        backward_s=max(compute - forward, 0.0),
+    )
+    return planned_chunk_bytes(
+        zero_numels,
+        pricing,
+        max_stage=max(zero.stages),
+        headroom_bytes=budget - ev.peak_memory_bytes,
+    )
 
 
 def _node_entries(

@@ -2,20 +2,38 @@
 
 Parameters are packed in order of first use into flat chunks (:func:`pack_chunks`); a chunk's
 buffer is its content rounded up to a multiple of its shard count (:func:`chunk_numels`);
-:func:`choose_chunk_bytes` picks the capacity that minimises padding waste.
+:func:`choose_chunk_bytes` picks the capacity that minimises the chunked collectives' exposed
+seconds when given a price (:class:`ChunkPricing`, which the planner builds from the mesh's
+links and the plan's compute time), and padding waste among equally priced sizes.
+
+The price (:meth:`ChunkPricing.step_s`) is what the chunk size changes in a step: every chunk
+pays each collective's latency once, and the runtime overlaps a chunk's gradient reduction with
+the backward of the chunks used before it (and, under stage 3, a chunk's all-gather with the
+compute of the chunk before it), so more chunks hide more bytes but pay more latencies. The
+after-step refresh of the kept buffers (stages 1-2) runs after the optimizer, hidden by nothing.
+On fast links with many bytes and compute to hide them (NCCL), that gives several chunks; where
+collectives cannot overlap compute (gloo ranks on CPU cores: their copies, reductions and
+transport use the cores the compute uses) every latency is exposed: the fewest chunks the
+memory budget allows.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from cost_models import LinkSpec, collective_time_s
 
 __all__ = [
+    "CHUNK_TRANSIENTS",
     "DEFAULT_MAX_CHUNK_BYTES",
+    "ChunkPricing",
     "MIN_CHUNKS",
     "choose_chunk_bytes",
     "chunk_numels",
     "pack_chunks",
+    "planned_chunk_bytes",
     "round_up",
 ]
 
@@ -27,6 +45,142 @@ MIN_CHUNKS = 8
 gathers about two chunks at a time (the one in use and the prefetched one), not the model, and
 in every stage a chunk's gradients are reduced while backward goes on, with one chunk of
 flattened gradients in flight rather than the whole model's."""
+
+
+CHUNK_TRANSIENTS = {1: 1, 2: 3, 3: 5}
+"""Chunk-sized transients alive at once, by the largest ZeRO stage (the runtime's): stage 1, a
+chunk's autograd gradients next to its flat buffer (which stays as the gradient storage); stage
+2, also two flat gradients in flight (``runtime.zero_backward.MAX_IN_FLIGHT``); stage 3, also two
+gathered chunks (the one in use and the prefetched one). The planner caps the chunk size so
+that they fit in the memory budget's headroom over the plan's peak."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ChunkPricing:
+    """What a chunk's collectives cost on the mesh, for :meth:`step_s`.
+
+    ``axes`` are the ZeRO axes in the runtime's split order (P, then G minus P, then O minus
+    G), each as ``(group size, link, stage)``; ``forward_s`` / ``backward_s`` the plan's
+    compute seconds that collectives can hide behind. ``broadcast_refresh``: the runtime
+    refreshes the kept buffer with one broadcast per rank (gloo) rather than one all-gather.
+    ``overlap``: whether a collective in flight costs the compute nothing (its own engine and
+    link, as NCCL on a GPU); False where ranks compute on the cores that run the collectives'
+    copies, reductions and transport (gloo on CPU), so that every collective is exposed.
+    """
+
+    axes: tuple[tuple[int, LinkSpec, int], ...]
+    forward_s: float
+    backward_s: float
+    broadcast_refresh: bool = False
+    overlap: bool = True
+
+    @classmethod
+    def on_mesh(
+        cls,
+        *,
+        shape: Sequence[int],
+        links: Sequence[LinkSpec],
+        device_name: str,
+        stages: Sequence[int],
+        forward_s: float,
+        backward_s: float,
+    ) -> ChunkPricing:
+        """The pricing of chunks split over the axes of ``shape`` with a stage >= 1 (and size
+        > 1), in the runtime's split order (``runtime.zero_store``: stage 3 axes, then 2,
+        then 1, each in mesh-axis order)."""
+        axes = [a for a, n in enumerate(shape) if n > 1 and a < len(stages) and stages[a] >= 1]
+        axes.sort(key=lambda a: -stages[a])
+        return cls(
+            axes=tuple((int(shape[a]), links[a], int(stages[a])) for a in axes),
+            forward_s=float(forward_s),
+            backward_s=float(backward_s),
+            # The runtime refreshes with broadcasts on gloo (runtime.zero_layout.fill_flat):
+            # CPU devices ("cpu" and calibrated "calibrated-cpu") run gloo, whose collectives
+            # use the CPU time the compute would use (measured: README, "Session 10: zero1").
+            broadcast_refresh="cpu" in device_name,
+            overlap="cpu" not in device_name,
+        )
+
+    def gather_s(self, nbytes: float) -> float:
+        """All-gather of a chunk over P (stage 3), once before forward, once for backward."""
+        out, size = 0.0, nbytes
+        for n, link, stage in self.axes:
+            if stage == 3:
+                out += collective_time_s("all_gather", size, n, link)
+                size /= n
+        return out
+
+    def reduce_s(self, nbytes: float) -> float:
+        """A chunk's gradient reduction: reduce-scatter over G, all-reduce over O minus G."""
+        out, size = 0.0, nbytes
+        for n, link, stage in self.axes:
+            if stage >= 2:
+                out += collective_time_s("reduce_scatter", size, n, link)
+                size /= n
+            else:
+                out += collective_time_s("all_reduce", size, n, link)
+        return out
+
+    def refresh_s(self, nbytes: float) -> float:
+        """The after-step refresh over O minus P, innermost axis first (nothing under P)."""
+        rest = [(n, link) for n, link, stage in self.axes if stage < 3]
+        size = nbytes
+        for n, _, stage in self.axes:
+            size /= n if stage == 3 else 1
+        block = size / math.prod(n for n, _ in rest) if rest else 0.0
+        out = 0.0
+        for n, link in reversed(rest):
+            if self.broadcast_refresh:
+                out += n * collective_time_s("broadcast", block, n, link)
+            else:
+                out += collective_time_s("all_gather", block * n, n, link)
+            block *= n
+        return out
+
+    def step_s(self, chunk_bytes: Sequence[float]) -> float:
+        """Seconds the chunks' collectives add to a step beyond the compute they overlap.
+
+        Chunks in order of first use. Forward (stage 3): chunk k's all-gather starts when the
+        one before it ended and chunk k-1 started computing (one prefetch), its compute when
+        the gather ended; compute per chunk is ``forward_s`` split by bytes. Backward runs the
+        chunks in reverse: a chunk's reduction starts when its compute ended and the previous
+        reduction did (one collective stream), after a re-gather like forward's. Then the
+        refreshes, one after another. Exposed = what ends after the compute would have.
+        Without ``overlap``, the sum of every collective.
+        """
+        total = float(sum(chunk_bytes)) or 1.0
+        # Every collective time is affine in the bytes (alpha-beta): two evaluations each.
+        gather, reduce, refresh = (
+            _affine(price) for price in (self.gather_s, self.reduce_s, self.refresh_s)
+        )
+        if not self.overlap:
+            return sum(2 * gather(b) + reduce(b) + refresh(b) for b in chunk_bytes)
+        exposed = 0.0
+        for order, compute_s, reduces in (
+            (list(chunk_bytes), self.forward_s, False),
+            (list(reversed(chunk_bytes)), self.backward_s, True),
+        ):
+            comm_end = comp_end = start = 0.0
+            for nbytes in order:
+                seconds = gather(nbytes)
+                if seconds > 0:  # compute waits for its gather, the gather for the stream
+                    comm_end = max(comm_end, start) + seconds
+                    start = max(comp_end, comm_end)
+                else:
+                    start = comp_end
+                comp_end = start + compute_s * nbytes / total
+                if reduces:
+                    comm_end = max(comm_end, comp_end) + reduce(nbytes)
+            exposed += max(comp_end, comm_end) - compute_s
+        return exposed + sum(refresh(nbytes) for nbytes in chunk_bytes)
+
+
+def _affine(price: Callable[[float], float]) -> Callable[[float], float]:
+    """``price`` as ``a + b * nbytes`` for ``nbytes > 0`` (0 at 0), from two evaluations."""
+    one, two = price(2.0**20), price(2.0**21)
+    slope = (two - one) / 2.0**20
+    base = one - slope * 2.0**20
+    return lambda nbytes: base + slope * nbytes if nbytes > 0 else 0.0
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -73,8 +227,10 @@ def choose_chunk_bytes(
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
     num_candidates: int = 512,
     min_chunks: int = 1,
+    pricing: ChunkPricing | None = None,
 ) -> tuple[int, float]:
-    """The chunk size (bytes) that minimises padding waste, and that waste as a fraction.
+    """The chunk size (bytes) that minimises the chunks' exposed collective seconds under
+    ``pricing`` (when given), then padding waste; and that waste as a fraction.
 
     Candidates run from the largest parameter (a parameter never spans chunks) to
     ``max_chunk_bytes``, in about ``num_candidates`` steps that are multiples of the shard count.
@@ -90,7 +246,10 @@ def choose_chunk_bytes(
             of first use.
         zero_shards: number of shards of a chunk (product of the ZeRO axes' sizes).
         min_chunks: cap the size at ``1/min_chunks`` of the total (never below the largest
-            parameter); the runtime and the planner pass :data:`MIN_CHUNKS`.
+            parameter); the runtime passes :data:`MIN_CHUNKS` when it has no planned size.
+        pricing: the chunks' collectives on the mesh (module docstring); None = padding only.
+            The planner passes it with ``min_chunks=1`` and a ``max_chunk_bytes`` that keeps
+            :data:`CHUNK_TRANSIENTS` within the memory budget.
     """
     if zero_shards < 1:
         raise ValueError(f"zero_shards must be >= 1, got {zero_shards}")
@@ -105,12 +264,41 @@ def choose_chunk_bytes(
     candidates = list(range(lo, hi + 1, step))
     if candidates[-1] != hi:
         candidates.append(hi)
-    best_numel, best_waste = lo, math.inf
+    best_numel, best_key, best_waste = lo, (math.inf, math.inf), math.inf
     for chunk_numel in candidates:
-        capacity = sum(
-            chunk_numels(numels, pack_chunks(numels, chunk_numel), chunk_numel, zero_shards)
-        )
+        groups = pack_chunks(numels, chunk_numel)
+        capacity = sum(chunk_numels(numels, groups, chunk_numel, zero_shards))
         waste = (capacity - total) / capacity
-        if waste <= best_waste:
-            best_numel, best_waste = chunk_numel, waste
+        seconds = 0.0
+        if pricing is not None:
+            # Priced on the bytes the runtime allocates (content-sized, as ChunkStore does);
+            # rounded so that float noise does not beat a real tie.
+            sizes = [round_up(sum(numels[i] for i in g), zero_shards) * itemsize for g in groups]
+            seconds = round(pricing.step_s(sizes), 12)
+        key = (seconds, waste)
+        if key <= best_key:
+            best_numel, best_key, best_waste = chunk_numel, key, waste
     return best_numel * itemsize, float(best_waste)
+
+
+def planned_chunk_bytes(
+    zero_numels: Sequence[int],
+    pricing: ChunkPricing,
+    *,
+    max_stage: int,
+    headroom_bytes: float,
+    itemsize: int = 4,
+) -> tuple[int, float]:
+    """The planner's chunk size and its padding waste: the fewest exposed seconds under
+    ``pricing``, with :data:`CHUNK_TRANSIENTS` chunks (by ``max_stage``) within
+    ``headroom_bytes`` (the memory budget less the plan's predicted peak; never below the
+    largest parameter). No fixed upper size: the price's latencies against its overlap decide."""
+    shards = math.prod(n for n, _, _ in pricing.axes)
+    cap = headroom_bytes / CHUNK_TRANSIENTS[max_stage]
+    return choose_chunk_bytes(
+        zero_numels,
+        shards,
+        itemsize=itemsize,
+        max_chunk_bytes=max(int(cap), itemsize),
+        pricing=pricing,
+    )

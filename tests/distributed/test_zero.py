@@ -304,6 +304,8 @@ def run_case(
         )
         _compare(recipe, _train(pmodel, args, "sgd", 2), _reference("sgd", 2), RTOL, ATOL)
         return None
+    if kind == "planned4":
+        return _check_planned_chunks(plans["fsdp-cpu4"], stage)
     if kind == "accumulate":
         model, args, pmodel = _build(plan, mesh_shape, stage)
         check_accumulation(pmodel, args)
@@ -331,6 +333,33 @@ def run_case(
         )
         return None
     raise AssertionError(case)
+
+
+def _check_planned_chunks(plan_json: str, stage: int) -> None:
+    """(4,) stage 1 with the chunk size a plan made on a CPU mesh (gloo: collectives overlap
+    nothing, planner.chunks): one chunk per stream, so per chunk one gradient all-reduce and 4
+    broadcasts a step (the runtime's padding-only search made 8 or more chunks, 5 collectives
+    each); AdamW still equals one process."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from autopar.plan.document import Plan
+
+    chunk_bytes = Plan.from_json(plan_json).zero["chunk_bytes"]
+    model, args, pmodel = _build(None, (4,), stage, chunk_bytes=chunk_bytes)
+    # One chunk per stream (runtime.zero_store: parameters whose gradients reduce alike;
+    # wpe's is one of its own here).
+    chunks = pmodel.zero.chunks
+    assert len(chunks) <= 2, (chunk_bytes, [[s.fqn for s in c.slots] for c in chunks])
+    got = _train(pmodel, args, "adamw", NUM_STEPS)
+    _compare("adamw, planned chunks", got, _reference("adamw", NUM_STEPS), ADAM_RTOL, ADAM_ATOL)
+    opt = got["opt"]
+    with profile(activities=[ProfilerActivity.CPU]) as p:
+        pmodel(*pmodel.shard_inputs(*args)).backward()
+        opt.step()
+    # Check mode's fingerprints are all-gathers: broadcasts are the refresh's alone.
+    names = [e.name for e in p.events()]
+    assert names.count("gloo:broadcast") == 4 * len(chunks), names.count("gloo:broadcast")
+    opt.zero_grad()
 
 
 def _check_refresh_copies_nothing(pmodel: Any, opt: torch.optim.Optimizer, args: Any) -> None:
@@ -547,6 +576,7 @@ CASES_2D = [(f"sgd/{s}", ("sgd", s)) for s in STAGES] + [
 ]
 CASES_2D += [(f"mesh4-sgd/{s}", ("sgd4", s)) for s in STAGES]
 CASES_2D += [(f"mesh4-adamw/{s}", ("adamw4", s)) for s in STAGES]
+CASES_2D += [("mesh4-planned/1", ("planned4", 1))]
 MESHES = {"mesh2": (2,), "mesh2x2": (2, 2)}
 
 
@@ -560,7 +590,12 @@ def _plans(mesh_shape: tuple[int, ...]) -> dict[str, str]:
         mesh, recipe = autopar.Mesh.spec(mesh_shape, ("dp",)), "fsdp"
     else:
         mesh, recipe = autopar.Mesh.spec(mesh_shape, ("dp", "tp")), "fsdp+tp"
-    return {recipe: autopar.plan(model, mesh, args, kwargs, recipe=recipe).to_json()}
+    plans = {recipe: autopar.plan(model, mesh, args, kwargs, recipe=recipe).to_json()}
+    if len(mesh_shape) == 2:
+        # The data-parallel layout's chunk size on a CPU mesh of the 4 ranks (planned4).
+        cpu = autopar.Mesh.spec((4,), ("dp",), device="cpu")
+        plans["fsdp-cpu4"] = autopar.plan(model, cpu, args, kwargs, recipe="fsdp").to_json()
+    return plans
 
 
 def _run(mesh_shape: tuple[int, ...]) -> dict[str, Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from autopar.planner.chunks import MIN_CHUNKS, ChunkPricing, planned_chunk_bytes
 from autopar.runtime.zero import choose_chunk_bytes, chunk_numels, pack_chunks
 
 
@@ -51,3 +52,92 @@ def test_search_edge_cases() -> None:
         choose_chunk_bytes([4], 0)
     chunk_bytes, _ = choose_chunk_bytes([10**6], 8)
     assert chunk_bytes >= 10**6 * 4  # the largest parameter sets the lower end
+
+
+# -- the priced search (planner.chunks.ChunkPricing) --------------------------------------------
+
+# The tiny GPT of benchmarks/like_for_like.py: 28 parameters, 7.4 MB.
+GPT_NUMELS = (
+    [262144, 16384]
+    + [
+        n
+        for _ in range(2)
+        for n in (256, 256, 196608, 768, 65536, 256, 256, 256, 262144, 1024, 262144, 256)
+    ]
+    + [256, 256]
+)
+
+
+def _pricing(link: str, device: str, stage: int, ranks: int, compute_s: float) -> ChunkPricing:
+    from cost_models import get_link
+
+    return ChunkPricing.on_mesh(
+        shape=(ranks,),
+        links=[get_link(link)],
+        device_name=device,
+        stages=(stage,),
+        forward_s=compute_s / 3,
+        backward_s=2 * compute_s / 3,
+    )
+
+
+def _num_chunks(chunk_bytes: int, numels: list[int]) -> int:
+    return len(pack_chunks(numels, chunk_bytes // 4))
+
+
+def test_exposed_seconds_by_hand() -> None:
+    # Stage 1 on 2 ranks of a link with latency 1 and bandwidth 1 B/s (one step each way).
+    from cost_models import LinkSpec
+
+    link = LinkSpec(name="unit", bandwidth_Bps=1.0, latency_s=1.0)
+    pricing = ChunkPricing(axes=((2, link, 1),), forward_s=10.0, backward_s=20.0)
+    # all_reduce of B bytes: 2 steps + B wire; refresh (all-gather): 1 step + B/2 wire.
+    assert pricing.reduce_s(4.0) == 2 + 4 and pricing.refresh_s(4.0) == 1 + 2
+    # Two chunks of 4 bytes: the second (first in backward) is reduced while the first's
+    # backward runs (10 s > 6 s), the first's reduction ends 6 s after backward: exposed 6 s,
+    # plus both refreshes (after the step, hidden by nothing).
+    assert pricing.step_s([4.0, 4.0]) == pytest.approx(6 + 2 * 3)
+    # One chunk of 8 bytes: reduced after backward, 10 s; refresh 5 s.
+    assert pricing.step_s([8.0]) == pytest.approx(10 + 5)
+    # With no compute to hide behind, every collective is exposed.
+    bare = ChunkPricing(axes=((2, link, 1),), forward_s=0.0, backward_s=0.0)
+    assert bare.step_s([4.0, 4.0]) == pytest.approx(2 * (6 + 3))
+    # gloo refreshes with one broadcast per rank: 2 x (1 step + 2 bytes); on CPU cores its
+    # collectives overlap nothing.
+    gloo = ChunkPricing(
+        axes=((2, link, 1),), forward_s=10, backward_s=20, broadcast_refresh=True, overlap=False
+    )
+    assert gloo.refresh_s(4.0) == 2 * (1 + 2)
+    assert gloo.step_s([4.0, 4.0]) == pytest.approx(2 * (6 + 6))
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_gloo_latency_gives_few_chunks_where_padding_alone_gave_many(ranks: int) -> None:
+    # The like-for-like GPT on gloo (50 us a step): the runtime's default search (padding,
+    # capped at 1/8 of the model) makes 12 chunks: 12 all-reduces and 12 x ranks broadcasts.
+    default, _ = choose_chunk_bytes(GPT_NUMELS, ranks, min_chunks=MIN_CHUNKS)
+    assert _num_chunks(default, GPT_NUMELS) == 12
+    pricing = _pricing("loopback", "cpu", 1, ranks, compute_s=0.04)
+    priced, _ = planned_chunk_bytes(GPT_NUMELS, pricing, max_stage=1, headroom_bytes=2**30)
+    assert _num_chunks(priced, GPT_NUMELS) == 1  # gloo on CPU: nothing overlaps
+    sizes = lambda b: [4 * sum(GPT_NUMELS[i] for i in c) for c in pack_chunks(GPT_NUMELS, b // 4)]  # noqa: E731
+    assert pricing.step_s(sizes(priced)) < pricing.step_s(sizes(default))
+
+
+def test_fast_links_with_compute_to_hide_behind_take_several_chunks() -> None:
+    # 100 layers of 4 MiB on 8 ranks of an InfiniBand axis: one chunk would expose the whole
+    # reduction; many chunks hide all but the last behind backward.
+    numels = [2**20] * 100
+    pricing = _pricing("infiniband", "h100", 2, 8, compute_s=0.3)
+    chunk_bytes, _ = planned_chunk_bytes(numels, pricing, max_stage=2, headroom_bytes=2**40)
+    assert 4 <= _num_chunks(chunk_bytes, numels) < 100
+
+
+def test_budget_headroom_caps_the_chunk() -> None:
+    numels = [2**20] * 100
+    pricing = _pricing("loopback", "cpu", 3, 4, compute_s=0.0)
+    headroom = 5 * 8 * 2**22  # stage 3: five chunk transients of 8 layers each
+    chunk_bytes, _ = planned_chunk_bytes(numels, pricing, max_stage=3, headroom_bytes=headroom)
+    assert 4 * 2**20 <= chunk_bytes <= 8 * 2**22
+    # No headroom: never below the largest parameter.
+    assert planned_chunk_bytes(numels, pricing, max_stage=3, headroom_bytes=0)[0] == 2**22
