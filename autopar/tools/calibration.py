@@ -391,7 +391,7 @@ def calibrate_on_rank(
         spec = dataclasses.replace(spec, busy_rank_speed=speed)
         links, link_details = measure_links(config, groups, device, log)
         wait, device_details["task_wait"] = measure_task_wait(
-            max(config.matmul_sizes), links, device, log
+            max(config.matmul_sizes), links, device, log, rounds=max(config.trials, 3)
         )
         spec = dataclasses.replace(spec, task_wait_s=wait)
     step_error = _step_error(device_details, link_details, config.trials)

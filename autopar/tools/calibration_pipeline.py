@@ -102,6 +102,8 @@ def measure_task_wait(
     *,
     rounds: int = 3,
     steps: int = 3,
+    rows: int = PIPELINE_ROWS,
+    layers: int = 1,
 ) -> tuple[float, Mapping[str, Any]]:
     """``DeviceSpec.task_wait_s`` (module docstring) and the measurements behind it.
 
@@ -117,10 +119,11 @@ def measure_task_wait(
     world, rank = dist.get_world_size(), dist.get_rank()
     if device.type != "cpu" or world == 1:
         return 0.0, {}
-    m, rows = PIPELINE_MICROBATCHES, PIPELINE_ROWS
+    m = PIPELINE_MICROBATCHES
     torch.manual_seed(rank)
     group = dist.new_group(list(range(world)))
-    stage = _timed_stage_class()(nn.Linear(width, width), rank, world, device, group=group)
+    layer_stack = nn.Sequential(*(nn.Linear(width, width) for _ in range(layers)))
+    stage = _timed_stage_class()(layer_stack, rank, world, device, group=group)
     stage.busy = [0.0, 0.0]
     schedule = ScheduleGPipe(stage, m, loss_fn=lambda out, target: (out - target).square().sum())
     x = torch.randn(m * rows, width)
@@ -156,6 +159,6 @@ def measure_task_wait(
     wait = statistics.median(r["task_wait_s"] for r in per_round)
     log(f"pipeline wait per task (GPipe, {world} stages, m={m}): {wait * 1e3:.2f} ms")
     dist.destroy_process_group(group)
-    detail = {"schedule": "gpipe", "microbatches": m, "rows": rows, "width": width,
+    detail = {"schedule": "gpipe", "microbatches": m, "rows": rows, "width": width, "layers": layers,
               "p2p_s": p2p, "rounds": per_round}  # fmt: skip
     return wait, detail
