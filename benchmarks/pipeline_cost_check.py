@@ -39,6 +39,10 @@ Measured figures, per configuration:
   stage's idle time ``sum_i t_i - max_i t_i`` over the step). The mean over ranks of
   ``1 - busy_r / step`` is printed too.
 
+"before" is the plan's stages simulated without the profile's wait per task (session 9's
+model); "run's wait per task" is that wait fitted to the run's own step and busy seconds
+(``autopar.tools.calibration_pipeline.fit_task_wait``, as calibration fits it).
+
 Prints a markdown table (predicted vs measured, ratios) and writes ``--out``'s JSON.
 ``--fit-from JSON`` instead fits, per configuration of such a JSON, the stage scale and the
 lone-rank speed-up that make the shared-cores simulation reproduce the measured step and busy
