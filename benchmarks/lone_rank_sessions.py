@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|---|")
     for _ in range(args.pairs):
         for own in (False, True):
-            result = spawn_ranks(run_rank, 2, own, timeout_s=300)[0]
+            result = spawn_ranks(run_rank, 2, own, timeout_s=300, own_sessions=own)[0]
             for work, row in result.items():
                 print(f"| {'one per rank' if own else 'one for both'} | {work} | "
                       f"{row['both_ms']:.1f} | {row['alone_allreduce']:.2f} | "

@@ -39,6 +39,10 @@ Measured figures, per configuration:
   stage's idle time ``sum_i t_i - max_i t_i`` over the step). The mean over ranks of
   ``1 - busy_r / step`` is printed too.
 
+"before" is the plan's stages simulated without the profile's wait per task (session 9's
+model); "run's wait per task" is that wait fitted to the run's own step and busy seconds
+(``autopar.tools.calibration_pipeline.fit_task_wait``, as calibration fits it).
+
 Prints a markdown table (predicted vs measured, ratios) and writes ``--out``'s JSON.
 ``--fit-from JSON`` instead fits, per configuration of such a JSON, the stage scale and the
 lone-rank speed-up that make the shared-cores simulation reproduce the measured step and busy
@@ -60,6 +64,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.models import GPT, GPTConfig, Llama, LlamaConfig
+from autopar.tools.calibration_pipeline import fit_task_wait
 
 WIDTH, LAYERS, VOCAB = 256, 4, 1024
 
@@ -117,7 +122,10 @@ def _gathered(values: list[float]) -> torch.Tensor:
 def matmul_rate() -> float:
     """fp32 FLOP/s now as calibration measures ``peak_flops``: every rank timing calibration's
     matmul sizes (256, 512, 768) at once, mean over ranks, the through-origin fit; the single
-    512^3 probe used before was not the quantity calibration fits (README, session 8)."""
+    512^3 probe used before was not the quantity calibration fits (README, session 8). A
+    barrier before each size and 2 trials of at least 0.1 s: the ranks leave a configuration's
+    steps at different times, and a short probe (about 60 ms, session 9) let 4 ranks overlap
+    only partly, reading fast."""
     from autopar.tools.calibration import CalibrationConfig
     from autopar.tools.timing import mean_over_ranks, time_callable
     from cost_models.calibrate import fit_rate
@@ -126,8 +134,9 @@ def matmul_rate() -> float:
     config, times = CalibrationConfig(), []
     for n in config.matmul_sizes:
         a = torch.randn(n, n)
+        dist.barrier()
         times.append(time_callable(lambda a=a: a @ a, device=torch.device("cpu"),
-                                   min_time_s=config.min_time_s, trials=1))  # fmt: skip
+                                   min_time_s=0.1, trials=2))  # fmt: skip
     times = mean_over_ranks(times, torch.device("cpu"))
     flops = [matmul_flops(n, n, n) for n in config.matmul_sizes]
     return fit_rate(flops, times, through_origin=True)[0]
@@ -214,20 +223,15 @@ def _repetition(rows: list[torch.Tensor]) -> dict[str, Any]:
     }
 
 
-def closed_form(case: dict[str, Any]) -> Any:
-    """The plan's stages under the closed-form schedule model (every stage at the all-ranks-busy
-    speed whatever the others do): the prediction before ``busy_rank_speed``."""
-    from autopar.planner.pipeline_schedule import StageCost, schedule_time
-
-    stages = [
-        StageCost(forward_s=s["forward_s"], backward_s=s["backward_s"], p2p_s=s["p2p_s"],
-                  step_s=s["grad_sync_s"])
-        for s in case["stages"]
-    ]  # fmt: skip
-    return schedule_time(stages, microbatches=case["microbatches"], schedule=case["schedule"])
+def without_wait(case: dict[str, Any], device: Any) -> Any:
+    """The plan's stages simulated without the wait per task (``task_wait_s = 0``): session 9's
+    prediction, the "before" of session 10, on the same stages and profile."""
+    return drift_removed(case, 1.0, device.busy_rank_speed, 0.0)
 
 
-def drift_removed(case: dict[str, Any], speed: float, busy_rank_speed: Any) -> Any:
+def drift_removed(
+    case: dict[str, Any], speed: float, busy_rank_speed: Any, task_wait_s: float
+) -> Any:
     """The plan's schedule with every stage's forward and backward scaled by ``speed``
     (calibrated matmul FLOP/s over the FLOP/s measured during the run's repetitions): the
     prediction with the machine's speed drift since calibration removed."""
@@ -240,20 +244,24 @@ def drift_removed(case: dict[str, Any], speed: float, busy_rank_speed: Any) -> A
     ]  # fmt: skip
     return schedule_time(
         stages, microbatches=case["microbatches"], schedule=case["schedule"],
-        busy_rank_speed=busy_rank_speed,
+        busy_rank_speed=busy_rank_speed, task_wait_s=task_wait_s,
     )  # fmt: skip
 
 
-def from_measured_stages(case: dict[str, Any], busy_per_microbatch: list[float]) -> Any:
-    """The schedule model fed with the MEASURED stage work (busy seconds per microbatch) and the
-    plan's point-to-point seconds: checks the schedule formula apart from the compute model."""
+def from_measured_stages(
+    case: dict[str, Any], busy_per_microbatch: list[float], task_wait_s: float
+) -> Any:
+    """The schedule model fed with the MEASURED stage work (busy seconds per microbatch), the
+    plan's point-to-point seconds and the profile's wait per task: checks the schedule model
+    apart from the compute model."""
     from autopar.planner.pipeline_schedule import StageCost, schedule_time
 
     stages = [
         StageCost(forward_s=busy, backward_s=0.0, p2p_s=s["p2p_s"])
         for busy, s in zip(busy_per_microbatch, case["stages"], strict=True)
     ]
-    return schedule_time(stages, microbatches=case["microbatches"], schedule=case["schedule"])
+    return schedule_time(stages, microbatches=case["microbatches"], schedule=case["schedule"],
+                         task_wait_s=task_wait_s)  # fmt: skip
 
 
 def summarize(
@@ -267,14 +275,14 @@ def summarize(
             statistics.median(r["busy_s"][k] for r in reps) / case["microbatches"]
             for k in range(len(reps[0]["busy_s"]))
         ]
-        formula = from_measured_stages(case, busy)
+        formula = from_measured_stages(case, busy, device.task_wait_s)
         speed = calibrated_flops / statistics.median(r["matmul_flops"] for r in reps)
-        drift = drift_removed(case, speed, device.busy_rank_speed)
+        drift = drift_removed(case, speed, device.busy_rank_speed, device.task_wait_s)
         # The machine's load during the run: level (matmul probe) and lone speed-up both taken
         # from the run's own probes, as calibration measures them.
         run_speed = {k: statistics.median(r["busy_rank_speed"][k] for r in reps)
                      for k in reps[0]["busy_rank_speed"]}  # fmt: skip
-        at_run = drift_removed(case, speed, run_speed)
+        at_run = drift_removed(case, speed, run_speed, device.task_wait_s)
         steps = [r["step_s"] for r in reps]
         bubbles = [r["bubble"] for r in reps]
         predicted = case["predicted"]
@@ -282,7 +290,12 @@ def summarize(
             "key": case["key"],
             "blocks": [s["blocks"] for s in case["stages"]],
             "predicted_step_s": predicted["step_s"],
-            "closed_form_step_s": closed_form(case).step_s,
+            "before_step_s": without_wait(case, device).step_s,
+            "run_task_wait_s": fit_task_wait(
+                statistics.median(steps), busy, [0.0] * len(busy),
+                [s["p2p_s"] for s in case["stages"]], microbatches=case["microbatches"],
+                schedule=case["schedule"],
+            ),
             "predicted_bubble": predicted["bubble_fraction"],
             "step_s": statistics.median(steps), "step_min_s": min(steps), "step_max_s": max(steps),
             "bubble": statistics.median(bubbles), "bubble_min": min(bubbles),
@@ -307,12 +320,12 @@ def summarize(
 def markdown(world: int, table: list[dict[str, Any]]) -> str:
     lines = [
         "| ranks | model / schedule / m | cuts | predicted step ms (drift removed) | measured step"
-        " ms (min-max) | measured / predicted (drift removed) | before: closed form ms (measured"
-        " / closed form) | predicted bubble | predicted idle"
+        " ms (min-max) | measured / predicted (drift removed) | before: no wait ms (measured"
+        " / before) | run's wait per task ms | predicted bubble | predicted idle"
         " (drift removed) | measured idle (min-max) | idle ratio (drift removed) | schedule"
         " model on measured stages: step ratio | run's lone speed-up | at the run's load:"
         " predicted ms, measured / predicted, idle ratio |",
-        "|---|---|---|---|---|---|---|---:|---|---|---|---:|---:|---|",
+        "|---|---|---|---|---|---|---|---:|---:|---|---|---|---:|---:|---|",
     ]
     for row in table:
         cuts = "+".join(str(b - a) for a, b in row["blocks"])
@@ -322,8 +335,8 @@ def markdown(world: int, table: list[dict[str, Any]]) -> str:
             f"| {world} | {row['key']} | {cuts} | {step * 1e3:.0f} ({drift * 1e3:.0f}) | "
             f"{row['step_s'] * 1e3:.0f} ({row['step_min_s'] * 1e3:.0f}-"
             f"{row['step_max_s'] * 1e3:.0f}) | {row['step_s'] / step:.2f} "
-            f"({row['step_s'] / drift:.2f}) | {row['closed_form_step_s'] * 1e3:.0f} "
-            f"({row['step_s'] / row['closed_form_step_s']:.2f}) | "
+            f"({row['step_s'] / drift:.2f}) | {row['before_step_s'] * 1e3:.0f} "
+            f"({row['step_s'] / row['before_step_s']:.2f}) | {row['run_task_wait_s'] * 1e3:.1f} | "
             f"{row['predicted_bubble']:.3f} | {idle:.3f} "
             f"({drift_idle:.3f}) | {row['bubble']:.3f} ({row['bubble_min']:.3f}-"
             f"{row['bubble_max']:.3f}) | {row['bubble'] / idle:.2f} "
@@ -460,7 +473,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"planned {len(cases)} configurations in {time.perf_counter() - start:.0f} s", flush=True)
     measured = spawn_ranks(run_rank, args.world, cases, args, timeout_s=1800, pg_timeout_s=600)[0]
     table = summarize(cases, measured, profile.device)
-    print(f"busy_rank_speed of the profile: {dict(profile.device.busy_rank_speed)}")
+    print(f"busy_rank_speed of the profile: {dict(profile.device.busy_rank_speed)}; "
+          f"task_wait_s {profile.device.task_wait_s * 1e3:.2f} ms")  # fmt: skip
     print(f"load at end: {_load()}; {time.perf_counter() - start:.0f} s in all")
     print(markdown(args.world, table))
     print(per_stage_text(table))

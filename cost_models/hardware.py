@@ -91,6 +91,12 @@ class DeviceSpec:
     Ranks that share cores (CPU gloo ranks) run faster when few compute, as in a pipeline's
     ramp-up; ``autopar calibrate`` measures it on CPU. Empty (presets, GPUs): every rank has
     its own device, the speed does not depend on how many compute."""
+    task_wait_s: float = 0.0
+    """Seconds a pipeline rank spends per scheduled task (one microbatch's forward or backward)
+    outside its compute and its send's transfer: waking up on a receive, gloo's threads and the
+    schedule's Python, on ranks that share cores. ``autopar calibrate`` measures it on CPU ranks
+    with a short GPipe run; the shared-cores simulation charges it after every task. 0 for
+    presets and GPUs."""
     step_error: float = 0.0
     """Relative error of a step time predicted with these figures: how much the calibrated
     quantities moved between repeated measurements (``cost_models.calibrate.fit_step_error``).
@@ -111,6 +117,8 @@ class DeviceSpec:
             raise ValueError(f"device {self.name!r}: mem_capacity_bytes must be > 0")
         if self.kernel_overhead_s < 0:
             raise ValueError(f"device {self.name!r}: kernel_overhead_s must be >= 0")
+        if not self.task_wait_s >= 0:
+            raise ValueError(f"device {self.name!r}: task_wait_s must be >= 0")
         if not 0.0 <= self.step_error < 1.0:
             raise ValueError(
                 f"device {self.name!r}: step_error must be in [0, 1), got {self.step_error}"
@@ -157,6 +165,7 @@ class DeviceSpec:
             # Written only when measured, so preset documents (and plans) stay as they were.
             **({"busy_rank_speed": dict(self.busy_rank_speed)} if self.busy_rank_speed else {}),
             **({"step_error": self.step_error} if self.step_error else {}),
+            **({"task_wait_s": self.task_wait_s} if self.task_wait_s else {}),
         }
 
     @classmethod

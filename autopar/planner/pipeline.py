@@ -137,7 +137,9 @@ class StagePlanner:
         self.options = options
         self.budget = budget
         self.probes = ProbeCache(model.probe, options=options, device=device)
-        self.busy_rank_speed = get_device(device).busy_rank_speed  # ranks sharing cores
+        # Ranks sharing cores: their speed by how many compute, and the wait per task.
+        self.busy_rank_speed = get_device(device).busy_rank_speed
+        self.task_wait_s = get_device(device).task_wait_s
         self._report = progress or (lambda line: None)
 
     def search(
@@ -277,6 +279,7 @@ class StagePlanner:
                 schedule=schedule,
                 busy_rank_speed=self.busy_rank_speed,
                 ranks_per_stage=mesh.dp * mesh.tp,
+                task_wait_s=self.task_wait_s,
             )
             out.append(
                 Candidate(

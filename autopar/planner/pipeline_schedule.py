@@ -117,23 +117,27 @@ def schedule_time(
     num_ranks: int | None = None,
     busy_rank_speed: Mapping[str, float] | None = None,
     ranks_per_stage: int = 1,
+    task_wait_s: float = 0.0,
 ) -> ScheduleTime:
     """The step of ``stages`` (in pipeline order; ``num_ranks`` < len(stages) for interleaving,
     chunk ``c`` on rank ``c % num_ranks``) under ``schedule`` (module docstring).
 
     With a measured ``busy_rank_speed`` (``DeviceSpec``'s: ranks sharing cores) GPipe and 1F1B
     over several stages are simulated instead (:mod:`planner.shared_cores`), each stage being
-    ``ranks_per_stage`` ranks."""
+    ``ranks_per_stage`` ranks, and so are they with a measured ``task_wait_s`` (charged after
+    every task)."""
     m = microbatches
-    if busy_rank_speed and schedule in ("gpipe", "1f1b") and len(stages) > 1:
+    simulated = busy_rank_speed or task_wait_s > 0
+    if simulated and schedule in ("gpipe", "1f1b") and len(stages) > 1:
         from autopar.planner.shared_cores import shared_schedule_time  # imports this module
 
         return shared_schedule_time(
             stages,
             microbatches=m,
             schedule=schedule,
-            busy_rank_speed=busy_rank_speed,
+            busy_rank_speed=busy_rank_speed or {},
             ranks_per_stage=ranks_per_stage,
+            task_wait_s=task_wait_s,
         )
     ranks = len(stages) if num_ranks is None else num_ranks
     sync = max(s.step_s for s in stages)

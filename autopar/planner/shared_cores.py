@@ -12,15 +12,20 @@ The simulation runs the schedule's per-rank order of forwards ``F(j)`` and backw
 ``i``, then one forward and one backward alternately, then the remaining backwards; microbatches
 in order), with the dependencies ``F(i, j)`` after ``F(i - 1, j)`` and ``B(i, j)`` after
 ``B(i + 1, j)``. A task is its compute (the stage's ``forward_s`` or ``backward_s``, priced at the
-all-busy speed) followed by half the stage's per-microbatch ``p2p_s`` (its send, which holds no
-core). Compute progresses at ``speed(busy ranks)`` (processor sharing): between two events every
+all-busy speed) followed by half the stage's per-microbatch ``p2p_s`` (its send) and the
+device's ``task_wait_s`` (the rank's wake-up on its next receive, gloo's threads and the schedule's
+Python between tasks, measured by ``autopar calibrate``), neither of which holds a core. Compute progresses at ``speed(busy ranks)`` (processor sharing): between two events every
 computing rank advances by ``dt * speed(k)`` with ``k`` the ranks computing in that interval (each
 stage's ``ranks_per_stage`` ranks count). ``speed`` interpolates ``busy_rank_speed`` linearly in
 seconds per unit of work between measured counts and is constant beyond them.
 
 With ``speed == 1`` and equal stages this is exactly the closed form; for unequal stages it is the
 event-exact makespan of the schedule's order (1F1B can then beat the closed form, which charges
-the slowest stage GPipe's whole ramp). Interleaved 1F1B keeps the closed form.
+the slowest stage GPipe's whole ramp). The wait lies on every task of the critical path: the
+busiest rank's own ``2 m`` tasks and, for equal stages, the ``2 (p - 1)`` tasks of the ramp-up and
+drain on the others, so it adds ``(2 m + 2 (p - 1)) * task_wait_s`` to the step and counts as idle
+time, as it does in a measured step (``PipelineModule.busy_s`` excludes it). Interleaved 1F1B
+keeps the closed form.
 """
 
 from __future__ import annotations
@@ -66,11 +71,12 @@ def shared_schedule_time(
     schedule: str,
     busy_rank_speed: Mapping[str, float],
     ranks_per_stage: int = 1,
+    task_wait_s: float = 0.0,
 ) -> ScheduleTime:
     """The step of ``stages`` under ``schedule`` on ranks sharing cores (module docstring).
 
-    ``bubble_s`` is the step less the busiest rank's compute and sends; ``compute_s`` and
-    ``p2p_s`` are that rank's."""
+    ``bubble_s`` is the step less the busiest rank's compute and sends (its per-task waits are
+    idle time); ``compute_s`` and ``p2p_s`` are that rank's."""
     p = len(stages)
     orders = [rank_order(schedule, i, p, microbatches) for i in range(p)]
     done: dict[tuple[str, int, int], float] = {}
@@ -89,7 +95,7 @@ def shared_schedule_time(
             if 0 <= before[1] < p and before not in done:
                 continue
             work = stages[i].forward_s if kind == "F" else stages[i].backward_s
-            left[i] = [work, stages[i].p2p_s / 2]
+            left[i] = [work, stages[i].p2p_s / 2 + task_wait_s]
             running[i] = True
         active = [i for i in range(p) if running[i]]
         if not active:

@@ -10,6 +10,15 @@ Environment of every rank: ``MASTER_ADDR``/``MASTER_PORT``/``RANK``/``LOCAL_RANK
 ranks other than 0 hang in init forever), plus ``env``. On Linux a rank ends when the process
 that started it dies, so no orphaned rank holds a port.
 
+Every rank leads its own session (:func:`own_scheduling_group`), as torchrun starts ranks: Linux's
+autogroup scheduler shares the cores between sessions, so ranks in one session would split one
+share (a rank alone then ran up to 2x faster than each of two busy ones on a loaded machine;
+README, "Session 9"), and tests, ``autoparallelize`` spawns, calibration and torchrun jobs would
+not meet the same scheduling. Being in another session also means the terminal's signals do not
+reach the ranks: Ctrl-C interrupts the parent, whose clean-up kills them; a parent killed
+outright (SIGKILL) takes them with it through the parent-death signal (Linux), and they are
+daemons, so a parent that exits kills them too.
+
 Every run is bounded: the process group's timeout bounds a collective a peer never joins,
 ``timeout_s`` the whole run (ranks still alive then are killed). When a rank fails, the others
 get ``grace_s`` to report and are then killed, so a failure never hangs; the error names every
@@ -29,7 +38,14 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["DEFAULT_PG_TIMEOUT_S", "SpawnError", "free_port", "pg_timeout_s", "spawn_ranks"]
+__all__ = [
+    "DEFAULT_PG_TIMEOUT_S",
+    "SpawnError",
+    "free_port",
+    "own_scheduling_group",
+    "pg_timeout_s",
+    "spawn_ranks",
+]
 
 DEFAULT_PG_TIMEOUT_S = 60.0
 """Process-group timeout of the runs autopar launches itself (``bench-cost``, ``calibrate``): how
@@ -68,6 +84,14 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def own_scheduling_group() -> None:
+    """Make this process its own session (``os.setsid``), as torchrun starts ranks; a no-op where
+    it already leads its session (under torchrun), leads a process group (``setsid`` refuses
+    that) or the platform has no sessions."""
+    if hasattr(os, "setsid") and os.getsid(0) != os.getpid() and os.getpgid(0) != os.getpid():
+        os.setsid()
+
+
 def _die_with_parent() -> None:
     """Linux: end this rank when the process that started it dies."""
     try:
@@ -88,6 +112,7 @@ def _rank_main(
     env: dict[str, str],
     pg_timeout_s: float,
     results: Any,
+    own_session: bool = True,
 ) -> None:
     os.environ.update(
         {
@@ -101,7 +126,9 @@ def _rank_main(
             **env,
         }
     )
-    _die_with_parent()
+    _die_with_parent()  # survives setsid: it is tied to the parent, not the session
+    if own_session:
+        own_scheduling_group()
     import torch
     import torch.distributed as dist
 
@@ -133,6 +160,7 @@ def spawn_ranks(
     pg_timeout_s: float = 60.0,
     grace_s: float = 5.0,
     context: Any = None,
+    own_sessions: bool = True,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; each rank's result.
 
@@ -145,18 +173,28 @@ def spawn_ranks(
         grace_s: how long the other ranks may still report after one failed (they may be
             blocked in a collective with it) before they are killed.
         context: the multiprocessing context to start ranks from (default: spawn).
+        own_sessions: each rank leads its own session (module docstring); False: the caller's.
 
     Raises:
         SpawnError: with each failing rank's traceback, the ranks that died without
             reporting, or the ranks still running at the timeout.
     """
     ctx = context or multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
+    results, port = ctx.Queue(), free_port()
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(rank, world_size, port, fn, args, dict(env or {}), pg_timeout_s, results),
+            args=(
+                rank,
+                world_size,
+                port,
+                fn,
+                args,
+                dict(env or {}),
+                pg_timeout_s,
+                results,
+                own_sessions,
+            ),  # fmt: skip
             name=f"autopar-rank{rank}",
             daemon=True,
         )

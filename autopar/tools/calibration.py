@@ -9,8 +9,9 @@ schema ``cost_models.load_profile`` reads:
 - ``device.peak_flops[dtype]``: large-matmul throughput (fp32; bf16 where it runs);
 - ``device.mem_bandwidth_Bps``: large-copy bandwidth (read + write bytes per second);
 - ``device.kernel_overhead_s``: the time of a one-element op;
-- ``device.busy_rank_speed`` (CPU ranks only): per-rank matmul speed with 1, 2, 4, ... ranks
-  computing at once, relative to all of them (ranks sharing cores; priced by pipelines);
+- ``device.busy_rank_speed`` and ``device.task_wait_s`` (CPU ranks only): per-rank matmul speed
+  with 1, 2, 4, ... ranks computing at once, relative to all of them, and a pipeline's wait per
+  task (:mod:`autopar.tools.calibration_pipeline`), both priced by pipelines;
 - ``device.op_efficiency[family]``: for matmul, attention, pointwise, norm, softmax, embedding,
   reduction and loss, the fraction of the roofline ``max(flops / peak, bytes / bandwidth)`` that a
   representative op (pointwise: gelu, add, mul, silu) reaches forward plus backward (above 1,
@@ -44,6 +45,7 @@ import torch.distributed as dist
 from autopar.capture.flops import op_costs
 from autopar.runtime.spawn import pg_timeout_s, spawn_ranks
 from autopar.tools.calibration_links import measure_links
+from autopar.tools.calibration_pipeline import measure_task_wait
 from autopar.tools.sessions import own_scheduling_group, session_count
 from autopar.tools.timing import fwd_bwd_callable, mean_over_ranks, time_callable
 from cost_models import DeviceSpec, Profile
@@ -388,6 +390,10 @@ def calibrate_on_rank(
         speed, device_details["busy_rank_speed"] = measure_busy_rank_speed(config, device, log)
         spec = dataclasses.replace(spec, busy_rank_speed=speed)
         links, link_details = measure_links(config, groups, device, log)
+        wait, device_details["task_wait"] = measure_task_wait(
+            max(config.matmul_sizes), links, device, log, rounds=max(config.trials, 3)
+        )
+        spec = dataclasses.replace(spec, task_wait_s=wait)
     step_error = _step_error(device_details, link_details, config.trials)
     spec = dataclasses.replace(spec, step_error=step_error)
     log(f"step-time error (spread of repeated measurements): {spec.step_error:.1%}")
@@ -427,13 +433,11 @@ def _step_error(device_details: dict[str, Any], link_details: dict[str, Any], tr
 def spawn_local(
     fn: Callable[..., Any], nproc: int, *args: Any, timeout_s: float = 900.0
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``nproc`` gloo ranks on 127.0.0.1 (one thread
-    each; autopar.runtime.spawn) and return the results by rank. ``fn`` must be a module-level
-    function.
+    """Run ``fn(rank, world_size, *args)`` (a module-level function) on ``nproc`` gloo ranks on
+    127.0.0.1 (one thread each; autopar.runtime.spawn) and return the results by rank.
 
     Raises:
-        SpawnError: a rank failed (with its traceback) or the run passed ``timeout_s`` (rerun
-            with fewer sizes).
+        SpawnError: a rank failed (with its traceback) or the run passed ``timeout_s``.
     """
     return spawn_ranks(
         fn, nproc, *args, timeout_s=timeout_s, pg_timeout_s=pg_timeout_s(), grace_s=5.0

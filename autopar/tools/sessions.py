@@ -4,8 +4,9 @@ Linux's autogroup scheduler shares the cores fairly between sessions, not proces
 spawned into one session (``autopar.runtime.spawn``, ``torch.multiprocessing``) split one share,
 so a rank computing alone ran up to 2x faster than each of two busy ones whenever other
 sessions loaded the machine, and 1x when they did not. torchrun starts every rank in its own
-session (``start_new_session=True``); calibration and the pipeline benchmark do the same so
-that what they measure is what a torchrun job meets.
+session (``start_new_session=True``), and so does ``autopar.runtime.spawn.spawn_ranks`` (where
+:func:`own_scheduling_group` lives); calibration and the pipeline benchmark call it too, for ranks
+started some other way.
 """
 
 from __future__ import annotations
@@ -15,12 +16,9 @@ import os
 import torch
 import torch.distributed as dist
 
+from autopar.runtime.spawn import own_scheduling_group
 
-def own_scheduling_group() -> None:
-    """Make this process its own session (``os.setsid``); a no-op where it already leads its
-    session (under torchrun) or the platform has no sessions."""
-    if hasattr(os, "setsid") and os.getsid(0) != os.getpid():
-        os.setsid()
+__all__ = ["own_scheduling_group", "session_count"]
 
 
 def session_count() -> int:

@@ -55,6 +55,7 @@ _PRELOAD = [
     "torch",
     "torch.distributed",
     "torch.distributed.tensor",
+    "torch.distributed.pipelining",  # pipeline tests and calibration's pipeline wait
     "autopar.resharding.simulator",
     "tests.distributed.warm_ranks",
 ]

@@ -9,9 +9,14 @@ import pytest
 
 
 def _calibrate(rank: int, world_size: int) -> dict[str, Any]:
+    import os
+
     from autopar.tools.calibration import CalibrationConfig, calibrate_on_rank
 
-    return calibrate_on_rank((2,), ("tp",), CalibrationConfig.tiny(), verbose=False)
+    leads = os.getsid(0) == os.getpid()  # spawn_ranks' doing, before calibration's own setsid
+    data = calibrate_on_rank((2,), ("tp",), CalibrationConfig.tiny(), verbose=False)
+    data["meta"]["rank_leads_its_session"] = leads
+    return data
 
 
 @pytest.mark.distributed
@@ -46,8 +51,19 @@ def test_tiny_calibration_gives_a_profile_the_planner_uses(tmp_path) -> None:
     assert set(device.busy_rank_speed) == {"1", "2"} and device.busy_rank_speed["2"] == 1.0
     assert 0 < device.busy_rank_speed["1"] < 100
     assert profile.meta["measurements"]["busy_rank_speed"]["cpu_count"] >= 1
-    # Each rank its own session (scheduling group), as torchrun starts them.
+    # Each rank its own session (scheduling group), as torchrun starts them: spawn_ranks makes
+    # every rank lead one, so tests, autoparallelize spawns and calibration share scheduling.
     assert profile.meta["measurements"]["busy_rank_speed"]["sessions"] == 2
+    assert all(r["meta"]["rank_leads_its_session"] for r in results)
+    # A pipeline's wait per task: a short GPipe run on both ranks, fitted by the simulation.
+    task_wait = profile.meta["measurements"]["task_wait"]
+    assert task_wait["schedule"] == "gpipe" and len(task_wait["rounds"]) == 3
+    assert all(r["step_s"] > 0 and min(r["forward_s"] + r["backward_s"]) > 0
+               for r in task_wait["rounds"])  # fmt: skip
+    assert device.task_wait_s >= 0 and device.task_wait_s < min(
+        r["step_s"] for r in task_wait["rounds"]
+    )
+    assert profile.to_dict()["device"].get("task_wait_s", 0.0) == device.task_wait_s
     mix = profile.meta["measurements"]["busy_rank_speed"]["op_mix_speed"]
     assert set(mix) == {"1", "2"} and mix["2"] == 1.0 and 0 < mix["1"] < 100
     link = profile.links["tp"]

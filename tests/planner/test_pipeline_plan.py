@@ -263,7 +263,8 @@ def test_stage_p2p_uses_the_calibrated_point_to_point_transfer():
 def test_ranks_sharing_cores_price_the_pipeline_with_their_solo_speed():
     """A device with a measured ``busy_rank_speed`` (CPU ranks sharing cores) prices GPipe by
     the simulated schedule: the same cuts and stage prices as without it, a shorter step
-    (a stage computing alone runs faster), equal to ``shared_schedule_time`` of the stages."""
+    (a stage computing alone runs faster), equal to ``shared_schedule_time`` of the stages with
+    the device's wait per task."""
     import dataclasses
 
     from autopar.planner.pipeline_schedule import StageCost
@@ -272,7 +273,8 @@ def test_ranks_sharing_cores_price_the_pipeline_with_their_solo_speed():
 
     model, args, _ = tiny_gpt(layers=2)
     plain = get_device("cpu")
-    shared = dataclasses.replace(plain, busy_rank_speed={"1": 2.0, "2": 1.0})
+    # With calibration's wait per task too (README, "Session 10").
+    shared = dataclasses.replace(plain, busy_rank_speed={"1": 2.0, "2": 1.0}, task_wait_s=2e-5)
     kw = dict(stages=2, microbatches=2, schedule="gpipe", memory_budget="1GiB")
     before = autopar.plan(model, Mesh.spec((2,), ("pp",), device=plain), args, **kw).pipeline
     after = autopar.plan(model, Mesh.spec((2,), ("pp",), device=shared), args, **kw).pipeline
@@ -283,8 +285,11 @@ def test_ranks_sharing_cores_price_the_pipeline_with_their_solo_speed():
                   p2p_s=s.predicted["p2p_s"], step_s=s.predicted["grad_sync_s"])
         for s in after.stages
     ]  # fmt: skip
-    expected = shared_schedule_time(
-        stages, microbatches=2, schedule="gpipe", busy_rank_speed=shared.busy_rank_speed
-    )
+    expected, no_wait = (
+        shared_schedule_time(stages, microbatches=2, schedule="gpipe",
+                             busy_rank_speed=shared.busy_rank_speed, task_wait_s=wait)
+        for wait in (shared.task_wait_s, 0.0)
+    )  # fmt: skip
     assert after.predicted["step_s"] == pytest.approx(expected.step_s)
+    assert after.predicted["step_s"] > no_wait.step_s + 5 * shared.task_wait_s
     assert after.predicted["step_s"] < 0.9 * before.predicted["step_s"]

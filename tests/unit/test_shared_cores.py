@@ -93,3 +93,63 @@ def test_busy_rank_speed_round_trips_and_bad_values_are_one_line_errors():
         DeviceSpec.from_dict({"base": "cpu", "busy_rank_speed": {"2": -1.0}})
     with pytest.raises(ValueError, match="busy_rank_speed"):
         load_profile({"version": 1, "device": {"base": "cpu", "busy_rank_speed": {"x": 1.0}}})
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_the_wait_per_task_lies_on_every_task_of_the_critical_path(schedule):
+    """2 stages, 2 microbatches, forward 1 and backward 2, a wait of 0.5 after every task.
+    GPipe: stage 0's F0 and F1 end at 1.5 and 3.0 (each with its wait); stage 1's F0 at 3.0,
+    its F1 (after stage 0's F1) at 4.5, B0 at 7.0, B1 at 9.5; stage 0's B0 (after stage 1's B0)
+    at 9.5 and B1 (after stage 1's B1) at 12.0. 1F1B: stage 1 runs F0 B0 F1 B1, ending 3.0,
+    5.5, 7.0, 9.5; stage 0's B0 ends 8.0, B1 12.0. Both: the closed form's 9.0 plus the wait on
+    6 tasks, each rank's 4 (2 m) and the ramp's 2 (2 (p - 1)); the waits are idle time."""
+    stages = [StageCost(forward_s=1.0, backward_s=2.0)] * 2
+    t = schedule_time(stages, microbatches=2, schedule=schedule, task_wait_s=0.5)
+    assert t.step_s == pytest.approx(9.0 + 6 * 0.5)
+    assert t.compute_s == pytest.approx(6.0) and t.bubble_s == pytest.approx(6.0)
+    # Equal stages, any shape: (2 m + 2 (p - 1)) waits, with and without sends and shared cores.
+    for p, m in ((2, 8), (4, 4), (4, 8)):
+        equal = [StageCost(forward_s=1.0, backward_s=2.0, p2p_s=0.2, step_s=0.1)] * p
+        plain = schedule_time(equal, microbatches=m, schedule=schedule)
+        waited = schedule_time(equal, microbatches=m, schedule=schedule, task_wait_s=0.25)
+        assert waited.step_s - plain.step_s == pytest.approx((2 * m + 2 * (p - 1)) * 0.25)
+        speed = {"1": 2.0, str(p): 1.0}
+        shared = schedule_time(equal, microbatches=m, schedule=schedule, busy_rank_speed=speed)
+        both = schedule_time(
+            equal, microbatches=m, schedule=schedule, busy_rank_speed=speed, task_wait_s=0.25
+        )
+        assert both.step_s > shared.step_s
+    # Interleaved 1F1B keeps the closed form.
+    assert schedule_time(
+        stages * 2, microbatches=4, schedule="interleaved-1f1b", num_ranks=2, task_wait_s=0.5
+    ).step_s == schedule_time(
+        stages * 2, microbatches=4, schedule="interleaved-1f1b", num_ranks=2
+    ).step_s  # fmt: skip
+
+
+def test_fitting_the_wait_inverts_the_simulation():
+    """Calibration's fit (autopar.tools.calibration_pipeline) finds the wait that produced a
+    simulated step, on unequal stages with sends."""
+    from autopar.tools.calibration_pipeline import fit_task_wait
+
+    forward, backward, p2p = [0.004, 0.006, 0.005], [0.008, 0.011, 0.01], [0.001, 0.002, 0.001]
+    stages = [
+        StageCost(forward_s=f, backward_s=b, p2p_s=s) for f, b, s in zip(forward, backward, p2p)
+    ]
+    step = schedule_time(stages, microbatches=4, schedule="gpipe", task_wait_s=0.0073).step_s
+    wait = fit_task_wait(step, forward, backward, p2p, microbatches=4)
+    assert wait == pytest.approx(0.0073, abs=1e-6)
+    no_wait = schedule_time(stages, microbatches=4, schedule="gpipe", busy_rank_speed={"3": 1.0})
+    assert fit_task_wait(no_wait.step_s * 0.9, forward, backward, p2p, microbatches=4) == 0.0
+
+
+def test_task_wait_round_trips_and_old_profiles_load_without_it():
+    spec = dataclasses.replace(get_device("cpu"), task_wait_s=0.0081)
+    assert spec.to_dict()["task_wait_s"] == 0.0081
+    loaded = load_profile({"version": 1, "device": spec.to_dict()}).device
+    assert loaded == spec and loaded.task_wait_s == 0.0081
+    old = {"version": 1, "device": {"base": "cpu", "busy_rank_speed": {"1": 1.3, "2": 1.0}}}
+    assert load_profile(old).device.task_wait_s == 0.0
+    assert "task_wait_s" not in get_device("h100").to_dict()  # presets' documents unchanged
+    with pytest.raises(ValueError, match="task_wait_s must be >= 0"):
+        DeviceSpec.from_dict({"base": "cpu", "task_wait_s": -1e-3})
