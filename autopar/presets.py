@@ -81,6 +81,10 @@ LLAMA_CONFIGS: dict[str, LlamaConfig] = {
     ),
 }
 PRESETS: tuple[str, ...] = ("mlp", *GPT_CONFIGS, *LLAMA_CONFIGS)
+SPLICE_PROVEN: tuple[str, ...] = (*GPT_CONFIGS, *LLAMA_CONFIGS)
+"""Presets whose replicated capture (``autopar.capture.layer_replication``) a CI test proves
+equal to a real export at several depths (tests/planner/test_layer_replication.py runs every
+name here), so ``autopar plan`` captures them without the run-time check export."""
 
 _LAYER_SUFFIX = re.compile(r"^(?P<base>.+)-(?P<layers>\d+)l$")
 
@@ -144,6 +148,11 @@ def build_preset(name: str, *, batch: int, seq: int, device: str | torch.device 
         "e.g. llama3-8b-2l), hf:<model_type>[?key=value&...] (e.g. hf:gpt2, "
         "hf:llama?num_hidden_layers=2), or package.module:factory"
     )
+
+
+def splice_proven(name: str) -> bool:
+    """Whether ``name`` (as ``build_preset`` takes it) builds a preset of ``SPLICE_PROVEN``."""
+    return _split_layers(name)[0] in SPLICE_PROVEN
 
 
 def _split_layers(name: str) -> tuple[str, int | None]:

@@ -35,7 +35,7 @@ from autopar.capture.export import capture  # noqa: E402
 from autopar.errors import PlanningError  # noqa: E402
 from autopar.mesh import Mesh  # noqa: E402
 from autopar.options import PlanOptions  # noqa: E402
-from autopar.presets import build_preset  # noqa: E402
+from autopar.presets import build_preset, splice_proven  # noqa: E402
 
 LARGE = [("llama3-8b", "8x8"), ("llama3-70b", "8x16x8"), ("gpt2-xl", "4x4x4")]
 SMALL_MODELS = ("gpt2-small", "llama3-8b-2l", "llama3-8b")
@@ -75,7 +75,7 @@ def run(model_name: str, meshes: list[str], args, table: Table, console: Console
     cpu0 = time.process_time()
     start = time.perf_counter()
     model, ex_args, ex_kwargs = build_preset(model_name, batch=args.batch, seq=args.seq)
-    captured = capture(model, ex_args, ex_kwargs)
+    captured = capture(model, ex_args, ex_kwargs, check_splice=not splice_proven(model_name))
     capture_s = time.perf_counter() - start
     capture_cpu = time.process_time() - cpu0
     for mesh_text in meshes:

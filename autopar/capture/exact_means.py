@@ -125,13 +125,14 @@ _PASSES: dict[Any, Callable[[fx.Graph, fx.Node], bool]] = {
 }
 
 
-def exact_means(gm: fx.GraphModule) -> fx.GraphModule:
-    """Rewrite mean reductions and mean-reduced losses as sum / count (see module docstring)."""
+def exact_means(gm: fx.GraphModule, *, recompile: bool = True) -> fx.GraphModule:
+    """Rewrite mean reductions and mean-reduced losses as sum / count (see module docstring);
+    ``recompile=False`` leaves the code generation to a caller that changes the graph again."""
     changed = False
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target in _PASSES:
             changed |= _PASSES[node.target](gm.graph, node)
-    if changed:
+    if changed and recompile:
         gm.graph.lint()
         gm.recompile()
     return gm

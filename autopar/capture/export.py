@@ -96,6 +96,7 @@ def capture(
     *,
     decompose: bool = True,
     replicate_layers: bool = True,
+    check_splice: bool = True,
 ) -> Captured:
     """Export ``model`` at ATen level on its example inputs (global batch).
 
@@ -105,8 +106,9 @@ def capture(
         example_args, example_kwargs: inputs of one forward call.
         decompose: decompose ops that have no sharding rule (see the module docstring).
         replicate_layers: export 3 layers of a stack of identical layers and replicate the
-            rest (``autopar.capture.layer_replication``; checked, and the whole model is exported
-            when the check fails); False exports every layer.
+            rest (``autopar.capture.layer_replication``); False exports every layer.
+        check_splice: check that splice against an export of 4 layers (the whole model is
+            exported when it fails); False only where a test proves it (``splice_proven``).
 
     Raises:
         UnsupportedModelError: the model cannot be captured as one static graph; the message
@@ -127,7 +129,8 @@ def capture(
     try:
         if replicate_layers:
             try:
-                replicated = export_replicated(model, tuple(example_args), example_kwargs)
+                args = tuple(example_args)
+                replicated = export_replicated(model, args, example_kwargs, check=check_splice)
             except Exception:  # the cut model did not export: the whole model says why
                 replicated = None
         if replicated is not None:
@@ -146,7 +149,7 @@ def capture(
         _erase_asserts_and_layout_copies(exported.graph_module)
     gm = exported.graph_module
     _check_no_data_dependent_values(gm)
-    exact_means(gm)
+    exact_means(gm, recompile=False)  # recompiled once below
 
     param_nodes: dict[str, str] = {}
     buffer_nodes: dict[str, str] = {}

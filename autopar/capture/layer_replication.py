@@ -14,6 +14,9 @@ arguments, module paths, shapes, strides, signature, module call graph). This ca
 that differ, data flowing between layers other than through one hidden state, code that
 depends on the number of layers (``len(self.layers)``) and anything else the splice does not
 model. When a check fails, or the model has no such stack, the caller exports the whole model.
+For the built-in presets (``autopar.presets.SPLICE_PROVEN``: code this project owns) the same
+property is proven in CI instead, at several depths (tests/planner/test_layer_replication.py),
+and ``autopar plan`` skips the second export (``check=False``); user models keep the check.
 """
 
 from __future__ import annotations
@@ -37,23 +40,12 @@ from torch.export.graph_signature import (
 )
 
 from autopar.capture.export_compare import program_difference
+from autopar.capture.repeated_layers import MIN_LAYERS, find_repeated_layers
 
 SAMPLE_LAYERS = 3
 """Layers traced: the splice copies layer 1, whose input and output are both other layers."""
-MIN_LAYERS = 8
-"""Shallower stacks are exported whole: two small exports would not be cheaper."""
 
 _NAME_NUMBER = re.compile(r"^(.*)_(\d+)$")
-# What every nn.Module holds (parameters, hooks, training, ...); the rest is the layer's own
-# configuration, public or private, and must be equal across the layers.
-_MODULE_INTERNALS = frozenset(vars(nn.Module()))
-_HOOKS = (
-    "_forward_hooks",
-    "_forward_pre_hooks",
-    "_backward_hooks",
-    "_backward_pre_hooks",
-    "_state_dict_hooks",
-)
 
 
 def export_replicated(
@@ -62,8 +54,11 @@ def export_replicated(
     example_kwargs: dict[str, Any],
     *,
     min_layers: int = MIN_LAYERS,
+    check: bool = True,
 ) -> tuple[torch.export.ExportedProgram, str] | None:
-    """The model's full ExportedProgram, built from exports of 3 and 4 of its layers.
+    """The model's full ExportedProgram, built from an export of 3 of its layers and checked
+    against an export of 4 (``check=False`` skips that check: only for models whose splice a
+    test proves, the built-in presets of ``autopar.presets.SPLICE_PROVEN``).
 
     Returns:
         (program, note) with note like ``"layers: 3 of 80 traced"``, or None when the model has
@@ -73,94 +68,38 @@ def export_replicated(
     found = find_repeated_layers(model, min_layers=min_layers)
     if found is None:
         return None
-    parent, attr, path = found
-    layers = getattr(parent, attr)
-
-    def export_cut(count: int) -> torch.export.ExportedProgram:
-        cut = nn.ModuleList(list(layers)[:count])
-        cut.training = layers.training
-        parent._modules[attr] = cut
-        try:
-            return torch.export.export(model, tuple(example_args), example_kwargs, strict=False)
-        finally:
-            parent._modules[attr] = layers
-
-    sample = export_cut(SAMPLE_LAYERS)
-    check = splice_layers(sample, model, path, SAMPLE_LAYERS, SAMPLE_LAYERS + 1)
-    if check is None or program_difference(check, export_cut(SAMPLE_LAYERS + 1)) is not None:
-        return None
-    full = splice_layers(sample, model, path, SAMPLE_LAYERS, len(layers))
+    path = found[2]
+    num_layers = len(getattr(found[0], found[1]))
+    sample = export_cut(model, found, SAMPLE_LAYERS, example_args, example_kwargs)
+    if check:
+        spliced = splice_layers(sample, model, path, SAMPLE_LAYERS, SAMPLE_LAYERS + 1)
+        real = export_cut(model, found, SAMPLE_LAYERS + 1, example_args, example_kwargs)
+        if spliced is None or program_difference(spliced, real) is not None:
+            return None
+    full = splice_layers(sample, model, path, SAMPLE_LAYERS, num_layers)
     if full is None:
         return None
-    return full, f"{path}: {SAMPLE_LAYERS} of {len(layers)} traced"
+    return full, f"{path}: {SAMPLE_LAYERS} of {num_layers} traced"
 
 
-def find_repeated_layers(
-    model: nn.Module, *, min_layers: int = MIN_LAYERS
-) -> tuple[nn.Module, str, str] | None:
-    """(parent module, attribute, FQN) of the longest ModuleList of identical layers, or None.
-
-    Identical: same class, same submodule tree, parameter and buffer names, shapes, dtypes and
-    requires_grad, equal plain attributes, no hooks, and no parameter shared with anything else.
-    """
-    best: tuple[nn.Module, str, str] | None = None
-    best_len = min_layers - 1
-    for parent_path, parent in model.named_modules():
-        for attr, child in parent._modules.items():
-            if not isinstance(child, nn.ModuleList) or len(child) <= best_len:
-                continue
-            if type(child) is not nn.ModuleList or not _all_alike(list(child)):
-                continue
-            best = (parent, attr, f"{parent_path}.{attr}" if parent_path else attr)
-            best_len = len(child)
-    if best is None:
-        return None
-    layers = getattr(best[0], best[1])
-    if sum(m is layers for _, m in model.named_modules(remove_duplicate=False)) > 1:
-        return None  # reachable under two names: cutting one would not cut what forward runs
-    inside = {id(p) for layer in layers for p in layer.parameters()}
-    counts: dict[int, int] = {}
-    for _, param in model.named_parameters(remove_duplicate=False):
-        counts[id(param)] = counts.get(id(param), 0) + 1
-    if any(counts[key] > 1 for key in inside):
-        return None
-    return best
-
-
-def _all_alike(layers: list[nn.Module]) -> bool:
+def export_cut(
+    model: nn.Module,
+    found: tuple[nn.Module, str, str],
+    count: int,
+    example_args: tuple[Any, ...],
+    example_kwargs: dict[str, Any],
+) -> torch.export.ExportedProgram:
+    """``model`` exported with the layer list ``found`` (see :func:`find_repeated_layers`) cut
+    to its first ``count`` layers (the model is left as it was)."""
+    parent, attr, _ = found
+    layers = getattr(parent, attr)
+    cut = nn.ModuleList(list(layers)[:count])
+    cut.training = layers.training
+    parent._modules[attr] = cut
     try:
-        first = _layer_signature(layers[0])
-        return all(_layer_signature(layer) == first for layer in layers[1:])
-    except Exception:  # an attribute whose == raises or is not a bool: not provably alike
-        return False
-
-
-def _layer_signature(layer: nn.Module) -> list[Any]:
-    signature: list[Any] = []
-    for name, module in layer.named_modules():
-        if any(getattr(module, hooks, None) for hooks in _HOOKS):
-            raise ValueError("hooked layer")
-        plain = {
-            key: value
-            for key, value in vars(module).items()
-            if key not in _MODULE_INTERNALS and not isinstance(value, (nn.Module, torch.Tensor))
-        }
-        state = [
-            (key, tuple(t.shape), t.dtype, t.requires_grad, t.device.type)
-            for key, t in (*module._parameters.items(), *module._buffers.items())
-            if t is not None
-        ]
-        signature.append(
-            (
-                name,
-                type(module),
-                module.training,
-                sorted(plain.items()),
-                state,
-                sorted(module._non_persistent_buffers_set),
-            )
-        )
-    return signature
+        return torch.export.export(model, tuple(example_args), example_kwargs, strict=False)
+    finally:
+        parent._modules[attr] = layers
 
 
 # --------------------------------------------------------------------------------------------

@@ -197,7 +197,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         from autopar.capture.export import capture
         from autopar.plan import cache as plan_cache
         from autopar.plan.summary import planning_note
-        from autopar.presets import build_preset
+        from autopar.presets import build_preset, splice_proven
         from autopar.tools.report import plot_prefix
     plot_path = None
     if getattr(args, "sweep_budget", None):  # matplotlib checked before capture and planning
@@ -205,7 +205,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     with console.status("capturing the model"):
         model, example_args, example_kwargs = build_preset(args.model, batch=args.batch, seq=args.seq)
-        captured = capture(model, example_args, example_kwargs)
+        captured = capture(model, example_args, example_kwargs, check_splice=not splice_proven(args.model))
     capture_s = time.perf_counter() - start
     replicated = f" ({captured.replicated_layers})" if captured.replicated_layers else ""
     console.log(f"capture: {len(captured.gm.graph.nodes)} nodes, {capture_s:.2f} s{replicated}")
@@ -266,7 +266,7 @@ def _plan_stages(args, console, captured, mesh, options, capture_s: float) -> in
     from autopar.api import plan_stages
     from autopar.capture.export import capture
     from autopar.plan.stage_search import StageOptions
-    from autopar.presets import PRESETS, _split_layers, build_preset
+    from autopar.presets import PRESETS, _split_layers, build_preset, splice_proven
 
     base, layers = _split_layers(args.model)
     few = base in PRESETS and base != "mlp" and (layers is None or layers > 2)
@@ -274,7 +274,7 @@ def _plan_stages(args, console, captured, mesh, options, capture_s: float) -> in
 
     def probe(batch: int, name: str = probe_name):
         model, example_args, example_kwargs = build_preset(name, batch=batch, seq=args.seq)
-        return capture(model, example_args, example_kwargs)
+        return capture(model, example_args, example_kwargs, check_splice=not splice_proven(name))
 
     def whole(batch: int):
         return probe(batch, args.model)
@@ -359,7 +359,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from autopar.capture.export import capture
     from autopar.options import PlanOptions
     from autopar.planner.recipes import BASELINE_RECIPES
-    from autopar.presets import build_preset
+    from autopar.presets import build_preset, splice_proven
     from autopar.tools.report import compare_rows, compare_table, plans_for_recipes
 
     mesh = _build_mesh(args)
@@ -368,7 +368,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
                           mixed_precision=args.mixed_precision, solver=args.solver,
                           time_limit_s=args.time_limit, gap=args.gap, auto_margin=args.auto_margin)
     model, example_args, example_kwargs = build_preset(args.model, batch=args.batch, seq=args.seq)
-    captured = capture(model, example_args, example_kwargs)
+    captured = capture(model, example_args, example_kwargs, check_splice=not splice_proven(args.model))
     plans = plans_for_recipes(captured, mesh, options, recipes=recipes, model_name=args.model)
     title = f"{args.model} on {mesh.describe()}, global batch {args.batch} x seq {args.seq} (predicted)"
     print(compare_table(compare_rows(plans), markdown=args.markdown, title=title))

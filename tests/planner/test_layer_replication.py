@@ -3,7 +3,10 @@
 Each test compares ``capture`` (replicating layers) with ``capture(..., replicate_layers=False)``
 (tracing every layer): node names, ops, arguments, module paths, shapes, FQNs, hash; and the
 models the splice cannot model (layers that differ, skip connections between layers, forward
-depending on the number of layers) fall back to the full export.
+depending on the number of layers) fall back to the full export. For the built-in presets of
+``SPLICE_PROVEN``, which ``autopar plan`` captures without the run-time check export, these
+tests are the check: each such preset's splice equals real exports at 4 and 5 layers (and two
+of them at 8 and 9, unchecked), and a Llama whose layers behave by position fails that proof.
 """
 
 from __future__ import annotations
@@ -15,8 +18,14 @@ import torch.nn.functional as F
 
 from autopar.capture.export import Captured, capture
 from autopar.capture.export_compare import program_difference
-from autopar.capture.layer_replication import export_replicated, find_repeated_layers
-from autopar.presets import build_preset
+from autopar.capture.layer_replication import (
+    SAMPLE_LAYERS,
+    export_cut,
+    find_repeated_layers,
+    splice_layers,
+)
+from autopar.models import Llama
+from autopar.presets import SPLICE_PROVEN, build_preset, splice_proven
 from tests.models import tiny_gpt, tiny_llama
 
 
@@ -73,21 +82,75 @@ def test_tiny_zoo_at_depth_is_replicated_and_equals_full_export(builder) -> None
     _assert_runs_like_eager(model, args, fast)
 
 
-@pytest.mark.parametrize("num_layers", [4, 5])
-def test_tiny_llama_at_four_and_five_layers_splices_to_the_full_export(num_layers: int) -> None:
-    model, args, kwargs = tiny_llama(layers=num_layers)
-    spliced = export_replicated(model, args, kwargs, min_layers=4)
-    assert spliced is not None
-    full = torch.export.export(model, args, kwargs, strict=False)
-    assert program_difference(spliced[0], full) is None
-
-
 @pytest.mark.parametrize("name", ["llama3-8b-9l", "gpt2-small-8l"])
 def test_preset_on_meta_is_replicated_and_equals_full_export(name: str) -> None:
+    # Unchecked, as `autopar plan` captures the presets: this test is (part of) the check.
     model, args, kwargs = build_preset(name, batch=2, seq=64)
-    fast = capture(model, args, kwargs)
+    fast = capture(model, args, kwargs, check_splice=False)
     assert fast.replicated_layers.startswith(("layers: 3 of", "blocks: 3 of"))
     _assert_same_capture(fast, capture(model, args, kwargs, replicate_layers=False))
+
+
+def _splice_differences(model: nn.Module, args: tuple, kwargs: dict, depths: tuple) -> list[str]:
+    """Where the 3-layer sample of ``model`` spliced to each depth differs from a real export of
+    the model cut to that depth (what ``export_replicated``'s run-time check does at depth 4)."""
+    found = find_repeated_layers(model, min_layers=4)
+    assert found is not None
+    sample = export_cut(model, found, SAMPLE_LAYERS, args, kwargs)
+    differences = []
+    for depth in depths:
+        spliced = splice_layers(sample, model, found[2], SAMPLE_LAYERS, depth)
+        real = export_cut(model, found, depth, args, kwargs)
+        difference = "no splice" if spliced is None else program_difference(spliced, real)
+        if difference is not None:
+            differences.append(f"{depth} layers: {difference}")
+    return differences
+
+
+@pytest.mark.parametrize("name", SPLICE_PROVEN)
+def test_every_splice_proven_preset_splices_to_real_exports_at_four_and_five_layers(
+    name: str,
+) -> None:
+    # The CI proof that lets `autopar plan` skip the run-time check export for these presets.
+    model, args, kwargs = build_preset(f"{name}-5l", batch=1, seq=16)
+    assert _splice_differences(model, args, kwargs, (4, 5)) == []
+
+
+class _LlamaByPosition(Llama):
+    """A preset whose layers behave by position: what the CI proof above must catch."""
+
+    def __init__(self, config, rule: str) -> None:
+        super().__init__(config)
+        self.rule = rule
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        seq = idx.shape[1]
+        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        x = self.tok_embeddings(idx)
+        for index, layer in enumerate(self.layers):
+            x = layer(x, cos, sin)
+            if self.rule == "odd layers scale" and index % 2:
+                x = x * 0.5
+        if self.rule == "depth in forward":
+            x = x / len(self.layers)
+        logits = self.output(self.norm(x))
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+
+
+@pytest.mark.parametrize("rule", ["odd layers scale", "depth in forward"])
+def test_the_splice_proof_fails_for_a_preset_whose_layers_differ_by_position(rule: str) -> None:
+    preset, args, kwargs = build_preset("llama3-8b-5l", batch=1, seq=16)
+    with torch.device("meta"):
+        model = _LlamaByPosition(preset.config, rule)
+    differences = _splice_differences(model, args, kwargs, (5,))
+    assert [d.split(":")[0] for d in differences] == ["5 layers"]
+
+
+def test_only_the_proven_presets_skip_the_run_time_check() -> None:
+    assert splice_proven("llama3-8b") and splice_proven("llama3-70b-2l")
+    assert splice_proven("gpt2-small") and splice_proven("llama-8l-2048")
+    assert not splice_proven("mlp") and not splice_proven("hf:llama")
+    assert not splice_proven("tests.models:tiny_llama") and not splice_proven("llama3-8b-x")
 
 
 class _Block(nn.Module):
