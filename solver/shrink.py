@@ -31,7 +31,7 @@ import time
 from solver import highs_direct
 from solver.checkpointing import contract_segments, expand_recomputed, validate_segments
 from solver.counts import ACCEPT_GAP, solve_counts
-from solver.eliminate import Eliminated, back_substitute, eliminate
+from solver.eliminate import Eliminated, SolveMemo, back_substitute, eliminate
 from solver.errors import InfeasibleError
 from solver.ilp import ZERO_GAP, resolve_backend, solve_model
 from solver.presolve import plan_objective_s, plan_peak_memory_bytes, validate
@@ -52,6 +52,7 @@ def solve(
     start_plan: tuple[int, ...] | None = None,
     cutoff_s: float | None = None,
     relaxation: bool = False,
+    memo: SolveMemo | None = None,
 ) -> Solution:
     """Choose one strategy per node, minimising step time within the memory budget.
 
@@ -69,6 +70,8 @@ def solve(
         relaxation: budget-free only: the bound is the LP relaxation's of what elimination
             leaves (HiGHS), the plan decoded from it; the Lagrangian relaxation's priced
             solves need bounds, and the LP is much cheaper than HiGHS's MIP there.
+        memo: budget-free only: series products shared with earlier solves of a sequence
+            (eliminate.SolveMemo; the relaxation's pattern problems repeat most of them).
 
     Raises:
         InfeasibleBudgetError: no allowed plan fits the budget; carries the smallest that fits.
@@ -85,15 +88,20 @@ def solve(
         if problem.memory_budget_bytes is None and not any(
             seg.min_copies for seg in problem.segments
         ):  # recomputing only costs time: without a budget nothing is recomputed
-            inner = solve(dataclasses.replace(problem, segments=()), **common)
+            inner = solve(dataclasses.replace(problem, segments=()), **common, memo=memo)
             return dataclasses.replace(inner, recomputed=(0,) * len(problem.segments))
     if problem.memory_budget_bytes is None and problem.edges and not problem.segments:
         validate(problem)
         start = time.perf_counter()
-        elim = eliminate(problem)
+        elim = eliminate(problem, None if memo is None else memo.eliminate)
         if len(elim.kept) < len(problem.nodes):
             return _solve_eliminated(
-                problem, elim, time.perf_counter() - start, **common, relaxation=relaxation
+                problem,
+                elim,
+                time.perf_counter() - start,
+                **common,
+                relaxation=relaxation,
+                memo=memo,
             )
     if relax_first and _relaxation_applies(problem, gap):
         validate(problem)
@@ -113,9 +121,10 @@ def solve(
             **common,
             start_plan=start_plan,
             relaxation=relaxation and problem.memory_budget_bytes is None,
+            memo=memo if problem.memory_budget_bytes is None else None,
         )
     if problem.memory_budget_bytes is None and not problem.segments:
-        return _solve_core(problem, **common, relaxation=relaxation)
+        return _solve_core(problem, **common, relaxation=relaxation, memo=memo)
     return solve_model(problem, **common, start_plan=start_plan)
 
 
@@ -142,6 +151,7 @@ def _solve_eliminated(
     gap: float,
     msg: bool,
     relaxation: bool = False,
+    memo: SolveMemo | None = None,
 ) -> Solution:
     """Solve what elimination (solver/eliminate.py) left and substitute back."""
     if elim.problem.nodes:
@@ -153,6 +163,7 @@ def _solve_eliminated(
             gap=gap,
             msg=msg,
             relaxation=relaxation,
+            memo=memo,
         )
     else:
         inner = Solution(
@@ -191,12 +202,14 @@ def _solve_core(
     gap: float,
     msg: bool,
     relaxation: bool = False,
+    memo: SolveMemo | None = None,
 ) -> Solution:
     """What elimination left of a budget-free problem (no ties): pruned by bounds first when
     its edge tables are large (solver/prune.py: exact, every optimal plan survives), then the
     ILP on the strategies left, started from the pruning's plan."""
     start = time.perf_counter()
-    pruned = prune(problem) if edge_entries(problem) > PRUNE_MIN_ENTRIES else None
+    big = edge_entries(problem) > PRUNE_MIN_ENTRIES
+    pruned = prune(problem, None if memo is None else memo.prune) if big else None
     if pruned is None:
         return solve_model(
             problem,
@@ -308,6 +321,7 @@ def _solve_tied(
     msg: bool,
     start_plan: tuple[int, ...] | None = None,
     relaxation: bool = False,
+    memo: SolveMemo | None = None,
 ) -> Solution:
     """Solve the contracted problem (solver/tying.py) and expand its choices to every node.
     ``start_plan``: a plan whose tie classes choose alike, mapped onto the contracted nodes."""
@@ -336,6 +350,7 @@ def _solve_tied(
         relax_first=False,
         start_plan=inner_start,
         relaxation=relaxation,
+        memo=memo,
     )
     choices = expand(contracted, inner.choices)
     recomputed = expand_recomputed(problem, groups, inner.recomputed) if problem.segments else ()
