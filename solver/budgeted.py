@@ -9,12 +9,14 @@ from __future__ import annotations
 import math
 import time
 
+from solver.eliminate import SolveMemo
 from solver.errors import InfeasibleError
 from solver.ilp import ZERO_GAP, resolve_backend
 from solver.presolve import plan_objective_s, plan_peak_memory_bytes
 from solver.problem import Problem, Solution
 
 
+# Long: the relaxation and the MIP after it share one state (plan, bound, details, memo).
 def solve_relaxed(
     problem: Problem,
     *,
@@ -34,6 +36,7 @@ def solve_relaxed(
 
     start = time.perf_counter()
     size = [0, 0]  # the largest budget-free model solved: (variables, constraints)
+    memo = SolveMemo()  # series products the priced solves share (solver/eliminate.py)
 
     def solve_free(priced: Problem) -> tuple[tuple[int, ...], float, float]:
         free = solve(
@@ -43,6 +46,7 @@ def solve_relaxed(
             gap=0.0,
             msg=msg,
             relaxation=True,
+            memo=memo,
         )
         size[:] = max(size, [free.num_variables, free.num_constraints])
         return free.choices, free.objective_s, free.bound_s
@@ -52,6 +56,7 @@ def solve_relaxed(
         found = relax(problem, solve_free, target_gap=gap, stop_at=stop_at, warm=warm)
     except InfeasibleError:
         return None
+    memo = None  # its products are not needed past the relaxation
     if found.choices is None:
         return None
     choices, recomputed, objective = found.choices, found.recomputed, found.objective_s

@@ -132,6 +132,18 @@ def contract_segments(
         segments[g].
     """
     keys: dict[tuple, int] = {}
+    # An edge table enters the key as the identity of the first table equal to it: each
+    # distinct table object is hashed once (not on every lookup, as a key holding the nested
+    # tuples would be), equal tables still merge and unequal ones never do.
+    first_equal: dict[tuple, tuple] = {}
+    table_key: dict[int, int] = {}
+
+    def key_of(table: tuple) -> int:
+        found = table_key.get(id(table))
+        if found is None:
+            found = table_key[id(table)] = id(first_equal.setdefault(table, table))
+        return found
+
     merged: list[Segment] = []
     groups: list[list[int]] = []
     for k, seg in enumerate(problem.segments):
@@ -149,7 +161,12 @@ def contract_segments(
             SegmentEdge(src=node_map[e.src], dst=node_map[e.dst], cost_s=e.cost_s)
             for e in seg.edges
         )
-        key = (nodes, freed_rows, again_rows, tuple((e.src, e.dst, e.cost_s) for e in edges))
+        key = (
+            nodes,
+            freed_rows,
+            again_rows,
+            tuple((e.src, e.dst, key_of(e.cost_s)) for e in edges),
+        )
         g = keys.get(key)
         if g is None:
             keys[key] = len(merged)

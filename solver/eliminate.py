@@ -20,7 +20,7 @@ layer's chains first keeps the contracted graph free of the cycles tying would c
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -64,13 +64,24 @@ def _content_key(array: np.ndarray) -> tuple:
     return (array.shape, hash(flat[:: max(1, flat.size // _KEY_SAMPLES)].tobytes()))
 
 
-class _Memo:
+class SeriesMemo:
     """Series eliminations by content: identical layers present identical (E_uv, c_v, E_vw)
     one layer after another, so the min-plus product is formed once per layer position (the
-    inputs are compared in full on a hit, so a hash collision cannot change the result)."""
+    inputs are compared in full on a hit, so a hash collision cannot change the result).
+
+    One memo may serve a sequence of solves (the relaxation's pattern problems differ only
+    where a pattern adds its terms, so most of their products repeat): each solve starts a
+    generation (:meth:`next_generation`); the products of the previous generation are kept
+    until then and those found again move to the current one, so at most two solves'
+    products are held."""
 
     def __init__(self) -> None:
         self._done: dict[tuple, list] = {}
+        self._previous: dict[tuple, list] = {}
+
+    def next_generation(self) -> None:
+        """Start a solve: what the last one formed or used stays available to this one."""
+        self._previous, self._done = self._done, {}
 
     @staticmethod
     def _key(*arrays: np.ndarray) -> tuple:
@@ -85,10 +96,26 @@ class _Memo:
         for inputs, result in self._done.get(key, ()):
             if all(np.array_equal(a, b) for a, b in zip(inputs, (uv, cv, vw), strict=True)):
                 return result, inputs
+        for inputs, result in self._previous.get(key, ()):
+            if all(np.array_equal(a, b) for a, b in zip(inputs, (uv, cv, vw), strict=True)):
+                self._done.setdefault(key, []).append((inputs, result))
+                return result, inputs
         result = series_min(uv, cv, vw)
         inputs = (uv, cv.copy(), vw)
         self._done.setdefault(key, []).append((inputs, result))
         return result, inputs
+
+
+_Memo = SeriesMemo  # the name solver/fixing.py imports
+
+
+@dataclass(kw_only=True, slots=True)
+class SolveMemo:
+    """The series memos a sequence of budget-free solves shares (solver/shrink.py ``solve``):
+    one for elimination, one for pruning's pinned runs (solver/prune.py)."""
+
+    eliminate: SeriesMemo = field(default_factory=SeriesMemo)
+    prune: SeriesMemo = field(default_factory=SeriesMemo)
 
 
 class _TupleMemo:
@@ -165,13 +192,18 @@ class _MinPlusGraph:
         self.neighbours[b].discard(a)
 
 
-def eliminate(problem: Problem) -> Eliminated:
-    """Eliminate leaf and series nodes of a budget-free problem (see the module docstring)."""
+def eliminate(problem: Problem, memo: SeriesMemo | None = None) -> Eliminated:
+    """Eliminate leaf and series nodes of a budget-free problem (see the module docstring).
+    ``memo``: series products kept from earlier solves (a new generation starts here)."""
     assert problem.memory_budget_bytes is None
     num = len(problem.nodes)
     graph = _MinPlusGraph(problem)
     alive = [True] * num
-    steps, constant = _eliminate_nodes(problem, graph, alive)
+    if memo is None:
+        memo = SeriesMemo()
+    else:
+        memo.next_generation()
+    steps, constant = _eliminate_nodes(problem, graph, alive, memo)
     kept = tuple(i for i in range(num) if alive[i])
     position = {i: k for k, i in enumerate(kept)}
     strategies, new_nodes = _kept_nodes(problem, graph, kept)
@@ -208,13 +240,12 @@ def _no_strategy_left(problem: Problem, v: int) -> InfeasibleError:
 
 
 def _eliminate_nodes(
-    problem: Problem, graph: _MinPlusGraph, alive: list[bool]
+    problem: Problem, graph: _MinPlusGraph, alive: list[bool], memo: SeriesMemo
 ) -> tuple[list[tuple[int, int, int, Any]], float]:
     """Eliminate isolated, leaf and series nodes until none is left (``alive`` in place).
 
     Returns the steps, in elimination order, and the constant of the isolated nodes."""
     cost = graph.cost
-    memo = _Memo()
     steps: list[tuple[int, int, int, Any]] = []
     constant = 0.0
     queue = list(range(len(problem.nodes)))

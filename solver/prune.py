@@ -22,7 +22,7 @@ Most of those strategies cannot be in an optimal plan, and a bound proves it:
   survives, and a lower bound on the rest is one on the whole (the plan's bound stays valid).
 
 The series products of the pinned runs repeat (the same tables meet in every run away from
-the pinned node), so they share one content memo (eliminate._Memo).
+the pinned node), so they share one content memo (eliminate.SeriesMemo), which a sequence of solves may share too.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from solver.eliminate import _Memo, _MinPlusGraph
+from solver.eliminate import SeriesMemo, _MinPlusGraph
 from solver.presolve import cost_matrix
 from solver.problem import Edge, Problem
 
@@ -145,7 +145,7 @@ def _split(graph: _MinPlusGraph, v: int) -> int:
 
 
 def _pinned_bound(
-    base: _Base, pinned: int, memo: _Memo, *, track: bool = False
+    base: _Base, pinned: int, memo: SeriesMemo, *, track: bool = False
 ) -> tuple[np.ndarray, list[int] | None]:
     """LB(pinned, .): eliminate every other node of the relaxed graph (module docstring).
     With ``track``, also a plan: the pinned node's best strategy, then each eliminated node's
@@ -194,16 +194,20 @@ def _pinned_bound(
     return bound, full[: base.num]
 
 
-def prune(problem: Problem) -> Pruned | None:
+def prune(problem: Problem, memo: SeriesMemo | None = None) -> Pruned | None:
     """The problem restricted by bounds (module docstring); None when nothing is dropped.
 
     ``problem`` must be budget-free and without tie classes or segments. The node with the
     most strategies is bounded first, with a plan (the upper bound); then every node, most
     strategies first, each on the graph the earlier ones already restricted (a plan within
-    the upper bound keeps every strategy it uses, so the later bounds still cover it)."""
+    the upper bound keeps every strategy it uses, so the later bounds still cover it).
+    ``memo``: series products kept from earlier solves (a new generation starts here)."""
     assert problem.memory_budget_bytes is None and not problem.tied and not problem.segments
     base = _Base(problem)
-    memo = _Memo()
+    if memo is None:
+        memo = SeriesMemo()
+    else:
+        memo.next_generation()
     order = sorted(range(base.num), key=lambda i: (-problem.nodes[i].num_choices, i))
     if not order:
         return None

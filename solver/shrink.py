@@ -31,7 +31,7 @@ import time
 from solver import highs_direct
 from solver.checkpointing import contract_segments, expand_recomputed, validate_segments
 from solver.counts import ACCEPT_GAP, solve_counts
-from solver.eliminate import Eliminated, back_substitute, eliminate
+from solver.eliminate import Eliminated, SolveMemo, back_substitute, eliminate
 from solver.errors import InfeasibleError
 from solver.ilp import ZERO_GAP, resolve_backend, solve_model
 from solver.presolve import plan_objective_s, plan_peak_memory_bytes, validate
@@ -53,6 +53,7 @@ def solve(
     cutoff_s: float | None = None,
     relaxation: bool = False,
     warm_multipliers: tuple[float, float] | None = None,
+    memo: SolveMemo | None = None,
 ) -> Solution:
     """Choose one strategy per node, minimising step time within the memory budget.
 
@@ -74,6 +75,8 @@ def solve(
             the ``lagrangian_separable_multiplier`` and ``lagrangian_multiplier`` details of a
             similar problem's solution (another ZeRO configuration of the same model). Only
             the number of priced solves changes: every multiplier gives a valid bound.
+        memo: budget-free only: series products shared with earlier solves of a sequence
+            (eliminate.SolveMemo; the relaxation's pattern problems repeat most of them).
 
     Raises:
         InfeasibleBudgetError: no allowed plan fits the budget; carries the smallest that fits.
@@ -90,15 +93,20 @@ def solve(
         if problem.memory_budget_bytes is None and not any(
             seg.min_copies for seg in problem.segments
         ):  # recomputing only costs time: without a budget nothing is recomputed
-            inner = solve(dataclasses.replace(problem, segments=()), **common)
+            inner = solve(dataclasses.replace(problem, segments=()), **common, memo=memo)
             return dataclasses.replace(inner, recomputed=(0,) * len(problem.segments))
     if problem.memory_budget_bytes is None and problem.edges and not problem.segments:
         validate(problem)
         start = time.perf_counter()
-        elim = eliminate(problem)
+        elim = eliminate(problem, None if memo is None else memo.eliminate)
         if len(elim.kept) < len(problem.nodes):
             return _solve_eliminated(
-                problem, elim, time.perf_counter() - start, **common, relaxation=relaxation
+                problem,
+                elim,
+                time.perf_counter() - start,
+                **common,
+                relaxation=relaxation,
+                memo=memo,
             )
     if relax_first and _relaxation_applies(problem, gap):
         validate(problem)
@@ -118,9 +126,10 @@ def solve(
             **common,
             start_plan=start_plan,
             relaxation=relaxation and problem.memory_budget_bytes is None,
+            memo=memo if problem.memory_budget_bytes is None else None,
         )
     if problem.memory_budget_bytes is None and not problem.segments:
-        return _solve_core(problem, **common, relaxation=relaxation)
+        return _solve_core(problem, **common, relaxation=relaxation, memo=memo)
     return solve_model(problem, **common, start_plan=start_plan)
 
 
@@ -147,6 +156,7 @@ def _solve_eliminated(
     gap: float,
     msg: bool,
     relaxation: bool = False,
+    memo: SolveMemo | None = None,
 ) -> Solution:
     """Solve what elimination (solver/eliminate.py) left and substitute back."""
     if elim.problem.nodes:
@@ -158,6 +168,7 @@ def _solve_eliminated(
             gap=gap,
             msg=msg,
             relaxation=relaxation,
+            memo=memo,
         )
     else:
         inner = Solution(
@@ -196,12 +207,14 @@ def _solve_core(
     gap: float,
     msg: bool,
     relaxation: bool = False,
+    memo: SolveMemo | None = None,
 ) -> Solution:
     """What elimination left of a budget-free problem (no ties): pruned by bounds first when
     its edge tables are large (solver/prune.py: exact, every optimal plan survives), then the
     ILP on the strategies left, started from the pruning's plan."""
     start = time.perf_counter()
-    pruned = prune(problem) if edge_entries(problem) > PRUNE_MIN_ENTRIES else None
+    big = edge_entries(problem) > PRUNE_MIN_ENTRIES
+    pruned = prune(problem, None if memo is None else memo.prune) if big else None
     if pruned is None:
         return solve_model(
             problem,
@@ -313,6 +326,7 @@ def _solve_tied(
     msg: bool,
     start_plan: tuple[int, ...] | None = None,
     relaxation: bool = False,
+    memo: SolveMemo | None = None,
 ) -> Solution:
     """Solve the contracted problem (solver/tying.py) and expand its choices to every node.
     ``start_plan``: a plan whose tie classes choose alike, mapped onto the contracted nodes."""
@@ -341,6 +355,7 @@ def _solve_tied(
         relax_first=False,
         start_plan=inner_start,
         relaxation=relaxation,
+        memo=memo,
     )
     choices = expand(contracted, inner.choices)
     recomputed = expand_recomputed(problem, groups, inner.recomputed) if problem.segments else ()
