@@ -27,8 +27,8 @@ def test_tiny_llama_plan_is_the_same_with_every_core_pruned(
     pruned_cores = []
     original = solver.shrink.prune
 
-    def counting(problem):
-        out = original(problem)
+    def counting(problem, *args, **kwargs):
+        out = original(problem, *args, **kwargs)
         pruned_cores.append(out is not None)
         return out
 
