@@ -220,5 +220,9 @@ def priced_bound(
         relaxation=True,
     )
     constant = problem.memory_offset_bytes + transient_floor(problem) - budget
-    fitted = fit_recompute(problem, free.choices)
+    choices = free.choices
+    # The plan decoded from the LP relaxation may split a tie class (tied nodes choosing
+    # differently): not a plan of the problem, so it proves nothing.
+    alike = all(len({choices[i] for i in members}) == 1 for members in problem.tied)
+    fitted = fit_recompute(problem, choices) if alike else None
     return free.bound_s + multiplier * constant, None if fitted is None else fitted[1]
