@@ -199,11 +199,19 @@ class ConfigurationSolver:
     def priced_bound(
         self, zero: ZeroConfig, budget: float, multiplier: float
     ) -> tuple[float, float | None]:
-        """solver.budgeted.priced_bound of ``zero``'s budgeted problem: a lower bound on its
+        """solver.budgeted.priced_bound of ``zero``'s budgeted problem (not kept): a lower bound on its
         step under the budget (at the tightest tie level; valid whatever the multiplier), and
         the step of a plan that fits, if the priced plan does (None: feasibility unknown)."""
+        # Built for the bound and dropped (the solve, if any, builds it again): the planner
+        # holds one configuration's budgeted problem at a time, not all of them.
+        prepared = self._prepared.get((zero, budget))
+        problem = (
+            prepared[1]
+            if prepared is not None
+            else self._prepare(zero, budget=budget, spec=None, tied=self.tied)[1]
+        )
         return priced_bound(
-            self.budgeted_problem(zero, budget),
+            problem,
             multiplier,
             backend=self.options.solver,
             time_limit_s=self.options.time_limit_s,

@@ -47,12 +47,22 @@ class Searched:
 
 
 def bounded(
-    configurations: ConfigurationSolver, zeros: Sequence[ZeroConfig], budget: float
+    configurations: ConfigurationSolver,
+    zeros: Sequence[ZeroConfig],
+    budget: float,
+    report: Callable[[str], None] = lambda line: None,
 ) -> list[tuple[ZeroConfig, Solved]]:
     """Each ZeRO configuration with its budget-free solve, most promising first: those whose
     budget-free plan fits (solved already: they give the best plan to beat before any budgeted
     solve), then by their budget-free bound (the Lagrangian bound at multiplier 0)."""
-    solved = [(zero, configurations.solve(zero, name="auto", budget=None)) for zero in zeros]
+    solved = []
+    for zero in zeros:
+        start = time.perf_counter()
+        solved.append((zero, configurations.solve(zero, name="auto", budget=None)))
+        report(
+            f"ZeRO {zero.label(configurations.space.mesh.axis_names)} budget-free: bound "
+            f"{solved[-1][1].solution.bound_s * 1e3:.3f} ms, {time.perf_counter() - start:.1f} s"
+        )
     return sorted(
         solved,
         key=lambda pair: (
@@ -67,6 +77,34 @@ def _as_zero(configurations: ConfigurationSolver, solved: Solved, zero: ZeroConf
     layouts and segments, priced under ``zero``."""
     ev = with_segments(evaluate(configurations.space, solved.choice, zero), solved.segments)
     return dataclasses.replace(solved, zero=zero, evaluation=ev)
+
+
+def _fingerprint(problem: solver.Problem) -> int | None:
+    """A hash of the whole problem (None where something in it cannot be hashed): kept instead
+    of the problem itself, which is about 0.2 GB on the llama3-70b b256 row."""
+    try:
+        return hash(problem)
+    except TypeError:
+        return None
+
+
+def _same_problem(
+    configurations: ConfigurationSolver,
+    problem: solver.Problem,
+    solved: list[tuple[int | None, Solved]],
+    budget: float,
+) -> Solved | None:
+    """The answer of a configuration solved before whose problem equals ``problem``: the
+    fingerprints first, then the earlier problem built again and compared in full (so a hash
+    collision never merges two problems)."""
+    fingerprint = _fingerprint(problem)
+    if fingerprint is None:
+        return None
+    for other_fingerprint, other in solved:
+        if other_fingerprint == fingerprint:
+            if configurations.budgeted_problem(other.zero, budget) == problem:
+                return other
+    return None
 
 
 def _zero_entry(zero: ZeroConfig) -> dict[str, Any]:
@@ -90,11 +128,13 @@ def search_budgeted(
     """The fastest configuration of ``zeros`` under ``budget`` (see the module docstring)."""
     names = configurations.space.mesh.axis_names
     ordered: list[tuple[ZeroConfig, Solved | None]] = (
-        list(bounded(configurations, zeros, budget)) if gap > 0 else [(z, None) for z in zeros]
+        list(bounded(configurations, zeros, budget, report))
+        if gap > 0
+        else [(z, None) for z in zeros]
     )
     out = Searched(best=None)
     pre: dict[ZeroConfig, float] = {}  # bounds at the best configuration's multiplier
-    solved_problems: list[tuple[solver.Problem, Solved]] = []
+    solved_problems: list[tuple[int | None, Solved]] = []  # (fingerprint, answer)
     k = 0
     while k < len(ordered):
         zero, free_z = ordered[k]
@@ -118,7 +158,7 @@ def search_budgeted(
             what = "budget-free fits"
         else:
             problem = configurations.budgeted_problem(zero, budget)
-            same = next((s for p, s in solved_problems if p == problem), None)
+            same = _same_problem(configurations, problem, solved_problems, budget)
             if same is not None:
                 solved, what = (
                     _as_zero(configurations, same, zero),
@@ -148,7 +188,9 @@ def search_budgeted(
                         }
                     )
                     continue
-                solved_problems.append((problem, solved))
+                solved_problems.append((_fingerprint(problem), solved))
+            del problem
+            configurations.release()  # one configuration's problem held at a time
         out.log.append(log_entry(solved))
         out.bounds.append(max(solved.solution.bound_s, pre.get(zero, -math.inf)))
         details = solved.solution.details
