@@ -196,14 +196,22 @@ def priced_bound(
     time_limit_s: float | None = None,
     msg: bool = False,
 ) -> tuple[float, float | None]:
-    """D(multiplier) of ``problem``'s separable Lagrangian (solver/lagrangian.py ``priced``):
-    one priced budget-free solve. By weak duality it is a lower bound on ``problem``'s
-    budgeted optimum at EVERY multiplier >= 0, wherever the multiplier came from (another ZeRO
-    configuration's search included), so a caller may skip a problem whose D already reaches
-    the best plan found elsewhere. Returns (the bound, the step time of the priced plan with
-    its fastest recomputation when it fits the budget, else None: a plan that fits proves
-    the problem feasible)."""
-    from solver.lagrangian import fit_recompute, priced, transient_floor
+    """D(multiplier) of ``problem``'s Lagrangian dual (solver/lagrangian.py): the pattern D
+    where the problem has recompute patterns or count patterns (one priced solve per pattern
+    that pattern_dual does not prune), else the separable D (one priced solve). By weak
+    duality either is a lower bound on ``problem``'s budgeted optimum at EVERY multiplier >= 0,
+    wherever the multiplier came from (another ZeRO configuration's search included), so a
+    caller may skip a problem whose D already reaches the best plan found elsewhere. Returns
+    (the bound, the step time of a priced plan with its fastest recomputation when one fits the
+    budget, else None: a plan that fits proves the problem feasible)."""
+    from solver.count_patterns import count_patterns
+    from solver.lagrangian import (
+        _phase_two,  # the relaxation's pattern-phase evaluation, at one multiplier
+        fit_recompute,
+        priced,
+        recompute_patterns,
+        transient_floor,
+    )
     from solver.shrink import solve
 
     budget = problem.memory_budget_bytes
@@ -211,18 +219,36 @@ def priced_bound(
         raise ValueError(
             f"priced_bound needs a budgeted problem and a multiplier >= 0, got {multiplier}"
         )
-    free = solve(
-        priced(problem, multiplier),
-        backend=backend,
-        time_limit_s=time_limit_s,
-        gap=0.0,
-        msg=msg,
-        relaxation=True,
-    )
+    memo = SolveMemo()
+
+    def solve_free(priced_problem: Problem) -> tuple[tuple[int, ...], float, float]:
+        free = solve(
+            priced_problem,
+            backend=backend,
+            time_limit_s=time_limit_s,
+            gap=0.0,
+            msg=msg,
+            relaxation=True,
+            memo=memo,
+        )
+        return free.choices, free.objective_s, free.bound_s
+
     constant = problem.memory_offset_bytes + transient_floor(problem) - budget
-    choices = free.choices
-    # The plan decoded from the LP relaxation may split a tie class (tied nodes choosing
-    # differently): not a plan of the problem, so it proves nothing.
-    alike = all(len({choices[i] for i in members}) == 1 for members in problem.tied)
-    fitted = fit_recompute(problem, choices) if alike else None
-    return free.bound_s + multiplier * constant, None if fitted is None else fitted[1]
+    patterns = recompute_patterns(problem)
+    counted = None if patterns is not None else count_patterns(problem)
+    if patterns is None and counted is None:
+        choices, _, lower = solve_free(priced(problem, multiplier))
+        plans = [choices]
+    else:
+        patterns = patterns if counted is None else counted.patterns
+        found = _phase_two(problem, counted, multiplier, solve_free, patterns, None, {}, -math.inf)
+        lower, plans = found.lower, found.plans
+    steps = []
+    for choices in plans:
+        # A plan decoded from an LP relaxation may split a tie class (tied nodes choosing
+        # differently): not a plan of the problem, so it proves nothing.
+        if all(len({choices[i] for i in members}) == 1 for members in problem.tied):
+            fitted = fit_recompute(problem, choices)
+            if fitted is not None:
+                steps.append(fitted[1])
+    return lower + multiplier * constant, min(steps, default=None)

@@ -5,7 +5,7 @@ Every configuration's budget-free optimum is a lower bound on its step under any
 Lagrangian dual at multiplier 0). At a gap > 0 the search also bounds each configuration at
 the multiplier where the best configuration's relaxation ended: by weak duality D_c(lam) is a
 lower bound on c's budgeted optimum at EVERY lam >= 0 of c's own priced problem, wherever lam
-came from (solver.budgeted.priced_bound: one priced solve). A configuration whose bound is
+came from (solver.budgeted.priced_bound: the pattern D, a few priced solves). A configuration whose bound is
 within the gap of the best plan found cannot improve it by more than the gap and is skipped;
 the others are solved most promising first (lowest bound), each with the best plan as its
 cutoff. Configurations whose budgeted problems are equal (the same solver.Problem after ZeRO
@@ -225,13 +225,13 @@ def _bound_the_rest(
     report: Callable[[str], None],
 ) -> None:
     """Bound each configuration after position ``k`` that needs a budgeted solve at the new
-    best plan's separable multiplier (one priced solve each), then order them by bound, lowest
+    best plan's multiplier (solver.budgeted.priced_bound: the pattern D there), then order them by bound, lowest
     first (``ordered`` is changed in place). A bound counts only where the priced plan fits the
     budget: that proves the tightest tie level feasible, so the configuration's answer is
     solved at that level and the bound is over it (an infeasible level falls back to looser
     ones, which the bound does not cover)."""
     assert out.best is not None and out.best.warm_multipliers is not None
-    multiplier = out.best.warm_multipliers[0]
+    multiplier = out.best.warm_multipliers[1]  # where its relaxation's best bound was
     names = configurations.space.mesh.axis_names
     for zero, free_z in ordered[k:]:
         if free_z is not None and free_z.evaluation.peak_memory_bytes <= budget:
