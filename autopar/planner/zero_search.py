@@ -3,10 +3,10 @@ and which are skipped unsolved (issue 16 item 2).
 
 Every configuration's budget-free optimum is a lower bound on its step under any budget (the
 Lagrangian dual at multiplier 0). At a gap > 0 the search also bounds each configuration at
-the multiplier where the best configuration's relaxation ended: by weak duality D_c(lam) is a
-lower bound on c's budgeted optimum at EVERY lam >= 0 of c's own priced problem, wherever lam
-came from (solver.budgeted.priced_bound: the pattern D, a few priced solves). A configuration whose bound is
-within the gap of the best plan found cannot improve it by more than the gap and is skipped;
+the multiplier where the best configuration's relaxation found its bound: by weak duality
+D_c(lam) is a lower bound on c's budgeted optimum at EVERY lam >= 0 of c's own priced problem,
+wherever lam came from (solver.budgeted.priced_bound: the pattern D, a few priced solves). A
+configuration whose bound is within the gap of the best plan found cannot improve it by more than the gap and is skipped;
 the others are solved most promising first (lowest bound), each with the best plan as its
 cutoff. Configurations whose budgeted problems are equal (the same solver.Problem after ZeRO
 pricing) are solved once, at any gap: equal problems have equal answers.
