@@ -171,6 +171,7 @@ def search_budgeted(
                         zero, name="auto", budget=budget, cutoff_s=cutoff, warm_from=best
                     )
                 except solver.InfeasibleBudgetError as e:
+                    configurations.release()
                     out.min_needed = min(out.min_needed, e.min_budget_bytes)
                     out.log.append(
                         {
