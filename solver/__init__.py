@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 from solver.brute_force import brute_force
-from solver.errors import InfeasibleBudgetError, InfeasibleError, SolverTimeoutError
+from solver.errors import (
+    InfeasibleBudgetError,
+    InfeasibleError,
+    SolverStoppedError,
+    SolverTimeoutError,
+)
 from solver.ilp import BACKENDS
 from solver.presolve import plan_objective_s, plan_peak_memory_bytes
 from solver.problem import Edge, Node, Problem, Solution
@@ -17,6 +22,7 @@ __all__ = [
     "Node",
     "Problem",
     "Solution",
+    "SolverStoppedError",
     "SolverTimeoutError",
     "brute_force",
     "plan_objective_s",

@@ -10,7 +10,7 @@ import math
 import time
 
 from solver.eliminate import SolveMemo
-from solver.errors import InfeasibleError
+from solver.errors import InfeasibleError, SolverStoppedError, stop_code
 from solver.ilp import ZERO_GAP, resolve_backend
 from solver.presolve import plan_objective_s, plan_peak_memory_bytes
 from solver.problem import Problem, Solution
@@ -88,14 +88,20 @@ def solve_relaxed(
             msg=msg,
             floors=found.pattern_lowers,
         )
-        if exact is None:  # no plan of this problem costs at most the limit
+        if "mip_stopped" in details:
+            pass  # the MIP proved nothing: the relaxation's plan and bound stand
+        elif exact is None:  # no plan of this problem costs at most the limit
             bound = max(bound, limit)
             if bound >= stop_at:
                 cut_off = True
         else:
             num_variables, num_constraints = exact.num_variables, exact.num_constraints
-            # Every plan outside what the fixing kept costs more than the limit.
-            bound = max(bound, min(exact.bound_s, limit))
+            # Every plan outside what the fixing kept costs more than the limit. A MIP stopped
+            # early with a plan but no dual bound reports its plan as its bound ('feasible' at
+            # gap 0, solver/ilp.py): no proof, so the relaxation's bound stands.
+            proven = exact.status == "optimal" or exact.gap > 0.0
+            if proven:
+                bound = max(bound, min(exact.bound_s, limit))
             if exact.objective_s < objective:
                 choices = tuple(k[c] for k, c in zip(keep, exact.choices, strict=True))
                 recomputed = exact.recomputed
@@ -138,8 +144,10 @@ def _fixed_mip(
 ) -> tuple[Solution | None, tuple[tuple[int, ...], ...]]:
     """The budgeted MIP over the strategies that reduced-cost fixing at the relaxation's
     multiplier leaves for plans costing at most ``limit`` (solver/fixing.py; ``plan``, a
-    plan within it, is kept and starts the MIP): its solution (in the restricted problem's strategy indices) and the
-    strategies kept per node. None: no plan costs at most ``limit``. ``counted``: the count
+    plan within it, is kept and starts the MIP): its solution (in the restricted problem's
+    strategy indices) and the strategies kept per node. None: no plan costs at most ``limit``,
+    or (``details["mip_stopped"]`` set, solver.errors.stop_code) the MIP stopped without a
+    plan (out of memory, time or iterations) and proved nothing. ``counted``: the count
     patterns the relaxation used (solver/count_patterns.py), or None; ``floors``: its lower
     bound per pattern at ``multiplier`` (Relaxed.pattern_lowers), or None."""
     from solver.fixing import fix, restrict_budgeted
@@ -170,6 +178,77 @@ def _fixed_mip(
         )
     except InfeasibleError:  # InfeasibleBudgetError included
         return None, keep
+    except SolverStoppedError as stop:
+        # Out of memory, time or iterations before any plan: nothing is proven about the plans
+        # the fixing kept, so the caller keeps the relaxation's plan and bound (and says so).
+        details["mip_stopped"] = stop_code(stop.reason)
+        return None, keep
     details.update(exact.details)
     details["lagrangian_then_mip"] = 1.0
     return exact, keep
+
+
+def priced_bound(
+    problem: Problem,
+    multiplier: float,
+    *,
+    backend: str = "highs",
+    time_limit_s: float | None = None,
+    msg: bool = False,
+) -> tuple[float, float | None]:
+    """D(multiplier) of ``problem``'s Lagrangian dual (solver/lagrangian.py): the pattern D
+    where the problem has recompute patterns or count patterns (one priced solve per pattern
+    that pattern_dual does not prune), else the separable D (one priced solve). By weak
+    duality either is a lower bound on ``problem``'s budgeted optimum at EVERY multiplier >= 0,
+    wherever the multiplier came from (another ZeRO configuration's search included), so a
+    caller may skip a problem whose D already reaches the best plan found elsewhere. Returns
+    (the bound, the step time of a priced plan with its fastest recomputation when one fits the
+    budget, else None: a plan that fits proves the problem feasible)."""
+    from solver.count_patterns import count_patterns
+    from solver.lagrangian import (
+        _phase_two,  # the relaxation's pattern-phase evaluation, at one multiplier
+        fit_recompute,
+        priced,
+        recompute_patterns,
+        transient_floor,
+    )
+    from solver.shrink import solve
+
+    budget = problem.memory_budget_bytes
+    if budget is None or multiplier < 0.0:
+        raise ValueError(
+            f"priced_bound needs a budgeted problem and a multiplier >= 0, got {multiplier}"
+        )
+    memo = SolveMemo()
+
+    def solve_free(priced_problem: Problem) -> tuple[tuple[int, ...], float, float]:
+        free = solve(
+            priced_problem,
+            backend=backend,
+            time_limit_s=time_limit_s,
+            gap=0.0,
+            msg=msg,
+            relaxation=True,
+            memo=memo,
+        )
+        return free.choices, free.objective_s, free.bound_s
+
+    constant = problem.memory_offset_bytes + transient_floor(problem) - budget
+    patterns = recompute_patterns(problem)
+    counted = None if patterns is not None else count_patterns(problem)
+    if patterns is None and counted is None:
+        choices, _, lower = solve_free(priced(problem, multiplier))
+        plans = [choices]
+    else:
+        patterns = patterns if counted is None else counted.patterns
+        found = _phase_two(problem, counted, multiplier, solve_free, patterns, None, {}, -math.inf)
+        lower, plans = found.lower, found.plans
+    steps = []
+    for choices in plans:
+        # A plan decoded from an LP relaxation may split a tie class (tied nodes choosing
+        # differently): not a plan of the problem, so it proves nothing.
+        if all(len({choices[i] for i in members}) == 1 for members in problem.tied):
+            fitted = fit_recompute(problem, choices)
+            if fitted is not None:
+                steps.append(fitted[1])
+    return lower + multiplier * constant, min(steps, default=None)

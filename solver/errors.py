@@ -53,5 +53,50 @@ def _rebuild_budget_error(
     )
 
 
-class SolverTimeoutError(RuntimeError):
+class SolverStoppedError(RuntimeError):
+    """The solver stopped before it found any plan: its memory ran out (HiGHS has no memory
+    option; it reports "Memory limit reached"), a limit was reached or it was interrupted.
+
+    ``reason`` is the backend's status in words ("Memory limit reached", "Time limit
+    reached", ...), so a caller can say why without parsing the message.
+    """
+
+    def __init__(self, message: str, reason: str = "stopped") -> None:
+        super().__init__(message)
+        self.reason = reason
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.args[0], self.reason))
+
+
+class SolverTimeoutError(SolverStoppedError):
     """The time limit ran out before the solver found any plan."""
+
+    def __init__(self, message: str, reason: str = "Time limit reached") -> None:
+        super().__init__(message, reason)
+
+
+STOP_REASONS = (
+    "Memory limit reached",
+    "Time limit reached",
+    "Interrupted",
+    "Iteration limit reached",
+    "Solution limit reached",
+)
+"""The reasons a MIP stops early, numbered for ``Solution.details["mip_stopped"]`` (a float:
+the index here, or len(STOP_REASONS) for any other)."""
+
+
+def stop_code(reason: str) -> float:
+    """``reason``'s number in :data:`STOP_REASONS` (HiGHS's words, case and "by user" aside)."""
+    words = reason.lower()
+    for k, known in enumerate(STOP_REASONS):
+        if known.split()[0].lower() in words:
+            return float(k)
+    return float(len(STOP_REASONS))
+
+
+def stop_reason(code: float) -> str:
+    """The words of a ``details["mip_stopped"]`` code."""
+    k = int(code)
+    return STOP_REASONS[k].lower() if 0 <= k < len(STOP_REASONS) else "stopped early"

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from solver.errors import SolverStoppedError
 from solver.presolve import Reduced
 from solver.problem import Problem
 from solver.rows import build_rows
@@ -288,7 +289,12 @@ def run(
     elif time_limit_s is not None and status in (ms.kTimeLimit, ms.kInterrupt):
         return DirectOutcome(status="timeout", bound=None, values=None)
     else:
-        raise RuntimeError(f"highs stopped without a plan: {h.modelStatusToString(status)}")
+        reason = h.modelStatusToString(status)
+        raise SolverStoppedError(
+            f"highs stopped without a plan: {reason} ({model.num_variables:,} variables); "
+            f"raise the gap (--gap), set --time-limit, or plan on a machine with more memory",
+            reason,
+        )
     bound = info.mip_dual_bound
     if relaxation and kind == "optimal":
         bound = info.objective_function_value  # the LP's optimum: below every integer plan

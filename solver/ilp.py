@@ -77,7 +77,12 @@ from dataclasses import dataclass
 import pulp
 
 from solver import highs_direct
-from solver.errors import InfeasibleBudgetError, InfeasibleError, SolverTimeoutError
+from solver.errors import (
+    InfeasibleBudgetError,
+    InfeasibleError,
+    SolverStoppedError,
+    SolverTimeoutError,
+)
 from solver.presolve import (
     Reduced,
     plan_objective_s,
@@ -202,7 +207,12 @@ def _run(
         return _Outcome(status="infeasible", bound=None)
     if lp.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
         if time_limit_s is None:
-            raise RuntimeError(f"{backend} stopped without a plan: {pulp.LpStatus[lp.status]}")
+            reason = pulp.LpStatus[lp.status]
+            raise SolverStoppedError(
+                f"{backend} stopped without a plan: {reason}; raise the gap (--gap), set "
+                f"--time-limit, or plan on a machine with more memory",
+                reason,
+            )
         return _Outcome(status="timeout", bound=None)
     status = "optimal" if lp.sol_status == pulp.LpSolutionOptimal else "feasible"
     objective = pulp.value(lp.objective) or 0.0

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import solver
+from autopar.errors import PlanningError
 from autopar.options import PlanOptions
 from autopar.planner.checkpointing import (
     Candidate,
@@ -36,6 +37,8 @@ from autopar.planner.problem import (
 )
 from autopar.planner.recipes import RecipeSpec
 from autopar.planner.tying import repeated_blocks
+from solver.budgeted import priced_bound
+from solver.errors import stop_reason
 from solver.parallel import solve_all
 
 Ties = Sequence[tuple[tuple[int, ...], ...]]
@@ -111,6 +114,9 @@ class ConfigurationSolver:
         self._candidates = candidates
         self.memo = ProblemMemo()
         """Nodes and edge matrices converted for one configuration, reused by the others."""
+        self.notes: list[str] = []
+        """What the plan's warnings should say about the solves (a MIP stopped early)."""
+        self._prepared: dict[tuple[ZeroConfig, float], tuple[BuiltProblem, solver.Problem]] = {}
 
     @property
     def candidates(self) -> tuple[Candidate, ...]:
@@ -144,7 +150,11 @@ class ConfigurationSolver:
             solver.InfeasibleBudgetError: nothing fits even untied (``min_budget_bytes`` set).
         """
         tied = self.tied if tied is None else tied
-        built, problem = self._prepare(zero, budget=budget, spec=spec, tied=tied)
+        key = (zero, budget)
+        if spec is None and budget is not None and tied is self.tied and key in self._prepared:
+            built, problem = self._prepared[key]  # budgeted_problem built it already
+        else:
+            built, problem = self._prepare(zero, budget=budget, spec=spec, tied=tied)
         try:
             solution = solver.solve(
                 problem,
@@ -154,6 +164,12 @@ class ConfigurationSolver:
                 cutoff_s=cutoff_s,
                 warm_multipliers=None if warm_from is None else warm_from.warm_multipliers,
             )
+        except solver.SolverStoppedError as stop:
+            raise PlanningError(
+                f"{name}, ZeRO {zero.label(self.space.mesh.axis_names)}: the solver stopped "
+                f"without a plan ({stop.reason}, {len(problem.nodes):,} nodes); give it a larger "
+                f"gap (--gap), a time limit (--time-limit) or more memory"
+            ) from None
         except solver.InfeasibleBudgetError:
             if not tied:
                 raise
@@ -167,6 +183,39 @@ class ConfigurationSolver:
                 warm_from=warm_from,
             )
         return self._finish(zero, name, built, problem, solution)
+
+    def budgeted_problem(self, zero: ZeroConfig, budget: float) -> solver.Problem:
+        """The solver problem of ``zero`` under ``budget`` at the tightest tie level, built once
+        and kept for :meth:`solve` until :meth:`release`."""
+        key = (zero, budget)
+        if key not in self._prepared:
+            self._prepared[key] = self._prepare(zero, budget=budget, spec=None, tied=self.tied)
+        return self._prepared[key][1]
+
+    def release(self) -> None:
+        """Drop the problems :meth:`budgeted_problem` keeps (the planner's memory)."""
+        self._prepared.clear()
+
+    def priced_bound(
+        self, zero: ZeroConfig, budget: float, multiplier: float
+    ) -> tuple[float, float | None]:
+        """solver.budgeted.priced_bound of ``zero``'s budgeted problem (not kept): a lower bound on its
+        step under the budget (at the tightest tie level; valid whatever the multiplier), and
+        the step of a plan that fits, if the priced plan does (None: feasibility unknown)."""
+        # Built for the bound and dropped (the solve, if any, builds it again): the planner
+        # holds one configuration's budgeted problem at a time, not all of them.
+        prepared = self._prepared.get((zero, budget))
+        problem = (
+            prepared[1]
+            if prepared is not None
+            else self._prepare(zero, budget=budget, spec=None, tied=self.tied)[1]
+        )
+        return priced_bound(
+            problem,
+            multiplier,
+            backend=self.options.solver,
+            time_limit_s=self.options.time_limit_s,
+        )
 
     def solve_many(
         self, jobs: Sequence[tuple[str, ZeroConfig, RecipeSpec | None, float | None]]
@@ -279,14 +328,24 @@ class ConfigurationSolver:
         # With a gap to spend (issue 16), a joint plan already within it of its bound is the
         # answer: its bound is over the plans whose tied layers choose alike, the class the
         # joint problem is defined on (solver.Problem.tied), so the mixing re-solve is skipped.
+        stopped = solution.details.get("mip_stopped")
+        if stopped is not None:
+            self.notes.append(
+                f"{name}, ZeRO {zero.label(self.space.mesh.axis_names)}: the MIP after the "
+                f"Lagrangian relaxation stopped without a plan ({stop_reason(stopped)}); the "
+                f"relaxation's plan is kept, {solution.gap:.2%} above its bound "
+                f"{solution.bound_s * 1e3:.3f} ms (a larger --gap or more memory closes it)"
+            )
         counted = (
-            problem.memory_budget_bytes is not None
+            stopped is None
+            and problem.memory_budget_bytes is not None
             and bool(built.problem.tied)
             and not (options.gap > 0 and _within_gap(solution, options.gap))
         )
         if (
             problem.segments
             and options.checkpoint != "all"
+            and stopped is None  # the alternative MIP would stop the same way
             and (counted or not _within_gap(solution, options.gap))
         ):
             limit = options.time_limit_s
@@ -299,7 +358,7 @@ class ConfigurationSolver:
                 plain = solver.solve(
                     built.problem, backend=options.solver, time_limit_s=limit, gap=options.gap
                 )
-            except (solver.InfeasibleBudgetError, solver.SolverTimeoutError):
+            except (solver.InfeasibleBudgetError, solver.SolverStoppedError):
                 plain = None
             if plain is not None and plain.objective_s < solution.objective_s:
                 solution = dataclasses.replace(plain, recomputed=(0,) * len(problem.segments))

@@ -26,7 +26,6 @@ cannot disagree about what "auto" or a recipe is.
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -45,6 +44,7 @@ from autopar.planner.problem import (
 )
 from autopar.planner.recipes import BASELINE_RECIPES, RecipeSpec, recipe_spec, recipe_specs
 from autopar.planner.zero_choice import forced_zero, zero_candidates
+from autopar.planner.zero_search import search_budgeted
 
 MEMORY_RESERVE = 0.10
 """Fraction of device memory kept free by the default budget (allocator, workspaces)."""
@@ -213,7 +213,7 @@ class Driver:
             chosen=chosen,
             baselines=baselines,
             log=log,
-            notes=list(self.notes),
+            notes=[*self.notes, *dict.fromkeys(self.configurations.notes)],
             solve_s=time.perf_counter() - start,
             decision=decision,
         )
@@ -316,69 +316,19 @@ class Driver:
         log = [log_entry(free, budget_free=True)]
         if free.evaluation.peak_memory_bytes <= budget:
             return free, log
-        best: Solved | None = None
-        min_needed = math.inf
-        zeros = zero_candidates(mesh.ndim, mesh.shape)
-        # At gap 0 every configuration is solved under the budget in order, as before issue 16
-        # (the stored plans pin that path); with a gap they are bounded first.
         gap = self.options.gap
-        ordered = self._bounded(zeros) if gap > 0 else [(z, None) for z in zeros]
-        bounds = []  # a lower bound of every configuration that may fit
-        for zero, free_z in ordered:
-            bound = free_z.solution.bound_s if free_z is not None else -math.inf
-            # Within the gap of the best plan found, a configuration cannot improve it by more
-            # than the gap (at gap 0: cannot improve it at all).
-            if best is not None and bound >= best.solution.objective_s * (1 - max(gap, 1e-9)):
-                log.append({**_zero_entry(zero), "status": "skipped", "bound_s": bound})
-                self._report(f"skip ZeRO {zero.label(mesh.axis_names)}: bound {bound:.4g} s")
-                bounds.append(bound)
-                continue
-            if free_z is not None and free_z.evaluation.peak_memory_bytes <= budget:
-                solved = free_z  # its budget-free optimum fits: the optimum under the budget
-            else:
-                # The best plan so far is a cutoff (solver.solve cutoff_s: the relaxation stops
-                # once it proves this configuration cannot beat it by the gap), and where its
-                # relaxation ended starts this one's (fewer priced solves; bounds stay valid).
-                cutoff = best.evaluation.step_s if best is not None and gap > 0 else None
-                try:
-                    solved = self.configurations.solve(
-                        zero, name="auto", budget=budget, cutoff_s=cutoff, warm_from=best
-                    )
-                except solver.InfeasibleBudgetError as e:
-                    min_needed = min(min_needed, e.min_budget_bytes)
-                    log.append(
-                        {
-                            **_zero_entry(zero),
-                            "status": "infeasible",
-                            "min_budget_bytes": float(e.min_budget_bytes),
-                        }
-                    )
-                    continue
-            log.append(log_entry(solved))
-            bounds.append(solved.solution.bound_s)
-            if best is None or solved.evaluation.step_s < best.evaluation.step_s * (1 - 1e-9):
-                best = solved
-        if best is None:
-            raise budget_error(budget, min_needed, "any ZeRO stage")
-        return (_with_bound(best, min(bounds)) if gap > 0 else best), log
-
-    def _bounded(self, zeros: Sequence[ZeroConfig]) -> list[tuple[ZeroConfig, Solved]]:
-        """Each ZeRO configuration with its budget-free solve, most promising first: the
-        budget-free optimum is the Lagrangian bound at multiplier 0 (solver/lagrangian.py), a
-        lower bound on the configuration's step time under any budget, so a configuration
-        whose bound is not below the best plan found cannot win and is skipped unsolved."""
-        bounded = [
-            (zero, self.configurations.solve(zero, name="auto", budget=None)) for zero in zeros
-        ]
-        # Those whose budget-free plan fits first: solved already, they give the best plan to
-        # beat before any budgeted solve.
-        return sorted(
-            bounded,
-            key=lambda pair: (
-                pair[1].evaluation.peak_memory_bytes > self.budget,
-                pair[1].solution.bound_s,
-            ),
+        found = search_budgeted(
+            self.configurations,
+            zero_candidates(mesh.ndim, mesh.shape),
+            budget=budget,
+            gap=gap,
+            report=self._report,
         )
+        log.extend(found.log)
+        best, bounds = found.best, found.bounds
+        if best is None:
+            raise budget_error(budget, found.min_needed, "any ZeRO stage")
+        return (_with_bound(best, min(bounds)) if gap > 0 else best), log
 
     def recipe_within_budget(self, recipe: str, free: Solved, *, strict: bool = True) -> Solved:
         """``free`` (the recipe solved without a budget) when it fits; else the recipe's layouts
@@ -470,15 +420,6 @@ def _with_bound(best: Solved, bound: float) -> Solved:
     return dataclasses.replace(
         best, solution=dataclasses.replace(sol, bound_s=bound, gap=max(gap, 0.0), status=status)
     )
-
-
-def _zero_entry(zero: ZeroConfig) -> dict[str, Any]:
-    """The ZeRO fields of a solver-log entry."""
-    return {
-        "zero_stage": zero.stage,
-        "zero_axes": list(zero.axes),
-        "zero_stages": list(zero.stages),
-    }
 
 
 def replicated_allowed(space: StrategySpace) -> dict[str, list[int]]:

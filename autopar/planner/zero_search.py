@@ -1,0 +1,255 @@
+"""The auto plan's ZeRO configurations under a memory budget: which are solved, in what order,
+and which are skipped unsolved (issue 16 item 2).
+
+Every configuration's budget-free optimum is a lower bound on its step under any budget (the
+Lagrangian dual at multiplier 0). At a gap > 0 the search also bounds each configuration at
+the multiplier where the best configuration's relaxation found its bound: by weak duality
+D_c(lam) is a lower bound on c's budgeted optimum at EVERY lam >= 0 of c's own priced problem,
+wherever lam came from (solver.budgeted.priced_bound: the pattern D, a few priced solves). A
+configuration whose bound is within the gap of the best plan found cannot improve it by more than the gap and is skipped;
+the others are solved most promising first (lowest bound), each with the best plan as its
+cutoff. Configurations whose budgeted problems are equal (the same solver.Problem after ZeRO
+pricing) are solved once, at any gap: equal problems have equal answers.
+
+At gap 0 every configuration is solved in order, as before issue 16 (tests/planner/stored_plans
+pin that path); only equal problems are shared.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import solver
+from autopar.planner.checkpointing import with_segments
+from autopar.planner.configurations import ConfigurationSolver, Solved, log_entry
+from autopar.planner.problem import ZeroConfig, evaluate
+
+
+@dataclass(kw_only=True, slots=True)
+class Searched:
+    """What :func:`search_budgeted` found."""
+
+    best: Solved | None
+    log: list[dict[str, Any]] = field(default_factory=list)
+    """One solver-log entry per configuration (configurations.log_entry; skipped and
+    infeasible ones as ``status`` "skipped" / "infeasible")."""
+    bounds: list[float] = field(default_factory=list)
+    """A lower bound of every configuration that may fit (skipped ones included)."""
+    min_needed: float = math.inf
+    """The smallest budget any infeasible configuration reported."""
+    stats: list[dict[str, Any]] = field(default_factory=list)
+    """Per configuration: label, what happened, priced solves, seconds (the progress lines)."""
+
+
+def bounded(
+    configurations: ConfigurationSolver,
+    zeros: Sequence[ZeroConfig],
+    budget: float,
+    report: Callable[[str], None] = lambda line: None,
+) -> list[tuple[ZeroConfig, Solved]]:
+    """Each ZeRO configuration with its budget-free solve, most promising first: those whose
+    budget-free plan fits (solved already: they give the best plan to beat before any budgeted
+    solve), then by their budget-free bound (the Lagrangian bound at multiplier 0)."""
+    solved = []
+    for zero in zeros:
+        start = time.perf_counter()
+        solved.append((zero, configurations.solve(zero, name="auto", budget=None)))
+        report(
+            f"ZeRO {zero.label(configurations.space.mesh.axis_names)} budget-free: bound "
+            f"{solved[-1][1].solution.bound_s * 1e3:.3f} ms, {time.perf_counter() - start:.1f} s"
+        )
+    return sorted(
+        solved,
+        key=lambda pair: (
+            pair[1].evaluation.peak_memory_bytes > budget,
+            pair[1].solution.bound_s,
+        ),
+    )
+
+
+def _as_zero(configurations: ConfigurationSolver, solved: Solved, zero: ZeroConfig) -> Solved:
+    """``solved`` (a configuration with an equal problem) as the answer for ``zero``: the same
+    layouts and segments, priced under ``zero``."""
+    ev = with_segments(evaluate(configurations.space, solved.choice, zero), solved.segments)
+    return dataclasses.replace(solved, zero=zero, evaluation=ev)
+
+
+def _fingerprint(problem: solver.Problem) -> int | None:
+    """A hash of the whole problem (None where something in it cannot be hashed): kept instead
+    of the problem itself, which is about 0.2 GB on the llama3-70b b256 row."""
+    try:
+        return hash(problem)
+    except TypeError:
+        return None
+
+
+def _same_problem(
+    configurations: ConfigurationSolver,
+    problem: solver.Problem,
+    solved: list[tuple[int | None, Solved]],
+    budget: float,
+) -> Solved | None:
+    """The answer of a configuration solved before whose problem equals ``problem``: the
+    fingerprints first, then the earlier problem built again and compared in full (so a hash
+    collision never merges two problems)."""
+    fingerprint = _fingerprint(problem)
+    if fingerprint is None:
+        return None
+    for other_fingerprint, other in solved:
+        if other_fingerprint == fingerprint:
+            if configurations.budgeted_problem(other.zero, budget) == problem:
+                return other
+    return None
+
+
+def _zero_entry(zero: ZeroConfig) -> dict[str, Any]:
+    """The ZeRO fields of a solver-log entry."""
+    return {
+        "zero_stage": zero.stage,
+        "zero_axes": list(zero.axes),
+        "zero_stages": list(zero.stages),
+    }
+
+
+# Long: one pass over the configurations with the skip rule, the sharing and the bounds in it.
+def search_budgeted(
+    configurations: ConfigurationSolver,
+    zeros: Sequence[ZeroConfig],
+    *,
+    budget: float,
+    gap: float,
+    report: Callable[[str], None],
+) -> Searched:
+    """The fastest configuration of ``zeros`` under ``budget`` (see the module docstring)."""
+    names = configurations.space.mesh.axis_names
+    ordered: list[tuple[ZeroConfig, Solved | None]] = (
+        list(bounded(configurations, zeros, budget, report))
+        if gap > 0
+        else [(z, None) for z in zeros]
+    )
+    out = Searched(best=None)
+    pre: dict[ZeroConfig, float] = {}  # bounds at the best configuration's multiplier
+    solved_problems: list[tuple[int | None, Solved]] = []  # (fingerprint, answer)
+    k = 0
+    while k < len(ordered):
+        zero, free_z = ordered[k]
+        k += 1
+        start = time.perf_counter()
+        label = zero.label(names)
+        bound = free_z.solution.bound_s if free_z is not None else -math.inf
+        bound = max(bound, pre.get(zero, -math.inf))
+        best = out.best
+        # Within the gap of the best plan found, a configuration cannot improve it by more than
+        # the gap (at gap 0: cannot improve it at all).
+        if best is not None and bound >= best.solution.objective_s * (1 - max(gap, 1e-9)):
+            out.log.append({**_zero_entry(zero), "status": "skipped", "bound_s": bound})
+            out.bounds.append(bound)
+            out.stats.append({"zero": label, "what": "skipped", "priced_solves": 0, "s": 0.0})
+            report(f"skip ZeRO {label}: bound {bound * 1e3:.3f} ms")
+            continue
+        what = "solved"
+        if free_z is not None and free_z.evaluation.peak_memory_bytes <= budget:
+            solved = free_z  # its budget-free optimum fits: the optimum under the budget
+            what = "budget-free fits"
+        else:
+            problem = configurations.budgeted_problem(zero, budget)
+            same = _same_problem(configurations, problem, solved_problems, budget)
+            if same is not None:
+                solved, what = (
+                    _as_zero(configurations, same, zero),
+                    f"same problem as {same.zero.label(names)}",
+                )
+            else:
+                cutoff = best.evaluation.step_s if best is not None and gap > 0 else None
+                try:
+                    solved = configurations.solve(
+                        zero, name="auto", budget=budget, cutoff_s=cutoff, warm_from=best
+                    )
+                except solver.InfeasibleBudgetError as e:
+                    configurations.release()
+                    out.min_needed = min(out.min_needed, e.min_budget_bytes)
+                    out.log.append(
+                        {
+                            **_zero_entry(zero),
+                            "status": "infeasible",
+                            "min_budget_bytes": float(e.min_budget_bytes),
+                        }
+                    )
+                    out.stats.append(
+                        {
+                            "zero": label,
+                            "what": "infeasible",
+                            "priced_solves": 0,
+                            "s": time.perf_counter() - start,
+                        }
+                    )
+                    continue
+                solved_problems.append((_fingerprint(problem), solved))
+            del problem
+            configurations.release()  # one configuration's problem held at a time
+        out.log.append(log_entry(solved))
+        out.bounds.append(max(solved.solution.bound_s, pre.get(zero, -math.inf)))
+        details = solved.solution.details
+        out.stats.append(
+            {
+                "zero": label,
+                "what": "cut off" if solved.solution.cut_off else what,
+                "priced_solves": int(details.get("lagrangian_solves", 0)),
+                "s": time.perf_counter() - start,
+            }
+        )
+        report(
+            f"ZeRO {label}: {out.stats[-1]['what']}, step {solved.evaluation.step_s * 1e3:.3f} ms, "
+            f"bound {solved.solution.bound_s * 1e3:.3f} ms, {out.stats[-1]['priced_solves']} "
+            f"priced solves, {out.stats[-1]['s']:.1f} s"
+        )
+        if best is None or solved.evaluation.step_s < best.evaluation.step_s * (1 - 1e-9):
+            out.best = solved
+            if gap > 0 and solved.warm_multipliers is not None:
+                _bound_the_rest(configurations, ordered, k, out, budget, pre, report)
+    configurations.release()
+    return out
+
+
+def _bound_the_rest(
+    configurations: ConfigurationSolver,
+    ordered: list[tuple[ZeroConfig, Solved | None]],
+    k: int,
+    out: Searched,
+    budget: float,
+    pre: dict[ZeroConfig, float],
+    report: Callable[[str], None],
+) -> None:
+    """Bound each configuration after position ``k`` that needs a budgeted solve at the new
+    best plan's multiplier (solver.budgeted.priced_bound: the pattern D there), then order them by bound, lowest
+    first (``ordered`` is changed in place). A bound counts only where the priced plan fits the
+    budget: that proves the tightest tie level feasible, so the configuration's answer is
+    solved at that level and the bound is over it (an infeasible level falls back to looser
+    ones, which the bound does not cover)."""
+    assert out.best is not None and out.best.warm_multipliers is not None
+    multiplier = out.best.warm_multipliers[1]  # where its relaxation's best bound was
+    names = configurations.space.mesh.axis_names
+    for zero, free_z in ordered[k:]:
+        if free_z is not None and free_z.evaluation.peak_memory_bytes <= budget:
+            continue
+        start = time.perf_counter()
+        bound, fits = configurations.priced_bound(zero, budget, multiplier)
+        if fits is not None:
+            pre[zero] = max(pre.get(zero, -math.inf), bound)
+        report(
+            f"bound ZeRO {zero.label(names)} at multiplier {multiplier:.4g}: {bound * 1e3:.3f} ms"
+            f"{'' if fits is not None else ' (its priced plan does not fit: not used)'}, "
+            f"{time.perf_counter() - start:.1f} s"
+        )
+
+    def key(pair: tuple[ZeroConfig, Solved | None]) -> tuple[bool, float]:
+        zero, free_z = pair
+        fits = free_z is not None and free_z.evaluation.peak_memory_bytes <= budget
+        return (not fits, pre.get(zero, -math.inf if free_z is None else free_z.solution.bound_s))
+
+    ordered[k:] = sorted(ordered[k:], key=key)
