@@ -231,32 +231,34 @@ def _add_edge_links_bulk(
         keys = np.full(edge.group_cost_s.shape, -1, dtype=np.int64)
         keys[g_of, h_of] = cols
         pair[k] = keys
-        for groups, node, side in (
-            (edge.src_groups, edge.src, g_of),
-            (edge.dst_groups, edge.dst, h_of),
+        for members, starts, node, side in (
+            (edge.src_members, edge.src_starts, edge.src, g_of),
+            (edge.dst_members, edge.dst_starts, edge.dst, h_of),
         ):
-            _link_rows(sink, groups, columns_of(node), side, cols)
+            _link_rows(sink, members, starts, columns_of(node), side, cols)
     return pair
 
 
 def _link_rows(
     sink: BulkSink,
-    groups: tuple[tuple[int, ...], ...],
+    members: np.ndarray,
+    starts: np.ndarray,
     x_cols: np.ndarray,
     block_group: np.ndarray,
     block_cols: np.ndarray,
 ) -> None:
-    """One row per group g: -x of g's strategies (in group order), then +e of the blocks of
-    group g (ascending column): sum e = sum x."""
-    members = np.fromiter((s for group in groups for s in group), dtype=np.int64)
-    member_group = np.repeat(np.arange(len(groups)), [len(group) for group in groups])
+    """One row per group g (``members[starts[g]:starts[g + 1]]``, presolve.PairEdge): -x of
+    g's strategies (in group order), then +e of the blocks of group g (ascending column):
+    sum e = sum x."""
+    num_groups = len(starts) - 1
+    member_group = np.repeat(np.arange(num_groups), np.diff(starts))
     row = np.concatenate([member_group, block_group])
     part = np.concatenate([np.zeros(len(members), np.int8), np.ones(len(block_cols), np.int8)])
     index = np.concatenate([x_cols[members], block_cols])
     order = np.lexsort((np.arange(len(index)), part, row))  # stable within a row
     value = np.concatenate([np.full(len(members), -1.0), np.ones(len(block_cols))])
-    starts = np.searchsorted(row[order], np.arange(len(groups)))
-    sink.row_block(starts, index[order], value[order], 0.0, 0.0)
+    row_starts = np.searchsorted(row[order], np.arange(num_groups))
+    sink.row_block(row_starts, index[order], value[order], 0.0, 0.0)
 
 
 def _add_memory(
