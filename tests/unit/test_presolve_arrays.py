@@ -1,7 +1,7 @@
 """Array presolve and bulk model building (solver/presolve.py, solver/rows.py) against their
 definitions: dominance found in one pass equals the sequential search, equal-row groups equal
-the dict grouping (and a kept edge's group arrays group_pairs' groups), and the bulk HiGHS writer builds the model that one call per column and row
-builds."""
+the dict grouping (a kept edge's group arrays hold group_pairs' groups), and the bulk HiGHS
+writer builds the model that one call per column and row builds."""
 
 from __future__ import annotations
 
