@@ -114,16 +114,16 @@ class _HighsSink:
         self.row_upper: list[np.ndarray] = []
 
     def column(self, name: str, lower: float, upper: float | None, *, integer: bool = False) -> int:
-        col = self.column_block(1, lower, highspy.kHighsInf if upper is None else upper)
-        if integer:
-            self.integer.append(col)
-        return col
+        upper = highspy.kHighsInf if upper is None else upper
+        return self.column_block(1, lower, upper, integer=integer)
 
-    def column_block(self, count: int, lower: float, upper: float) -> int:
+    def column_block(self, count: int, lower: float, upper: float, *, integer: bool = False) -> int:
         first = self.num_cols
         self.num_cols += count
         self.col_lower.append(np.full(count, lower, dtype=np.float64))
         self.col_upper.append(np.full(count, upper, dtype=np.float64))
+        if integer:
+            self.integer.extend(range(first, first + count))
         return first
 
     def row(

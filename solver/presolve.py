@@ -35,13 +35,27 @@ class PairEdge:
     dst_allowed: np.ndarray
     """Mask of the dst strategies presolve kept."""
     all_pairs_allowed: bool
-    src_groups: tuple[tuple[int, ...], ...] = ()
-    """Src strategies whose rows (costs and forbidden pairs over the dst strategies) are
-    identical, grouped; the ILP links one pair variable per (src group, dst group)."""
-    dst_groups: tuple[tuple[int, ...], ...] = ()
-    """Dst strategies whose columns are identical, grouped."""
+    src_members: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    """The src strategies kept, group after group (ascending within a group): src strategies
+    whose rows (costs and forbidden pairs over the dst strategies) are identical form a
+    group; the ILP links one pair variable per (src group, dst group)."""
+    src_starts: np.ndarray = field(default_factory=lambda: np.zeros(1, dtype=np.int64))
+    """Group g is ``src_members[src_starts[g]:src_starts[g + 1]]``."""
+    dst_members: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    """The dst strategies kept, grouped by identical columns, as ``src_members``."""
+    dst_starts: np.ndarray = field(default_factory=lambda: np.zeros(1, dtype=np.int64))
     group_cost_s: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
     """Cost of each (src group index, dst group index) block; +inf for a forbidden block."""
+
+    @property
+    def src_groups(self) -> tuple[tuple[int, ...], ...]:
+        """Per src group (in group order): its strategies, ascending."""
+        return _split(self.src_members, self.src_starts)
+
+    @property
+    def dst_groups(self) -> tuple[tuple[int, ...], ...]:
+        """Per dst group (in group order): its strategies, ascending."""
+        return _split(self.dst_members, self.dst_starts)
 
     def allows(self, s: int, t: int) -> bool:
         """Whether the pair (src strategy s, dst strategy t) is allowed and both are kept."""
@@ -258,6 +272,8 @@ def _pair_edges(
             else:
                 node_cost[u][rows] += sub[:, 0]
             continue
+        src_members, src_starts = _members(rows, row_label)
+        dst_members, dst_starts = _members(cols, col_label)
         kept.append(
             PairEdge(
                 src=u,
@@ -266,8 +282,10 @@ def _pair_edges(
                 src_allowed=allowed[u].copy(),
                 dst_allowed=allowed[v].copy(),
                 all_pairs_allowed=everything,
-                src_groups=_members(rows, row_label, len(row_first)),
-                dst_groups=_members(cols, col_label, len(col_first)),
+                src_members=src_members,
+                src_starts=src_starts,
+                dst_members=dst_members,
+                dst_starts=dst_starts,
                 group_cost_s=sub[np.ix_(row_first, col_first)],
             )
         )
@@ -287,14 +305,20 @@ def _line_groups(matrix: np.ndarray) -> tuple[np.ndarray, list[int]]:
     return rank[inverse.reshape(-1)], first[order].tolist()
 
 
-def _members(
-    strategies: np.ndarray, labels: np.ndarray, num_groups: int
-) -> tuple[tuple[int, ...], ...]:
-    """Per group (in label order): its strategies, ascending."""
+def _members(strategies: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The strategies ordered by group label (ascending within a group) and where each group
+    starts in that order (one more entry: the end)."""
     order = np.argsort(labels, kind="stable")
-    bounds = np.searchsorted(labels[order], np.arange(num_groups + 1))
-    ordered = strategies[order].tolist()
-    return tuple(tuple(ordered[bounds[g] : bounds[g + 1]]) for g in range(num_groups))
+    counts = np.bincount(labels)
+    starts = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(counts, out=starts[1:])
+    return strategies[order].astype(np.int64, copy=False), starts
+
+
+def _split(members: np.ndarray, starts: np.ndarray) -> tuple[tuple[int, ...], ...]:
+    ordered = members.tolist()
+    bounds = starts.tolist()
+    return tuple(tuple(ordered[a:b]) for a, b in zip(bounds, bounds[1:]))
 
 
 def group_pairs(

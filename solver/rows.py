@@ -54,8 +54,9 @@ class BulkSink(Protocol):
     bulk (solver/highs_direct.py): the edge links are then written with numpy, in the same
     order and with the same terms as one ``column``/``row`` call each."""
 
-    def column_block(self, count: int, lower: float, upper: float) -> int:
-        """``count`` new continuous columns; returns the first one's index."""
+    def column_block(self, count: int, lower: float, upper: float, *, integer: bool = False) -> int:
+        """``count`` new columns (continuous unless ``integer``); returns the first one's
+        index."""
         ...
 
     def row_block(
@@ -97,13 +98,16 @@ def build_rows(problem: Problem, red: Reduced, sink: Sink[K], *, minimise_peak: 
     """The time model (with the budget row if any) or the minimum-peak model (no budget row;
     minimises M0 + sum m x + T, plus the checkpoint terms, in bytes)."""
     x: dict[tuple[int, int], K] = {}
-    for i, choices in enumerate(red.allowed):
-        if len(choices) > 1:
-            for s in choices:
-                x[i, s] = sink.column(f"x_{i}_{s}", 0.0, 1.0, integer=True)
-    for i, choices in enumerate(red.allowed):
-        if len(choices) > 1:
-            sink.row(f"onehot_{i}", [(x[i, s], 1.0) for s in choices], 1.0, 1.0)
+    if isinstance(sink, BulkSink):
+        x = _add_choices_bulk(red, sink)
+    else:
+        for i, choices in enumerate(red.allowed):
+            if len(choices) > 1:
+                for s in choices:
+                    x[i, s] = sink.column(f"x_{i}_{s}", 0.0, 1.0, integer=True)
+        for i, choices in enumerate(red.allowed):
+            if len(choices) > 1:
+                sink.row(f"onehot_{i}", [(x[i, s], 1.0) for s in choices], 1.0, 1.0)
     edges = (  # edges whose pairs are all allowed cannot change the peak
         [k for k, e in enumerate(red.edges) if not e.all_pairs_allowed]
         if minimise_peak
@@ -153,6 +157,24 @@ def build_rows(problem: Problem, red: Reduced, sink: Sink[K], *, minimise_peak: 
         objective_scale=scale,
         segment_bits=bits,
     )
+
+
+def _add_choices_bulk(red: Reduced, sink: BulkSink) -> dict[tuple[int, int], int]:
+    """The x columns and one-hot rows for a BulkSink: one integer column block for every
+    node with two or more strategies (nodes in order, strategies ascending) and one CSR
+    block of their one-hot rows, the columns and rows one ``column``/``row`` call each would
+    make (a priced solve of llama-8l-2048 makes about 900 x columns)."""
+    multi = [choices for choices in red.allowed if len(choices) > 1]
+    nodes = [i for i, choices in enumerate(red.allowed) if len(choices) > 1]
+    sizes = np.array([len(choices) for choices in multi], dtype=np.int64)
+    total = int(sizes.sum())
+    first = sink.column_block(total, 0.0, 1.0, integer=True)
+    columns = range(first, first + total)
+    keys = [(i, s) for i, choices in zip(nodes, multi) for s in choices]
+    if total:
+        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        sink.row_block(starts, np.arange(first, first + total), np.ones(total), 1.0, 1.0)
+    return dict(zip(keys, columns, strict=True))
 
 
 def _add_edge_links(
@@ -209,32 +231,34 @@ def _add_edge_links_bulk(
         keys = np.full(edge.group_cost_s.shape, -1, dtype=np.int64)
         keys[g_of, h_of] = cols
         pair[k] = keys
-        for groups, node, side in (
-            (edge.src_groups, edge.src, g_of),
-            (edge.dst_groups, edge.dst, h_of),
+        for members, starts, node, side in (
+            (edge.src_members, edge.src_starts, edge.src, g_of),
+            (edge.dst_members, edge.dst_starts, edge.dst, h_of),
         ):
-            _link_rows(sink, groups, columns_of(node), side, cols)
+            _link_rows(sink, members, starts, columns_of(node), side, cols)
     return pair
 
 
 def _link_rows(
     sink: BulkSink,
-    groups: tuple[tuple[int, ...], ...],
+    members: np.ndarray,
+    starts: np.ndarray,
     x_cols: np.ndarray,
     block_group: np.ndarray,
     block_cols: np.ndarray,
 ) -> None:
-    """One row per group g: -x of g's strategies (in group order), then +e of the blocks of
-    group g (ascending column): sum e = sum x."""
-    members = np.fromiter((s for group in groups for s in group), dtype=np.int64)
-    member_group = np.repeat(np.arange(len(groups)), [len(group) for group in groups])
+    """One row per group g (``members[starts[g]:starts[g + 1]]``, presolve.PairEdge): -x of
+    g's strategies (in group order), then +e of the blocks of group g (ascending column):
+    sum e = sum x."""
+    num_groups = len(starts) - 1
+    member_group = np.repeat(np.arange(num_groups), np.diff(starts))
     row = np.concatenate([member_group, block_group])
     part = np.concatenate([np.zeros(len(members), np.int8), np.ones(len(block_cols), np.int8)])
     index = np.concatenate([x_cols[members], block_cols])
     order = np.lexsort((np.arange(len(index)), part, row))  # stable within a row
     value = np.concatenate([np.full(len(members), -1.0), np.ones(len(block_cols))])
-    starts = np.searchsorted(row[order], np.arange(len(groups)))
-    sink.row_block(starts, index[order], value[order], 0.0, 0.0)
+    row_starts = np.searchsorted(row[order], np.arange(num_groups))
+    sink.row_block(row_starts, index[order], value[order], 0.0, 0.0)
 
 
 def _add_memory(

@@ -1,7 +1,7 @@
 """Array presolve and bulk model building (solver/presolve.py, solver/rows.py) against their
 definitions: dominance found in one pass equals the sequential search, equal-row groups equal
-the dict grouping, and the bulk HiGHS writer builds the model that one call per column and row
-builds."""
+the dict grouping (a kept edge's group arrays hold group_pairs' groups), and the bulk HiGHS
+writer builds the model that one call per column and row builds."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from solver import highs_direct
-from solver.presolve import _dominated_rows, _line_groups, reduce_problem
+from solver.presolve import _dominated_rows, _line_groups, group_pairs, reduce_problem
 from solver.problem import Edge, Node, Problem, Segment, SegmentEdge
 from solver.rows import BulkSink, build_rows
 
@@ -157,3 +157,32 @@ def test_bulk_edge_links_build_the_model_of_one_call_per_row(seed: int, peak: bo
         np.add.at(dense_bulk, *bulk_rows.objective_block)
     assert dense_bulk.tolist() == dense_plain.tolist()
     assert bulk_rows.objective_scale == rows.objective_scale
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 10_000))
+def test_kept_edges_group_strategies_as_the_dict_grouping(seed: int) -> None:
+    """PairEdge's group arrays (members in group order, group starts) hold the groups that
+    group_pairs finds by identical rows and columns: in order of first appearance, each
+    ascending, with the same block costs."""
+    problem = _problem(seed)
+    try:
+        red = reduce_problem(problem)
+    except ValueError:  # forbidden pairs left a node nothing
+        return
+    for edge in red.edges:
+        rows, cols = red.allowed[edge.src], red.allowed[edge.dst]
+        pairs = {
+            (s, t): float(edge.cost_s[s, t])
+            for s in rows
+            for t in cols
+            if np.isfinite(edge.cost_s[s, t])
+        }
+        src_groups, dst_groups, block_cost = group_pairs(list(rows), list(cols), pairs)
+        assert edge.src_groups == src_groups
+        assert edge.dst_groups == dst_groups
+        assert edge.src_starts[-1] == len(rows) and edge.dst_starts[-1] == len(cols)
+        finite = np.isfinite(edge.group_cost_s)
+        assert {(int(g), int(h)) for g, h in zip(*np.nonzero(finite))} == set(block_cost)
+        for (g, h), cost in block_cost.items():
+            assert edge.group_cost_s[g, h] == cost
