@@ -279,6 +279,17 @@ class ZeroEngine:
         """All-gather chunk ``index``'s updated O-shards into its kept buffer (a collective)."""
         self.step_hook.sync_full(index)
 
+    def complete_optim_state(self, optimizer: torch.optim.Optimizer) -> None:
+        """Give the parameters this rank holds no piece of their owners' optimizer state form
+        (a collective; see :meth:`OptimizerStepHook.complete_state`)."""
+        self.step_hook.complete_state(optimizer)
+
+    def holds_none_of(self, param: torch.Tensor) -> bool:
+        """Whether ``param`` is a managed shard parameter with no element on this rank (no
+        ``.grad`` here, stepped by its owners; :mod:`autopar.runtime.zero_step`)."""
+        entry = self.store.chunk_of_param.get(id(param))
+        return entry is not None and self.store.chunks[entry[0]].slots[entry[1]].empty
+
     def remove(self) -> None:
         """Remove the engine's optimizer step hooks."""
         self.step_hook.remove()
