@@ -37,9 +37,11 @@ they did before per-axis stages existed. HSDP / ZeRO++ style is stage 3 on the i
 2 (or 1, or 0) on the inter-node one: parameters are gathered only inside a node.
 
 What the optimizer sees: one ``nn.Parameter`` per original parameter, a 1-D view of the part of
-the parameter that lies in this rank's O-shard (possibly empty). Only elementwise optimizers
-give the single-process result on such pieces (and ``autopar.optim``'s LAMB / LARS, which take
-their norms over every piece); others are refused when they step.
+the parameter that lies in this rank's O-shard (possibly empty). An empty piece gets no
+``.grad``, so the optimizer's loop skips it on this rank: each rank steps only the parameters
+its shard holds pieces of (:mod:`autopar.runtime.zero_step`, "Ownership"). Only elementwise
+optimizers give the single-process result on such pieces (and ``autopar.optim``'s LAMB / LARS,
+which take their norms over every piece); others are refused when they step.
 
 Mechanism. :func:`autopar.runtime.zero_graph.rewrite_graph` copies the lowered graph and
 inserts, before the first use of each chunk, one call of an autograd function that takes the

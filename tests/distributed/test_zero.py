@@ -26,7 +26,9 @@ continues training as one process does. bf16 mixed precision (stages 2, 3 on (2,
 bf16 tolerance of one process under autocast with fp32 weights; fp16 with dynamic loss scaling
 (stages 1, 3 on (2,)) within fp16 tolerance of one process under autocast(fp16) +
 torch.amp.GradScaler, and an inf injected on one rank skips the step on every rank and halves
-the scale.
+the scale. Ownership (``mesh4-planned/1``, stage 1, one chunk over 4 ranks): a rank's AdamW has
+a ``.grad`` and state only for the parameters its shard holds pieces of, and steps only those;
+clipping and both optimizer state dict forms still see every parameter on every rank.
 """
 
 from __future__ import annotations
