@@ -2,7 +2,10 @@
 
 The global norms they need (the norm of a whole parameter from its pieces on every rank) are
 :mod:`autopar.runtime.norms`; ``clip_grad_norm_`` and ``full_sq_norms`` are re-exported here,
-next to the optimizers that use them, as the public names.
+next to the optimizers that use them, as the public names. LAMB and LARS take the norms of
+every parameter of a group, with a ``.grad`` or not, and step those with one: under ZeRO a rank
+holds no piece (and no ``.grad``) of the parameters its shard does not reach, yet joins the
+norms' collectives for them as their owners do.
 """
 
 from __future__ import annotations
@@ -63,9 +66,13 @@ class LAMB(torch.optim.Optimizer):
         loss = closure() if closure is not None else None
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
-            params = [p for p in group["params"] if p.grad is not None]
-            updates = []
+            # Norms of every parameter of the group, stepped here or not (module docstring).
+            params = list(group["params"])
+            updates: list[Tensor | None] = []
             for p in params:
+                if p.grad is None:
+                    updates.append(None)
+                    continue
                 state = self.state[p]
                 if not state:
                     state["step"] = 0
@@ -86,6 +93,8 @@ class LAMB(torch.optim.Optimizer):
             ).sqrt()
             w_norms, u_norms = norms[: len(params)], norms[len(params) :]
             for p, update, w, u in zip(params, updates, w_norms, u_norms):
+                if update is None:
+                    continue
                 trust = (w / u).item() if w > 0 and u > 0 else 1.0
                 p.add_(update, alpha=-group["lr"] * trust)
         return loss
@@ -121,12 +130,15 @@ class LARS(torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         loss = closure() if closure is not None else None
         for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
+            # Norms of every parameter of the group, stepped here or not (module docstring).
+            params = list(group["params"])
             grads = [p.grad for p in params]
             norms = full_sq_norms(list(params) + grads, list(params) * 2, self._split_groups).sqrt()
             w_norms, g_norms = norms[: len(params)], norms[len(params) :]
             wd = group["weight_decay"]
             for p, grad, w, g in zip(params, grads, w_norms, g_norms):
+                if grad is None:
+                    continue
                 if w > 0 and g > 0:
                     trust = (group["trust_coefficient"] * w / (g + wd * w + group["eps"])).item()
                 else:
@@ -154,6 +166,9 @@ def full_optim_state_dict(pmodel: Any, optimizer: torch.optim.Optimizer) -> dict
     Scalars (such as Adam's ``step``) are copied as they are."""
     from autopar.runtime.module import gather_full
 
+    if pmodel.zero is not None:
+        # Ranks holding no piece of a parameter keep no state for it (runtime.zero_step).
+        pmodel.zero.complete_optim_state(optimizer)
     names = {id(p): n for n, p in pmodel.named_parameters()}
     params = [p for p in pmodel.parameters() if p in optimizer.state]
     keys = sorted({k for p in params for k, v in optimizer.state[p].items()})

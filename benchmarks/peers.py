@@ -213,7 +213,7 @@ def _planned_chunk_bytes(plan: dict[str, Any], model: Any, mesh: Any, zero: Any)
     pricing = ChunkPricing.on_mesh(
         shape=mesh.shape,
         links=mesh.links,
-        device_name=mesh.device.name,
+        device=mesh.device,
         stages=zero.stages,
         forward_s=compute / 3,
         backward_s=2 * compute / 3,

@@ -24,6 +24,7 @@ from cost_models.compute import (
 )
 from cost_models.hardware import (
     COLLECTIVE_KINDS,
+    COMM_BACKENDS,
     DEVICES,
     LINKS,
     DeviceSpec,
@@ -50,6 +51,7 @@ from cost_models.profile import (
 __all__ = [
     "ATTENTION_BACKWARD_FACTOR",
     "COLLECTIVE_KINDS",
+    "COMM_BACKENDS",
     "COMPUTE_BOUND_FAMILIES",
     "DEVICES",
     "ELEMENTWISE_FLOPS_PER_ELEMENT",

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
+COMM_BACKENDS = ("nccl", "gloo", "xccl", "hccl", "mpi")
+"""``torch.distributed`` backends a ``DeviceSpec.comm_backend`` may name."""
 DTYPES = ("float64", "float32", "tf32", "bfloat16", "float16", "float8")
 MAX_OP_EFFICIENCY = 8.0
 """Upper bound of a calibrated ``op_efficiency``. Above 1 means faster than the roofline built
@@ -97,6 +99,17 @@ class DeviceSpec:
     schedule's Python, on ranks that share cores. ``autopar calibrate`` measures it on CPU ranks
     with a short GPipe run; the shared-cores simulation charges it after every task. 0 for
     presets and GPUs."""
+    comm_backend: str = "nccl"
+    """The ``torch.distributed`` backend the runtime's collectives use on this device ("gloo"
+    on CPUs). On gloo the ZeRO refresh after an optimizer step is one broadcast per rank
+    straight into each piece (gloo's all-gather stages its result in a temporary and copies it
+    out; ``autopar.runtime.zero_layout.ZeroMesh.fill_flat``), elsewhere one all-gather; the
+    planner prices the refresh the way it runs."""
+    collectives_overlap_compute: bool = True
+    """Whether a collective in flight costs the compute nothing (NCCL on a GPU: its own engine
+    and link). False for gloo ranks on CPU cores, whose collectives' copies, reductions and
+    transport take the cores the compute uses (measured: README "Session 10: zero1"): the
+    planner then counts every collective as exposed."""
     step_error: float = 0.0
     """Relative error of a step time predicted with these figures: how much the calibrated
     quantities moved between repeated measurements (``cost_models.calibrate.fit_step_error``).
@@ -119,6 +132,16 @@ class DeviceSpec:
             raise ValueError(f"device {self.name!r}: kernel_overhead_s must be >= 0")
         if not self.task_wait_s >= 0:
             raise ValueError(f"device {self.name!r}: task_wait_s must be >= 0")
+        if self.comm_backend not in COMM_BACKENDS:
+            raise ValueError(
+                f"device {self.name!r}: comm_backend must be one of {', '.join(COMM_BACKENDS)}, "
+                f"got {self.comm_backend!r}"
+            )
+        if not isinstance(self.collectives_overlap_compute, bool):
+            raise ValueError(
+                f"device {self.name!r}: collectives_overlap_compute must be true or false, got "
+                f"{self.collectives_overlap_compute!r}"
+            )
         if not 0.0 <= self.step_error < 1.0:
             raise ValueError(
                 f"device {self.name!r}: step_error must be in [0, 1), got {self.step_error}"
@@ -166,6 +189,13 @@ class DeviceSpec:
             **({"busy_rank_speed": dict(self.busy_rank_speed)} if self.busy_rank_speed else {}),
             **({"step_error": self.step_error} if self.step_error else {}),
             **({"task_wait_s": self.task_wait_s} if self.task_wait_s else {}),
+            # GPU defaults are not written (preset documents and plans stay as they were).
+            **({"comm_backend": self.comm_backend} if self.comm_backend != "nccl" else {}),
+            **(
+                {"collectives_overlap_compute": False}
+                if not self.collectives_overlap_compute
+                else {}
+            ),
         }
 
     @classmethod
@@ -307,6 +337,8 @@ DEVICES: Mapping[str, DeviceSpec] = FrozenMap(
             memory_efficiency=0.7,
             kernel_overhead_s=1e-5,
             source="generic 2-core x86 CPU (assumed: 100 GFLOP/s fp32 FMA, 20 GB/s, 24 GiB)",
+            comm_backend="gloo",
+            collectives_overlap_compute=False,
         ),
         "a100": DeviceSpec(
             name="a100",
@@ -402,6 +434,13 @@ _ALIASES = {
     "ib": "infiniband",
     "gloo": "loopback",
 }
+
+
+def backend_fields(backend: str) -> dict[str, Any]:
+    """``DeviceSpec`` fields of a device whose collectives run on ``backend`` (as
+    ``autopar calibrate`` finds it): gloo ranks share the CPU cores with the compute, so their
+    collectives overlap nothing; NCCL's run on their own engine and link."""
+    return {"comm_backend": backend, "collectives_overlap_compute": backend != "gloo"}
 
 
 def get_device(name_or_spec: str | DeviceSpec) -> DeviceSpec:

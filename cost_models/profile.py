@@ -26,10 +26,12 @@ import jsonschema
 
 from cost_models.hardware import (
     COLLECTIVE_KINDS,
+    COMM_BACKENDS,
     MAX_OP_EFFICIENCY,
     DeviceSpec,
     FrozenMap,
     LinkSpec,
+    backend_fields,
 )
 
 __all__ = ["PROFILE_SCHEMA", "PROFILE_VERSION", "Profile", "load_profile", "save_profile"]
@@ -77,6 +79,8 @@ PROFILE_SCHEMA: dict[str, Any] = {
                 },
                 "step_error": {"type": "number", "minimum": 0, "exclusiveMaximum": 1},
                 "task_wait_s": _NONNEGATIVE,
+                "comm_backend": {"enum": list(COMM_BACKENDS)},
+                "collectives_overlap_compute": {"type": "boolean"},
                 "source": {"type": "string"},
             },
             "anyOf": [
@@ -179,8 +183,13 @@ def load_profile(path_or_dict: str | os.PathLike[str] | Mapping[str, Any] | Prof
     if errors:
         detail = "; ".join(_describe_error(e) for e in errors)
         raise ValueError(f"invalid {where}: {detail} (see cost_models.PROFILE_SCHEMA)")
+    device_data = data.get("device")
+    backend = data.get("meta", {}).get("backend")
+    if device_data is not None and "comm_backend" not in device_data and backend == "gloo":
+        # A calibration made before DeviceSpec.comm_backend existed: its meta names the backend.
+        device_data = {**device_data, **backend_fields(backend)}
     try:
-        device = DeviceSpec.from_dict(data["device"]) if "device" in data else None
+        device = DeviceSpec.from_dict(device_data) if device_data is not None else None
         links = {k: LinkSpec.from_dict(v) for k, v in data.get("links", {}).items()}
     except ValueError as exc:
         raise ValueError(f"invalid {where}: {exc}") from exc

@@ -143,7 +143,7 @@ def _chunk_size(
     pricing = ChunkPricing.on_mesh(
         shape=mesh.shape,
         links=mesh.links,
-        device_name=mesh.device.name,
+        device=mesh.device,
         stages=zero.stages,
         forward_s=min(forward, compute),
         backward_s=max(compute - forward, 0.0),

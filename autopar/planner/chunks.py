@@ -23,7 +23,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from cost_models import LinkSpec, collective_time_s
+from cost_models import DeviceSpec, LinkSpec, collective_time_s
 
 __all__ = [
     "CHUNK_TRANSIENTS",
@@ -80,25 +80,25 @@ class ChunkPricing:
         *,
         shape: Sequence[int],
         links: Sequence[LinkSpec],
-        device_name: str,
+        device: DeviceSpec,
         stages: Sequence[int],
         forward_s: float,
         backward_s: float,
     ) -> ChunkPricing:
         """The pricing of chunks split over the axes of ``shape`` with a stage >= 1 (and size
         > 1), in the runtime's split order (``runtime.zero_store``: stage 3 axes, then 2,
-        then 1, each in mesh-axis order)."""
+        then 1, each in mesh-axis order). Whether collectives overlap compute and how the
+        refresh runs are the device's (``DeviceSpec.collectives_overlap_compute``,
+        ``comm_backend``: set for the CPU preset and by ``autopar calibrate``)."""
         axes = [a for a, n in enumerate(shape) if n > 1 and a < len(stages) and stages[a] >= 1]
         axes.sort(key=lambda a: -stages[a])
         return cls(
             axes=tuple((int(shape[a]), links[a], int(stages[a])) for a in axes),
             forward_s=float(forward_s),
             backward_s=float(backward_s),
-            # The runtime refreshes with broadcasts on gloo (runtime.zero_layout.fill_flat):
-            # CPU devices ("cpu" and calibrated "calibrated-cpu") run gloo, whose collectives
-            # use the CPU time the compute would use (measured: README, "Session 10: zero1").
-            broadcast_refresh="cpu" in device_name,
-            overlap="cpu" not in device_name,
+            # The runtime refreshes with broadcasts on gloo (runtime.zero_layout.fill_flat).
+            broadcast_refresh=device.comm_backend == "gloo",
+            overlap=device.collectives_overlap_compute,
         )
 
     def gather_s(self, nbytes: float) -> float:

@@ -9,7 +9,10 @@ the norms are the local ones, so the same code is the single-process reference.
 
 Collectives are issued in the same order on every rank: one all-reduce per distinct group, in
 order of first appearance in the parameter list (every rank holds the same list, in the same
-order, split the same way). ``autopar.optim`` (LAMB, LARS) builds on these.
+order, split the same way). So the lists never depend on which parameters have a ``.grad``
+on this rank: under ZeRO a parameter none of whose elements lie in this rank's shard has no
+``.grad`` here (the optimizer skips it) while its owners' pieces have one; a missing gradient
+counts as zeros. ``autopar.optim`` (LAMB, LARS) builds on these.
 """
 
 from __future__ import annotations
@@ -25,13 +28,19 @@ SplitGroups = Callable[[Tensor], Sequence[Any]]
 
 
 def full_sq_norms(
-    tensors: Sequence[Tensor], params: Sequence[Tensor], split_groups: SplitGroups | None
+    tensors: Sequence[Tensor | None], params: Sequence[Tensor], split_groups: SplitGroups | None
 ) -> Tensor:
     """Squared 2-norms of the FULL tensors whose local pieces are ``tensors`` (``params[i]``
-    tells how ``tensors[i]`` is split). One fp32 value per tensor, the same on every rank."""
+    tells how ``tensors[i]`` is split; None: this rank holds nothing of it, e.g. a missing
+    gradient). One fp32 value per tensor, the same on every rank."""
     if not tensors:
         return torch.zeros(0)
-    sq = torch.stack([t.detach().float().pow(2).sum() for t in tensors])
+    sq = torch.stack(
+        [
+            torch.zeros((), device=p.device) if t is None else t.detach().float().pow(2).sum()
+            for t, p in zip(tensors, params, strict=True)
+        ]
+    )
     if split_groups is None:
         return sq
     groups_per: list[Sequence[Any]] = [tuple(split_groups(p)) for p in params]
@@ -59,11 +68,13 @@ def clip_grad_norm_(
     ``torch.nn.utils.clip_grad_norm_``, over every shard on every axis). Returns the total norm."""
     if norm_type != 2.0:
         raise ValueError(f"clip_grad_norm_ supports the 2-norm only, got norm_type={norm_type}")
-    with_grad = [p for p in params if p.grad is not None]
-    sq = full_sq_norms([p.grad for p in with_grad], with_grad, split_groups)  # type: ignore[misc]
+    # Every parameter, with or without a .grad here, so that every rank reduces the same list.
+    params = list(params)
+    sq = full_sq_norms([p.grad for p in params], params, split_groups)
     total = sq.sum().sqrt()
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     with torch.no_grad():
-        for p in with_grad:
-            p.grad.mul_(coef.to(p.grad.dtype))  # type: ignore[union-attr]
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(coef.to(p.grad.dtype))
     return total

@@ -391,28 +391,28 @@ def _store(
 # Optimizer state
 
 
-def _init_optim_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create the state of parameters that have none by a step with zero gradients and a zero
-    learning rate (as ``torch.distributed.checkpoint.state_dict`` does), so a fresh optimizer
-    has the tensors ``dcp.load`` fills. The parameters do not change."""
+def _init_optim_state(pmodel: Any, optimizer: torch.optim.Optimizer) -> None:
+    """Create missing optimizer state by a zero-learning-rate step with zero gradients (as
+    ``torch.distributed.checkpoint.state_dict`` does; parameters do not change); under ZeRO,
+    parameters this rank holds no piece of take their owners' state form (a collective)."""
     params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
-    if all(p in optimizer.state for p in params):
-        return
-    saved_lr = [g["lr"] for g in optimizer.param_groups]
-    for g in optimizer.param_groups:
-        g["lr"] = torch.tensor(0.0) if torch.is_tensor(g["lr"]) else 0.0
-    had_grad = {id(p) for p in params if p.grad is not None}
-    for p in params:
-        if p.grad is None:
+    params = [p for p in params if pmodel.zero is None or not pmodel.zero.holds_none_of(p)]
+    if any(p not in optimizer.state for p in params):
+        saved_lr = [g["lr"] for g in optimizer.param_groups]
+        for g in optimizer.param_groups:
+            g["lr"] = torch.tensor(0.0) if torch.is_tensor(g["lr"]) else 0.0
+        missing = [p for p in params if p.grad is None]
+        for p in missing:
             p.grad = torch.zeros_like(p)
-    try:
-        optimizer.step()
-    finally:
-        for g, lr in zip(optimizer.param_groups, saved_lr):
-            g["lr"] = lr
-        for p in params:
-            if id(p) not in had_grad:
+        try:
+            optimizer.step()
+        finally:
+            for g, lr in zip(optimizer.param_groups, saved_lr):
+                g["lr"] = lr
+            for p in missing:
                 p.grad = None
+    if pmodel.zero is not None:
+        pmodel.zero.complete_optim_state(optimizer)
 
 
 def sharded_optim_state_dict(pmodel: Any, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -422,7 +422,7 @@ def sharded_optim_state_dict(pmodel: Any, optimizer: torch.optim.Optimizer) -> d
     A collective; a fresh optimizer gets its state created first (zero-learning-rate step),
     so the result is also the template ``dcp.load`` fills before
     :func:`load_sharded_optim_state_dict`."""
-    _init_optim_state(optimizer)
+    _init_optim_state(pmodel, optimizer)
     layouts = _Layouts(pmodel)
     names = {id(p): n for n, p in pmodel.named_parameters()}
     params = [p for g in optimizer.param_groups for p in g["params"] if p in optimizer.state]

@@ -37,9 +37,11 @@ they did before per-axis stages existed. HSDP / ZeRO++ style is stage 3 on the i
 2 (or 1, or 0) on the inter-node one: parameters are gathered only inside a node.
 
 What the optimizer sees: one ``nn.Parameter`` per original parameter, a 1-D view of the part of
-the parameter that lies in this rank's O-shard (possibly empty). Only elementwise optimizers
-give the single-process result on such pieces (and ``autopar.optim``'s LAMB / LARS, which take
-their norms over every piece); others are refused when they step.
+the parameter that lies in this rank's O-shard (possibly empty). An empty piece gets no
+``.grad``, so the optimizer's loop skips it on this rank: each rank steps only the parameters
+its shard holds pieces of (:mod:`autopar.runtime.zero_step`, "Ownership"). Only elementwise
+optimizers give the single-process result on such pieces (and ``autopar.optim``'s LAMB / LARS,
+which take their norms over every piece); others are refused when they step.
 
 Mechanism. :func:`autopar.runtime.zero_graph.rewrite_graph` copies the lowered graph and
 inserts, before the first use of each chunk, one call of an autograd function that takes the
@@ -278,6 +280,17 @@ class ZeroEngine:
     def sync_full(self, index: int) -> None:
         """All-gather chunk ``index``'s updated O-shards into its kept buffer (a collective)."""
         self.step_hook.sync_full(index)
+
+    def complete_optim_state(self, optimizer: torch.optim.Optimizer) -> None:
+        """Give the parameters this rank holds no piece of their owners' optimizer state form
+        (a collective; see :meth:`OptimizerStepHook.complete_state`)."""
+        self.step_hook.complete_state(optimizer)
+
+    def holds_none_of(self, param: torch.Tensor) -> bool:
+        """Whether ``param`` is a managed shard parameter with no element on this rank (no
+        ``.grad`` here, stepped by its owners; :mod:`autopar.runtime.zero_step`)."""
+        entry = self.store.chunk_of_param.get(id(param))
+        return entry is not None and self.store.chunks[entry[0]].slots[entry[1]].empty
 
     def remove(self) -> None:
         """Remove the engine's optimizer step hooks."""

@@ -141,6 +141,8 @@ class GradientReducer:
         holds only zeros; else None. The rest of it is stale: the caller overwrites it."""
         base = None
         for slot, param in zip(chunk.slots, chunk.params):
+            if slot.empty:
+                continue  # no .grad here (_finish_backward)
             grad = param.grad
             if grad is None or grad._base is None:
                 return None
@@ -194,11 +196,16 @@ class GradientReducer:
                     self.mesh.axis_names[axis], lambda: dist.all_reduce(src, group=group),  # noqa: B023
                 )  # fmt: skip
             # The optimizer's gradient is the O-shard of the reduced G-shard (a view: the G-shard
-            # stays alive as the gradient storage, as the memory model counts it).
+            # stays alive as the gradient storage, as the memory model counts it). A parameter
+            # none of whose elements lie in this rank's O-shard gets no .grad: the optimizer's
+            # loop skips it here (its owners update it), as ZeroRedundancyOptimizer's ranks
+            # step only the parameters they own.
             lo = chunk.shard_in_grad
             grad_shard = chunk.reduced[lo : lo + chunk.shard_numel]
             chunk.reduced = None
             for slot, param in zip(chunk.slots, chunk.params):
+                if slot.empty:
+                    continue
                 grad = grad_shard[slot.shard_lo : slot.shard_hi]
                 if param.grad is None:
                     param.grad = grad

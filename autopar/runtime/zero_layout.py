@@ -57,6 +57,12 @@ class Slot:
     param_lo: int
     """Range of the parameter's flat elements that this rank's shard holds."""
 
+    @property
+    def empty(self) -> bool:
+        """Whether this rank's O-shard holds none of the parameter: it has no ``.grad`` and no
+        optimizer work here (its owners, the ranks whose shards hold it, update it)."""
+        return self.shard_lo == self.shard_hi
+
 
 @dataclass(slots=True)
 class Chunk:

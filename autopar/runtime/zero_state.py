@@ -11,7 +11,9 @@ elementwise optimizer state) into full local blocks and back, which is what
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
+from autopar.comm.collective_check import run_collective
 from autopar.runtime.zero_layout import ZeroMesh
 from autopar.runtime.zero_store import ChunkStore
 
@@ -44,11 +46,34 @@ class ChunkState:
         return out
 
     def local_grads(self) -> dict[int, torch.Tensor]:
-        """id(shard parameter) -> the gradient of this rank's full local block (a collective;
-        zeros where no gradient was produced)."""
-        return self.gather_pieces(
-            {id(p): p.grad for c in self.store.chunks for p in c.params if p.grad is not None}
+        """id(shard parameter) -> the gradient of this rank's full local block, for every
+        parameter with a ``.grad`` on some rank (a collective; zeros where no gradient was
+        produced). A rank whose shard holds none of a parameter has no ``.grad`` for it
+        (:mod:`autopar.runtime.zero_backward`): which parameters have one is agreed first."""
+        params = [p for c in self.store.chunks for p in c.params]
+        if not params:
+            return {}
+        device = self.store.chunks[0].shard.device  # type: ignore[union-attr]
+        flags = torch.tensor(
+            [float(p.grad is not None) for p in params], dtype=torch.float32, device=device
         )
+        for axis in self.zero_axes():
+            group = self.mesh.group_of(axis)
+            run_collective(
+                "all_reduce", "zero grad flags", flags, group, self.mesh.axis_names[axis],
+                lambda: dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group),  # noqa: B023
+            )  # fmt: skip
+        return self.gather_pieces(
+            {
+                id(p): torch.zeros_like(p) if p.grad is None else p.grad
+                for p, flag in zip(params, flags.tolist())
+                if flag > 0
+            }
+        )
+
+    def zero_axes(self) -> list[int]:
+        """Every mesh axis some chunk is split over (the same list on every rank)."""
+        return sorted({a for c in self.store.chunks for a in c.zero_axes})
 
     def gather_pieces(self, pieces: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """id(shard parameter) -> full local block, from tensors shaped like the shard

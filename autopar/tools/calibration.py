@@ -57,7 +57,7 @@ from cost_models.calibrate import (
     relative_spread,
 )
 from cost_models.compute import matmul_flops
-from cost_models.hardware import MAX_OP_EFFICIENCY
+from cost_models.hardware import MAX_OP_EFFICIENCY, backend_fields
 
 aten = torch.ops.aten
 
@@ -393,7 +393,7 @@ def calibrate_on_rank(
         wait, device_details["task_wait"] = measure_task_wait(
             max(config.matmul_sizes), links, device, log, rounds=max(config.trials, 3)
         )
-        spec = dataclasses.replace(spec, task_wait_s=wait)
+        spec = dataclasses.replace(spec, task_wait_s=wait, **backend_fields(dist.get_backend()))
     step_error = _step_error(device_details, link_details, config.trials)
     spec = dataclasses.replace(spec, step_error=step_error)
     log(f"step-time error (spread of repeated measurements): {spec.step_error:.1%}")

@@ -26,7 +26,9 @@ continues training as one process does. bf16 mixed precision (stages 2, 3 on (2,
 bf16 tolerance of one process under autocast with fp32 weights; fp16 with dynamic loss scaling
 (stages 1, 3 on (2,)) within fp16 tolerance of one process under autocast(fp16) +
 torch.amp.GradScaler, and an inf injected on one rank skips the step on every rank and halves
-the scale.
+the scale. Ownership (``mesh4-planned/1``, stage 1, one chunk over 4 ranks): a rank's AdamW has
+a ``.grad`` and state only for the parameters its shard holds pieces of, and steps only those;
+clipping and both optimizer state dict forms still see every parameter on every rank.
 """
 
 from __future__ import annotations
@@ -339,7 +341,8 @@ def _check_planned_chunks(plan_json: str, stage: int) -> None:
     """(4,) stage 1 with the chunk size a plan made on a CPU mesh (gloo: collectives overlap
     nothing, planner.chunks): one chunk per stream, so per chunk one gradient all-reduce and 4
     broadcasts a step (the runtime's padding-only search made 8 or more chunks, 5 collectives
-    each); AdamW still equals one process."""
+    each); AdamW still equals one process; each rank steps only the parameters its shard holds
+    pieces of (:func:`_check_ownership`)."""
     from torch.profiler import ProfilerActivity, profile
 
     from autopar.plan.document import Plan
@@ -359,7 +362,36 @@ def _check_planned_chunks(plan_json: str, stage: int) -> None:
     # Check mode's fingerprints are all-gathers: broadcasts are the refresh's alone.
     names = [e.name for e in p.events()]
     assert names.count("gloo:broadcast") == 4 * len(chunks), names.count("gloo:broadcast")
+    _check_ownership(pmodel, opt, args, names.count("aten::lerp_"))
     opt.zero_grad()
+
+
+def _check_ownership(pmodel: Any, opt: torch.optim.Optimizer, args: Any, updates: int) -> None:
+    """Stage 1, one chunk over 4 ranks: a rank's AdamW steps only the parameters some of whose
+    elements lie in its shard (``updates``: its ``lerp_`` calls in one step); the others have
+    no ``.grad`` and no state here (their owners step them, as ZeroRedundancyOptimizer's ranks
+    own whole parameters). Clipping through autopar's helper still takes the norm over every
+    rank's pieces, and the optimizer state dicts list every parameter with its owners' step
+    on every rank."""
+    from autopar.optim import full_optim_state_dict, sharded_optim_state_dict
+
+    slots = [(s, p) for c in pmodel.zero.chunks for s, p in zip(c.slots, c.params)]
+    owned = [p for s, p in slots if not s.empty]
+    assert 0 < len(owned) < len(slots), (len(owned), len(slots))
+    assert all((p.grad is not None) == (not s.empty) for s, p in slots), "a .grad off the shard"
+    assert {id(p) for p in opt.state} == {id(p) for p in owned}, "state off the shard"
+    assert updates == len(owned), (updates, len(owned))
+    opt.zero_grad()
+    pmodel(*pmodel.shard_inputs(*args)).backward()
+    want = torch.stack([g.pow(2).sum() for g in full_grads(pmodel).values()]).sum().sqrt()
+    torch.testing.assert_close(pmodel.clip_grad_norm_(0.5 * float(want)), want, rtol=RTOL, atol=0)
+    clipped = torch.stack([g.pow(2).sum() for g in full_grads(pmodel).values()]).sum().sqrt()
+    torch.testing.assert_close(clipped, 0.5 * want, rtol=RTOL, atol=0)
+    steps = NUM_STEPS + 1  # and the profiled step
+    names = [n for n, _ in pmodel.named_parameters()]
+    for form in (full_optim_state_dict(pmodel, opt), sharded_optim_state_dict(pmodel, opt)):
+        assert sorted(form["state"]) == sorted(names)
+        assert all(float(e["step"]) == steps for e in form["state"].values()), form["state"]
 
 
 def _check_refresh_copies_nothing(pmodel: Any, opt: torch.optim.Optimizer, args: Any) -> None:

@@ -208,15 +208,19 @@ def _keep_grads(pmodel: Any, args: Any, stages: tuple[int, int]) -> None:
         per_step.append(list(reused))
         # From the second step on, reduced in place into the buffers .grad views (chunks whose
         # gradient some collective reduces).
+        # (Parameters with no element in this rank's shard have no .grad here.)
         held = {
             p.grad.untyped_storage().data_ptr()
             for p in pmodel.parameters()
-            if engine.slot_of(p)[0].scatter_axes or engine.slot_of(p)[0].allreduce_axes
+            if p.grad is not None
+            and (engine.slot_of(p)[0].scatter_axes or engine.slot_of(p)[0].allreduce_axes)
         }
         assert held and (step == 0 or held <= written), (stages, step, "reduced next to .grad")
         if step == 0:
             grads = full_grads(pmodel)
-        storages.append({p.grad.untyped_storage().data_ptr() for p in pmodel.parameters()})
+        storages.append(
+            {p.grad.untyped_storage().data_ptr() for p in pmodel.parameters() if p.grad is not None}
+        )
         opt.step()
         losses.append(loss.detach())
     chunks = len(engine.chunks)

@@ -69,12 +69,12 @@ GPT_NUMELS = (
 
 
 def _pricing(link: str, device: str, stage: int, ranks: int, compute_s: float) -> ChunkPricing:
-    from cost_models import get_link
+    from cost_models import get_device, get_link
 
     return ChunkPricing.on_mesh(
         shape=(ranks,),
         links=[get_link(link)],
-        device_name=device,
+        device=get_device(device),
         stages=(stage,),
         forward_s=compute_s / 3,
         backward_s=2 * compute_s / 3,
@@ -141,3 +141,43 @@ def test_budget_headroom_caps_the_chunk() -> None:
     assert 4 * 2**20 <= chunk_bytes <= 8 * 2**22
     # No headroom: never below the largest parameter.
     assert planned_chunk_bytes(numels, pricing, max_stage=3, headroom_bytes=0)[0] == 2**22
+
+
+def test_overlap_and_refresh_are_the_devices_not_its_names() -> None:
+    # The CPU preset runs gloo (broadcast refresh, nothing overlaps); GPU presets NCCL. A device
+    # whose name says "cpu" but whose spec says NCCL is priced as NCCL, and the reverse.
+    from dataclasses import replace
+
+    from cost_models import DeviceSpec, get_device, get_link, load_profile
+
+    cpu, h100 = get_device("cpu"), get_device("h100")
+    assert (cpu.comm_backend, cpu.collectives_overlap_compute) == ("gloo", False)
+    assert (h100.comm_backend, h100.collectives_overlap_compute) == ("nccl", True)
+    link = get_link("loopback")
+    for device, gloo in (
+        (cpu, True),
+        (h100, False),
+        (
+            replace(cpu, name="cpu-box", comm_backend="nccl", collectives_overlap_compute=True),
+            False,
+        ),
+        (
+            replace(h100, name="gpu-box", comm_backend="gloo", collectives_overlap_compute=False),
+            True,
+        ),
+    ):
+        pricing = ChunkPricing.on_mesh(
+            shape=(4,), links=[link], device=device, stages=(1,), forward_s=1.0, backward_s=2.0
+        )
+        assert (pricing.broadcast_refresh, pricing.overlap) == (gloo, not gloo), device.name
+        assert DeviceSpec.from_dict(device.to_dict()) == device
+    # GPU defaults are not written, so preset plans keep their JSON; the CPU preset's are.
+    assert "comm_backend" not in h100.to_dict() and cpu.to_dict()["comm_backend"] == "gloo"
+    with pytest.raises(ValueError, match="comm_backend must be one of"):
+        replace(h100, comm_backend="tcp")
+    # A calibration from before these fields: its meta names the backend.
+    old = {"version": 1, "device": {"base": "h100", "name": "calibrated-cpu"}, "meta": {}}
+    old["meta"]["backend"] = "gloo"
+    device = load_profile(old).device
+    assert device is not None and not device.collectives_overlap_compute
+    assert device.comm_backend == "gloo"
