@@ -266,7 +266,7 @@ def pattern_dual(
         else:
             choices, value, lower = solve_free(_pattern_problem(base, extra, extra_edges))
             rest = list(unsolved)
-            for p, v in zip(rest, table.floors(k, lower)[rest].tolist(), strict=True):
+            for p, v in zip(rest, table.floors(k, lower, rest).tolist(), strict=True):
                 lowers[p] = max(lowers[p], v)
         lowers[k] = max(lowers[k], lower)
         best = min(best, lower)
