@@ -108,7 +108,7 @@ class SeriesMemo:
     def _find(products: dict[tuple, list], key: tuple, arrays: tuple) -> tuple | None:
         """The (inputs, result) of ``products`` under ``key`` whose inputs equal ``arrays``."""
         for inputs, result in products.get(key, ()):
-            if all(np.array_equal(a, b) for a, b in zip(inputs, arrays, strict=True)):
+            if all(a is b or np.array_equal(a, b) for a, b in zip(inputs, arrays, strict=True)):
                 return inputs, result
         return None
 
