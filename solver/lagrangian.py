@@ -83,34 +83,64 @@ class Relaxed:
     priced optimum (pattern_dual's, before the bound's constant)."""
 
 
-def _segment_terms(problem: Problem, lam: float) -> list[np.ndarray]:
-    """Per node, per strategy: g_i(s), the separable lower bound of the segments' priced
-    terms (module docstring)."""
-    forced = [np.zeros(n.num_choices) for n in problem.nodes]
-    best_free = [np.zeros(n.num_choices) for n in problem.nodes]
-    for seg in problem.segments:
-        spare = seg.copies - seg.min_copies
-        for n, freed, again in zip(seg.nodes, seg.freed_bytes, seg.recompute_s, strict=True):
-            v = np.asarray(again) - lam * np.asarray(freed)
+class Pricing:
+    """A problem's node costs and bytes and its segments' rows as flat arrays (node after
+    node), converted once for the many multipliers of one search: :func:`priced` then forms
+    the same floats as converting every node's tuples at each multiplier."""
+
+    def __init__(self, problem: Problem) -> None:
+        sizes = [n.num_choices for n in problem.nodes]
+        self.starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.intp)
+        empty = [np.zeros(0)]
+        self.cost = np.concatenate(
+            [np.asarray(n.cost_s, dtype=np.float64) for n in problem.nodes] or empty
+        )
+        self.memory = np.concatenate(
+            [np.asarray(n.memory_bytes, dtype=np.float64) for n in problem.nodes] or empty
+        )
+        self.segments = []  # per segment: (positions, recompute seconds, freed bytes)
+        for seg in problem.segments:
+            positions = [np.arange(self.starts[n], self.starts[n + 1]) for n in seg.nodes]
+            assert len(set(seg.nodes)) == len(seg.nodes)  # fancy += needs distinct nodes
+            self.segments.append(
+                (
+                    np.concatenate(positions) if positions else np.zeros(0, dtype=np.intp),
+                    np.concatenate([np.asarray(r, dtype=np.float64) for r in seg.recompute_s])
+                    if seg.nodes
+                    else np.zeros(0),
+                    np.concatenate([np.asarray(r, dtype=np.float64) for r in seg.freed_bytes])
+                    if seg.nodes
+                    else np.zeros(0),
+                )
+            )
+
+    def segment_terms(self, problem: Problem, lam: float) -> np.ndarray:
+        """Per node, per strategy (flat): g_i(s), the separable lower bound of the segments'
+        priced terms (module docstring), in the order of the segments as before."""
+        forced = np.zeros(len(self.cost))
+        best_free = np.zeros(len(self.cost))
+        for seg, (at, again, freed) in zip(problem.segments, self.segments, strict=True):
+            v = again - lam * freed
             if seg.min_copies:
-                forced[n] += seg.min_copies * v
-            np.minimum(best_free[n], spare * np.minimum(v, 0.0), out=best_free[n])
-    return [f + g for f, g in zip(forced, best_free, strict=True)]
+                forced[at] += seg.min_copies * v
+            spare = seg.copies - seg.min_copies
+            best_free[at] = np.minimum(best_free[at], spare * np.minimum(v, 0.0))
+        return forced + best_free
 
 
-def priced(problem: Problem, lam: float) -> Problem:
-    """The budget-free problem whose optimum plus lam (offset + t0 - B) is D(lam)."""
-    seg = _segment_terms(problem, lam) if problem.segments else None
+def priced(problem: Problem, lam: float, pricing: Pricing | None = None) -> Problem:
+    """The budget-free problem whose optimum plus lam (offset + t0 - B) is D(lam).
+    ``pricing``: the problem's arrays (:class:`Pricing`), kept across multipliers."""
+    if pricing is None:
+        pricing = Pricing(problem)
+    total = pricing.cost + lam * pricing.memory
+    total = total + (pricing.segment_terms(problem, lam) if problem.segments else 0.0)
+    values = total.tolist()
+    starts = pricing.starts.tolist()
     nodes = tuple(
         Node(
             name=node.name,
-            cost_s=tuple(
-                (
-                    np.asarray(node.cost_s)
-                    + lam * np.asarray(node.memory_bytes)
-                    + (seg[i] if seg else 0.0)
-                ).tolist()
-            ),
+            cost_s=tuple(values[starts[i] : starts[i + 1]]),
             memory_bytes=(0.0,) * node.num_choices,
         )
         for i, node in enumerate(problem.nodes)
@@ -126,7 +156,7 @@ def transient_floor(problem: Problem) -> float:
 def relaxed_peak(problem: Problem, choices: tuple[int, ...], lam: float) -> float:
     """The separable peak bound of the relaxed plan: a subgradient of D at lam is this less
     the budget (minimum copies of every segment, and per node the spare copies of the one
-    segment whose negative term :func:`_segment_terms` took)."""
+    segment whose negative term :meth:`Pricing.segment_terms` took)."""
     resident = math.fsum(n.memory_bytes[c] for n, c in zip(problem.nodes, choices, strict=True))
     freed = []
     taken: dict[int, tuple[float, float]] = {}  # node -> (its segment term, bytes it frees)
@@ -400,6 +430,7 @@ def relax(
     seen: dict[float, list[float]] = {}  # per multiplier: a lower bound per pattern
     tangents: dict[float, tuple[float, float]] = {}  # separable D: lam -> (D(lam), slope)
     cache: dict = {}  # the segments as arrays (pattern_terms)
+    pricing = Pricing(problem)  # the separable phase's arrays, converted once
 
     def evaluate(lam: float, give_up: bool = False) -> tuple[float, float, bool]:
         """A priced plan's value at lam, the slope of its line above D (relaxed peak -
@@ -409,7 +440,7 @@ def relax(
         evaluations += 1
         complete = True
         if not exact:
-            choices, value, lower = solve_free(priced(problem, lam))
+            choices, value, lower = solve_free(priced(problem, lam, pricing))
             plans, peak = [choices], relaxed_peak(problem, choices, lam)
             if value == lower:  # proven optimal: a tangent of D at lam
                 tangents[lam] = (value + lam * constant, peak - budget)

@@ -1,14 +1,21 @@
 """The pattern bounds' floors (solver/pattern_bounds.py PatternTerms), kept as distinct arrays
 per block with their pairwise minima cached, equal the full recomputation over the dense
-patterns-by-entries matrix (the same floats), for every pattern or a subset of them."""
+patterns-by-entries matrix (the same floats), for every pattern or a subset of them; and the
+priced problems formed from arrays kept across multipliers (lagrangian.Pricing) equal the
+node-by-node construction."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from solver.lagrangian import Pricing, priced
 from solver.pattern_bounds import PatternTerms
+from solver.problem import Node, Problem
+from tests.unit.test_lagrangian import budgeted_problems
 
 SETTINGS = settings(
     max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
@@ -99,3 +106,43 @@ def test_floors_share_equal_arrays_and_keep_unequal_ones_apart():
     assert terms[1][0][0] is a and terms[2][0][0] is b
     assert table.floors(0, 5.0).tolist() == [5.0, 5.0, 5.0]
     assert table.floors(2, 5.0).tolist() == [4.0, 4.0, 5.0]
+
+
+def _priced_node_by_node(problem: Problem, lam: float) -> Problem:
+    """The priced problem as formed before lagrangian.Pricing: every node's tuples converted
+    at each multiplier, the segment terms accumulated node by node."""
+    forced = [np.zeros(n.num_choices) for n in problem.nodes]
+    best_free = [np.zeros(n.num_choices) for n in problem.nodes]
+    for seg in problem.segments:
+        spare = seg.copies - seg.min_copies
+        for n, freed, again in zip(seg.nodes, seg.freed_bytes, seg.recompute_s, strict=True):
+            v = np.asarray(again) - lam * np.asarray(freed)
+            if seg.min_copies:
+                forced[n] += seg.min_copies * v
+            np.minimum(best_free[n], spare * np.minimum(v, 0.0), out=best_free[n])
+    seg_terms = [f + g for f, g in zip(forced, best_free, strict=True)]
+    nodes = tuple(
+        Node(
+            name=node.name,
+            cost_s=tuple(
+                (
+                    np.asarray(node.cost_s)
+                    + lam * np.asarray(node.memory_bytes)
+                    + (seg_terms[i] if problem.segments else 0.0)
+                ).tolist()
+            ),
+            memory_bytes=(0.0,) * node.num_choices,
+        )
+        for i, node in enumerate(problem.nodes)
+    )
+    return Problem(nodes=nodes, edges=problem.edges, tied=problem.tied)
+
+
+@SETTINGS
+@given(budgeted_problems(), st.floats(0.0, 2.0), st.floats(0.0, 3.0))
+def test_priced_from_arrays_kept_across_multipliers_equals_node_by_node(problem, lam, other):
+    pricing = Pricing(problem)
+    for multiplier in (lam, other, lam):
+        assert priced(problem, multiplier, pricing) == _priced_node_by_node(problem, multiplier)
+    no_segments = dataclasses.replace(problem, segments=())
+    assert priced(no_segments, lam) == _priced_node_by_node(no_segments, lam)
