@@ -55,6 +55,7 @@ from solver.count_patterns import CountPatterns, count_patterns
 from solver.multiplier import first_multiplier, next_multiplier, pattern_search
 from solver.pattern_bounds import PatternTerms, chord_floor, pattern_terms
 from solver.presolve import cost_matrix, plan_objective_s, plan_peak_memory_bytes
+from solver.pricing import Pricing
 from solver.problem import Edge, Node, Problem, Segment
 from solver.tying import _as_tuples, expand
 
@@ -81,51 +82,6 @@ class Relaxed:
     pattern_lowers: list[float] | None = None
     """At ``multiplier``, when the pattern phase evaluated it: a lower bound per pattern on its
     priced optimum (pattern_dual's, before the bound's constant)."""
-
-
-class Pricing:
-    """A problem's node costs and bytes and its segments' rows as flat arrays (node after
-    node), converted once for the many multipliers of one search: :func:`priced` then forms
-    the same floats as converting every node's tuples at each multiplier."""
-
-    def __init__(self, problem: Problem) -> None:
-        sizes = [n.num_choices for n in problem.nodes]
-        self.starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.intp)
-        empty = [np.zeros(0)]
-        self.cost = np.concatenate(
-            [np.asarray(n.cost_s, dtype=np.float64) for n in problem.nodes] or empty
-        )
-        self.memory = np.concatenate(
-            [np.asarray(n.memory_bytes, dtype=np.float64) for n in problem.nodes] or empty
-        )
-        self.segments = []  # per segment: (positions, recompute seconds, freed bytes)
-        for seg in problem.segments:
-            positions = [np.arange(self.starts[n], self.starts[n + 1]) for n in seg.nodes]
-            assert len(set(seg.nodes)) == len(seg.nodes)  # fancy += needs distinct nodes
-            self.segments.append(
-                (
-                    np.concatenate(positions) if positions else np.zeros(0, dtype=np.intp),
-                    np.concatenate([np.asarray(r, dtype=np.float64) for r in seg.recompute_s])
-                    if seg.nodes
-                    else np.zeros(0),
-                    np.concatenate([np.asarray(r, dtype=np.float64) for r in seg.freed_bytes])
-                    if seg.nodes
-                    else np.zeros(0),
-                )
-            )
-
-    def segment_terms(self, problem: Problem, lam: float) -> np.ndarray:
-        """Per node, per strategy (flat): g_i(s), the separable lower bound of the segments'
-        priced terms (module docstring), in the order of the segments as before."""
-        forced = np.zeros(len(self.cost))
-        best_free = np.zeros(len(self.cost))
-        for seg, (at, again, freed) in zip(problem.segments, self.segments, strict=True):
-            v = again - lam * freed
-            if seg.min_copies:
-                forced[at] += seg.min_copies * v
-            spare = seg.copies - seg.min_copies
-            best_free[at] = np.minimum(best_free[at], spare * np.minimum(v, 0.0))
-        return forced + best_free
 
 
 def priced(problem: Problem, lam: float, pricing: Pricing | None = None) -> Problem:

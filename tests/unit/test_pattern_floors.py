@@ -12,8 +12,9 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from solver.lagrangian import Pricing, priced
+from solver.lagrangian import priced
 from solver.pattern_bounds import PatternTerms
+from solver.pricing import Pricing
 from solver.problem import Node, Problem
 from tests.unit.test_lagrangian import budgeted_problems
 
