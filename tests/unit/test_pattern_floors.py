@@ -42,7 +42,8 @@ def _dense_floors(terms: list[tuple[dict, dict]], solved: int, value: float) -> 
             for key, v in table.items():
                 at = offsets[keys.index((tag, key))]
                 rows[k, at : at + np.size(v)] = np.ravel(v)
-    diff = rows - rows[solved]
+    with np.errstate(invalid="ignore"):  # inf - inf: nan, as the solver's table gives
+        diff = rows - rows[solved]
     return value + np.minimum.reduceat(diff, offsets[:-1], axis=1).sum(axis=1)
 
 
