@@ -13,6 +13,7 @@ pickles are this machine's own files; load only those.
 
 from __future__ import annotations
 
+import hashlib
 import pickle
 import runpy
 import sys
@@ -105,6 +106,9 @@ def solve_again(paths: list[str]) -> None:
             f"cut off {'yes' if 'cutoff' in sol.details else 'no'}",
             flush=True,
         )
+        # The exact floats and a digest of the plan, to compare two trees' answers.
+        plan = hashlib.sha1(repr((sol.choices, sol.recomputed)).encode()).hexdigest()[:12]
+        print(f"  exact: objective {sol.objective_s!r}, bound {sol.bound_s!r}, plan {plan}")
     print(f"{total:.2f} s CPU in all")
 
 

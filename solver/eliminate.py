@@ -93,20 +93,24 @@ class SeriesMemo:
         """The min-plus product and the inputs it was formed from (kept for the argmin)."""
         uv, vw = np.ascontiguousarray(uv), np.ascontiguousarray(vw)
         key = self._key(uv, cv, vw)
-        for inputs, result in self._done.get(key, ()):
-            if all(np.array_equal(a, b) for a, b in zip(inputs, (uv, cv, vw), strict=True)):
-                return result, inputs
-        for inputs, result in self._previous.get(key, ()):
-            if all(np.array_equal(a, b) for a, b in zip(inputs, (uv, cv, vw), strict=True)):
-                self._done.setdefault(key, []).append((inputs, result))
-                return result, inputs
-        result = series_min(uv, cv, vw)
-        inputs = (uv, cv.copy(), vw)
-        self._done.setdefault(key, []).append((inputs, result))
+        found = self._find(self._done, key, (uv, cv, vw))
+        if found is None:
+            found = self._find(self._previous, key, (uv, cv, vw))
+            if found is not None:  # used again: it moves to the current generation
+                self._done.setdefault(key, []).append(found)
+        if found is None:
+            found = ((uv, cv.copy(), vw), series_min(uv, cv, vw))
+            self._done.setdefault(key, []).append(found)
+        inputs, result = found
         return result, inputs
 
-
-_Memo = SeriesMemo  # the name solver/fixing.py imports
+    @staticmethod
+    def _find(products: dict[tuple, list], key: tuple, arrays: tuple) -> tuple | None:
+        """The (inputs, result) of ``products`` under ``key`` whose inputs equal ``arrays``."""
+        for inputs, result in products.get(key, ()):
+            if all(a is b or np.array_equal(a, b) for a, b in zip(inputs, arrays, strict=True)):
+                return inputs, result
+        return None
 
 
 @dataclass(kw_only=True, slots=True)

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from solver.count_patterns import CountPatterns
-from solver.eliminate import _Memo, _MinPlusGraph
+from solver.eliminate import SeriesMemo, _MinPlusGraph
 from solver.lagrangian import priced, transient_floor
 from solver.pattern_bounds import pattern_terms
 from solver.problem import Edge, Node, Problem, SegmentEdge
@@ -70,7 +70,7 @@ def _copy(graph: _MinPlusGraph) -> _MinPlusGraph:
     return out
 
 
-def graph_marginals(graph: _MinPlusGraph, num: int, memo: _Memo) -> list[np.ndarray]:
+def graph_marginals(graph: _MinPlusGraph, num: int, memo: SeriesMemo) -> list[np.ndarray]:
     """Per graph node, per strategy: a lower bound on the smallest cost of a plan using it,
     exact on series-parallel graphs. ``graph`` is consumed.
 
@@ -168,7 +168,7 @@ def min_marginals(problem: Problem) -> list[np.ndarray]:
     """Per node of a budget-free ``problem`` without segments (tie classes forced alike), per
     strategy: a lower bound on the smallest cost of a plan that uses it (module docstring)."""
     graph, node_map, num = _contracted_graph(problem)
-    found = graph_marginals(graph, num, _Memo())
+    found = graph_marginals(graph, num, SeriesMemo())
     return [found[node_map[i]] for i in range(len(problem.nodes))]
 
 
@@ -192,7 +192,7 @@ def reduced_cost_keep(
     limit = upper_s + TOLERANCE * abs(upper_s) - constant
     lowest = [np.full(n.num_choices, math.inf) for n in problem.nodes]
     base, node_map, num = _contracted_graph(priced(dataclasses.replace(problem, segments=()), lam))
-    memo, cache = _Memo(), {}
+    memo, cache = SeriesMemo(), {}
     base_marginals = graph_marginals(_copy(base), num, memo)
     base_low = float(np.min(base_marginals[0]))
     for k, pattern in enumerate(patterns):

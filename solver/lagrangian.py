@@ -55,6 +55,7 @@ from solver.count_patterns import CountPatterns, count_patterns
 from solver.multiplier import first_multiplier, next_multiplier, pattern_search
 from solver.pattern_bounds import PatternTerms, chord_floor, pattern_terms
 from solver.presolve import cost_matrix, plan_objective_s, plan_peak_memory_bytes
+from solver.pricing import Pricing
 from solver.problem import Edge, Node, Problem, Segment
 from solver.tying import _as_tuples, expand
 
@@ -83,34 +84,19 @@ class Relaxed:
     priced optimum (pattern_dual's, before the bound's constant)."""
 
 
-def _segment_terms(problem: Problem, lam: float) -> list[np.ndarray]:
-    """Per node, per strategy: g_i(s), the separable lower bound of the segments' priced
-    terms (module docstring)."""
-    forced = [np.zeros(n.num_choices) for n in problem.nodes]
-    best_free = [np.zeros(n.num_choices) for n in problem.nodes]
-    for seg in problem.segments:
-        spare = seg.copies - seg.min_copies
-        for n, freed, again in zip(seg.nodes, seg.freed_bytes, seg.recompute_s, strict=True):
-            v = np.asarray(again) - lam * np.asarray(freed)
-            if seg.min_copies:
-                forced[n] += seg.min_copies * v
-            np.minimum(best_free[n], spare * np.minimum(v, 0.0), out=best_free[n])
-    return [f + g for f, g in zip(forced, best_free, strict=True)]
-
-
-def priced(problem: Problem, lam: float) -> Problem:
-    """The budget-free problem whose optimum plus lam (offset + t0 - B) is D(lam)."""
-    seg = _segment_terms(problem, lam) if problem.segments else None
+def priced(problem: Problem, lam: float, pricing: Pricing | None = None) -> Problem:
+    """The budget-free problem whose optimum plus lam (offset + t0 - B) is D(lam).
+    ``pricing``: the problem's arrays (:class:`Pricing`), kept across multipliers."""
+    if pricing is None:
+        pricing = Pricing(problem)
+    total = pricing.cost + lam * pricing.memory
+    total = total + (pricing.segment_terms(problem, lam) if problem.segments else 0.0)
+    values = total.tolist()
+    starts = pricing.starts.tolist()
     nodes = tuple(
         Node(
             name=node.name,
-            cost_s=tuple(
-                (
-                    np.asarray(node.cost_s)
-                    + lam * np.asarray(node.memory_bytes)
-                    + (seg[i] if seg else 0.0)
-                ).tolist()
-            ),
+            cost_s=tuple(values[starts[i] : starts[i + 1]]),
             memory_bytes=(0.0,) * node.num_choices,
         )
         for i, node in enumerate(problem.nodes)
@@ -126,7 +112,7 @@ def transient_floor(problem: Problem) -> float:
 def relaxed_peak(problem: Problem, choices: tuple[int, ...], lam: float) -> float:
     """The separable peak bound of the relaxed plan: a subgradient of D at lam is this less
     the budget (minimum copies of every segment, and per node the spare copies of the one
-    segment whose negative term :func:`_segment_terms` took)."""
+    segment whose negative term :meth:`Pricing.segment_terms` took)."""
     resident = math.fsum(n.memory_bytes[c] for n, c in zip(problem.nodes, choices, strict=True))
     freed = []
     taken: dict[int, tuple[float, float]] = {}  # node -> (its segment term, bytes it frees)
@@ -266,7 +252,7 @@ def pattern_dual(
         else:
             choices, value, lower = solve_free(_pattern_problem(base, extra, extra_edges))
             rest = list(unsolved)
-            for p, v in zip(rest, table.floors(k, lower)[rest].tolist(), strict=True):
+            for p, v in zip(rest, table.floors(k, lower, rest).tolist(), strict=True):
                 lowers[p] = max(lowers[p], v)
         lowers[k] = max(lowers[k], lower)
         best = min(best, lower)
@@ -400,6 +386,7 @@ def relax(
     seen: dict[float, list[float]] = {}  # per multiplier: a lower bound per pattern
     tangents: dict[float, tuple[float, float]] = {}  # separable D: lam -> (D(lam), slope)
     cache: dict = {}  # the segments as arrays (pattern_terms)
+    pricing = Pricing(problem)  # the separable phase's arrays, converted once
 
     def evaluate(lam: float, give_up: bool = False) -> tuple[float, float, bool]:
         """A priced plan's value at lam, the slope of its line above D (relaxed peak -
@@ -409,7 +396,7 @@ def relax(
         evaluations += 1
         complete = True
         if not exact:
-            choices, value, lower = solve_free(priced(problem, lam))
+            choices, value, lower = solve_free(priced(problem, lam, pricing))
             plans, peak = [choices], relaxed_peak(problem, choices, lam)
             if value == lower:  # proven optimal: a tangent of D at lam
                 tangents[lam] = (value + lam * constant, peak - budget)
