@@ -1,4 +1,5 @@
-"""Calibration of a pipeline's per-task wait (``DeviceSpec.task_wait_s``) on CPU ranks.
+"""Calibration of a pipeline's per-task wait (``DeviceSpec.task_wait_s``) and of how much faster
+its lone tasks run (``busy_rank_speed``) on CPU ranks.
 
 A pipeline rank does more than compute and send: between two of its tasks (one microbatch's
 forward or backward) it waits to be woken by the receive it posted, gloo's threads run, and the
@@ -7,15 +8,24 @@ per task (README, "Session 9"), more than the transfer the link's ``broadcast`` 
 
 Measured as it happens: every rank of the job runs one stage of a short GPipe pipeline
 (torch's ``PipelineStage`` and ``ScheduleGPipe``, as :mod:`autopar.runtime.pipeline` drives
-them) whose stage is one ``width x width`` linear layer at ``rows`` rows per microbatch, with
-``width`` calibration's largest matmul size (a few milliseconds of compute per task, the
-order of a small model's stage). Per step, each rank's compute is the wall time inside its
-stage's microbatch forwards and backwards (``PipelineModule.busy_s``'s definition). The wait
-is the ``task_wait_s`` for which the shared-cores simulation of that step, fed with the
-measured compute per task (which already carries the contention, so at speed 1) and the
-calibrated transfer of the activation, equals the measured step: bisection, the simulated step
-grows monotonically with the wait. Median over rounds of a few steps; 0 when the model needs
-no wait. GPUs and one rank: not measured (0).
+them) whose stage is ``PIPELINE_LAYERS`` ``width x width`` linear layers at ``rows`` rows per
+microbatch, with ``width`` calibration's largest matmul size (tasks of 10-30 ms here, the order
+of a small model's stage). Every task's start and end are recorded on every rank (the
+monotonic clock the machine's processes share), so each step splits into its terms
+(:func:`step_terms`): the compute per task, the gap before each task (after the rank's own
+previous task, or after the neighbour's task it waited for), the head and the tail.
+
+- The wait is the measured mean gap less the half of a stage's priced sends that the
+  simulation charges beside it after every task (session 10 fitted the wait to the step
+  instead, which made it absorb every other error of the simulated step; that figure is kept
+  as ``fitted_task_wait_s``).
+- The lone speed-up is how much longer a task overlapped by other ranks' tasks took than one
+  that ran alone (:func:`lone_speedup`); :func:`pipeline_busy_rank_speed` scales calibration's
+  probe (a matmul timed for seconds with ``k`` ranks computing) to it: the probe measured 1.3-2.1
+  alone on 2 ranks while the pipelines ran their lone tasks 1.0-1.5x faster (README, "Session
+  11").
+
+Median over rounds of a few steps. GPUs and one rank: not measured (0, the probe's speeds).
 """
 
 from __future__ import annotations
@@ -199,6 +209,35 @@ def lone_speedup(per_step: list[dict[str, Any]]) -> tuple[float, float]:
     return statistics.median(r for r, _ in pairs), statistics.fmean(c for _, c in pairs)
 
 
+def round_figures(
+    timelines: list[list[Any]], p2p_s: list[float], *, microbatches: int, schedule: str = "gpipe"
+) -> dict[str, Any]:
+    """One calibration round's figures from its steps' timelines (:func:`step_terms`' input;
+    ``p2p_s`` the priced sends per microbatch of each stage): medians over the steps of the
+    step, per-stage forward and backward, the gaps and the lone speed-up, and the wait,
+    ``task_wait_s``: the measured mean gap between tasks less the half of a stage's sends the
+    simulation charges after every task beside it (at least 0). ``fitted_task_wait_s`` is
+    session 10's figure, the wait that makes the simulated step equal the measured one."""
+    terms = [step_terms(ranks, schedule, microbatches) for ranks in timelines]
+    p = len(p2p_s)
+    step = statistics.median(t["step_s"] for t in terms)
+    forward = [statistics.median(t["forward_s"][r] for t in terms) for r in range(p)]
+    backward = [statistics.median(t["backward_s"][r] for t in terms) for r in range(p)]
+    gap = statistics.median(t["gap_s"] for t in terms)
+    speedup, together = lone_speedup(terms)
+    return {
+        "step_s": step, "forward_s": forward, "backward_s": backward, "gap_s": gap,
+        "task_wait_s": max(0.0, gap - statistics.fmean(p2p_s) / 2),
+        "fitted_task_wait_s": fit_task_wait(step, forward, backward, p2p_s,
+                                            microbatches=microbatches, schedule=schedule),
+        "local_s": statistics.median(t["local_s"] for t in terms),
+        "dependency_s": statistics.median(t["dependency_s"] for t in terms),
+        # None (JSON null) where no task ran both alone and overlapped in the round.
+        "lone_speedup": None if math.isnan(speedup) else speedup,
+        "together_ranks": None if math.isnan(together) else together,
+    }  # fmt: skip
+
+
 def measure_task_wait(
     width: int,
     links: Mapping[str, Any],
@@ -261,24 +300,8 @@ def measure_task_wait(
     p2p = [send * ((i > 0) + (i < world - 1)) for i in range(world)]
     per_round: list[dict[str, Any]] = []
     for _ in range(rounds):
-        terms = [step_terms(one_step(), "gpipe", m) for _ in range(steps)]
-        step = statistics.median(t["step_s"] for t in terms)
-        forward = [statistics.median(t["forward_s"][r] for t in terms) for r in range(world)]
-        backward = [statistics.median(t["backward_s"][r] for t in terms) for r in range(world)]
-        gap = statistics.median(t["gap_s"] for t in terms)
-        speedup, together = lone_speedup(terms)
-        per_round.append({
-            "step_s": step, "forward_s": forward, "backward_s": backward, "gap_s": gap,
-            # The simulation charges half a stage's sends and the wait after every task: the
-            # wait is the measured gap less the priced send.
-            "task_wait_s": max(0.0, gap - statistics.fmean(p2p) / 2),
-            "fitted_task_wait_s": fit_task_wait(step, forward, backward, p2p, microbatches=m),
-            "local_s": statistics.median(t["local_s"] for t in terms),
-            "dependency_s": statistics.median(t["dependency_s"] for t in terms),
-            # None (JSON null) where no task ran both alone and overlapped in the round.
-            "lone_speedup": None if math.isnan(speedup) else speedup,
-            "together_ranks": None if math.isnan(together) else together,
-        })  # fmt: skip
+        timelines = [one_step() for _ in range(steps)]
+        per_round.append(round_figures(timelines, p2p, microbatches=m))
     wait = statistics.median(r["task_wait_s"] for r in per_round)
     dist.destroy_process_group(group)
     detail = {"schedule": "gpipe", "microbatches": m, "rows": rows, "width": width, "layers": layers,
