@@ -46,6 +46,10 @@ session 11's calibration takes both from the calibration pipeline's task timelin
 per task" is the measured mean gap between a rank's tasks in the run (``pipeline_terms.py``,
 which also prints where each step goes, term by term).
 
+Every rank's microbatch forwards and backwards are timestamped too; a second table splits each
+step into its terms (``benchmarks/pipeline_terms.py``: the plan's simulation with measured
+compute, then measured gaps, then head and tail, against the measured step).
+
 Prints a markdown table (predicted vs measured, ratios) and writes ``--out``'s JSON.
 ``--fit-from JSON`` instead fits, per configuration of such a JSON, the stage scale and the
 lone-rank speed-up that make the shared-cores simulation reproduce the measured step and busy
