@@ -39,9 +39,16 @@ Measured figures, per configuration:
   stage's idle time ``sum_i t_i - max_i t_i`` over the step). The mean over ranks of
   ``1 - busy_r / step`` is printed too.
 
-"before" is the plan's stages simulated without the profile's wait per task (session 9's
-model); "run's wait per task" is that wait fitted to the run's own step and busy seconds
-(``autopar.tools.calibration_pipeline.fit_task_wait``, as calibration fits it).
+"before" is session 10's model on the plan's stages, same profile and run: the matmul probe's
+``busy_rank_speed`` and the wait fitted to the calibration pipeline's step (the profile's
+``meta.measurements``: ``busy_rank_speed.probe``, ``task_wait.fitted_task_wait_s``), where
+session 11's calibration takes both from the calibration pipeline's task timeline. "run's gap
+per task" is the measured mean gap between a rank's tasks in the run (``pipeline_terms.py``,
+which also prints where each step goes, term by term).
+
+Every rank's microbatch forwards and backwards are timestamped too; a second table splits each
+step into its terms (``benchmarks/pipeline_terms.py``: the plan's simulation with measured
+compute, then measured gaps, then head and tail, against the measured step).
 
 Prints a markdown table (predicted vs measured, ratios) and writes ``--out``'s JSON.
 ``--fit-from JSON`` instead fits, per configuration of such a JSON, the stage scale and the
@@ -64,7 +71,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.models import GPT, GPTConfig, Llama, LlamaConfig
-from autopar.tools.calibration_pipeline import fit_task_wait
+from benchmarks.pipeline_terms import fit_text, record_tasks, term_chain, terms_markdown
 
 WIDTH, LAYERS, VOCAB = 256, 4, 1024
 
@@ -185,7 +192,9 @@ def run_rank(rank: int, world: int, cases: list[dict[str, Any]], args: Any) -> d
             opt.step()
             opt.zero_grad()
         built[case["key"]] = (pmodel, opt, batch)
+        record_tasks(pmodel)
     out: dict[str, Any] = {key: [] for key in built}
+    timelines: dict[str, list[Any]] = {key: [] for key in built}
     for _ in range(args.reps):
         for key, (pmodel, opt, batch) in built.items():
             rate = matmul_rate()  # machine speed now (drift probe)
@@ -193,9 +202,11 @@ def run_rank(rank: int, world: int, cases: list[dict[str, Any]], args: Any) -> d
             rows = []
             for _ in range(args.steps):
                 dist.barrier()
+                pmodel.tasks = []
                 start = time.perf_counter()
                 pmodel.step(*batch)
                 wall = time.perf_counter() - start
+                timelines[key].append([start, start + wall, pmodel.tasks])
                 start = time.perf_counter()
                 opt.step()
                 opt.zero_grad()
@@ -206,7 +217,7 @@ def run_rank(rank: int, world: int, cases: list[dict[str, Any]], args: Any) -> d
             lone = {k: (v * busy_rank_speed_now()[k]) ** 0.5 for k, v in lone.items()}
             out[key].append(dict(_repetition(rows), matmul_flops=rate, busy_rank_speed=lone,
                                  at_s=time.time(), load=os.getloadavg()[0]))  # fmt: skip
-    return out
+    return {"measured": out, "timelines": timelines}
 
 
 def _repetition(rows: list[torch.Tensor]) -> dict[str, Any]:
@@ -223,10 +234,13 @@ def _repetition(rows: list[torch.Tensor]) -> dict[str, Any]:
     }
 
 
-def without_wait(case: dict[str, Any], device: Any) -> Any:
-    """The plan's stages simulated without the wait per task (``task_wait_s = 0``): session 9's
-    prediction, the "before" of session 10, on the same stages and profile."""
-    return drift_removed(case, 1.0, device.busy_rank_speed, 0.0)
+def session_10(case: dict[str, Any], profile: Any) -> Any:
+    """The plan's stages simulated as session 10's calibration priced them (module docstring);
+    the profile's own figures where it has no record of them (an older profile)."""
+    timed = profile.meta.get("measurements", {})
+    speed = timed.get("busy_rank_speed", {}).get("probe", profile.device.busy_rank_speed)
+    wait = timed.get("task_wait", {}).get("fitted_task_wait_s", profile.device.task_wait_s)
+    return drift_removed(case, 1.0, speed, wait)
 
 
 def drift_removed(
@@ -265,8 +279,9 @@ def from_measured_stages(
 
 
 def summarize(
-    cases: list[dict[str, Any]], measured: dict[str, Any], device: Any
+    cases: list[dict[str, Any]], measured: dict[str, Any], profile: Any
 ) -> list[dict[str, Any]]:
+    device = profile.device
     calibrated_flops = device.peak_flops["float32"]
     table = []
     for case in cases:
@@ -286,16 +301,13 @@ def summarize(
         steps = [r["step_s"] for r in reps]
         bubbles = [r["bubble"] for r in reps]
         predicted = case["predicted"]
+        before = session_10(case, profile)
         table.append({
             "key": case["key"],
             "blocks": [s["blocks"] for s in case["stages"]],
             "predicted_step_s": predicted["step_s"],
-            "before_step_s": without_wait(case, device).step_s,
-            "run_task_wait_s": fit_task_wait(
-                statistics.median(steps), busy, [0.0] * len(busy),
-                [s["p2p_s"] for s in case["stages"]], microbatches=case["microbatches"],
-                schedule=case["schedule"],
-            ),
+            "before_step_s": before.step_s,
+            "before_idle": 1 - before.compute_s / before.step_s,
             "predicted_bubble": predicted["bubble_fraction"],
             "step_s": statistics.median(steps), "step_min_s": min(steps), "step_max_s": max(steps),
             "bubble": statistics.median(bubbles), "bubble_min": min(bubbles),
@@ -320,12 +332,12 @@ def summarize(
 def markdown(world: int, table: list[dict[str, Any]]) -> str:
     lines = [
         "| ranks | model / schedule / m | cuts | predicted step ms (drift removed) | measured step"
-        " ms (min-max) | measured / predicted (drift removed) | before: no wait ms (measured"
-        " / before) | run's wait per task ms | predicted bubble | predicted idle"
+        " ms (min-max) | measured / predicted (drift removed) | before: session 10 ms (measured"
+        " / before) | before: idle ratio | run's gap per task ms | predicted bubble | predicted idle"
         " (drift removed) | measured idle (min-max) | idle ratio (drift removed) | schedule"
         " model on measured stages: step ratio | run's lone speed-up | at the run's load:"
         " predicted ms, measured / predicted, idle ratio |",
-        "|---|---|---|---|---|---|---|---:|---:|---|---|---|---:|---:|---|",
+        "|---|---|---|---|---|---|---|---:|---:|---:|---|---|---|---:|---:|---|",
     ]
     for row in table:
         cuts = "+".join(str(b - a) for a, b in row["blocks"])
@@ -336,7 +348,8 @@ def markdown(world: int, table: list[dict[str, Any]]) -> str:
             f"{row['step_s'] * 1e3:.0f} ({row['step_min_s'] * 1e3:.0f}-"
             f"{row['step_max_s'] * 1e3:.0f}) | {row['step_s'] / step:.2f} "
             f"({row['step_s'] / drift:.2f}) | {row['before_step_s'] * 1e3:.0f} "
-            f"({row['step_s'] / row['before_step_s']:.2f}) | {row['run_task_wait_s'] * 1e3:.1f} | "
+            f"({row['step_s'] / row['before_step_s']:.2f}) | {row['bubble'] / row['before_idle']:.2f} | "
+            f"{row['terms']['gap_s'] * 1e3:.1f} | "
             f"{row['predicted_bubble']:.3f} | {idle:.3f} "
             f"({drift_idle:.3f}) | {row['bubble']:.3f} ({row['bubble_min']:.3f}-"
             f"{row['bubble_max']:.3f}) | {row['bubble'] / idle:.2f} "
@@ -392,49 +405,6 @@ def per_stage_text(table: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def fitted_speeds(case: dict[str, Any], row: dict[str, Any]) -> tuple[float, float, float]:
-    """``(stage scale, lone speed-up, rms log error)``: the shared-cores simulation of the plan's
-    stages, their forward and backward scaled by ``stage scale`` and ``busy_rank_speed`` set to
-    ``{1: lone speed-up, 2+: 1}``, fitted (grid search) to the measured step and busiest rank's
-    busy seconds. Separates the level (calibrated speed) from how much faster a rank computing
-    alone really runs in the pipeline (the profile's ``busy_rank_speed[1]``)."""
-    import math
-
-    from autopar.planner.pipeline_schedule import StageCost
-    from autopar.planner.shared_cores import shared_schedule_time
-
-    step, busy = row["step_s"], (1 - row["bubble"]) * row["step_s"]
-    best = (math.inf, 0.0, 0.0)
-    for scale in (k / 100 for k in range(10, 151)):
-        stages = [
-            StageCost(forward_s=s["forward_s"] * scale, backward_s=s["backward_s"] * scale,
-                      p2p_s=s["p2p_s"])
-            for s in case["stages"]
-        ]  # fmt: skip
-        for lone in (k / 20 for k in range(20, 81)):
-            sim = shared_schedule_time(stages, microbatches=case["microbatches"],
-                                       schedule=case["schedule"],
-                                       busy_rank_speed={"1": lone, "2": 1.0})  # fmt: skip
-            err = math.log(sim.step_s / step) ** 2 + math.log(sim.compute_s / busy) ** 2
-            best = min(best, (err, scale, lone))
-    return best[1], best[2], math.sqrt(best[0] / 2)
-
-
-def fit_text(path: str) -> str:
-    """``fitted_speeds`` for every configuration of a ``--out`` JSON (``--fit-from``)."""
-    with open(path) as f:
-        data = json.load(f)
-    cases = {c["key"]: c for c in data["cases"]}
-    lines = [
-        "| model / schedule / m | stage scale | lone speed-up | rms log error |",
-        "|---|---|---|---|",
-    ]
-    for row in data["table"]:
-        scale, lone, err = fitted_speeds(cases[row["key"]], row)
-        lines.append(f"| {row['key']} | {scale:.2f} | {lone:.2f} | {err:.3f} |")
-    return "\n".join(lines)
-
-
 def _load() -> str:
     return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
@@ -471,17 +441,28 @@ def main(argv: list[str] | None = None) -> int:
         save_profile(profile, os.path.join(args.out, f"pipeline_profile_{args.world}.json"))
     cases = plan_cases(args.world, profile, args)
     print(f"planned {len(cases)} configurations in {time.perf_counter() - start:.0f} s", flush=True)
-    measured = spawn_ranks(run_rank, args.world, cases, args, timeout_s=1800, pg_timeout_s=600)[0]
-    table = summarize(cases, measured, profile.device)
+    ranks = spawn_ranks(run_rank, args.world, cases, args, timeout_s=1800, pg_timeout_s=600)
+    measured = ranks[0]["measured"]
+    timelines = {key: [list(steps) for steps in zip(*(r["timelines"][key] for r in ranks))]
+                 for key in measured}  # fmt: skip
+    table = summarize(cases, measured, profile)
+    for case, row in zip(cases, table, strict=True):
+        row["terms"] = term_chain(case, timelines[case["key"]], profile.device)
     print(f"busy_rank_speed of the profile: {dict(profile.device.busy_rank_speed)}; "
           f"task_wait_s {profile.device.task_wait_s * 1e3:.2f} ms")  # fmt: skip
     print(f"load at end: {_load()}; {time.perf_counter() - start:.0f} s in all")
     print(markdown(args.world, table))
     print(per_stage_text(table))
+    print("where the step goes (benchmarks/pipeline_terms.py):")
+    print(terms_markdown(args.world, [
+        (r["key"], r["terms"], (profile.device.task_wait_s, r["predicted_stage_s"]))
+        for r in table
+    ]))  # fmt: skip
     print(drift_text(measured, profile.device))
     path = os.path.join(args.out, f"pipeline_cost_check_{args.world}.json")
     with open(path, "w") as f:
-        json.dump({"argv": sys.argv, "table": table, "cases": cases, "measured": measured}, f,
+        json.dump({"argv": sys.argv, "table": table, "cases": cases, "measured": measured,
+                   "timelines": timelines}, f,
                   indent=1, default=str)  # fmt: skip
     print(
         f"command: PYTHONPATH=. python benchmarks/pipeline_cost_check.py {' '.join(sys.argv[1:])}"

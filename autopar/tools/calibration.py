@@ -45,7 +45,7 @@ import torch.distributed as dist
 from autopar.capture.flops import op_costs
 from autopar.runtime.spawn import pg_timeout_s, spawn_ranks
 from autopar.tools.calibration_links import measure_links
-from autopar.tools.calibration_pipeline import measure_task_wait
+from autopar.tools.calibration_pipeline import with_pipeline_figures
 from autopar.tools.sessions import own_scheduling_group, session_count
 from autopar.tools.timing import fwd_bwd_callable, mean_over_ranks, time_callable
 from cost_models import DeviceSpec, Profile
@@ -390,12 +390,10 @@ def calibrate_on_rank(
         speed, device_details["busy_rank_speed"] = measure_busy_rank_speed(config, device, log)
         spec = dataclasses.replace(spec, busy_rank_speed=speed)
         links, link_details = measure_links(config, groups, device, log)
-        wait, device_details["task_wait"] = measure_task_wait(
-            max(config.matmul_sizes), links, device, log, rounds=max(config.trials, 3)
-        )
-        spec = dataclasses.replace(spec, task_wait_s=wait, **backend_fields(dist.get_backend()))
+        spec = with_pipeline_figures(spec, max(config.matmul_sizes), links, device, log,
+                                     device_details, rounds=max(config.trials, 3))  # fmt: skip
     step_error = _step_error(device_details, link_details, config.trials)
-    spec = dataclasses.replace(spec, step_error=step_error)
+    spec = dataclasses.replace(spec, step_error=step_error, **backend_fields(dist.get_backend()))
     log(f"step-time error (spread of repeated measurements): {spec.step_error:.1%}")
     profile = build_profile(
         device=spec,

@@ -1,4 +1,5 @@
-"""Calibration of a pipeline's per-task wait (``DeviceSpec.task_wait_s``) on CPU ranks.
+"""Calibration of a pipeline's per-task wait (``DeviceSpec.task_wait_s``) and of how much faster
+its lone tasks run (``busy_rank_speed``) on CPU ranks.
 
 A pipeline rank does more than compute and send: between two of its tasks (one microbatch's
 forward or backward) it waits to be woken by the receive it posted, gloo's threads run, and the
@@ -7,19 +8,29 @@ per task (README, "Session 9"), more than the transfer the link's ``broadcast`` 
 
 Measured as it happens: every rank of the job runs one stage of a short GPipe pipeline
 (torch's ``PipelineStage`` and ``ScheduleGPipe``, as :mod:`autopar.runtime.pipeline` drives
-them) whose stage is one ``width x width`` linear layer at ``rows`` rows per microbatch, with
-``width`` calibration's largest matmul size (a few milliseconds of compute per task, the
-order of a small model's stage). Per step, each rank's compute is the wall time inside its
-stage's microbatch forwards and backwards (``PipelineModule.busy_s``'s definition). The wait
-is the ``task_wait_s`` for which the shared-cores simulation of that step, fed with the
-measured compute per task (which already carries the contention, so at speed 1) and the
-calibrated transfer of the activation, equals the measured step: bisection, the simulated step
-grows monotonically with the wait. Median over rounds of a few steps; 0 when the model needs
-no wait. GPUs and one rank: not measured (0).
+them) whose stage is ``PIPELINE_LAYERS`` ``width x width`` linear layers at ``rows`` rows per
+microbatch, with ``width`` calibration's largest matmul size (tasks of 10-30 ms here, the order
+of a small model's stage). Every task's start and end are recorded on every rank (the
+monotonic clock the machine's processes share), so each step splits into its terms
+(:func:`step_terms`): the compute per task, the gap before each task (after the rank's own
+previous task, or after the neighbour's task it waited for), the head and the tail.
+
+- The wait is the measured mean gap less the half of a stage's priced sends that the
+  simulation charges beside it after every task (session 10 fitted the wait to the step
+  instead, which made it absorb every other error of the simulated step; that figure is kept
+  as ``fitted_task_wait_s``).
+- The lone speed-up is how much longer a task overlapped by other ranks' tasks took than one
+  that ran alone (:func:`lone_speedup`); :func:`pipeline_busy_rank_speed` scales calibration's
+  probe (a matmul timed for seconds with ``k`` ranks computing) to it: the probe measured 1.3-2.1
+  alone on 2 ranks while the pipelines ran their lone tasks 1.0-1.5x faster (README, "Session
+  11").
+
+Median over rounds of a few steps. GPUs and one rank: not measured (0, the probe's speeds).
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -33,29 +44,39 @@ PIPELINE_ROWS = 128
 """Rows per microbatch of the calibration pipeline (its activation: ``rows x width`` fp32,
 about 390 KiB at width 768, the size of a small model's stage boundary)."""
 PIPELINE_MICROBATCHES = 4
+PIPELINE_LAYERS = 4
+"""Linear layers per stage: tasks of about 10-30 ms at width 768 on these cores, the order of
+the stages the pipeline check runs (1-2 transformer blocks of width 256 at 2-8 rows x 128)."""
+
+
+def _timed(stage: Any, kind: str, call: Callable[[], Any]) -> Any:
+    """Runs ``call`` (one microbatch's forward or backward of ``stage``) and appends
+    ``(kind, start, end)`` on the monotonic clock, which every process of the machine shares,
+    to ``stage.spans``."""
+    start = time.perf_counter()
+    try:
+        return call()
+    finally:
+        stage.spans.append((kind, start, time.perf_counter()))
 
 
 def _timed_stage_class() -> type:
     from torch.distributed.pipelining import PipelineStage
 
     class TimedStage(PipelineStage):
-        """Adds the wall seconds of the microbatch forwards and backwards to ``busy``."""
+        """Records the span of each microbatch forward and backward in ``spans``."""
 
-        busy: list[float]
+        spans: list[tuple[str, float, float]]
 
         def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return super().forward_one_chunk(*args, **kwargs)
-            finally:
-                self.busy[0] += time.perf_counter() - start
+            return _timed(
+                self, "F", lambda: super(TimedStage, self).forward_one_chunk(*args, **kwargs)
+            )
 
         def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return super().backward_one_chunk(*args, **kwargs)
-            finally:
-                self.busy[1] += time.perf_counter() - start
+            return _timed(
+                self, "B", lambda: super(TimedStage, self).backward_one_chunk(*args, **kwargs)
+            )
 
     return TimedStage
 
@@ -94,6 +115,129 @@ def fit_task_wait(
     return (low + high) / 2
 
 
+def step_terms(ranks: list[Any], schedule: str, microbatches: int) -> dict[str, Any]:
+    """One measured step of a GPipe or 1F1B pipeline split into its terms: ``ranks[i] =
+    (start, end, tasks)`` of rank ``i`` (stage ``i``), ``tasks`` its ``(kind, start, end)`` in
+    the order it ran them (``"F"``/``"B"``, the shared monotonic clock). Returns seconds:
+    ``forward_s`` / ``backward_s`` per stage (mean per task); ``local_s``, the mean gap before a
+    task whose input was there (the rank's previous task's end to its start: the schedule's
+    Python, posting sends and receives); ``dependency_s``, the mean gap before a task that
+    waited on a neighbour (that neighbour's task's end to its start: transfer and wake-up);
+    ``gap_s`` over both; ``head_s`` (step start to the first forward) and ``tail_s`` (last
+    task's end to the step's end); ``alone``: per task (rank, kind, seconds, share of it
+    overlapped by other ranks' tasks)."""
+    from autopar.planner.shared_cores import rank_order
+
+    p, m = len(ranks), microbatches
+    start, end = min(r[0] for r in ranks), max(r[1] for r in ranks)
+    spans = {}
+    for i, (_, _, tasks) in enumerate(ranks):
+        for (kind, j), (got, a, b) in zip(rank_order(schedule, i, p, m), tasks, strict=True):
+            assert got == kind, f"rank {i} ran {got} where the schedule's order has {kind}"
+            spans[(kind, i, j)] = (a, b)
+    dependency, local = [], []
+    for i in range(p):
+        previous = None
+        for kind, j in rank_order(schedule, i, p, m):
+            a, _ = spans[(kind, i, j)]
+            before = spans.get((kind, i - 1 if kind == "F" else i + 1, j))
+            if before is not None and (previous is None or before[1] > previous):
+                dependency.append(a - before[1])
+            elif previous is not None:
+                local.append(a - previous)
+            previous = spans[(kind, i, j)][1]
+
+    def mean_of(kind: str, i: int) -> float:
+        seconds = [b - a for (k, r, _), (a, b) in spans.items() if (k, r) == (kind, i)]
+        return statistics.fmean(seconds)
+
+    return {
+        "step_s": end - start,
+        "forward_s": [mean_of("F", i) for i in range(p)],
+        "backward_s": [mean_of("B", i) for i in range(p)],
+        "local_s": statistics.fmean(local) if local else 0.0,
+        "dependency_s": statistics.fmean(dependency),
+        "gap_s": statistics.fmean(local + dependency),
+        "head_s": spans[("F", 0, 0)][0] - start,
+        "tail_s": end - max(b for _, b in spans.values()),
+        "alone": _alone_and_together(spans),
+    }
+
+
+def _alone_and_together(spans: dict[tuple[str, int, int], tuple[float, float]]) -> list[Any]:
+    """Per task: (rank, kind, seconds, share of it overlapped by other ranks' tasks, mean
+    number of ranks computing during it, itself included)."""
+    out = []
+    for (kind, i, _), (a, b) in spans.items():
+        overlap = [(max(a, c), min(b, d)) for (_, r, _), (c, d) in spans.items() if r != i]
+        overlap = [(x, y) for x, y in overlap if y > x]
+        seconds = b - a
+        if seconds <= 0:
+            continue
+        ranks = 1 + sum(y - x for x, y in overlap) / seconds  # a rank runs one task at a time
+        out.append((i, kind, seconds, _union_length(overlap) / seconds, ranks))
+    return out
+
+
+def _union_length(intervals: list[tuple[float, float]]) -> float:
+    total, reach = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > reach:
+            total += b - max(a, reach)
+            reach = b
+    return total
+
+
+def lone_speedup(per_step: list[dict[str, Any]]) -> tuple[float, float]:
+    """How much faster a pipeline's task runs alone: per (rank, kind), the mean seconds of its
+    tasks overlapped over 90% by other ranks' tasks over the mean of those overlapped under 10%
+    (alone); the median over the (rank, kind) pairs that have both, and the mean number of ranks
+    computing during the overlapped tasks. ``(nan, nan)`` where no pair has both."""
+    groups: dict[tuple[int, str], tuple[list[float], list[float], list[float]]] = {}
+    for terms in per_step:
+        for rank, kind, seconds, shared, ranks in terms["alone"]:
+            alone, together, counts = groups.setdefault((rank, kind), ([], [], []))
+            if shared < 0.1:
+                alone.append(seconds)
+            elif shared > 0.9:
+                together.append(seconds)
+                counts.append(ranks)
+    pairs = [(statistics.fmean(t) / statistics.fmean(a), statistics.fmean(c))
+             for a, t, c in groups.values() if a and t]  # fmt: skip
+    if not pairs:
+        return math.nan, math.nan
+    return statistics.median(r for r, _ in pairs), statistics.fmean(c for _, c in pairs)
+
+
+def round_figures(
+    timelines: list[list[Any]], p2p_s: list[float], *, microbatches: int, schedule: str = "gpipe"
+) -> dict[str, Any]:
+    """One calibration round's figures from its steps' timelines (:func:`step_terms`' input;
+    ``p2p_s`` the priced sends per microbatch of each stage): medians over the steps of the
+    step, per-stage forward and backward, the gaps and the lone speed-up, and the wait,
+    ``task_wait_s``: the measured mean gap between tasks less the half of a stage's sends the
+    simulation charges after every task beside it (at least 0). ``fitted_task_wait_s`` is
+    session 10's figure, the wait that makes the simulated step equal the measured one."""
+    terms = [step_terms(ranks, schedule, microbatches) for ranks in timelines]
+    p = len(p2p_s)
+    step = statistics.median(t["step_s"] for t in terms)
+    forward = [statistics.median(t["forward_s"][r] for t in terms) for r in range(p)]
+    backward = [statistics.median(t["backward_s"][r] for t in terms) for r in range(p)]
+    gap = statistics.median(t["gap_s"] for t in terms)
+    speedup, together = lone_speedup(terms)
+    return {
+        "step_s": step, "forward_s": forward, "backward_s": backward, "gap_s": gap,
+        "task_wait_s": max(0.0, gap - statistics.fmean(p2p_s) / 2),
+        "fitted_task_wait_s": fit_task_wait(step, forward, backward, p2p_s,
+                                            microbatches=microbatches, schedule=schedule),
+        "local_s": statistics.median(t["local_s"] for t in terms),
+        "dependency_s": statistics.median(t["dependency_s"] for t in terms),
+        # None (JSON null) where no task ran both alone and overlapped in the round.
+        "lone_speedup": None if math.isnan(speedup) else speedup,
+        "together_ranks": None if math.isnan(together) else together,
+    }  # fmt: skip
+
+
 def measure_task_wait(
     width: int,
     links: Mapping[str, Any],
@@ -103,9 +247,11 @@ def measure_task_wait(
     rounds: int = 3,
     steps: int = 3,
     rows: int = PIPELINE_ROWS,
-    layers: int = 1,
+    layers: int = PIPELINE_LAYERS,
 ) -> tuple[float, Mapping[str, Any]]:
-    """``DeviceSpec.task_wait_s`` (module docstring) and the measurements behind it.
+    """``DeviceSpec.task_wait_s`` (module docstring) and the measurements behind it, among
+    them ``lone_speedup`` and ``together_ranks`` (:func:`lone_speedup` of the pipeline's tasks),
+    which :func:`pipeline_busy_rank_speed` turns into the profile's ``busy_rank_speed``.
 
     Args:
         width: the stage's layer width (calibration's largest matmul size).
@@ -124,12 +270,11 @@ def measure_task_wait(
     group = dist.new_group(list(range(world)))
     layer_stack = nn.Sequential(*(nn.Linear(width, width) for _ in range(layers)))
     stage = _timed_stage_class()(layer_stack, rank, world, device, group=group)
-    stage.busy = [0.0, 0.0]
     schedule = ScheduleGPipe(stage, m, loss_fn=lambda out, target: (out - target).square().sum())
     x = torch.randn(m * rows, width)
 
-    def one_step() -> list[float]:
-        stage.busy[:] = [0.0, 0.0]
+    def one_step() -> list[Any]:
+        stage.spans = []
         dist.barrier()
         start = time.perf_counter()
         if rank == 0:
@@ -138,10 +283,16 @@ def measure_task_wait(
             schedule.step(target=torch.zeros(m * rows, width))
         else:
             schedule.step()
-        mine = torch.tensor([time.perf_counter() - start, *stage.busy], dtype=torch.float64)
-        every = [torch.zeros_like(mine) for _ in range(world)]
-        dist.all_gather(every, mine)
-        return [float(v) for t in every for v in t]
+        flat = [start, time.perf_counter()]
+        for kind, a, b in stage.spans:
+            flat += [float(kind == "B"), a, b]
+        every = [torch.zeros(len(flat), dtype=torch.float64) for _ in range(world)]
+        dist.all_gather(every, torch.tensor(flat, dtype=torch.float64))
+        return [
+            (float(t[0]), float(t[1]), [("FB"[int(t[k])], float(t[k + 1]), float(t[k + 2]))
+                                        for k in range(2, len(t), 3)])
+            for t in every
+        ]  # fmt: skip
 
     one_step()  # warm-up: shape inference, first-call costs
     link = links.get("pp") or next(iter(links.values()))
@@ -149,16 +300,75 @@ def measure_task_wait(
     p2p = [send * ((i > 0) + (i < world - 1)) for i in range(world)]
     per_round: list[dict[str, Any]] = []
     for _ in range(rounds):
-        timed = [one_step() for _ in range(steps)]
-        step = statistics.median(max(t[0::3]) for t in timed)
-        forward = [statistics.median(t[3 * r + 1] for t in timed) / m for r in range(world)]
-        backward = [statistics.median(t[3 * r + 2] for t in timed) / m for r in range(world)]
-        wait = fit_task_wait(step, forward, backward, p2p, microbatches=m)
-        per_round.append({"step_s": step, "forward_s": forward, "backward_s": backward,
-                          "task_wait_s": wait})  # fmt: skip
+        timelines = [one_step() for _ in range(steps)]
+        per_round.append(round_figures(timelines, p2p, microbatches=m))
     wait = statistics.median(r["task_wait_s"] for r in per_round)
-    log(f"pipeline wait per task (GPipe, {world} stages, m={m}): {wait * 1e3:.2f} ms")
     dist.destroy_process_group(group)
     detail = {"schedule": "gpipe", "microbatches": m, "rows": rows, "width": width, "layers": layers,
-              "p2p_s": p2p, "rounds": per_round}  # fmt: skip
+              "p2p_s": p2p, "rounds": per_round,
+              "fitted_task_wait_s": statistics.median(r["fitted_task_wait_s"] for r in per_round),
+              **_median_speedup(per_round)}  # fmt: skip
+    log(f"pipeline wait per task (GPipe, {world} stages, m={m}): {wait * 1e3:.2f} ms measured "
+        f"between tasks ({detail['fitted_task_wait_s'] * 1e3:.2f} ms fitted to the step); a "
+        f"rank alone ran {detail['lone_speedup']:.2f}x its speed beside "
+        f"{detail['together_ranks']:.1f} computing ranks")  # fmt: skip
     return wait, detail
+
+
+def _median_speedup(per_round: list[dict[str, Any]]) -> dict[str, float]:
+    """The rounds' median lone speed-up and the concurrency it was measured against (1 and
+    the job's all-busy count when no round saw both kinds of task)."""
+    seen = [r for r in per_round if r["lone_speedup"] is not None]
+    if not seen:
+        return {"lone_speedup": 1.0, "together_ranks": 1.0}
+    return {
+        key: statistics.median(r[key] for r in seen) for key in ("lone_speedup", "together_ranks")
+    }
+
+
+def pipeline_busy_rank_speed(
+    probe: Mapping[str, float], lone_speedup: float, together_ranks: float
+) -> dict[str, float]:
+    """``busy_rank_speed`` as a pipeline's ranks meet it: calibration's probe (a matmul timed
+    with ``k`` ranks computing, the others waiting in an all-reduce, seconds at a time) gives
+    the curve's shape, the pipeline's own tasks its size. A task alone ran ``lone_speedup``
+    times faster than one beside ``together_ranks`` computing ranks (on average); the probe's
+    speeds are raised to the power that makes the curve say the same,
+    ``speed(1) / speed(together_ranks) = lone_speedup`` (exponent clamped to [0, 1.5]: 0, no
+    speed-up, where the pipeline's lone tasks were no faster). Unchanged where the probe saw no
+    speed-up to scale."""
+    from autopar.planner.shared_cores import speed_at
+
+    span = speed_at(probe, 1) / speed_at(probe, max(1, round(together_ranks)))
+    if not probe or span <= 1.0 + 1e-9:
+        return dict(probe)
+    power = min(1.5, max(0.0, math.log(max(lone_speedup, 1e-9)) / math.log(span)))
+    return {k: v**power for k, v in probe.items()}
+
+
+def with_pipeline_figures(
+    spec: Any,
+    width: int,
+    links: Mapping[str, Any],
+    device: torch.device,
+    log: Callable[[str], None],
+    details: dict[str, Any],
+    *,
+    rounds: int,
+) -> Any:
+    """``spec`` (a ``DeviceSpec``) with the calibration pipeline's figures: ``task_wait_s``
+    and, where the probe measured one, ``busy_rank_speed`` scaled by the pipeline's lone tasks
+    (:func:`pipeline_busy_rank_speed`). Records the pipeline's measurements in
+    ``details["task_wait"]`` and the probe's speeds in ``details["busy_rank_speed"]["probe"]``."""
+    import dataclasses
+
+    wait, details["task_wait"] = measure_task_wait(width, links, device, log, rounds=rounds)
+    spec = dataclasses.replace(spec, task_wait_s=wait)
+    probe, timed = dict(spec.busy_rank_speed), details["task_wait"]
+    if not probe or not timed:
+        return spec
+    details["busy_rank_speed"]["probe"] = probe
+    speed = pipeline_busy_rank_speed(probe, timed["lone_speedup"], timed["together_ranks"])
+    log("speed per rank by ranks computing (the probe's, scaled to the pipeline's lone tasks): "
+        + ", ".join(f"{k}: {v:.2f}" for k, v in speed.items()))  # fmt: skip
+    return dataclasses.replace(spec, busy_rank_speed=speed)

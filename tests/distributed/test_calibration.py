@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 from typing import Any
 
 import pytest
@@ -24,6 +25,7 @@ def test_tiny_calibration_gives_a_profile_the_planner_uses(tmp_path) -> None:
     from autopar.mesh import Mesh
     from autopar.tools.calibration import CALIBRATED_FAMILIES
     from autopar.tools.calibration_links import CALIBRATED_COLLECTIVES
+    from autopar.tools.calibration_pipeline import pipeline_busy_rank_speed
     from cost_models import collective_time_s, load_profile, save_profile
     from cost_models.calibrate import STEP_ERROR_MAX
     from cost_models.hardware import MAX_OP_EFFICIENCY
@@ -55,11 +57,18 @@ def test_tiny_calibration_gives_a_profile_the_planner_uses(tmp_path) -> None:
     # every rank lead one, so tests, autoparallelize spawns and calibration share scheduling.
     assert profile.meta["measurements"]["busy_rank_speed"]["sessions"] == 2
     assert all(r["meta"]["rank_leads_its_session"] for r in results)
-    # A pipeline's wait per task: a short GPipe run on both ranks, fitted by the simulation.
+    # A pipeline's wait per task: a short GPipe run on both ranks, the gap measured between
+    # its tasks; busy_rank_speed: the probe's, scaled to how much faster its lone tasks ran.
     task_wait = profile.meta["measurements"]["task_wait"]
     assert task_wait["schedule"] == "gpipe" and len(task_wait["rounds"]) == 3
     assert all(r["step_s"] > 0 and min(r["forward_s"] + r["backward_s"]) > 0
+               and r["gap_s"] >= 0 and r["fitted_task_wait_s"] >= 0
                for r in task_wait["rounds"])  # fmt: skip
+    assert device.task_wait_s == statistics.median(r["task_wait_s"] for r in task_wait["rounds"])
+    probe = profile.meta["measurements"]["busy_rank_speed"]["probe"]
+    assert dict(device.busy_rank_speed) == pipeline_busy_rank_speed(
+        probe, task_wait["lone_speedup"], task_wait["together_ranks"]
+    )
     assert device.task_wait_s >= 0 and device.task_wait_s < min(
         r["step_s"] for r in task_wait["rounds"]
     )

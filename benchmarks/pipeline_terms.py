@@ -1,0 +1,149 @@
+"""Where a measured pipeline step goes, term by term, from the ranks' task timelines.
+
+Used by ``benchmarks/pipeline_cost_check.py``: every microbatch forward and backward of every
+rank is timestamped (the monotonic clock, shared by the machine's processes), so one step splits
+into:
+
+- ``forward_s`` / ``backward_s`` per stage: the mean wall seconds of its microbatch forwards and
+  backwards (what ``PipelineModule.busy_s`` adds up);
+- ``local_s``: per task whose input was already there, its start less the rank's previous task's
+  end (the schedule's Python, posting the send and the next receive);
+- ``dependency_s``: per task that waited on a neighbour, its start less that neighbour's task's
+  end (the transfer, the receiver's wake-up);
+- ``head_s``: the step's start to the first forward (inputs split, the schedule's set-up);
+  ``tail_s``: the last task's end to the step's end (gradient reduction after the last backward,
+  the loss broadcast);
+- ``lone_speedup``: per rank and kind, the mean seconds of the tasks that overlapped another
+  rank's task over those that ran alone (the speed-up ``busy_rank_speed`` prices).
+
+:func:`term_chain` then replaces the plan's terms one at a time by the measured ones in the
+planner's own simulation (``planner.shared_cores``), per step, and reports each step's figure:
+``plan`` (the prediction), ``compute`` (measured stage seconds, no lone speed-up: they carry the
+contention they met), ``gaps`` (plus the measured mean gap per task as the wait, no separate
+send), ``fixed`` (plus head and tail); ``measured / fixed`` is what the terms leave unexplained
+(how the task times vary along the critical path).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from typing import Any
+
+from autopar.planner.pipeline_schedule import StageCost
+from autopar.planner.shared_cores import shared_schedule_time
+from autopar.tools.calibration_pipeline import lone_speedup, step_terms
+
+
+def record_tasks(pmodel: Any) -> None:
+    """Appends ``(kind, start, end)`` of each microbatch forward (``"F"``) and backward
+    (``"B"``) of ``pmodel``'s stages to ``pmodel.tasks`` (the caller empties it per step)."""
+
+    def timed(kind: str, method: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                pmodel.tasks.append((kind, start, time.perf_counter()))
+
+        return call
+
+    pmodel.tasks = []
+    for stage in pmodel._stages:
+        stage.forward_one_chunk = timed("F", stage.forward_one_chunk)
+        stage.backward_one_chunk = timed("B", stage.backward_one_chunk)
+
+
+def term_chain(case: dict[str, Any], steps: list[Any], device: Any) -> dict[str, Any]:
+    """Per step, the plan's prediction with its terms replaced one at a time by the measured
+    ones (module docstring); medians over steps, and the measured terms' medians."""
+    m, schedule = case["microbatches"], case["schedule"]
+    p2p = [s["p2p_s"] for s in case["stages"]]
+    chain: dict[str, list[float]] = {"compute": [], "gaps": [], "fixed": [], "measured": []}
+    per_step = [step_terms(ranks, schedule, m) for ranks in steps]
+    for t in per_step:
+        measured = [StageCost(forward_s=f, backward_s=b, p2p_s=s)
+                    for f, b, s in zip(t["forward_s"], t["backward_s"], p2p, strict=True)]  # fmt: skip
+        compute = shared_schedule_time(measured, microbatches=m, schedule=schedule,
+                                       busy_rank_speed={}, task_wait_s=device.task_wait_s)  # fmt: skip
+        bare = [StageCost(forward_s=s.forward_s, backward_s=s.backward_s) for s in measured]
+        gaps = shared_schedule_time(bare, microbatches=m, schedule=schedule, busy_rank_speed={},
+                                    task_wait_s=t["gap_s"])  # fmt: skip
+        chain["compute"].append(compute.step_s)
+        chain["gaps"].append(gaps.step_s)
+        chain["fixed"].append(gaps.step_s + t["head_s"] + t["tail_s"])
+        chain["measured"].append(t["step_s"])
+    out: dict[str, Any] = {k: statistics.median(v) for k, v in chain.items()}
+    out["residual"] = statistics.median(a / b for a, b in zip(chain["measured"], chain["fixed"]))
+    for key in ("local_s", "dependency_s", "gap_s", "head_s", "tail_s"):
+        out[key] = statistics.median(t[key] for t in per_step)
+    for key in ("forward_s", "backward_s"):
+        out[key] = [statistics.median(t[key][i] for t in per_step) for i in range(len(p2p))]
+    out["lone_speedup"], out["together_ranks"] = lone_speedup(per_step)
+    out["plan"] = case["predicted"]["step_s"]
+    return out
+
+
+def terms_markdown(world: int, rows: list[tuple[str, dict[str, Any], float]]) -> str:
+    """``rows``: (configuration, :func:`term_chain`'s figures, the profile's wait per task)."""
+    lines = [
+        "| ranks | model / schedule / m | plan ms | with measured compute ms | with measured"
+        " gaps ms | with head and tail ms | measured ms | measured / last | stage F+B ms"
+        " predicted / measured | gap per task ms: local, dependency (profile's wait) |"
+        " head, tail ms | lone speed-up in the run |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|---|---|---:|",
+    ]
+    for key, c, (wait, predicted_stage) in rows:
+        stage = ", ".join(
+            f"{p * 1e3:.0f}/{(f + b) * 1e3:.0f}"
+            for p, f, b in zip(predicted_stage, c["forward_s"], c["backward_s"], strict=True)
+        )
+        lines.append(
+            f"| {world} | {key} | {c['plan'] * 1e3:.0f} | {c['compute'] * 1e3:.0f} | "
+            f"{c['gaps'] * 1e3:.0f} | {c['fixed'] * 1e3:.0f} | {c['measured'] * 1e3:.0f} | "
+            f"{c['residual']:.2f} | {stage} | {c['local_s'] * 1e3:.1f}, "
+            f"{c['dependency_s'] * 1e3:.1f} ({wait * 1e3:.1f}) | {c['head_s'] * 1e3:.1f}, "
+            f"{c['tail_s'] * 1e3:.1f} | {c['lone_speedup']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def fitted_speeds(case: dict[str, Any], row: dict[str, Any]) -> tuple[float, float, float]:
+    """``(stage scale, lone speed-up, rms log error)``: the shared-cores simulation of the plan's
+    stages, their forward and backward scaled by ``stage scale`` and ``busy_rank_speed`` set to
+    ``{1: lone speed-up, 2+: 1}``, fitted (grid search) to the measured step and busiest rank's
+    busy seconds. Separates the level (calibrated speed) from how much faster a rank computing
+    alone really runs in the pipeline (the profile's ``busy_rank_speed[1]``)."""
+    step, busy = row["step_s"], (1 - row["bubble"]) * row["step_s"]
+    best = (math.inf, 0.0, 0.0)
+    for scale in (k / 100 for k in range(10, 151)):
+        stages = [
+            StageCost(forward_s=s["forward_s"] * scale, backward_s=s["backward_s"] * scale,
+                      p2p_s=s["p2p_s"])
+            for s in case["stages"]
+        ]  # fmt: skip
+        for lone in (k / 20 for k in range(20, 81)):
+            sim = shared_schedule_time(stages, microbatches=case["microbatches"],
+                                       schedule=case["schedule"],
+                                       busy_rank_speed={"1": lone, "2": 1.0})  # fmt: skip
+            err = math.log(sim.step_s / step) ** 2 + math.log(sim.compute_s / busy) ** 2
+            best = min(best, (err, scale, lone))
+    return best[1], best[2], math.sqrt(best[0] / 2)
+
+
+def fit_text(path: str) -> str:
+    """``fitted_speeds`` for every configuration of a ``--out`` JSON (``--fit-from``)."""
+    with open(path) as f:
+        data = json.load(f)
+    cases = {c["key"]: c for c in data["cases"]}
+    lines = [
+        "| model / schedule / m | stage scale | lone speed-up | rms log error |",
+        "|---|---|---|---|",
+    ]
+    for row in data["table"]:
+        scale, lone, err = fitted_speeds(cases[row["key"]], row)
+        lines.append(f"| {row['key']} | {scale:.2f} | {lone:.2f} | {err:.3f} |")
+    return "\n".join(lines)
