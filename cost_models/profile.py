@@ -76,6 +76,7 @@ PROFILE_SCHEMA: dict[str, Any] = {
                     "additionalProperties": _POSITIVE,
                 },
                 "step_error": {"type": "number", "minimum": 0, "exclusiveMaximum": 1},
+                "paired_error": {"type": "number", "minimum": 0, "exclusiveMaximum": 1},
                 "task_wait_s": _NONNEGATIVE,
                 "source": {"type": "string"},
             },

@@ -53,8 +53,8 @@ from cost_models.calibrate import (
     build_profile,
     fit_efficiency,
     fit_rate,
-    fit_step_error,
-    relative_spread,
+    paired_error_of,
+    step_error_of,
 )
 from cost_models.compute import matmul_flops
 from cost_models.hardware import MAX_OP_EFFICIENCY
@@ -394,9 +394,11 @@ def calibrate_on_rank(
             max(config.matmul_sizes), links, device, log, rounds=max(config.trials, 3)
         )
         spec = dataclasses.replace(spec, task_wait_s=wait)
-    step_error = _step_error(device_details, link_details, config.trials)
-    spec = dataclasses.replace(spec, step_error=step_error)
-    log(f"step-time error (spread of repeated measurements): {spec.step_error:.1%}")
+    step_error = step_error_of(device_details, link_details, config.trials)
+    paired_error = paired_error_of(link_details, config.trials)
+    spec = dataclasses.replace(spec, step_error=step_error, paired_error=paired_error)
+    log(f"step-time error (spread of repeated measurements): {spec.step_error:.1%}; "
+        f"error of a difference (spread of paired ratios): {spec.paired_error:.1%}")  # fmt: skip
     profile = build_profile(
         device=spec,
         links=links,
@@ -414,16 +416,6 @@ def calibrate_on_rank(
     )
     log(f"done in {time.perf_counter() - start:.1f} s")
     return profile.to_dict()
-
-
-def _step_error(device_details: dict[str, Any], link_details: dict[str, Any], trials: int) -> float:
-    """``DeviceSpec.step_error`` from the repeated measurements: every per-round device fit
-    (peak FLOP/s, bandwidth, launch overhead, op efficiencies) and every collective kind and
-    size per trial (``cost_models.calibrate.fit_step_error``)."""
-    spreads = [relative_spread(v) for v in device_details.get("fits_per_round", {}).values()]
-    for entry in link_details.values():
-        spreads += entry.get("spread", [])
-    return fit_step_error(spreads, max(trials, 1)) if spreads else 0.0
 
 
 # --------------------------------------------------------------------------------------------

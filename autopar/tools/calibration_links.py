@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from autopar.tools.timing import max_over_ranks, sync_device, time_queued
 from cost_models import collective_steps_and_wire_bytes, fit_alpha_beta
-from cost_models.calibrate import fit_sync_s, link_from_fits, relative_spread
+from cost_models.calibrate import fit_sync_s, link_from_fits, paired_spreads, relative_spread
 
 if TYPE_CHECKING:
     from autopar.tools.calibration import CalibrationConfig
@@ -118,8 +118,15 @@ def measure_links(
         per_size = [
             _time_kinds_interleaved(group, size, int(nbytes), device, config) for nbytes in sizes
         ]
+        # Per pair of kinds and size, the spread of their per-trial ratio (the least steady
+        # rank): what DeviceSpec.paired_error is fitted from.
+        pairs = list(per_size[0][2]) if per_size else []
+        details[f"{name}/paired"] = {
+            "bytes": sizes,
+            "paired_spread": {p: max_over_ranks([spread[p] for _, _, spread in per_size], device) for p in pairs},
+        }  # fmt: skip
         for kind in CALIBRATED_COLLECTIVES:
-            times = max_over_ranks([timed[kind] for timed, _ in per_size], device)
+            times = max_over_ranks([timed[kind] for timed, _, _ in per_size], device)
             if kind == "broadcast":  # a round trip is two transfers
                 times = [t / 2 for t in times]
             details[f"{name}/{kind}"] = {
@@ -128,7 +135,7 @@ def measure_links(
                 "call": RUNTIME_CALLS[kind],
                 # Per size, the trials' relative median deviation (the least steady rank):
                 # what DeviceSpec.step_error is fitted from.
-                "spread": max_over_ranks([spread[kind] for _, spread in per_size], device),
+                "spread": max_over_ranks([spread[kind] for _, spread, _ in per_size], device),
             }
             try:
                 fits[kind] = fit_alpha_beta(sizes, times, kind, size)
@@ -190,18 +197,24 @@ def _measure_sync(
         for key, fn in (("mixed", mixed), ("compute", compute), ("collective", collective)):
             dist.barrier()
             times[key].append(time_queued(fn, device, SYNC_CALLS, 1))
+    # Compute against a collective, timed in the same trials: a paired ratio between the two
+    # kinds of term a plan trades (DeviceSpec.paired_error), before the max over ranks.
+    paired = paired_spreads({"compute": times["compute"], "collective": times["collective"]})
     for key in times:
         times[key] = max_over_ranks(times[key], device)
     sync_s = fit_sync_s(times["mixed"], times["compute"], times["collective"])
-    return sync_s, {"seconds_per_call": times, "calls": SYNC_CALLS, "matmul": SYNC_MATMUL}
+    paired = {k: max_over_ranks([v], device)[0] for k, v in paired.items()}
+    return sync_s, {"seconds_per_call": times, "calls": SYNC_CALLS, "matmul": SYNC_MATMUL,
+                    "paired_spread": paired}  # fmt: skip
 
 
 def _time_kinds_interleaved(
     group: Any, size: int, nbytes: int, device: torch.device, config: CalibrationConfig
-) -> tuple[dict[str, float], dict[str, float]]:
+) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
     """Seconds per call of every kind of ``CALIBRATED_COLLECTIVES`` at ``nbytes`` on this rank:
     the median over ``config.trials`` trials, each timing every kind once in turn (module
-    docstring); and per kind the trials' ``relative_spread``. Collectives must be called the same number of times on every rank: each kind's
+    docstring); per kind the trials' ``relative_spread``; and per pair of kinds the spread of
+    their per-trial ratios (``cost_models.calibrate.paired_spreads``). Collectives must be called the same number of times on every rank: each kind's
     count is sized by one probe call and agreed by MAX over ranks, not ``time_callable``'s loop."""
     fns = {
         kind: _run_collective(kind, nbytes, group, size, device) for kind in CALIBRATED_COLLECTIVES
@@ -221,7 +234,8 @@ def _time_kinds_interleaved(
     }
     times = interleaved_times(fns, counts, config.trials, dist.barrier, device)
     medians = {key: statistics.median(values) for key, values in times.items()}
-    return medians, {key: relative_spread(values) for key, values in times.items()}
+    spreads = {key: relative_spread(values) for key, values in times.items()}
+    return medians, spreads, paired_spreads(times)
 
 
 def interleaved_times(
