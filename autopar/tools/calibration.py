@@ -91,6 +91,9 @@ class CalibrationConfig:
     """Each timing repeats its op until this many seconds have passed (at least 2 runs)."""
     trials: int = 5
     """Timings per measurement; the median is kept."""
+    sync_segment_s: float = 0.01
+    """Computation between two collectives when ``LinkSpec.sync_s`` is measured: as long as
+    a step's (milliseconds to tens of them), because the wait grows with it."""
 
     @classmethod
     def for_gpu(cls) -> CalibrationConfig:
@@ -115,6 +118,7 @@ class CalibrationConfig:
             collective_bytes=(32 * 2**10, 512 * 2**10, 2 * 2**20),
             min_time_s=0.003,
             trials=2,
+            sync_segment_s=0.002,
         )
 
 

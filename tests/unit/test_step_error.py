@@ -88,3 +88,17 @@ def test_paired_error_uses_the_step_error_formula_over_the_kept_paired_spreads()
     assert profile.device.paired_error == 0.03
     with pytest.raises(ValueError, match="paired_error must be in"):
         dataclasses.replace(h100, paired_error=1.0)
+
+
+def test_the_sync_wait_is_measured_after_a_step_like_computation() -> None:
+    from autopar.tools.calibration import CalibrationConfig
+    from autopar.tools.calibration_links import sync_segment_matmuls
+
+    # 10 ms of computation between collectives from 0.8 ms matmuls: 12.5 -> 12 (round half
+    # to even), 4 ms -> 5; never fewer than one.
+    assert sync_segment_matmuls(0.0008, 0.01) == 12
+    assert sync_segment_matmuls(0.0008, 0.004) == 5
+    assert sync_segment_matmuls(0.05, 0.01) == 1
+    assert CalibrationConfig().sync_segment_s == 0.01
+    with pytest.raises(ValueError, match="must be > 0"):
+        sync_segment_matmuls(0.0, 0.01)
