@@ -94,6 +94,8 @@ class CalibrationConfig:
     sync_segment_s: float = 0.01
     """Computation between two collectives when ``LinkSpec.sync_s`` is measured: as long as
     a step's (milliseconds to tens of them), because the wait grows with it."""
+    sync_trials: int = 7
+    """Trials of the sync measurement (a difference of three jittery timings)."""
 
     @classmethod
     def for_gpu(cls) -> CalibrationConfig:
@@ -119,6 +121,7 @@ class CalibrationConfig:
             min_time_s=0.003,
             trials=2,
             sync_segment_s=0.002,
+            sync_trials=3,
         )
 
 

@@ -174,7 +174,7 @@ SYNC_MATMUL = 256
 """Side of the square matmuls computed between the collectives of the sync measurement (about
 a millisecond on a CPU core); ``CalibrationConfig.sync_segment_s`` sets how many in a row."""
 SYNC_CALLS = 30
-"""Iterations per timing at most (fewer where the segment is long: about 0.1 s a timing)."""
+"""Iterations per timing at most (fewer where the segment is long: about 0.2 s a timing)."""
 
 
 def sync_segment_matmuls(matmul_s: float, segment_s: float) -> int:
@@ -201,8 +201,11 @@ def _measure_sync(
     axis, of the computation alone, and of the all-reduce alone (back to back), on every rank
     at once; the slowest rank's time per iteration counts (``cost_models.calibrate.fit_sync_s``).
     The three are interleaved per trial so that load from other processes falls on all three
-    alike. The same after ONE matmul (what was measured before session 11) is kept in the
-    details as ``one_matmul``, for comparison."""
+    alike; ``config.sync_trials`` trials (7: the wait is a difference of three jittery timings;
+    on 2 loaded cores the 1 KiB all-reduce alone varied 0.3-5 ms between trials, and with 5
+    trials one 2-rank calibration read 0.06 ms where the one before read 4.5). The same after
+    ONE matmul (what was measured before session 11) is kept in the details as
+    ``one_matmul``, for comparison."""
     a = torch.randn(SYNC_MATMUL, SYNC_MATMUL, device=device)
     small = torch.zeros(256, device=device)
     matmul_s = max_over_ranks([time_queued(lambda: torch.mm(a, a), device, 5, 1)], device)[0]
@@ -211,7 +214,7 @@ def _measure_sync(
         ("one_matmul", 1),
         ("segment", sync_segment_matmuls(matmul_s, config.sync_segment_s)),
     ):
-        calls = max(3, min(SYNC_CALLS, round(0.1 / (matmuls * matmul_s))))
+        calls = max(3, min(SYNC_CALLS, round(0.2 / (matmuls * matmul_s))))
 
         def compute(matmuls: int = matmuls) -> None:
             for _ in range(matmuls):
@@ -226,7 +229,7 @@ def _measure_sync(
 
         mixed()
         times: dict[str, list[float]] = {"mixed": [], "compute": [], "collective": []}
-        for _ in range(max(config.trials, 3)):
+        for _ in range(config.sync_trials):
             for key, fn in (("mixed", mixed), ("compute", compute), ("collective", collective)):
                 dist.barrier()
                 times[key].append(time_queued(fn, device, calls, 1))
