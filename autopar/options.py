@@ -123,7 +123,8 @@ class PlanOptions:
     that fits, else the recipe's layout is chosen (autopar/planner/auto_margin.py); None or 0 =
     always the auto plan (the default: measured in session 9, a margin of the profile's error
     kept ddp where the auto plan ran as fast or faster on 5 of 6 rows); "profile" = the
-    profile's measured error (``DeviceSpec.step_error``; 0 for datasheet devices)."""
+    profile's measured error of a difference (``DeviceSpec.paired_error``, else
+    ``DeviceSpec.step_error``; 0 for datasheet devices)."""
 
     def __post_init__(self) -> None:
         if self.recipe not in RECIPES:

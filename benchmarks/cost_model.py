@@ -131,7 +131,10 @@ def run_world(world: int, *, batch: int, seq: int, quick: bool, out_dir: str, mo
         decisions = {}
         for mesh_text in meshes_for(world):
             made = plans_for_recipes(
-                captured, meshes[mesh_text], PlanOptions(auto_margin=auto_margin), recipes=recipes,
+                captured,
+                meshes[mesh_text],
+                PlanOptions(auto_margin=auto_margin),
+                recipes=recipes,
                 model_name=model_key,
             )
             choice = decisions[mesh_text] = made["auto"].data.get("auto_choice") or {}
@@ -275,6 +278,67 @@ def auto_vs_recipes_rows(
     return rows, "\n".join(lines)
 
 
+def paired_and_margin_lines(reports: list[dict[str, Any]]) -> str:
+    """Per row (model, mesh): the per-step paired ratio of the auto plan to each recipe (the
+    steps of one round run back to back, so load that drifts between rounds cancels): median
+    and min-max over the steps; then what each margin rule of ``auto_margin`` would have run
+    on the row, priced by the row's own predictions and judged by its measured medians:
+    margin 0 (the ILP's plan), ``"profile"`` (``paired_error``, else ``step_error``) and
+    ``step_error`` (a
+    margin keeps the fastest predicted recipe when the auto plan's predicted gain over it is
+    below the margin). The chosen plan's measured median over the best measured recipe's."""
+    from cost_models import load_profile
+
+    lines = ["| ranks | model | mesh | auto / recipe per step: median (min-max) | "
+             "chosen with margin 0 / 'profile' (paired_error, else step_error) / step_error: measured / best recipe |",
+             "|---|---|---|---|---|"]  # fmt: skip
+    for rep in reports:
+        errors = {}
+        for mesh, path in rep.get("profiles", {}).items():
+            device = load_profile(path).device
+            errors[mesh] = (device.paired_error, device.step_error)
+        for model_key, m in rep["models"].items():
+            plans = {n: p for n, p in m["result"]["plans"].items() if "skipped" not in p}
+            for mesh in meshes_for(rep["world"]):
+                auto = f"auto@{mesh}"
+                row = {n: p for n, p in plans.items() if p["mesh"] == mesh}
+                if auto not in row:
+                    continue
+                cells = []
+                for name in sorted(row, key=lambda n: row[n]["step_s"]):
+                    if name == auto:
+                        continue
+                    r = [
+                        a / b for a, b in zip(row[auto]["step_times_s"], row[name]["step_times_s"])
+                    ]
+                    cells.append(
+                        f"{name.split('@')[0]} {statistics.median(r):.2f} ({min(r):.2f}-{max(r):.2f})"
+                    )
+                # Candidates of the margin rule: every recipe (those equal to auto are auto).
+                pred = {
+                    n: row[n]["predicted_step_s"] for n in row if not n.startswith(("auto", "ilp"))
+                }
+                for alias, kept in m["aliases"].items():
+                    if kept == auto and alias.endswith(f"@{mesh}"):
+                        pred[alias] = row[auto]["predicted_step_s"]
+                best_meas = min(row[n]["step_s"] for n in row if not n.startswith(("auto", "ilp")))
+                ilp = f"ilp@{mesh}" if f"ilp@{mesh}" in row else auto  # the ILP's own plan
+                paired, step = errors.get(mesh, (math.nan, math.nan))
+                picks = []
+                for margin in (0.0, paired if paired > 0 else step, step):
+                    chosen, tag = ilp, "ilp"
+                    best = min(pred, key=lambda n: pred[n]) if pred else None
+                    if best and margin > 0:
+                        gain = (pred[best] - row[ilp]["predicted_step_s"]) / pred[best]
+                        if gain < margin:  # a recipe equal to the auto plan ran as "auto"
+                            chosen, tag = (best if best in row else auto), best.split("@")[0]
+                    picks.append(f"{tag} {row[chosen]['step_s'] / best_meas:.2f}x (m={margin:.1%})")
+                lines.append(
+                    f"| {rep['world']} | {model_key} | {mesh} | {'; '.join(cells)} | {'; '.join(picks)} |"
+                )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -310,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.tables_from:
         reports = [rep for path in args.tables_from for rep in json.load(open(path))]  # noqa: SIM115
         print(auto_vs_recipes_rows(reports, args.reps)[1])
+        print(paired_and_margin_lines(reports))
         return 0
     os.makedirs(args.out, exist_ok=True)
     reports = []
@@ -337,6 +402,7 @@ def main(argv: list[str] | None = None) -> int:
         "\nThe auto plan vs the recipes (predicted / measured ms per step; measured: slowest rank, median)"
     )
     print(auto_vs_recipes_rows(reports, args.reps)[1])
+    print(paired_and_margin_lines(reports))
     print(f"command: PYTHONPATH=. python benchmarks/cost_model.py {' '.join(sys.argv[1:])}")
     return 0
 

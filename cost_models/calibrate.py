@@ -28,9 +28,12 @@ __all__ = [
     "fit_step_error",
     "link_from_fits",
     "mape",
+    "paired_error_of",
+    "paired_spreads",
     "rank",
     "relative_spread",
     "spearman",
+    "step_error_of",
 ]
 
 
@@ -154,6 +157,10 @@ def fit_step_error(spreads: Sequence[float], trials: int) -> float:
     and the median of n draws has standard error 1.2533 sigma / sqrt(n). Capped at
     :data:`STEP_ERROR_MAX`. Plans predicted closer than this cannot be ranked by the profile.
 
+    Given the :func:`paired_spreads` of quantities timed in the same trials instead, the same
+    formula is ``DeviceSpec.paired_error``: the standard error of a calibrated RATIO between two
+    measured things (the error of a difference between two plans priced with the profile).
+
     Raises:
         ValueError: no spreads, a negative one, or fewer than one trial.
     """
@@ -164,6 +171,55 @@ def fit_step_error(spreads: Sequence[float], trials: int) -> float:
     if trials < 1:
         raise ValueError(f"trials must be >= 1, got {trials}")
     return min(STEP_ERROR_MAX, 1.4826 * 1.2533 * _median(spreads) / math.sqrt(trials))
+
+
+def paired_spreads(times: Mapping[str, Sequence[float]]) -> dict[str, float]:
+    """Per pair of keys ``"a/b"``: the :func:`relative_spread` of the per-trial ratios
+    ``times[a][t] / times[b][t]`` of quantities timed in the same trials (interleaved).
+
+    Load that drifts between trials scales both figures of a trial alike and cancels in their
+    ratio, so this is the noise of a DIFFERENCE between two measured things (what deciding
+    between two plans needs), not the noise of one figure. Trials where either figure is not
+    positive are left out; a pair with fewer than two usable trials has spread 0.
+
+    Raises:
+        ValueError: the keys' sequences differ in length.
+    """
+    keys = list(times)
+    lengths = {len(times[k]) for k in keys}
+    if len(lengths) > 1:
+        raise ValueError(f"paired_spreads: trials differ in number between keys: {sorted(lengths)}")
+    out: dict[str, float] = {}
+    for i, a in enumerate(keys):
+        for b in keys[i + 1 :]:
+            ratios = [x / y for x, y in zip(times[a], times[b]) if x > 0 and y > 0]
+            out[f"{a}/{b}"] = relative_spread(ratios)
+    return out
+
+
+def step_error_of(
+    device_details: Mapping[str, Any], link_details: Mapping[str, Any], trials: int
+) -> float:
+    """``DeviceSpec.step_error`` from a calibration's measurements: the spreads of every
+    per-round device fit (``device_details["fits_per_round"]``: peak FLOP/s, bandwidth, launch
+    overhead, op efficiencies) and of every collective kind and size per trial (the ``spread``
+    lists of ``link_details``), through :func:`fit_step_error`; 0 without any."""
+    spreads = [relative_spread(v) for v in device_details.get("fits_per_round", {}).values()]
+    for entry in link_details.values():
+        spreads += entry.get("spread", [])
+    return fit_step_error(spreads, max(trials, 1)) if spreads else 0.0
+
+
+def paired_error_of(link_details: Mapping[str, Any], trials: int) -> float:
+    """``DeviceSpec.paired_error`` from a calibration's measurements: :func:`fit_step_error`'s
+    formula over the :func:`paired_spreads` it kept (``paired_spread`` of ``link_details``
+    entries: per pair of collective kinds a list over sizes, or one figure per pair, as for
+    compute against a collective); 0 without any."""
+    spreads: list[float] = []
+    for entry in link_details.values():
+        for value in entry.get("paired_spread", {}).values():
+            spreads += value if isinstance(value, list) else [value]
+    return fit_step_error(spreads, max(trials, 1)) if spreads else 0.0
 
 
 def link_from_fits(

@@ -115,6 +115,14 @@ class DeviceSpec:
     quantities moved between repeated measurements (``cost_models.calibrate.fit_step_error``).
     The planner keeps the plain recipe when the auto plan's predicted gain is below it
     (``PlanOptions.auto_margin``). 0 for datasheet devices: their figures are taken as exact."""
+    paired_error: float = 0.0
+    """Relative error of the DIFFERENCE between two things priced with these figures: the
+    standard error of the ratio of quantities the calibration timed in the same trials (the
+    collective kinds at each size, compute against a collective), from the spread of their
+    per-trial ratios (``cost_models.calibrate.paired_spreads``). Load that drifts over seconds
+    falls on both sides of a ratio alike, so it is smaller than ``step_error``; it is what
+    ``PlanOptions.auto_margin="profile"`` weighs a predicted gain against when measured. 0 for
+    datasheet devices and profiles calibrated before it was measured."""
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -145,6 +153,10 @@ class DeviceSpec:
         if not 0.0 <= self.step_error < 1.0:
             raise ValueError(
                 f"device {self.name!r}: step_error must be in [0, 1), got {self.step_error}"
+            )
+        if not 0.0 <= self.paired_error < 1.0:
+            raise ValueError(
+                f"device {self.name!r}: paired_error must be in [0, 1), got {self.paired_error}"
             )
         _check_fraction(f"device {self.name!r}", "matmul_efficiency", self.matmul_efficiency)
         _check_fraction(f"device {self.name!r}", "memory_efficiency", self.memory_efficiency)
@@ -196,6 +208,7 @@ class DeviceSpec:
                 if not self.collectives_overlap_compute
                 else {}
             ),
+            **({"paired_error": self.paired_error} if self.paired_error else {}),
         }
 
     @classmethod

@@ -78,6 +78,7 @@ PROFILE_SCHEMA: dict[str, Any] = {
                     "additionalProperties": _POSITIVE,
                 },
                 "step_error": {"type": "number", "minimum": 0, "exclusiveMaximum": 1},
+                "paired_error": {"type": "number", "minimum": 0, "exclusiveMaximum": 1},
                 "task_wait_s": _NONNEGATIVE,
                 "comm_backend": {"enum": list(COMM_BACKENDS)},
                 "collectives_overlap_compute": {"type": "boolean"},

@@ -12,8 +12,11 @@ written. The rule, applied by :meth:`planner.driver.Driver.plan` to the auto pla
     otherwise       ->  the auto plan
 
 ``margin`` is ``PlanOptions.auto_margin``: 0 by default (always the auto plan), or with
-``"profile"`` the profile's measured error (``DeviceSpec.step_error``, written by ``autopar
-calibrate``; datasheet devices have 0, which never changes a plan). The decision, with both predictions, goes into the plan JSON
+``"profile"`` the profile's measured error of a difference between two plans
+(``DeviceSpec.paired_error``: the spread of per-trial ratios of things the calibration timed
+in the same trials; profiles calibrated before it was measured fall back to
+``DeviceSpec.step_error``, the error of one figure), written by ``autopar calibrate``;
+datasheet devices have 0, which never changes a plan. The decision, with both predictions, goes into the plan JSON
 (``auto_choice``) and its one-line reason into the summary.
 """
 
@@ -34,6 +37,10 @@ def auto_margin(mesh: Mesh, options: PlanOptions) -> tuple[float, str]:
     """The margin the auto plan must beat the best recipe by, and where it comes from
     ("option" or "profile")."""
     if options.auto_margin == "profile":
+        # The error of a difference between two plans where the profile measured it (paired
+        # ratios of things timed in the same trials), else the error of one figure.
+        if mesh.device.paired_error > 0:
+            return float(mesh.device.paired_error), "profile"
         return float(mesh.device.step_error), "profile"
     return float(options.auto_margin or 0.0), "option"
 

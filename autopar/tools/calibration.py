@@ -53,8 +53,8 @@ from cost_models.calibrate import (
     build_profile,
     fit_efficiency,
     fit_rate,
-    fit_step_error,
-    relative_spread,
+    paired_error_of,
+    step_error_of,
 )
 from cost_models.compute import matmul_flops
 from cost_models.hardware import MAX_OP_EFFICIENCY, backend_fields
@@ -91,6 +91,11 @@ class CalibrationConfig:
     """Each timing repeats its op until this many seconds have passed (at least 2 runs)."""
     trials: int = 5
     """Timings per measurement; the median is kept."""
+    sync_segment_s: float = 0.01
+    """Computation between two collectives when ``LinkSpec.sync_s`` is measured: as long as
+    a step's (milliseconds to tens of them), because the wait grows with it."""
+    sync_trials: int = 7
+    """Trials of the sync measurement (a difference of three jittery timings)."""
 
     @classmethod
     def for_gpu(cls) -> CalibrationConfig:
@@ -115,6 +120,8 @@ class CalibrationConfig:
             collective_bytes=(32 * 2**10, 512 * 2**10, 2 * 2**20),
             min_time_s=0.003,
             trials=2,
+            sync_segment_s=0.002,
+            sync_trials=3,
         )
 
 
@@ -392,9 +399,12 @@ def calibrate_on_rank(
         links, link_details = measure_links(config, groups, device, log)
         spec = with_pipeline_figures(spec, max(config.matmul_sizes), links, device, log,
                                      device_details, rounds=max(config.trials, 3))  # fmt: skip
-    step_error = _step_error(device_details, link_details, config.trials)
-    spec = dataclasses.replace(spec, step_error=step_error, **backend_fields(dist.get_backend()))
-    log(f"step-time error (spread of repeated measurements): {spec.step_error:.1%}")
+    step_error = step_error_of(device_details, link_details, config.trials)
+    paired_error = paired_error_of(link_details, config.trials)
+    spec = dataclasses.replace(spec, step_error=step_error, paired_error=paired_error,
+                               **backend_fields(dist.get_backend()))  # fmt: skip
+    log(f"step-time error (spread of repeated measurements): {spec.step_error:.1%}; "
+        f"error of a difference (spread of paired ratios): {spec.paired_error:.1%}")  # fmt: skip
     profile = build_profile(
         device=spec,
         links=links,
@@ -412,16 +422,6 @@ def calibrate_on_rank(
     )
     log(f"done in {time.perf_counter() - start:.1f} s")
     return profile.to_dict()
-
-
-def _step_error(device_details: dict[str, Any], link_details: dict[str, Any], trials: int) -> float:
-    """``DeviceSpec.step_error`` from the repeated measurements: every per-round device fit
-    (peak FLOP/s, bandwidth, launch overhead, op efficiencies) and every collective kind and
-    size per trial (``cost_models.calibrate.fit_step_error``)."""
-    spreads = [relative_spread(v) for v in device_details.get("fits_per_round", {}).values()]
-    for entry in link_details.values():
-        spreads += entry.get("spread", [])
-    return fit_step_error(spreads, max(trials, 1)) if spreads else 0.0
 
 
 # --------------------------------------------------------------------------------------------

@@ -88,6 +88,14 @@ def test_tiny_calibration_gives_a_profile_the_planner_uses(tmp_path) -> None:
     spreads = [timed[f"tp/{kind}"]["spread"] for kind in CALIBRATED_COLLECTIVES]
     assert all(len(s) == len(timed["tp/all_reduce"]["bytes"]) for s in spreads)
     assert 0 < device.step_error <= STEP_ERROR_MAX
+    # The error of a difference: spreads of per-trial ratios of kinds timed in the same trials.
+    paired = timed["tp/paired"]["paired_spread"]
+    assert len(paired) == len(CALIBRATED_COLLECTIVES) * (len(CALIBRATED_COLLECTIVES) - 1) // 2
+    assert "compute/collective" in timed["tp/sync"]["paired_spread"]
+    assert 0 < device.paired_error <= STEP_ERROR_MAX
+    # sync_s is measured after computations of about CalibrationConfig.sync_segment_s.
+    sync = timed["tp/sync"]
+    assert sync["matmuls_per_segment"] >= 1 and sync["segment_s"] > 0
 
     path = tmp_path / "profile.json"
     save_profile(profile, path)

@@ -88,6 +88,17 @@ def test_the_profiles_measured_error_is_the_margin_only_when_asked(gpt, space) -
     assert planned.decision["chosen"] == "ddp"
     assert planned.chosen.choice == Driver(space).plan("ddp").chosen.choice
     assert "within the profile's" in planned.decision["reason"]
+    # Where the profile measured the error of a difference (paired ratios), that is the margin:
+    # here half the gain, so the auto plan is kept although step_error is 1.5x the gain.
+    paired = dataclasses.replace(noisy, paired_error=gain * 0.5)
+    paired_mesh = Mesh.spec((4,), ("dp",), device=paired)
+    kept = Driver(
+        build_space(gpt, paired_mesh, PlanOptions()), options=PlanOptions(auto_margin="profile")
+    ).plan()
+    assert (
+        kept.decision["margin"] == pytest.approx(gain * 0.5) and kept.decision["chosen"] == "auto"
+    )
+    assert kept.chosen.choice == gain_plan.chosen.choice
     with pytest.raises(ValueError, match="or 'profile'"):
         PlanOptions(auto_margin="noise")
 

@@ -1,0 +1,222 @@
+"""Predicted vs measured per term: which part of a step makes two plans swap places.
+
+``bench-cost`` times whole steps; to find where the cost model misjudges the ORDER of two
+plans, a step has to be split the way the model splits it. On every rank, every collective the
+step issues (``all_reduce``, ``all_gather_single``, ``reduce_scatter_single``,
+``all_to_all_single``; asynchronous ones until their ``wait()`` returns) is timed, wall and
+process CPU; a step's measured terms are then
+
+- ``comm``: the wall time the rank spent inside collectives (the exposed communication, the
+  predicted ``resharding + activation_grad_comm + output_comm + zero_comm + grad_sync``), and
+  the number of calls (each costs a latency and, between computations, ``LinkSpec.sync_s``);
+- ``rest``: the step's wall time outside collectives (the predicted ``compute_s`` plus what the
+  model does not price: Python dispatch, copies, allocation).
+
+All plans run in one spawn, one step of each in turn, so load from other processes falls on
+every plan alike; per plan the median over steps of the slowest rank's step and the mean over
+ranks of each term's median, and per step the ratio to a reference plan of the same round.
+
+    PYTHONPATH=. python -m autopar.tools.bench_cost_terms benchmarks.cost_model:llama \\
+        --mesh 2x2 --profile p_2x2.json --recipes ddp,megatron,fsdp+tp --steps 12
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+from typing import Any
+
+TIMED_CALLS = ("all_reduce", "all_gather_single", "reduce_scatter_single", "all_to_all_single")
+COMM_TERMS = (
+    "resharding_s",
+    "activation_grad_comm_s",
+    "output_comm_s",
+    "zero_comm_s",
+    "grad_sync_s",
+)
+
+
+class _Clock:
+    """Per step on this rank: wall and CPU seconds inside collectives, and the calls."""
+
+    def __init__(self) -> None:
+        self.wall = 0.0
+        self.cpu = 0.0
+        self.calls = 0
+
+    def add(self, wall: float, cpu: float, calls: int = 0) -> None:
+        self.wall += wall
+        self.cpu += cpu
+        self.calls += calls
+
+
+class _TimedWork:
+    """An asynchronous collective's handle whose ``wait()`` is timed into the clock."""
+
+    def __init__(self, work: Any, clock: _Clock) -> None:
+        self._work = work
+        self._clock = clock
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        wall, cpu = time.perf_counter(), time.process_time()
+        out = self._work.wait(*args, **kwargs)
+        self._clock.add(time.perf_counter() - wall, time.process_time() - cpu)
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+def _instrument(dist: Any, clock: _Clock) -> None:
+    """Wrap the collectives the lowered graphs and the runtime call (they look them up on
+    ``torch.distributed`` at call time) so that each call's wall and CPU go into ``clock``."""
+    for name in TIMED_CALLS:
+        original = getattr(dist, name)
+
+        def call(*args: Any, _fn: Any = original, **kwargs: Any) -> Any:
+            wall, cpu = time.perf_counter(), time.process_time()
+            out = _fn(*args, **kwargs)
+            clock.add(time.perf_counter() - wall, time.process_time() - cpu, 1)
+            return _TimedWork(out, clock) if out is not None else out
+
+        setattr(dist, name, call)
+
+
+def _rank(rank: int, world: int, factory: str, batch: int, seq: int, mesh: tuple[int, ...],
+          datas: dict[str, Any], steps: int) -> dict[str, Any]:  # fmt: skip
+    import torch
+    import torch.distributed as dist
+
+    from autopar.capture.export import capture
+    from autopar.comm.process_groups import axis_groups
+    from autopar.presets import build_preset
+    from autopar.tools.bench_cost import prepare_plan
+
+    clock = _Clock()
+    _instrument(dist, clock)
+    torch.manual_seed(0)
+    model, args, kwargs = build_preset(factory, batch=batch, seq=seq)
+    captured = capture(model, args, kwargs)
+    groups = axis_groups(mesh, tuple(f"a{i}" for i in range(len(mesh))), key="terms")
+    plans = {n: prepare_plan(captured, model, args, kwargs, d, groups) for n, d in datas.items()}
+    for plan in plans.values():
+        for _ in range(2):
+            plan.step()
+            plan.update()
+    keys = ("wall", "cpu", "comm_wall", "comm_cpu", "calls")
+    out: dict[str, dict[str, list[float]]] = {n: {k: [] for k in keys} for n in plans}
+    for _ in range(steps):
+        for name, plan in plans.items():
+            dist.barrier()
+            clock.__init__()
+            start, start_cpu = time.perf_counter(), time.process_time()
+            plan.step()
+            figures = (time.perf_counter() - start, time.process_time() - start_cpu,
+                       clock.wall, clock.cpu, float(clock.calls))  # fmt: skip
+            for key, value in zip(keys, figures):
+                out[name][key].append(value)
+            plan.update()
+    return out
+
+
+def measure_terms(
+    factory: str,
+    batch: int,
+    seq: int,
+    mesh: tuple[int, ...],
+    plans: dict[str, Any],
+    steps: int,
+) -> dict[str, Any]:
+    """Run ``plans`` (name -> Plan) interleaved on ``prod(mesh)`` gloo ranks; per plan the
+    predicted and measured terms (module docstring) and every step's slowest-rank wall."""
+    from autopar.runtime.spawn import spawn_ranks
+
+    datas = {n: p.data for n, p in plans.items()}
+    res = spawn_ranks(_rank, math.prod(mesh), factory, batch, seq, mesh, datas, steps,
+                      timeout_s=330, env={"OMP_NUM_THREADS": "1"})  # fmt: skip
+    out: dict[str, Any] = {}
+    for name, plan in plans.items():
+        pred = plan.data["predicted"]["breakdown"]
+        slow = [max(r[name]["wall"][i] for r in res) for i in range(steps)]
+        med = {k: statistics.mean(statistics.median(r[name][k]) for r in res) for k in res[0][name]}
+        out[name] = {
+            "predicted_step_s": plan.data["predicted"]["step_s"],
+            "predicted_compute_s": pred["compute_s"] + pred.get("recompute_s", 0.0),
+            "predicted_comm_s": sum(pred.get(k, 0.0) for k in COMM_TERMS),
+            "step_s": statistics.median(slow),
+            "step_times_s": slow,
+            "comm_s": med["comm_wall"],
+            "comm_cpu_s": med["comm_cpu"],
+            "rest_s": med["wall"] - med["comm_wall"],
+            "cpu_s": med["cpu"],
+            "calls": med["calls"],
+        }
+    return out
+
+
+def terms_table(terms: dict[str, Any], reference: str) -> str:
+    """Markdown: per plan predicted vs measured step, comm and compute (rest), calls, and the
+    per-step ratio to ``reference`` (median, min-max)."""
+    ref = terms[reference]["step_times_s"]
+    lines = [
+        "| plan | step pred / meas ms | compute pred / rest meas ms | comm pred / meas ms "
+        f"| collectives per step | comm CPU ms | / {reference} per step: median (min-max) |",
+        "|---|---|---|---|---:|---:|---|",
+    ]
+    for name, t in sorted(terms.items(), key=lambda kv: kv[1]["step_s"]):
+        ratios = [a / b for a, b in zip(t["step_times_s"], ref)]
+        lines.append(
+            f"| {name} | {t['predicted_step_s'] * 1e3:.1f} / {t['step_s'] * 1e3:.1f} "
+            f"| {t['predicted_compute_s'] * 1e3:.1f} / {t['rest_s'] * 1e3:.1f} "
+            f"| {t['predicted_comm_s'] * 1e3:.1f} / {t['comm_s'] * 1e3:.1f} | {t['calls']:.0f} "
+            f"| {t['comm_cpu_s'] * 1e3:.1f} | {statistics.median(ratios):.3f} "
+            f"({min(ratios):.3f}-{max(ratios):.3f}) |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model", help="package.module:factory or a preset")
+    parser.add_argument("--mesh", default="2")
+    parser.add_argument("--profile", required=True, help="calibrated profile of this mesh")
+    parser.add_argument("--recipes", default="ddp,megatron,fsdp,fsdp+tp")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--json", help="write the terms here")
+    args = parser.parse_args(argv)
+    import json
+    import os
+
+    from autopar.capture.export import capture
+    from autopar.mesh import Mesh
+    from autopar.options import PlanOptions
+    from autopar.presets import build_preset
+    from autopar.tools.report import plans_for_recipes
+    from cost_models import load_profile
+
+    base = Mesh.parse(args.mesh, device="cpu")
+    profile = load_profile(args.profile)
+    names = tuple(f"a{i}" for i in range(base.ndim))
+    mesh = Mesh(shape=base.shape, axis_names=names, device=profile.device,
+                links=tuple(profile.links[n] for n in names))  # fmt: skip
+    model, margs, kwargs = build_preset(args.model, batch=args.batch, seq=args.seq)
+    captured = capture(model, margs, kwargs)
+    recipes = ["auto", *[r for r in args.recipes.split(",") if r and r != "auto"]]
+    plans = plans_for_recipes(captured, mesh, PlanOptions(), recipes=recipes, model_name=args.model)
+    print(f"load average before: {os.getloadavg()}")
+    terms = measure_terms(args.model, args.batch, args.seq, base.shape, plans, args.steps)
+    print(f"load average after: {os.getloadavg()}")
+    print(terms_table(terms, "auto"))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(terms, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
