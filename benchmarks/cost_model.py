@@ -220,6 +220,18 @@ def _rep_medians(times: list[float], reps: int) -> list[float]:
     ]
 
 
+def _mesh_rows(reports: list[dict[str, Any]]):
+    """(report, model, its result, mesh, the measured plans on that mesh) for every row that
+    has an auto plan."""
+    for rep in reports:
+        for model_key, m in rep["models"].items():
+            plans = {n: p for n, p in m["result"]["plans"].items() if "skipped" not in p}
+            for mesh in meshes_for(rep["world"]):
+                row = {n: p for n, p in plans.items() if p["mesh"] == mesh}
+                if f"auto@{mesh}" in row:
+                    yield rep, model_key, m, mesh, row
+
+
 def auto_vs_recipes_rows(
     reports: list[dict[str, Any]], reps: int
 ) -> tuple[list[dict[str, Any]], str]:
@@ -231,25 +243,19 @@ def auto_vs_recipes_rows(
     rows: list[dict[str, Any]] = []
     pooled_pred: list[float] = []
     pooled_meas: list[float] = []
-    for rep in reports:
-        for model_key, m in rep["models"].items():
-            plans = {n: p for n, p in m["result"]["plans"].items() if "skipped" not in p}
-            for mesh in meshes_for(rep["world"]):
-                auto = f"auto@{mesh}"
-                row = {n: p for n, p in plans.items() if p["mesh"] == mesh}
-                if auto not in row:
-                    continue
-                recipes = [n for n in row if n != auto and not n.startswith("ilp@")]
-                best = min(recipes, key=lambda n: row[n]["step_s"])
-                auto_reps = _rep_medians(row[auto]["step_times_s"], reps)
-                best_reps = _rep_medians(row[best]["step_times_s"], reps)
-                ratios = [a / b for a, b in zip(auto_reps, best_reps)]
-                pred = [row[n]["predicted_step_s"] for n in row]
-                meas = [row[n]["step_s"] for n in row]
-                pooled_pred += [v / row[auto]["predicted_step_s"] for v in pred]
-                pooled_meas += [v / row[auto]["step_s"] for v in meas]
-                same = sorted(a.split("@")[0] for a, kept in m["aliases"].items() if kept == auto)
-                rows.append({"world": rep["world"], "model": model_key, "mesh": mesh, "best": best,
+    for rep, model_key, m, mesh, row in _mesh_rows(reports):
+        auto = f"auto@{mesh}"
+        recipes = [n for n in row if n != auto and not n.startswith("ilp@")]
+        best = min(recipes, key=lambda n: row[n]["step_s"])
+        auto_reps = _rep_medians(row[auto]["step_times_s"], reps)
+        best_reps = _rep_medians(row[best]["step_times_s"], reps)
+        ratios = [a / b for a, b in zip(auto_reps, best_reps)]
+        pred = [row[n]["predicted_step_s"] for n in row]
+        meas = [row[n]["step_s"] for n in row]
+        pooled_pred += [v / row[auto]["predicted_step_s"] for v in pred]
+        pooled_meas += [v / row[auto]["step_s"] for v in meas]
+        same = sorted(a.split("@")[0] for a, kept in m["aliases"].items() if kept == auto)
+        rows.append({"world": rep["world"], "model": model_key, "mesh": mesh, "best": best,
                              "plans": {n.split("@")[0]: (row[n]["predicted_step_s"], row[n]["step_s"]) for n in row},
                              "auto_equals": same, "ratio": row[auto]["step_s"] / row[best]["step_s"],
                              "ratio_median": statistics.median(ratios),
@@ -297,45 +303,36 @@ def paired_and_margin_lines(reports: list[dict[str, Any]]) -> str:
         for mesh, path in rep.get("profiles", {}).items():
             device = load_profile(path).device
             errors[mesh] = (device.paired_error, device.step_error)
-        for model_key, m in rep["models"].items():
-            plans = {n: p for n, p in m["result"]["plans"].items() if "skipped" not in p}
-            for mesh in meshes_for(rep["world"]):
-                auto = f"auto@{mesh}"
-                row = {n: p for n, p in plans.items() if p["mesh"] == mesh}
-                if auto not in row:
+        for _, model_key, m, mesh, row in _mesh_rows([rep]):
+            auto = f"auto@{mesh}"
+            cells = []
+            for name in sorted(row, key=lambda n: row[n]["step_s"]):
+                if name == auto:
                     continue
-                cells = []
-                for name in sorted(row, key=lambda n: row[n]["step_s"]):
-                    if name == auto:
-                        continue
-                    r = [
-                        a / b for a, b in zip(row[auto]["step_times_s"], row[name]["step_times_s"])
-                    ]
-                    cells.append(
-                        f"{name.split('@')[0]} {statistics.median(r):.2f} ({min(r):.2f}-{max(r):.2f})"
-                    )
-                # Candidates of the margin rule: every recipe (those equal to auto are auto).
-                pred = {
-                    n: row[n]["predicted_step_s"] for n in row if not n.startswith(("auto", "ilp"))
-                }
-                for alias, kept in m["aliases"].items():
-                    if kept == auto and alias.endswith(f"@{mesh}"):
-                        pred[alias] = row[auto]["predicted_step_s"]
-                best_meas = min(row[n]["step_s"] for n in row if not n.startswith(("auto", "ilp")))
-                ilp = f"ilp@{mesh}" if f"ilp@{mesh}" in row else auto  # the ILP's own plan
-                paired, step = errors.get(mesh, (math.nan, math.nan))
-                picks = []
-                for margin in (0.0, paired if paired > 0 else step, step):
-                    chosen, tag = ilp, "ilp"
-                    best = min(pred, key=lambda n: pred[n]) if pred else None
-                    if best and margin > 0:
-                        gain = (pred[best] - row[ilp]["predicted_step_s"]) / pred[best]
-                        if gain < margin:  # a recipe equal to the auto plan ran as "auto"
-                            chosen, tag = (best if best in row else auto), best.split("@")[0]
-                    picks.append(f"{tag} {row[chosen]['step_s'] / best_meas:.2f}x (m={margin:.1%})")
-                lines.append(
-                    f"| {rep['world']} | {model_key} | {mesh} | {'; '.join(cells)} | {'; '.join(picks)} |"
+                r = [a / b for a, b in zip(row[auto]["step_times_s"], row[name]["step_times_s"])]
+                cells.append(
+                    f"{name.split('@')[0]} {statistics.median(r):.2f} ({min(r):.2f}-{max(r):.2f})"
                 )
+            # Candidates of the margin rule: every recipe (those equal to auto are auto).
+            pred = {n: row[n]["predicted_step_s"] for n in row if not n.startswith(("auto", "ilp"))}
+            for alias, kept in m["aliases"].items():
+                if kept == auto and alias.endswith(f"@{mesh}"):
+                    pred[alias] = row[auto]["predicted_step_s"]
+            best_meas = min(row[n]["step_s"] for n in row if not n.startswith(("auto", "ilp")))
+            ilp = f"ilp@{mesh}" if f"ilp@{mesh}" in row else auto  # the ILP's own plan
+            paired, step = errors.get(mesh, (math.nan, math.nan))
+            picks = []
+            for margin in (0.0, paired if paired > 0 else step, step):
+                chosen, tag = ilp, "ilp"
+                best = min(pred, key=lambda n: pred[n]) if pred else None
+                if best and margin > 0:
+                    gain = (pred[best] - row[ilp]["predicted_step_s"]) / pred[best]
+                    if gain < margin:  # a recipe equal to the auto plan ran as "auto"
+                        chosen, tag = (best if best in row else auto), best.split("@")[0]
+                picks.append(f"{tag} {row[chosen]['step_s'] / best_meas:.2f}x (m={margin:.1%})")
+            lines.append(
+                f"| {rep['world']} | {model_key} | {mesh} | {'; '.join(cells)} | {'; '.join(picks)} |"
+            )
     return "\n".join(lines)
 
 

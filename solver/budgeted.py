@@ -32,31 +32,17 @@ def solve_relaxed(
     two. None: the relaxation found no plan that fits and the MIP is left to the caller.
     ``warm``: where the multiplier search starts (lagrangian.relax)."""
     from solver.lagrangian import relax
-    from solver.shrink import solve  # solver.shrink imports this module
 
     start = time.perf_counter()
     size = [0, 0]  # the largest budget-free model solved: (variables, constraints)
-    memo = SolveMemo()  # series products the priced solves share (solver/eliminate.py)
-
-    def solve_free(priced: Problem) -> tuple[tuple[int, ...], float, float]:
-        free = solve(
-            priced,
-            backend=backend,
-            time_limit_s=time_limit_s,
-            gap=0.0,
-            msg=msg,
-            relaxation=True,
-            memo=memo,
-        )
-        size[:] = max(size, [free.num_variables, free.num_constraints])
-        return free.choices, free.objective_s, free.bound_s
+    solve_free = _free_solver(backend, time_limit_s, msg, size)
 
     stop_at = math.inf if cutoff_s is None else cutoff_s * (1.0 - gap)
     try:
         found = relax(problem, solve_free, target_gap=gap, stop_at=stop_at, warm=warm)
     except InfeasibleError:
         return None
-    memo = None  # its products are not needed past the relaxation
+    solve_free = None  # its series memo is not needed past the relaxation
     if found.choices is None:
         return None
     choices, recomputed, objective = found.choices, found.recomputed, found.objective_s
@@ -212,26 +198,13 @@ def priced_bound(
         recompute_patterns,
         transient_floor,
     )
-    from solver.shrink import solve
 
     budget = problem.memory_budget_bytes
     if budget is None or multiplier < 0.0:
         raise ValueError(
             f"priced_bound needs a budgeted problem and a multiplier >= 0, got {multiplier}"
         )
-    memo = SolveMemo()
-
-    def solve_free(priced_problem: Problem) -> tuple[tuple[int, ...], float, float]:
-        free = solve(
-            priced_problem,
-            backend=backend,
-            time_limit_s=time_limit_s,
-            gap=0.0,
-            msg=msg,
-            relaxation=True,
-            memo=memo,
-        )
-        return free.choices, free.objective_s, free.bound_s
+    solve_free = _free_solver(backend, time_limit_s, msg)
 
     constant = problem.memory_offset_bytes + transient_floor(problem) - budget
     patterns = recompute_patterns(problem)
@@ -252,3 +225,28 @@ def priced_bound(
             if fitted is not None:
                 steps.append(fitted[1])
     return lower + multiplier * constant, min(steps, default=None)
+
+
+def _free_solver(backend, time_limit_s, msg, size: list[int] | None = None):
+    """The priced budget-free solve the relaxation calls: exact (gap 0) through the LP
+    relaxation's shortcuts, with one series memo shared by every call (solver/eliminate.py);
+    ``size`` (when given) keeps the largest model solved, as (variables, constraints)."""
+    from solver.shrink import solve  # solver.shrink imports this module
+
+    memo = SolveMemo()
+
+    def solve_free(priced_problem: Problem) -> tuple[tuple[int, ...], float, float]:
+        free = solve(
+            priced_problem,
+            backend=backend,
+            time_limit_s=time_limit_s,
+            gap=0.0,
+            msg=msg,
+            relaxation=True,
+            memo=memo,
+        )
+        if size is not None:
+            size[:] = max(size, [free.num_variables, free.num_constraints])
+        return free.choices, free.objective_s, free.bound_s
+
+    return solve_free
