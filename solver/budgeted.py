@@ -138,6 +138,7 @@ def _fixed_mip(
     bound per pattern at ``multiplier`` (Relaxed.pattern_lowers), or None."""
     from solver.fixing import fix, restrict_budgeted
     from solver.lagrangian import recompute_patterns
+    from solver.parallel import ISOLATE_ENTRIES, problem_entries, solve_isolated
     from solver.shrink import solve
 
     fix_start = time.perf_counter()
@@ -152,9 +153,12 @@ def _fixed_mip(
     start_plan = (
         None if plan is None else tuple(k.index(c) for k, c in zip(keep, plan, strict=True))
     )
+    restricted = restrict_budgeted(problem, keep)
+    # A large MIP runs in a worker process: out of memory, HiGHS may die rather than stop.
+    large = problem_entries(restricted) >= ISOLATE_ENTRIES
     try:
-        exact = solve(
-            restrict_budgeted(problem, keep),
+        exact = (solve_isolated if large else solve)(
+            restricted,
             backend=backend,
             time_limit_s=time_limit_s,
             gap=gap,

@@ -23,14 +23,28 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from solver.errors import SolverStoppedError
 from solver.problem import Problem
 from solver.shrink import solve
 
-__all__ = ["MIN_PARALLEL_ENTRIES", "problem_entries", "solve_all"]
+__all__ = [
+    "ISOLATE_ENTRIES",
+    "MIN_PARALLEL_ENTRIES",
+    "problem_entries",
+    "solve_all",
+    "solve_isolated",
+]
 
 MIN_PARALLEL_ENTRIES = 2_000_000
 """Below this many cost-matrix entries in all problems together a worker's start (about half a
 second) costs more than it saves: they are solved one after another in this process."""
+
+
+ISOLATE_ENTRIES = 500_000
+"""From this many cost entries on, a budgeted MIP runs in a worker process
+(:func:`solve_isolated`): its branch and bound may grow until memory runs out, and past the
+address-space limit HiGHS can die of it (a stack that cannot grow is a segmentation fault),
+which must not take the planner with it."""
 
 
 def problem_entries(problem: Problem) -> int:
@@ -68,25 +82,9 @@ def solve_all(
     workers = min(workers, len(problems))
     if workers < 2 or sum(problem_entries(p) for p in problems) < MIN_PARALLEL_ENTRIES:
         return [_solve_here(p, return_exceptions, options) for p in problems]
-    env = dict(os.environ)
-    # The worker imports this package from where this process found it.
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    env.setdefault("OMP_NUM_THREADS", "1")
 
     def run(problem: Problem) -> Any:
-        payload = pickle.dumps((problem, options), protocol=pickle.HIGHEST_PROTOCOL)
-        try:
-            done = subprocess.run(
-                [sys.executable, "-m", "solver.parallel"],
-                input=payload,
-                capture_output=True,
-                env=env,
-                check=False,
-            )
-            status, value = pickle.loads(done.stdout)
-        except Exception:  # noqa: BLE001 - a crashed worker: solve it here instead
-            status, value = "error", None
+        status, value, _ = _in_worker(problem, options, None)
         if status == "ok" or (status == "raise" and return_exceptions):
             return value
         if status == "raise":
@@ -96,6 +94,62 @@ def solve_all(
     # Threads only wait on the workers' pipes; each job starts as soon as a worker is free.
     with ThreadPoolExecutor(max_workers=workers) as pool:
         return list(pool.map(run, problems))
+
+
+def solve_isolated(
+    problem: Problem, *, memory_limit_bytes: int | None = None, **options: Any
+) -> Any:
+    """``solve(problem, **options)`` in a worker process, so that the solver dying (out of
+    memory past the address-space limit, a signal) ends the worker, not the caller.
+
+    ``memory_limit_bytes``: the worker's address space is limited to its size once it has
+    loaded the problem plus this many bytes (RLIMIT_AS, Linux); None keeps the limit this
+    process has (a shell's ``ulimit -v`` applies to each process alone).
+
+    Raises:
+        SolverStoppedError: the worker ended without an answer (its exit status in the
+            message; ``reason`` "Memory limit reached" where it was killed by a signal or ran
+            out of memory, the likely cause), or what ``solve`` raised in it.
+    """
+    status, value, code = _in_worker(problem, options, memory_limit_bytes)
+    if status == "ok":
+        return value
+    if status == "raise":
+        if isinstance(value, MemoryError):
+            raise SolverStoppedError(
+                f"the solver ran out of memory: {value}", "Memory limit reached"
+            )
+        raise value
+    raise SolverStoppedError(
+        f"the solver's worker process ended without an answer (exit status {code}; a negative "
+        "status is the signal that ended it, e.g. -11 when memory ran out)",
+        "Memory limit reached",
+    )
+
+
+def _in_worker(
+    problem: Problem, options: dict[str, Any], memory_limit_bytes: int | None
+) -> tuple[str, Any, int]:
+    """(status, value, the worker's exit status): ("ok", the answer), ("raise", the exception
+    it raised) or ("error", None) when it ended without an answer."""
+    env = dict(os.environ)
+    # The worker imports this package from where this process found it.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    payload = pickle.dumps((problem, options, memory_limit_bytes), protocol=pickle.HIGHEST_PROTOCOL)
+    done = subprocess.run(
+        [sys.executable, "-m", "solver.parallel"],
+        input=payload,
+        capture_output=True,
+        env=env,
+        check=False,
+    )
+    try:
+        status, value = pickle.loads(done.stdout)
+    except Exception:  # noqa: BLE001 - a crashed worker wrote no (whole) answer
+        status, value = "error", None
+    return status, value, done.returncode
 
 
 def _solve_here(problem: Problem, return_exceptions: bool, options: dict[str, Any]) -> Any:
@@ -108,7 +162,14 @@ def _solve_here(problem: Problem, return_exceptions: bool, options: dict[str, An
 
 
 def _worker() -> None:
-    problem, options = pickle.load(sys.stdin.buffer)
+    problem, options, memory_limit_bytes = pickle.load(sys.stdin.buffer)
+    if memory_limit_bytes is not None:
+        import resource
+
+        with open("/proc/self/statm") as statm:  # its first field: the address space in pages
+            used = int(statm.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+        limit = used + memory_limit_bytes
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     try:
         answer: tuple[str, Any] = ("ok", solve(problem, **options))
     except Exception as error:  # noqa: BLE001 - sent back whole where it pickles (the solver's

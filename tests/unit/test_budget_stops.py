@@ -106,3 +106,23 @@ def test_the_bound_a_configuration_is_skipped_on_is_below_its_optimum(problem, s
     assert bound <= optimum + 1e-9 * max(1.0, abs(optimum))
     if fits is not None:
         assert fits >= optimum - 1e-9 * max(1.0, abs(optimum))
+
+
+def test_a_large_fixed_mip_runs_in_a_worker_with_the_same_answer(monkeypatch) -> None:
+    """solver/budgeted.py runs a fixed MIP of ISOLATE_ENTRIES entries or more in a worker
+    process (HiGHS out of memory may die, not stop); here every fixed MIP counts as large."""
+    import solver.parallel as parallel
+
+    problem = _knapsack_chain()
+    here = solve(problem, gap=1e-6)
+    assert here.details.get("lagrangian_then_mip") == 1.0  # the fixed MIP ran
+    calls = []
+    real = parallel.solve_isolated
+    monkeypatch.setattr(parallel, "ISOLATE_ENTRIES", 0)
+    monkeypatch.setattr(
+        parallel, "solve_isolated", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    isolated = solve(problem, gap=1e-6)
+    assert calls, "the fixed MIP did not run in a worker"
+    assert isolated.choices == here.choices
+    assert isolated.objective_s == here.objective_s and isolated.bound_s == here.bound_s

@@ -7,7 +7,7 @@ import random
 import pytest
 
 import solver.parallel as parallel
-from solver import Edge, InfeasibleBudgetError, Node, Problem, solve
+from solver import Edge, InfeasibleBudgetError, Node, Problem, SolverStoppedError, solve
 
 
 def chain(seed: int, *, budget: float | None = None) -> Problem:
@@ -91,3 +91,22 @@ def test_a_workers_error_comes_back_whole_without_solving_again(
     monkeypatch.setattr(parallel, "solve", no_local_solve)
     with pytest.raises(InfeasibleBudgetError):
         parallel.solve_all([chain(1), chain(2, budget=1.0)], workers=2)
+
+
+def test_an_isolated_solve_returns_what_solve_returns() -> None:
+    problem = chain(7, budget=40.0)
+    got, want = parallel.solve_isolated(problem, gap=0.0), solve(problem, gap=0.0)
+    assert got.choices == want.choices
+    assert got.objective_s == pytest.approx(want.objective_s, rel=1e-12)
+
+
+def test_a_worker_that_runs_out_of_memory_is_a_solver_stop_not_a_crash() -> None:
+    # One byte of address space beyond the loaded problem: the worker's solve cannot allocate
+    # (a MemoryError sent back, or the worker dies of it); either is a SolverStoppedError here.
+    with pytest.raises(SolverStoppedError) as stop:
+        parallel.solve_isolated(chain(3, budget=40.0), memory_limit_bytes=1)
+    assert stop.value.reason == "Memory limit reached"
+    # The same problem with room to solve gives its answer.
+    assert parallel.solve_isolated(chain(3, budget=40.0), memory_limit_bytes=2**31).choices == (
+        solve(chain(3, budget=40.0)).choices
+    )
