@@ -138,13 +138,16 @@ def _in_worker(
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     env.setdefault("OMP_NUM_THREADS", "1")
     payload = pickle.dumps((problem, options, memory_limit_bytes), protocol=pickle.HIGHEST_PROTOCOL)
-    done = subprocess.run(
-        [sys.executable, "-m", "solver.parallel"],
-        input=payload,
-        capture_output=True,
-        env=env,
-        check=False,
-    )
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "solver.parallel"],
+            input=payload,
+            capture_output=True,
+            env=env,
+            check=False,
+        )
+    except Exception:  # noqa: BLE001 - no worker started (as before: the caller decides)
+        return "error", None, -1
     try:
         status, value = pickle.loads(done.stdout)
     except Exception:  # noqa: BLE001 - a crashed worker wrote no (whole) answer
