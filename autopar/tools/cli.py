@@ -17,6 +17,22 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+def _plan_options(args: argparse.Namespace, **planning):
+    """PlanOptions from the model and cost-model flags (``planning``: plan's own flags)."""
+    from autopar.options import PlanOptions
+
+    return PlanOptions(
+        memory_budget=args.budget,
+        optimizer=args.optimizer,
+        mixed_precision=args.mixed_precision,
+        solver=args.solver,
+        time_limit_s=args.time_limit,
+        gap=args.gap,
+        auto_margin=args.auto_margin,
+        **planning,
+    )
+
+
 def _build_mesh(args: argparse.Namespace):
     from autopar.mesh import Mesh
 
@@ -61,23 +77,12 @@ class _NoStatus:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from autopar.options import PlanOptions
-
     # Progress goes to stderr, and its first line comes before torch and the planner load
     # (about 2 s of imports): bad options fail first, then the user sees what is happening.
     console = _Progress()
     mesh = _build_mesh(args)
-    options = PlanOptions(
-        recipe=args.recipe,
-        memory_budget=args.budget,
-        optimizer=args.optimizer,
-        mixed_precision=args.mixed_precision,
-        zero_stage=args.zero,
-        checkpoint=args.checkpoint,
-        time_limit_s=args.time_limit,
-        gap=args.gap,
-        solver=args.solver,
-        auto_margin=args.auto_margin,
+    options = _plan_options(
+        args, recipe=args.recipe, zero_stage=args.zero, checkpoint=args.checkpoint
     )
     start = time.perf_counter()
     with console.status("loading torch and the planner"):
@@ -266,7 +271,6 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     from autopar.capture.export import capture
-    from autopar.options import PlanOptions
     from autopar.planner.recipes import BASELINE_RECIPES
     from autopar.presets import build_preset, splice_proven
     from autopar.tools.report import compare_rows, compare_table, plans_for_recipes
@@ -277,15 +281,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         if args.baselines
         else ["auto", *BASELINE_RECIPES]
     )
-    options = PlanOptions(
-        memory_budget=args.budget,
-        optimizer=args.optimizer,
-        mixed_precision=args.mixed_precision,
-        solver=args.solver,
-        time_limit_s=args.time_limit,
-        gap=args.gap,
-        auto_margin=args.auto_margin,
-    )
+    options = _plan_options(args)
     model, example_args, example_kwargs = build_preset(args.model, batch=args.batch, seq=args.seq)
     captured = capture(
         model, example_args, example_kwargs, check_splice=not splice_proven(args.model)
