@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from solver.errors import InfeasibleError
+from solver.minplus import series_min
 from solver.problem import Edge, Node, Problem
 
 
@@ -141,18 +142,6 @@ class _TupleMemo:
         out = tuple(map(tuple, values.tolist()))
         self._done.setdefault(key, []).append((matrix, out))
         return out
-
-
-def series_min(uv: np.ndarray, cv: np.ndarray, vw: np.ndarray) -> np.ndarray:
-    """best[s, r] = min_t (uv[s, t] + cv[t]) + vw[t, r], one t at a time: 2-D work arrays
-    only, several times faster than forming the 3-D sum and its argmin (the argmin of the
-    chosen (s, r) is formed on demand by back_substitute, from the same sums)."""
-    best = np.full((uv.shape[0], vw.shape[1]), np.inf)
-    scratch = np.empty_like(best)
-    for t in range(uv.shape[1]):
-        np.add((uv[:, t] + cv[t])[:, None], vw[t, None, :], out=scratch)
-        np.minimum(best, scratch, out=best)
-    return best
 
 
 class _MinPlusGraph:
