@@ -126,16 +126,24 @@ class PatternTerms:
         """Per pattern of ``among`` (default: every one): a lower bound on its optimum, given
         ``value`` <= pattern ``solved``'s (the sum over blocks of the least entry of the
         difference of their terms)."""
-        rows = range(len(self.index)) if among is None else among
-        if not self.sizes:
+        rows = np.arange(len(self.index)) if among is None else np.asarray(among, dtype=np.intp)
+        num_blocks = len(self.sizes)
+        if not num_blocks:
             return np.full(len(rows), value)
-        mins = np.empty((len(rows), len(self.sizes)))
-        solved_index = self.index[solved]
-        for r, p in enumerate(rows):
-            mins[r] = [
-                self._min_difference(b, int(i), int(j))
-                for b, (i, j) in enumerate(zip(self.index[p], solved_index, strict=True))
-            ]
+        # Each (block, distinct array) pair among the rows once: patterns share their arrays.
+        width = 1 + max(len(d) for d in self.distinct)
+        keys = (self.index[rows] + 1) + width * np.arange(num_blocks)[None, :]
+        pairs, inverse = np.unique(keys, return_inverse=True)
+        solved_index = self.index[solved].tolist()
+        blocks, arrays = divmod(pairs, width)
+        least = np.array(
+            [
+                self._min_difference(b, i - 1, solved_index[b])
+                for b, i in zip(blocks.tolist(), arrays.tolist(), strict=True)
+            ],
+            dtype=np.float64,
+        )
+        mins = least[inverse.reshape(-1)].reshape(len(rows), num_blocks)
         return value + mins.sum(axis=1)
 
 
