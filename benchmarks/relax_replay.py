@@ -5,6 +5,8 @@ plan command solves, counting priced solves, recompute fits and CPU seconds.
         --budget 80GiB --batch 256 --seq 8192 --no-cache      # pickles every solver.solve input
     python benchmarks/relax_replay.py replay DIR/p20.pkl     # relax(problem, target_gap=0.01)
     python benchmarks/relax_replay.py solve DIR/p20.pkl ...  # solver.solve(problem, **as dumped)
+    python benchmarks/relax_replay.py products DIR/p20.pkl OUT.pkl 300   # record min-plus products
+    python benchmarks/relax_replay.py minplus OUT.pkl        # plain loop vs solver.minplus, timed
 
 ``dump`` runs ``autopar`` with ``solver.solve`` wrapped: each top-level call's problem goes to
 DIR/p<k>.pkl (k counts every call, nested ones too), and one line per call to stderr. The
@@ -112,10 +114,61 @@ def solve_again(paths: list[str]) -> None:
     print(f"{total:.2f} s CPU in all")
 
 
+def record_products(path: str, out: str, count: int, smallest: int = 1_000_000) -> None:
+    """Every third series min-plus product of at least ``smallest`` (s, t, r) entries that
+    solving the dumped problem forms (elimination and pruning), until ``count`` are kept."""
+    import solver.eliminate as eliminate
+
+    product, kept, seen = eliminate.series_min, [], [0]
+
+    class _Enough(Exception):
+        pass
+
+    def recorded(uv, cv, vw):
+        if uv.shape[0] * uv.shape[1] * vw.shape[1] >= smallest:
+            seen[0] += 1
+            if seen[0] % 3 == 0:
+                kept.append((uv.copy(), cv.copy(), vw.copy()))
+            if len(kept) >= count:
+                raise _Enough
+        return product(uv, cv, vw)
+
+    eliminate.series_min = recorded
+    with open(path, "rb") as f:
+        problem, kwargs = pickle.load(f)
+    try:
+        solver.solve(problem, **kwargs)
+    except _Enough:
+        pass
+    with open(out, "wb") as f:
+        pickle.dump(kept, f, protocol=5)
+    print(f"{len(kept)} products of {seen[0]} at least {smallest:,} entries kept in {out}")
+
+
+def time_products(path: str, rounds: int = 2) -> None:
+    """The recorded products by the plain loop and by solver.minplus.series_min, alternated,
+    CPU seconds per round; every result compared bit for bit."""
+    from solver.minplus import series_min, series_min_plain
+
+    with open(path, "rb") as f:
+        products = pickle.load(f)
+    plain = [series_min_plain(*p) for p in products]
+    for k in range(rounds):
+        for name, product in (("plain", series_min_plain), ("minplus", series_min)):
+            clock = time.process_time()
+            for p, want in zip(products, plain, strict=True):
+                assert product(*p).tobytes() == want.tobytes(), name
+            print(f"round {k}: {name} {time.process_time() - clock:.2f} s CPU", flush=True)
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "dump":
         dump(sys.argv[2], sys.argv[3:])
     elif sys.argv[1] == "solve":
         solve_again(sys.argv[2:])
+    elif sys.argv[1] == "products":
+        record_products(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    elif sys.argv[1] == "minplus":
+        time_products(sys.argv[2])
     else:
         replay(sys.argv[2])

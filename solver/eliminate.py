@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from solver.errors import InfeasibleError
+from solver.minplus import series_min
 from solver.problem import Edge, Node, Problem
 
 
@@ -46,8 +47,8 @@ class Eliminated:
     num_original: int
 
 
-def _matrix(edge: Edge) -> np.ndarray:
-    matrix = np.array(edge.cost_s, dtype=np.float64)  # None becomes nan
+def _table_matrix(table: tuple) -> np.ndarray:
+    matrix = np.array(table, dtype=np.float64)  # None becomes nan
     matrix[np.isnan(matrix)] = np.inf
     return matrix
 
@@ -78,10 +79,27 @@ class SeriesMemo:
     def __init__(self) -> None:
         self._done: dict[tuple, list] = {}
         self._previous: dict[tuple, list] = {}
+        self.tuples = _TupleMemo()
+        """Eliminated edge tables as tuples by content: equal tables of successive solves come
+        out as the very same tuple, which :meth:`matrix` then converts once."""
+        self._arrays: dict[int, tuple[tuple, np.ndarray]] = {}
+        self._previous_arrays: dict[int, tuple[tuple, np.ndarray]] = {}
 
     def next_generation(self) -> None:
         """Start a solve: what the last one formed or used stays available to this one."""
         self._previous, self._done = self._done, {}
+        self._previous_arrays, self._arrays = self._arrays, {}
+        self.tuples.next_generation()
+
+    def matrix(self, table: tuple) -> np.ndarray:
+        """``table`` (an edge's cost_s) as a float matrix (+inf where forbidden), converted
+        once per table object over this and the previous solve (the table is held, so its
+        id cannot be reused meanwhile; the relaxation's priced problems share their tables)."""
+        found = self._arrays.get(id(table)) or self._previous_arrays.get(id(table))
+        if found is None or found[0] is not table:
+            found = (table, _table_matrix(table))
+        self._arrays[id(table)] = found
+        return found[1]
 
     @staticmethod
     def _key(*arrays: np.ndarray) -> tuple:
@@ -129,12 +147,21 @@ class _TupleMemo:
 
     def __init__(self) -> None:
         self._done: dict[tuple, list[tuple[np.ndarray, tuple]]] = {}
+        self._previous: dict[tuple, list[tuple[np.ndarray, tuple]]] = {}
+
+    def next_generation(self) -> None:
+        """Keep the last solve's tables for this one; older ones go."""
+        self._previous, self._done = self._done, {}
 
     def __call__(self, matrix: np.ndarray) -> tuple[tuple[float | None, ...], ...]:
         matrix = np.ascontiguousarray(matrix)
         key = _content_key(matrix)
         for seen, out in self._done.get(key, ()):
-            if np.array_equal(seen, matrix):
+            if np.array_equal(seen, matrix):  # within a solve, as before: equal tables merge
+                return out
+        for seen, out in self._previous.get(key, ()):
+            if np.array_equal(seen, matrix) and _same_signs(seen, matrix):
+                self._done.setdefault(key, []).append((seen, out))
                 return out
         values = matrix.astype(object)
         values[~np.isfinite(matrix)] = None
@@ -143,23 +170,18 @@ class _TupleMemo:
         return out
 
 
-def series_min(uv: np.ndarray, cv: np.ndarray, vw: np.ndarray) -> np.ndarray:
-    """best[s, r] = min_t (uv[s, t] + cv[t]) + vw[t, r], one t at a time: 2-D work arrays
-    only, several times faster than forming the 3-D sum and its argmin (the argmin of the
-    chosen (s, r) is formed on demand by back_substitute, from the same sums)."""
-    best = np.full((uv.shape[0], vw.shape[1]), np.inf)
-    scratch = np.empty_like(best)
-    for t in range(uv.shape[1]):
-        np.add((uv[:, t] + cv[t])[:, None], vw[t, None, :], out=scratch)
-        np.minimum(best, scratch, out=best)
-    return best
+def _same_signs(a: np.ndarray, b: np.ndarray) -> bool:
+    """Equal arrays (np.array_equal) that also agree on the sign of every zero, so a shared
+    tuple holds the very floats the conversion would have made."""
+    return bool(np.array_equal(np.signbit(a), np.signbit(b)))
 
 
 class _MinPlusGraph:
     """Node cost vectors and edge matrices (``(a, b)`` with a < b, rows = a's strategies) as
     elimination changes them."""
 
-    def __init__(self, problem: Problem) -> None:
+    def __init__(self, problem: Problem, memo: SeriesMemo | None = None) -> None:
+        """``memo``: where tables converted by earlier solves are kept (never written to)."""
         self.cost = [np.array(n.cost_s, dtype=np.float64) for n in problem.nodes]
         self.edges: dict[tuple[int, int], np.ndarray] = {}
         self.neighbours: list[set[int]] = [set() for _ in problem.nodes]
@@ -167,7 +189,9 @@ class _MinPlusGraph:
         for edge in problem.edges:
             matrix = converted.get(id(edge.cost_s))
             if matrix is None:
-                matrix = converted[id(edge.cost_s)] = _matrix(edge)
+                matrix = converted[id(edge.cost_s)] = (
+                    _table_matrix(edge.cost_s) if memo is None else memo.matrix(edge.cost_s)
+                )
             self.add_edge(edge.src, edge.dst, matrix)
 
     def add_edge(self, a: int, b: int, matrix: np.ndarray) -> None:
@@ -201,18 +225,18 @@ def eliminate(problem: Problem, memo: SeriesMemo | None = None) -> Eliminated:
     ``memo``: series products kept from earlier solves (a new generation starts here)."""
     assert problem.memory_budget_bytes is None
     num = len(problem.nodes)
-    graph = _MinPlusGraph(problem)
-    alive = [True] * num
     if memo is None:
         memo = SeriesMemo()
     else:
         memo.next_generation()
+    graph = _MinPlusGraph(problem, memo)
+    alive = [True] * num
     steps, constant = _eliminate_nodes(problem, graph, alive, memo)
     kept = tuple(i for i in range(num) if alive[i])
     position = {i: k for k, i in enumerate(kept)}
     strategies, new_nodes = _kept_nodes(problem, graph, kept)
     new_edges = []
-    as_tuples = _TupleMemo()
+    as_tuples = memo.tuples
     for (a, b), matrix in sorted(graph.edges.items()):
         rows, cols = strategies[position[a]], strategies[position[b]]
         if len(rows) < matrix.shape[0] or len(cols) < matrix.shape[1]:

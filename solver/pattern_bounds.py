@@ -49,22 +49,49 @@ def pattern_terms(
     """What one recompute pattern adds to the pattern-free priced problem (module
     docstring): per node and per edge, and a separable lower bound of their sum; also the
     segment j whose bytes alive again are priced (None: nothing recomputed). ``cache``: a
-    dict kept across calls on one problem (the segments as arrays)."""
+    dict kept across calls on one problem (the segments as arrays, and at the latest
+    multiplier each node's and edge's term by what forms it: patterns that recompute the
+    same segments there with the same copies get the very same array object)."""
     on = [k for k, r in enumerate(pattern) if r]
     arrays = {k: _segment_arrays(problem, k, cache) for k in on}
     alive = max(on, key=lambda k: arrays[k][2]) if on else None
-    extra: dict[int, np.ndarray] = {}
-    extra_edges: dict[tuple[int, int], np.ndarray] = {}
+    formed: dict = {}
+    if cache is not None:
+        if cache.get("lam") != lam:
+            cache["lam"], cache["terms"] = lam, {}
+        formed = cache["terms"]
+    # What adds to each node and edge, in the order the sums are formed (k ascending).
+    node_parts: dict[int, list[tuple[int, int]]] = {}
+    edge_parts: dict[tuple[int, int], list[tuple[int, int]]] = {}
     for k in on:
-        r = pattern[k]
-        rows, edges, _ = arrays[k]
-        for n, again, freed in rows:
-            term = r * (again - lam * freed)
-            if k == alive:
-                term = term + lam * freed
-            extra[n] = extra.get(n, 0.0) + term
-        for key, seconds in edges:
-            extra_edges[key] = extra_edges.get(key, 0.0) + r * seconds
+        for j, row in enumerate(arrays[k][0]):
+            node_parts.setdefault(row[0], []).append((k, j))
+        for j, (key, _) in enumerate(arrays[k][1]):
+            edge_parts.setdefault(key, []).append((k, j))
+    extra: dict[int, np.ndarray] = {}
+    for n, parts in node_parts.items():
+        tag = ("n", n, tuple((k, j, pattern[k], k == alive) for k, j in parts))
+        total = formed.get(tag)
+        if total is None:
+            total = 0.0
+            for k, j in parts:
+                _, again, freed = arrays[k][0][j]
+                term = pattern[k] * (again - lam * freed)
+                if k == alive:
+                    term = term + lam * freed
+                total = total + term
+            formed[tag] = total
+        extra[n] = total
+    extra_edges: dict[tuple[int, int], np.ndarray] = {}
+    for key, parts in edge_parts.items():
+        tag = ("e", key, tuple((k, j, pattern[k]) for k, j in parts))
+        total = formed.get(tag)
+        if total is None:
+            total = 0.0
+            for k, j in parts:
+                total = total + pattern[k] * arrays[k][1][j][1]
+            formed[tag] = total
+        extra_edges[key] = total
     lower = math.fsum(float(np.min(v)) for v in extra.values()) + math.fsum(
         float(np.min(m)) for m in extra_edges.values()
     )
@@ -93,10 +120,15 @@ class PatternTerms:
         self.distinct: list[list[np.ndarray]] = [[] for _ in keys]
         self.index = np.full((len(terms), len(keys)), -1, dtype=np.intp)
         found: dict[tuple, list[tuple[int, np.ndarray]]] = {}
+        seen: dict[tuple[int, int], int] = {}  # (block, id of a term's array) -> distinct
         for k, (extra, extra_edges) in enumerate(terms):
             for tag, table in (("n", extra), ("e", extra_edges)):
                 for key, v in table.items():
                     b = column[tag, key]
+                    d = seen.get((b, id(v)), -1)
+                    if d >= 0:  # the very object met before (pattern_terms shares them)
+                        self.index[k, b] = d
+                        continue
                     flat = np.ascontiguousarray(np.ravel(v), dtype=np.float64)
                     at = (b, _content_key(flat))
                     for d, shared in found.get(at, ()):
@@ -107,6 +139,7 @@ class PatternTerms:
                         d = len(self.distinct[b])
                         self.distinct[b].append(flat)
                         found.setdefault(at, []).append((d, v))
+                    seen[b, id(table[key])] = d
                     self.index[k, b] = d
         self._pair_min: dict[tuple[int, int, int], float] = {}
 
@@ -126,16 +159,24 @@ class PatternTerms:
         """Per pattern of ``among`` (default: every one): a lower bound on its optimum, given
         ``value`` <= pattern ``solved``'s (the sum over blocks of the least entry of the
         difference of their terms)."""
-        rows = range(len(self.index)) if among is None else among
-        if not self.sizes:
+        rows = np.arange(len(self.index)) if among is None else np.asarray(among, dtype=np.intp)
+        num_blocks = len(self.sizes)
+        if not num_blocks:
             return np.full(len(rows), value)
-        mins = np.empty((len(rows), len(self.sizes)))
-        solved_index = self.index[solved]
-        for r, p in enumerate(rows):
-            mins[r] = [
-                self._min_difference(b, int(i), int(j))
-                for b, (i, j) in enumerate(zip(self.index[p], solved_index, strict=True))
-            ]
+        # Each (block, distinct array) pair among the rows once: patterns share their arrays.
+        width = 1 + max(len(d) for d in self.distinct)
+        keys = (self.index[rows] + 1) + width * np.arange(num_blocks)[None, :]
+        pairs, inverse = np.unique(keys, return_inverse=True)
+        solved_index = self.index[solved].tolist()
+        blocks, arrays = divmod(pairs, width)
+        least = np.array(
+            [
+                self._min_difference(b, i - 1, solved_index[b])
+                for b, i in zip(blocks.tolist(), arrays.tolist(), strict=True)
+            ],
+            dtype=np.float64,
+        )
+        mins = least[inverse.reshape(-1)].reshape(len(rows), num_blocks)
         return value + mins.sum(axis=1)
 
 

@@ -78,8 +78,8 @@ class _Base:
     """The problem's node costs and merged edge tables as arrays, restricted as strategies
     are dropped (``keep``: the original indices of each node's remaining strategies)."""
 
-    def __init__(self, problem: Problem) -> None:
-        self.graph = _MinPlusGraph(problem)
+    def __init__(self, problem: Problem, memo: SeriesMemo | None = None) -> None:
+        self.graph = _MinPlusGraph(problem, memo)
         self.num = len(problem.nodes)
         self.keep = [np.arange(n.num_choices) for n in problem.nodes]
 
@@ -203,11 +203,11 @@ def prune(problem: Problem, memo: SeriesMemo | None = None) -> Pruned | None:
     the upper bound keeps every strategy it uses, so the later bounds still cover it).
     ``memo``: series products kept from earlier solves (a new generation starts here)."""
     assert problem.memory_budget_bytes is None and not problem.tied and not problem.segments
-    base = _Base(problem)
     if memo is None:
         memo = SeriesMemo()
     else:
         memo.next_generation()
+    base = _Base(problem, memo)
     order = sorted(range(base.num), key=lambda i: (-problem.nodes[i].num_choices, i))
     if not order:
         return None

@@ -1,0 +1,64 @@
+"""pattern_bounds.pattern_terms with its cache (each node's and edge's term formed once per way
+of forming it at a multiplier, shared by the patterns that form it alike) gives, bitwise, the
+terms formed pattern by pattern, across multipliers and in any order of the patterns."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from solver.lagrangian import recompute_patterns
+from solver.pattern_bounds import pattern_terms
+from solver.problem import Problem
+from tests.unit.test_lagrangian import budgeted_problems
+
+
+def _plain_terms(problem: Problem, lam: float, pattern: tuple[int, ...]):
+    """The terms as formed before the cache: segment by segment, node by node."""
+    on = [k for k, r in enumerate(pattern) if r]
+    smallest = {k: math.fsum(min(row) for row in problem.segments[k].freed_bytes) for k in on}
+    alive = max(on, key=lambda k: smallest[k]) if on else None
+    extra: dict = {}
+    extra_edges: dict = {}
+    for k in on:
+        seg, r = problem.segments[k], pattern[k]
+        for n, freed, again in zip(seg.nodes, seg.freed_bytes, seg.recompute_s, strict=True):
+            freed, again = np.asarray(freed, dtype=float), np.asarray(again, dtype=float)
+            term = r * (again - lam * freed)
+            if k == alive:
+                term = term + lam * freed
+            extra[n] = extra.get(n, 0.0) + term
+        for e in seg.edges:
+            key = (e.src, e.dst)
+            extra_edges[key] = extra_edges.get(key, 0.0) + r * np.asarray(e.cost_s, dtype=float)
+    lower = math.fsum(float(np.min(v)) for v in extra.values()) + math.fsum(
+        float(np.min(m)) for m in extra_edges.values()
+    )
+    return lower, alive, extra, extra_edges
+
+
+def _same(got: dict, want: dict) -> bool:
+    return list(got) == list(want) and all(
+        np.asarray(got[k]).tobytes() == np.asarray(want[k]).tobytes() for k in want
+    )
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(budgeted_problems(), st.floats(0.0, 2.0), st.floats(0.0, 3.0), st.randoms())
+def test_cached_terms_equal_the_plain_ones_bitwise(problem, lam, other, rng):
+    patterns = recompute_patterns(problem) or []
+    cache: dict = {}
+    for multiplier in (lam, other, lam):
+        order = list(patterns) * 2  # every pattern twice: the second time from the cache
+        rng.shuffle(order)
+        formed: dict = {}
+        for pattern in order:
+            got = pattern_terms(problem, multiplier, pattern, cache)
+            want = _plain_terms(problem, multiplier, pattern)
+            assert got[0] == want[0] and got[1] == want[1]
+            assert _same(got[2], want[2]) and _same(got[3], want[3])
+            for n, v in got[2].items():  # a pattern formed alike shares the very object
+                assert formed.setdefault(pattern, {}).setdefault(n, v) is v
