@@ -14,9 +14,10 @@ may even cost less than the tied optimum, below the bound reported with it.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
-from solver.problem import Problem
+from solver.problem import Problem, Segment
 
 
 def splits(problem: Problem, choices: tuple[int, ...]) -> bool:
@@ -67,3 +68,59 @@ def make_alike(problem: Problem, choices: tuple[int, ...]) -> tuple[int, ...] | 
         for i in members:
             plan[i] = best[3]
     return tuple(plan)
+
+
+def split_mixed(
+    problem: Problem, merged: tuple[Segment, ...], groups: tuple[tuple[int, ...], ...]
+) -> tuple[tuple[Segment, ...], tuple[tuple[int, ...], ...]]:
+    """Merged segments (checkpointing.contract_segments) split where their members overlap
+    segments of different merged kinds, until every member of a kind overlaps the same kinds.
+
+    Merging alone can mix layers: the llama3-70b row's first block segment stays apart (its
+    input edge comes from the embedding) while its attention and feed-forward segments merge
+    with the other 79 layers'. The overlap row of (first block, first block selective, the
+    80 attentions) then reads 80 r_block + 80 r_selective + r_attention <= 80: with the first
+    block recomputed no attention of any layer may be, a plan that layer-by-layer recompute
+    allows. Split into the first layer's attention (one copy) and the other 79, the cliques
+    are (1, 1, 1) and (79, 79, 79) copies, whose rows say what one layer at a time can do.
+    The groups returned list the original segments of each segment returned."""
+    merged_kind = {k: g for g, members in enumerate(groups) for k in members}
+    kind = merged_kind
+    segments = problem.segments
+    owners: dict[int, list[int]] = {}
+    for k, seg in enumerate(segments):
+        for n in seg.footprint or seg.nodes:
+            owners.setdefault(n, []).append(k)
+    partners = [
+        sorted({b for n in seg.footprint or seg.nodes for b in owners[n] if b != k})
+        for k, seg in enumerate(segments)
+    ]
+    parts = [list(members) for members in groups]
+    while True:
+        refined: list[list[int]] = []
+        for members in parts:
+            by_signature: dict[tuple[int, ...], list[int]] = {}
+            for k in members:
+                signature = tuple(sorted({kind[b] for b in partners[k]}))
+                by_signature.setdefault(signature, []).append(k)
+            refined.extend(by_signature.values())
+        if len(refined) == len(parts):
+            break
+        parts = refined
+        kind = {k: g for g, members in enumerate(parts) for k in members}
+    if len(parts) == len(groups):
+        return merged, groups
+    out = []
+    for members in parts:
+        base = merged[merged_kind[members[0]]]
+        out.append(
+            dataclasses.replace(
+                base,
+                copies=sum(segments[k].copies for k in members),
+                min_copies=sum(segments[k].min_copies for k in members),
+                footprint=tuple(
+                    n for k in members for n in segments[k].footprint or segments[k].nodes
+                ),
+            )
+        )
+    return tuple(out), tuple(tuple(members) for members in parts)

@@ -69,7 +69,7 @@ class SegmentEdge:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Segment:
     """An activation-checkpoint candidate: a set of nodes whose saved activations can be freed
-    and recomputed in backward (solver/checkpointing.py; the rows in rows._add_segments)."""
+    and recomputed in backward (solver/checkpointing.py; the rows in segment_rows.add_segments)."""
 
     name: str
     nodes: tuple[int, ...]

@@ -4,12 +4,16 @@ tie-consistent plans agree."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from solver import Node, Problem, solve
+import solver.segment_rows as segment_rows
+from solver import Edge, Node, Problem, solve
 from solver.alike import make_alike, splits
+from solver.errors import InfeasibleError
 from solver.presolve import plan_objective_s, plan_peak_memory_bytes
+from solver.problem import Segment, SegmentEdge
 from tests.unit.test_count_patterns import layered_problems
 from tests.unit.test_lagrangian import SETTINGS, _optimum, budgeted_problems
 
@@ -54,3 +58,60 @@ def test_make_alike_keeps_bytes_and_takes_the_cheaper_member_strategy() -> None:
     assert make_alike(problem, (0, 1, 1)) == (1, 1, 1)
     assert make_alike(problem, (0, 0, 0)) == (0, 0, 0)
     assert make_alike(problem, (0, 0, 1)) == (1, 1, 1)  # 10 bytes: 0 would hold 12
+
+
+@settings(SETTINGS, max_examples=40)
+@given(st.one_of(budgeted_problems().filter(_tied_with_segments), layered_problems()))
+def test_the_defined_segment_rows_give_the_brute_force_optimum(problem) -> None:
+    # Every segment through the defined columns a_k, tau_k, the big-M constants of the
+    # strategies presolve left and the rows t_j >= T_min b_j (solver/segment_rows.py).
+    optimum = _optimum(problem)
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(segment_rows, "DEFINE_MIN_TERMS", 0)
+            found = solve(problem, gap=0.0)
+    except InfeasibleError:
+        assert optimum is None
+        return
+    assert optimum is not None
+    assert not splits(problem, found.choices)
+    assert abs(found.objective_s - optimum) <= TOLERANCE * max(1.0, abs(optimum))
+
+
+def test_a_layer_apart_does_not_forbid_the_other_layers_segments() -> None:
+    # Two alike layers a -> b; each has a whole-layer segment (its input edge re-issued, so
+    # the two stay apart) and a segment of b alone (alike: merged, 2 copies). The budget
+    # needs bytes from both layers; the cheapest is layer 0 whole and layer 1's b. Merged,
+    # the clique row 2 r_w0 + r_b <= 2 forbade that pair (4.0 s instead of 2.5 s).
+    nodes = (Node(name="in", cost_s=(0.0,), memory_bytes=(0.0,)),) + tuple(
+        Node(name=f"{n}{layer}", cost_s=(0.0,), memory_bytes=(10.0,))
+        for layer in range(2)
+        for n in "ab"
+    )
+    edges = tuple(Edge(src=i, dst=i + 1, cost_s=((0.0,),)) for i in range(4))
+    segments = []
+    for layer, (into, seconds) in enumerate(((0, 0.0), (2, 5.0))):
+        a, b = 1 + 2 * layer, 2 + 2 * layer
+        segments.append(
+            Segment(
+                name=f"w{layer}",
+                nodes=(a, b),
+                freed_bytes=((10.0,), (10.0,)),
+                recompute_s=((0.0,), (0.5,)),
+                edges=(SegmentEdge(src=into, dst=a, cost_s=((seconds,),)),),
+            )
+        )
+        segments.append(
+            Segment(name=f"b{layer}", nodes=(b,), freed_bytes=((10.0,),), recompute_s=((2.0,),))
+        )
+    problem = Problem(
+        nodes=nodes,
+        edges=edges,
+        memory_budget_bytes=30.0,
+        tied=((1, 3), (2, 4)),
+        segments=tuple(segments),
+    )
+    assert _optimum(problem) == 2.5
+    found = solve(problem, gap=0.0)
+    assert found.objective_s == 2.5
+    assert found.recomputed == (1, 0, 0, 1)
