@@ -112,7 +112,9 @@ class Problem:
       is compared with the classes forced alike.
     - With a budget and ``segments``, or backend 'cbc': the classes choose alike (one
       contracted node each; identical segments become one with their copies summed), so the
-      plan is the best one whose classes choose alike."""
+      plan is the best one whose classes choose alike. Every path keeps to it, the
+      Lagrangian relaxation's plans made alike (solver/alike.py) included, and every bound
+      reported there is a lower bound on the best plan whose classes choose alike."""
     segments: tuple[Segment, ...] = ()
     """Checkpoint candidates: a recomputed segment frees its ``freed_bytes`` and adds its
     ``recompute_s`` (and its edges' forward seconds) to the step; while the backward runs one
