@@ -24,7 +24,7 @@ def _tied_with_segments(problem: Problem) -> bool:
     return bool(problem.tied and problem.segments)
 
 
-@settings(SETTINGS, max_examples=40)
+@settings(SETTINGS, max_examples=30)
 @given(
     st.one_of(budgeted_problems().filter(_tied_with_segments), layered_problems()),
     st.sampled_from([0.01, 0.05]),
@@ -60,7 +60,7 @@ def test_make_alike_keeps_bytes_and_takes_the_cheaper_member_strategy() -> None:
     assert make_alike(problem, (0, 0, 1)) == (1, 1, 1)  # 10 bytes: 0 would hold 12
 
 
-@settings(SETTINGS, max_examples=25)
+@settings(SETTINGS, max_examples=20)
 @given(st.one_of(budgeted_problems().filter(_tied_with_segments), layered_problems()))
 def test_the_defined_segment_rows_give_the_brute_force_optimum(problem) -> None:
     # Every segment through the defined columns a_k, tau_k, the big-M constants of the
