@@ -114,6 +114,11 @@ def solve_relaxed(
     )
 
 
+FIXED_MIP_MIN_S = 30.0
+"""The least time limit the fixed MIP gets when the caller set none and it has a plan to
+start from (``_fixed_mip``)."""
+
+
 def _fixed_mip(
     problem: Problem,
     multiplier: float,
@@ -156,6 +161,13 @@ def _fixed_mip(
     restricted = restrict_budgeted(problem, keep)
     # A large MIP runs in a worker process: out of memory, HiGHS may die rather than stop.
     large = problem_entries(restricted) >= ISOLATE_ENTRIES
+    if time_limit_s is None and plan is not None:
+        # It starts from a plan within the gap's reach, so it can only improve on it: given
+        # as long as the relaxation and the fixing took (FIXED_MIP_MIN_S at least), then its
+        # best plan and HiGHS's bound are kept (a time limit with a plan is 'feasible').
+        spent = details.get("lagrangian_s", 0.0) + details["fixing_s"]
+        time_limit_s = max(FIXED_MIP_MIN_S, spent)
+        details["fixed_mip_time_limit_s"] = time_limit_s
     try:
         exact = (solve_isolated if large else solve)(
             restricted,

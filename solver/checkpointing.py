@@ -16,7 +16,7 @@ assignment can realise; ``expand_recomputed`` builds that assignment).
 
 Tied layers (solver/tying.py) contract each segment onto the contracted nodes; segments that
 become identical are one segment with their copies summed, so the decision over L identical
-layers is one integer, whatever L (rows._add_segments writes it in binary). A segment that stays
+layers is one integer, whatever L (segment_rows.add_segments writes it in binary). A segment that stays
 apart (the first layer's, whose input edge comes from the embedding) keeps its own count; the
 overlap rows then treat it and a merged one as overlapping when any of their copies do, which
 is safe (never a plan that cannot be laid out) but may forbid mixes such as "block 0 whole,

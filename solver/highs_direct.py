@@ -296,12 +296,28 @@ def run(
             reason,
         )
     bound = info.mip_dual_bound
+    values = np.asarray(h.getSolution().col_value, dtype=np.float64)
     if relaxation and kind == "optimal":
         bound = info.objective_function_value  # the LP's optimum: below every integer plan
     elif kind == "optimal" and gap == 0.0:  # proven: the bound is the objective itself
         bound = info.objective_function_value
-    values = np.asarray(h.getSolution().col_value, dtype=np.float64)
+    elif math.isfinite(bound):
+        bound = _offset_bound(h, values, info.objective_function_value, bound)
     return DirectOutcome(status=kind, bound=bound if math.isfinite(bound) else None, values=values)
+
+
+def _offset_bound(h: Any, values: np.ndarray, primal: float, dual: float) -> float:
+    """The dual bound in the model's own units. A MIP started from a plan (setSolution) may
+    report its primal and dual bounds without its presolve's objective offset (seen on the
+    llama3-70b b256 bf16 row's fixed MIP: "MIP start solution is feasible: objective value
+    is 0.3518 ... in the reduced space: 0.3045", then primal and dual bound 0.3045, gap 0,
+    while the returned columns cost 0.3518): the gap it proved is primal - dual in its
+    space, so the bound is the returned plan's own cost less that gap."""
+    cost = np.asarray(h.getLp().col_cost_, dtype=np.float64)
+    own = float(cost @ values)
+    if abs(own - primal) <= 1e-9 * max(1.0, abs(own)):
+        return dual
+    return own - (primal - dual)
 
 
 _INTEGRAL_TOL = 1e-9

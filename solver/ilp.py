@@ -21,7 +21,7 @@ Constraints (family: the function of solver/rows.py that builds it)
     memory      M0 + sum_i sum_s m_i[s] x[i,s] + T <= B   if B is not None    _add_memory
     checkpoint  per segment bit: F <= A(x), F <= M b, P >= F, R >= T(x) - M (1 - b);
                 memory -= 2^j F, += P; objective += 2^j R;
-                one row per clique of overlapping segments               _add_segments
+                one row per clique of overlapping segments  segment_rows.add_segments
                 (Problem.segments; the model in solver/checkpointing.py)
 
 Groups (exact edge compression, presolve._line_groups): the src strategies of edge k are

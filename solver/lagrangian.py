@@ -50,6 +50,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from solver.alike import make_alike
 from solver.checkpointing import fit_segments, freed_bytes, recompute_s
 from solver.count_patterns import CountPatterns, count_patterns
 from solver.multiplier import first_multiplier, next_multiplier, pattern_search
@@ -411,7 +412,9 @@ def relax(
         if bound > best_bound:
             best_bound, best_lam = bound, lam
         for choices in plans:
-            if choices not in tried:
+            # The budgeted contract: tie classes choose alike (solver/alike.py).
+            choices = make_alike(problem, choices) if problem.tied else choices
+            if choices is not None and choices not in tried:
                 tried.add(choices)
                 if best is not None and plan_objective_s(problem, choices) >= best[0]:
                     continue  # recomputing only adds time: it cannot beat the best plan

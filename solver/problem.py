@@ -69,7 +69,7 @@ class SegmentEdge:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Segment:
     """An activation-checkpoint candidate: a set of nodes whose saved activations can be freed
-    and recomputed in backward (solver/checkpointing.py; the rows in rows._add_segments)."""
+    and recomputed in backward (solver/checkpointing.py; the rows in segment_rows.add_segments)."""
 
     name: str
     nodes: tuple[int, ...]
@@ -112,7 +112,9 @@ class Problem:
       is compared with the classes forced alike.
     - With a budget and ``segments``, or backend 'cbc': the classes choose alike (one
       contracted node each; identical segments become one with their copies summed), so the
-      plan is the best one whose classes choose alike."""
+      plan is the best one whose classes choose alike. Every path keeps to it, the
+      Lagrangian relaxation's plans made alike (solver/alike.py) included, and every bound
+      reported there is a lower bound on the best plan whose classes choose alike."""
     segments: tuple[Segment, ...] = ()
     """Checkpoint candidates: a recomputed segment frees its ``freed_bytes`` and adds its
     ``recompute_s`` (and its edges' forward seconds) to the step; while the backward runs one

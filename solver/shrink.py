@@ -29,6 +29,7 @@ import dataclasses
 import time
 
 from solver import highs_direct
+from solver.alike import split_mixed
 from solver.checkpointing import contract_segments, expand_recomputed, validate_segments
 from solver.counts import ACCEPT_GAP, solve_counts
 from solver.eliminate import Eliminated, SolveMemo, back_substitute, eliminate
@@ -335,7 +336,7 @@ def _solve_tied(
     inner_problem = contracted.problem
     groups: tuple[tuple[int, ...], ...] = ()
     if problem.segments:  # L identical layers' segments become one with L copies
-        segments, groups = contract_segments(problem, contracted.node_map)
+        segments, groups = split_mixed(problem, *contract_segments(problem, contracted.node_map))
         inner_problem = dataclasses.replace(inner_problem, segments=segments)
     contract_s = time.perf_counter() - start
     # Contraction turns a node shared by every layer (RoPE tables) into a leaf: eliminate again.

@@ -50,6 +50,7 @@ def _stop_highs_at_once(monkeypatch) -> None:
         if model.budgeted and not kwargs.get("relaxation"):
             model.highs.setOptionValue("time_limit", 0.0)
             model.highs.setOptionValue("presolve", "off")
+            kwargs["time_limit_s"] = None  # the fixed MIP's own limit would replace the 0 s
         return real_run(model, **kwargs)
 
     monkeypatch.setattr(highs_direct, "run", run)
