@@ -60,12 +60,15 @@ time (``fitted_speeds``).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import os
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -393,6 +396,27 @@ def per_stage_text(table: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+@contextlib.contextmanager
+def timing_lock(path: str | None, what: str) -> Iterator[None]:
+    """Holds ``flock(path)`` (``--lock``) around ``what``, as ``flock PATH command`` would around
+    the whole run, so that planning (minutes on a loaded machine, not timed) leaves the lock to
+    the others; prints the wait and the hold."""
+    if path is None:
+        yield
+        return
+    asked = time.perf_counter()
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        held = time.perf_counter()
+        print(f"lock for {what}: waited {held - asked:.0f} s; {_load()}", flush=True)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+            print(f"lock released after {what}: held {time.perf_counter() - held:.0f} s",
+                  flush=True)  # fmt: skip
+
+
 def _load() -> str:
     return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
@@ -409,6 +433,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--out", default="benchmarks/out")
+    parser.add_argument("--lock", default=None, metavar="PATH",
+                        help="hold this lock file (flock) while calibrating and while timing, "
+                             "not while planning (e.g. /tmp/autopar-timing.lock)")  # fmt: skip
     parser.add_argument("--fit-from", default=None, metavar="JSON",
                         help="only fit stage scale and lone speed-up to a previous --out JSON")  # fmt: skip
     args = parser.parse_args(argv)
@@ -426,12 +453,14 @@ def main(argv: list[str] | None = None) -> int:
         profile = load_profile(args.profile)
         calibrated_at = os.path.getmtime(args.profile)
     else:
-        profile = calibrate((args.world,), ("pp",), nproc=args.world, verbose=False)
+        with timing_lock(args.lock, "calibration"):
+            profile = calibrate((args.world,), ("pp",), nproc=args.world, verbose=False)
         calibrated_at = time.time()
         save_profile(profile, os.path.join(args.out, f"pipeline_profile_{args.world}.json"))
     cases = plan_cases(args.world, profile, args)
     print(f"planned {len(cases)} configurations in {time.perf_counter() - start:.0f} s", flush=True)
-    ranks = spawn_ranks(run_rank, args.world, cases, args, timeout_s=1800, pg_timeout_s=600)
+    with timing_lock(args.lock, "the timed steps"):
+        ranks = spawn_ranks(run_rank, args.world, cases, args, timeout_s=1800, pg_timeout_s=600)
     measured = ranks[0]["measured"]
     timelines = {key: [list(steps) for steps in zip(*(r["timelines"][key] for r in ranks))]
                  for key in measured}  # fmt: skip
