@@ -51,10 +51,9 @@ Every rank's microbatch forwards and backwards are timestamped too; a second tab
 step into its terms (``benchmarks/pipeline_terms.py``: the plan's simulation with measured
 compute, then measured gaps, then head and tail, against the measured step).
 
-Prints a markdown table (predicted vs measured, ratios) and writes ``--out``'s JSON.
-``--fit-from JSON`` instead fits, per configuration of such a JSON, the stage scale and the
-lone-rank speed-up that make the shared-cores simulation reproduce the measured step and busy
-time (``fitted_speeds``).
+Prints markdown tables and writes ``--out``'s JSON. ``--summary JSON...`` counts what is within
+20% over such JSONs (``summary_text``); ``--fit-from JSON`` fits each configuration's stage scale
+and lone-rank speed-up to its measured step and busy time (``fitted_speeds``).
 """
 
 from __future__ import annotations
@@ -80,6 +79,7 @@ from benchmarks.pipeline_terms import (
     fit_text,
     model_tail_s,
     record_tasks,
+    summary_text,
     term_chain,
     terms_markdown,
 )
@@ -433,6 +433,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--out", default="benchmarks/out")
+    parser.add_argument("--summary", nargs="+", default=None, metavar="JSON",
+                        help="only summarize previous --out JSONs (counts within 20%%)")  # fmt: skip
     parser.add_argument("--lock", default=None, metavar="PATH",
                         help="hold this lock file (flock) while calibrating and while timing, "
                              "not while planning (e.g. /tmp/autopar-timing.lock)")  # fmt: skip
@@ -441,6 +443,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.fit_from:
         print(fit_text(args.fit_from))
+        return 0
+    if args.summary:
+        print(summary_text(args.summary))
         return 0
     from autopar.runtime.spawn import spawn_ranks
     from autopar.tools.calibration import calibrate

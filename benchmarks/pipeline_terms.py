@@ -189,3 +189,66 @@ def fit_text(path: str) -> str:
         scale, lone, err = fitted_speeds(cases[row["key"]], row)
         lines.append(f"| {row['key']} | {scale:.2f} | {lone:.2f} | {err:.3f} |")
     return "\n".join(lines)
+
+
+def summary_text(paths: list[str]) -> str:
+    """Over the configurations of several ``--out`` JSONs (``--summary``): how many are within
+    20% (step after and before, at the current rate, idle share), the measured head and tail
+    against the model's, and how the step follows the drift probe: the least-squares slope and
+    correlation of log(measured / predicted step) on log(calibrated / current matmul FLOP/s)
+    over every repetition (1: the step slows down as the matmul does; the profile beside each
+    JSON gives the calibrated rate)."""
+    import os
+
+    rows, xs, ys = [], [], []
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        world = len(data["table"][0]["busy_per_microbatch_s"])
+        with open(os.path.join(os.path.dirname(path), f"pipeline_profile_{world}.json")) as f:
+            calibrated = json.load(f)["device"]["peak_flops"]["float32"]
+        predicted = {c["key"]: c["predicted"]["step_s"] for c in data["cases"]}
+        rows += data["table"]
+        for key, reps in data["measured"].items():
+            for rep in reps:
+                xs.append(math.log(calibrated / rep["matmul_flops_before"]))
+                ys.append(math.log(rep["step_s"] / predicted[key]))
+    ratios = {
+        "step, after": [r["step_s"] / r["predicted_step_s"] for r in rows],
+        "step, before": [r["step_s"] / r["before_step_s"] for r in rows],
+        "step at the current rate, after": [r["now_ratio"] for r in rows],
+        "step at the current rate, before": [r["now_ratio_before"] for r in rows],
+        "idle share, after": [r["bubble"] / r["predicted_idle"] for r in rows],
+        "idle share, before": [r["bubble"] / r["before_idle"] for r in rows],
+        "idle share at the current rate": [r["now_idle_ratio"] for r in rows],
+        "step, schedule model on measured stages": [
+            r["step_s"] / r["formula_step_s"] for r in rows
+        ],
+        "tail, measured / model": [r["ends"]["tail_s"] / r["model_tail_s"] for r in rows],
+    }
+    lines = [f"{len(rows)} configurations; within 20% (measured / predicted, range):"]
+    for name, values in ratios.items():
+        inside = sum(0.8 <= v <= 1.2 for v in values)
+        lines.append(f"  {name}: {inside} of {len(values)} ({min(values):.2f}-{max(values):.2f})")
+
+    def span(get: Any) -> str:
+        values = [get(r) * 1e3 for r in rows]
+        return f"{min(values):.1f}-{max(values):.1f}"
+
+    lines.append(
+        f"head ms: measured {span(lambda r: r['ends']['head_s'])} (skew "
+        f"{span(lambda r: r['ends']['skew_s'])}), priced 0; tail ms: measured "
+        f"{span(lambda r: r['ends']['tail_s'])} (Python {span(lambda r: r['ends']['python_s'])},"
+        f" broadcast call {span(lambda r: r['ends']['broadcast_s'])}, root "
+        f"{span(lambda r: r['ends']['others_s'])}), model {span(lambda r: r['model_tail_s'])} "
+        f"(priced broadcast {span(lambda r: r['predicted_tail_s'])}); tail share of the step "
+        f"{span(lambda r: r['ends']['tail_s'] / r['step_s'] / 1e3 * 100)}%"
+    )
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    lines.append(
+        f"log(measured / predicted step) on log(calibrated / current matmul FLOP/s) over "
+        f"{len(xs)} repetitions: slope {slope:.2f}, correlation "
+        f"{statistics.correlation(xs, ys):.2f}, intercept {math.exp(my - slope * mx):.2f}"
+    )
+    return "\n".join(lines)
