@@ -229,7 +229,8 @@ def summary_text(paths: list[str]) -> str:
     lines = [f"{len(rows)} configurations; within 20% (measured / predicted, range):"]
     for name, values in ratios.items():
         inside = sum(0.8 <= v <= 1.2 for v in values)
-        lines.append(f"  {name}: {inside} of {len(values)} ({min(values):.2f}-{max(values):.2f})")
+        lines.append(f"  {name}: {inside} of {len(values)} ({min(values):.2f}-{max(values):.2f},"
+                     f" median {statistics.median(values):.2f})")  # fmt: skip
 
     def span(get: Any) -> str:
         values = [get(r) * 1e3 for r in rows]
