@@ -23,13 +23,12 @@ Measured figures, per configuration:
 - step: a step's time is the slowest rank's (a barrier before each step); a repetition's
   figure is the median over its steps; the table gives the median and min-max over
   repetitions;
-- drift: calibration's matmul fit on every rank at once (as calibration measures
-  ``peak_flops``) just before and just after a configuration's steps in each repetition
-  (geometric mean; median over repetitions); calibrated over probed FLOP/s scales the stages'
-  forward and backward ("drift removed");
-- the run's ``busy_rank_speed``: calibration's lone-rank probe, one round, before and after
-  the steps (geometric mean; median over repetitions); "at the run's load" prices the plan's
-  stages with the drift removed AND this speed-up in place of the profile's;
+- the current rate: calibration's matmul fit on every rank at once (as calibration measures
+  ``peak_flops``, about 0.6 s) right before each repetition of a configuration's steps (and
+  after them, kept in the JSON); calibrated over probed FLOP/s scales the stages' forward and
+  backward, so "at the current rate" is the plan's schedule priced at the machine's speed of
+  that moment, paired with that repetition's steps (median over repetitions); the profile was
+  calibrated "calibration age" seconds before (its file's time with ``--profile``);
 - ranks run in their own sessions (``own_scheduling_group``), as calibration and torchrun
   run them (README "Session 9": Linux shares the cores per session);
 - bubble: per rank, ``busy`` is ``PipelineModule.busy_s``, the wall seconds inside its stage's
@@ -39,39 +38,51 @@ Measured figures, per configuration:
   stage's idle time ``sum_i t_i - max_i t_i`` over the step). The mean over ranks of
   ``1 - busy_r / step`` is printed too.
 
-"before" is session 10's model on the plan's stages, same profile and run: the matmul probe's
-``busy_rank_speed`` and the wait fitted to the calibration pipeline's step (the profile's
-``meta.measurements``: ``busy_rank_speed.probe``, ``task_wait.fitted_task_wait_s``), where
-session 11's calibration takes both from the calibration pipeline's task timeline. "run's gap
-per task" is the measured mean gap between a rank's tasks in the run (``pipeline_terms.py``,
-which also prints where each step goes, term by term).
+"after" is the plan's prediction (session 12: the step's priced head and tail,
+``planner.pipeline_ends``); "before" is session 11's model, the same plan's stages, profile and
+run without them. The measured head and tail come from timestamps (``pipeline_terms.ends_terms``):
+the head from the earliest rank's start to the first forward (of it the ranks' skew leaving the
+barrier); the tail from the last task's end to the last rank's end, split into the Python
+before the loss broadcast, the broadcast call and the broadcast's root completing on another
+rank; the model's tail is what the simulation puts after the last backward
+(``pipeline_terms.model_tail_s``: the wait after the last task plus the priced broadcast).
 
 Every rank's microbatch forwards and backwards are timestamped too; a second table splits each
 step into its terms (``benchmarks/pipeline_terms.py``: the plan's simulation with measured
 compute, then measured gaps, then head and tail, against the measured step).
 
-Prints a markdown table (predicted vs measured, ratios) and writes ``--out``'s JSON.
-``--fit-from JSON`` instead fits, per configuration of such a JSON, the stage scale and the
-lone-rank speed-up that make the shared-cores simulation reproduce the measured step and busy
-time (``fitted_speeds``).
+Prints markdown tables and writes ``--out``'s JSON. ``--summary JSON...`` counts what is within
+20% over such JSONs (``summary_text``); ``--fit-from JSON`` fits each configuration's stage scale
+and lone-rank speed-up to its measured step and busy time (``fitted_speeds``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import os
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from autopar.models import GPT, GPTConfig, Llama, LlamaConfig
-from benchmarks.pipeline_terms import fit_text, record_tasks, term_chain, terms_markdown
+from benchmarks.pipeline_terms import (
+    ends_terms,
+    fit_text,
+    model_tail_s,
+    record_tasks,
+    summary_text,
+    term_chain,
+    terms_markdown,
+)
 
 WIDTH, LAYERS, VOCAB = 256, 4, 1024
 
@@ -149,31 +160,6 @@ def matmul_rate() -> float:
     return fit_rate(flops, times, through_origin=True)[0]
 
 
-def busy_rank_speed_now() -> dict[str, float]:
-    """``busy_rank_speed`` as calibration measures it (calibration's largest matmul timed with
-    only ranks ``0..k-1`` computing, the others waiting in the all-reduce), one round, now: the
-    lone-rank speed-up follows the other sessions' load (README, session 9), so the run's own
-    figure is what the pipeline met."""
-    from autopar.tools.calibration import CalibrationConfig
-    from autopar.tools.timing import time_callable
-
-    world, rank, config = dist.get_world_size(), dist.get_rank(), CalibrationConfig()
-    counts = sorted({2**e for e in range(world.bit_length()) if 2**e < world} | {world})
-    n = max(config.matmul_sizes)
-    a = torch.randn(n, n)
-    seconds = {}
-    for k in counts:
-        dist.barrier()
-        mine = 0.0
-        if rank < k:
-            mine = time_callable(lambda: a @ a, device=torch.device("cpu"),
-                                 min_time_s=config.min_time_s, trials=3)  # fmt: skip
-        total = torch.tensor([mine], dtype=torch.float64)
-        dist.all_reduce(total)
-        seconds[k] = float(total[0]) / k
-    return {str(k): seconds[world] / seconds[k] for k in counts}
-
-
 def run_rank(rank: int, world: int, cases: list[dict[str, Any]], args: Any) -> dict[str, Any]:
     """Build every case's module on this rank, then time them interleaved (module docstring)."""
     import autopar
@@ -197,25 +183,23 @@ def run_rank(rank: int, world: int, cases: list[dict[str, Any]], args: Any) -> d
     timelines: dict[str, list[Any]] = {key: [] for key in built}
     for _ in range(args.reps):
         for key, (pmodel, opt, batch) in built.items():
-            rate = matmul_rate()  # machine speed now (drift probe)
-            lone = busy_rank_speed_now()
+            before = matmul_rate()  # machine speed right before the steps (drift probe)
             rows = []
             for _ in range(args.steps):
                 dist.barrier()
-                pmodel.tasks = []
+                pmodel.tasks, pmodel.phases = [], []
                 start = time.perf_counter()
                 pmodel.step(*batch)
                 wall = time.perf_counter() - start
-                timelines[key].append([start, start + wall, pmodel.tasks])
+                timelines[key].append([start, start + wall, pmodel.tasks, pmodel.phases])
                 start = time.perf_counter()
                 opt.step()
                 opt.zero_grad()
                 rows.append(_gathered([wall, pmodel.busy_s, time.perf_counter() - start]))
-            # The probe before and after the steps (geometric mean): the load of other processes
-            # changes within seconds on a shared machine.
-            rate = (rate * matmul_rate()) ** 0.5
-            lone = {k: (v * busy_rank_speed_now()[k]) ** 0.5 for k, v in lone.items()}
-            out[key].append(dict(_repetition(rows), matmul_flops=rate, busy_rank_speed=lone,
+            # The probe after the steps too (geometric mean, kept in the JSON): the load of
+            # other processes changes within seconds on a shared machine.
+            rate = (before * matmul_rate()) ** 0.5
+            out[key].append(dict(_repetition(rows), matmul_flops=rate, matmul_flops_before=before,
                                  at_s=time.time(), load=os.getloadavg()[0]))  # fmt: skip
     return {"measured": out, "timelines": timelines}
 
@@ -234,21 +218,13 @@ def _repetition(rows: list[torch.Tensor]) -> dict[str, Any]:
     }
 
 
-def session_10(case: dict[str, Any], profile: Any) -> Any:
-    """The plan's stages simulated as session 10's calibration priced them (module docstring);
-    the profile's own figures where it has no record of them (an older profile)."""
-    timed = profile.meta.get("measurements", {})
-    speed = timed.get("busy_rank_speed", {}).get("probe", profile.device.busy_rank_speed)
-    wait = timed.get("task_wait", {}).get("fitted_task_wait_s", profile.device.task_wait_s)
-    return drift_removed(case, 1.0, speed, wait)
-
-
 def drift_removed(
-    case: dict[str, Any], speed: float, busy_rank_speed: Any, task_wait_s: float
+    case: dict[str, Any], speed: float, busy_rank_speed: Any, task_wait_s: float, *, ends: bool
 ) -> Any:
     """The plan's schedule with every stage's forward and backward scaled by ``speed``
-    (calibrated matmul FLOP/s over the FLOP/s measured during the run's repetitions): the
-    prediction with the machine's speed drift since calibration removed."""
+    (calibrated matmul FLOP/s over the FLOP/s the probe measured right before the steps): the
+    prediction at the machine's current rate; ``ends``: with the plan's priced head and tail
+    (session 12), else without (session 11's model)."""
     from autopar.planner.pipeline_schedule import StageCost, schedule_time
 
     stages = [
@@ -256,9 +232,10 @@ def drift_removed(
                   p2p_s=s["p2p_s"], step_s=s["grad_sync_s"])
         for s in case["stages"]
     ]  # fmt: skip
+    head, tail = (case["predicted"].get(k, 0.0) if ends else 0.0 for k in ("head_s", "tail_s"))
     return schedule_time(
         stages, microbatches=case["microbatches"], schedule=case["schedule"],
-        busy_rank_speed=busy_rank_speed, task_wait_s=task_wait_s,
+        busy_rank_speed=busy_rank_speed, task_wait_s=task_wait_s, head_s=head, tail_s=tail,
     )  # fmt: skip
 
 
@@ -278,11 +255,24 @@ def from_measured_stages(
                          task_wait_s=task_wait_s)  # fmt: skip
 
 
+def _paired(measured: list[float], times: list[Any], *, idle: bool = False) -> float:
+    """Median over repetitions of a repetition's measured step (or idle share) over the step
+    (idle share) predicted at that repetition's current rate."""
+    return statistics.median(
+        x / ((1 - t.compute_s / t.step_s) if idle else t.step_s) for x, t in zip(measured, times)
+    )
+
+
 def summarize(
-    cases: list[dict[str, Any]], measured: dict[str, Any], profile: Any
+    cases: list[dict[str, Any]], measured: dict[str, Any], profile: Any, calibrated_at: float
 ) -> list[dict[str, Any]]:
+    """Per configuration: the plan's prediction after (with head and tail) and before (without),
+    each with the calibrated profile and at the current rate (each repetition's steps against
+    the schedule priced at the probe's rate right before them; median over repetitions), the
+    measured step and idle share, and the schedule model fed the measured stage seconds."""
     device = profile.device
     calibrated_flops = device.peak_flops["float32"]
+    speed, wait = device.busy_rank_speed, device.task_wait_s
     table = []
     for case in cases:
         reps = measured[case["key"]]
@@ -290,18 +280,15 @@ def summarize(
             statistics.median(r["busy_s"][k] for r in reps) / case["microbatches"]
             for k in range(len(reps[0]["busy_s"]))
         ]
-        formula = from_measured_stages(case, busy, device.task_wait_s)
-        speed = calibrated_flops / statistics.median(r["matmul_flops"] for r in reps)
-        drift = drift_removed(case, speed, device.busy_rank_speed, device.task_wait_s)
-        # The machine's load during the run: level (matmul probe) and lone speed-up both taken
-        # from the run's own probes, as calibration measures them.
-        run_speed = {k: statistics.median(r["busy_rank_speed"][k] for r in reps)
-                     for k in reps[0]["busy_rank_speed"]}  # fmt: skip
-        at_run = drift_removed(case, speed, run_speed, device.task_wait_s)
+        formula = from_measured_stages(case, busy, wait)
+        before = drift_removed(case, 1.0, speed, wait, ends=False)
+        factors = [calibrated_flops / r["matmul_flops_before"] for r in reps]
+        now = {e: [drift_removed(case, f, speed, wait, ends=e) for f in factors]
+               for e in (True, False)}  # fmt: skip
         steps = [r["step_s"] for r in reps]
         bubbles = [r["bubble"] for r in reps]
         predicted = case["predicted"]
-        before = session_10(case, profile)
+
         table.append({
             "key": case["key"],
             "blocks": [s["blocks"] for s in case["stages"]],
@@ -309,17 +296,19 @@ def summarize(
             "before_step_s": before.step_s,
             "before_idle": 1 - before.compute_s / before.step_s,
             "predicted_bubble": predicted["bubble_fraction"],
+            "predicted_tail_s": predicted.get("tail_s", 0.0),
             "step_s": statistics.median(steps), "step_min_s": min(steps), "step_max_s": max(steps),
             "bubble": statistics.median(bubbles), "bubble_min": min(bubbles),
             "bubble_max": max(bubbles),
             "bubble_mean": statistics.median(r["bubble_mean"] for r in reps),
             "predicted_idle": 1 - predicted["compute_s"] / predicted["step_s"],
-            "speed_factor": speed,
-            "drift_removed_step_s": drift.step_s,
-            "drift_removed_idle": 1 - drift.compute_s / drift.step_s,
-            "run_busy_rank_speed": run_speed,
-            "at_run_step_s": at_run.step_s,
-            "at_run_idle": 1 - at_run.compute_s / at_run.step_s,
+            "speed_factor": statistics.median(factors),
+            "speed_factor_min": min(factors), "speed_factor_max": max(factors),
+            "now_step_s": statistics.median(t.step_s for t in now[True]),
+            "now_ratio": _paired(steps, now[True]), "now_ratio_before": _paired(steps, now[False]),
+            "now_idle_ratio": _paired(bubbles, now[True], idle=True),
+            "calibration_age_s": [r["at_s"] - calibrated_at for r in reps],
+            "load": [r["load"] for r in reps],
             "busy_per_microbatch_s": busy,
             "formula_step_s": formula.step_s, "formula_bubble": formula.bubble_fraction,
             "predicted_stage_s": [s["forward_s"] + s["backward_s"] + s["p2p_s"]
@@ -331,31 +320,33 @@ def summarize(
 
 def markdown(world: int, table: list[dict[str, Any]]) -> str:
     lines = [
-        "| ranks | model / schedule / m | cuts | predicted step ms (drift removed) | measured step"
-        " ms (min-max) | measured / predicted (drift removed) | before: session 10 ms (measured"
-        " / before) | before: idle ratio | run's gap per task ms | predicted bubble | predicted idle"
-        " (drift removed) | measured idle (min-max) | idle ratio (drift removed) | schedule"
-        " model on measured stages: step ratio | run's lone speed-up | at the run's load:"
-        " predicted ms, measured / predicted, idle ratio |",
-        "|---|---|---|---|---|---|---|---:|---:|---:|---|---|---|---:|---:|---|",
+        "| ranks | model / schedule / m | predicted ms, after (before) | at the current rate ms |"
+        " measured ms (min-max) | measured / predicted, after (before) | at the current rate,"
+        " after (before) | predicted idle, after (before) | measured idle (min-max) | idle ratio,"
+        " after (before; at the current rate) | head ms: measured (of it skew), priced | tail"
+        " ms: measured (Python, broadcast, root), model (priced) | schedule model on measured"
+        " stages: step ratio | calibrated / current matmul FLOP/s (min-max) | calibration age s |",
+        "|---|---|---|---:|---|---|---|---|---|---|---|---|---:|---|---|",
     ]
     for row in table:
-        cuts = "+".join(str(b - a) for a, b in row["blocks"])
-        step, drift = row["predicted_step_s"], row["drift_removed_step_s"]
-        idle, drift_idle = row["predicted_idle"], row["drift_removed_idle"]
+        step, before = row["predicted_step_s"], row["before_step_s"]
+        idle, e = row["predicted_idle"], row["ends"]
+        age = row["calibration_age_s"]
         lines.append(
-            f"| {world} | {row['key']} | {cuts} | {step * 1e3:.0f} ({drift * 1e3:.0f}) | "
-            f"{row['step_s'] * 1e3:.0f} ({row['step_min_s'] * 1e3:.0f}-"
-            f"{row['step_max_s'] * 1e3:.0f}) | {row['step_s'] / step:.2f} "
-            f"({row['step_s'] / drift:.2f}) | {row['before_step_s'] * 1e3:.0f} "
-            f"({row['step_s'] / row['before_step_s']:.2f}) | {row['bubble'] / row['before_idle']:.2f} | "
-            f"{row['terms']['gap_s'] * 1e3:.1f} | "
-            f"{row['predicted_bubble']:.3f} | {idle:.3f} "
-            f"({drift_idle:.3f}) | {row['bubble']:.3f} ({row['bubble_min']:.3f}-"
+            f"| {world} | {row['key']} | {step * 1e3:.0f} ({before * 1e3:.0f}) | "
+            f"{row['now_step_s'] * 1e3:.0f} | {row['step_s'] * 1e3:.0f} "
+            f"({row['step_min_s'] * 1e3:.0f}-{row['step_max_s'] * 1e3:.0f}) | "
+            f"{row['step_s'] / step:.3f} ({row['step_s'] / before:.3f}) | "
+            f"{row['now_ratio']:.3f} ({row['now_ratio_before']:.3f}) | {idle:.3f} "
+            f"({row['before_idle']:.3f}) | {row['bubble']:.3f} ({row['bubble_min']:.3f}-"
             f"{row['bubble_max']:.3f}) | {row['bubble'] / idle:.2f} "
-            f"({row['bubble'] / drift_idle:.2f}) | {row['step_s'] / row['formula_step_s']:.2f} | "
-            f"{row['run_busy_rank_speed']['1']:.2f} | {row['at_run_step_s'] * 1e3:.0f}, "
-            f"{row['step_s'] / row['at_run_step_s']:.2f}, {row['bubble'] / row['at_run_idle']:.2f} |"
+            f"({row['bubble'] / row['before_idle']:.2f}; {row['now_idle_ratio']:.2f}) | "
+            f"{e['head_s'] * 1e3:.1f} ({e['skew_s'] * 1e3:.1f}), 0 | {e['tail_s'] * 1e3:.1f} "
+            f"({e['python_s'] * 1e3:.1f}, {e['broadcast_s'] * 1e3:.1f}, {e['others_s'] * 1e3:.1f}),"
+            f" {row['model_tail_s'] * 1e3:.1f} ({row['predicted_tail_s'] * 1e3:.2f}) | "
+            f"{row['step_s'] / row['formula_step_s']:.2f} | {row['speed_factor']:.2f} "
+            f"({row['speed_factor_min']:.2f}-{row['speed_factor_max']:.2f}) | "
+            f"{min(age):.0f}-{max(age):.0f} |"
         )
     return "\n".join(lines)
 
@@ -366,7 +357,7 @@ def drift_text(measured: dict[str, Any], device: Any) -> str:
     seconds since the first one, with the least-squares slope of the ratio over each. A load
     change (other processes) shows as a ratio that follows the load; a systematic slowdown of
     our own run (heat, memory, a leak) as one that grows with time at the same load."""
-    rows = sorted((r["at_s"], r["load"], device.peak_flops["float32"] / r["matmul_flops"])
+    rows = sorted((r["at_s"], r["load"], device.peak_flops["float32"] / r["matmul_flops_before"])
                   for reps in measured.values() for r in reps)  # fmt: skip
     start = rows[0][0]
 
@@ -405,6 +396,27 @@ def per_stage_text(table: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+@contextlib.contextmanager
+def timing_lock(path: str | None, what: str) -> Iterator[None]:
+    """Holds ``flock(path)`` (``--lock``) around ``what``, as ``flock PATH command`` would around
+    the whole run, so that planning (minutes on a loaded machine, not timed) leaves the lock to
+    the others; prints the wait and the hold."""
+    if path is None:
+        yield
+        return
+    asked = time.perf_counter()
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        held = time.perf_counter()
+        print(f"lock for {what}: waited {held - asked:.0f} s; {_load()}", flush=True)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+            print(f"lock released after {what}: held {time.perf_counter() - held:.0f} s",
+                  flush=True)  # fmt: skip
+
+
 def _load() -> str:
     return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
@@ -421,11 +433,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--out", default="benchmarks/out")
+    parser.add_argument("--summary", nargs="+", default=None, metavar="JSON",
+                        help="only summarize previous --out JSONs (counts within 20%%)")  # fmt: skip
+    parser.add_argument("--lock", default=None, metavar="PATH",
+                        help="hold this lock file (flock) while calibrating and while timing, "
+                             "not while planning (e.g. /tmp/autopar-timing.lock)")  # fmt: skip
     parser.add_argument("--fit-from", default=None, metavar="JSON",
                         help="only fit stage scale and lone speed-up to a previous --out JSON")  # fmt: skip
     args = parser.parse_args(argv)
     if args.fit_from:
         print(fit_text(args.fit_from))
+        return 0
+    if args.summary:
+        print(summary_text(args.summary))
         return 0
     from autopar.runtime.spawn import spawn_ranks
     from autopar.tools.calibration import calibrate
@@ -436,18 +456,24 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load at start: {_load()}", flush=True)
     if args.profile:
         profile = load_profile(args.profile)
+        calibrated_at = os.path.getmtime(args.profile)
     else:
-        profile = calibrate((args.world,), ("pp",), nproc=args.world, verbose=False)
+        with timing_lock(args.lock, "calibration"):
+            profile = calibrate((args.world,), ("pp",), nproc=args.world, verbose=False)
+        calibrated_at = time.time()
         save_profile(profile, os.path.join(args.out, f"pipeline_profile_{args.world}.json"))
     cases = plan_cases(args.world, profile, args)
     print(f"planned {len(cases)} configurations in {time.perf_counter() - start:.0f} s", flush=True)
-    ranks = spawn_ranks(run_rank, args.world, cases, args, timeout_s=1800, pg_timeout_s=600)
+    with timing_lock(args.lock, "the timed steps"):
+        ranks = spawn_ranks(run_rank, args.world, cases, args, timeout_s=1800, pg_timeout_s=600)
     measured = ranks[0]["measured"]
     timelines = {key: [list(steps) for steps in zip(*(r["timelines"][key] for r in ranks))]
                  for key in measured}  # fmt: skip
-    table = summarize(cases, measured, profile)
+    table = summarize(cases, measured, profile, calibrated_at)
     for case, row in zip(cases, table, strict=True):
         row["terms"] = term_chain(case, timelines[case["key"]], profile.device)
+        row["ends"] = ends_terms(timelines[case["key"]])
+        row["model_tail_s"] = model_tail_s(case, profile.device.task_wait_s)
     print(f"busy_rank_speed of the profile: {dict(profile.device.busy_rank_speed)}; "
           f"task_wait_s {profile.device.task_wait_s * 1e3:.2f} ms")  # fmt: skip
     print(f"load at end: {_load()}; {time.perf_counter() - start:.0f} s in all")

@@ -39,7 +39,8 @@ from autopar.tools.calibration_pipeline import lone_speedup, step_terms
 
 def record_tasks(pmodel: Any) -> None:
     """Appends ``(kind, start, end)`` of each microbatch forward (``"F"``) and backward
-    (``"B"``) of ``pmodel``'s stages to ``pmodel.tasks`` (the caller empties it per step)."""
+    (``"B"``) of ``pmodel``'s stages to ``pmodel.tasks``, and that of the step's loss broadcast
+    (``"L"``) to ``pmodel.phases`` (the caller empties both per step)."""
 
     def timed(kind: str, method: Any) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -55,6 +56,47 @@ def record_tasks(pmodel: Any) -> None:
     for stage in pmodel._stages:
         stage.forward_one_chunk = timed("F", stage.forward_one_chunk)
         stage.backward_one_chunk = timed("B", stage.backward_one_chunk)
+    broadcast = pmodel._broadcast_loss
+
+    def timed_broadcast(losses: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return broadcast(losses)
+        finally:
+            pmodel.phases.append(("L", start, time.perf_counter()))
+
+    pmodel.phases = []
+    pmodel._broadcast_loss = timed_broadcast
+
+
+def ends_terms(steps: list[Any]) -> dict[str, float]:
+    """The measured head and tail of each step (``steps[k][i] = (start, end, tasks, phases)`` of
+    rank ``i``), medians over the steps, in seconds: ``head_s`` (the earliest rank's start to
+    the first forward), of it ``skew_s`` (the earliest start to rank 0's: the ranks leave the
+    barrier before a step at different times); ``tail_s`` (the last task's end to the last
+    rank's end), split on the rank that ran the last task into ``python_s`` (to its loss
+    broadcast), ``broadcast_s`` (its broadcast call) and ``others_s`` (its end to the last
+    rank's end: the broadcast's root completing)."""
+    rows: dict[str, list[float]] = {k: [] for k in ("head_s", "skew_s", "tail_s", "python_s",
+                                                    "broadcast_s", "others_s")}  # fmt: skip
+    for ranks in steps:
+        start, end = min(r[0] for r in ranks), max(r[1] for r in ranks)
+        last = max(range(len(ranks)), key=lambda i: ranks[i][2][-1][2])
+        task_end = ranks[last][2][-1][2]
+        _, a, b = next(p for p in ranks[last][3] if p[0] == "L")
+        first = min(t[1] for t in ranks[0][2] if t[0] == "F")
+        for key, value in (("head_s", first - start), ("skew_s", ranks[0][0] - start),
+                           ("tail_s", end - task_end), ("python_s", a - task_end),
+                           ("broadcast_s", b - a), ("others_s", end - ranks[last][1])):  # fmt: skip
+            rows[key].append(value)
+    return {k: statistics.median(v) for k, v in rows.items()}
+
+
+def model_tail_s(case: dict[str, Any], task_wait_s: float) -> float:
+    """What the planner's simulation puts after the last backward (stage 0's, in GPipe and
+    1F1B): the half send and the wait it charges after every task (the wait stands for the
+    wake-up on the loss broadcast), then the priced tail (``planner.pipeline_ends``)."""
+    return case["stages"][0]["p2p_s"] / 2 + task_wait_s + case["predicted"].get("tail_s", 0.0)
 
 
 def term_chain(case: dict[str, Any], steps: list[Any], device: Any) -> dict[str, Any]:
@@ -63,7 +105,7 @@ def term_chain(case: dict[str, Any], steps: list[Any], device: Any) -> dict[str,
     m, schedule = case["microbatches"], case["schedule"]
     p2p = [s["p2p_s"] for s in case["stages"]]
     chain: dict[str, list[float]] = {"compute": [], "gaps": [], "fixed": [], "measured": []}
-    per_step = [step_terms(ranks, schedule, m) for ranks in steps]
+    per_step = [step_terms([r[:3] for r in ranks], schedule, m) for ranks in steps]
     for t in per_step:
         measured = [StageCost(forward_s=f, backward_s=b, p2p_s=s)
                     for f, b, s in zip(t["forward_s"], t["backward_s"], p2p, strict=True)]  # fmt: skip
@@ -146,4 +188,68 @@ def fit_text(path: str) -> str:
     for row in data["table"]:
         scale, lone, err = fitted_speeds(cases[row["key"]], row)
         lines.append(f"| {row['key']} | {scale:.2f} | {lone:.2f} | {err:.3f} |")
+    return "\n".join(lines)
+
+
+def summary_text(paths: list[str]) -> str:
+    """Over the configurations of several ``--out`` JSONs (``--summary``): how many are within
+    20% (step after and before, at the current rate, idle share), the measured head and tail
+    against the model's, and how the step follows the drift probe: the least-squares slope and
+    correlation of log(measured / predicted step) on log(calibrated / current matmul FLOP/s)
+    over every repetition (1: the step slows down as the matmul does; the profile beside each
+    JSON gives the calibrated rate)."""
+    import os
+
+    rows, xs, ys = [], [], []
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        world = len(data["table"][0]["busy_per_microbatch_s"])
+        with open(os.path.join(os.path.dirname(path), f"pipeline_profile_{world}.json")) as f:
+            calibrated = json.load(f)["device"]["peak_flops"]["float32"]
+        predicted = {c["key"]: c["predicted"]["step_s"] for c in data["cases"]}
+        rows += data["table"]
+        for key, reps in data["measured"].items():
+            for rep in reps:
+                xs.append(math.log(calibrated / rep["matmul_flops_before"]))
+                ys.append(math.log(rep["step_s"] / predicted[key]))
+    ratios = {
+        "step, after": [r["step_s"] / r["predicted_step_s"] for r in rows],
+        "step, before": [r["step_s"] / r["before_step_s"] for r in rows],
+        "step at the current rate, after": [r["now_ratio"] for r in rows],
+        "step at the current rate, before": [r["now_ratio_before"] for r in rows],
+        "idle share, after": [r["bubble"] / r["predicted_idle"] for r in rows],
+        "idle share, before": [r["bubble"] / r["before_idle"] for r in rows],
+        "idle share at the current rate": [r["now_idle_ratio"] for r in rows],
+        "step, schedule model on measured stages": [
+            r["step_s"] / r["formula_step_s"] for r in rows
+        ],
+        "tail, measured / model": [r["ends"]["tail_s"] / r["model_tail_s"] for r in rows],
+    }
+    lines = [f"{len(rows)} configurations; within 20% (measured / predicted, range):"]
+    for name, values in ratios.items():
+        inside = sum(0.8 <= v <= 1.2 for v in values)
+        lines.append(f"  {name}: {inside} of {len(values)} ({min(values):.2f}-{max(values):.2f},"
+                     f" median {statistics.median(values):.2f})")  # fmt: skip
+
+    def span(get: Any) -> str:
+        values = [get(r) * 1e3 for r in rows]
+        return f"{min(values):.1f}-{max(values):.1f}"
+
+    lines.append(
+        f"head ms: measured {span(lambda r: r['ends']['head_s'])} (skew "
+        f"{span(lambda r: r['ends']['skew_s'])}), priced 0; tail ms: measured "
+        f"{span(lambda r: r['ends']['tail_s'])} (Python {span(lambda r: r['ends']['python_s'])},"
+        f" broadcast call {span(lambda r: r['ends']['broadcast_s'])}, root "
+        f"{span(lambda r: r['ends']['others_s'])}), model {span(lambda r: r['model_tail_s'])} "
+        f"(priced broadcast {span(lambda r: r['predicted_tail_s'])}); tail share of the step "
+        f"{span(lambda r: r['ends']['tail_s'] / r['step_s'] / 1e3 * 100)}%"
+    )
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    lines.append(
+        f"log(measured / predicted step) on log(calibrated / current matmul FLOP/s) over "
+        f"{len(xs)} repetitions: slope {slope:.2f}, correlation "
+        f"{statistics.correlation(xs, ys):.2f}, intercept {math.exp(my - slope * mx):.2f}"
+    )
     return "\n".join(lines)

@@ -139,6 +139,7 @@ def _figures(c: Candidate) -> dict[str, Any]:
             "output_comm_s": 0.0,
             "pipeline_bubble_s": c.time.bubble_s,
             "p2p_s": c.time.p2p_s,
+            "pipeline_ends_s": c.time.head_s + c.time.tail_s,
         },
         "peak_memory_bytes": c.peak_memory_bytes,
         "memory": dict(slowest.memory),

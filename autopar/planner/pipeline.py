@@ -10,7 +10,8 @@ For each mesh shape ``pp x dp x tp`` (one given with ``--mesh``, or every factor
    microbatch), shared by every mesh, microbatch count and schedule that needs it;
 2. chooses the cut points by the exact dynamic programme of ``planner.pipeline_schedule``
    (interleaved schedules split the blocks evenly over their ``pp * v`` chunks);
-3. prices the step (bubble, point-to-point, gradient sync) and ranks the candidates.
+3. prices the step (bubble, point-to-point, gradient sync, the step's head and tail:
+   ``planner.pipeline_ends``) and ranks the candidates.
 
 ``pp = 1`` is the plan without stages (with ``m > 1``: gradient accumulation, ``m`` passes of
 ``batch / m`` per step). ``megatron-3d`` is the
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 
 from autopar.capture.export import Captured
 from autopar.options import PlanOptions
+from autopar.planner.pipeline_ends import pipeline_ends
 from autopar.planner.pipeline_meshes import MeshShape, mesh_shapes, microbatch_counts
 from autopar.planner.pipeline_schedule import (
     PIPELINE_SCHEDULES,
@@ -273,6 +275,7 @@ class StagePlanner:
                 continue
             sizes = cuts[0]
             stages = tuple(table(i, k) for i, k in enumerate(sizes))
+            ends = pipeline_ends(num_stages=p, pp_link=mesh.pp_link)
             t = schedule_time(
                 stages,  # type: ignore[arg-type]
                 microbatches=m,
@@ -280,6 +283,8 @@ class StagePlanner:
                 busy_rank_speed=self.busy_rank_speed,
                 ranks_per_stage=mesh.dp * mesh.tp,
                 task_wait_s=self.task_wait_s,
+                head_s=ends.head_s,
+                tail_s=ends.tail_s,
             )
             out.append(
                 Candidate(
@@ -313,7 +318,15 @@ class StagePlanner:
             if cost is None:
                 return None
             stages.append(cost)
-        t = schedule_time(stages, microbatches=m, schedule=schedule, num_ranks=p)
+        ends = pipeline_ends(num_stages=p, pp_link=mesh.pp_link)
+        t = schedule_time(
+            stages,
+            microbatches=m,
+            schedule=schedule,
+            num_ranks=p,
+            head_s=ends.head_s,
+            tail_s=ends.tail_s,
+        )
         return Candidate(
             mesh=mesh,
             microbatches=m,

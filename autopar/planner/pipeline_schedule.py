@@ -20,7 +20,10 @@ where ``p2p_i`` is its sends: the activation to stage ``i+1`` and the gradient t
   flight (Megatron-LM's warm-up count plus the one being computed).
 
 Once per step each stage also synchronises its gradients over its data-parallel ranks (not
-overlapped with the pipeline): the step adds the slowest stage's ``step_s``.
+overlapped with the pipeline): the step adds the slowest stage's ``step_s``. It also adds the
+step's head and tail (``head_s``, ``tail_s``: what the runtime does before the first forward
+and after the last backward, priced by :mod:`planner.pipeline_ends`), so
+``T = head + pipeline + tail + sync``; both are idle time of every rank.
 
 Cut points (:func:`best_cuts`) minimise ``T`` exactly: for each candidate bound ``M`` on the
 slowest stage (the distinct stage times, ascending from the smallest feasible bottleneck), a
@@ -93,6 +96,10 @@ class ScheduleTime:
     """The slowest rank's point-to-point sends, all microbatches."""
     collectives_s: float
     """The once-per-step gradient synchronisation (slowest stage)."""
+    head_s: float = 0.0
+    """Before the first forward (:mod:`planner.pipeline_ends`)."""
+    tail_s: float = 0.0
+    """After the last backward: the loss broadcast, tied weights' gradient sum."""
 
     @property
     def bubble_fraction(self) -> float:
@@ -106,6 +113,8 @@ class ScheduleTime:
             "compute_s": self.compute_s,
             "p2p_s": self.p2p_s,
             "collectives_s": self.collectives_s,
+            "head_s": self.head_s,
+            "tail_s": self.tail_s,
         }
 
 
@@ -118,9 +127,12 @@ def schedule_time(
     busy_rank_speed: Mapping[str, float] | None = None,
     ranks_per_stage: int = 1,
     task_wait_s: float = 0.0,
+    head_s: float = 0.0,
+    tail_s: float = 0.0,
 ) -> ScheduleTime:
     """The step of ``stages`` (in pipeline order; ``num_ranks`` < len(stages) for interleaving,
-    chunk ``c`` on rank ``c % num_ranks``) under ``schedule`` (module docstring).
+    chunk ``c`` on rank ``c % num_ranks``) under ``schedule`` (module docstring), with the
+    step's ``head_s`` and ``tail_s`` (:mod:`planner.pipeline_ends`) around it.
 
     With a measured ``busy_rank_speed`` (``DeviceSpec``'s: ranks sharing cores) GPipe and 1F1B
     over several stages are simulated instead (:mod:`planner.shared_cores`), each stage being
@@ -138,6 +150,8 @@ def schedule_time(
             busy_rank_speed=busy_rank_speed or {},
             ranks_per_stage=ranks_per_stage,
             task_wait_s=task_wait_s,
+            head_s=head_s,
+            tail_s=tail_s,
         )
     ranks = len(stages) if num_ranks is None else num_ranks
     sync = max(s.step_s for s in stages)
@@ -155,11 +169,13 @@ def schedule_time(
         pipeline = m * max(times) + bubble
         work = [slowest_stage.forward_s + slowest_stage.backward_s, slowest_stage.p2p_s]
     return ScheduleTime(
-        step_s=pipeline + sync,
+        step_s=head_s + pipeline + tail_s + sync,
         bubble_s=bubble,
         compute_s=m * work[0],
         p2p_s=m * work[1],
         collectives_s=sync,
+        head_s=head_s,
+        tail_s=tail_s,
     )
 
 

@@ -24,8 +24,10 @@ event-exact makespan of the schedule's order (1F1B can then beat the closed form
 the slowest stage GPipe's whole ramp). The wait lies on every task of the critical path: the
 busiest rank's own ``2 m`` tasks and, for equal stages, the ``2 (p - 1)`` tasks of the ramp-up and
 drain on the others, so it adds ``(2 m + 2 (p - 1)) * task_wait_s`` to the step and counts as idle
-time, as it does in a measured step (``PipelineModule.busy_s`` excludes it). Interleaved 1F1B
-keeps the closed form.
+time, as it does in a measured step (``PipelineModule.busy_s`` excludes it); the wait after a
+rank's last task is its wake-up on the loss broadcast. The step's priced head and tail
+(:mod:`planner.pipeline_ends`) come before and after the simulated schedule, every rank idle.
+Interleaved 1F1B keeps the closed form.
 """
 
 from __future__ import annotations
@@ -72,8 +74,11 @@ def shared_schedule_time(
     busy_rank_speed: Mapping[str, float],
     ranks_per_stage: int = 1,
     task_wait_s: float = 0.0,
+    head_s: float = 0.0,
+    tail_s: float = 0.0,
 ) -> ScheduleTime:
-    """The step of ``stages`` under ``schedule`` on ranks sharing cores (module docstring).
+    """The step of ``stages`` under ``schedule`` on ranks sharing cores (module docstring),
+    after the step's ``head_s`` and before its ``tail_s`` (every rank idle in both).
 
     ``bubble_s`` is the step less the busiest rank's compute and sends (its per-task waits are
     idle time); ``compute_s`` and ``p2p_s`` are that rank's."""
@@ -121,9 +126,11 @@ def shared_schedule_time(
     worst = max(range(p), key=lambda i: busy[i] + microbatches * stages[i].p2p_s)
     sends = microbatches * stages[worst].p2p_s
     return ScheduleTime(
-        step_s=now + sync,
+        step_s=head_s + now + tail_s + sync,
         bubble_s=now - busy[worst] - sends,
         compute_s=busy[worst],
         p2p_s=sends,
         collectives_s=sync,
+        head_s=head_s,
+        tail_s=tail_s,
     )

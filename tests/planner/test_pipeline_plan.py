@@ -264,11 +264,12 @@ def test_ranks_sharing_cores_price_the_pipeline_with_their_solo_speed():
     """A device with a measured ``busy_rank_speed`` (CPU ranks sharing cores) prices GPipe by
     the simulated schedule: the same cuts and stage prices as without it, a shorter step
     (a stage computing alone runs faster), equal to ``shared_schedule_time`` of the stages with
-    the device's wait per task."""
+    the device's wait per task, and the step's tail: the loss broadcast over the 2 ranks."""
     import dataclasses
 
     from autopar.planner.pipeline_schedule import StageCost
     from autopar.planner.shared_cores import shared_schedule_time
+    from cost_models import collective_time_s
     from cost_models.hardware import get_device
 
     model, args, _ = tiny_gpt(layers=2)
@@ -285,11 +286,16 @@ def test_ranks_sharing_cores_price_the_pipeline_with_their_solo_speed():
                   p2p_s=s.predicted["p2p_s"], step_s=s.predicted["grad_sync_s"])
         for s in after.stages
     ]  # fmt: skip
+    mesh = Mesh.spec((2,), ("pp",), device=shared)
+    tail = collective_time_s("broadcast", 4, 2, mesh.links[0])
     expected, no_wait = (
         shared_schedule_time(stages, microbatches=2, schedule="gpipe",
-                             busy_rank_speed=shared.busy_rank_speed, task_wait_s=wait)
+                             busy_rank_speed=shared.busy_rank_speed, task_wait_s=wait,
+                             tail_s=tail)
         for wait in (shared.task_wait_s, 0.0)
     )  # fmt: skip
+    assert after.predicted["tail_s"] == pytest.approx(tail) and tail > 0
+    assert after.predicted["head_s"] == 0.0
     assert after.predicted["step_s"] == pytest.approx(expected.step_s)
     assert after.predicted["step_s"] > no_wait.step_s + 5 * shared.task_wait_s
     assert after.predicted["step_s"] < 0.9 * before.predicted["step_s"]
