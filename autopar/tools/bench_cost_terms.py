@@ -124,10 +124,26 @@ class CollectiveLog:
             module.run_collective = logged
 
 
+def issued_per_step(
+    prepared: dict[str, Any], log: CollectiveLog, warmup: int = 2
+) -> dict[str, Any]:
+    """Per prepared plan (``bench_cost.PreparedPlan``), the collectives ``log`` sees in one
+    training step (forward, backward, optimizer step) after ``warmup`` steps."""
+    out = {}
+    for name, plan in prepared.items():
+        for _ in range(warmup):
+            plan.step()
+            plan.update()
+        log.calls.clear()
+        plan.step()
+        plan.update()
+        out[name] = list(log.calls)
+    return out
+
+
 def _count_rank(rank: int, world: int, factory: str, batch: int, seq: int,
                 mesh: tuple[int, ...], datas: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
-    """Per plan, the collectives :class:`CollectiveLog` sees in one training step (forward,
-    backward, optimizer step) after two warm-up steps."""
+    """:func:`issued_per_step` of every plan of ``datas`` (name -> plan JSON) on this rank."""
     import torch
 
     from autopar.capture.export import capture
@@ -141,17 +157,8 @@ def _count_rank(rank: int, world: int, factory: str, batch: int, seq: int,
     model, args, kwargs = build_preset(factory, batch=batch, seq=seq)
     captured = capture(model, args, kwargs)
     groups = axis_groups(mesh, tuple(f"a{i}" for i in range(len(mesh))), key="count")
-    out = {}
-    for name, data in datas.items():
-        plan = prepare_plan(captured, model, args, kwargs, data, groups)
-        for _ in range(2):
-            plan.step()
-            plan.update()
-        log.calls.clear()
-        plan.step()
-        plan.update()
-        out[name] = list(log.calls)
-    return out
+    prepared = {n: prepare_plan(captured, model, args, kwargs, d, groups) for n, d in datas.items()}
+    return issued_per_step(prepared, log)
 
 
 def count_collectives(factory: str, batch: int, seq: int, mesh: tuple[int, ...],
