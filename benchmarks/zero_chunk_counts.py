@@ -95,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world", type=int, action="append", default=[])
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--profile", action="append", default=[], metavar="MESH=PATH")
+    parser.add_argument("--meshes", default=None, help="only these meshes, e.g. 2x2,4")
     args = parser.parse_args(argv)
     from autopar.tools.bench_cost_terms import count_collectives
 
@@ -107,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---:|---|---|---|---|")
     for world in args.world or [2]:
         for mesh_text in {2: ["2"], 4: ["4", "2x2"]}[world]:
+            if args.meshes and mesh_text not in args.meshes.split(","):
+                continue
             shape = tuple(int(n) for n in mesh_text.split("x"))
             for model_key in args.models.split(","):
                 plans = _plans(model_key, mesh_text, profiles.get(mesh_text))

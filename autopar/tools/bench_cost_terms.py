@@ -3,7 +3,8 @@
 ``bench-cost`` times whole steps; to find where the cost model misjudges the ORDER of two
 plans, a step has to be split the way the model splits it. On every rank, every collective the
 step issues (``all_reduce``, ``all_gather_single``, ``reduce_scatter_single``,
-``all_to_all_single``; asynchronous ones until their ``wait()`` returns) is timed, wall and
+``all_to_all_single``, ``broadcast``: the ZeRO refresh on gloo; asynchronous ones until their
+``wait()`` returns) is timed, wall and
 process CPU; a step's measured terms are then
 
 - ``comm``: the wall time the rank spent inside collectives (the exposed communication, the
@@ -29,7 +30,13 @@ import sys
 import time
 from typing import Any
 
-TIMED_CALLS = ("all_reduce", "all_gather_single", "reduce_scatter_single", "all_to_all_single")
+TIMED_CALLS = (
+    "all_reduce",
+    "all_gather_single",
+    "reduce_scatter_single",
+    "all_to_all_single",
+    "broadcast",
+)
 COMM_TERMS = (
     "resharding_s",
     "activation_grad_comm_s",
