@@ -66,6 +66,9 @@ class ChunkPricing:
     ``overlap``: whether a collective in flight costs the compute nothing (its own engine and
     link, as NCCL on a GPU); False where ranks compute on the cores that run the collectives'
     copies, reductions and transport (gloo on CPU), so that every collective is exposed.
+    ``whole``: per entry of ``axes``, whether the gradient is already whole there (not
+    Partial: the runtime slices it on a G axis and reduces nothing on another); empty = Partial
+    on every ZeRO axis (data-parallel).
     """
 
     axes: tuple[tuple[int, LinkSpec, int], ...]
@@ -73,6 +76,7 @@ class ChunkPricing:
     backward_s: float
     broadcast_refresh: bool = False
     overlap: bool = True
+    whole: tuple[bool, ...] = ()
 
     @classmethod
     def on_mesh(
@@ -84,15 +88,18 @@ class ChunkPricing:
         stages: Sequence[int],
         forward_s: float,
         backward_s: float,
+        partial: Sequence[int] | None = None,
     ) -> ChunkPricing:
         """The pricing of chunks split over the axes of ``shape`` with a stage >= 1 (and size
         > 1), in the runtime's split order (``runtime.zero_store``: stage 3 axes, then 2,
         then 1, each in mesh-axis order). Whether collectives overlap compute and how the
         refresh runs are the device's (``DeviceSpec.collectives_overlap_compute``,
-        ``comm_backend``: set for the CPU preset and by ``autopar calibrate``)."""
+        ``comm_backend``: set for the CPU preset and by ``autopar calibrate``). ``partial``: the
+        mesh axes where the chunks' gradients are Partial (None: every ZeRO axis)."""
         axes = [a for a, n in enumerate(shape) if n > 1 and a < len(stages) and stages[a] >= 1]
         axes.sort(key=lambda a: -stages[a])
         return cls(
+            whole=() if partial is None else tuple(a not in partial for a in axes),
             axes=tuple((int(shape[a]), links[a], int(stages[a])) for a in axes),
             forward_s=float(forward_s),
             backward_s=float(backward_s),
@@ -112,13 +119,22 @@ class ChunkPricing:
 
     def reduce_s(self, nbytes: float) -> float:
         """A chunk's gradient reduction: reduce-scatter over G, all-reduce over O minus G."""
-        out, size = 0.0, nbytes
-        for n, link, stage in self.axes:
+        out = 0.0
+        for kind, n, link, size in self._reductions(nbytes):
+            out += collective_time_s(kind, size, n, link)
+        return out
+
+    def _reductions(self, nbytes: float) -> list[tuple[str, int, LinkSpec, float]]:
+        """The gradient reduction's collectives (``runtime.zero_backward``), with bytes."""
+        out, size = [], nbytes
+        for k, (n, link, stage) in enumerate(self.axes):
+            whole = bool(self.whole) and self.whole[k]
             if stage >= 2:
-                out += collective_time_s("reduce_scatter", size, n, link)
+                if not whole:
+                    out.append(("reduce_scatter", n, link, size))
                 size /= n
-            else:
-                out += collective_time_s("all_reduce", size, n, link)
+            elif not whole:
+                out.append(("all_reduce", n, link, size))
         return out
 
     def refresh_s(self, nbytes: float) -> float:
@@ -136,6 +152,49 @@ class ChunkPricing:
                 out += collective_time_s("all_gather", block * n, n, link)
             block *= n
         return out
+
+    def calls(self, gather_bytes: float, reduce_bytes: float) -> list[tuple[str, int, float]]:
+        """(kind, group size, bytes as ``collective_time_s`` takes them) of every collective a
+        chunk of ``gather_bytes`` (compute dtype; ``reduce_bytes`` as fp32 gradient) issues in
+        a step, in the runtime's order: the all-gathers over P before forward and again before
+        backward (``runtime.zero_gather``), the gradient reduction (``runtime.zero_backward``:
+        a reduce-scatter per G axis, an all-reduce per O \\ G axis) and the after-step refresh
+        over O \\ P (``runtime.zero_layout.fill_flat``: one broadcast per rank on gloo, else
+        one all-gather). The same collectives :meth:`gather_s`, :meth:`reduce_s` and
+        :meth:`refresh_s` price."""
+        gathers: list[tuple[str, int, float]] = []
+        size = gather_bytes
+        for n, _, stage in self.axes:
+            if stage == 3:
+                gathers.append(("all_gather", n, size))
+                size /= n
+        reduces = [(kind, n, size) for kind, n, _, size in self._reductions(reduce_bytes)]
+        rest = [n for n, _, stage in self.axes if stage < 3]
+        block = gather_bytes / math.prod(n for n, _, _ in self.axes)
+        refresh: list[tuple[str, int, float]] = []
+        for n in reversed(rest):
+            if self.broadcast_refresh:
+                refresh += [("broadcast", n, block)] * n
+            else:
+                refresh.append(("all_gather", n, block * n))
+            block *= n
+        return gathers + gathers + reduces + refresh
+
+    def affine_s(self, *, gather_itemsize: int, reduce_itemsize: int) -> tuple[float, float]:
+        """(seconds per chunk, seconds per element) of a chunk's collectives in a step, every
+        one exposed (the ``overlap=False`` sum of :meth:`step_s`): each collective's latency
+        (and ``sync_s``) once per chunk, its bytes per element. Gathers and the refresh move
+        the compute dtype (``gather_itemsize``), the reduction the fp32 gradient."""
+        per_chunk = per_element = 0.0
+        for price, itemsize, times in (
+            (self.gather_s, gather_itemsize, 2),
+            (self.reduce_s, reduce_itemsize, 1),
+            (self.refresh_s, gather_itemsize, 1),
+        ):
+            base, slope = _base_slope(price)
+            per_chunk += times * base
+            per_element += times * slope * itemsize
+        return per_chunk, per_element
 
     def step_s(self, chunk_bytes: Sequence[float]) -> float:
         """Seconds the chunks' collectives add to a step beyond the compute they overlap.
@@ -175,11 +234,17 @@ class ChunkPricing:
         return exposed + sum(refresh(nbytes) for nbytes in chunk_bytes)
 
 
-def _affine(price: Callable[[float], float]) -> Callable[[float], float]:
-    """``price`` as ``a + b * nbytes`` for ``nbytes > 0`` (0 at 0), from two evaluations."""
+def _base_slope(price: Callable[[float], float]) -> tuple[float, float]:
+    """``(a, b)`` with ``price(nbytes) = a + b * nbytes`` for ``nbytes > 0``, from two evaluations
+    (every collective time is affine in the bytes: alpha-beta)."""
     one, two = price(2.0**20), price(2.0**21)
     slope = (two - one) / 2.0**20
-    base = one - slope * 2.0**20
+    return one - slope * 2.0**20, slope
+
+
+def _affine(price: Callable[[float], float]) -> Callable[[float], float]:
+    """``price`` as ``a + b * nbytes`` for ``nbytes > 0`` (0 at 0), from two evaluations."""
+    base, slope = _base_slope(price)
     return lambda nbytes: base + slope * nbytes if nbytes > 0 else 0.0
 
 

@@ -37,6 +37,7 @@ from autopar.planner.problem import (
 )
 from autopar.planner.recipes import RecipeSpec
 from autopar.planner.tying import repeated_blocks
+from autopar.planner.zero_pricing import ZeroStreams, problem_streams
 from solver.budgeted import priced_bound
 from solver.errors import stop_reason
 from solver.parallel import solve_all
@@ -254,10 +255,12 @@ class ConfigurationSolver:
             ]
         solution_of = dict(zip(unique, solutions, strict=True))
         out: list[Solved] = []
-        for k, (name, zero, _, _) in enumerate(jobs):
+        for k, (name, zero, spec, _) in enumerate(jobs):
             j = same_as.get(k, k)
             built, problem = prepared[j]
-            solved = self._finish(zero, name, built, problem, solution_of[j])
+            # A shared solve is priced under this job's ZeRO-3 chunk streams, not the solved one's.
+            streams = problem_streams(self.space, zero, spec.allowed) if j != k and spec else None
+            solved = self._finish(zero, name, built, problem, solution_of[j], streams)
             if j != k:  # the objective differs from the one solved by a constant
                 shift = solved.evaluation.step_s - out[j].evaluation.step_s
                 solved = dataclasses.replace(
@@ -317,8 +320,10 @@ class ConfigurationSolver:
         built: BuiltProblem,
         problem: solver.Problem,
         solution: solver.Solution,
+        streams: ZeroStreams | None = None,
     ) -> Solved:
-        """The Solved of one configuration from its solution."""
+        """The Solved of one configuration from its solution (ZeRO-3 priced on ``streams``,
+        else the problem's)."""
         options = self.options
         # Under a budget, tied layers with checkpoint segments are forced alike (solver/counts.py
         # solve_counts cannot price segments); without segments they are solved as counts, which
@@ -372,7 +377,10 @@ class ConfigurationSolver:
             name=name,
             zero=zero,
             choice=choice,
-            evaluation=with_segments(evaluate(self.space, choice, zero), chosen),
+            evaluation=with_segments(
+                evaluate(self.space, choice, zero, built.streams if streams is None else streams),
+                chosen,
+            ),
             solution=solution,
             segments=chosen,
         )

@@ -14,9 +14,11 @@ Cost model per node strategy (seconds, per device, one training step):
 - gradient all-reduce: a Replicate input whose gradient is Partial on an axis (the gradient
   convention) is all-reduced over it; for parameters this is the data-parallel gradient sync.
 - ZeRO (a stage per mesh axis, per parameter on the axes where it is Replicate; see
-  ``ZeroConfig``): stages 1 and 2 turn the all-reduce into reduce-scatter + all-gather (same
-  volume); each stage-3 axis adds one all-gather (parameters are gathered before forward and
-  again before backward).
+  ``ZeroConfig``): stage 3 priced per chunk, as the runtime issues it
+  (``autopar.planner.zero_pricing``): each chunk's all-gathers over P (before forward and again
+  before backward) and gradient reduce-scatter, latency once per chunk, apportioned over its
+  parameters by elements, in place of the bucketed all-reduce the consumers price there;
+  stages 1-2 cost no time (reduce-scatter + all-gather move the all-reduce's bytes).
 Edge cost: forward plus backward conversion steps from ``autopar.resharding``.
 Memory per device: parameter, gradient and optimizer state (after ZeRO), activations saved for
 backward (outputs of non-view ops that need a gradient), user inputs and buffers, plus the
@@ -33,6 +35,7 @@ from typing import Any
 import numpy as np
 
 import solver
+from autopar.planner.pricing import CommPricer
 from autopar.planner.space import (  # re-exported: the bridge's inputs
     EdgeSpace,
     NodeSpace,
@@ -40,7 +43,12 @@ from autopar.planner.space import (  # re-exported: the bridge's inputs
     build_space,
     placeholder_strategies,
 )
-from cost_models import MemoryBreakdown, collective_time_s, training_state_bytes
+from autopar.planner.zero_pricing import (
+    ZeroStreams,
+    problem_streams,
+    stream_price,
+)
+from cost_models import MemoryBreakdown, training_state_bytes
 from solver.tables import float_table
 
 __all__ = [
@@ -155,20 +163,40 @@ class BuiltProblem:
     allowed: tuple[tuple[int, ...], ...]
     """Per space node: the strategy indices offered to the solver (solver choice -> index)."""
     zero: ZeroConfig
+    streams: ZeroStreams | None = None
+    """The ZeRO-3 chunk streams the problem is priced with (pass them to :func:`evaluate`)."""
 
 
 def param_state(
-    space: StrategySpace, node: NodeSpace, s: int, zero: ZeroConfig
+    space: StrategySpace,
+    node: NodeSpace,
+    s: int,
+    zero: ZeroConfig,
+    streams: ZeroStreams | None = None,
 ) -> tuple[float, float, dict[str, float]]:
-    """(memory bytes, ZeRO comm seconds, memory breakdown) of parameter strategy ``s``."""
+    """(memory bytes, ZeRO comm seconds, memory breakdown) of parameter strategy ``s``;
+    ``streams``: the chunk streams ZeRO-3 is priced on (:func:`open_streams` when None)."""
     if node.alias_of is not None:
         return (
             0.0,
             0.0,
             {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "master": 0.0, "total": 0.0},
         )
-    total, comm, breakdown = _param_state_of(space, *_param_key(space, node, s), zero)
+    streams = open_streams(space, zero) if streams is None else streams
+    key = _param_key(space, node, s)
+    total, comm, breakdown = _param_state_of(space, *key, zero, streams)
     return total, comm, breakdown.to_dict()
+
+
+def open_streams(space: StrategySpace, zero: ZeroConfig) -> ZeroStreams:
+    """The chunk streams with every strategy allowed (``zero_pricing.problem_streams``),
+    memoised in the space's evaluation cache."""
+    key = ("zero_streams", zero)
+    cache: dict[Any, Any] = space.evaluation_cache
+    streams = cache.get(key)
+    if streams is None:
+        streams = cache[key] = problem_streams(space, zero, None)
+    return streams
 
 
 def _param_key(space: StrategySpace, node: NodeSpace, s: int) -> tuple[tuple[int, ...], float, int]:
@@ -189,13 +217,13 @@ def _param_state_of(
     numel: float,
     itemsize: int,
     zero: ZeroConfig,
+    streams: ZeroStreams,
 ) -> tuple[float, float, MemoryBreakdown]:
-    """(memory bytes, ZeRO comm seconds, breakdown) of a parameter (:func:`_param_key`)."""
+    """(memory bytes, ZeRO comm seconds, breakdown) of a parameter (:func:`_param_key`) whose
+    chunk collectives are priced by ``streams``."""
     options = space.options
     mesh = space.mesh
     # Per-axis stages: parameters sharded over P, gradients over G, optimizer state over O.
-    # Stages 1-2 cost no time (reduce-scatter + all-gather = the all-reduce already priced);
-    # each P axis adds one all-gather of the parameter.
     param_axes, grad_axes, state_axes = zero.split(replicate)
     breakdown = training_state_bytes(
         num_elements=numel,
@@ -207,11 +235,19 @@ def _param_state_of(
         state_shards=math.prod(mesh.shape[a] for a in state_axes),
     )
     comm = 0.0
-    gather_itemsize = 2 if options.mixed_precision else itemsize
-    for axis in param_axes:
-        comm += collective_time_s(
-            "all_gather", numel * gather_itemsize, mesh.shape[axis], mesh.links[axis]
-        )
+    if param_axes:
+        # The parameter's share of its stream's chunk collectives over P (zero_pricing), in
+        # place of the bucketed gradient all-reduce its consumers price on P (taken as
+        # Partial there: data-parallel), never below 0. Stages 1-2 cost no time (their
+        # reduce-scatter and refresh move the all-reduce's bytes; zero_choice's pruning).
+        reduced = param_axes
+        stream = streams.get(param_axes, reduced)
+        if stream is None:  # a layout the streams did not foresee: a chunk of its own
+            stream = stream_price(space, zero, param_axes, reduced, [numel])
+        comm = numel * (stream.per_element_s + stream.latency_per_element_s)
+        pricer = CommPricer(mesh, None)
+        comm -= sum(pricer.grad_sync_s(numel * itemsize, a) for a in reduced)
+        comm = max(comm, 0.0)
     return breakdown.total, comm, breakdown
 
 
@@ -220,10 +256,12 @@ def node_cost_vector(
     node: NodeSpace,
     zero: ZeroConfig,
     states: dict[tuple, tuple[float, float]] | None = None,
+    streams: ZeroStreams | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(seconds, resident bytes) per strategy of ``node`` under ``zero``. ``states``: a memo
-    of parameter states by :func:`_param_key` and configuration (one per space), shared
-    between the strategies and parameters that replicate alike and hold as many elements."""
+    of parameter states by :func:`_param_key`, configuration and streams (one per space),
+    shared between the strategies and parameters that replicate alike and hold as many
+    elements. ``streams``: ZeRO's chunk streams (:func:`open_streams` when None)."""
     cost = node.compute_s + node.grad_comm_s + node.param_grad_comm_s + node.output_comm_s
     memory = node.activation_bytes + node.fixed_bytes
     if node.kind == "param":
@@ -231,8 +269,9 @@ def node_cost_vector(
         extra_cost = np.zeros(len(node.strategies))
         if node.alias_of is None:  # an alias holds no state of its own (param_state: zeros)
             states = {} if states is None else states
+            streams = open_streams(space, zero) if streams is None else streams
             for s in range(len(node.strategies)):
-                key = (*_param_key(space, node, s), zero)
+                key = (*_param_key(space, node, s), zero, streams)
                 state = states.get(key)
                 if state is None:
                     total, comm, _ = _param_state_of(space, *key)
@@ -275,6 +314,7 @@ def build_problem(
     converted nodes and unbanned edge matrices of earlier calls on the same space, reused (the
     same problem, built once per configuration instead of once per node and edge)."""
     memo = ProblemMemo() if memo is None else memo
+    streams = problem_streams(space, zero, allowed)
     allowed_idx: list[tuple[int, ...]] = []
     solver_nodes: list[solver.Node] = []
     for k, node in enumerate(space.nodes):
@@ -286,10 +326,10 @@ def build_problem(
         if not idx:
             raise ValueError(f"recipe leaves node {node.name} without a strategy")
         # Only a parameter's costs depend on the ZeRO configuration (param_state).
-        node_key = (k, idx, zero if node.kind == "param" else None)
+        node_key = (k, idx, (zero, streams) if node.kind == "param" else None)
         solver_node = memo.nodes.get(node_key)
         if solver_node is None:
-            cost, memory = node_cost_vector(space, node, zero, memo.param_states)
+            cost, memory = node_cost_vector(space, node, zero, memo.param_states, streams)
             picked = list(idx)  # float64 rows to Python floats: the same values as float(x[i])
             solver_node = memo.nodes[node_key] = solver.Node(
                 name=node.name,
@@ -329,7 +369,7 @@ def build_problem(
         memory_budget_bytes=memory_budget_bytes,
         tied=classes,
     )
-    return BuiltProblem(problem=problem, allowed=tuple(allowed_idx), zero=zero)
+    return BuiltProblem(problem=problem, allowed=tuple(allowed_idx), zero=zero, streams=streams)
 
 
 # --------------------------------------------------------------------------------------------
@@ -406,13 +446,21 @@ def _zero_free_sums(space: StrategySpace, choice: tuple[int, ...]) -> dict[str, 
     return out
 
 
-def evaluate(space: StrategySpace, choice: Sequence[int], zero: ZeroConfig) -> Evaluation:
+def evaluate(
+    space: StrategySpace,
+    choice: Sequence[int],
+    zero: ZeroConfig,
+    streams: ZeroStreams | None = None,
+) -> Evaluation:
+    """The predicted figures of ``choice`` under ``zero``, ZeRO-3 priced on ``streams`` (the
+    solve's: ``BuiltProblem.streams``; None = :func:`open_streams`, every strategy allowed)."""
     base = _zero_free_sums(space, tuple(choice))
     memory = dict(base["memory"])
     node_s = list(base["node_s"])
     zero_comm = 0.0
+    streams = open_streams(space, zero) if streams is None else streams
     for i in base["params"]:
-        _, comm, breakdown = param_state(space, space.nodes[i], choice[i], zero)
+        _, comm, breakdown = param_state(space, space.nodes[i], choice[i], zero, streams)
         zero_comm += comm
         node_s[i] += comm
         for key in ("params", "grads", "optimizer", "master"):

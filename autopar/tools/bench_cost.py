@@ -230,6 +230,9 @@ def prepare_plan(
             extra = {"zero_stage": tuple(stages.get(n, 0) for n in names)}
         else:
             extra = {"zero_stage": zero["stage"], "zero_axes": [names.index(a) for a in zero["axes"]]}
+        # The plan's chunk size, as autoparallelize runs it (the runtime's own search, for plans
+        # without one, makes at least 8 chunks: not the collectives the plan priced).
+        extra["chunk_bytes"] = zero.get("chunk_bytes")
     lowered = lower(captured, Plan(data=dict(plan_data)).choices(), groups.mesh_shape, groups.key)
     pmodel = ParallelModule(lowered, model, groups, **extra)
     local = pmodel.shard_inputs(*args, **kwargs)

@@ -3,7 +3,8 @@
 ``bench-cost`` times whole steps; to find where the cost model misjudges the ORDER of two
 plans, a step has to be split the way the model splits it. On every rank, every collective the
 step issues (``all_reduce``, ``all_gather_single``, ``reduce_scatter_single``,
-``all_to_all_single``; asynchronous ones until their ``wait()`` returns) is timed, wall and
+``all_to_all_single``, ``broadcast``: the ZeRO refresh on gloo; asynchronous ones until their
+``wait()`` returns) is timed, wall and
 process CPU; a step's measured terms are then
 
 - ``comm``: the wall time the rank spent inside collectives (the exposed communication, the
@@ -29,7 +30,13 @@ import sys
 import time
 from typing import Any
 
-TIMED_CALLS = ("all_reduce", "all_gather_single", "reduce_scatter_single", "all_to_all_single")
+TIMED_CALLS = (
+    "all_reduce",
+    "all_gather_single",
+    "reduce_scatter_single",
+    "all_to_all_single",
+    "broadcast",
+)
 COMM_TERMS = (
     "resharding_s",
     "activation_grad_comm_s",
@@ -83,6 +90,94 @@ def _instrument(dist: Any, clock: _Clock) -> None:
             return _TimedWork(out, clock) if out is not None else out
 
         setattr(dist, name, call)
+
+
+RUNTIME_COLLECTIVE_MODULES = (
+    "autopar.runtime.zero_layout",
+    "autopar.runtime.zero_backward",
+    "autopar.runtime.zero_gather",
+    "autopar.runtime.grad_sync",
+)
+"""Where the runtime issues ZeRO's chunk collectives and the gradient buckets' all-reduces,
+each through ``autopar.comm.collective_check.run_collective``."""
+
+
+class CollectiveLog:
+    """Records every collective of :data:`RUNTIME_COLLECTIVE_MODULES` on this rank as
+    ``(op, what, group size, bytes)``, bytes as ``cost_models.collective_time_s`` takes them
+    (an all-gather's full output; the rest their input). The collectives still run:
+    :meth:`install` wraps ``run_collective`` where those modules look it up."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, int, int]] = []
+
+    def install(self) -> None:
+        import importlib
+
+        import torch.distributed as dist
+
+        for name in RUNTIME_COLLECTIVE_MODULES:
+            module = importlib.import_module(name)
+            original = module.run_collective
+
+            def logged(op, what, tensor, group, axis_label, call, _run=original):  # type: ignore[no-untyped-def]
+                size = dist.get_world_size(group)
+                nbytes = (
+                    tensor.numel() * tensor.element_size() * (size if op == "all_gather" else 1)
+                )
+                self.calls.append((op, what, size, nbytes))
+                return _run(op, what, tensor, group, axis_label, call)
+
+            module.run_collective = logged
+
+
+def issued_per_step(
+    prepared: dict[str, Any], log: CollectiveLog, warmup: int = 2
+) -> dict[str, Any]:
+    """Per prepared plan (``bench_cost.PreparedPlan``), the collectives ``log`` sees in one
+    training step (forward, backward, optimizer step) after ``warmup`` steps."""
+    out = {}
+    for name, plan in prepared.items():
+        for _ in range(warmup):
+            plan.step()
+            plan.update()
+        log.calls.clear()
+        plan.step()
+        plan.update()
+        out[name] = list(log.calls)
+    return out
+
+
+def _count_rank(rank: int, world: int, factory: str, batch: int, seq: int,
+                mesh: tuple[int, ...], datas: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+    """:func:`issued_per_step` of every plan of ``datas`` (name -> plan JSON) on this rank."""
+    import torch
+
+    from autopar.capture.export import capture
+    from autopar.comm.process_groups import axis_groups
+    from autopar.presets import build_preset
+    from autopar.tools.bench_cost import prepare_plan
+
+    log = CollectiveLog()
+    log.install()
+    torch.manual_seed(0)
+    model, args, kwargs = build_preset(factory, batch=batch, seq=seq)
+    captured = capture(model, args, kwargs)
+    groups = axis_groups(mesh, tuple(f"a{i}" for i in range(len(mesh))), key="count")
+    prepared = {n: prepare_plan(captured, model, args, kwargs, d, groups) for n, d in datas.items()}
+    return issued_per_step(prepared, log)
+
+
+def count_collectives(factory: str, batch: int, seq: int, mesh: tuple[int, ...],
+                      plans: dict[str, Any], *, timeout_s: float = 300) -> dict[str, Any]:  # fmt: skip
+    """Run one step of each plan (name -> plan JSON) on ``prod(mesh)`` gloo ranks; per plan
+    the runtime collectives of rank 0's step (:class:`CollectiveLog`; every rank issues the
+    same ones)."""
+    from autopar.runtime.spawn import spawn_ranks
+
+    res = spawn_ranks(_count_rank, math.prod(mesh), factory, batch, seq, mesh, plans,
+                      timeout_s=timeout_s, env={"OMP_NUM_THREADS": "1"})  # fmt: skip
+    return res[0]
 
 
 def _rank(rank: int, world: int, factory: str, batch: int, seq: int, mesh: tuple[int, ...],

@@ -1,0 +1,243 @@
+"""ZeRO-3's collectives priced per chunk, as the runtime issues them.
+
+The runtime (``autopar.runtime.zero_store``) packs the ZeRO-managed parameters into flat chunks,
+a stream of chunks per set of mesh axes the parameters are sharded over, and issues every
+collective once per chunk: over the stage-3 axes P an all-gather before forward
+(``runtime.zero_gather``, prefetched), another before backward, and the gradient's
+reduce-scatter (``runtime.zero_backward``), each for the sum of the chunk's parameters' bytes
+(:meth:`autopar.planner.chunks.ChunkPricing.calls`). So a chunk pays each collective's latency
+(and the link's ``sync_s``) once; before, the planner priced one all-gather per parameter.
+
+The ILP still chooses a layout per parameter, so a chunk's price is split over its parameters:
+a parameter of ``n`` local elements in stream ``k`` (its P axes, and those of them where its
+gradient is Partial) pays
+
+    n * per_element[k] + per_chunk[k] * chunks[k] * n / elements[k]
+
+(bytes exactly; the stream's latencies apportioned by elements) less the gradient all-reduce its
+consumers already price on those axes (``CommPricer.grad_sync_s``: latency per 25 MiB bucket),
+never below 0 (ZeRO never makes a step faster than stage 0 under the model).
+
+Stages 1-2, and the reduction and refresh on an axis below stage 3, stay priced as that bucketed
+all-reduce (a reduce-scatter and an all-gather move its bytes): the runtime issues them per chunk
+too (a reduce-scatter, then one broadcast per rank on gloo), but pricing them would make stage 0
+on an axis faster than stage 2, and ``planner.zero_choice`` prunes stages 0-1 on an axis where
+stage 2 is solved because they cost the same time. For the same reason a stream is keyed by its
+P axes only (the runtime also splits streams by the stage-1-2 axes): exact where every ZeRO axis
+is at stage 3 (``fsdp``), or the others at 0 (``fsdp+tp``).
+
+What a stream holds depends on every parameter's layout, which the solver chooses; so the
+grouping is fixed before the solve:
+
+(:func:`problem_streams`): ``elements[k]`` counts every parameter that can take a layout of
+stream ``k`` among its allowed strategies (its largest such block), its gradient taken as
+Partial there (data-parallel). ``evaluate`` prices a chosen layout with the same streams (the
+figures a plan reports are the ones the ILP optimised; and a configuration's optimum stays
+comparable with another's, which ``zero_choice``'s pruning relies on). That is exact for the
+recipes (one layout per parameter: :func:`chosen_streams`, the layout's own streams and
+Partial axes, gives the same) and where every parameter that can join a stream does (the
+data-parallel plans ZeRO-3 is chosen with); where only some join, the shares sum to less than
+the stream's latencies (ZeRO-3's latency priced a little cheap).
+
+``chunks[k]`` is the number of chunks the planner's chunk size gives (``plan.build._chunk_size``):
+one per stream where collectives do not overlap compute (gloo: the fewest chunks the budget
+allows, one unless the budget's headroom caps the chunk), else the stream packed by
+``DEFAULT_MAX_CHUNK_BYTES`` (an estimate: the planned size is searched after the solve).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from autopar.planner.chunks import DEFAULT_MAX_CHUNK_BYTES, ChunkPricing, pack_chunks
+
+__all__ = [
+    "StreamPrice",
+    "ZeroStreams",
+    "chosen_streams",
+    "gathered_axes",
+    "partial_axes",
+    "priced_calls",
+    "problem_streams",
+    "stream_price",
+]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StreamPrice:
+    """One stream of chunks: the stage-3 axes its parameters are sharded over, its price."""
+
+    axes: tuple[int, ...]
+    """P: the stage-3 axes (mesh-axis order)."""
+    partial: tuple[int, ...]
+    """Axes of P where the gradients are Partial (reduce-scattered; elsewhere sliced)."""
+    stages: tuple[int, ...]
+    """The stage priced on every mesh axis for this stream: 3 on P, else 0."""
+    elements: float
+    """Local elements of the parameters in the stream."""
+    chunks: int
+    per_chunk_s: float
+    """Seconds one chunk's collectives cost beyond their bytes (latencies, ``sync_s``)."""
+    per_element_s: float
+    """Seconds per element of the stream's collectives (bandwidth)."""
+    collectives: tuple[tuple[str, int], ...]
+    """(kind, group size) of each collective one chunk issues per step."""
+
+    @property
+    def latency_per_element_s(self) -> float:
+        return self.per_chunk_s * self.chunks / self.elements if self.elements else 0.0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ZeroStreams:
+    """The streams of one ZeRO configuration (hashable: a memo key)."""
+
+    streams: tuple[StreamPrice, ...]
+
+    def get(self, axes: tuple[int, ...], partial: tuple[int, ...]) -> StreamPrice | None:
+        for stream in self.streams:
+            if stream.axes == axes and stream.partial == partial:
+                return stream
+        return None
+
+
+def gathered_axes(space, node, s: int, zero) -> tuple[int, ...]:
+    """P of parameter strategy ``s``: the axes it is Replicate on, of size > 1, at stage 3."""
+    mesh = space.mesh
+    placements = node.strategies[s].outputs[0]
+    return tuple(
+        a
+        for a in range(mesh.ndim)
+        if mesh.shape[a] > 1 and zero.stage_of(a) == 3 and placements[a].is_replicate()
+    )
+
+
+def stream_price(
+    space, zero, axes: tuple[int, ...], partial: tuple[int, ...], numels: Sequence[float]
+) -> StreamPrice:
+    """The price of a stream on ``axes`` (gradients Partial on ``partial``) holding
+    parameters of ``numels`` local elements (in order of first use)."""
+    device = space.mesh.device
+    stages = tuple(3 if a in axes else 0 for a in range(space.mesh.ndim))
+    pricing = _pricing(space, stages, partial)
+    itemsize = 4  # the runtime's chunks are fp32 (runtime.zero_store refuses other dtypes)
+    per_chunk, per_element = pricing.affine_s(
+        gather_itemsize=2 if space.options.mixed_precision else itemsize,
+        reduce_itemsize=itemsize,
+    )
+    if device.collectives_overlap_compute:
+        capacity = max(DEFAULT_MAX_CHUNK_BYTES // itemsize, 1)
+        chunks = len(pack_chunks([int(n) for n in numels], capacity))
+    else:
+        chunks = 1
+    return StreamPrice(
+        axes=axes,
+        partial=partial,
+        stages=stages,
+        elements=float(sum(numels)),
+        chunks=chunks,
+        per_chunk_s=per_chunk,
+        per_element_s=per_element,
+        collectives=tuple((kind, n) for kind, n, _ in pricing.calls(1.0, 1.0)),
+    )
+
+
+def _pricing(space, stages: tuple[int, ...], partial: tuple[int, ...]) -> ChunkPricing:
+    mesh = space.mesh
+    return ChunkPricing.on_mesh(
+        shape=mesh.shape,
+        links=mesh.links,
+        device=mesh.device,
+        stages=stages,
+        forward_s=0.0,
+        backward_s=0.0,
+        partial=partial,
+    )
+
+
+Key = tuple[tuple[int, ...], tuple[int, ...]]
+"""A stream: (P axes, the P axes where the gradients are Partial)."""
+
+
+def _streams(space, zero, members: dict[Key, list[float]]) -> ZeroStreams:
+    return ZeroStreams(
+        streams=tuple(
+            stream_price(space, zero, axes, partial, members[(axes, partial)])
+            for axes, partial in sorted(members)
+            if axes and sum(members[(axes, partial)]) > 0
+        )
+    )
+
+
+def partial_axes(space, choice: Sequence[int]) -> dict[int, tuple[int, ...]]:
+    """Per parameter node (an alias counts for its original): the mesh axes where its
+    gradient is Partial under ``choice``, from its consumers' chosen input-gradient layouts
+    (what ``space`` prices the gradient all-reduce on, and the runtime reduces)."""
+    mesh, nodes = space.mesh, space.nodes
+    out: dict[int, set[int]] = {}
+    for edge in space.edges:
+        src = nodes[edge.src]
+        if src.kind != "param" or edge.input_index < 0:
+            continue
+        grads = nodes[edge.dst].strategies[choice[edge.dst]].input_grads
+        grad = grads[edge.input_index] if edge.input_index < len(grads) else None
+        if grad is None:
+            continue
+        owner = space.index[src.alias_of] if src.alias_of is not None else edge.src
+        out.setdefault(owner, set()).update(
+            a for a, p in enumerate(grad) if p.is_partial() and mesh.shape[a] > 1
+        )
+    return {i: tuple(sorted(axes)) for i, axes in out.items()}
+
+
+def chosen_streams(space, choice: Sequence[int], zero) -> ZeroStreams:
+    """The streams of a chosen layout (the runtime's grouping, by P axes)."""
+    members: dict[Key, list[float]] = {}
+    if zero.stage < 3:
+        return ZeroStreams(streams=())
+    partial = partial_axes(space, choice)
+    for i, (node, s) in enumerate(zip(space.nodes, choice)):
+        if node.kind != "param" or node.alias_of is not None or node.local_numel is None:
+            continue
+        axes = gathered_axes(space, node, s, zero)
+        if axes:
+            key = (axes, tuple(a for a in axes if a in partial.get(i, ())))
+            members.setdefault(key, []).append(float(node.local_numel[s]))
+    return _streams(space, zero, members)
+
+
+def problem_streams(space, zero, allowed: dict[str, Sequence[int]] | None) -> ZeroStreams:
+    """The streams a solve prices with (module docstring): every parameter counted in each
+    stream one of its allowed strategies belongs to, at its largest block there."""
+    if zero.stage < 3:
+        return ZeroStreams(streams=())
+    members: dict[Key, list[float]] = {}
+    for node in space.nodes:
+        if node.kind != "param" or node.alias_of is not None or node.local_numel is None:
+            continue
+        idx = (
+            allowed[node.name] if allowed and node.name in allowed else range(len(node.strategies))
+        )
+        largest: dict[tuple[int, ...], float] = {}
+        for s in idx:
+            axes = gathered_axes(space, node, s, zero)
+            if axes:
+                largest[axes] = max(largest.get(axes, 0.0), float(node.local_numel[s]))
+        for axes, numel in largest.items():
+            members.setdefault((axes, axes), []).append(numel)
+    return _streams(space, zero, members)
+
+
+def priced_calls(space, streams: ZeroStreams) -> list[tuple[str, int, float]]:
+    """(kind, group size, bytes) of every ZeRO collective a step is priced with under
+    ``streams``: each chunk's :meth:`ChunkPricing.calls` (a stream's elements split evenly over
+    its chunks; the runtime pads each chunk to a multiple of its shard count)."""
+    gather_itemsize = 2 if space.options.mixed_precision else 4
+    out: list[tuple[str, int, float]] = []
+    for stream in streams.streams:
+        pricing = _pricing(space, stream.stages, stream.partial)
+        elements = stream.elements / stream.chunks
+        for _ in range(stream.chunks):
+            out += pricing.calls(elements * gather_itemsize, elements * 4)
+    return out

@@ -1,0 +1,101 @@
+"""ZeRO priced per chunk: the collectives a plan is priced with are the ones the runtime issues.
+
+One spawn of 2 gloo ranks plans the MLP of ``benchmarks/cost_model.py`` with the fsdp recipe
+(every rank alike) and runs one step of it and of the same layout at ZeRO stage 1, recording
+every chunk collective (``autopar.tools.bench_cost_terms.CollectiveLog``). Stage 3: the plan's
+priced collectives (``autopar.planner.zero_pricing``: the streams the solve prices with) are
+the issued ones, in kind, count and bytes (up to each chunk's padding to its shard count).
+Stage 1: the step is priced as the bucketed all-reduce (``zero_pricing``'s docstring says why),
+but the chunk model (``ChunkPricing.calls``, which sizes the chunks) names what is issued.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+from typing import Any
+
+import pytest
+
+FACTORY = "benchmarks.cost_model:mlp"
+BATCH, SEQ = 2, 16
+
+
+def _rank(rank: int, world_size: int) -> dict[str, Any]:
+    import autopar
+    from autopar.api import plan_captured
+    from autopar.capture.export import capture
+    from autopar.comm.process_groups import axis_groups
+    from autopar.options import PlanOptions
+    from autopar.planner.chunks import ChunkPricing
+    from autopar.planner.problem import ZeroConfig
+    from autopar.planner.recipes import recipe_spec
+    from autopar.planner.zero_pricing import chosen_streams, priced_calls, problem_streams
+    from autopar.presets import build_preset
+    from autopar.tools.bench_cost import prepare_plan
+    from autopar.tools.bench_cost_terms import CollectiveLog, issued_per_step
+
+    log = CollectiveLog()
+    log.install()
+    model, args, kwargs = build_preset(FACTORY, batch=BATCH, seq=SEQ)
+    captured = capture(model, args, kwargs)
+    mesh = autopar.Mesh.spec((2,), ("dp",), device="cpu")
+    plan = plan_captured(
+        captured, mesh, PlanOptions(recipe="fsdp"), model_name="mlp", price_baselines=False
+    )
+    space, zero = plan.space, ZeroConfig(stage=3, axes=(0,))
+    solved = problem_streams(space, zero, recipe_spec(space, "fsdp").allowed)
+    stage1 = {**plan.data, "zero": {**plan.data["zero"], "stage": 1, "stages": {"dp": 1}}}
+    groups = axis_groups((2,), ("a0",), key="priced")
+    prepared = {
+        name: prepare_plan(captured, model, args, kwargs, data, groups)
+        for name, data in (("fsdp", plan.data), ("stage1", stage1))
+    }
+    stage1_model = ChunkPricing.on_mesh(
+        shape=mesh.shape, links=mesh.links, device=mesh.device, stages=(1,),
+        forward_s=0.0, backward_s=0.0,
+    )  # fmt: skip
+    return {
+        "solved_is_chosen": solved == chosen_streams(space, plan.choice, zero),
+        "priced": priced_calls(space, solved),
+        "stage1_model": [(k, n) for k, n, _ in stage1_model.calls(1.0, 1.0)],
+        "issued": issued_per_step(prepared, log, warmup=1),
+    }
+
+
+@functools.cache
+def _result() -> dict[str, Any]:
+    from tests.distributed.launcher import run_distributed
+
+    return run_distributed(_rank, 2, timeout_s=120)[0]
+
+
+def _zero_calls(calls: list[tuple[str, str, int, int]]) -> list[tuple[str, str, int, int]]:
+    return [c for c in calls if c[1].startswith("zero")]
+
+
+@pytest.mark.distributed
+def test_fsdp_is_priced_with_the_collectives_the_runtime_issues() -> None:
+    result = _result()
+    assert result["solved_is_chosen"]  # the solve priced the recipe's own streams
+    priced, issued = result["priced"], _zero_calls(result["issued"]["fsdp"])
+    assert (
+        Counter(k for k, _, _ in priced)
+        == Counter(c[0] for c in issued)
+        == {
+            "all_gather": 2,
+            "reduce_scatter": 1,
+        }
+    )
+    # Bytes: each chunk is padded to a multiple of its 2 shards (4-byte elements).
+    padding = 2 * 4 * len(issued)
+    assert abs(sum(b for _, _, b in priced) - sum(c[3] for c in issued)) <= padding
+
+
+@pytest.mark.distributed
+def test_stage1_chunk_model_names_the_collectives_the_runtime_issues() -> None:
+    result = _result()
+    issued = _zero_calls(result["issued"]["stage1"])
+    # One chunk: its gradient all-reduced, then refreshed by one broadcast per rank (gloo).
+    assert result["stage1_model"] == [(c[0], c[2]) for c in issued]
+    assert [c[0] for c in issued] == ["all_reduce", "broadcast", "broadcast"]
