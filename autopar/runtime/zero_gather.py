@@ -148,4 +148,8 @@ class ChunkGatherer:
 
 
 def _views(full: torch.Tensor, chunk: Chunk) -> tuple[torch.Tensor, ...]:
-    return tuple(full[s.offset : s.offset + s.numel].view(s.shape) for s in chunk.slots)
+    """The slots' parameters as views of ``full``: one split (slots are packed from offset 0,
+    the padding last), then a view to each parameter's shape."""
+    sizes = [s.numel for s in chunk.slots]
+    pieces = full.split_with_sizes([*sizes, full.numel() - sum(sizes)])
+    return tuple(piece.view(s.shape) for piece, s in zip(pieces, chunk.slots))
