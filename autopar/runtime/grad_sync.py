@@ -18,11 +18,13 @@ typically) ends backward with a different summand of its gradient on every rank 
   bucket not yet complete (a parameter without a gradient contributes zeros), waits for every
   all-reduce and reduces over the remaining axes. The sums are then already in ``param.grad``.
 
-The flat buffer is not held between steps: ``zero_grad()`` (set to None) frees it with the
-views; with ``zero_grad(set_to_none=False)`` the zeroed views stay and the next backward
-accumulates into them and reuses their buffer, so nothing is copied. (Before, the gradients
-were concatenated into a new buffer and copied back after the all-reduce: one more copy of
-every gradient per step, and the buffer and the gradients alive together.)
+The flat buffer and each parameter's view of it are made once (the bucket's first complete
+backward) and kept, as DDP keeps its buckets: a step copies each new gradient into its view
+with one ``_foreach_copy_`` per bucket and slices nothing (it used to make the buffer and
+slice, reshape and view every gradient each step: 4 ops a parameter). With
+``zero_grad(set_to_none=False)`` the zeroed views stay ``.grad``, backward accumulates into
+them and nothing is copied. (Before session 8, the gradients were concatenated into a new
+buffer and copied back after the all-reduce: one more copy of every gradient per step.)
 
 So the user writes ``loss.backward(); opt.step()`` and nothing else. Gradients are SUMMED, not
 averaged: the loss is the replicated global value, so the per-rank summands add up to the true
@@ -62,6 +64,9 @@ class _Bucket:
     num_bytes: int = 0
     num_ready: int = 0
     flat: torch.Tensor | None = None
+    """The bucket's flat buffer, made when the bucket is first complete and kept."""
+    views: list[torch.Tensor] = field(default_factory=list)
+    """Per parameter, its slot of ``flat`` in its shape (the ``.grad`` it gets), built once."""
     work: Any = None
 
 
@@ -146,41 +151,30 @@ class GradReducer:
         if bucket.num_ready == len(bucket.params):
             self._launch(bucket)
 
-    def _to_slot(self, bucket: _Bucket, index: int) -> None:
-        """Make the parameter's ``.grad`` a view of its slot in the bucket's flat buffer (a
-        copy unless it already is one; zeros in the slot where it has no gradient)."""
-        param, offset = bucket.params[index], bucket.offsets[index]
-        grad = param.grad
-        if bucket.flat is None:
-            base = None if grad is None else grad._base
-            reuse = (
-                base is not None
-                and base.dim() == 1
-                and base.numel() == bucket.numel
-                and base.dtype == param.dtype
-                and _is_slot(grad, base, offset)
-            )
-            bucket.flat = (
-                base if reuse else torch.empty(bucket.numel, dtype=param.dtype, device=param.device)
-            )
-        flat = bucket.flat
-        slot = flat[offset : offset + param.numel()]
-        if grad is None:
-            slot.zero_()
-        elif not _is_slot(grad, flat, offset):
-            slot.copy_(grad.reshape(-1))
-            param.grad = slot.view_as(param)
-
     def _launch(self, bucket: _Bucket) -> None:
-        for index, param in enumerate(bucket.params):
-            if (
-                bucket.flat is None
-                or param.grad is None
-                or not _is_slot(param.grad, bucket.flat, bucket.offsets[index])
-            ):
-                self._to_slot(bucket, index)
+        """Move the bucket's gradients into its flat buffer, each ``.grad`` becoming its kept
+        view (one ``_foreach_copy_``; nothing to copy where ``.grad`` already is the view,
+        as under ``zero_grad(set_to_none=False)``, and zeros where a parameter has no
+        gradient), and launch the all-reduce over the first axis."""
+        if bucket.flat is None:
+            param = bucket.params[0]
+            flat = torch.empty(bucket.numel, dtype=param.dtype, device=param.device)
+            bucket.flat = flat
+            bucket.views = [
+                flat[o : o + p.numel()].view_as(p) for p, o in zip(bucket.params, bucket.offsets)
+            ]
         flat = bucket.flat
-        assert flat is not None
+        moved, into = [], []
+        for param, view in zip(bucket.params, bucket.views):
+            grad = param.grad
+            if grad is None:
+                view.zero_()
+            elif grad is not view:
+                moved.append(grad)
+                into.append(view)
+                param.grad = view
+        if moved:
+            torch._foreach_copy_(into, moved)
         group = self._group_of(bucket.axes[0])
         bucket.work = run_collective(
             "all_reduce", f"grad bucket {self._buckets.index(bucket)}", flat, group,
@@ -209,15 +203,5 @@ class GradReducer:
                     "all_reduce", f"grad bucket {index}", flat, group, self._axis_label(axis),
                     lambda: dist.all_reduce(flat, group=group),  # noqa: B023 - runs now
                 )  # fmt: skip
-            bucket.flat = None
             bucket.work = None
             bucket.num_ready = 0
-
-
-def _is_slot(grad: torch.Tensor, flat: torch.Tensor, offset: int) -> bool:
-    """Whether ``grad`` is the contiguous view of ``flat`` starting at element ``offset``."""
-    return (
-        grad._base is flat
-        and grad.storage_offset() == flat.storage_offset() + offset
-        and grad.is_contiguous()
-    )
