@@ -18,13 +18,15 @@ typically) ends backward with a different summand of its gradient on every rank 
   bucket not yet complete (a parameter without a gradient contributes zeros), waits for every
   all-reduce and reduces over the remaining axes. The sums are then already in ``param.grad``.
 
-The flat buffer and each parameter's view of it are made once (the bucket's first complete
-backward) and kept, as DDP keeps its buckets: a step copies each new gradient into its view
-with one ``_foreach_copy_`` per bucket and slices nothing (it used to make the buffer and
-slice, reshape and view every gradient each step: 4 ops a parameter). With
-``zero_grad(set_to_none=False)`` the zeroed views stay ``.grad``, backward accumulates into
-them and nothing is copied. (Before session 8, the gradients were concatenated into a new
-buffer and copied back after the all-reduce: one more copy of every gradient per step.)
+The flat buffer is not held between steps: ``zero_grad()`` (set to None) frees it with the
+views; with ``zero_grad(set_to_none=False)`` the zeroed views stay and the next backward
+accumulates into them and reuses their buffer, so nothing is copied. (Kept between steps, as
+DDP's ``gradient_as_bucket_view`` keeps its buckets, a ``.grad`` that a caller holds on to
+across ``zero_grad()`` would be overwritten by the next backward; tests and users do hold
+them, so it is not kept.) Gradients move in with one split and one ``_foreach_copy_`` per
+bucket (README, "Session 12: ZeRO views and collectives"). (Before, the gradients
+were concatenated into a new buffer and copied back after the all-reduce: one more copy of
+every gradient per step, and the buffer and the gradients alive together.)
 
 So the user writes ``loss.backward(); opt.step()`` and nothing else. Gradients are SUMMED, not
 averaged: the loss is the replicated global value, so the per-rank summands add up to the true
@@ -64,9 +66,6 @@ class _Bucket:
     num_bytes: int = 0
     num_ready: int = 0
     flat: torch.Tensor | None = None
-    """The bucket's flat buffer, made when the bucket is first complete and kept."""
-    views: list[torch.Tensor] = field(default_factory=list)
-    """Per parameter, its slot of ``flat`` in its shape (the ``.grad`` it gets), built once."""
     work: Any = None
 
 
@@ -152,24 +151,29 @@ class GradReducer:
             self._launch(bucket)
 
     def _launch(self, bucket: _Bucket) -> None:
-        """Move the bucket's gradients into its flat buffer, each ``.grad`` becoming its kept
-        view (one ``_foreach_copy_``; nothing to copy where ``.grad`` already is the view,
-        as under ``zero_grad(set_to_none=False)``, and zeros where a parameter has no
-        gradient), and launch the all-reduce over the first axis."""
+        """Move the bucket's gradients into its flat buffer, each ``.grad`` becoming a view of
+        its slot, and launch the all-reduce over the first axis. One split of the buffer and
+        one ``_foreach_copy_`` for the bucket (it was ``slice`` + ``reshape`` + ``copy_`` +
+        ``view_as`` per parameter); nothing to copy where ``.grad`` already is its slot (as
+        under ``zero_grad(set_to_none=False)``), zeros where a parameter has no gradient."""
+        if bucket.flat is None:
+            bucket.flat = self._reusable(bucket)
         if bucket.flat is None:
             param = bucket.params[0]
-            flat = torch.empty(bucket.numel, dtype=param.dtype, device=param.device)
-            bucket.flat = flat
-            bucket.views = [
-                flat[o : o + p.numel()].view_as(p) for p, o in zip(bucket.params, bucket.offsets)
-            ]
+            bucket.flat = torch.empty(bucket.numel, dtype=param.dtype, device=param.device)
         flat = bucket.flat
+        pieces: tuple[torch.Tensor, ...] | None = None
         moved, into = [], []
-        for param, view in zip(bucket.params, bucket.views):
+        for index, param in enumerate(bucket.params):
             grad = param.grad
+            if grad is not None and _is_slot(grad, flat, bucket.offsets[index]):
+                continue
+            if pieces is None:
+                pieces = flat.split_with_sizes([p.numel() for p in bucket.params])
             if grad is None:
-                view.zero_()
-            elif grad is not view:
+                pieces[index].zero_()
+            else:
+                view = pieces[index].view_as(param)
                 moved.append(grad)
                 into.append(view)
                 param.grad = view
@@ -181,6 +185,26 @@ class GradReducer:
             self._axis_label(bucket.axes[0]),
             lambda: dist.all_reduce(flat, group=group, async_op=True),
         )  # fmt: skip
+
+    @staticmethod
+    def _reusable(bucket: _Bucket) -> torch.Tensor | None:
+        """The flat buffer the first gradient of the bucket still views in its slot (kept
+        by ``zero_grad(set_to_none=False)``), if any."""
+        for param, offset in zip(bucket.params, bucket.offsets):
+            grad = param.grad
+            if grad is None:
+                continue
+            base = grad._base
+            if (
+                base is not None
+                and base.dim() == 1
+                and base.numel() == bucket.numel
+                and base.dtype == param.dtype
+                and _is_slot(grad, base, offset)
+            ):
+                return base
+            return None
+        return None
 
     def _axis_label(self, axis: int) -> str:
         return self._axis_names[axis] if axis < len(self._axis_names) else f"a{axis}"
@@ -203,5 +227,15 @@ class GradReducer:
                     "all_reduce", f"grad bucket {index}", flat, group, self._axis_label(axis),
                     lambda: dist.all_reduce(flat, group=group),  # noqa: B023 - runs now
                 )  # fmt: skip
+            bucket.flat = None
             bucket.work = None
             bucket.num_ready = 0
+
+
+def _is_slot(grad: torch.Tensor, flat: torch.Tensor, offset: int) -> bool:
+    """Whether ``grad`` is the contiguous view of ``flat`` starting at element ``offset``."""
+    return (
+        grad._base is flat
+        and grad.storage_offset() == flat.storage_offset() + offset
+        and grad.is_contiguous()
+    )

@@ -154,11 +154,36 @@ class GradientReducer:
         self._finish_backward()
 
     def zeroed_grad_buffer(self, chunk: Chunk) -> torch.Tensor | None:
-        """The chunk's kept G-level gradient buffer (allocated at the first call, with the
-        shard ``.grad`` views of it) if this backward may write it: every non-empty slot's
-        ``.grad`` is None or its view, and where some view is set, the O-shard (what the
-        views cover) holds only zeros (``zero_grad(set_to_none=False)``); else None. The rest
-        of the buffer is stale: the caller overwrites it."""
+        """The G-level gradient buffer this backward may write in place, else None.
+
+        G empty (stages 0-1 on the chunk's axes): the chunk's kept buffer (made at the first
+        call, with the shard ``.grad`` views of it), if every non-empty slot's ``.grad`` is
+        None or its view and, where some view is set, the O-shard holds only zeros. G
+        non-empty: the buffer is not kept between steps (it is the sharded gradient, which
+        ``zero_grad()`` frees, as FSDP2's does); the G-level buffer that every shard ``.grad``
+        still views, if its O-shard holds only zeros (``zero_grad(set_to_none=False)``).
+        The rest of the buffer is stale: the caller overwrites it."""
+        lo = chunk.shard_in_grad
+        if chunk.grad_axes:
+            base = None
+            for slot, param in zip(chunk.slots, chunk.params):
+                if slot.empty:
+                    continue  # no .grad here (_finish_backward)
+                grad = param.grad
+                if grad is None or grad._base is None:
+                    return None
+                if base is None:
+                    base = grad._base
+                offset = base.storage_offset() + lo + slot.shard_lo
+                if grad._base is not base or grad.storage_offset() != offset:
+                    return None
+            if base is None or base.dtype != torch.float32 or base.dim() != 1:
+                return None
+            if base.numel() != chunk.numel // math.prod(
+                self.mesh.shape[a] for a in chunk.grad_axes
+            ):
+                return None
+            return None if base[lo : lo + chunk.shard_numel].any() else base
         if chunk.grad_buffer is None:
             self._make_grad_buffer(chunk)
         assert chunk.grad_buffer is not None and chunk.grad_views is not None
@@ -170,26 +195,22 @@ class GradientReducer:
             if grad is not view:
                 return None
             viewed = True
-        lo = chunk.shard_in_grad
         if viewed and chunk.grad_buffer[lo : lo + chunk.shard_numel].any():
             return None
         return chunk.grad_buffer
 
     def _make_grad_buffer(self, chunk: Chunk) -> None:
-        """The chunk's kept gradient buffer and, once, its views (module docstring)."""
-        numel = chunk.numel // math.prod(self.mesh.shape[a] for a in chunk.grad_axes)
-        buffer = torch.zeros(numel, dtype=torch.float32, device=chunk.shard.device)  # type: ignore[union-attr]
-        lo = chunk.shard_in_grad
+        """G empty: the chunk's kept gradient buffer and, once, its views (the whole chunk,
+        as DDP keeps its buckets; module docstring)."""
+        buffer = torch.zeros(chunk.numel, dtype=torch.float32, device=chunk.shard.device)  # type: ignore[union-attr]
         chunk.grad_buffer = buffer
         chunk.grad_views = [
-            None if slot.empty else buffer[lo + slot.shard_lo : lo + slot.shard_hi]
-            for slot in chunk.slots
+            None if view.numel() == 0 else view
+            for view in _shard_pieces(buffer[chunk.shard_in_grad :], chunk)
         ]
-        chunk.flat_views = (
-            None
-            if chunk.grad_axes
-            else [buffer[s.offset : s.offset + s.numel].view(s.shape) for s in chunk.slots]
-        )
+        chunk.flat_views = [
+            buffer[s.offset : s.offset + s.numel].view(s.shape) for s in chunk.slots
+        ]
 
     def _bound_in_flight(self, chunk: Chunk) -> None:
         """Wait for the oldest reductions beyond :data:`MAX_IN_FLIGHT`: an asynchronous
@@ -240,14 +261,20 @@ class GradientReducer:
                     if view is not None and param.grad is None:
                         param.grad = view
                 continue
-            lo = chunk.shard_in_grad
-            grad_shard = reduced[lo : lo + chunk.shard_numel]
-            for slot, param in zip(chunk.slots, chunk.params):
+            pieces = _shard_pieces(reduced[chunk.shard_in_grad :], chunk)
+            for slot, param, grad in zip(chunk.slots, chunk.params, pieces):
                 if slot.empty:
                     continue
-                grad = grad_shard[slot.shard_lo : slot.shard_hi]
                 if param.grad is None:
                     param.grad = grad
-                else:
+                elif param.grad._base is not reduced:
                     param.grad.add_(grad)
+                # else: reduced in place into the zeroed buffer .grad views (chunk_backward)
         self._end_backward()
+
+
+def _shard_pieces(grad: torch.Tensor, chunk: Chunk) -> tuple[torch.Tensor, ...]:
+    """Each slot's piece of this rank's O-shard of a gradient that starts at the O-shard
+    (one split: the non-empty slots tile the shard from its start, empty ones have size 0)."""
+    sizes = [slot.shard_hi - slot.shard_lo for slot in chunk.slots]
+    return grad.split_with_sizes([*sizes, grad.numel() - sum(sizes)])[:-1]

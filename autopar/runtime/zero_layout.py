@@ -101,8 +101,10 @@ class Chunk:
     """P empty: the full local parameters as views of ``full``, built at the first forward
     with autograd and handed out again every step (no per-parameter slicing per step)."""
     grad_buffer: torch.Tensor | None = None
-    """The G-level fp32 gradient buffer (the whole chunk when G is empty), allocated at the
-    first backward and kept: reductions write into it and the shard ``.grad`` views it."""
+    """G empty: the chunk's fp32 gradient buffer, allocated at the first backward and kept
+    (DDP's bucket): the all-reduce runs in it and the shard ``.grad`` view it. G non-empty:
+    None (the reduce-scatter output is the sharded gradient, made each backward and freed
+    with the ``.grad`` views, as FSDP2's)."""
     grad_views: list[torch.Tensor | None] | None = None
     """Per slot, the shard parameter's ``.grad``: a view of ``grad_buffer`` built once (None
     for an empty slot)."""

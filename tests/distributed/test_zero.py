@@ -399,9 +399,11 @@ def _check_ownership(pmodel: Any, opt: torch.optim.Optimizer, args: Any, updates
 
 def _check_views_built_once(pmodel: Any, opt: torch.optim.Optimizer, args: Any) -> None:
     """After the optimizer steps (``_train``): two more steps hand the graph the same forward
-    views of each kept buffer (P empty) and leave each shard ``.grad`` the same view of its
-    chunk's kept gradient buffer, all inside their buffers; a step slices nothing out of the
-    kept parameter and gradient buffers (2 slices per parameter before session 12)."""
+    views of each kept buffer (P empty) and, where G is empty (stage 1), leave each shard
+    ``.grad`` the same view of its chunk's kept gradient buffer (stages 2-3: a view of that
+    step's sharded gradient, freed by ``zero_grad()`` as FSDP2's), all inside their buffers;
+    a step slices nothing out of the kept parameter and gradient buffers (2 slices per
+    parameter before session 12)."""
     engine = pmodel.zero
     local = pmodel.shard_inputs(*args)
     handed: list[tuple[int, tuple[torch.Tensor, ...]]] = []
@@ -425,7 +427,7 @@ def _check_views_built_once(pmodel: Any, opt: torch.optim.Optimizer, args: Any) 
         for _ in range(2):
             opt.zero_grad()
             pmodel(*local).backward()
-            grads.append([p.grad for c in engine.chunks for p in c.params])
+            grads.append([p.grad for c in engine.chunks if not c.grad_axes for p in c.params])
             opt.step()
     finally:
         del engine.gatherer.forward_views
@@ -436,15 +438,22 @@ def _check_views_built_once(pmodel: Any, opt: torch.optim.Optimizer, args: Any) 
         if not chunk.num_param_axes:
             assert all(a is b for a, b in zip(first, second)), f"chunk {index}: views rebuilt"
             assert all(inside(v, chunk.full) for v in first), f"chunk {index}: view off buffer"
-    assert all(a is b for a, b in zip(*grads)), ".grad views rebuilt"
     for chunk in engine.chunks:
-        for slot, param, view in zip(chunk.slots, chunk.params, chunk.grad_views):
-            assert param.grad is view and (view is None) == slot.empty, f"{slot.fqn}: .grad"
-            if not slot.empty:  # (an empty tensor has no data pointer)
-                assert inside(param.grad, chunk.grad_buffer), f"{slot.fqn}: .grad off buffer"
-                assert inside(param, chunk.shard), f"{slot.fqn}: shard parameter off the chunk"
+        for k, (slot, param) in enumerate(zip(chunk.slots, chunk.params)):
+            assert (param.grad is None) == slot.empty, f"{slot.fqn}: .grad off the shard"
+            if slot.empty:  # (an empty tensor has no data pointer)
+                continue
+            assert inside(param, chunk.shard), f"{slot.fqn}: shard parameter off the chunk"
+            # G empty: the kept buffer and its views; else the sharded gradient of this step.
+            buffer = param.grad._base if chunk.grad_axes else chunk.grad_buffer
+            assert inside(param.grad, buffer), f"{slot.fqn}: .grad off its buffer"
+            assert chunk.grad_axes or param.grad is chunk.grad_views[k], slot.fqn
+    assert all(a is b for a, b in zip(*grads, strict=True)), ".grad views rebuilt"
     opt.zero_grad()
-    kept = {(b.data_ptr(), b.numel()) for c in engine.chunks for b in (c.kept, c.grad_buffer)}
+    kept = {(c.kept.data_ptr(), c.kept.numel()) for c in engine.chunks if c.kept is not None}
+    kept |= {
+        (c.grad_buffer.data_ptr(), c.numel) for c in engine.chunks if c.grad_buffer is not None
+    }
     with _SliceCounter(kept) as counter:
         pmodel(*local).backward()
     assert counter.count == 0, f"{counter.count} slices of the kept buffers in a step"
