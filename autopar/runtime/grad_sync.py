@@ -20,7 +20,11 @@ typically) ends backward with a different summand of its gradient on every rank 
 
 The flat buffer is not held between steps: ``zero_grad()`` (set to None) frees it with the
 views; with ``zero_grad(set_to_none=False)`` the zeroed views stay and the next backward
-accumulates into them and reuses their buffer, so nothing is copied. (Before, the gradients
+accumulates into them and reuses their buffer, so nothing is copied. (Kept between steps, as
+DDP's ``gradient_as_bucket_view`` keeps its buckets, a ``.grad`` that a caller holds on to
+across ``zero_grad()`` would be overwritten by the next backward; tests and users do hold
+them, so it is not kept.) Gradients move in with one split and one ``_foreach_copy_`` per
+bucket (README, "Session 12: ZeRO views and collectives"). (Before, the gradients
 were concatenated into a new buffer and copied back after the all-reduce: one more copy of
 every gradient per step, and the buffer and the gradients alive together.)
 
@@ -146,47 +150,61 @@ class GradReducer:
         if bucket.num_ready == len(bucket.params):
             self._launch(bucket)
 
-    def _to_slot(self, bucket: _Bucket, index: int) -> None:
-        """Make the parameter's ``.grad`` a view of its slot in the bucket's flat buffer (a
-        copy unless it already is one; zeros in the slot where it has no gradient)."""
-        param, offset = bucket.params[index], bucket.offsets[index]
-        grad = param.grad
-        if bucket.flat is None:
-            base = None if grad is None else grad._base
-            reuse = (
-                base is not None
-                and base.dim() == 1
-                and base.numel() == bucket.numel
-                and base.dtype == param.dtype
-                and _is_slot(grad, base, offset)
-            )
-            bucket.flat = (
-                base if reuse else torch.empty(bucket.numel, dtype=param.dtype, device=param.device)
-            )
-        flat = bucket.flat
-        slot = flat[offset : offset + param.numel()]
-        if grad is None:
-            slot.zero_()
-        elif not _is_slot(grad, flat, offset):
-            slot.copy_(grad.reshape(-1))
-            param.grad = slot.view_as(param)
-
     def _launch(self, bucket: _Bucket) -> None:
-        for index, param in enumerate(bucket.params):
-            if (
-                bucket.flat is None
-                or param.grad is None
-                or not _is_slot(param.grad, bucket.flat, bucket.offsets[index])
-            ):
-                self._to_slot(bucket, index)
+        """Move the bucket's gradients into its flat buffer, each ``.grad`` becoming a view of
+        its slot, and launch the all-reduce over the first axis. One split of the buffer and
+        one ``_foreach_copy_`` for the bucket (it was ``slice`` + ``reshape`` + ``copy_`` +
+        ``view_as`` per parameter); nothing to copy where ``.grad`` already is its slot (as
+        under ``zero_grad(set_to_none=False)``), zeros where a parameter has no gradient."""
+        if bucket.flat is None:
+            bucket.flat = self._reusable(bucket)
+        if bucket.flat is None:
+            param = bucket.params[0]
+            bucket.flat = torch.empty(bucket.numel, dtype=param.dtype, device=param.device)
         flat = bucket.flat
-        assert flat is not None
+        pieces: tuple[torch.Tensor, ...] | None = None
+        moved, into = [], []
+        for index, param in enumerate(bucket.params):
+            grad = param.grad
+            if grad is not None and _is_slot(grad, flat, bucket.offsets[index]):
+                continue
+            if pieces is None:
+                pieces = flat.split_with_sizes([p.numel() for p in bucket.params])
+            if grad is None:
+                pieces[index].zero_()
+            else:
+                view = pieces[index].view_as(param)
+                moved.append(grad)
+                into.append(view)
+                param.grad = view
+        if moved:
+            torch._foreach_copy_(into, moved)
         group = self._group_of(bucket.axes[0])
         bucket.work = run_collective(
             "all_reduce", f"grad bucket {self._buckets.index(bucket)}", flat, group,
             self._axis_label(bucket.axes[0]),
             lambda: dist.all_reduce(flat, group=group, async_op=True),
         )  # fmt: skip
+
+    @staticmethod
+    def _reusable(bucket: _Bucket) -> torch.Tensor | None:
+        """The flat buffer the first gradient of the bucket still views in its slot (kept
+        by ``zero_grad(set_to_none=False)``), if any."""
+        for param, offset in zip(bucket.params, bucket.offsets):
+            grad = param.grad
+            if grad is None:
+                continue
+            base = grad._base
+            if (
+                base is not None
+                and base.dim() == 1
+                and base.numel() == bucket.numel
+                and base.dtype == param.dtype
+                and _is_slot(grad, base, offset)
+            ):
+                return base
+            return None
+        return None
 
     def _axis_label(self, axis: int) -> str:
         return self._axis_names[axis] if axis < len(self._axis_names) else f"a{axis}"

@@ -46,12 +46,17 @@ which take their norms over every piece); others are refused when they step.
 Mechanism. :func:`autopar.runtime.zero_graph.rewrite_graph` copies the lowered graph and
 inserts, before the first use of each chunk, one call of an autograd function that takes the
 shard parameters and returns the full local parameters as views of the chunk's compute buffer
-(P non-empty: all-gathered there, prefetching the next chunk; P empty: the kept buffer). Its
-backward runs once every gradient of the chunk is complete: it flattens them and launches the
-chunk's reduce-scatters over G and the first all-reduce (asynchronous, overlapped with the rest
-of backward); a callback queued on the autograd engine waits for them at the end of backward,
-runs the remaining all-reduces and sets the shard parameters' ``.grad`` (views of this rank's
-O-shard of the reduced G-shard).
+(P non-empty: all-gathered there, prefetching the next chunk; P empty: the kept buffer, whose
+views are built once and handed out every step). Its backward runs once every gradient of the
+chunk is complete: it flattens them (one ``_foreach_copy_`` or ``_chunk_cat`` per chunk) and
+launches the chunk's reduce-scatters over G and the first all-reduce (asynchronous, overlapped
+with the rest of backward); a callback queued on the autograd engine waits for them at the end
+of backward, runs the remaining all-reduces and sets the shard parameters' ``.grad``. The
+reduction lands in the chunk's kept G-level gradient buffer (made at the first backward) and
+each ``.grad`` is a view of this rank's O-shard of it built once (DDP's gradient-as-bucket-view,
+FSDP2's sharded gradients), so a step slices no parameter out of a chunk (README, "Session 12:
+ZeRO views and collectives"). Where that buffer still holds a gradient to add to
+(``.grad`` set and not zeroed), the reduction runs next to it and is added.
 
 A gathered chunk (P non-empty) is freed when the graph's last view of it dies (fx drops dead
 values); tensors that autograd saves for backward are packed by a ``saved_tensors_hooks`` pair as

@@ -7,6 +7,7 @@ of backward; ``no_sync`` accumulates locally (see :mod:`autopar.runtime.zero`).
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -56,27 +57,16 @@ class GradientReducer:
     def chunk_backward(self, chunk: Chunk, grads: Sequence[torch.Tensor | None]) -> None:
         """Backward completed the chunk's gradients (``grads``, one per slot): reduce them, or
         under :meth:`no_sync` accumulate them."""
-        # Where the last step's reduced gradient (what the shard .grad views) is all zeros
-        # (zero_grad(set_to_none=False)), this backward reduces into it rather than next to it.
+        # The chunk's kept gradient buffer (what the shard .grad views) is written in place when
+        # nothing it holds is still wanted: every .grad is None (zero_grad's default) or a
+        # zeroed view of it. Otherwise (gradients to add to, no_sync) the reduction runs next
+        # to it and is added at the end of backward.
         reuse = self.zeroed_grad_buffer(chunk) if self._sync else None
-        if reuse is not None and not chunk.grad_axes and reuse.numel() == chunk.numel:
-            flat, reuse = reuse, None  # every element is written below
+        if reuse is not None and not chunk.grad_axes:
+            flat = reuse
         else:
             flat = torch.empty(chunk.numel, dtype=torch.float32, device=chunk.shard.device)  # type: ignore[union-attr]
-        # Every element written once: the gradients copied in, zeros only where there is none
-        # (padding, a slot without a gradient), not a zero fill of the whole chunk first.
-        end = 0
-        for slot, grad in sorted(zip(chunk.slots, grads), key=lambda sg: sg[0].offset):
-            if slot.offset > end:
-                flat[end : slot.offset].zero_()
-            piece = flat[slot.offset : slot.offset + slot.numel]
-            if grad is None:
-                piece.zero_()
-            else:
-                piece.copy_(grad.reshape(-1))
-            end = max(end, slot.offset + slot.numel)
-        if end < flat.numel():
-            flat[end:].zero_()
+        self._flatten(chunk, grads, flat)
         if chunk.pending is not None:
             flat += chunk.pending
             chunk.pending = None
@@ -94,8 +84,9 @@ class GradientReducer:
         for axis in chunk.grad_axes:
             size = self.mesh.shape[axis]
             part = value.numel() // size
+            last_g = axis == chunk.grad_axes[-1]
             if axis in chunk.scatter_axes:
-                if reuse is not None and axis == chunk.grad_axes[-1] and reuse.numel() == part:
+                if reuse is not None and last_g:
                     out = reuse
                 else:
                     out = torch.empty(part, dtype=value.dtype, device=value.device)
@@ -109,9 +100,9 @@ class GradientReducer:
                     chunk.work = work
                 value = out
             else:
-                value = value[
-                    self.mesh.coords[axis] * part : (self.mesh.coords[axis] + 1) * part
-                ].clone()
+                coord = self.mesh.coords[axis]
+                piece = value[coord * part : (coord + 1) * part]
+                value = reuse.copy_(piece) if reuse is not None and last_g else piece.clone()
         if chunk.allreduce_axes:
             axis = chunk.allreduce_axes[0]
             src, group = value, self.mesh.group_of(axis)
@@ -122,6 +113,33 @@ class GradientReducer:
         chunk.reduced = value
         if chunk.work is not None:
             self._bound_in_flight(chunk)
+
+    def _flatten(
+        self, chunk: Chunk, grads: Sequence[torch.Tensor | None], flat: torch.Tensor
+    ) -> None:
+        """Write the slots' gradients into ``flat`` (the chunk's layout), every element once:
+        one ``_foreach_copy_`` into the slots' kept views when ``flat`` is the kept buffer,
+        else one ``_chunk_cat`` (FSDP2's reduce-scatter input copy), zeros in the padding;
+        per slot only where a gradient is missing."""
+        used = sum(slot.numel for slot in chunk.slots)  # slots are packed from offset 0
+        present = [g for g in grads if g is not None]
+        if len(present) == len(grads) and flat is chunk.grad_buffer and chunk.flat_views:
+            torch._foreach_copy_(chunk.flat_views, present)
+        elif (
+            len(present) == len(grads)
+            and present
+            and all(g.dim() and g.dtype == present[0].dtype for g in present)
+        ):
+            torch._chunk_cat(present, 0, 1, out=flat[:used].view(1, used))
+        else:
+            for slot, grad in zip(chunk.slots, grads):
+                piece = flat[slot.offset : slot.offset + slot.numel]
+                if grad is None:
+                    piece.zero_()
+                else:
+                    piece.copy_(grad.reshape(-1))
+        if used < flat.numel():
+            flat[used:].zero_()
 
     def reduce_pending(self) -> None:
         """Reduce now, outside backward, what backward passes under :meth:`no_sync`
@@ -136,27 +154,63 @@ class GradientReducer:
         self._finish_backward()
 
     def zeroed_grad_buffer(self, chunk: Chunk) -> torch.Tensor | None:
-        """The G-level buffer that every shard ``.grad`` of the chunk still views (as
-        :meth:`_finish_backward` set them), if its O-shard (what the ``.grad`` views cover)
-        holds only zeros; else None. The rest of it is stale: the caller overwrites it."""
-        base = None
-        for slot, param in zip(chunk.slots, chunk.params):
-            if slot.empty:
-                continue  # no .grad here (_finish_backward)
-            grad = param.grad
-            if grad is None or grad._base is None:
-                return None
-            if base is None:
-                base = grad._base
-            lo = base.storage_offset() + chunk.shard_in_grad + slot.shard_lo
-            if grad._base is not base or grad.storage_offset() != lo:
-                return None
-        if base is None or base.dtype != torch.float32 or base.dim() != 1:
-            return None
+        """The G-level gradient buffer this backward may write in place, else None.
+
+        G empty (stages 0-1 on the chunk's axes): the chunk's kept buffer (made at the first
+        call, with the shard ``.grad`` views of it), if every non-empty slot's ``.grad`` is
+        None or its view and, where some view is set, the O-shard holds only zeros. G
+        non-empty: the buffer is not kept between steps (it is the sharded gradient, which
+        ``zero_grad()`` frees, as FSDP2's does); the G-level buffer that every shard ``.grad``
+        still views, if its O-shard holds only zeros (``zero_grad(set_to_none=False)``).
+        The rest of the buffer is stale: the caller overwrites it."""
         lo = chunk.shard_in_grad
-        if base.numel() < lo + chunk.shard_numel or base[lo : lo + chunk.shard_numel].any():
+        if chunk.grad_axes:
+            base = None
+            for slot, param in zip(chunk.slots, chunk.params):
+                if slot.empty:
+                    continue  # no .grad here (_finish_backward)
+                grad = param.grad
+                if grad is None or grad._base is None:
+                    return None
+                if base is None:
+                    base = grad._base
+                offset = base.storage_offset() + lo + slot.shard_lo
+                if grad._base is not base or grad.storage_offset() != offset:
+                    return None
+            if base is None or base.dtype != torch.float32 or base.dim() != 1:
+                return None
+            if base.numel() != chunk.numel // math.prod(
+                self.mesh.shape[a] for a in chunk.grad_axes
+            ):
+                return None
+            return None if base[lo : lo + chunk.shard_numel].any() else base
+        if chunk.grad_buffer is None:
+            self._make_grad_buffer(chunk)
+        assert chunk.grad_buffer is not None and chunk.grad_views is not None
+        viewed = False
+        for param, view in zip(chunk.params, chunk.grad_views):
+            grad = param.grad
+            if view is None or grad is None:
+                continue  # an empty slot has no .grad here (_finish_backward)
+            if grad is not view:
+                return None
+            viewed = True
+        if viewed and chunk.grad_buffer[lo : lo + chunk.shard_numel].any():
             return None
-        return base
+        return chunk.grad_buffer
+
+    def _make_grad_buffer(self, chunk: Chunk) -> None:
+        """G empty: the chunk's kept gradient buffer and, once, its views (the whole chunk,
+        as DDP keeps its buckets; module docstring)."""
+        buffer = torch.zeros(chunk.numel, dtype=torch.float32, device=chunk.shard.device)  # type: ignore[union-attr]
+        chunk.grad_buffer = buffer
+        chunk.grad_views = [
+            None if view.numel() == 0 else view
+            for view in _shard_pieces(buffer[chunk.shard_in_grad :], chunk)
+        ]
+        chunk.flat_views = [
+            buffer[s.offset : s.offset + s.numel].view(s.shape) for s in chunk.slots
+        ]
 
     def _bound_in_flight(self, chunk: Chunk) -> None:
         """Wait for the oldest reductions beyond :data:`MAX_IN_FLIGHT`: an asynchronous
@@ -200,16 +254,27 @@ class GradientReducer:
             # none of whose elements lie in this rank's O-shard gets no .grad: the optimizer's
             # loop skips it here (its owners update it), as ZeroRedundancyOptimizer's ranks
             # step only the parameters they own.
-            lo = chunk.shard_in_grad
-            grad_shard = chunk.reduced[lo : lo + chunk.shard_numel]
-            chunk.reduced = None
-            for slot, param in zip(chunk.slots, chunk.params):
+            reduced, chunk.reduced = chunk.reduced, None
+            if reduced is chunk.grad_buffer:
+                # Reduced in place: the .grad are the views built once (no slicing per step).
+                for param, view in zip(chunk.params, chunk.grad_views):  # type: ignore[arg-type]
+                    if view is not None and param.grad is None:
+                        param.grad = view
+                continue
+            pieces = _shard_pieces(reduced[chunk.shard_in_grad :], chunk)
+            for slot, param, grad in zip(chunk.slots, chunk.params, pieces):
                 if slot.empty:
                     continue
-                grad = grad_shard[slot.shard_lo : slot.shard_hi]
                 if param.grad is None:
                     param.grad = grad
-                elif param.grad._base is not grad._base:
+                elif param.grad._base is not reduced:
                     param.grad.add_(grad)
                 # else: reduced in place into the zeroed buffer .grad views (chunk_backward)
         self._end_backward()
+
+
+def _shard_pieces(grad: torch.Tensor, chunk: Chunk) -> tuple[torch.Tensor, ...]:
+    """Each slot's piece of this rank's O-shard of a gradient that starts at the O-shard
+    (one split: the non-empty slots tile the shard from its start, empty ones have size 0)."""
+    sizes = [slot.shard_hi - slot.shard_lo for slot in chunk.slots]
+    return grad.split_with_sizes([*sizes, grad.numel() - sum(sizes)])[:-1]

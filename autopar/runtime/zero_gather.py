@@ -37,19 +37,32 @@ class ChunkGatherer:
         self.peak_gathered_bytes = 0
         """The most ``gathered_bytes`` has been (reset it to measure a step)."""
 
-    def forward_views(self, index: int) -> tuple[torch.Tensor, ...]:
-        """The chunk's full local parameters as views of its compute buffer."""
+    def forward_views(self, index: int, persistent: bool = False) -> tuple[torch.Tensor, ...]:
+        """The chunk's full local parameters as views of its compute buffer.
+
+        Args:
+            persistent: P empty: hand out the views built at the first such call (the kept
+                buffer never moves), as DDP's parameters and FSDP2's sharded parameters are
+                built once, instead of slicing every parameter every step. Only for a call
+                that autograd records (the caller's ``_UseChunk`` resets their history each
+                step; a view whose base the optimizer changed in place since must not be used
+                with an old history, so evaluation without autograd takes fresh views).
+        """
         chunks = self.store.chunks
         chunk = chunks[index]
         if not chunk.num_param_axes:
             full = chunk.full
             assert full is not None
+            if persistent:
+                if chunk.views is None:
+                    chunk.views = _views(full, chunk)
+                return chunk.views
         else:
             full = self._gathered(chunk)
             chunk.full_ref = weakref.ref(full)
             if index + 1 < len(chunks):
                 self._start_prefetch(chunks[index + 1])
-        return tuple(full[s.offset : s.offset + s.numel].view(s.shape) for s in chunk.slots)
+        return _views(full, chunk)
 
     def _start_prefetch(self, chunk: Chunk) -> None:
         if chunk.prefetch is not None or chunk.full is not None or chunk.num_param_axes != 1:
@@ -132,3 +145,11 @@ class ChunkGatherer:
             if packed.chunk > 0:
                 self._start_prefetch(chunks[packed.chunk - 1])
         return chunk.full.as_strided(packed.size, packed.stride, packed.offset)
+
+
+def _views(full: torch.Tensor, chunk: Chunk) -> tuple[torch.Tensor, ...]:
+    """The slots' parameters as views of ``full``: one split (slots are packed from offset 0,
+    the padding last), then a view to each parameter's shape."""
+    sizes = [s.numel for s in chunk.slots]
+    pieces = full.split_with_sizes([*sizes, full.numel() - sum(sizes)])
+    return tuple(piece.view(s.shape) for piece, s in zip(pieces, chunk.slots))

@@ -36,17 +36,19 @@ class Packed:
 
 class _UseChunk(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, engine: ZeroEngine, index: int, *shards: torch.Tensor) -> Any:
+    def forward(
+        ctx: Any, engine: ZeroEngine, index: int, persistent: bool, *shards: torch.Tensor
+    ) -> Any:
         ctx.engine = engine
         ctx.index = index
         ctx.num_shards = len(shards)
         ctx.set_materialize_grads(False)
-        return engine.gatherer.forward_views(index)
+        return engine.gatherer.forward_views(index, persistent)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
         ctx.engine.chunk_backward(ctx.index, grads)
-        return (None, None) + (None,) * ctx.num_shards
+        return (None, None, None) + (None,) * ctx.num_shards
 
 
 class _UseChunkModule(nn.Module):
@@ -57,7 +59,10 @@ class _UseChunkModule(nn.Module):
         self.engine = engine
 
     def forward(self, index: int, *shards: torch.Tensor) -> Any:
-        return _UseChunk.apply(self.engine, index, *shards)
+        # Persistent views only where autograd records this call (it then gives them this
+        # step's history; see ChunkGatherer.forward_views).
+        persistent = torch.is_grad_enabled() and any(s.requires_grad for s in shards)
+        return _UseChunk.apply(self.engine, index, persistent, *shards)
 
 
 class ZeroGraph(nn.Module):

@@ -97,6 +97,20 @@ class Chunk:
     backward while backward needs it."""
     full_ref: Any = None
     """P non-empty: weak reference to the buffer gathered for forward."""
+    views: tuple[torch.Tensor, ...] | None = None
+    """P empty: the full local parameters as views of ``full``, built at the first forward
+    with autograd and handed out again every step (no per-parameter slicing per step)."""
+    grad_buffer: torch.Tensor | None = None
+    """G empty: the chunk's fp32 gradient buffer, allocated at the first backward and kept
+    (DDP's bucket): the all-reduce runs in it and the shard ``.grad`` view it. G non-empty:
+    None (the reduce-scatter output is the sharded gradient, made each backward and freed
+    with the ``.grad`` views, as FSDP2's)."""
+    grad_views: list[torch.Tensor | None] | None = None
+    """Per slot, the shard parameter's ``.grad``: a view of ``grad_buffer`` built once (None
+    for an empty slot)."""
+    flat_views: list[torch.Tensor] | None = None
+    """G empty: per slot, a parameter-shaped view of ``grad_buffer`` that backward copies the
+    slot's gradient into (one ``_foreach_copy_`` a chunk)."""
     prefetch: tuple[Any, torch.Tensor] | None = None
     pending: torch.Tensor | None = None
     work: Any = None

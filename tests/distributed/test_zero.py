@@ -39,6 +39,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.distributed.reference import full_grads
 
@@ -272,6 +273,8 @@ def run_case(
                 pmodel(*pmodel.shard_inputs(*args)).backward()
                 measured["peak_gathered"] = engine.peak_gathered_bytes
                 measured["largest_chunk"] = max(c.numel * 4 for c in engine.chunks)
+        if stage and len(mesh_shape) == 1:
+            _check_views_built_once(pmodel, got["opt"], args)
         if stage in (1, 2):
             _check_refresh_copies_nothing(pmodel, got["opt"], args)
         if kind == "sgd":
@@ -392,6 +395,84 @@ def _check_ownership(pmodel: Any, opt: torch.optim.Optimizer, args: Any, updates
     for form in (full_optim_state_dict(pmodel, opt), sharded_optim_state_dict(pmodel, opt)):
         assert sorted(form["state"]) == sorted(names)
         assert all(float(e["step"]) == steps for e in form["state"].values()), form["state"]
+
+
+def _check_views_built_once(pmodel: Any, opt: torch.optim.Optimizer, args: Any) -> None:
+    """After the optimizer steps (``_train``): two more steps hand the graph the same forward
+    views of each kept buffer (P empty) and, where G is empty (stage 1), leave each shard
+    ``.grad`` the same view of its chunk's kept gradient buffer (stages 2-3: a view of that
+    step's sharded gradient, freed by ``zero_grad()`` as FSDP2's), all inside their buffers;
+    a step slices nothing out of the kept parameter and gradient buffers (2 slices per
+    parameter before session 12)."""
+    engine = pmodel.zero
+    local = pmodel.shard_inputs(*args)
+    handed: list[tuple[int, tuple[torch.Tensor, ...]]] = []
+    original = engine.gatherer.forward_views
+
+    def spy(index: int, persistent: bool = False) -> Any:
+        views = original(index, persistent)
+        handed.append((index, views))
+        return views
+
+    def inside(t: torch.Tensor, buffer: torch.Tensor) -> bool:
+        lo, size = buffer.data_ptr(), buffer.numel() * buffer.element_size()
+        end = t.data_ptr() + t.numel() * t.element_size()
+        return t.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr() and (
+            lo <= t.data_ptr() and end <= lo + size
+        )
+
+    grads = []
+    engine.gatherer.forward_views = spy
+    try:
+        for _ in range(2):
+            opt.zero_grad()
+            pmodel(*local).backward()
+            grads.append([p.grad for c in engine.chunks if not c.grad_axes for p in c.params])
+            opt.step()
+    finally:
+        del engine.gatherer.forward_views
+    half = len(handed) // 2
+    for (index, first), (again, second) in zip(handed[:half], handed[half:], strict=True):
+        chunk = engine.chunks[index]
+        assert index == again
+        if not chunk.num_param_axes:
+            assert all(a is b for a, b in zip(first, second)), f"chunk {index}: views rebuilt"
+            assert all(inside(v, chunk.full) for v in first), f"chunk {index}: view off buffer"
+    for chunk in engine.chunks:
+        for k, (slot, param) in enumerate(zip(chunk.slots, chunk.params)):
+            assert (param.grad is None) == slot.empty, f"{slot.fqn}: .grad off the shard"
+            if slot.empty:  # (an empty tensor has no data pointer)
+                continue
+            assert inside(param, chunk.shard), f"{slot.fqn}: shard parameter off the chunk"
+            # G empty: the kept buffer and its views; else the sharded gradient of this step.
+            buffer = param.grad._base if chunk.grad_axes else chunk.grad_buffer
+            assert inside(param.grad, buffer), f"{slot.fqn}: .grad off its buffer"
+            assert chunk.grad_axes or param.grad is chunk.grad_views[k], slot.fqn
+    assert all(a is b for a, b in zip(*grads, strict=True)), ".grad views rebuilt"
+    opt.zero_grad()
+    kept = {(c.kept.data_ptr(), c.kept.numel()) for c in engine.chunks if c.kept is not None}
+    kept |= {
+        (c.grad_buffer.data_ptr(), c.numel) for c in engine.chunks if c.grad_buffer is not None
+    }
+    with _SliceCounter(kept) as counter:
+        pmodel(*local).backward()
+    assert counter.count == 0, f"{counter.count} slices of the kept buffers in a step"
+    opt.zero_grad()
+
+
+class _SliceCounter(TorchDispatchMode):
+    """Counts the ``aten.slice`` / ``as_strided`` calls on one of ``buffers`` (data pointer,
+    numel: a whole flat buffer, not a parameter view of it that the graph slices)."""
+
+    def __init__(self, buffers: set[tuple[int, int]]) -> None:
+        super().__init__()
+        self.buffers = buffers
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func.overloadpacket in (torch.ops.aten.slice, torch.ops.aten.as_strided):
+            self.count += (args[0].data_ptr(), args[0].numel()) in self.buffers
+        return func(*args, **(kwargs or {}))
 
 
 def _check_refresh_copies_nothing(pmodel: Any, opt: torch.optim.Optimizer, args: Any) -> None:
