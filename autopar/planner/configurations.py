@@ -37,7 +37,7 @@ from autopar.planner.problem import (
 )
 from autopar.planner.recipes import RecipeSpec
 from autopar.planner.tying import repeated_blocks
-from solver.budgeted import priced_bound
+from solver.budgeted import Recorded, Warm, priced_bound
 from solver.errors import stop_reason
 from solver.parallel import solve_all
 
@@ -117,6 +117,9 @@ class ConfigurationSolver:
         self.notes: list[str] = []
         """What the plan's warnings should say about the solves (a MIP stopped early)."""
         self._prepared: dict[tuple[ZeroConfig, float], tuple[BuiltProblem, solver.Problem]] = {}
+        self._recorded: dict[tuple[ZeroConfig, float], tuple[tuple[float, float], Recorded]] = {}
+        """Per kept problem: the multipliers its bound was evaluated at, and its priced solves
+        (solver.budgeted.Recorded), for its relaxation to start from (:meth:`solve`)."""
 
     @property
     def candidates(self) -> tuple[Candidate, ...]:
@@ -151,8 +154,14 @@ class ConfigurationSolver:
         """
         tied = self.tied if tied is None else tied
         key = (zero, budget)
+        warm = None if warm_from is None else warm_from.warm_multipliers
         if spec is None and budget is not None and tied is self.tied and key in self._prepared:
             built, problem = self._prepared[key]  # budgeted_problem built it already
+            multipliers, recorded = self._recorded.pop(key, (None, None))
+            if recorded is not None and warm is not None and multipliers == tuple(warm):
+                # Its bound was evaluated at these multipliers (priced_bound): the relaxation
+                # takes those priced solves instead of making them again.
+                warm = Warm(warm[0], warm[1], recorded)
         else:
             built, problem = self._prepare(zero, budget=budget, spec=spec, tied=tied)
         try:
@@ -162,7 +171,7 @@ class ConfigurationSolver:
                 time_limit_s=self.options.time_limit_s,
                 gap=self.options.gap,
                 cutoff_s=cutoff_s,
-                warm_multipliers=None if warm_from is None else warm_from.warm_multipliers,
+                warm_multipliers=warm,
             )
         except solver.SolverStoppedError as stop:
             raise PlanningError(
@@ -195,27 +204,36 @@ class ConfigurationSolver:
     def release(self) -> None:
         """Drop the problems :meth:`budgeted_problem` keeps (the planner's memory)."""
         self._prepared.clear()
+        self._recorded.clear()
 
     def priced_bound(
-        self, zero: ZeroConfig, budget: float, multiplier: float
+        self,
+        zero: ZeroConfig,
+        budget: float,
+        multipliers: tuple[float, float],
+        *,
+        target: float | None = None,
     ) -> tuple[float, float | None]:
-        """solver.budgeted.priced_bound of ``zero``'s budgeted problem (not kept): a lower bound on its
-        step under the budget (at the tightest tie level; valid whatever the multiplier), and
-        the step of a plan that fits, if the priced plan does (None: feasibility unknown)."""
-        # Built for the bound and dropped (the solve, if any, builds it again): the planner
-        # holds one configuration's budgeted problem at a time, not all of them.
-        prepared = self._prepared.get((zero, budget))
-        problem = (
-            prepared[1]
-            if prepared is not None
-            else self._prepare(zero, budget=budget, spec=None, tied=self.tied)[1]
-        )
-        return priced_bound(
+        """solver.budgeted.priced_bound of ``zero``'s budgeted problem (built and kept, as
+        :meth:`budgeted_problem`): a lower bound on its step under the budget (at the tightest
+        tie level; valid whatever the multipliers: a search's separable and best ones,
+        ``Solved.warm_multipliers``), and the step of a plan that fits, if a priced plan does
+        (None: feasibility unknown). ``target``: the bound that would skip it (the evaluation
+        stops once it is known to reach it or not). Its priced solves are kept for
+        :meth:`solve` with ``warm_from`` at the same multipliers, until :meth:`release`."""
+        problem = self.budgeted_problem(zero, budget)
+        recorded = Recorded(edges=problem.edges)
+        found = priced_bound(
             problem,
-            multiplier,
+            multipliers[1],
             backend=self.options.solver,
             time_limit_s=self.options.time_limit_s,
+            separable_multiplier=multipliers[0],
+            target=target,
+            record=recorded,
         )
+        self._recorded[(zero, budget)] = (tuple(multipliers), recorded)
+        return found
 
     def solve_many(
         self, jobs: Sequence[tuple[str, ZeroConfig, RecipeSpec | None, float | None]]
