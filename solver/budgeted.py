@@ -30,6 +30,8 @@ class Recorded:
     """A priced problem's key (:func:`_free_solver`) -> its answer."""
     memo: SolveMemo = field(default_factory=SolveMemo)
     """The series memo its solves shared (solver/eliminate.py), to go on with."""
+    bounds: dict[float, float] = field(default_factory=dict)
+    """Multiplier -> the lower bound on D found there (solver/derived_bounds.py references)."""
 
 
 class Warm(NamedTuple):
@@ -286,12 +288,17 @@ def priced_bound(
         lam = separable_multiplier
         choices, _, lower = solve_free(priced(problem, lam, Pricing(problem)))
         bound = bound_of(lower, lam, [choices])
+        if record is not None:
+            record.bounds[lam] = bound
         if bound >= target and steps:
             return bound, min(steps)
     patterns = patterns if counted is None else counted.patterns
     give_up = -math.inf if target is None else target - multiplier * constant
     found = _phase_two(problem, counted, multiplier, solve_free, patterns, None, {}, give_up)
-    bound = max(bound, bound_of(found.lower, multiplier, found.plans))
+    pattern_bound = bound_of(found.lower, multiplier, found.plans)
+    if record is not None:
+        record.bounds[multiplier] = max(record.bounds.get(multiplier, -math.inf), pattern_bound)
+    bound = max(bound, pattern_bound)
     return bound, min(steps, default=None)
 
 

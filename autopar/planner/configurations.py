@@ -11,6 +11,7 @@ problem without segments as layer-mixing counts (which segments force alike) to 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +39,7 @@ from autopar.planner.problem import (
 from autopar.planner.recipes import RecipeSpec
 from autopar.planner.tying import repeated_blocks
 from solver.budgeted import Recorded, Warm, priced_bound
+from solver.derived_bounds import Reference, derived_bound, fitting_step, reference
 from solver.errors import stop_reason
 from solver.parallel import solve_all
 
@@ -120,6 +122,9 @@ class ConfigurationSolver:
         self._recorded: dict[tuple[ZeroConfig, float], tuple[tuple[float, float], Recorded]] = {}
         """Per kept problem: the multipliers its bound was evaluated at, and its priced solves
         (solver.budgeted.Recorded), for its relaxation to start from (:meth:`solve`)."""
+        self.references: list[Reference] = []
+        """Lower bounds on budgeted problems' duals, to derive other configurations' bounds
+        from (:meth:`derived_bound`): each relaxation's best and each priced bound."""
 
     @property
     def candidates(self) -> tuple[Candidate, ...]:
@@ -191,6 +196,11 @@ class ConfigurationSolver:
                 cutoff_s=cutoff_s,
                 warm_from=warm_from,
             )
+        details = solution.details
+        if spec is None and "lagrangian_bound_s" in details:  # the relaxation's best bound
+            self._keep_reference(
+                problem, details["lagrangian_multiplier"], details["lagrangian_bound_s"]
+            )
         return self._finish(zero, name, built, problem, solution)
 
     def budgeted_problem(self, zero: ZeroConfig, budget: float) -> solver.Problem:
@@ -233,7 +243,32 @@ class ConfigurationSolver:
             record=recorded,
         )
         self._recorded[(zero, budget)] = (tuple(multipliers), recorded)
+        for lam, bound in recorded.bounds.items():
+            self._keep_reference(problem, lam, bound)
         return found
+
+    def derived_bound(
+        self, zero: ZeroConfig, budget: float, plan: tuple[int, ...]
+    ) -> tuple[float, float | None]:
+        """A lower bound on ``zero``'s step under the budget (at the tightest tie level) derived
+        from the bounds of the configurations relaxed or bounded before, with no solve
+        (solver.derived_bounds; -inf where none applies), and the step of ``plan`` (the best
+        plan's solver choices) in ``zero``'s problem when it fits there (None: no proof that
+        the tie level is feasible, so the bound is not to be used)."""
+        problem = self.budgeted_problem(zero, budget)
+        bounds = [derived_bound(problem, ref) for ref in self.references]
+        bound = max((b for b in bounds if b is not None), default=-math.inf)
+        return bound, fitting_step(problem, plan) if bound > -math.inf else None
+
+    def _keep_reference(self, problem: solver.Problem, multiplier: float, bound: float) -> None:
+        """Keep ``bound`` (on ``problem``'s D at ``multiplier``) as a reference, sharing the
+        edges, tie classes and segments of an equal earlier reference (one copy held)."""
+        ref = reference(problem, multiplier, bound)
+        for other in self.references:
+            if other.segments == ref.segments and other.edges == ref.edges:
+                ref = dataclasses.replace(ref, segments=other.segments, edges=other.edges)
+                break
+        self.references.append(ref)
 
     def solve_many(
         self, jobs: Sequence[tuple[str, ZeroConfig, RecipeSpec | None, float | None]]

@@ -174,8 +174,12 @@ def search_budgeted(
                     f"same problem as {same.zero.label(names)}",
                 )
             else:
-                if gap > 0 and best is not None and best.warm_multipliers is not None:
-                    priced = _priced(configurations, zero, budget, best, skip_at, report)
+                if gap > 0 and best is not None:
+                    priced = _derived(configurations, zero, budget, best, report)
+                    if priced < skip_at and best.warm_multipliers is not None:
+                        priced = max(
+                            priced, _priced(configurations, zero, budget, best, skip_at, report)
+                        )
                     bound = max(bound, priced)
                     if bound >= skip_at:
                         configurations.release()
@@ -228,6 +232,28 @@ def search_budgeted(
             out.best = solved
     configurations.release()
     return out
+
+
+def _derived(
+    configurations: ConfigurationSolver,
+    zero: ZeroConfig,
+    budget: float,
+    best: Solved,
+    report: Callable[[str], None],
+) -> float:
+    """``zero``'s bound derived from the bounds found so far with no solve
+    (ConfigurationSolver.derived_bound, solver/derived_bounds.py), or -inf where none applies
+    or the best plan does not fit ``zero``'s problem (no proof that its tightest tie level is
+    feasible: see :func:`_priced`)."""
+    start = time.perf_counter()
+    bound, fits = configurations.derived_bound(zero, budget, best.solution.choices)
+    if bound > -math.inf:
+        report(
+            f"bound ZeRO {zero.label(configurations.space.mesh.axis_names)} derived: "
+            f"{bound * 1e3:.3f} ms{'' if fits is not None else ' (the best plan does not fit)'}"
+            f", {time.perf_counter() - start:.1f} s"
+        )
+    return bound if fits is not None else -math.inf
 
 
 def _priced(
