@@ -236,7 +236,7 @@ def priced_bound(
     a caller may skip a problem whose D already reaches the best plan found elsewhere.
 
     ``target``: the bound that decides a skip. The separable D at ``separable_multiplier``
-    (one priced solve) comes first and ends it when it reaches ``target`` with a plan that
+    (one priced solve; without patterns the only one, there when given) comes first and ends it when it reaches ``target`` with a plan that
     fits; else the pattern evaluation gives up as soon as D is known to be below ``target``,
     or every pattern left is bounded at or above it (the bound returned is then the smallest
     of the patterns' bounds: still a lower bound, but not D itself). ``record`` (its ``edges``
@@ -280,8 +280,14 @@ def priced_bound(
     patterns = recompute_patterns(problem)
     counted = None if patterns is not None else count_patterns(problem)
     if patterns is None and counted is None:
-        choices, _, lower = solve_free(priced(problem, multiplier))
-        return bound_of(lower, multiplier, [choices]), min(steps, default=None)
+        # Only the separable D: at the separable multiplier where one is given (the one a
+        # relaxation started there evaluates), the same priced problem as the relaxation's.
+        lam = multiplier if separable_multiplier is None else separable_multiplier
+        choices, _, lower = solve_free(priced(problem, lam, Pricing(problem)))
+        bound = bound_of(lower, lam, [choices])
+        if record is not None:
+            record.bounds[lam] = bound
+        return bound, min(steps, default=None)
     bound = -math.inf
     if separable_multiplier is not None and target is not None:
         # The relaxation's separable evaluation at that multiplier (the same priced problem).
