@@ -235,13 +235,16 @@ def priced_bound(
     >= 0, wherever the multiplier came from (another ZeRO configuration's search included), so
     a caller may skip a problem whose D already reaches the best plan found elsewhere.
 
-    ``target``: the bound that decides a skip. The separable D at ``separable_multiplier``
-    (one priced solve; without patterns the only one, there when given) comes first and ends it when it reaches ``target`` with a plan that
-    fits; else the pattern evaluation gives up as soon as D is known to be below ``target``,
-    or every pattern left is bounded at or above it (the bound returned is then the smallest
-    of the patterns' bounds: still a lower bound, but not D itself). ``record`` (its ``edges``
-    ``problem.edges``): filled with every priced solve's answer, for :class:`Warm` (a
-    relaxation of this problem started at these multipliers takes them instead of solving).
+    ``target``: the bound that decides a skip. With patterns and a ``separable_multiplier``,
+    the separable D there (one priced solve) comes first and is the answer when it reaches
+    ``target`` with a plan that fits; without patterns the separable D is taken there. The
+    pattern D is evaluated whole (not given up at ``target``): a skipped problem's bound is
+    then D itself, strong enough to derive its neighbours' from (solver/derived_bounds.py),
+    and where it does not skip, the relaxation that follows takes every priced solve made
+    (its first pattern evaluation, at ``multiplier``, makes a prefix of the same sequence).
+    ``record`` (its ``edges`` ``problem.edges``): filled with every priced solve's answer and
+    the bound per multiplier, for :class:`Warm` (a relaxation of this problem started at these
+    multipliers takes them instead of solving).
 
     Returns (the bound, the step time of a priced plan with its fastest recomputation when one
     fits the budget, else None: a plan that fits proves the problem feasible)."""
@@ -299,8 +302,7 @@ def priced_bound(
         if bound >= target and steps:
             return bound, min(steps)
     patterns = patterns if counted is None else counted.patterns
-    give_up = -math.inf if target is None else target - multiplier * constant
-    found = _phase_two(problem, counted, multiplier, solve_free, patterns, None, {}, give_up)
+    found = _phase_two(problem, counted, multiplier, solve_free, patterns, None, {}, -math.inf)
     pattern_bound = bound_of(found.lower, multiplier, found.plans)
     if record is not None:
         record.bounds[multiplier] = max(record.bounds.get(multiplier, -math.inf), pattern_bound)

@@ -4,15 +4,23 @@ and which are skipped unsolved (issue 16 item 2).
 Every configuration's budget-free optimum is a lower bound on its step under any budget (the
 Lagrangian dual at multiplier 0), and configurations are taken lowest such bound first. At a
 gap > 0, a configuration whose bound is within the gap of the best plan found cannot improve
-it by more than the gap and is skipped. One whose budget-free bound does not skip it is then
-bounded at the multipliers where the best plan's relaxation found its bounds: by weak duality
-D_c(lam) is a lower bound on c's budgeted optimum at EVERY lam >= 0 of c's own priced problem,
-wherever lam came from (solver.budgeted.priced_bound: the separable D, one priced solve, then
-the pattern D, a few; each stops once it is known whether the bound skips). Only a
-configuration that this does not skip is solved, with the best plan as its cutoff, and its
-relaxation starts from that very evaluation (its priced solves are not made again:
-solver.budgeted.Warm). Each configuration is bounded just before it would be solved, with the
-best plan of that moment, so none is bounded that an earlier bound already skips.
+it by more than the gap and is skipped. One whose budget-free bound does not skip it is
+bounded, just before it would be solved and with the best plan of that moment, in three steps
+of rising cost, each valid by weak duality (D_c(lam) is a lower bound on c's budgeted optimum
+at EVERY lam >= 0 of c's own priced problem, wherever lam came from):
+
+- derived, with no solve, from the bound of a configuration relaxed or bounded before: ZeRO
+  configurations differ only in node seconds and bytes, so D_c'(lam) >= D_c(lam) + sum over
+  nodes of the smallest change of a node's priced cost (solver/derived_bounds.py);
+- the separable D at the best plan's separable multiplier (one priced solve);
+- the pattern D at its best multiplier (a few priced solves; solver.budgeted.priced_bound).
+
+A bound counts only where a plan that fits proves the configuration's tightest tie level
+feasible. Only a configuration that none of them skips is solved, with the best plan as its
+cutoff, and its relaxation starts from that very evaluation: the priced solves it made are
+not made again (solver.budgeted.Warm), the same floats. None is bounded that its
+budget-free bound already skips.
+
 Configurations whose budgeted problems are equal (the same solver.Problem after ZeRO pricing)
 are solved once, at any gap: equal problems have equal answers.
 
@@ -265,8 +273,8 @@ def _priced(
     report: Callable[[str], None],
 ) -> float:
     """``zero``'s bound at the multipliers of the best plan's relaxation
-    (ConfigurationSolver.priced_bound: the separable D, then the pattern D, each stopping once
-    it is known whether the bound reaches ``skip_at``), or -inf where no priced plan fits the
+    (ConfigurationSolver.priced_bound: the separable D, then, unless it reaches ``skip_at``, the
+    pattern D), or -inf where no priced plan fits the
     budget: a plan that fits proves the tightest tie level feasible, so the configuration is
     solved at that level and the bound is over it (an infeasible level falls back to looser
     ones, which the bound does not cover). Its priced solves are kept for the solve after it."""

@@ -1,8 +1,8 @@
 """What the ZeRO search (autopar/planner/zero_search.py) bounds configurations with, on tiny
 budgeted problems against brute force: a relaxation started from a bound evaluation
 (solver.budgeted.Warm) gives the very Solution of one started cold; a bound derived from
-another problem's (solver/derived_bounds.py) and a priced bound that gives up at its target
-stay below the exact optimum."""
+another problem's (solver/derived_bounds.py) and a priced bound with a skip target (the
+separable D first) stay below the exact optimum."""
 
 from __future__ import annotations
 
@@ -142,7 +142,7 @@ def test_a_bound_derived_from_another_configuration_is_below_its_optimum(
 
 @FEW
 @given(budgeted_problems(), st.floats(0.0, 2.0), st.floats(0.0, 2.0), st.floats(0.5, 1.5))
-def test_a_priced_bound_that_gives_up_at_its_target_is_below_the_optimum(
+def test_a_priced_bound_with_a_target_is_below_the_optimum(
     problem: Problem, lam: float, separable: float, scale: float
 ) -> None:
     optimum = _optimum(problem)
