@@ -68,6 +68,7 @@ def solve_relaxed(
     recorded = warm.recorded if isinstance(warm, Warm) else None
     if recorded is not None and recorded.edges is not problem.edges:
         recorded = None  # not this problem's evaluation
+    offered = 0 if recorded is None else len(recorded.answers)
     solve_free = _free_solver(backend, time_limit_s, msg, size, reuse=recorded)
 
     stop_at = math.inf if cutoff_s is None else cutoff_s * (1.0 - gap)
@@ -93,6 +94,8 @@ def solve_relaxed(
         "lagrangian_solves": float(found.evaluations),
         "lagrangian_s": found.seconds,
     }
+    if offered:  # priced solves taken from a bound evaluation instead of made
+        details["lagrangian_reused_solves"] = float(offered - len(recorded.answers))
     num_variables, num_constraints = size
     backend_used = resolve_backend(backend)[0]
     cut_off = bound >= stop_at  # cannot beat the plan found elsewhere by more than the gap

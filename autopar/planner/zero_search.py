@@ -129,6 +129,19 @@ def _zero_entry(zero: ZeroConfig) -> dict[str, Any]:
     }
 
 
+def _steps(solution: solver.Solution) -> str:
+    """Where a relaxed solve's seconds went, for its progress line."""
+    details = solution.details
+    if "lagrangian_s" not in details:
+        return ""
+    relaxation, fixing = details["lagrangian_s"], details.get("fixing_s", 0.0)
+    reused = int(details.get("lagrangian_reused_solves", 0))
+    return (
+        f" (relaxation {relaxation:.1f} s{f', {reused} priced solves reused' if reused else ''}, "
+        f"fixing {fixing:.1f} s, MIP and the rest {solution.solve_s - relaxation - fixing:.1f} s)"
+    )
+
+
 def _skip(
     out: Searched, zero: ZeroConfig, label: str, bound: float, report, seconds: float
 ) -> None:
@@ -234,7 +247,7 @@ def search_budgeted(
         report(
             f"ZeRO {label}: {out.stats[-1]['what']}, step {solved.evaluation.step_s * 1e3:.3f} ms, "
             f"bound {solved.solution.bound_s * 1e3:.3f} ms, {out.stats[-1]['priced_solves']} "
-            f"priced solves, {out.stats[-1]['s']:.1f} s"
+            f"priced solves, {out.stats[-1]['s']:.1f} s{_steps(solved.solution)}"
         )
         if best is None or solved.evaluation.step_s < best.evaluation.step_s * (1 - 1e-9):
             out.best = solved
