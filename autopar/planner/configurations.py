@@ -122,6 +122,8 @@ class ConfigurationSolver:
         self._recorded: dict[tuple[ZeroConfig, float], tuple[tuple[float, float], Recorded]] = {}
         """Per kept problem: the multipliers its bound was evaluated at, and its priced solves
         (solver.budgeted.Recorded), for its relaxation to start from (:meth:`solve`)."""
+        self._segments: dict[tuple, tuple] = {}
+        """The solver segments of the latest allowed strategies (:meth:`_prepare`)."""
         self.references: list[Reference] = []
         """Lower bounds on budgeted problems' duals, to derive other configurations' bounds
         from (:meth:`derived_bound`): each relaxation's best and each priced bound."""
@@ -358,9 +360,14 @@ class ConfigurationSolver:
         problem = built.problem
         forced = self.options.checkpoint == "all"
         if (budget is not None or forced) and self.candidates:
-            problem = dataclasses.replace(
-                problem, segments=solver_segments(self.candidates, built.allowed, forced=forced)
-            )
+            # Configurations that allow the same strategies have equal segments: one object,
+            # held once and compared by identity (solver/derived_bounds.py compares them).
+            key = (forced, tuple(map(tuple, built.allowed)))
+            if key not in self._segments:
+                self._segments = {
+                    key: solver_segments(self.candidates, built.allowed, forced=forced)
+                }
+            problem = dataclasses.replace(problem, segments=self._segments[key])
         return built, problem
 
     def _finish(
