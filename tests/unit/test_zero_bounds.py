@@ -55,7 +55,7 @@ def _result(solution) -> tuple:
     return (dataclasses.replace(solution, build_s=0.0, solve_s=0.0, details={}), details)
 
 
-@FEW
+@settings(FEW, max_examples=9)
 @given(budgeted_problems(), st.floats(0.5, 1.5), st.booleans())
 def test_a_relaxation_started_from_a_bound_evaluation_is_the_cold_one(
     problem: Problem, scale: float, cut: bool
