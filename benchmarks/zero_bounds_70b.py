@@ -27,7 +27,7 @@ cap = capture(m, a, k, check_splice=False)
 d = Driver(build_space(cap, mesh, options))
 for stages in [(2, 2, 3), (3, 3, 3)]:
     t, c = time.perf_counter(), time.process_time()
-    bound, fits = d.configurations.priced_bound(ZeroConfig(stages=stages), d.budget, lam)
+    bound, fits = d.configurations.priced_bound(ZeroConfig(stages=stages), d.budget, (lam, lam))
     print(
         stages,
         f"pattern D {bound * 1e3:.3f} ms, fits {fits}, {time.perf_counter() - t:.1f} s wall, {time.process_time() - c:.1f} s CPU",

@@ -8,12 +8,41 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from solver.eliminate import SolveMemo
 from solver.errors import InfeasibleError, SolverStoppedError, stop_code
 from solver.ilp import ZERO_GAP, resolve_backend
 from solver.presolve import plan_objective_s, plan_peak_memory_bytes
 from solver.problem import Problem, Solution
+
+
+@dataclass(kw_only=True, slots=True)
+class Recorded:
+    """The priced solves of one bound evaluation (:func:`priced_bound` ``record``), for a
+    relaxation of the same problem to take instead of solving again (:class:`Warm`)."""
+
+    edges: tuple
+    """The evaluated problem's edges (the object): a priced problem that has them is keyed by
+    its nodes and tie classes only (hashing 8,346 edge tables costs as much as a solve)."""
+    answers: dict = field(default_factory=dict)
+    """A priced problem's key (:func:`_free_solver`) -> its answer."""
+    memo: SolveMemo = field(default_factory=SolveMemo)
+    """The series memo its solves shared (solver/eliminate.py), to go on with."""
+    bounds: dict[float, float] = field(default_factory=dict)
+    """Multiplier -> the lower bound on D found there (solver/derived_bounds.py references)."""
+
+
+class Warm(NamedTuple):
+    """Where a relaxation's multiplier search starts (lagrangian.relax ``warm``: the separable
+    and the best multiplier of a similar problem's search), and what a bound evaluation of this
+    very problem computed there: the search takes those priced solves' answers instead of
+    making them again (the same floats: a priced solve is a function of its priced problem)."""
+
+    separable: float
+    best: float
+    recorded: Recorded | None = None
 
 
 # Long: the relaxation and the MIP after it share one state (plan, bound, details, memo).
@@ -30,16 +59,27 @@ def solve_relaxed(
     """Lagrangian relaxation of the budget (solver/lagrangian.py); when its best plan is not
     within ``gap`` of its bound, the exact path (MIP) with the better plan and bound of the
     two. None: the relaxation found no plan that fits and the MIP is left to the caller.
-    ``warm``: where the multiplier search starts (lagrangian.relax)."""
+    ``warm``: where the multiplier search starts (lagrangian.relax); a :class:`Warm` also
+    brings the priced solves a bound evaluation of this problem made (not made again)."""
     from solver.lagrangian import relax
 
     start = time.perf_counter()
     size = [0, 0]  # the largest budget-free model solved: (variables, constraints)
-    solve_free = _free_solver(backend, time_limit_s, msg, size)
+    recorded = warm.recorded if isinstance(warm, Warm) else None
+    if recorded is not None and recorded.edges is not problem.edges:
+        recorded = None  # not this problem's evaluation
+    offered = 0 if recorded is None else len(recorded.answers)
+    solve_free = _free_solver(backend, time_limit_s, msg, size, reuse=recorded)
 
     stop_at = math.inf if cutoff_s is None else cutoff_s * (1.0 - gap)
     try:
-        found = relax(problem, solve_free, target_gap=gap, stop_at=stop_at, warm=warm)
+        found = relax(
+            problem,
+            solve_free,
+            target_gap=gap,
+            stop_at=stop_at,
+            warm=None if warm is None else (warm[0], warm[1]),
+        )
     except InfeasibleError:
         return None
     solve_free = None  # its series memo is not needed past the relaxation
@@ -54,6 +94,8 @@ def solve_relaxed(
         "lagrangian_solves": float(found.evaluations),
         "lagrangian_s": found.seconds,
     }
+    if offered:  # priced solves taken from a bound evaluation instead of made
+        details["lagrangian_reused_solves"] = float(offered - len(recorded.answers))
     num_variables, num_constraints = size
     backend_used = resolve_backend(backend)[0]
     cut_off = bound >= stop_at  # cannot beat the plan found elsewhere by more than the gap
@@ -197,15 +239,30 @@ def priced_bound(
     backend: str = "highs",
     time_limit_s: float | None = None,
     msg: bool = False,
+    separable_multiplier: float | None = None,
+    target: float | None = None,
+    record: Recorded | None = None,
 ) -> tuple[float, float | None]:
-    """D(multiplier) of ``problem``'s Lagrangian dual (solver/lagrangian.py): the pattern D
-    where the problem has recompute patterns or count patterns (one priced solve per pattern
-    that pattern_dual does not prune), else the separable D (one priced solve). By weak
-    duality either is a lower bound on ``problem``'s budgeted optimum at EVERY multiplier >= 0,
-    wherever the multiplier came from (another ZeRO configuration's search included), so a
-    caller may skip a problem whose D already reaches the best plan found elsewhere. Returns
-    (the bound, the step time of a priced plan with its fastest recomputation when one fits the
-    budget, else None: a plan that fits proves the problem feasible)."""
+    """A lower bound on ``problem``'s budgeted optimum from its Lagrangian dual
+    (solver/lagrangian.py): the pattern D at ``multiplier`` where the problem has recompute or
+    count patterns (one priced solve per pattern that pattern_dual does not prune), else the
+    separable D (one priced solve). By weak duality either is a lower bound at EVERY multiplier
+    >= 0, wherever the multiplier came from (another ZeRO configuration's search included), so
+    a caller may skip a problem whose D already reaches the best plan found elsewhere.
+
+    ``target``: the bound that decides a skip. With patterns and a ``separable_multiplier``,
+    the separable D there (one priced solve) comes first and is the answer when it reaches
+    ``target`` with a plan that fits; without patterns the separable D is taken there. The
+    pattern D is evaluated whole (not given up at ``target``): a skipped problem's bound is
+    then D itself, strong enough to derive its neighbours' from (solver/derived_bounds.py),
+    and where it does not skip, the relaxation that follows takes every priced solve made
+    (its first pattern evaluation, at ``multiplier``, makes a prefix of the same sequence).
+    ``record`` (its ``edges`` ``problem.edges``): filled with every priced solve's answer and
+    the bound per multiplier, for :class:`Warm` (a relaxation of this problem started at these
+    multipliers takes them instead of solving).
+
+    Returns (the bound, the step time of a priced plan with its fastest recomputation when one
+    fits the budget, else None: a plan that fits proves the problem feasible)."""
     from solver.count_patterns import count_patterns
     from solver.lagrangian import (
         _phase_two,  # the relaxation's pattern-phase evaluation, at one multiplier
@@ -214,55 +271,112 @@ def priced_bound(
         recompute_patterns,
         transient_floor,
     )
+    from solver.pricing import Pricing
 
     budget = problem.memory_budget_bytes
-    if budget is None or multiplier < 0.0:
+    if budget is None or multiplier < 0.0 or (separable_multiplier or 0.0) < 0.0:
         raise ValueError(
-            f"priced_bound needs a budgeted problem and a multiplier >= 0, got {multiplier}"
+            f"priced_bound needs a budgeted problem and multipliers >= 0, got {multiplier}, "
+            f"{separable_multiplier}"
         )
-    solve_free = _free_solver(backend, time_limit_s, msg)
+    if record is not None and record.edges is not problem.edges:
+        raise ValueError("priced_bound: record.edges must be the problem's edges")
+    solve_free = _free_solver(backend, time_limit_s, msg, record=record)
+    steps: list[float] = []
+
+    def bound_of(lower: float, lam: float, plans: list[tuple[int, ...]]) -> float:
+        for choices in plans:
+            # A plan decoded from an LP relaxation may split a tie class (tied nodes choosing
+            # differently): not a plan of the problem, so it proves nothing.
+            if all(len({choices[i] for i in members}) == 1 for members in problem.tied):
+                fitted = fit_recompute(problem, choices)
+                if fitted is not None:
+                    steps.append(fitted[1])
+        return lower + lam * constant
 
     constant = problem.memory_offset_bytes + transient_floor(problem) - budget
     patterns = recompute_patterns(problem)
     counted = None if patterns is not None else count_patterns(problem)
     if patterns is None and counted is None:
-        choices, _, lower = solve_free(priced(problem, multiplier))
-        plans = [choices]
-    else:
-        patterns = patterns if counted is None else counted.patterns
-        found = _phase_two(problem, counted, multiplier, solve_free, patterns, None, {}, -math.inf)
-        lower, plans = found.lower, found.plans
-    steps = []
-    for choices in plans:
-        # A plan decoded from an LP relaxation may split a tie class (tied nodes choosing
-        # differently): not a plan of the problem, so it proves nothing.
-        if all(len({choices[i] for i in members}) == 1 for members in problem.tied):
-            fitted = fit_recompute(problem, choices)
-            if fitted is not None:
-                steps.append(fitted[1])
-    return lower + multiplier * constant, min(steps, default=None)
+        # Only the separable D: at the separable multiplier where one is given (the one a
+        # relaxation started there evaluates), the same priced problem as the relaxation's.
+        lam = multiplier if separable_multiplier is None else separable_multiplier
+        choices, _, lower = solve_free(priced(problem, lam, Pricing(problem)))
+        bound = bound_of(lower, lam, [choices])
+        if record is not None:
+            record.bounds[lam] = bound
+        return bound, min(steps, default=None)
+    bound = -math.inf
+    if separable_multiplier is not None and target is not None:
+        # The relaxation's separable evaluation at that multiplier (the same priced problem).
+        lam = separable_multiplier
+        choices, _, lower = solve_free(priced(problem, lam, Pricing(problem)))
+        bound = bound_of(lower, lam, [choices])
+        if record is not None:
+            record.bounds[lam] = bound
+        if bound >= target and steps:
+            return bound, min(steps)
+    patterns = patterns if counted is None else counted.patterns
+    found = _phase_two(problem, counted, multiplier, solve_free, patterns, None, {}, -math.inf)
+    pattern_bound = bound_of(found.lower, multiplier, found.plans)
+    if record is not None:
+        record.bounds[multiplier] = max(record.bounds.get(multiplier, -math.inf), pattern_bound)
+    bound = max(bound, pattern_bound)
+    return bound, min(steps, default=None)
 
 
-def _free_solver(backend, time_limit_s, msg, size: list[int] | None = None):
+def _free_solver(
+    backend,
+    time_limit_s,
+    msg,
+    size: list[int] | None = None,
+    *,
+    record: Recorded | None = None,
+    reuse: Recorded | None = None,
+):
     """The priced budget-free solve the relaxation calls: exact (gap 0) through the LP
     relaxation's shortcuts, with one series memo shared by every call (solver/eliminate.py);
-    ``size`` (when given) keeps the largest model solved, as (variables, constraints)."""
+    ``size`` (when given) keeps the largest model solved, as (variables, constraints).
+    ``record``: each answer is added to it (its memo is the one shared); ``reuse``: answers so
+    recorded, each taken once for a problem of the same key instead of solving it. The key:
+    the problem's sizes and the hash of its nodes and tie classes, and of its edges unless they
+    are the recorded problem's very edges (priced problems keep them: lagrangian.priced); a
+    priced solve is a function of the problem alone."""
     from solver.shrink import solve  # solver.shrink imports this module
 
-    memo = SolveMemo()
+    held = record if record is not None else reuse
+    memo = held.memo if held is not None else SolveMemo()
+    sizes = {key[:2] for key in reuse.answers} if reuse is not None else set()
+
+    def key_of(p: Problem) -> tuple:
+        edges = True if p.edges is held.edges else hash(p.edges)
+        return (len(p.nodes), len(p.edges), hash(p.nodes), hash(p.tied), edges)
 
     def solve_free(priced_problem: Problem) -> tuple[tuple[int, ...], float, float]:
-        free = solve(
-            priced_problem,
-            backend=backend,
-            time_limit_s=time_limit_s,
-            gap=0.0,
-            msg=msg,
-            relaxation=True,
-            memo=memo,
-        )
+        shape = (len(priced_problem.nodes), len(priced_problem.edges))
+        key = key_of(priced_problem) if record is not None or shape in sizes else None
+        answer = reuse.answers.pop(key, None) if shape in sizes else None
+        if answer is None:
+            free = solve(
+                priced_problem,
+                backend=backend,
+                time_limit_s=time_limit_s,
+                gap=0.0,
+                msg=msg,
+                relaxation=True,
+                memo=memo,
+            )
+            answer = (
+                free.choices,
+                free.objective_s,
+                free.bound_s,
+                free.num_variables,
+                free.num_constraints,
+            )
+        if record is not None:
+            record.answers[key] = answer
         if size is not None:
-            size[:] = max(size, [free.num_variables, free.num_constraints])
-        return free.choices, free.objective_s, free.bound_s
+            size[:] = max(size, list(answer[3:]))
+        return answer[:3]
 
     return solve_free

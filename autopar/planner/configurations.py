@@ -11,6 +11,7 @@ problem without segments as layer-mixing counts (which segments force alike) to 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,7 +39,8 @@ from autopar.planner.problem import (
 from autopar.planner.recipes import RecipeSpec
 from autopar.planner.tying import repeated_blocks
 from autopar.planner.zero_pricing import ZeroStreams, problem_streams
-from solver.budgeted import priced_bound
+from solver.budgeted import Recorded, Warm, priced_bound
+from solver.derived_bounds import Reference, derived_bound, fitting_step, reference
 from solver.errors import stop_reason
 from solver.parallel import solve_all
 
@@ -118,6 +120,14 @@ class ConfigurationSolver:
         self.notes: list[str] = []
         """What the plan's warnings should say about the solves (a MIP stopped early)."""
         self._prepared: dict[tuple[ZeroConfig, float], tuple[BuiltProblem, solver.Problem]] = {}
+        self._recorded: dict[tuple[ZeroConfig, float], tuple[tuple[float, float], Recorded]] = {}
+        """Per kept problem: the multipliers its bound was evaluated at, and its priced solves
+        (solver.budgeted.Recorded), for its relaxation to start from (:meth:`solve`)."""
+        self._segments: dict[tuple, tuple] = {}
+        """The solver segments of the latest allowed strategies (:meth:`_prepare`)."""
+        self.references: list[Reference] = []
+        """Lower bounds on budgeted problems' duals, to derive other configurations' bounds
+        from (:meth:`derived_bound`): each relaxation's best and each priced bound."""
 
     @property
     def candidates(self) -> tuple[Candidate, ...]:
@@ -152,8 +162,14 @@ class ConfigurationSolver:
         """
         tied = self.tied if tied is None else tied
         key = (zero, budget)
+        warm = None if warm_from is None else warm_from.warm_multipliers
         if spec is None and budget is not None and tied is self.tied and key in self._prepared:
             built, problem = self._prepared[key]  # budgeted_problem built it already
+            multipliers, recorded = self._recorded.pop(key, (None, None))
+            if recorded is not None and warm is not None and multipliers == tuple(warm):
+                # Its bound was evaluated at these multipliers (priced_bound): the relaxation
+                # takes those priced solves instead of making them again.
+                warm = Warm(warm[0], warm[1], recorded)
         else:
             built, problem = self._prepare(zero, budget=budget, spec=spec, tied=tied)
         try:
@@ -163,7 +179,7 @@ class ConfigurationSolver:
                 time_limit_s=self.options.time_limit_s,
                 gap=self.options.gap,
                 cutoff_s=cutoff_s,
-                warm_multipliers=None if warm_from is None else warm_from.warm_multipliers,
+                warm_multipliers=warm,
             )
         except solver.SolverStoppedError as stop:
             raise PlanningError(
@@ -183,6 +199,11 @@ class ConfigurationSolver:
                 cutoff_s=cutoff_s,
                 warm_from=warm_from,
             )
+        details = solution.details
+        if spec is None and "lagrangian_bound_s" in details:  # the relaxation's best bound
+            self._keep_reference(
+                problem, details["lagrangian_multiplier"], details["lagrangian_bound_s"]
+            )
         return self._finish(zero, name, built, problem, solution)
 
     def budgeted_problem(self, zero: ZeroConfig, budget: float) -> solver.Problem:
@@ -196,27 +217,61 @@ class ConfigurationSolver:
     def release(self) -> None:
         """Drop the problems :meth:`budgeted_problem` keeps (the planner's memory)."""
         self._prepared.clear()
+        self._recorded.clear()
 
     def priced_bound(
-        self, zero: ZeroConfig, budget: float, multiplier: float
+        self,
+        zero: ZeroConfig,
+        budget: float,
+        multipliers: tuple[float, float],
+        *,
+        target: float | None = None,
     ) -> tuple[float, float | None]:
-        """solver.budgeted.priced_bound of ``zero``'s budgeted problem (not kept): a lower bound on its
-        step under the budget (at the tightest tie level; valid whatever the multiplier), and
-        the step of a plan that fits, if the priced plan does (None: feasibility unknown)."""
-        # Built for the bound and dropped (the solve, if any, builds it again): the planner
-        # holds one configuration's budgeted problem at a time, not all of them.
-        prepared = self._prepared.get((zero, budget))
-        problem = (
-            prepared[1]
-            if prepared is not None
-            else self._prepare(zero, budget=budget, spec=None, tied=self.tied)[1]
-        )
-        return priced_bound(
+        """solver.budgeted.priced_bound of ``zero``'s budgeted problem (built and kept, as
+        :meth:`budgeted_problem`): a lower bound on its step under the budget (at the tightest
+        tie level; valid whatever the multipliers: a search's separable and best ones,
+        ``Solved.warm_multipliers``), and the step of a plan that fits, if a priced plan does
+        (None: feasibility unknown). ``target``: the bound that would skip it (the evaluation
+        stops once it is known to reach it or not). Its priced solves are kept for
+        :meth:`solve` with ``warm_from`` at the same multipliers, until :meth:`release`."""
+        problem = self.budgeted_problem(zero, budget)
+        recorded = Recorded(edges=problem.edges)
+        found = priced_bound(
             problem,
-            multiplier,
+            multipliers[1],
             backend=self.options.solver,
             time_limit_s=self.options.time_limit_s,
+            separable_multiplier=multipliers[0],
+            target=target,
+            record=recorded,
         )
+        self._recorded[(zero, budget)] = (tuple(multipliers), recorded)
+        for lam, bound in recorded.bounds.items():
+            self._keep_reference(problem, lam, bound)
+        return found
+
+    def derived_bound(
+        self, zero: ZeroConfig, budget: float, plan: tuple[int, ...]
+    ) -> tuple[float, float | None]:
+        """A lower bound on ``zero``'s step under the budget (at the tightest tie level) derived
+        from the bounds of the configurations relaxed or bounded before, with no solve
+        (solver.derived_bounds; -inf where none applies), and the step of ``plan`` (the best
+        plan's solver choices) in ``zero``'s problem when it fits there (None: no proof that
+        the tie level is feasible, so the bound is not to be used)."""
+        problem = self.budgeted_problem(zero, budget)
+        bounds = [derived_bound(problem, ref) for ref in self.references]
+        bound = max((b for b in bounds if b is not None), default=-math.inf)
+        return bound, fitting_step(problem, plan) if bound > -math.inf else None
+
+    def _keep_reference(self, problem: solver.Problem, multiplier: float, bound: float) -> None:
+        """Keep ``bound`` (on ``problem``'s D at ``multiplier``) as a reference, sharing the
+        edges, tie classes and segments of an equal earlier reference (one copy held)."""
+        ref = reference(problem, multiplier, bound)
+        for other in self.references:
+            if other.segments == ref.segments and other.edges == ref.edges:
+                ref = dataclasses.replace(ref, segments=other.segments, edges=other.edges)
+                break
+        self.references.append(ref)
 
     def solve_many(
         self, jobs: Sequence[tuple[str, ZeroConfig, RecipeSpec | None, float | None]]
@@ -308,9 +363,14 @@ class ConfigurationSolver:
         problem = built.problem
         forced = self.options.checkpoint == "all"
         if (budget is not None or forced) and self.candidates:
-            problem = dataclasses.replace(
-                problem, segments=solver_segments(self.candidates, built.allowed, forced=forced)
-            )
+            # Configurations that allow the same strategies have equal segments: one object,
+            # held once and compared by identity (solver/derived_bounds.py compares them).
+            key = (forced, tuple(map(tuple, built.allowed)))
+            if key not in self._segments:
+                self._segments = {
+                    key: solver_segments(self.candidates, built.allowed, forced=forced)
+                }
+            problem = dataclasses.replace(problem, segments=self._segments[key])
         return built, problem
 
     def _finish(

@@ -2,14 +2,27 @@
 and which are skipped unsolved (issue 16 item 2).
 
 Every configuration's budget-free optimum is a lower bound on its step under any budget (the
-Lagrangian dual at multiplier 0). At a gap > 0 the search also bounds each configuration at
-the multiplier where the best configuration's relaxation found its bound: by weak duality
-D_c(lam) is a lower bound on c's budgeted optimum at EVERY lam >= 0 of c's own priced problem,
-wherever lam came from (solver.budgeted.priced_bound: the pattern D, a few priced solves). A
-configuration whose bound is within the gap of the best plan found cannot improve it by more than the gap and is skipped;
-the others are solved most promising first (lowest bound), each with the best plan as its
-cutoff. Configurations whose budgeted problems are equal (the same solver.Problem after ZeRO
-pricing) are solved once, at any gap: equal problems have equal answers.
+Lagrangian dual at multiplier 0), and configurations are taken lowest such bound first. At a
+gap > 0, a configuration whose bound is within the gap of the best plan found cannot improve
+it by more than the gap and is skipped. One whose budget-free bound does not skip it is
+bounded, just before it would be solved and with the best plan of that moment, in three steps
+of rising cost, each valid by weak duality (D_c(lam) is a lower bound on c's budgeted optimum
+at EVERY lam >= 0 of c's own priced problem, wherever lam came from):
+
+- derived, with no solve, from the bound of a configuration relaxed or bounded before: ZeRO
+  configurations differ only in node seconds and bytes, so D_c'(lam) >= D_c(lam) + sum over
+  nodes of the smallest change of a node's priced cost (solver/derived_bounds.py);
+- the separable D at the best plan's separable multiplier (one priced solve);
+- the pattern D at its best multiplier (a few priced solves; solver.budgeted.priced_bound).
+
+A bound counts only where a plan that fits proves the configuration's tightest tie level
+feasible. Only a configuration that none of them skips is solved, with the best plan as its
+cutoff, and its relaxation starts from that very evaluation: the priced solves it made are
+not made again (solver.budgeted.Warm), the same floats. None is bounded that its
+budget-free bound already skips.
+
+Configurations whose budgeted problems are equal (the same solver.Problem after ZeRO pricing)
+are solved once, at any gap: equal problems have equal answers.
 
 At gap 0 every configuration is solved in order, as before issue 16 (tests/planner/stored_plans
 pin that path); only equal problems are shared.
@@ -116,6 +129,29 @@ def _zero_entry(zero: ZeroConfig) -> dict[str, Any]:
     }
 
 
+def _steps(solution: solver.Solution) -> str:
+    """Where a relaxed solve's seconds went, for its progress line."""
+    details = solution.details
+    if "lagrangian_s" not in details:
+        return ""
+    relaxation, fixing = details["lagrangian_s"], details.get("fixing_s", 0.0)
+    reused = int(details.get("lagrangian_reused_solves", 0))
+    return (
+        f" (relaxation {relaxation:.1f} s{f', {reused} priced solves reused' if reused else ''}, "
+        f"fixing {fixing:.1f} s, MIP and the rest {solution.solve_s - relaxation - fixing:.1f} s)"
+    )
+
+
+def _skip(
+    out: Searched, zero: ZeroConfig, label: str, bound: float, report, seconds: float
+) -> None:
+    """Record ``zero`` as skipped on ``bound``."""
+    out.log.append({**_zero_entry(zero), "status": "skipped", "bound_s": bound})
+    out.bounds.append(bound)
+    out.stats.append({"zero": label, "what": "skipped", "priced_solves": 0, "s": seconds})
+    report(f"skip ZeRO {label}: bound {bound * 1e3:.3f} ms")
+
+
 # Long: one pass over the configurations with the skip rule, the sharing and the bounds in it.
 def search_budgeted(
     configurations: ConfigurationSolver,
@@ -133,24 +169,18 @@ def search_budgeted(
         else [(z, None) for z in zeros]
     )
     out = Searched(best=None)
-    pre: dict[ZeroConfig, float] = {}  # bounds at the best configuration's multiplier
     solved_problems: list[tuple[int | None, Solved]] = []  # (fingerprint, answer)
-    k = 0
-    while k < len(ordered):
-        zero, free_z = ordered[k]
-        k += 1
+    for zero, free_z in ordered:
         start = time.perf_counter()
         label = zero.label(names)
         bound = free_z.solution.bound_s if free_z is not None else -math.inf
-        bound = max(bound, pre.get(zero, -math.inf))
+        priced = -math.inf  # its bound at the best plan's multipliers, where one fits
         best = out.best
         # Within the gap of the best plan found, a configuration cannot improve it by more than
         # the gap (at gap 0: cannot improve it at all).
-        if best is not None and bound >= best.solution.objective_s * (1 - max(gap, 1e-9)):
-            out.log.append({**_zero_entry(zero), "status": "skipped", "bound_s": bound})
-            out.bounds.append(bound)
-            out.stats.append({"zero": label, "what": "skipped", "priced_solves": 0, "s": 0.0})
-            report(f"skip ZeRO {label}: bound {bound * 1e3:.3f} ms")
+        skip_at = math.inf if best is None else best.solution.objective_s * (1 - max(gap, 1e-9))
+        if bound >= skip_at:
+            _skip(out, zero, label, bound, report, 0.0)
             continue
         what = "solved"
         if free_z is not None and free_z.evaluation.peak_memory_bytes <= budget:
@@ -165,6 +195,17 @@ def search_budgeted(
                     f"same problem as {same.zero.label(names)}",
                 )
             else:
+                if gap > 0 and best is not None:
+                    priced = _derived(configurations, zero, budget, best, report)
+                    if priced < skip_at and best.warm_multipliers is not None:
+                        priced = max(
+                            priced, _priced(configurations, zero, budget, best, skip_at, report)
+                        )
+                    bound = max(bound, priced)
+                    if bound >= skip_at:
+                        configurations.release()
+                        _skip(out, zero, label, bound, report, time.perf_counter() - start)
+                        continue
                 cutoff = best.evaluation.step_s if best is not None and gap > 0 else None
                 try:
                     solved = configurations.solve(
@@ -193,7 +234,7 @@ def search_budgeted(
             del problem
             configurations.release()  # one configuration's problem held at a time
         out.log.append(log_entry(solved))
-        out.bounds.append(max(solved.solution.bound_s, pre.get(zero, -math.inf)))
+        out.bounds.append(max(solved.solution.bound_s, priced))
         details = solved.solution.details
         out.stats.append(
             {
@@ -206,50 +247,57 @@ def search_budgeted(
         report(
             f"ZeRO {label}: {out.stats[-1]['what']}, step {solved.evaluation.step_s * 1e3:.3f} ms, "
             f"bound {solved.solution.bound_s * 1e3:.3f} ms, {out.stats[-1]['priced_solves']} "
-            f"priced solves, {out.stats[-1]['s']:.1f} s"
+            f"priced solves, {out.stats[-1]['s']:.1f} s{_steps(solved.solution)}"
         )
         if best is None or solved.evaluation.step_s < best.evaluation.step_s * (1 - 1e-9):
             out.best = solved
-            if gap > 0 and solved.warm_multipliers is not None:
-                _bound_the_rest(configurations, ordered, k, out, budget, pre, report)
     configurations.release()
     return out
 
 
-def _bound_the_rest(
+def _derived(
     configurations: ConfigurationSolver,
-    ordered: list[tuple[ZeroConfig, Solved | None]],
-    k: int,
-    out: Searched,
+    zero: ZeroConfig,
     budget: float,
-    pre: dict[ZeroConfig, float],
+    best: Solved,
     report: Callable[[str], None],
-) -> None:
-    """Bound each configuration after position ``k`` that needs a budgeted solve at the new
-    best plan's multiplier (solver.budgeted.priced_bound: the pattern D there), then order them by bound, lowest
-    first (``ordered`` is changed in place). A bound counts only where the priced plan fits the
-    budget: that proves the tightest tie level feasible, so the configuration's answer is
-    solved at that level and the bound is over it (an infeasible level falls back to looser
-    ones, which the bound does not cover)."""
-    assert out.best is not None and out.best.warm_multipliers is not None
-    multiplier = out.best.warm_multipliers[1]  # where its relaxation's best bound was
-    names = configurations.space.mesh.axis_names
-    for zero, free_z in ordered[k:]:
-        if free_z is not None and free_z.evaluation.peak_memory_bytes <= budget:
-            continue
-        start = time.perf_counter()
-        bound, fits = configurations.priced_bound(zero, budget, multiplier)
-        if fits is not None:
-            pre[zero] = max(pre.get(zero, -math.inf), bound)
+) -> float:
+    """``zero``'s bound derived from the bounds found so far with no solve
+    (ConfigurationSolver.derived_bound, solver/derived_bounds.py), or -inf where none applies
+    or the best plan does not fit ``zero``'s problem (no proof that its tightest tie level is
+    feasible: see :func:`_priced`)."""
+    start = time.perf_counter()
+    bound, fits = configurations.derived_bound(zero, budget, best.solution.choices)
+    if bound > -math.inf:
         report(
-            f"bound ZeRO {zero.label(names)} at multiplier {multiplier:.4g}: {bound * 1e3:.3f} ms"
-            f"{'' if fits is not None else ' (its priced plan does not fit: not used)'}, "
-            f"{time.perf_counter() - start:.1f} s"
+            f"bound ZeRO {zero.label(configurations.space.mesh.axis_names)} derived: "
+            f"{bound * 1e3:.3f} ms{'' if fits is not None else ' (the best plan does not fit)'}"
+            f", {time.perf_counter() - start:.1f} s"
         )
+    return bound if fits is not None else -math.inf
 
-    def key(pair: tuple[ZeroConfig, Solved | None]) -> tuple[bool, float]:
-        zero, free_z = pair
-        fits = free_z is not None and free_z.evaluation.peak_memory_bytes <= budget
-        return (not fits, pre.get(zero, -math.inf if free_z is None else free_z.solution.bound_s))
 
-    ordered[k:] = sorted(ordered[k:], key=key)
+def _priced(
+    configurations: ConfigurationSolver,
+    zero: ZeroConfig,
+    budget: float,
+    best: Solved,
+    skip_at: float,
+    report: Callable[[str], None],
+) -> float:
+    """``zero``'s bound at the multipliers of the best plan's relaxation
+    (ConfigurationSolver.priced_bound: the separable D, then, unless it reaches ``skip_at``, the
+    pattern D), or -inf where no priced plan fits the
+    budget: a plan that fits proves the tightest tie level feasible, so the configuration is
+    solved at that level and the bound is over it (an infeasible level falls back to looser
+    ones, which the bound does not cover). Its priced solves are kept for the solve after it."""
+    assert best.warm_multipliers is not None
+    start = time.perf_counter()
+    bound, fits = configurations.priced_bound(zero, budget, best.warm_multipliers, target=skip_at)
+    report(
+        f"bound ZeRO {zero.label(configurations.space.mesh.axis_names)} at multipliers "
+        f"{best.warm_multipliers[0]:.4g}, {best.warm_multipliers[1]:.4g}: {bound * 1e3:.3f} ms"
+        f"{'' if fits is not None else ' (no priced plan fits: not used)'}, "
+        f"{time.perf_counter() - start:.1f} s"
+    )
+    return bound if fits is not None else -math.inf
