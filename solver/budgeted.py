@@ -297,23 +297,23 @@ def priced_bound(
     constant = problem.memory_offset_bytes + transient_floor(problem) - budget
     patterns = recompute_patterns(problem)
     counted = None if patterns is not None else count_patterns(problem)
-    if patterns is None and counted is None:
-        # Only the separable D: at the separable multiplier where one is given (the one a
-        # relaxation started there evaluates), the same priced problem as the relaxation's.
-        lam = multiplier if separable_multiplier is None else separable_multiplier
+
+    def separable(lam: float) -> float:
+        # The relaxation's separable evaluation at ``lam`` (the same priced problem).
         choices, _, lower = solve_free(priced(problem, lam, Pricing(problem)))
         bound = bound_of(lower, lam, [choices])
         if record is not None:
             record.bounds[lam] = bound
+        return bound
+
+    if patterns is None and counted is None:
+        # Only the separable D: at the separable multiplier where one is given (the one a
+        # relaxation started there evaluates).
+        bound = separable(multiplier if separable_multiplier is None else separable_multiplier)
         return bound, min(steps, default=None)
     bound = -math.inf
     if separable_multiplier is not None and target is not None:
-        # The relaxation's separable evaluation at that multiplier (the same priced problem).
-        lam = separable_multiplier
-        choices, _, lower = solve_free(priced(problem, lam, Pricing(problem)))
-        bound = bound_of(lower, lam, [choices])
-        if record is not None:
-            record.bounds[lam] = bound
+        bound = separable(separable_multiplier)
         if bound >= target and steps:
             return bound, min(steps)
     patterns = patterns if counted is None else counted.patterns
