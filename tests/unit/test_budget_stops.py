@@ -101,6 +101,12 @@ def test_the_bound_a_configuration_is_skipped_on_is_below_its_optimum(problem, s
         bound, fits = priced_bound(problem, scale * 0.5)
     except Exception:  # forbidden pairs everywhere: nothing to bound
         return
+    assert_bounds_optimum(optimum, bound, fits)
+
+
+def assert_bounds_optimum(optimum: float | None, bound: float, fits: float | None) -> None:
+    """``priced_bound``'s contract against the brute-force ``optimum`` (None: infeasible): the
+    bound is below it, and a plan reported as fitting costs at least it (and proves it exists)."""
     if optimum is None:
         assert fits is None
         return

@@ -15,6 +15,7 @@ import solver.shrink as shrink
 from solver import InfeasibleError, Node, Problem, solve
 from solver.budgeted import Recorded, Warm, priced_bound
 from solver.derived_bounds import derived_bound, fitting_step, reference
+from tests.unit.test_budget_stops import assert_bounds_optimum
 from tests.unit.test_lagrangian import _optimum, budgeted_problems
 
 FEW = settings(
@@ -155,12 +156,7 @@ def test_a_priced_bound_with_a_target_is_below_the_optimum(
         bound, fits = priced_bound(problem, lam, separable_multiplier=separable, target=target)
     except InfeasibleError:
         return
-    if optimum is None:
-        assert fits is None
-        return
-    assert bound <= optimum + 1e-9 * max(1.0, abs(optimum))
-    if fits is not None:
-        assert fits >= optimum - 1e-9 * max(1.0, abs(optimum))
+    assert_bounds_optimum(optimum, bound, fits)
 
 
 def test_a_plan_proves_a_tie_level_feasible_only_when_its_classes_choose_alike() -> None:
