@@ -349,8 +349,7 @@ def _free_solver(
     sizes = {key[:2] for key in reuse.answers} if reuse is not None else set()
 
     def key_of(p: Problem) -> tuple:
-        edges = True if p.edges is held.edges else hash(p.edges)
-        return (len(p.nodes), len(p.edges), hash(p.nodes), hash(p.tied), edges)
+        return _answer_key(p, held.edges)
 
     def solve_free(priced_problem: Problem) -> tuple[tuple[int, ...], float, float]:
         shape = (len(priced_problem.nodes), len(priced_problem.edges))
@@ -380,3 +379,26 @@ def _free_solver(
         return answer[:3]
 
     return solve_free
+
+
+def _answer_key(p: Problem, edges: tuple) -> tuple:
+    """The key of a priced problem's answer in a :class:`Recorded` whose problem has ``edges``
+    (see :func:`_free_solver`)."""
+    held = True if p.edges is edges else hash(p.edges)
+    return (len(p.nodes), len(p.edges), hash(p.nodes), hash(p.tied), held)
+
+
+def budget_free_record(problem: Problem, answer: tuple) -> Recorded | None:
+    """A record holding ``answer`` (choices, value, bound, variables, constraints: a solve of
+    ``problem`` without its budget, its choices indexing ``problem``'s nodes) as the answer of
+    ``problem`` priced at multiplier 0, for its relaxation (a :class:`Warm` at multipliers 0)
+    to take instead of solving that again: at 0 the priced problem is the budget-free one
+    (bytes priced at 0, no segment term), so the same optimum and bound. None where a segment
+    must be recomputed (its seconds are then in the priced problem at 0)."""
+    from solver.lagrangian import priced
+
+    if any(seg.min_copies for seg in problem.segments):
+        return None
+    recorded = Recorded(edges=problem.edges)
+    recorded.answers[_answer_key(priced(problem, 0.0), problem.edges)] = answer
+    return recorded

@@ -101,3 +101,25 @@ def test_a_solver_that_stops_without_a_plan_is_a_one_line_error(space, monkeypat
     (note,) = driver.configurations.notes
     assert note.startswith("auto, ZeRO ") and "stopped without a plan (time limit reached)" in note
     assert f"{sol.gap:.2%}" in note
+
+
+def test_a_budgeted_relaxation_takes_its_priced_solve_at_zero_from_the_budget_free_one(
+    space,
+) -> None:
+    # ZeRO-2 on the first axis: its budget-free plan (239,488 bytes) is over 200,000 bytes.
+    driver = Driver(space, options=PlanOptions(optimizer="sgd", gap=0.01))
+    configurations = driver.configurations
+    zero, budget = ZeroConfig(stages=(2,)), 200_000.0
+    free = configurations.solve(zero, name="auto", budget=None)
+    assert free.evaluation.peak_memory_bytes > budget
+    cold = configurations.solve(zero, name="auto", budget=budget)
+    warm = configurations.solve(zero, name="auto", budget=budget, free=free)
+    assert warm.solution.details["lagrangian_reused_solves"] == 1.0
+    assert "lagrangian_reused_solves" not in cold.solution.details
+    assert warm.choice == cold.choice and warm.segments == cold.segments
+    assert warm.solution.objective_s == cold.solution.objective_s
+    assert warm.solution.bound_s == cold.solution.bound_s
+    # Another configuration's budget-free plan is not taken for this one's.
+    other = configurations.solve(ZeroConfig(stages=(1,)), name="auto", budget=None)
+    not_taken = configurations.solve(zero, name="auto", budget=budget, free=other)
+    assert "lagrangian_reused_solves" not in not_taken.solution.details
