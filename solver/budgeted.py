@@ -263,6 +263,7 @@ def priced_bound(
 
     Returns (the bound, the step time of a priced plan with its fastest recomputation when one
     fits the budget, else None: a plan that fits proves the problem feasible)."""
+    from solver.alike import make_alike
     from solver.count_patterns import count_patterns
     from solver.lagrangian import (
         _phase_two,  # the relaxation's pattern-phase evaluation, at one multiplier
@@ -286,9 +287,13 @@ def priced_bound(
 
     def bound_of(lower: float, lam: float, plans: list[tuple[int, ...]]) -> float:
         for choices in plans:
-            # A plan decoded from an LP relaxation may split a tie class (tied nodes choosing
-            # differently): not a plan of the problem, so it proves nothing.
-            if all(len({choices[i] for i in members}) == 1 for members in problem.tied):
+            # The budgeted contract (solver/alike.py): tie classes choose alike. A priced plan
+            # that splits a class (budget-free elimination decides members one by one) is made
+            # alike first, as the relaxation does with its own; only then may it prove the
+            # problem feasible. The bound needs no repair: the priced optimum is over every
+            # plan, split or not, so it is at most the best alike plan's.
+            choices = make_alike(problem, choices) if problem.tied else choices
+            if choices is not None:
                 fitted = fit_recompute(problem, choices)
                 if fitted is not None:
                     steps.append(fitted[1])

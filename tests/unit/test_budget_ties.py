@@ -1,8 +1,11 @@
 """The budgeted path with tie classes and checkpoint segments: classes choose alike
 (solver/alike.py, Problem.tied), and the plan, the bound and the brute-force optimum over
-tie-consistent plans agree."""
+tie-consistent plans agree; priced_bound (what a ZeRO configuration is skipped on) likewise:
+its plans made alike before they prove a problem feasible, its bound below the alike optimum."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 from hypothesis import given, settings
@@ -11,9 +14,11 @@ from hypothesis import strategies as st
 import solver.segment_rows as segment_rows
 from solver import Edge, Node, Problem, solve
 from solver.alike import make_alike, splits
+from solver.budgeted import priced_bound
 from solver.errors import InfeasibleError
 from solver.presolve import plan_objective_s, plan_peak_memory_bytes
 from solver.problem import Segment, SegmentEdge
+from tests.unit.test_budget_stops import assert_bounds_optimum
 from tests.unit.test_count_patterns import layered_problems
 from tests.unit.test_lagrangian import SETTINGS, _optimum, budgeted_problems
 
@@ -115,3 +120,46 @@ def test_a_layer_apart_does_not_forbid_the_other_layers_segments() -> None:
     found = solve(problem, gap=0.0)
     assert found.objective_s == 2.5
     assert found.recomputed == (1, 0, 0, 1)
+
+
+def _split_by_elimination() -> Problem:
+    """Two tied leaves that budget-free elimination decides apart (each by its own edge)."""
+    single = (0.0,)
+    nodes = (
+        Node(name="a", cost_s=single, memory_bytes=single),
+        Node(name="b", cost_s=single, memory_bytes=single),
+        Node(name="x", cost_s=(1.0, 1.0), memory_bytes=(1.0, 1.0)),
+        Node(name="y", cost_s=(1.0, 1.0), memory_bytes=(1.0, 1.0)),
+    )
+    edges = (Edge(src=0, dst=2, cost_s=((0.0, 1.0),)), Edge(src=1, dst=3, cost_s=((1.0, 0.0),)))
+    return Problem(nodes=nodes, edges=edges, memory_budget_bytes=10.0, tied=((2, 3),))
+
+
+def test_a_split_priced_plan_made_alike_proves_the_problem_feasible() -> None:
+    problem = _split_by_elimination()
+    free = solve(dataclasses.replace(problem, memory_budget_bytes=None))
+    assert splits(problem, free.choices)  # what the priced solves return here
+    optimum = _optimum(problem)
+    assert optimum == 3.0
+    for lam in (0.0, 0.5):
+        bound, fits = priced_bound(problem, lam)
+        assert fits == 3.0  # before: None (the split plan was discarded), so not usable
+        assert_bounds_optimum(optimum, bound, fits)
+
+
+@settings(SETTINGS, max_examples=12)
+@given(
+    st.one_of(budgeted_problems().filter(lambda p: bool(p.tied)), layered_problems()),
+    st.floats(0.0, 2.0),
+    st.one_of(st.none(), st.floats(0.0, 2.0)),
+)
+def test_priced_bounds_of_tied_problems_hold_for_alike_plans(problem, lam, separable) -> None:
+    # The brute-force optimum is over plans whose classes choose alike (solver/brute_force.py):
+    # the bound is below it and a plan reported as fitting (made alike) costs at least it.
+    optimum = _optimum(problem)
+    target = None if separable is None else (optimum or 10.0)
+    try:
+        bound, fits = priced_bound(problem, lam, separable_multiplier=separable, target=target)
+    except InfeasibleError:
+        return
+    assert_bounds_optimum(optimum, bound, fits)
