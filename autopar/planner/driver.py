@@ -323,6 +323,7 @@ class Driver:
             budget=budget,
             gap=gap,
             report=self._report,
+            floor=free.solution.bound_s,
         )
         log.extend(found.log)
         best, bounds = found.best, found.bounds

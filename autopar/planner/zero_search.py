@@ -4,7 +4,10 @@ and which are skipped unsolved (issue 16 item 2).
 Every configuration's budget-free optimum is a lower bound on its step under any budget (the
 Lagrangian dual at multiplier 0), and configurations are taken lowest such bound first. At a
 gap > 0, a configuration whose bound is within the gap of the best plan found cannot improve
-it by more than the gap and is skipped. One whose budget-free bound does not skip it is
+it by more than the gap and is skipped. Stage 2 on every axis (the first candidate) prices
+time as stage 0 does, so its bound is the lowest; it is solved first, alone, and when its
+plan is within the gap of stage 0's budget-free optimum (a bound on every configuration) the
+others are skipped on that with no budget-free solve of their own (:func:`_ordered`). One whose budget-free bound does not skip it is
 bounded, just before it would be solved and with the best plan of that moment, in three steps
 of rising cost, each valid by weak duality (D_c(lam) is a lower bound on c's budgeted optimum
 at EVERY lam >= 0 of c's own priced problem, wherever lam came from):
@@ -33,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,6 +88,35 @@ def bounded(
     )
 
 
+def _ordered(
+    configurations: ConfigurationSolver,
+    zeros: Sequence[ZeroConfig],
+    budget: float,
+    gap: float,
+    floor: float,
+    report: Callable[[str], None],
+    out: Searched,
+) -> Iterator[tuple[ZeroConfig, Solved | None]]:
+    """The configurations in the order :func:`search_budgeted` takes them, each with its
+    budget-free solve at a gap > 0 (:func:`bounded`), made lazily: the first configuration
+    (stage 2 on every axis: stage 0's seconds for every layout, so the lowest budget-free
+    bound) is taken alone first. When the best plan it gives is within the gap of ``floor``,
+    a bound on every configuration, the others cannot beat it by more than the gap: they are
+    skipped on ``floor`` with no budget-free solve. Otherwise the others come as before, by
+    :func:`bounded`'s order."""
+    if gap <= 0:
+        yield from ((zero, None) for zero in zeros)
+        return
+    yield from bounded(configurations, zeros[:1], budget, report)
+    best = out.best
+    if best is not None and floor >= best.solution.objective_s * (1 - max(gap, 1e-9)):
+        names = configurations.space.mesh.axis_names
+        for zero in zeros[1:]:
+            _skip(out, zero, zero.label(names), floor, report, 0.0)
+        return
+    yield from bounded(configurations, zeros[1:], budget, report)
+
+
 def _as_zero(configurations: ConfigurationSolver, solved: Solved, zero: ZeroConfig) -> Solved:
     """``solved`` (a configuration with an equal problem) as the answer for ``zero``: the same
     layouts and segments, priced under ``zero``."""
@@ -93,14 +125,14 @@ def _as_zero(configurations: ConfigurationSolver, solved: Solved, zero: ZeroConf
 
 
 def _fingerprint(problem: solver.Problem) -> int | None:
-    """A hash of the problem but its segments (None where something in it cannot be hashed):
-    kept instead of the problem itself, which is about 0.2 GB on the llama3-70b b256 row.
-    The segments are left out: hashing them is most of the cost (0.35 s of 0.45 s on llama3-8b
-    b32 s8192, 128 segments), configurations that allow the same strategies share one segments
-    object (ConfigurationSolver._prepare), and problems whose fingerprints agree are compared
-    in full anyway."""
+    """A hash of the problem but its edges and segments (None where something in it cannot be
+    hashed): kept instead of the problem itself, which is about 0.2 GB on the llama3-70b b256
+    row. The edges and segments are left out: hashing them is almost all the cost (0.09 and
+    0.35 s against 0.01 s for the nodes on llama3-8b b32 s8192), ZeRO configurations differ
+    in node seconds and bytes only, and problems whose fingerprints agree are compared in full
+    anyway."""
     try:
-        return hash(dataclasses.replace(problem, segments=()))
+        return hash(dataclasses.replace(problem, edges=(), segments=()))
     except TypeError:
         return None
 
@@ -164,15 +196,13 @@ def search_budgeted(
     budget: float,
     gap: float,
     report: Callable[[str], None],
+    floor: float = -math.inf,
 ) -> Searched:
-    """The fastest configuration of ``zeros`` under ``budget`` (see the module docstring)."""
+    """The fastest configuration of ``zeros`` under ``budget`` (see the module docstring).
+    ``floor``: a lower bound on every configuration's step (stage 0's budget-free optimum)."""
     names = configurations.space.mesh.axis_names
-    ordered: list[tuple[ZeroConfig, Solved | None]] = (
-        list(bounded(configurations, zeros, budget, report))
-        if gap > 0
-        else [(z, None) for z in zeros]
-    )
     out = Searched(best=None)
+    ordered = _ordered(configurations, zeros, budget, gap, floor, report, out)
     solved_problems: list[tuple[int | None, Solved]] = []  # (fingerprint, answer)
     for zero, free_z in ordered:
         start = time.perf_counter()

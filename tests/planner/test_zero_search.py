@@ -123,3 +123,46 @@ def test_a_budgeted_relaxation_takes_its_priced_solve_at_zero_from_the_budget_fr
     other = configurations.solve(ZeroConfig(stages=(1,)), name="auto", budget=None)
     not_taken = configurations.solve(zero, name="auto", budget=budget, free=other)
     assert "lagrangian_reused_solves" not in not_taken.solution.details
+
+
+def test_configurations_are_solved_budget_free_only_when_the_floor_does_not_skip_them(
+    space,
+) -> None:
+    # Stage 2 on every axis (the first candidate) prices time as stage 0 does: its plan here
+    # fits and costs stage 0's budget-free optimum, a bound on every configuration, so the
+    # others are skipped on it with no budget-free solve of their own.
+    from autopar.planner.zero_choice import zero_candidates
+
+    options = PlanOptions(optimizer="sgd", gap=0.01)
+    zeros = zero_candidates(space.mesh.ndim, space.mesh.shape)
+    assert zeros[0].stages == (2, 2) and len(zeros) == 4
+    names = space.mesh.axis_names
+    found = {}
+    for floor in (None, -1.0):
+        driver = Driver(space, options=options)
+        configurations = driver.configurations
+        stage0 = configurations.solve(ZeroConfig(), name="auto", budget=None)
+        free_solves = []
+        real = configurations.solve
+
+        def counting(zero, free_solves=free_solves, real=real, **kwargs):
+            if kwargs.get("budget") is None:
+                free_solves.append(zero)
+            return real(zero, **kwargs)
+
+        configurations.solve = counting
+        floor_s = stage0.solution.bound_s if floor is None else floor
+        found[floor] = search_budgeted(
+            configurations, zeros, budget=BUDGET, gap=0.01, report=lambda line: None, floor=floor_s
+        )
+        if floor is None:
+            assert free_solves == zeros[:1]
+            assert [s["what"] for s in found[floor].stats] == ["budget-free fits"] + ["skipped"] * 3
+            assert found[floor].bounds[1:] == [floor_s] * 3
+            assert all(e["bound_s"] == floor_s for e in found[floor].log[1:])
+        else:  # a floor that skips nothing: every configuration solved budget-free, as before
+            assert free_solves == zeros
+    with_floor, without = found[None], found[-1.0]
+    assert with_floor.best.choice == without.best.choice
+    assert with_floor.best.zero.label(names) == without.best.zero.label(names)
+    assert min(with_floor.bounds) <= with_floor.best.evaluation.step_s
