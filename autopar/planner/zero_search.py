@@ -40,6 +40,7 @@ from typing import Any
 import solver
 from autopar.planner.checkpointing import with_segments
 from autopar.planner.configurations import ConfigurationSolver, Solved, log_entry
+from autopar.planner.primal import seed
 from autopar.planner.problem import ZeroConfig, evaluate
 
 
@@ -169,6 +170,9 @@ def search_budgeted(
         else [(z, None) for z in zeros]
     )
     out = Searched(best=None)
+    if gap > 0 and ordered and ordered[0][1].evaluation.peak_memory_bytes > budget:
+        out.best = seed(configurations, ordered, budget=budget, gap=gap, report=report)
+    warm: Solved | None = None  # the best plan solved with a relaxation (its multipliers)
     solved_problems: list[tuple[int | None, Solved]] = []  # (fingerprint, answer)
     for zero, free_z in ordered:
         start = time.perf_counter()
@@ -197,9 +201,9 @@ def search_budgeted(
             else:
                 if gap > 0 and best is not None:
                     priced = _derived(configurations, zero, budget, best, report)
-                    if priced < skip_at and best.warm_multipliers is not None:
+                    if priced < skip_at and warm is not None and warm.warm_multipliers:
                         priced = max(
-                            priced, _priced(configurations, zero, budget, best, skip_at, report)
+                            priced, _priced(configurations, zero, budget, warm, skip_at, report)
                         )
                     bound = max(bound, priced)
                     if bound >= skip_at:
@@ -209,7 +213,7 @@ def search_budgeted(
                 cutoff = best.evaluation.step_s if best is not None and gap > 0 else None
                 try:
                     solved = configurations.solve(
-                        zero, name="auto", budget=budget, cutoff_s=cutoff, warm_from=best
+                        zero, name="auto", budget=budget, cutoff_s=cutoff, warm_from=warm
                     )
                 except solver.InfeasibleBudgetError as e:
                     configurations.release()
@@ -251,6 +255,8 @@ def search_budgeted(
         )
         if best is None or solved.evaluation.step_s < best.evaluation.step_s * (1 - 1e-9):
             out.best = solved
+        if warm is None or solved.evaluation.step_s < warm.evaluation.step_s * (1 - 1e-9):
+            warm = solved
     configurations.release()
     return out
 
