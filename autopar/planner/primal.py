@@ -18,9 +18,12 @@ module finds one from the budget-free plans at hand, in two rounds:
    budget-free bound), or the seconds given are spent.
 
 The plan returned is evaluated like a solved one (its Solved's step is the problem's
-objective, its peak the problem's); its solution's bound is its configuration's budget-free
-bound. The search after it treats it as the best plan found (a cutoff), and reports the
-bounds it proves as before.
+objective, its peak the problem's). It proves no bound: its solution's bound is its own step,
+and the plan's bound is the lowest of every configuration's bounds, which the search after it
+finds as before (its own configuration's included: skipped on its bound, or solved with the
+seed as its cutoff). Round 2 takes at most about as long as the budget-free solves took
+(``SEARCH_MIN_S`` at least): a seed is worth what it saves of the budgeted solves after it,
+which on small rows are themselves seconds.
 """
 
 from __future__ import annotations
@@ -35,9 +38,8 @@ from autopar.planner.problem import ZeroConfig, evaluate
 from solver.ilp import resolve_backend
 from solver.primal import Fitted, best_fit, search
 
-SEARCH_S = 120.0
-"""Seconds the neighbourhood searches of round 2 may take together (each MIP is also given
-what is left): a seed is only worth what it saves of the solves after it."""
+SEARCH_MIN_S = 5.0
+"""Seconds round 2 may take at least (module docstring); each MIP is given what is left."""
 
 
 def seed(
@@ -47,12 +49,16 @@ def seed(
     budget: float,
     gap: float,
     report: Callable[[str], None] = lambda line: None,
-    seconds: float = SEARCH_S,
+    seconds: float | None = None,
 ) -> Solved | None:
     """The best plan found (module docstring) for the configurations ``ordered`` (each with
-    its budget-free solve, zero_search.bounded's order), or None when none fits."""
+    its budget-free solve, zero_search.bounded's order), or None when none fits.
+    ``seconds``: round 2's time (None: the budget-free solves' seconds, module docstring)."""
     if not ordered or gap <= 0.0:
         return None
+    if seconds is None:
+        spent = sum(free.solution.build_s + free.solution.solve_s for _, free in ordered)
+        seconds = max(SEARCH_MIN_S, spent)
     start = time.perf_counter()
     names = configurations.space.mesh.axis_names
     lowest = min(free.solution.bound_s for _, free in ordered)
@@ -65,12 +71,13 @@ def seed(
         if found is not None:
             fitted.append((found.objective_s, k))
     best: Solved | None = None
+    round_two = time.perf_counter()
     for _, k in sorted(fitted):
         zero, free = ordered[k]
         target = lowest if best is None else best.solution.objective_s * (1.0 - gap)
         if best is not None and (free.solution.bound_s >= target or lowest >= target):
             continue  # cannot beat the best by the gap, or the search is closed already
-        left = seconds - (time.perf_counter() - start)
+        left = seconds - (time.perf_counter() - round_two)
         if best is not None and left <= 0.0:
             break
         problem = configurations.budgeted_problem(zero, budget)
@@ -82,7 +89,7 @@ def seed(
             time_limit_s=max(left, 1.0),
         )
         if found is not None and (best is None or found.objective_s < best.solution.objective_s):
-            best = _solved(configurations, zero, budget, found, free, start)
+            best = _solved(configurations, zero, budget, found, start)
         configurations.release()
         if found is not None:
             report(
@@ -116,7 +123,6 @@ def _solved(
     zero: ZeroConfig,
     budget: float,
     found: Fitted,
-    free: Solved,
     start: float,
 ) -> Solved:
     """``found`` (a plan of ``zero``'s budgeted problem) as the Solved of ``zero``."""
@@ -128,7 +134,6 @@ def _solved(
         if problem.segments
         else ()
     )
-    bound = min(free.solution.bound_s, found.objective_s)
     return Solved(
         name="auto",
         zero=zero,
@@ -139,8 +144,8 @@ def _solved(
         solution=solver.Solution(
             choices=found.choices,
             objective_s=found.objective_s,
-            bound_s=bound,
-            gap=(found.objective_s - bound) / found.objective_s if found.objective_s else 0.0,
+            bound_s=found.objective_s,  # no bound of its own (module docstring)
+            gap=0.0,
             status="feasible",
             backend=resolve_backend(configurations.options.solver)[0],
             peak_memory_bytes=found.peak_memory_bytes,
