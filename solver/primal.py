@@ -201,7 +201,7 @@ def kept_strategies(
     :data:`KEEP_PER_PRICE` cheapest at each of :data:`PRICE_FACTORS` times the plan's price
     of a byte, the rest of the plan fixed; a tie class offers one set, the union."""
     seconds, resident = _local_costs(problem, plan.choices)
-    price = _byte_price(problem, plan)
+    price = byte_price(problem, plan)
     keep = [{c} for c in plan.choices]
     for other in plans:
         for i, c in enumerate(other):
@@ -254,7 +254,7 @@ def _as_array(values: Sequence[float | None]) -> np.ndarray:
     return np.array([math.inf if v is None else v for v in values], dtype=float)
 
 
-def _byte_price(problem: Problem, plan: Fitted) -> float:
+def byte_price(problem: Problem, plan: Fitted) -> float:
     """Seconds per byte: what ``plan``'s recomputation added per byte it freed, else the
     spread of node seconds over the spread of node bytes (solver/multiplier.py)."""
     from solver.multiplier import first_multiplier

@@ -172,7 +172,9 @@ def search_budgeted(
     out = Searched(best=None)
     if gap > 0 and ordered and ordered[0][1].evaluation.peak_memory_bytes > budget:
         out.best = seed(configurations, ordered, budget=budget, gap=gap, report=report)
-    warm: Solved | None = None  # the best plan solved with a relaxation (its multipliers)
+    # Multipliers to bound and warm-start at: the seed's price of a byte until a relaxation
+    # has run, then the best plan relaxed.
+    warm, relaxed = out.best, False
     solved_problems: list[tuple[int | None, Solved]] = []  # (fingerprint, answer)
     for zero, free_z in ordered:
         start = time.perf_counter()
@@ -255,8 +257,10 @@ def search_budgeted(
         )
         if best is None or solved.evaluation.step_s < best.evaluation.step_s * (1 - 1e-9):
             out.best = solved
-        if warm is None or solved.evaluation.step_s < warm.evaluation.step_s * (1 - 1e-9):
-            warm = solved
+        if solved.warm_multipliers is not None and (
+            not relaxed or solved.evaluation.step_s < warm.evaluation.step_s * (1 - 1e-9)
+        ):
+            warm, relaxed = solved, True
     configurations.release()
     return out
 
