@@ -35,7 +35,7 @@ def _check(problem: Problem, found: Fitted, optimum: float | None) -> None:
     assert found.objective_s >= optimum - TOLERANCE * max(1.0, abs(optimum))
 
 
-@settings(SETTINGS, max_examples=60)
+@settings(SETTINGS, max_examples=30)
 @given(st.one_of(budgeted_problems(), layered_problems()), st.data())
 def test_heuristic_plans_fit_and_are_never_below_the_brute_force_optimum(problem, data) -> None:
     optimum = _optimum(problem)
@@ -58,7 +58,7 @@ def test_heuristic_plans_fit_and_are_never_below_the_brute_force_optimum(problem
         assert all(best.choices[i] in k for i, k in enumerate(kept_strategies(problem, best)))
 
 
-@settings(SETTINGS, max_examples=40)
+@settings(SETTINGS, max_examples=20)
 @given(st.one_of(budgeted_problems(), layered_problems()))
 def test_a_neighbourhood_holding_every_strategy_finds_the_optimum(problem) -> None:
     # With enough strategies kept per price, the neighbourhood is the whole problem: the
