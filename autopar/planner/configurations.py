@@ -246,6 +246,12 @@ class ConfigurationSolver:
             self._prepared[key] = self._prepare(zero, budget=budget, spec=None, tied=self.tied)
         return self._prepared[key][1]
 
+    def built_problem(self, zero: ZeroConfig, budget: float) -> BuiltProblem:
+        """What :meth:`budgeted_problem` built for ``zero`` (its allowed strategies per space
+        node, its ZeRO-3 streams), kept likewise until :meth:`release`."""
+        self.budgeted_problem(zero, budget)
+        return self._prepared[(zero, budget)][0]
+
     def release(self) -> None:
         """Drop the problems :meth:`budgeted_problem` keeps (the planner's memory)."""
         self._prepared.clear()

@@ -7,7 +7,12 @@ gap > 0, a configuration whose bound is within the gap of the best plan found ca
 it by more than the gap and is skipped. Stage 2 on every axis (the first candidate) prices
 time as stage 0 does, so its bound is the lowest; it is solved first, alone, and when its
 plan is within the gap of stage 0's budget-free optimum (a bound on every configuration) the
-others are skipped on that with no budget-free solve of their own (:func:`_ordered`). One whose budget-free bound does not skip it is
+others are skipped on that with no budget-free solve of their own (:func:`_ordered`). Where
+its budget-free plan does not fit, a plan that fits is first sought without any budgeted solve
+(the primal seed, autopar/planner/primal.py: from that plan alone, then, unless it closes the
+search, from every configuration's budget-free plan); it is the best plan to beat, and its
+price of a byte stands for a relaxation's multipliers until one has run. One whose
+budget-free bound does not skip it is
 bounded, just before it would be solved and with the best plan of that moment, in three steps
 of rising cost, each valid by weak duality (D_c(lam) is a lower bound on c's budgeted optimum
 at EVERY lam >= 0 of c's own priced problem, wherever lam came from):
@@ -43,6 +48,7 @@ from typing import Any
 import solver
 from autopar.planner.checkpointing import with_segments
 from autopar.planner.configurations import ConfigurationSolver, Solved, log_entry
+from autopar.planner.primal import seed
 from autopar.planner.problem import ZeroConfig, evaluate
 
 
@@ -100,21 +106,49 @@ def _ordered(
     """The configurations in the order :func:`search_budgeted` takes them, each with its
     budget-free solve at a gap > 0 (:func:`bounded`), made lazily: the first configuration
     (stage 2 on every axis: stage 0's seconds for every layout, so the lowest budget-free
-    bound) is taken alone first. When the best plan it gives is within the gap of ``floor``,
-    a bound on every configuration, the others cannot beat it by more than the gap: they are
-    skipped on ``floor`` with no budget-free solve. Otherwise the others come as before, by
-    :func:`bounded`'s order."""
+    bound) is taken alone first. When the best plan found for it is within the gap of
+    ``floor``, a bound on every configuration, the others cannot beat it by more than the gap:
+    they are skipped on ``floor`` with no budget-free solve. Otherwise the others come as
+    before, by :func:`bounded`'s order.
+
+    Where the first configuration's budget-free plan does not fit, its best plan is first
+    sought by the primal seed (autopar/planner/primal.py) from that plan alone; a seed within
+    the gap of ``floor`` skips every configuration, the first on its own budget-free bound.
+    Otherwise every configuration is solved budget-free and the seed runs again over all of
+    their plans, before any budgeted solve, and sets ``out.best``."""
     if gap <= 0:
         yield from ((zero, None) for zero in zeros)
         return
-    yield from bounded(configurations, zeros[:1], budget, report)
-    best = out.best
-    if best is not None and floor >= best.solution.objective_s * (1 - max(gap, 1e-9)):
-        names = configurations.space.mesh.axis_names
+    first = bounded(configurations, zeros[:1], budget, report)
+    names = configurations.space.mesh.axis_names
+    if first and first[0][1].evaluation.peak_memory_bytes > budget:
+        zero, free = first[0]
+        out.best = seed(configurations, first, budget=budget, gap=gap, report=report)
+        if _closes(out.best, floor, gap):
+            _skip(out, zero, zero.label(names), free.solution.bound_s, report, 0.0)
+            for other in zeros[1:]:
+                _skip(out, other, other.label(names), floor, report, 0.0)
+            return
+        rest = bounded(configurations, zeros[1:], budget, report)
+        everything = first + rest
+        found = seed(configurations, everything, budget=budget, gap=gap, report=report)
+        if found is not None and (
+            out.best is None or found.solution.objective_s < out.best.solution.objective_s
+        ):
+            out.best = found
+        yield from everything
+        return
+    yield from first
+    if _closes(out.best, floor, gap):
         for zero in zeros[1:]:
             _skip(out, zero, zero.label(names), floor, report, 0.0)
         return
     yield from bounded(configurations, zeros[1:], budget, report)
+
+
+def _closes(best: Solved | None, floor: float, gap: float) -> bool:
+    """Whether ``best`` is within the gap of ``floor`` (a bound on every configuration)."""
+    return best is not None and floor >= best.solution.objective_s * (1 - max(gap, 1e-9))
 
 
 def _as_zero(configurations: ConfigurationSolver, solved: Solved, zero: ZeroConfig) -> Solved:
@@ -203,6 +237,9 @@ def search_budgeted(
     names = configurations.space.mesh.axis_names
     out = Searched(best=None)
     ordered = _ordered(configurations, zeros, budget, gap, floor, report, out)
+    # Multipliers to bound and warm-start at: the seed's price of a byte until a relaxation
+    # has run, then the best plan relaxed.
+    warm, relaxed = None, False
     solved_problems: list[tuple[int | None, Solved]] = []  # (fingerprint, answer)
     for zero, free_z in ordered:
         start = time.perf_counter()
@@ -210,6 +247,8 @@ def search_budgeted(
         bound = free_z.solution.bound_s if free_z is not None else -math.inf
         priced = -math.inf  # its bound at the best plan's multipliers, where one fits
         best = out.best
+        if not relaxed:
+            warm = best  # the seed (or a budget-free plan that fits) until a relaxation ran
         # Within the gap of the best plan found, a configuration cannot improve it by more than
         # the gap (at gap 0: cannot improve it at all).
         skip_at = math.inf if best is None else best.solution.objective_s * (1 - max(gap, 1e-9))
@@ -232,9 +271,9 @@ def search_budgeted(
             else:
                 if gap > 0 and best is not None:
                     priced = _derived(configurations, zero, budget, best, report)
-                    if priced < skip_at and best.warm_multipliers is not None:
+                    if priced < skip_at and warm is not None and warm.warm_multipliers:
                         priced = max(
-                            priced, _priced(configurations, zero, budget, best, skip_at, report)
+                            priced, _priced(configurations, zero, budget, warm, skip_at, report)
                         )
                     bound = max(bound, priced)
                     if bound >= skip_at:
@@ -248,7 +287,7 @@ def search_budgeted(
                         name="auto",
                         budget=budget,
                         cutoff_s=cutoff,
-                        warm_from=best,
+                        warm_from=warm,
                         free=free_z,
                     )
                 except solver.InfeasibleBudgetError as e:
@@ -291,6 +330,10 @@ def search_budgeted(
         )
         if best is None or solved.evaluation.step_s < best.evaluation.step_s * (1 - 1e-9):
             out.best = solved
+        if solved.warm_multipliers is not None and (
+            not relaxed or solved.evaluation.step_s < warm.evaluation.step_s * (1 - 1e-9)
+        ):
+            warm, relaxed = solved, True
     configurations.release()
     return out
 

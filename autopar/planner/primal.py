@@ -1,0 +1,185 @@
+"""A plan that fits the budget before any budgeted solve: the primal seed of the ZeRO search
+(issue 16; solver/primal.py).
+
+autopar/planner/zero_search.py solves ZeRO configurations one by one, lowest budget-free
+bound first, and stops once its best plan is within the gap of every remaining
+configuration's bound. Every configuration's budget-free optimum is a lower bound on its
+budgeted optimum, so a plan that fits and costs at most the lowest of them over (1 - gap) ends
+the search at once; a plan close to it is still a cutoff for every solve that follows. This
+module finds one from the budget-free plans at hand, in two rounds:
+
+1. each configuration's budgeted problem, built and released in turn (one held at a time),
+   takes the fastest of all the budget-free plans made to fit it (solver.primal.best_fit:
+   layouts made alike, then the fastest recomputation: milliseconds to a second each);
+2. the configurations, fastest fitted plan first, get the neighbourhood search
+   (solver.primal.search: a small budgeted MIP around the plan, strategies priced at a few
+   multipliers), the best plan so far among its candidates, until the best plan is within
+   the gap of the lowest bound, or no configuration left could beat it by the gap (its
+   budget-free bound), or one's search does not improve the best plan (the later ones start
+   from slower fits; llama3-70b fp32: the first two within 0.001%, the next four 2-3% above,
+   90 s), or the seconds given are spent.
+
+The plan returned is evaluated like a solved one (its Solved's step is the problem's
+objective, its peak the problem's). It proves no bound: its solution's bound is its own step,
+and the plan's bound is the lowest of every configuration's bounds, which the search after it
+finds as before (its own configuration's included: skipped on its bound, or solved with the
+seed as its cutoff). Its price of a byte (what its recomputation added per byte freed,
+solver.primal.byte_price) stands for a relaxation's multipliers (Solved.warm_multipliers):
+the first configuration not skipped is bounded there before it is solved (on llama3-70b fp32
+the first configuration, ZeRO-2 everywhere, has a budget-free bound 3.5% under the best plan
+and a budgeted optimum 2.4% over it), and its relaxation starts there. Round 2 takes at most about as long as the budget-free solves took
+(``SEARCH_MIN_S`` at least): a seed is worth what it saves of the budgeted solves after it,
+which on small rows are themselves seconds.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import solver
+from autopar.planner.checkpointing import chosen_segments, with_segments
+from autopar.planner.configurations import ConfigurationSolver, Solved
+from autopar.planner.problem import ZeroConfig, evaluate
+from solver.ilp import resolve_backend
+from solver.primal import Fitted, best_fit, byte_price, search
+
+SEARCH_MIN_S = 5.0
+"""Seconds round 2 may take at least (module docstring); each MIP is given what is left."""
+
+
+def seed(
+    configurations: ConfigurationSolver,
+    ordered: Sequence[tuple[ZeroConfig, Solved]],
+    *,
+    budget: float,
+    gap: float,
+    report: Callable[[str], None] = lambda line: None,
+    seconds: float | None = None,
+) -> Solved | None:
+    """The best plan found (module docstring) for the configurations ``ordered`` (each with
+    its budget-free solve, zero_search.bounded's order), or None when none fits.
+    ``seconds``: round 2's time (None: the budget-free solves' seconds, module docstring)."""
+    if not ordered or gap <= 0.0:
+        return None
+    if seconds is None:
+        spent = sum(free.solution.build_s + free.solution.solve_s for _, free in ordered)
+        seconds = max(SEARCH_MIN_S, spent)
+    start = time.perf_counter()
+    names = configurations.space.mesh.axis_names
+    lowest = min(free.solution.bound_s for _, free in ordered)
+    plans = list(dict.fromkeys(free.choice for _, free in ordered))
+    fitted: list[tuple[float, int]] = []  # (step, index in ordered) per configuration that fits
+    for k, (zero, _) in enumerate(ordered):
+        problem = configurations.budgeted_problem(zero, budget)
+        found = best_fit(problem, _as_problem(configurations, zero, budget, plans))
+        configurations.release()
+        if found is not None:
+            fitted.append((found.objective_s, k))
+    report(
+        "primal: the budget-free plans fit "
+        + ", ".join(
+            f"{ordered[k][0].label(names)} {step * 1e3:.3f} ms" for step, k in sorted(fitted)
+        )
+        + f", {time.perf_counter() - start:.1f} s"
+    )
+    best: Solved | None = None
+    round_two = time.perf_counter()
+    for _, k in sorted(fitted):
+        zero, free = ordered[k]
+        target = lowest if best is None else best.solution.objective_s * (1.0 - gap)
+        if best is not None and (free.solution.bound_s >= target or lowest >= target):
+            continue  # cannot beat the best by the gap, or the search is closed already
+        left = seconds - (time.perf_counter() - round_two)
+        if best is not None and left <= 0.0:
+            break
+        problem = configurations.budgeted_problem(zero, budget)
+        candidates = plans if best is None else [*plans, best.choice]
+        found = search(
+            problem,
+            _as_problem(configurations, zero, budget, candidates),
+            backend=configurations.options.solver,
+            time_limit_s=max(left, 1.0),
+        )
+        improved = found is not None and (
+            best is None or found.objective_s < best.solution.objective_s
+        )
+        if improved:
+            best = _solved(configurations, zero, budget, found, start)
+        configurations.release()
+        if found is not None:
+            report(
+                f"primal ZeRO {zero.label(names)}: {found.objective_s * 1e3:.3f} ms (the "
+                f"lowest budget-free bound {lowest * 1e3:.3f} ms), "
+                f"{time.perf_counter() - start:.1f} s"
+            )
+        if not improved:
+            break
+    return best
+
+
+def _as_problem(
+    configurations: ConfigurationSolver,
+    zero: ZeroConfig,
+    budget: float,
+    plans: Sequence[tuple[int, ...]],
+) -> list[tuple[int, ...]]:
+    """``plans`` (strategy indices per space node) in the indices of ``zero``'s budgeted
+    problem; a plan using a strategy the problem does not offer is left out."""
+    allowed = configurations.built_problem(zero, budget).allowed
+    position = [{s: j for j, s in enumerate(a)} for a in allowed]
+    out = []
+    for plan in plans:
+        mapped = [p.get(c) for p, c in zip(position, plan, strict=True)]
+        if None not in mapped:
+            out.append(tuple(mapped))
+    return out
+
+
+def _solved(
+    configurations: ConfigurationSolver,
+    zero: ZeroConfig,
+    budget: float,
+    found: Fitted,
+    start: float,
+) -> Solved:
+    """``found`` (a plan of ``zero``'s budgeted problem) as the Solved of ``zero``."""
+    built = configurations.built_problem(zero, budget)
+    problem = configurations.budgeted_problem(zero, budget)
+    choice = tuple(built.allowed[i][c] for i, c in enumerate(found.choices))
+    # Its price of a byte, as the multipliers a relaxation would have ended at
+    # (Solved.warm_multipliers): the search's first priced bound and relaxation start there.
+    price = byte_price(problem, found)
+    segments = (
+        chosen_segments(configurations.candidates, found.recomputed, choice)
+        if problem.segments
+        else ()
+    )
+    return Solved(
+        name="auto",
+        zero=zero,
+        choice=choice,
+        evaluation=with_segments(
+            evaluate(configurations.space, choice, zero, built.streams), segments
+        ),
+        solution=solver.Solution(
+            choices=found.choices,
+            objective_s=found.objective_s,
+            bound_s=found.objective_s,  # no bound of its own (module docstring)
+            gap=0.0,
+            status="feasible",
+            backend=resolve_backend(configurations.options.solver)[0],
+            peak_memory_bytes=found.peak_memory_bytes,
+            num_variables=found.num_variables,
+            num_constraints=found.num_constraints,
+            build_s=0.0,
+            solve_s=time.perf_counter() - start,
+            details={
+                "primal": 1.0,
+                "lagrangian_separable_multiplier": price,
+                "lagrangian_multiplier": price,
+            },
+            recomputed=found.recomputed,
+        ),
+        segments=segments,
+    )
