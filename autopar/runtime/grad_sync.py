@@ -18,15 +18,19 @@ typically) ends backward with a different summand of its gradient on every rank 
   bucket not yet complete (a parameter without a gradient contributes zeros), waits for every
   all-reduce and reduces over the remaining axes. The sums are then already in ``param.grad``.
 
-The flat buffer is not held between steps: ``zero_grad()`` (set to None) frees it with the
-views; with ``zero_grad(set_to_none=False)`` the zeroed views stay and the next backward
-accumulates into them and reuses their buffer, so nothing is copied. (Kept between steps, as
-DDP's ``gradient_as_bucket_view`` keeps its buckets, a ``.grad`` that a caller holds on to
-across ``zero_grad()`` would be overwritten by the next backward; tests and users do hold
-them, so it is not kept.) Gradients move in with one split and one ``_foreach_copy_`` per
-bucket (README, "Session 12: ZeRO views and collectives"). (Before, the gradients
-were concatenated into a new buffer and copied back after the all-reduce: one more copy of
-every gradient per step, and the buffer and the gradients alive together.)
+The flat buffer is kept between steps, as DDP keeps its buckets (a new 7 MiB buffer per step
+cost the like-for-like GPT's recompute and ddp pairs a fresh mapping and its page faults every
+step; README, "Session 13: the data-parallel bucket kept"). It is reused only when nothing
+outside the reducer still views it: with ``zero_grad()`` (set to None) the views go and the
+next backward's gradients are copied into the same buffer; with ``zero_grad(set_to_none=False)``
+the zeroed views stay as ``.grad`` and the next backward accumulates into them (nothing copied).
+A ``.grad`` tensor (or any view of one) that a caller keeps across ``zero_grad()`` holds a
+reference to the buffer's storage, so the reducer leaves that buffer to the caller and makes a
+new one: a kept gradient is never overwritten by a later backward (unlike DDP's
+``gradient_as_bucket_view=True``, where it is). Gradients move in with one split and one
+``_foreach_copy_`` per bucket (README, "Session 12: ZeRO views and collectives"). (Before,
+the gradients were concatenated into a new buffer and copied back after the all-reduce: one
+more copy of every gradient per step, and the buffer and the gradients alive together.)
 
 So the user writes ``loss.backward(); opt.step()`` and nothing else. Gradients are SUMMED, not
 averaged: the loss is the replicated global value, so the per-rank summands add up to the true
@@ -48,6 +52,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd import Variable
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from autopar.comm.collective_check import run_collective, wait_collective
 
@@ -66,6 +71,13 @@ class _Bucket:
     num_bytes: int = 0
     num_ready: int = 0
     flat: torch.Tensor | None = None
+    """The buffer of the backward in progress (None between steps)."""
+    kept: torch.Tensor | None = None
+    """The previous step's buffer, reused when nothing outside the reducer views it."""
+    kept_storage: StorageWeakRef | None = None
+    """A weak reference to ``kept``'s storage (it counts the tensors that view it)."""
+    kept_uses: int = 0
+    """Uses of that storage that are neither a ``.grad`` slot nor outside the reducer."""
     work: Any = None
 
 
@@ -159,6 +171,9 @@ class GradReducer:
         if bucket.flat is None:
             bucket.flat = self._reusable(bucket)
         if bucket.flat is None:
+            bucket.flat = _unshared(bucket)
+        bucket.kept = bucket.kept_storage = None
+        if bucket.flat is None:
             param = bucket.params[0]
             bucket.flat = torch.empty(bucket.numel, dtype=param.dtype, device=param.device)
         flat = bucket.flat
@@ -229,7 +244,37 @@ class GradReducer:
                 )  # fmt: skip
             bucket.flat = None
             bucket.work = None
+            bucket.kept, bucket.kept_storage = flat, StorageWeakRef(flat.untyped_storage())
+            bucket.kept_uses = _storage_uses(bucket) - _num_slots(bucket)
             bucket.num_ready = 0
+
+
+def _unshared(bucket: _Bucket) -> torch.Tensor | None:
+    """The bucket's kept buffer if nothing but the reducer and the parameters' ``.grad`` slots
+    uses its storage (a ``.grad``, or a view of one, kept elsewhere counts), else None: a
+    gradient a caller keeps is never overwritten."""
+    if bucket.kept is None:
+        return None
+    unchanged = _storage_uses(bucket) == bucket.kept_uses + _num_slots(bucket)
+    return bucket.kept if unchanged else None
+
+
+def _storage_uses(bucket: _Bucket) -> int:
+    """The use count of the kept buffer's storage: one per tensor viewing it, plus what holds
+    the storage itself (calibrated when the buffer is kept: ``_Bucket.kept_uses``)."""
+    assert bucket.kept_storage is not None
+    return torch._C._storage_Use_Count(bucket.kept_storage.cdata)
+
+
+def _num_slots(bucket: _Bucket) -> int:
+    """How many parameters' ``.grad`` are their slot of the kept buffer."""
+    kept = bucket.kept
+    assert kept is not None
+    return sum(
+        1
+        for param, offset in zip(bucket.params, bucket.offsets)
+        if param.grad is not None and _is_slot(param.grad, kept, offset)
+    )
 
 
 def _is_slot(grad: torch.Tensor, flat: torch.Tensor, offset: int) -> bool:

@@ -394,6 +394,53 @@ def check_grad_buffers(mesh_shape: tuple[int, ...], groups: Any) -> None:
         _close(f"{name} after {NUM_STEPS} SGD steps, grads kept", value, want["state"][name])
 
 
+def check_grad_kept(mesh_shape: tuple[int, ...], groups: Any) -> None:
+    """Under ``zero_grad()`` (set to None) each bucket's flat buffer is kept between steps and
+    the next backward's gradients are copied into it; a ``.grad`` (or a view of one) that the
+    caller keeps across ``zero_grad()`` is never overwritten: its bucket gets a new buffer and
+    the other buckets keep theirs. SGD steps that way match the single-process model."""
+    from autopar.capture.export import capture
+    from autopar.lowering import lower
+    from autopar.runtime.module import ParallelModule
+    from tests.models import tiny_mlp
+
+    want = _reference(tiny_mlp)
+    model, args, kwargs = tiny_mlp()
+    captured = capture(model, args, kwargs)
+    lowered = lower(captured, _chooser("dp")(captured, mesh_shape), mesh_shape, groups.key)
+    pmodel = ParallelModule(lowered, model, groups, grad_bucket_bytes=256)
+    assert pmodel.grad_reducer.num_buckets > 1
+    local = pmodel.shard_inputs(*args)
+    opt = torch.optim.SGD(pmodel.parameters(), lr=LR)
+    names = [name for name, _ in pmodel.named_parameters()]
+    before: dict[str, int] = {}
+    held: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for step in range(NUM_STEPS):
+        opt.zero_grad()
+        _loss(pmodel(*local)).backward()
+        params = dict(pmodel.named_parameters())
+        now = {name: params[name].grad._base.data_ptr() for name in names}
+        assert len(set(now.values())) == pmodel.grad_reducer.num_buckets, now
+        held_buffers = {before[name] for name in held}
+        for name in names:
+            if step > 0:
+                moved = before[name] in held_buffers
+                assert (now[name] != before[name]) == moved, (step, name, moved)
+        for name, (tensor, value) in held.items():
+            _close(f"{name}'s .grad kept from step {step - 1}", tensor, value)
+        # Step 1: keep the first parameter's .grad and a view of the last one's (another
+        # bucket) across zero_grad(); the next backward must leave both alone.
+        held = {}
+        if step == 1:
+            first, last = params[names[0]].grad, params[names[-1]].grad
+            assert now[names[0]] != now[names[-1]]
+            held = {names[0]: (first, first.clone()), names[-1]: (last[:1], last[:1].clone())}
+        before = now
+        opt.step()
+    for name, value in pmodel.state_dict().items():
+        _close(f"{name} after {NUM_STEPS} SGD steps, buffers kept", value, want["state"][name])
+
+
 def check_local_loss(mesh_shape: tuple[int, ...], groups: Any) -> None:
     """Batch-sharded outputs and a loss on the local block: DDP's convention gives the gradients
     of the global mean loss."""
@@ -481,6 +528,7 @@ def _chooser(layout: str) -> Callable[[Any, tuple[int, ...]], dict[str, Strategy
 CASES = [
     "dropout",
     "mlp/grad_buffers",
+    "mlp/grad_kept",
     "mlp/local_loss",
     "mlp/dp",
     "mlp/tp",
@@ -515,6 +563,9 @@ def run_case(rank: int, world_size: int, case: str, mesh_shape: tuple[int, ...])
         return
     if case == "mlp/grad_buffers":
         check_grad_buffers(mesh_shape, groups)
+        return
+    if case == "mlp/grad_kept":
+        check_grad_kept(mesh_shape, groups)
         return
     if case == "mlp/local_loss":
         check_local_loss(mesh_shape, groups)
