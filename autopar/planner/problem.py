@@ -246,6 +246,10 @@ def _param_state_of(
             stream = stream_price(space, zero, param_axes, reduced, [numel])
         comm = numel * (stream.per_element_s + stream.latency_per_element_s)
         pricer = CommPricer(mesh, None)
+        # Not its part of the last bucket's latency (pricing.bucket_rounding): the consumers
+        # price that only where their layout makes the gradient Partial, which the parameter's
+        # cost cannot see (subtracted here it would make ZeRO-3 of a layout with whole
+        # gradients cheaper than stage 2); so a ZeRO-3 plan still pays it (README, session 13).
         comm -= sum(pricer.grad_sync_s(numel * itemsize, a) for a in reduced)
         comm = max(comm, 0.0)
     return breakdown.total, comm, breakdown
