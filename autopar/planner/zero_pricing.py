@@ -217,17 +217,33 @@ def problem_streams(space, zero, allowed: dict[str, Sequence[int]] | None) -> Ze
     if zero.stage < 1:
         return ZeroStreams(streams=())
     members: dict[Key, list[float]] = {}
+    mesh = space.mesh
+    # Per strategy set (layers share theirs): the largest block per Replicate axes (size > 1).
+    blocks: dict[tuple, dict[tuple[int, ...], float]] = {}
     for node in space.nodes:
         if node.kind != "param" or node.alias_of is not None or node.local_numel is None:
             continue
-        idx = (
+        idx = tuple(
             allowed[node.name] if allowed and node.name in allowed else range(len(node.strategies))
         )
+        key = (id(node.strategies), id(node.local_numel), idx)
+        if key not in blocks:
+            per_replicate: dict[tuple[int, ...], float] = {}
+            for s in idx:
+                placements = node.strategies[s].outputs[0]
+                replicate = tuple(
+                    a
+                    for a in range(mesh.ndim)
+                    if mesh.shape[a] > 1 and placements[a].is_replicate()
+                )
+                numel = float(node.local_numel[s])
+                per_replicate[replicate] = max(per_replicate.get(replicate, 0.0), numel)
+            blocks[key] = per_replicate
         largest: dict[tuple[int, ...], float] = {}
-        for s in idx:
-            axes = zero_axes(space, node, s, zero)
+        for replicate, numel in blocks[key].items():
+            axes = tuple(a for a in replicate if zero.stage_of(a) >= 1)
             if axes:
-                largest[axes] = max(largest.get(axes, 0.0), float(node.local_numel[s]))
+                largest[axes] = max(largest.get(axes, 0.0), numel)
         for axes, numel in largest.items():
             members.setdefault((axes, axes), []).append(numel)
     return _streams(space, zero, members)
