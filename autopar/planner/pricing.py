@@ -92,14 +92,19 @@ class CommPricer:
     def grad_sync_s(self, nbytes: float, axis: int) -> float:
         """A parameter gradient's share of the bucketed all-reduce: its bytes at the link's
         bandwidth, plus the collective's latency once per ``GRAD_BUCKET_BYTES`` (the runtime
-        reduces parameter gradients in flat buckets, not one collective per parameter)."""
+        reduces parameter gradients in flat buckets, not one collective per parameter). The
+        last bucket's rounding up to a whole all-reduce is added once the whole graph is
+        known (:func:`bucket_rounding`)."""
         size, link = self.mesh.shape[axis], self.mesh.links[axis]
-        bandwidth_only = _without_latency(link)
-        transfer = collective_time_s("all_reduce", nbytes, size, bandwidth_only)
-        latency = collective_time_s(
-            "all_reduce", GRAD_BUCKET_BYTES, size, link
-        ) - collective_time_s("all_reduce", GRAD_BUCKET_BYTES, size, bandwidth_only)
-        return transfer + latency * nbytes / GRAD_BUCKET_BYTES
+        transfer = collective_time_s("all_reduce", nbytes, size, _without_latency(link))
+        return transfer + self.all_reduce_latency_s(axis) * nbytes / GRAD_BUCKET_BYTES
+
+    def all_reduce_latency_s(self, axis: int) -> float:
+        """What one all-reduce on ``axis`` costs beyond its bytes (latency and ``sync_s``)."""
+        size, link = self.mesh.shape[axis], self.mesh.links[axis]
+        return collective_time_s("all_reduce", GRAD_BUCKET_BYTES, size, link) - collective_time_s(
+            "all_reduce", GRAD_BUCKET_BYTES, size, _without_latency(link)
+        )
 
     def all_reduce_s(self, nbytes: float, axis: int) -> float:
         return collective_time_s("all_reduce", nbytes, self.mesh.shape[axis], self.mesh.links[axis])
@@ -120,3 +125,98 @@ def pair_table(
             [srcs[i] for i in rows], [dsts[j] for j in cols], meta, forward_only=forward_only
         )
     return table
+
+
+def bucket_rounding(nodes: Sequence, edges: Sequence, pricer: CommPricer) -> tuple[float, ...]:
+    """Price the gradient buckets' all-reduces as whole calls: add to each consumer's
+    ``param_grad_comm_s`` its share of the last bucket's rounding; returns that share per mesh
+    axis, in seconds per byte of a parameter input's largest Partial block.
+
+    The runtime (``autopar.runtime.grad_sync``) packs the Partial parameter gradients of an
+    axis into flat buckets of ``GRAD_BUCKET_BYTES`` and issues one all-reduce per bucket: with
+    ``B`` bytes, ``floor(B / GRAD_BUCKET_BYTES) + 1`` all-reduces, each paying the latency
+    once. :meth:`CommPricer.grad_sync_s` prices ``B / GRAD_BUCKET_BYTES`` of them by bytes;
+    the rest, ``1 - frac(B / GRAD_BUCKET_BYTES)`` latencies, is shared over the parameter
+    inputs whose gradient can be Partial on the axis (some strategy of their consumer makes it
+    so) in proportion to their largest such block (``B`` sums those blocks), whatever block the
+    chosen strategy has. So a layout where every such gradient is Partial pays exactly one
+    latency per bucket (``ddp``; ``megatron`` on its batch axis, its sharded weights included;
+    before: 0.24-0.38 of one on the cost-model benchmarks), one where only some are pays
+    their part of the rounding. A node cost per input, not a per-bucket term: which
+    gradients share a bucket depends on every consumer's layout, which the solver chooses.
+    A ZeRO-3 parameter gives back the bytes' part only (``problem._param_state_of`` says
+    why), so a ZeRO-3 plan still pays the rounding its consumers price.
+
+    Consumers' cost arrays are replaced, not written in place; nodes that shared an array
+    (repeated layers) share the new one."""
+    inputs, total = _bucket_pool(nodes, edges, pricer.mesh)
+    share = tuple(
+        pricer.all_reduce_latency_s(a) * (1.0 - math.modf(t / GRAD_BUCKET_BYTES)[0]) / t
+        if t > 0
+        else 0.0
+        for a, t in enumerate(total)
+    )
+    extra: dict[int, np.ndarray] = {}
+    for dst, partial, _, largest in inputs:
+        add = extra.setdefault(dst, np.zeros(len(partial)))
+        add += [sum(share[a] * largest[a] for a in axes) for axes in partial]
+    replaced: dict[tuple, np.ndarray] = {}
+    for dst, add in extra.items():
+        node = nodes[dst]
+        key = (id(node.param_grad_comm_s), add.tobytes())
+        if key not in replaced:
+            replaced[key] = node.param_grad_comm_s + add
+        node.param_grad_comm_s = replaced[key]
+    return share
+
+
+def _bucket_pool(nodes: Sequence, edges: Sequence, mesh: Mesh) -> tuple[list[tuple], list[float]]:
+    """The parameter inputs whose gradient some consumer strategy makes Partial: per (consumer,
+    input) ``(consumer index, axes, blocks, largest)``: per consumer strategy the mesh axes
+    (size > 1) where the gradient is Partial and the input's local bytes, per axis the largest
+    of those bytes where Partial (0 where never); and per axis the sum of the largest bytes."""
+    inputs: list[tuple] = []
+    total = [0.0] * mesh.ndim
+    for edge in edges:
+        src, dst, j = nodes[edge.src], nodes[edge.dst], edge.input_index
+        if src.kind != "param" or dst.kind != "op" or j < 0:
+            continue
+        assert src.local_numel is not None
+        full_bytes = float(max(src.local_numel)) * src.itemsize
+        partial: list[tuple[int, ...]] = []
+        blocks: list[float] = []
+        largest = [0.0] * mesh.ndim
+        for strategy in dst.strategies:
+            grads = strategy.input_grads[j] if j < len(strategy.input_grads) else None
+            placements = strategy.inputs[j] if j < len(strategy.inputs) else None
+            axes: tuple[int, ...] = ()
+            block = 0.0
+            if grads is not None and placements is not None:
+                axes = tuple(a for a, p in enumerate(grads) if p.is_partial() and mesh.shape[a] > 1)
+                shards = math.prod(mesh.shape[a] for a, p in enumerate(placements) if p.is_shard())
+                block = full_bytes / shards
+                for a in axes:
+                    largest[a] = max(largest[a], block)
+            partial.append(axes)
+            blocks.append(block)
+        total = [t + b for t, b in zip(total, largest)]
+        inputs.append((edge.dst, partial, blocks, largest))
+    return inputs, total
+
+
+def priced_bucket_calls(space, choice: Sequence[int]) -> list[float]:
+    """Per mesh axis: the gradient-bucket all-reduces ``choice`` is priced with, in latencies
+    (:meth:`CommPricer.grad_sync_s`'s bytes / ``GRAD_BUCKET_BYTES`` plus
+    :func:`bucket_rounding`'s share) over every Partial parameter input, as the consumers'
+    costs count them (ZeRO-3 parameters included: their ZeRO price gives it back)."""
+    mesh = space.mesh
+    pricer = CommPricer(mesh, None)
+    share = space.bucket_share_s or (0.0,) * mesh.ndim
+    calls = [0.0] * mesh.ndim
+    for dst, partial, blocks, largest in _bucket_pool(space.nodes, space.edges, mesh)[0]:
+        s = choice[dst]
+        for a in partial[s]:
+            if pricer.all_reduce_latency_s(a) > 0:
+                calls[a] += blocks[s] / GRAD_BUCKET_BYTES
+                calls[a] += share[a] * largest[a] / pricer.all_reduce_latency_s(a)
+    return calls

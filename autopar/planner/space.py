@@ -25,7 +25,7 @@ from autopar.capture.flops import node_costs
 from autopar.mesh import Mesh
 from autopar.options import PlanOptions
 from autopar.placement import REPLICATE, Placements, SectionShard, Shard, divides, local_shape
-from autopar.planner.pricing import CommPricer, pair_table
+from autopar.planner.pricing import CommPricer, bucket_rounding, pair_table
 from autopar.planner.saved_activations import SavedRule, saved_rules
 from autopar.strategies import Strategy, input_nodes, strategies_for
 from autopar.strategies.registry import TensorMeta, in_op_collectives, op_call, tensor_meta
@@ -90,6 +90,9 @@ class StrategySpace:
     signatures: dict[str, tuple] = field(default_factory=dict)
     """Node name -> what its strategies and costs depend on (op, shapes, arguments): nodes
     with equal signatures have the same strategies and cost arrays (shared objects)."""
+    bucket_share_s: tuple[float, ...] = ()
+    """Per mesh axis: the last gradient bucket's all-reduce latency per byte of a Partial
+    parameter block (``pricing.bucket_rounding``)."""
     evaluation_cache: dict[tuple[int, ...], dict] = field(default_factory=dict, repr=False)
     """autopar.planner.problem.evaluate's ZeRO-independent sums per choice (a few, recent)."""
 
@@ -244,6 +247,7 @@ def build_space(captured: Captured, mesh: Mesh, options: PlanOptions) -> Strateg
 
     edges = _edges(gm, nodes, index, pricer, signatures)
     edges.extend(_tie_edges(captured, nodes, index))
+    bucket_share_s = bucket_rounding(nodes, edges, pricer)
     return StrategySpace(
         captured=captured,
         mesh=mesh,
@@ -254,6 +258,7 @@ def build_space(captured: Captured, mesh: Mesh, options: PlanOptions) -> Strateg
         warnings=warnings,
         build_s=time.perf_counter() - start,
         signatures=signatures,
+        bucket_share_s=bucket_share_s,
     )
 
 

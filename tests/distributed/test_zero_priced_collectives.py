@@ -5,8 +5,10 @@ One spawn of 2 gloo ranks plans the MLP of ``benchmarks/cost_model.py`` with the
 every chunk collective (``autopar.tools.bench_cost_terms.CollectiveLog``). Stage 3: the plan's
 priced collectives (``autopar.planner.zero_pricing``: the streams the solve prices with) are
 the issued ones, in kind, count and bytes (up to each chunk's padding to its shard count).
-Stage 1: the step is priced as the bucketed all-reduce (``zero_pricing``'s docstring says why),
-but the chunk model (``ChunkPricing.calls``, which sizes the chunks) names what is issued.
+Stage 1 (the same layout): priced per chunk too since session 13, the chunk's all-reduce and
+one broadcast per rank after the step, as issued.
+ddp: the gradient buckets are priced as the all-reduces the runtime issues, one per bucket
+(``autopar.planner.pricing.bucket_rounding``; before, 0.24 of one on this model).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ def _rank(rank: int, world_size: int) -> dict[str, Any]:
     from autopar.comm.process_groups import axis_groups
     from autopar.options import PlanOptions
     from autopar.planner.chunks import ChunkPricing
+    from autopar.planner.pricing import priced_bucket_calls
     from autopar.planner.problem import ZeroConfig
     from autopar.planner.recipes import recipe_spec
     from autopar.planner.zero_pricing import chosen_streams, priced_calls, problem_streams
@@ -43,14 +46,20 @@ def _rank(rank: int, world_size: int) -> dict[str, Any]:
     plan = plan_captured(
         captured, mesh, PlanOptions(recipe="fsdp"), model_name="mlp", price_baselines=False
     )
+    ddp = plan_captured(
+        captured, mesh, PlanOptions(recipe="ddp"), model_name="mlp", price_baselines=False
+    )
     space, zero = plan.space, ZeroConfig(stage=3, axes=(0,))
     solved = problem_streams(space, zero, recipe_spec(space, "fsdp").allowed)
     stage1 = {**plan.data, "zero": {**plan.data["zero"], "stage": 1, "stages": {"dp": 1}}}
     groups = axis_groups((2,), ("a0",), key="priced")
     prepared = {
         name: prepare_plan(captured, model, args, kwargs, data, groups)
-        for name, data in (("fsdp", plan.data), ("stage1", stage1))
+        for name, data in (("fsdp", plan.data), ("stage1", stage1), ("ddp", ddp.data))
     }
+    stage1_streams = problem_streams(
+        space, ZeroConfig(stage=1, axes=(0,)), recipe_spec(space, "fsdp").allowed
+    )
     stage1_model = ChunkPricing.on_mesh(
         shape=mesh.shape, links=mesh.links, device=mesh.device, stages=(1,),
         forward_s=0.0, backward_s=0.0,
@@ -58,7 +67,9 @@ def _rank(rank: int, world_size: int) -> dict[str, Any]:
     return {
         "solved_is_chosen": solved == chosen_streams(space, plan.choice, zero),
         "priced": priced_calls(space, solved),
+        "ddp_buckets": priced_bucket_calls(ddp.space, ddp.choice),
         "stage1_model": [(k, n) for k, n, _ in stage1_model.calls(1.0, 1.0)],
+        "stage1_priced": priced_calls(space, stage1_streams),
         "issued": issued_per_step(prepared, log, warmup=1),
     }
 
@@ -99,3 +110,17 @@ def test_stage1_chunk_model_names_the_collectives_the_runtime_issues() -> None:
     # One chunk: its gradient all-reduced, then refreshed by one broadcast per rank (gloo).
     assert result["stage1_model"] == [(c[0], c[2]) for c in issued]
     assert [c[0] for c in issued] == ["all_reduce", "broadcast", "broadcast"]
+    priced = result["stage1_priced"]
+    assert [(k, n) for k, n, _ in priced] == [(c[0], c[2]) for c in issued]
+    # Bytes: the all-reduce the chunk, each broadcast one rank's half (up to the padding).
+    for (_, _, nbytes), call in zip(priced, issued):
+        assert abs(nbytes - call[3]) <= 2 * 4, (nbytes, call)
+
+
+@pytest.mark.distributed
+def test_ddp_buckets_are_priced_as_the_all_reduces_the_runtime_issues() -> None:
+    result = _result()
+    issued = [c for c in result["issued"]["ddp"] if c[1].startswith("grad bucket")]
+    assert [c[0] for c in issued] == ["all_reduce"]  # the whole model in one 25 MiB bucket
+    assert result["ddp_buckets"] == [pytest.approx(len(issued), rel=1e-9)]
+    assert not _zero_calls(result["issued"]["ddp"])

@@ -58,7 +58,8 @@ def test_a_chunk_costs_its_parameters_alone_less_the_latencies_it_saves() -> Non
     alone_s = sum(a.per_chunk_s + a.per_element_s * n for a, n in zip(alone, numels))
     saved_s = (len(numels) - stream.chunks) * stream.per_chunk_s
     assert chunk_s == pytest.approx(alone_s - saved_s, rel=1e-12)
-    # The plan's ZeRO seconds: the chunk, less the bucketed all-reduce it replaces.
+    # The plan's ZeRO seconds: the chunk, less the bucketed all-reduce it replaces (by bytes:
+    # the last bucket's rounding, pricing.bucket_rounding, stays with the consumers).
     pricer = CommPricer(space.mesh, None)
     replaced = sum(pricer.grad_sync_s(n * 4, 0) for n in numels)
     zero_s = plan.data["predicted"]["breakdown"]["zero_comm_s"]
