@@ -24,6 +24,12 @@ previous task, or after the neighbour's task it waited for), the head and the ta
   probe (a matmul timed for seconds with ``k`` ranks computing) to it: the probe measured 1.3-2.1
   alone on 2 ranks while the pipelines ran their lone tasks 1.0-1.5x faster (README, "Session
   11").
+- The compute level (session 13) is how fast the pipeline's tasks ran against the planner's
+  own price of them (each linear's roofline on the profile being written, every rank busy) at
+  the speed that curve gives the ranks computing during them (:func:`pipeline_compute_level`);
+  ``busy_rank_speed`` is multiplied by it, so the simulation prices a stage at the speed a
+  pipeline's tasks meet, not at the speed of calibration's single ops timed in a hot loop with
+  every rank busy (1.2-1.6x slower on 2 ranks here, README "Session 13").
 
 Median over rounds of a few steps. GPUs and one rank: not measured (0, the probe's speeds).
 """
@@ -225,6 +231,8 @@ def round_figures(
     backward = [statistics.median(t["backward_s"][r] for t in terms) for r in range(p)]
     gap = statistics.median(t["gap_s"] for t in terms)
     speedup, together = lone_speedup(terms)
+    concurrency = {kind: [statistics.median(_mean_ranks(t["alone"], r, kind) for t in terms)
+                          for r in range(p)] for kind in "FB"}  # fmt: skip
     return {
         "step_s": step, "forward_s": forward, "backward_s": backward, "gap_s": gap,
         "task_wait_s": max(0.0, gap - statistics.fmean(p2p_s) / 2),
@@ -235,7 +243,17 @@ def round_figures(
         # None (JSON null) where no task ran both alone and overlapped in the round.
         "lone_speedup": None if math.isnan(speedup) else speedup,
         "together_ranks": None if math.isnan(together) else together,
+        # Mean ranks computing during each stage's forwards and backwards (itself included).
+        "forward_ranks": concurrency["F"], "backward_ranks": concurrency["B"],
     }  # fmt: skip
+
+
+def _mean_ranks(alone: list[Any], rank: int, kind: str) -> float:
+    """Mean over ``rank``'s tasks of ``kind`` of the number of ranks computing during each
+    (``step_terms``' ``alone``). Unweighted: the seconds per unit of work ``speed_at``
+    interpolates are linear in the count, so a stage's mean task seconds is its work times the
+    seconds per unit at this mean (within one interval of measured counts)."""
+    return statistics.fmean(n for r, k, _, _, n in alone if (r, k) == (rank, kind))
 
 
 def measure_task_wait(
@@ -346,6 +364,60 @@ def pipeline_busy_rank_speed(
     return {k: v**power for k, v in probe.items()}
 
 
+def priced_stage_tasks(
+    spec: Any, *, width: int, rows: int, layers: int, world: int
+) -> tuple[list[float], list[float]]:
+    """Per stage of calibration's pipeline, the seconds of one microbatch's forward and
+    backward as the planner prices them on ``spec`` (every rank computing): each linear layer's
+    roofline (``autopar.capture.flops.op_costs``, ``cost_models.compute_time_s``), stage 0's
+    input needing no gradient; the last stage's loss (one square and one sum of a microbatch,
+    under 1% of its work) is left out."""
+    from autopar.capture.flops import op_costs
+    from cost_models.compute import compute_time_s
+
+    forward, backward = [], []
+    for stage in range(world):
+        f = b = 0.0
+        for layer in range(layers):
+            x = torch.empty(rows, width, device="meta", requires_grad=stage > 0 or layer > 0)
+            w = torch.empty(width, width, device="meta", requires_grad=True)
+            bias = torch.empty(width, device="meta", requires_grad=True)
+            work = op_costs(torch.ops.aten.linear.default, [x, w, bias])
+            f += compute_time_s(flops=work.fwd_flops, bytes_accessed=work.fwd_bytes,
+                                device=spec, family=work.family)  # fmt: skip
+            b += compute_time_s(flops=work.bwd_flops, bytes_accessed=work.bwd_bytes,
+                                device=spec, family=work.family)  # fmt: skip
+        forward.append(f)
+        backward.append(b)
+    return forward, backward
+
+
+LEVEL_RANGE = (0.25, 4.0)
+"""The compute level is clamped to this range (a round whose timings went wrong)."""
+
+
+def pipeline_compute_level(
+    rounds: list[Mapping[str, Any]],
+    priced_forward: list[float],
+    priced_backward: list[float],
+    speed: Mapping[str, float],
+) -> float | None:
+    """How fast calibration's pipeline computed against the planner's price of its tasks: the
+    median, over rounds, stages and kinds, of the priced seconds over the measured ones times
+    the speed ``speed`` gives the ranks computing during them (``speed_at``, interpolated at
+    the tasks' mean concurrency). 1: the simulation, fed the priced stages, reproduces the
+    pipeline's compute. None for rounds without concurrencies (profiles before session 13)."""
+    from autopar.planner.shared_cores import speed_at
+
+    ratios = [
+        price / (seconds * speed_at(speed, ranks))
+        for r in rounds if "forward_ranks" in r
+        for kind, prices in (("forward", priced_forward), ("backward", priced_backward))
+        for price, seconds, ranks in zip(prices, r[f"{kind}_s"], r[f"{kind}_ranks"], strict=True)
+    ]  # fmt: skip
+    return statistics.median(ratios) if ratios else None
+
+
 def with_pipeline_figures(
     spec: Any,
     width: int,
@@ -357,9 +429,11 @@ def with_pipeline_figures(
     rounds: int,
 ) -> Any:
     """``spec`` (a ``DeviceSpec``) with the calibration pipeline's figures: ``task_wait_s``
-    and, where the probe measured one, ``busy_rank_speed`` scaled by the pipeline's lone tasks
-    (:func:`pipeline_busy_rank_speed`). Records the pipeline's measurements in
-    ``details["task_wait"]`` and the probe's speeds in ``details["busy_rank_speed"]["probe"]``."""
+    and, where the probe measured one, ``busy_rank_speed`` shaped by the pipeline's lone tasks
+    (:func:`pipeline_busy_rank_speed`) and times its compute level
+    (:func:`pipeline_compute_level`, clamped to ``LEVEL_RANGE``). Records the pipeline's
+    measurements in ``details["task_wait"]`` (with ``priced_forward_s`` / ``priced_backward_s``
+    and ``compute_level``) and the probe's speeds in ``details["busy_rank_speed"]["probe"]``."""
     import dataclasses
 
     wait, details["task_wait"] = measure_task_wait(width, links, device, log, rounds=rounds)
@@ -369,6 +443,14 @@ def with_pipeline_figures(
         return spec
     details["busy_rank_speed"]["probe"] = probe
     speed = pipeline_busy_rank_speed(probe, timed["lone_speedup"], timed["together_ranks"])
-    log("speed per rank by ranks computing (the probe's, scaled to the pipeline's lone tasks): "
-        + ", ".join(f"{k}: {v:.2f}" for k, v in speed.items()))  # fmt: skip
+    priced = priced_stage_tasks(spec, width=width, rows=timed["rows"], layers=timed["layers"],
+                                world=len(timed["p2p_s"]))  # fmt: skip
+    level = pipeline_compute_level(timed["rounds"], *priced, speed)
+    timed["priced_forward_s"], timed["priced_backward_s"] = priced
+    timed["compute_level"] = level
+    if level is not None:
+        speed = {k: v * min(max(level, LEVEL_RANGE[0]), LEVEL_RANGE[1]) for k, v in speed.items()}
+        log(f"pipeline compute level: its tasks ran {level:.2f}x the planner's price")
+    log("speed per rank by ranks computing (the probe's, scaled to the pipeline's lone tasks and "
+        "compute level): " + ", ".join(f"{k}: {v:.2f}" for k, v in speed.items()))  # fmt: skip
     return dataclasses.replace(spec, busy_rank_speed=speed)
