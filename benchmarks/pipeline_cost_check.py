@@ -38,9 +38,10 @@ Measured figures, per configuration:
   stage's idle time ``sum_i t_i - max_i t_i`` over the step). The mean over ranks of
   ``1 - busy_r / step`` is printed too.
 
-"after" is the plan's prediction (session 12: the step's priced head and tail,
-``planner.pipeline_ends``); "before" is session 11's model, the same plan's stages, profile and
-run without them. The measured head and tail come from timestamps (``pipeline_terms.ends_terms``):
+"after" is the plan's prediction (session 13: ``busy_rank_speed`` at the compute level of
+calibration's pipeline, ``calibration_pipeline.pipeline_compute_level``); "before" is session
+12's model, the same plan's stages, profile and run with the profile's ``busy_rank_speed``
+divided by that level (:func:`compute_level`; 1 for a profile without one). The measured head and tail come from timestamps (``pipeline_terms.ends_terms``):
 the head from the earliest rank's start to the first forward (of it the ranks' skew leaving the
 barrier); the tail from the last task's end to the last rank's end, split into the Python
 before the loss broadcast, the broadcast call and the broadcast's root completing on another
@@ -218,13 +219,25 @@ def _repetition(rows: list[torch.Tensor]) -> dict[str, Any]:
     }
 
 
+def compute_level(profile: Any) -> float:
+    """The compute level ``autopar calibrate`` multiplied the profile's ``busy_rank_speed`` by
+    (``meta.measurements.task_wait.compute_level``, clamped as calibration clamps it); 1.0 for
+    a profile without one (before session 13, presets)."""
+    from autopar.tools.calibration_pipeline import LEVEL_RANGE
+
+    meta = getattr(profile, "meta", None) or {}
+    level = meta.get("measurements", {}).get("task_wait", {}).get("compute_level")
+    return 1.0 if level is None else min(max(level, LEVEL_RANGE[0]), LEVEL_RANGE[1])
+
+
 def drift_removed(
     case: dict[str, Any], speed: float, busy_rank_speed: Any, task_wait_s: float, *, ends: bool
 ) -> Any:
     """The plan's schedule with every stage's forward and backward scaled by ``speed``
     (calibrated matmul FLOP/s over the FLOP/s the probe measured right before the steps): the
     prediction at the machine's current rate; ``ends``: with the plan's priced head and tail
-    (session 12), else without (session 11's model)."""
+    (session 12), else without (session 11's model). ``busy_rank_speed`` divided by the
+    profile's compute level is session 12's model."""
     from autopar.planner.pipeline_schedule import StageCost, schedule_time
 
     stages = [
@@ -266,13 +279,15 @@ def _paired(measured: list[float], times: list[Any], *, idle: bool = False) -> f
 def summarize(
     cases: list[dict[str, Any]], measured: dict[str, Any], profile: Any, calibrated_at: float
 ) -> list[dict[str, Any]]:
-    """Per configuration: the plan's prediction after (with head and tail) and before (without),
-    each with the calibrated profile and at the current rate (each repetition's steps against
+    """Per configuration: the plan's prediction after (at the profile's compute level) and before
+    (session 12's model: without it), each with the calibrated profile and at the current rate (each repetition's steps against
     the schedule priced at the probe's rate right before them; median over repetitions), the
     measured step and idle share, and the schedule model fed the measured stage seconds."""
     device = profile.device
     calibrated_flops = device.peak_flops["float32"]
     speed, wait = device.busy_rank_speed, device.task_wait_s
+    level = compute_level(profile)
+    unleveled = {k: v / level for k, v in speed.items()}
     table = []
     for case in cases:
         reps = measured[case["key"]]
@@ -281,10 +296,10 @@ def summarize(
             for k in range(len(reps[0]["busy_s"]))
         ]
         formula = from_measured_stages(case, busy, wait)
-        before = drift_removed(case, 1.0, speed, wait, ends=False)
+        before = drift_removed(case, 1.0, unleveled, wait, ends=True)
         factors = [calibrated_flops / r["matmul_flops_before"] for r in reps]
-        now = {e: [drift_removed(case, f, speed, wait, ends=e) for f in factors]
-               for e in (True, False)}  # fmt: skip
+        now = {e: [drift_removed(case, f, speed if e else unleveled, wait, ends=True)
+                   for f in factors] for e in (True, False)}  # fmt: skip
         steps = [r["step_s"] for r in reps]
         bubbles = [r["bubble"] for r in reps]
         predicted = case["predicted"]
@@ -474,8 +489,9 @@ def main(argv: list[str] | None = None) -> int:
         row["terms"] = term_chain(case, timelines[case["key"]], profile.device)
         row["ends"] = ends_terms(timelines[case["key"]])
         row["model_tail_s"] = model_tail_s(case, profile.device.task_wait_s)
-    print(f"busy_rank_speed of the profile: {dict(profile.device.busy_rank_speed)}; "
-          f"task_wait_s {profile.device.task_wait_s * 1e3:.2f} ms")  # fmt: skip
+    print(f"busy_rank_speed of the profile: {dict(profile.device.busy_rank_speed)} (compute "
+          f"level {compute_level(profile):.3f}); task_wait_s "
+          f"{profile.device.task_wait_s * 1e3:.2f} ms")  # fmt: skip
     print(f"load at end: {_load()}; {time.perf_counter() - start:.0f} s in all")
     print(markdown(args.world, table))
     print(per_stage_text(table))
