@@ -76,9 +76,11 @@ import torch.distributed as dist
 
 from autopar.models import GPT, GPTConfig, Llama, LlamaConfig
 from benchmarks.pipeline_terms import (
+    drift_text,
     ends_terms,
     fit_text,
     model_tail_s,
+    per_stage_text,
     record_tasks,
     summary_text,
     term_chain,
@@ -366,49 +368,28 @@ def markdown(world: int, table: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def drift_text(measured: dict[str, Any], device: Any) -> str:
-    """The drift probe against the machine's load and the run's clock: every repetition of every
-    configuration, calibrated over probed matmul FLOP/s beside the 1-minute load average and the
-    seconds since the first one, with the least-squares slope of the ratio over each. A load
-    change (other processes) shows as a ratio that follows the load; a systematic slowdown of
-    our own run (heat, memory, a leak) as one that grows with time at the same load."""
-    rows = sorted((r["at_s"], r["load"], device.peak_flops["float32"] / r["matmul_flops_before"])
-                  for reps in measured.values() for r in reps)  # fmt: skip
-    start = rows[0][0]
+def reprice_text(paths: list[str]) -> str:
+    """``--reprice``: the main table of earlier ``--out`` JSONs with today's :func:`summarize`
+    (their plans' stages, measured steps and the profile beside each JSON), so that a run made
+    before a change of the model's columns gets them; the measured head and tail as stored."""
+    from cost_models import load_profile
 
-    def slope(xs: list[float], ys: list[float]) -> float:
-        mx, my = statistics.fmean(xs), statistics.fmean(ys)
-        den = sum((x - mx) ** 2 for x in xs)
-        return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / den if den else 0.0
-
-    times, loads, ratios = ([r[k] for r in rows] for k in range(3))
-    times = [t - start for t in times]
-    corr = statistics.correlation(loads, ratios) if len(set(loads)) > 1 else 0.0
-    # The ratio's time trend with the load's part taken out (residual after the load fit).
-    per_load = slope(loads, ratios)
-    residual = [r - per_load * (x - statistics.fmean(loads)) for r, x in zip(ratios, loads)]
-    return (
-        f"drift probe (calibrated / current matmul FLOP/s) over {len(rows)} repetitions: "
-        f"{min(ratios):.2f}-{max(ratios):.2f}; load average {min(loads):.1f}-{max(loads):.1f}; "
-        f"correlation with load {corr:.2f} (slope {per_load:.3f} per unit of load); trend "
-        f"{slope(times, ratios) * 60:+.3f} per minute raw, {slope(times, residual) * 60:+.3f} "
-        f"per minute at constant load, over {times[-1]:.0f} s"
-    )
-
-
-def per_stage_text(table: list[dict[str, Any]]) -> str:
-    """Per stage: predicted seconds per microbatch vs measured busy seconds per microbatch."""
-    lines = ["per stage, ms per microbatch: predicted (fwd+bwd+p2p) vs measured busy"]
-    for row in table:
-        pairs = ", ".join(
-            f"{p * 1e3:.2f}/{b * 1e3:.2f}"
-            for p, b in zip(row["predicted_stage_s"], row["busy_per_microbatch_s"])
+    out = []
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        world = len(data["table"][0]["busy_per_microbatch_s"])
+        profile = load_profile(
+            os.path.join(os.path.dirname(path), f"pipeline_profile_{world}.json")
         )
-        lines.append(
-            f"  {row['key']:22} {pairs}   (SGD step {row['optimizer_s'] * 1e3:.1f} ms; "
-            f"calibrated / current matmul speed {row['speed_factor']:.2f})"
-        )
-    return "\n".join(lines)
+        old = {row["key"]: row for row in data["table"]}
+        first = data["measured"][data["table"][0]["key"]][0]["at_s"]
+        calibrated_at = first - data["table"][0]["calibration_age_s"][0]
+        table = summarize(data["cases"], data["measured"], profile, calibrated_at)
+        for row in table:
+            row.update(ends=old[row["key"]]["ends"], model_tail_s=old[row["key"]]["model_tail_s"])
+        out += [f"{path} (compute level {compute_level(profile):.3f}):", markdown(world, table)]
+    return "\n".join(out)
 
 
 @contextlib.contextmanager
@@ -455,7 +436,12 @@ def main(argv: list[str] | None = None) -> int:
                              "not while planning (e.g. /tmp/autopar-timing.lock)")  # fmt: skip
     parser.add_argument("--fit-from", default=None, metavar="JSON",
                         help="only fit stage scale and lone speed-up to a previous --out JSON")  # fmt: skip
+    parser.add_argument("--reprice", nargs="+", default=None, metavar="JSON",
+                        help="only print previous --out JSONs' table with today's columns")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.reprice:
+        print(reprice_text(args.reprice))
+        return 0
     if args.fit_from:
         print(fit_text(args.fit_from))
         return 0
