@@ -41,7 +41,7 @@ Measured figures, per configuration:
 "after" is the plan's prediction (session 13: ``busy_rank_speed`` at the compute level of
 calibration's pipeline, ``calibration_pipeline.pipeline_compute_level``); "before" is session
 12's model, the same plan's stages, profile and run with the profile's ``busy_rank_speed``
-divided by that level (:func:`compute_level`; 1 for a profile without one). The measured head and tail come from timestamps (``pipeline_terms.ends_terms``):
+divided by that level (``pipeline_terms.compute_level``; 1 for a profile without one). The measured head and tail come from timestamps (``pipeline_terms.ends_terms``):
 the head from the earliest rank's start to the first forward (of it the ranks' skew leaving the
 barrier); the tail from the last task's end to the last rank's end, split into the Python
 before the loss broadcast, the broadcast call and the broadcast's root completing on another
@@ -53,7 +53,8 @@ step into its terms (``benchmarks/pipeline_terms.py``: the plan's simulation wit
 compute, then measured gaps, then head and tail, against the measured step).
 
 Prints markdown tables and writes ``--out``'s JSON. ``--summary JSON...`` counts what is within
-20% over such JSONs (``summary_text``); ``--fit-from JSON`` fits each configuration's stage scale
+20% over such JSONs (``summary_text``); ``--reprice JSON...`` prints their main table with
+today's columns (``reprice_text``); ``--fit-from JSON`` fits each configuration's stage scale
 and lone-rank speed-up to its measured step and busy time (``fitted_speeds``).
 """
 
@@ -76,6 +77,7 @@ import torch.distributed as dist
 
 from autopar.models import GPT, GPTConfig, Llama, LlamaConfig
 from benchmarks.pipeline_terms import (
+    compute_level,
     drift_text,
     ends_terms,
     fit_text,
@@ -219,17 +221,6 @@ def _repetition(rows: list[torch.Tensor]) -> dict[str, Any]:
         "busy_s": [statistics.median(float(r[k, 1]) for r in rows) for k in range(len(rows[0]))],
         "optimizer_s": statistics.median(float(r[:, 2].max()) for r in rows),
     }
-
-
-def compute_level(profile: Any) -> float:
-    """The compute level ``autopar calibrate`` multiplied the profile's ``busy_rank_speed`` by
-    (``meta.measurements.task_wait.compute_level``, clamped as calibration clamps it); 1.0 for
-    a profile without one (before session 13, presets)."""
-    from autopar.tools.calibration_pipeline import LEVEL_RANGE
-
-    meta = getattr(profile, "meta", None) or {}
-    level = meta.get("measurements", {}).get("task_wait", {}).get("compute_level")
-    return 1.0 if level is None else min(max(level, LEVEL_RANGE[0]), LEVEL_RANGE[1])
 
 
 def drift_removed(

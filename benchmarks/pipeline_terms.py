@@ -298,3 +298,14 @@ def per_stage_text(table: list[dict[str, Any]]) -> str:
             f"calibrated / current matmul speed {row['speed_factor']:.2f})"
         )
     return "\n".join(lines)
+
+
+def compute_level(profile: Any) -> float:
+    """The compute level ``autopar calibrate`` multiplied the profile's ``busy_rank_speed`` by
+    (``meta.measurements.task_wait.compute_level``, clamped as calibration clamps it); 1.0 for
+    a profile without one (before session 13, presets)."""
+    from autopar.tools.calibration_pipeline import LEVEL_RANGE
+
+    meta = getattr(profile, "meta", None) or {}
+    level = meta.get("measurements", {}).get("task_wait", {}).get("compute_level")
+    return 1.0 if level is None else min(max(level, LEVEL_RANGE[0]), LEVEL_RANGE[1])
