@@ -466,8 +466,10 @@ def main(argv: list[str] | None = None) -> int:
         row["terms"] = term_chain(case, timelines[case["key"]], profile.device)
         row["ends"] = ends_terms(timelines[case["key"]])
         row["model_tail_s"] = model_tail_s(case, profile.device.task_wait_s)
+    waits = (profile.meta or {}).get("measurements", {}).get("task_wait", {})
     print(f"busy_rank_speed of the profile: {dict(profile.device.busy_rank_speed)} (compute "
-          f"level {compute_level(profile):.3f}); task_wait_s "
+          f"level {compute_level(profile):.3f}; at the rounds' probed rate "
+          f"{waits.get('compute_level_at_round_rate')}); task_wait_s "
           f"{profile.device.task_wait_s * 1e3:.2f} ms")  # fmt: skip
     print(f"load at end: {_load()}; {time.perf_counter() - start:.0f} s in all")
     print(markdown(args.world, table))

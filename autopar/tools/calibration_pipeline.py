@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -266,6 +266,7 @@ def measure_task_wait(
     steps: int = 3,
     rows: int = PIPELINE_ROWS,
     layers: int = PIPELINE_LAYERS,
+    rate_sizes: Sequence[int] = (),
 ) -> tuple[float, Mapping[str, Any]]:
     """``DeviceSpec.task_wait_s`` (module docstring) and the measurements behind it, among
     them ``lone_speedup`` and ``together_ranks`` (:func:`lone_speedup` of the pipeline's tasks),
@@ -275,6 +276,8 @@ def measure_task_wait(
         width: the stage's layer width (calibration's largest matmul size).
         links: the calibrated links by axis name; a send is priced on ``pp``'s (else the
             first axis's) ``broadcast`` fit, as the planner prices a stage's sends.
+        rate_sizes: matmul sizes of :func:`matmul_rate_now`, timed before each round (its
+            ``matmul_flops``); none when empty.
     """
     from torch.distributed.pipelining import ScheduleGPipe
 
@@ -318,8 +321,9 @@ def measure_task_wait(
     p2p = [send * ((i > 0) + (i < world - 1)) for i in range(world)]
     per_round: list[dict[str, Any]] = []
     for _ in range(rounds):
+        rate = matmul_rate_now(rate_sizes, device) if rate_sizes else None
         timelines = [one_step() for _ in range(steps)]
-        per_round.append(round_figures(timelines, p2p, microbatches=m))
+        per_round.append(dict(round_figures(timelines, p2p, microbatches=m), matmul_flops=rate))
     wait = statistics.median(r["task_wait_s"] for r in per_round)
     dist.destroy_process_group(group)
     detail = {"schedule": "gpipe", "microbatches": m, "rows": rows, "width": width, "layers": layers,
@@ -364,6 +368,24 @@ def pipeline_busy_rank_speed(
     return {k: v**power for k, v in probe.items()}
 
 
+def matmul_rate_now(sizes: Sequence[int], device: torch.device) -> float:
+    """fp32 matmul FLOP/s now, fitted as calibration fits ``peak_flops`` (every rank timing each
+    size at once, mean over ranks, through the origin; 0.1 s per size): the machine's rate at a
+    pipeline round, against which :func:`pipeline_compute_level` can take the level apart from
+    the load's drift since the peak was timed."""
+    from autopar.tools.timing import mean_over_ranks, time_callable
+    from cost_models.calibrate import fit_rate
+    from cost_models.compute import matmul_flops
+
+    times = []
+    for n in sizes:
+        a = torch.randn(n, n, device=device)
+        dist.barrier()
+        times.append(time_callable(lambda a=a: a @ a, device=device, min_time_s=0.1, trials=1))
+    times = mean_over_ranks(times, device)
+    return fit_rate([matmul_flops(n, n, n) for n in sizes], times, through_origin=True)[0]
+
+
 def priced_stage_tasks(
     spec: Any, *, width: int, rows: int, layers: int, world: int
 ) -> tuple[list[float], list[float]]:
@@ -401,16 +423,24 @@ def pipeline_compute_level(
     priced_forward: list[float],
     priced_backward: list[float],
     speed: Mapping[str, float],
+    *,
+    peak_flops: float | None = None,
 ) -> float | None:
     """How fast calibration's pipeline computed against the planner's price of its tasks: the
     median, over rounds, stages and kinds, of the priced seconds over the measured ones times
     the speed ``speed`` gives the ranks computing during them (``speed_at``, interpolated at
     the tasks' mean concurrency). 1: the simulation, fed the priced stages, reproduces the
-    pipeline's compute. None for rounds without concurrencies (profiles before session 13)."""
+    pipeline's compute. None for rounds without concurrencies (profiles before session 13).
+    With ``peak_flops`` (the profile's), each round's prices are first scaled to the matmul rate
+    probed right before it (``peak_flops / matmul_flops``): the level without the load's drift
+    between calibration's op timings and the round; None where a round has no probe."""
     from autopar.planner.shared_cores import speed_at
 
+    if peak_flops is not None and any(r.get("matmul_flops") is None for r in rounds):
+        return None
     ratios = [
-        price / (seconds * speed_at(speed, ranks))
+        price * (1.0 if peak_flops is None else peak_flops / r["matmul_flops"])
+        / (seconds * speed_at(speed, ranks))
         for r in rounds if "forward_ranks" in r
         for kind, prices in (("forward", priced_forward), ("backward", priced_backward))
         for price, seconds, ranks in zip(prices, r[f"{kind}_s"], r[f"{kind}_ranks"], strict=True)
@@ -427,16 +457,20 @@ def with_pipeline_figures(
     details: dict[str, Any],
     *,
     rounds: int,
+    rate_sizes: Sequence[int] = (),
 ) -> Any:
     """``spec`` (a ``DeviceSpec``) with the calibration pipeline's figures: ``task_wait_s``
     and, where the probe measured one, ``busy_rank_speed`` shaped by the pipeline's lone tasks
     (:func:`pipeline_busy_rank_speed`) and times its compute level
     (:func:`pipeline_compute_level`, clamped to ``LEVEL_RANGE``). Records the pipeline's
-    measurements in ``details["task_wait"]`` (with ``priced_forward_s`` / ``priced_backward_s``
-    and ``compute_level``) and the probe's speeds in ``details["busy_rank_speed"]["probe"]``."""
+    measurements in ``details["task_wait"]`` (with ``priced_forward_s`` / ``priced_backward_s``,
+    ``compute_level`` and, recorded only, ``compute_level_at_round_rate``: the level against
+    the matmul rate probed before each round, ``rate_sizes``) and the probe's speeds in
+    ``details["busy_rank_speed"]["probe"]``."""
     import dataclasses
 
-    wait, details["task_wait"] = measure_task_wait(width, links, device, log, rounds=rounds)
+    wait, details["task_wait"] = measure_task_wait(width, links, device, log, rounds=rounds,
+                                                   rate_sizes=rate_sizes)  # fmt: skip
     spec = dataclasses.replace(spec, task_wait_s=wait)
     probe, timed = dict(spec.busy_rank_speed), details["task_wait"]
     if not probe or not timed:
@@ -448,6 +482,9 @@ def with_pipeline_figures(
     level = pipeline_compute_level(timed["rounds"], *priced, speed)
     timed["priced_forward_s"], timed["priced_backward_s"] = priced
     timed["compute_level"] = level
+    timed["compute_level_at_round_rate"] = pipeline_compute_level(
+        timed["rounds"], *priced, speed, peak_flops=spec.peak_flops["float32"]
+    )
     if level is not None:
         speed = {k: v * min(max(level, LEVEL_RANGE[0]), LEVEL_RANGE[1]) for k, v in speed.items()}
         log(f"pipeline compute level: its tasks ran {level:.2f}x the planner's price")

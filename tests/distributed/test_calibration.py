@@ -85,6 +85,11 @@ def test_tiny_calibration_gives_a_profile_the_planner_uses(tmp_path) -> None:
                and max(r["forward_ranks"]) <= world for r in task_wait["rounds"])  # fmt: skip
     level = task_wait["compute_level"]
     assert level == pipeline_compute_level(task_wait["rounds"], *priced, shaped)
+    # Recorded only: the level against the matmul rate probed before each round.
+    assert all(r["matmul_flops"] > 1e8 for r in task_wait["rounds"])
+    assert task_wait["compute_level_at_round_rate"] == pipeline_compute_level(
+        task_wait["rounds"], *priced, shaped, peak_flops=device.peak_flops["float32"]
+    )
     level = min(max(level, LEVEL_RANGE[0]), LEVEL_RANGE[1])
     assert dict(device.busy_rank_speed) == pytest.approx({k: v * level for k, v in shaped.items()})
     assert device.task_wait_s >= 0 and device.task_wait_s < min(

@@ -136,6 +136,12 @@ def test_the_compute_level_is_how_fast_the_pipeline_ran_against_its_price():
     assert pipeline_compute_level(rounds, [2.0, 2.0], [4.0, 4.0], flat) == pytest.approx(4 / 3)
     old = [{k: v for k, v in rounds[0].items() if not k.endswith("_ranks")}]
     assert pipeline_compute_level(old, [2.0, 2.0], [4.0, 4.0], curve) is None
+    # Against the rate probed before the round: the machine ran at half the profile's peak
+    # then, so the same tasks ran twice as fast as priced at that moment.
+    probed = [dict(rounds[0], matmul_flops=50.0)]
+    at_rate = pipeline_compute_level(probed, [2.0, 2.0], [4.0, 4.0], curve, peak_flops=100.0)
+    assert at_rate == pytest.approx(2.0)
+    assert pipeline_compute_level(rounds, [2.0] * 2, [4.0] * 2, curve, peak_flops=1.0) is None
     assert LEVEL_RANGE[0] < 1 < LEVEL_RANGE[1]
 
 
