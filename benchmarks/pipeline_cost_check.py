@@ -81,6 +81,7 @@ from benchmarks.pipeline_terms import (
     drift_text,
     ends_terms,
     fit_text,
+    level_reference_flops,
     model_tail_s,
     per_stage_text,
     record_tasks,
@@ -273,14 +274,17 @@ def summarize(
     cases: list[dict[str, Any]], measured: dict[str, Any], profile: Any, calibrated_at: float
 ) -> list[dict[str, Any]]:
     """Per configuration: the plan's prediction after (at the profile's compute level) and before
-    (session 12's model: without it), each with the calibrated profile and at the current rate (each repetition's steps against
-    the schedule priced at the probe's rate right before them; median over repetitions), the
-    measured step and idle share, and the schedule model fed the measured stage seconds."""
+    (session 12's model: without it), each with the calibrated profile and at the current rate
+    (each repetition's steps against the schedule priced at the probe's rate right before them;
+    median over repetitions; "after" from the rate the level was taken at,
+    ``level_reference_flops``, "before" from the peak), the measured step and idle share, and
+    the schedule model fed the measured stage seconds."""
     device = profile.device
     calibrated_flops = device.peak_flops["float32"]
     speed, wait = device.busy_rank_speed, device.task_wait_s
     level = compute_level(profile)
     unleveled = {k: v / level for k, v in speed.items()}
+    reference = {True: level_reference_flops(profile), False: calibrated_flops}
     table = []
     for case in cases:
         reps = measured[case["key"]]
@@ -291,8 +295,9 @@ def summarize(
         formula = from_measured_stages(case, busy, wait)
         before = drift_removed(case, 1.0, unleveled, wait, ends=True)
         factors = [calibrated_flops / r["matmul_flops_before"] for r in reps]
-        now = {e: [drift_removed(case, f, speed if e else unleveled, wait, ends=True)
-                   for f in factors] for e in (True, False)}  # fmt: skip
+        now = {e: [drift_removed(case, reference[e] / r["matmul_flops_before"],
+                                 speed if e else unleveled, wait, ends=True)
+                   for r in reps] for e in (True, False)}  # fmt: skip
         steps = [r["step_s"] for r in reps]
         bubbles = [r["bubble"] for r in reps]
         predicted = case["predicted"]

@@ -309,3 +309,18 @@ def compute_level(profile: Any) -> float:
     meta = getattr(profile, "meta", None) or {}
     level = meta.get("measurements", {}).get("task_wait", {}).get("compute_level")
     return 1.0 if level is None else min(max(level, LEVEL_RANGE[0]), LEVEL_RANGE[1])
+
+
+def level_reference_flops(profile: Any) -> float:
+    """The matmul FLOP/s at which calibration took the profile's compute level: the median of
+    the rate probed before each of its pipeline rounds (``rounds[i].matmul_flops``, session 13)
+    where recorded, else the profile's ``peak_flops`` (which the level is priced against). The
+    check's "at the current rate" scales the levelled model by this over the current rate: the
+    level already holds the speed of its moment, so the peak would count the drift since the
+    peak was timed twice."""
+    meta = getattr(profile, "meta", None) or {}
+    rounds = meta.get("measurements", {}).get("task_wait", {}).get("rounds", [])
+    rates = [r.get("matmul_flops") for r in rounds]
+    if rates and all(rates):
+        return statistics.median(rates)
+    return profile.device.peak_flops["float32"]
