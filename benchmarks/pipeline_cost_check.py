@@ -38,9 +38,10 @@ Measured figures, per configuration:
   stage's idle time ``sum_i t_i - max_i t_i`` over the step). The mean over ranks of
   ``1 - busy_r / step`` is printed too.
 
-"after" is the plan's prediction (session 12: the step's priced head and tail,
-``planner.pipeline_ends``); "before" is session 11's model, the same plan's stages, profile and
-run without them. The measured head and tail come from timestamps (``pipeline_terms.ends_terms``):
+"after" is the plan's prediction (session 13: ``busy_rank_speed`` at the compute level of
+calibration's pipeline, ``calibration_pipeline.pipeline_compute_level``); "before" is session
+12's model, the same plan's stages, profile and run with the profile's ``busy_rank_speed``
+divided by that level (``pipeline_terms.compute_level``; 1 for a profile without one). The measured head and tail come from timestamps (``pipeline_terms.ends_terms``):
 the head from the earliest rank's start to the first forward (of it the ranks' skew leaving the
 barrier); the tail from the last task's end to the last rank's end, split into the Python
 before the loss broadcast, the broadcast call and the broadcast's root completing on another
@@ -52,7 +53,8 @@ step into its terms (``benchmarks/pipeline_terms.py``: the plan's simulation wit
 compute, then measured gaps, then head and tail, against the measured step).
 
 Prints markdown tables and writes ``--out``'s JSON. ``--summary JSON...`` counts what is within
-20% over such JSONs (``summary_text``); ``--fit-from JSON`` fits each configuration's stage scale
+20% over such JSONs (``summary_text``); ``--reprice JSON...`` prints their main table with
+today's columns (``reprice_text``); ``--fit-from JSON`` fits each configuration's stage scale
 and lone-rank speed-up to its measured step and busy time (``fitted_speeds``).
 """
 
@@ -75,9 +77,13 @@ import torch.distributed as dist
 
 from autopar.models import GPT, GPTConfig, Llama, LlamaConfig
 from benchmarks.pipeline_terms import (
+    compute_level,
+    drift_text,
     ends_terms,
     fit_text,
+    level_reference_flops,
     model_tail_s,
+    per_stage_text,
     record_tasks,
     summary_text,
     term_chain,
@@ -224,7 +230,8 @@ def drift_removed(
     """The plan's schedule with every stage's forward and backward scaled by ``speed``
     (calibrated matmul FLOP/s over the FLOP/s the probe measured right before the steps): the
     prediction at the machine's current rate; ``ends``: with the plan's priced head and tail
-    (session 12), else without (session 11's model)."""
+    (session 12), else without (session 11's model). ``busy_rank_speed`` divided by the
+    profile's compute level is session 12's model."""
     from autopar.planner.pipeline_schedule import StageCost, schedule_time
 
     stages = [
@@ -266,13 +273,18 @@ def _paired(measured: list[float], times: list[Any], *, idle: bool = False) -> f
 def summarize(
     cases: list[dict[str, Any]], measured: dict[str, Any], profile: Any, calibrated_at: float
 ) -> list[dict[str, Any]]:
-    """Per configuration: the plan's prediction after (with head and tail) and before (without),
-    each with the calibrated profile and at the current rate (each repetition's steps against
-    the schedule priced at the probe's rate right before them; median over repetitions), the
-    measured step and idle share, and the schedule model fed the measured stage seconds."""
+    """Per configuration: the plan's prediction after (at the profile's compute level) and before
+    (session 12's model: without it), each with the calibrated profile and at the current rate
+    (each repetition's steps against the schedule priced at the probe's rate right before them;
+    median over repetitions; "after" from the rate the level was taken at,
+    ``level_reference_flops``, "before" from the peak), the measured step and idle share, and
+    the schedule model fed the measured stage seconds."""
     device = profile.device
     calibrated_flops = device.peak_flops["float32"]
     speed, wait = device.busy_rank_speed, device.task_wait_s
+    level = compute_level(profile)
+    unleveled = {k: v / level for k, v in speed.items()}
+    reference = {True: level_reference_flops(profile), False: calibrated_flops}
     table = []
     for case in cases:
         reps = measured[case["key"]]
@@ -281,10 +293,11 @@ def summarize(
             for k in range(len(reps[0]["busy_s"]))
         ]
         formula = from_measured_stages(case, busy, wait)
-        before = drift_removed(case, 1.0, speed, wait, ends=False)
+        before = drift_removed(case, 1.0, unleveled, wait, ends=True)
         factors = [calibrated_flops / r["matmul_flops_before"] for r in reps]
-        now = {e: [drift_removed(case, f, speed, wait, ends=e) for f in factors]
-               for e in (True, False)}  # fmt: skip
+        now = {e: [drift_removed(case, reference[e] / r["matmul_flops_before"],
+                                 speed if e else unleveled, wait, ends=True)
+                   for r in reps] for e in (True, False)}  # fmt: skip
         steps = [r["step_s"] for r in reps]
         bubbles = [r["bubble"] for r in reps]
         predicted = case["predicted"]
@@ -351,49 +364,28 @@ def markdown(world: int, table: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def drift_text(measured: dict[str, Any], device: Any) -> str:
-    """The drift probe against the machine's load and the run's clock: every repetition of every
-    configuration, calibrated over probed matmul FLOP/s beside the 1-minute load average and the
-    seconds since the first one, with the least-squares slope of the ratio over each. A load
-    change (other processes) shows as a ratio that follows the load; a systematic slowdown of
-    our own run (heat, memory, a leak) as one that grows with time at the same load."""
-    rows = sorted((r["at_s"], r["load"], device.peak_flops["float32"] / r["matmul_flops_before"])
-                  for reps in measured.values() for r in reps)  # fmt: skip
-    start = rows[0][0]
+def reprice_text(paths: list[str]) -> str:
+    """``--reprice``: the main table of earlier ``--out`` JSONs with today's :func:`summarize`
+    (their plans' stages, measured steps and the profile beside each JSON), so that a run made
+    before a change of the model's columns gets them; the measured head and tail as stored."""
+    from cost_models import load_profile
 
-    def slope(xs: list[float], ys: list[float]) -> float:
-        mx, my = statistics.fmean(xs), statistics.fmean(ys)
-        den = sum((x - mx) ** 2 for x in xs)
-        return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / den if den else 0.0
-
-    times, loads, ratios = ([r[k] for r in rows] for k in range(3))
-    times = [t - start for t in times]
-    corr = statistics.correlation(loads, ratios) if len(set(loads)) > 1 else 0.0
-    # The ratio's time trend with the load's part taken out (residual after the load fit).
-    per_load = slope(loads, ratios)
-    residual = [r - per_load * (x - statistics.fmean(loads)) for r, x in zip(ratios, loads)]
-    return (
-        f"drift probe (calibrated / current matmul FLOP/s) over {len(rows)} repetitions: "
-        f"{min(ratios):.2f}-{max(ratios):.2f}; load average {min(loads):.1f}-{max(loads):.1f}; "
-        f"correlation with load {corr:.2f} (slope {per_load:.3f} per unit of load); trend "
-        f"{slope(times, ratios) * 60:+.3f} per minute raw, {slope(times, residual) * 60:+.3f} "
-        f"per minute at constant load, over {times[-1]:.0f} s"
-    )
-
-
-def per_stage_text(table: list[dict[str, Any]]) -> str:
-    """Per stage: predicted seconds per microbatch vs measured busy seconds per microbatch."""
-    lines = ["per stage, ms per microbatch: predicted (fwd+bwd+p2p) vs measured busy"]
-    for row in table:
-        pairs = ", ".join(
-            f"{p * 1e3:.2f}/{b * 1e3:.2f}"
-            for p, b in zip(row["predicted_stage_s"], row["busy_per_microbatch_s"])
+    out = []
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        world = len(data["table"][0]["busy_per_microbatch_s"])
+        profile = load_profile(
+            os.path.join(os.path.dirname(path), f"pipeline_profile_{world}.json")
         )
-        lines.append(
-            f"  {row['key']:22} {pairs}   (SGD step {row['optimizer_s'] * 1e3:.1f} ms; "
-            f"calibrated / current matmul speed {row['speed_factor']:.2f})"
-        )
-    return "\n".join(lines)
+        old = {row["key"]: row for row in data["table"]}
+        first = data["measured"][data["table"][0]["key"]][0]["at_s"]
+        calibrated_at = first - data["table"][0]["calibration_age_s"][0]
+        table = summarize(data["cases"], data["measured"], profile, calibrated_at)
+        for row in table:
+            row.update(ends=old[row["key"]]["ends"], model_tail_s=old[row["key"]]["model_tail_s"])
+        out += [f"{path} (compute level {compute_level(profile):.3f}):", markdown(world, table)]
+    return "\n".join(out)
 
 
 @contextlib.contextmanager
@@ -440,7 +432,12 @@ def main(argv: list[str] | None = None) -> int:
                              "not while planning (e.g. /tmp/autopar-timing.lock)")  # fmt: skip
     parser.add_argument("--fit-from", default=None, metavar="JSON",
                         help="only fit stage scale and lone speed-up to a previous --out JSON")  # fmt: skip
+    parser.add_argument("--reprice", nargs="+", default=None, metavar="JSON",
+                        help="only print previous --out JSONs' table with today's columns")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.reprice:
+        print(reprice_text(args.reprice))
+        return 0
     if args.fit_from:
         print(fit_text(args.fit_from))
         return 0
@@ -474,8 +471,11 @@ def main(argv: list[str] | None = None) -> int:
         row["terms"] = term_chain(case, timelines[case["key"]], profile.device)
         row["ends"] = ends_terms(timelines[case["key"]])
         row["model_tail_s"] = model_tail_s(case, profile.device.task_wait_s)
-    print(f"busy_rank_speed of the profile: {dict(profile.device.busy_rank_speed)}; "
-          f"task_wait_s {profile.device.task_wait_s * 1e3:.2f} ms")  # fmt: skip
+    waits = (profile.meta or {}).get("measurements", {}).get("task_wait", {})
+    print(f"busy_rank_speed of the profile: {dict(profile.device.busy_rank_speed)} (compute "
+          f"level {compute_level(profile):.3f}; at the rounds' probed rate "
+          f"{waits.get('compute_level_at_round_rate')}); task_wait_s "
+          f"{profile.device.task_wait_s * 1e3:.2f} ms")  # fmt: skip
     print(f"load at end: {_load()}; {time.perf_counter() - start:.0f} s in all")
     print(markdown(args.world, table))
     print(per_stage_text(table))

@@ -253,3 +253,74 @@ def summary_text(paths: list[str]) -> str:
         f"{statistics.correlation(xs, ys):.2f}, intercept {math.exp(my - slope * mx):.2f}"
     )
     return "\n".join(lines)
+
+
+def drift_text(measured: dict[str, Any], device: Any) -> str:
+    """The drift probe against the machine's load and the run's clock: every repetition of every
+    configuration, calibrated over probed matmul FLOP/s beside the 1-minute load average and the
+    seconds since the first one, with the least-squares slope of the ratio over each. A load
+    change (other processes) shows as a ratio that follows the load; a systematic slowdown of
+    our own run (heat, memory, a leak) as one that grows with time at the same load."""
+    rows = sorted((r["at_s"], r["load"], device.peak_flops["float32"] / r["matmul_flops_before"])
+                  for reps in measured.values() for r in reps)  # fmt: skip
+    start = rows[0][0]
+
+    def slope(xs: list[float], ys: list[float]) -> float:
+        mx, my = statistics.fmean(xs), statistics.fmean(ys)
+        den = sum((x - mx) ** 2 for x in xs)
+        return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / den if den else 0.0
+
+    times, loads, ratios = ([r[k] for r in rows] for k in range(3))
+    times = [t - start for t in times]
+    corr = statistics.correlation(loads, ratios) if len(set(loads)) > 1 else 0.0
+    # The ratio's time trend with the load's part taken out (residual after the load fit).
+    per_load = slope(loads, ratios)
+    residual = [r - per_load * (x - statistics.fmean(loads)) for r, x in zip(ratios, loads)]
+    return (
+        f"drift probe (calibrated / current matmul FLOP/s) over {len(rows)} repetitions: "
+        f"{min(ratios):.2f}-{max(ratios):.2f}; load average {min(loads):.1f}-{max(loads):.1f}; "
+        f"correlation with load {corr:.2f} (slope {per_load:.3f} per unit of load); trend "
+        f"{slope(times, ratios) * 60:+.3f} per minute raw, {slope(times, residual) * 60:+.3f} "
+        f"per minute at constant load, over {times[-1]:.0f} s"
+    )
+
+
+def per_stage_text(table: list[dict[str, Any]]) -> str:
+    """Per stage: predicted seconds per microbatch vs measured busy seconds per microbatch."""
+    lines = ["per stage, ms per microbatch: predicted (fwd+bwd+p2p) vs measured busy"]
+    for row in table:
+        pairs = ", ".join(
+            f"{p * 1e3:.2f}/{b * 1e3:.2f}"
+            for p, b in zip(row["predicted_stage_s"], row["busy_per_microbatch_s"])
+        )
+        lines.append(
+            f"  {row['key']:22} {pairs}   (SGD step {row['optimizer_s'] * 1e3:.1f} ms; "
+            f"calibrated / current matmul speed {row['speed_factor']:.2f})"
+        )
+    return "\n".join(lines)
+
+
+def compute_level(profile: Any) -> float:
+    """The compute level ``autopar calibrate`` multiplied the profile's ``busy_rank_speed`` by
+    (``meta.measurements.task_wait.compute_level``, clamped as calibration clamps it); 1.0 for
+    a profile without one (before session 13, presets)."""
+    from autopar.tools.calibration_pipeline import LEVEL_RANGE
+
+    meta = getattr(profile, "meta", None) or {}
+    level = meta.get("measurements", {}).get("task_wait", {}).get("compute_level")
+    return 1.0 if level is None else min(max(level, LEVEL_RANGE[0]), LEVEL_RANGE[1])
+
+
+def level_reference_flops(profile: Any) -> float:
+    """The matmul FLOP/s at which calibration took the profile's compute level: the median of
+    the rate probed before each of its pipeline rounds (``rounds[i].matmul_flops``, session 13)
+    where recorded, else the profile's ``peak_flops`` (which the level is priced against). The
+    check's "at the current rate" scales the levelled model by this over the current rate: the
+    level already holds the speed of its moment, so the peak would count the drift since the
+    peak was timed twice."""
+    meta = getattr(profile, "meta", None) or {}
+    rounds = meta.get("measurements", {}).get("task_wait", {}).get("rounds", [])
+    rates = [r.get("matmul_flops") for r in rounds]
+    if rates and all(rates):
+        return statistics.median(rates)
+    return profile.device.peak_flops["float32"]

@@ -89,10 +89,12 @@ class DeviceSpec:
     """Where the figures come from (datasheet name and the figures used, or a calibration)."""
     busy_rank_speed: Mapping[str, float] = field(default_factory=FrozenMap)
     """Per-rank compute speed when ``k`` ranks of the job compute at once (key ``str(k)``),
-    relative to the speed the other figures were measured at (every rank computing at once).
-    Ranks that share cores (CPU gloo ranks) run faster when few compute, as in a pipeline's
-    ramp-up; ``autopar calibrate`` measures it on CPU. Empty (presets, GPUs): every rank has
-    its own device, the speed does not depend on how many compute."""
+    relative to the speed the other figures price (calibration's ops, every rank computing at
+    once). Ranks that share cores (CPU gloo ranks) run faster when few compute, as in a
+    pipeline's ramp-up; ``autopar calibrate`` measures it on CPU, its level included: the speed
+    with every rank computing is how fast a pipeline's tasks ran against their price, not 1
+    (session 13; older profiles have 1 there and load unchanged). Empty (presets, GPUs): every
+    rank has its own device, the speed does not depend on how many compute."""
     task_wait_s: float = 0.0
     """Seconds a pipeline rank spends per scheduled task (one microbatch's forward or backward)
     outside its compute and its send's transfer: waking up on a receive, gloo's threads and the

@@ -5,7 +5,8 @@ the other stages compute or wait. On ranks that share CPU cores (gloo ranks on o
 is false: a stage computing alone (a pipeline's ramp-up and drain, or while the others wait for
 its activation) runs several times faster than with every rank computing, the condition under
 which ``autopar calibrate`` measured the device. ``DeviceSpec.busy_rank_speed`` holds the
-measured per-rank speed for ``k`` ranks computing at once, relative to all of them.
+measured per-rank speed for ``k`` ranks computing at once, relative to the stage's price (its
+level, the speed with every rank computing, is calibration's pipeline's: not always 1).
 
 The simulation runs the schedule's per-rank order of forwards ``F(j)`` and backwards ``B(j)``
 (GPipe: every forward, then every backward; 1F1B: ``min(p - i - 1, m)`` warm-up forwards on stage
@@ -37,8 +38,9 @@ from collections.abc import Mapping, Sequence
 from autopar.planner.pipeline_schedule import ScheduleTime, StageCost
 
 
-def speed_at(busy_rank_speed: Mapping[str, float], busy: int) -> float:
-    """Per-rank speed with ``busy`` ranks computing (module docstring; 1.0 for an empty table)."""
+def speed_at(busy_rank_speed: Mapping[str, float], busy: float) -> float:
+    """Per-rank speed with ``busy`` ranks computing (module docstring; 1.0 for an empty table);
+    ``busy`` may be a mean count (interpolated alike)."""
     if not busy_rank_speed:
         return 1.0
     points = sorted((int(k), 1.0 / v) for k, v in busy_rank_speed.items())

@@ -398,7 +398,8 @@ def calibrate_on_rank(
         spec = dataclasses.replace(spec, busy_rank_speed=speed)
         links, link_details = measure_links(config, groups, device, log)
         spec = with_pipeline_figures(spec, max(config.matmul_sizes), links, device, log,
-                                     device_details, rounds=max(config.trials, 3))  # fmt: skip
+                                     device_details, rounds=max(config.trials, 3),
+                                     rate_sizes=config.matmul_sizes)  # fmt: skip
     step_error = step_error_of(device_details, link_details, config.trials)
     paired_error = paired_error_of(link_details, config.trials)
     spec = dataclasses.replace(spec, step_error=step_error, paired_error=paired_error,

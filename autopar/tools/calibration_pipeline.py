@@ -24,6 +24,12 @@ previous task, or after the neighbour's task it waited for), the head and the ta
   probe (a matmul timed for seconds with ``k`` ranks computing) to it: the probe measured 1.3-2.1
   alone on 2 ranks while the pipelines ran their lone tasks 1.0-1.5x faster (README, "Session
   11").
+- The compute level (session 13) is how fast the pipeline's tasks ran against the planner's
+  own price of them (each linear's roofline on the profile being written, every rank busy) at
+  the speed that curve gives the ranks computing during them (:func:`pipeline_compute_level`);
+  ``busy_rank_speed`` is multiplied by it, so the simulation prices a stage at the speed a
+  pipeline's tasks meet, not at the speed of calibration's single ops timed in a hot loop with
+  every rank busy (1.2-1.6x slower on 2 ranks here, README "Session 13").
 
 Median over rounds of a few steps. GPUs and one rank: not measured (0, the probe's speeds).
 """
@@ -33,7 +39,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -225,6 +231,8 @@ def round_figures(
     backward = [statistics.median(t["backward_s"][r] for t in terms) for r in range(p)]
     gap = statistics.median(t["gap_s"] for t in terms)
     speedup, together = lone_speedup(terms)
+    concurrency = {kind: [statistics.median(_mean_ranks(t["alone"], r, kind) for t in terms)
+                          for r in range(p)] for kind in "FB"}  # fmt: skip
     return {
         "step_s": step, "forward_s": forward, "backward_s": backward, "gap_s": gap,
         "task_wait_s": max(0.0, gap - statistics.fmean(p2p_s) / 2),
@@ -235,7 +243,17 @@ def round_figures(
         # None (JSON null) where no task ran both alone and overlapped in the round.
         "lone_speedup": None if math.isnan(speedup) else speedup,
         "together_ranks": None if math.isnan(together) else together,
+        # Mean ranks computing during each stage's forwards and backwards (itself included).
+        "forward_ranks": concurrency["F"], "backward_ranks": concurrency["B"],
     }  # fmt: skip
+
+
+def _mean_ranks(alone: list[Any], rank: int, kind: str) -> float:
+    """Mean over ``rank``'s tasks of ``kind`` of the number of ranks computing during each
+    (``step_terms``' ``alone``). Unweighted: the seconds per unit of work ``speed_at``
+    interpolates are linear in the count, so a stage's mean task seconds is its work times the
+    seconds per unit at this mean (within one interval of measured counts)."""
+    return statistics.fmean(n for r, k, _, _, n in alone if (r, k) == (rank, kind))
 
 
 def measure_task_wait(
@@ -248,6 +266,7 @@ def measure_task_wait(
     steps: int = 3,
     rows: int = PIPELINE_ROWS,
     layers: int = PIPELINE_LAYERS,
+    rate_sizes: Sequence[int] = (),
 ) -> tuple[float, Mapping[str, Any]]:
     """``DeviceSpec.task_wait_s`` (module docstring) and the measurements behind it, among
     them ``lone_speedup`` and ``together_ranks`` (:func:`lone_speedup` of the pipeline's tasks),
@@ -257,6 +276,8 @@ def measure_task_wait(
         width: the stage's layer width (calibration's largest matmul size).
         links: the calibrated links by axis name; a send is priced on ``pp``'s (else the
             first axis's) ``broadcast`` fit, as the planner prices a stage's sends.
+        rate_sizes: matmul sizes of :func:`matmul_rate_now`, timed before each round (its
+            ``matmul_flops``); none when empty.
     """
     from torch.distributed.pipelining import ScheduleGPipe
 
@@ -300,8 +321,9 @@ def measure_task_wait(
     p2p = [send * ((i > 0) + (i < world - 1)) for i in range(world)]
     per_round: list[dict[str, Any]] = []
     for _ in range(rounds):
+        rate = matmul_rate_now(rate_sizes, device) if rate_sizes else None
         timelines = [one_step() for _ in range(steps)]
-        per_round.append(round_figures(timelines, p2p, microbatches=m))
+        per_round.append(dict(round_figures(timelines, p2p, microbatches=m), matmul_flops=rate))
     wait = statistics.median(r["task_wait_s"] for r in per_round)
     dist.destroy_process_group(group)
     detail = {"schedule": "gpipe", "microbatches": m, "rows": rows, "width": width, "layers": layers,
@@ -346,6 +368,86 @@ def pipeline_busy_rank_speed(
     return {k: v**power for k, v in probe.items()}
 
 
+def matmul_rate_now(sizes: Sequence[int], device: torch.device) -> float:
+    """fp32 matmul FLOP/s now, fitted as calibration fits ``peak_flops`` (every rank timing each
+    size at once, mean over ranks, through the origin; 0.1 s per size): the machine's rate at a
+    pipeline round, against which :func:`pipeline_compute_level` can take the level apart from
+    the load's drift since the peak was timed."""
+    from autopar.tools.timing import mean_over_ranks, time_callable
+    from cost_models.calibrate import fit_rate
+    from cost_models.compute import matmul_flops
+
+    times = []
+    for n in sizes:
+        a = torch.randn(n, n, device=device)
+        dist.barrier()
+        times.append(time_callable(lambda a=a: a @ a, device=device, min_time_s=0.1, trials=1))
+    times = mean_over_ranks(times, device)
+    return fit_rate([matmul_flops(n, n, n) for n in sizes], times, through_origin=True)[0]
+
+
+def priced_stage_tasks(
+    spec: Any, *, width: int, rows: int, layers: int, world: int
+) -> tuple[list[float], list[float]]:
+    """Per stage of calibration's pipeline, the seconds of one microbatch's forward and
+    backward as the planner prices them on ``spec`` (every rank computing): each linear layer's
+    roofline (``autopar.capture.flops.op_costs``, ``cost_models.compute_time_s``), stage 0's
+    input needing no gradient; the last stage's loss (one square and one sum of a microbatch,
+    under 1% of its work) is left out."""
+    from autopar.capture.flops import op_costs
+    from cost_models.compute import compute_time_s
+
+    forward, backward = [], []
+    for stage in range(world):
+        f = b = 0.0
+        for layer in range(layers):
+            x = torch.empty(rows, width, device="meta", requires_grad=stage > 0 or layer > 0)
+            w = torch.empty(width, width, device="meta", requires_grad=True)
+            bias = torch.empty(width, device="meta", requires_grad=True)
+            work = op_costs(torch.ops.aten.linear.default, [x, w, bias])
+            f += compute_time_s(flops=work.fwd_flops, bytes_accessed=work.fwd_bytes,
+                                device=spec, family=work.family)  # fmt: skip
+            b += compute_time_s(flops=work.bwd_flops, bytes_accessed=work.bwd_bytes,
+                                device=spec, family=work.family)  # fmt: skip
+        forward.append(f)
+        backward.append(b)
+    return forward, backward
+
+
+LEVEL_RANGE = (0.25, 4.0)
+"""The compute level is clamped to this range (a round whose timings went wrong)."""
+
+
+def pipeline_compute_level(
+    rounds: list[Mapping[str, Any]],
+    priced_forward: list[float],
+    priced_backward: list[float],
+    speed: Mapping[str, float],
+    *,
+    peak_flops: float | None = None,
+) -> float | None:
+    """How fast calibration's pipeline computed against the planner's price of its tasks: the
+    median, over rounds, stages and kinds, of the priced seconds over the measured ones times
+    the speed ``speed`` gives the ranks computing during them (``speed_at``, interpolated at
+    the tasks' mean concurrency). 1: the simulation, fed the priced stages, reproduces the
+    pipeline's compute. None for rounds without concurrencies (profiles before session 13).
+    With ``peak_flops`` (the profile's), each round's prices are first scaled to the matmul rate
+    probed right before it (``peak_flops / matmul_flops``): the level without the load's drift
+    between calibration's op timings and the round; None where a round has no probe."""
+    from autopar.planner.shared_cores import speed_at
+
+    if peak_flops is not None and any(r.get("matmul_flops") is None for r in rounds):
+        return None
+    ratios = [
+        price * (1.0 if peak_flops is None else peak_flops / r["matmul_flops"])
+        / (seconds * speed_at(speed, ranks))
+        for r in rounds if "forward_ranks" in r
+        for kind, prices in (("forward", priced_forward), ("backward", priced_backward))
+        for price, seconds, ranks in zip(prices, r[f"{kind}_s"], r[f"{kind}_ranks"], strict=True)
+    ]  # fmt: skip
+    return statistics.median(ratios) if ratios else None
+
+
 def with_pipeline_figures(
     spec: Any,
     width: int,
@@ -355,20 +457,37 @@ def with_pipeline_figures(
     details: dict[str, Any],
     *,
     rounds: int,
+    rate_sizes: Sequence[int] = (),
 ) -> Any:
     """``spec`` (a ``DeviceSpec``) with the calibration pipeline's figures: ``task_wait_s``
-    and, where the probe measured one, ``busy_rank_speed`` scaled by the pipeline's lone tasks
-    (:func:`pipeline_busy_rank_speed`). Records the pipeline's measurements in
-    ``details["task_wait"]`` and the probe's speeds in ``details["busy_rank_speed"]["probe"]``."""
+    and, where the probe measured one, ``busy_rank_speed`` shaped by the pipeline's lone tasks
+    (:func:`pipeline_busy_rank_speed`) and times its compute level
+    (:func:`pipeline_compute_level`, clamped to ``LEVEL_RANGE``). Records the pipeline's
+    measurements in ``details["task_wait"]`` (with ``priced_forward_s`` / ``priced_backward_s``,
+    ``compute_level`` and, recorded only, ``compute_level_at_round_rate``: the level against
+    the matmul rate probed before each round, ``rate_sizes``) and the probe's speeds in
+    ``details["busy_rank_speed"]["probe"]``."""
     import dataclasses
 
-    wait, details["task_wait"] = measure_task_wait(width, links, device, log, rounds=rounds)
+    wait, details["task_wait"] = measure_task_wait(width, links, device, log, rounds=rounds,
+                                                   rate_sizes=rate_sizes)  # fmt: skip
     spec = dataclasses.replace(spec, task_wait_s=wait)
     probe, timed = dict(spec.busy_rank_speed), details["task_wait"]
     if not probe or not timed:
         return spec
     details["busy_rank_speed"]["probe"] = probe
     speed = pipeline_busy_rank_speed(probe, timed["lone_speedup"], timed["together_ranks"])
-    log("speed per rank by ranks computing (the probe's, scaled to the pipeline's lone tasks): "
-        + ", ".join(f"{k}: {v:.2f}" for k, v in speed.items()))  # fmt: skip
+    priced = priced_stage_tasks(spec, width=width, rows=timed["rows"], layers=timed["layers"],
+                                world=len(timed["p2p_s"]))  # fmt: skip
+    level = pipeline_compute_level(timed["rounds"], *priced, speed)
+    timed["priced_forward_s"], timed["priced_backward_s"] = priced
+    timed["compute_level"] = level
+    timed["compute_level_at_round_rate"] = pipeline_compute_level(
+        timed["rounds"], *priced, speed, peak_flops=spec.peak_flops["float32"]
+    )
+    if level is not None:
+        speed = {k: v * min(max(level, LEVEL_RANGE[0]), LEVEL_RANGE[1]) for k, v in speed.items()}
+        log(f"pipeline compute level: its tasks ran {level:.2f}x the planner's price")
+    log("speed per rank by ranks computing (the probe's, scaled to the pipeline's lone tasks and "
+        "compute level): " + ", ".join(f"{k}: {v:.2f}" for k, v in speed.items()))  # fmt: skip
     return dataclasses.replace(spec, busy_rank_speed=speed)

@@ -25,7 +25,12 @@ def test_tiny_calibration_gives_a_profile_the_planner_uses(tmp_path) -> None:
     from autopar.mesh import Mesh
     from autopar.tools.calibration import CALIBRATED_FAMILIES
     from autopar.tools.calibration_links import CALIBRATED_COLLECTIVES
-    from autopar.tools.calibration_pipeline import pipeline_busy_rank_speed
+    from autopar.tools.calibration_pipeline import (
+        LEVEL_RANGE,
+        pipeline_busy_rank_speed,
+        pipeline_compute_level,
+        priced_stage_tasks,
+    )
     from cost_models import collective_time_s, load_profile, save_profile
     from cost_models.calibrate import STEP_ERROR_MAX
     from cost_models.hardware import MAX_OP_EFFICIENCY
@@ -49,9 +54,10 @@ def test_tiny_calibration_gives_a_profile_the_planner_uses(tmp_path) -> None:
     assert device.peak_flops["float32"] == pytest.approx(
         sum(fits["float32"]) / 2, rel=1e-12
     )  # the median of the 2 rounds' peaks (statistics.median's rounding may differ in the last bit)
-    # Per-rank speed with 1 and 2 ranks computing, relative to 2 (ranks sharing this CPU).
-    assert set(device.busy_rank_speed) == {"1", "2"} and device.busy_rank_speed["2"] == 1.0
-    assert 0 < device.busy_rank_speed["1"] < 100
+    # Per-rank speed with 1 and 2 ranks computing (ranks sharing this CPU), at the level of
+    # calibration's pipeline (its tasks against their price; checked below).
+    assert set(device.busy_rank_speed) == {"1", "2"}
+    assert 0 < device.busy_rank_speed["1"] < 100 and 0 < device.busy_rank_speed["2"] < 100
     assert profile.meta["measurements"]["busy_rank_speed"]["cpu_count"] >= 1
     # Each rank its own session (scheduling group), as torchrun starts them: spawn_ranks makes
     # every rank lead one, so tests, autoparallelize spawns and calibration share scheduling.
@@ -66,9 +72,26 @@ def test_tiny_calibration_gives_a_profile_the_planner_uses(tmp_path) -> None:
                for r in task_wait["rounds"])  # fmt: skip
     assert device.task_wait_s == statistics.median(r["task_wait_s"] for r in task_wait["rounds"])
     probe = profile.meta["measurements"]["busy_rank_speed"]["probe"]
-    assert dict(device.busy_rank_speed) == pipeline_busy_rank_speed(
-        probe, task_wait["lone_speedup"], task_wait["together_ranks"]
+    shaped = pipeline_busy_rank_speed(probe, task_wait["lone_speedup"], task_wait["together_ranks"])
+    assert shaped["2"] == 1.0
+    # The level: the pipeline's tasks against the planner's price of them on this profile.
+    world, rows, width = 2, task_wait["rows"], task_wait["width"]
+    priced = priced_stage_tasks(device, width=width, rows=rows, layers=task_wait["layers"],
+                                world=world)  # fmt: skip
+    assert task_wait["priced_forward_s"] + task_wait["priced_backward_s"] == pytest.approx(
+        priced[0] + priced[1], rel=1e-9
     )
+    assert all(len(r["forward_ranks"]) == world and 1 <= min(r["backward_ranks"])
+               and max(r["forward_ranks"]) <= world for r in task_wait["rounds"])  # fmt: skip
+    level = task_wait["compute_level"]
+    assert level == pipeline_compute_level(task_wait["rounds"], *priced, shaped)
+    # Recorded only: the level against the matmul rate probed before each round.
+    assert all(r["matmul_flops"] > 1e8 for r in task_wait["rounds"])
+    assert task_wait["compute_level_at_round_rate"] == pipeline_compute_level(
+        task_wait["rounds"], *priced, shaped, peak_flops=device.peak_flops["float32"]
+    )
+    level = min(max(level, LEVEL_RANGE[0]), LEVEL_RANGE[1])
+    assert dict(device.busy_rank_speed) == pytest.approx({k: v * level for k, v in shaped.items()})
     assert device.task_wait_s >= 0 and device.task_wait_s < min(
         r["step_s"] for r in task_wait["rounds"]
     )

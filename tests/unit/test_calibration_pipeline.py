@@ -1,6 +1,7 @@
 """The calibration pipeline's figures from a task timeline (``autopar.tools.calibration_pipeline``):
 the gaps between tasks, the wait the simulation charges, the lone tasks' speed-up and the
-``busy_rank_speed`` scaled to it, on hand-made 2-stage GPipe timelines; the profile keeps them."""
+``busy_rank_speed`` scaled to it, the compute level against the planner's price of the tasks,
+on hand-made 2-stage GPipe timelines; the profile keeps them."""
 
 from __future__ import annotations
 
@@ -9,14 +10,20 @@ import math
 
 import pytest
 
+from autopar.planner.pipeline_schedule import StageCost
+from autopar.planner.shared_cores import shared_schedule_time
 from autopar.tools.calibration_pipeline import (
+    LEVEL_RANGE,
     lone_speedup,
     pipeline_busy_rank_speed,
+    pipeline_compute_level,
+    priced_stage_tasks,
     round_figures,
     step_terms,
 )
 from cost_models import get_device, load_profile, save_profile
 from cost_models.calibrate import build_profile
+from cost_models.compute import matmul_flops
 
 # 2 stages, m = 2, forward 1 s, backward 2 s; per rank (start, end, tasks in its order).
 # Rank 0: F0 0.5-1.5 (head 0.5), F1 2.0-3.0 (local gap 0.5), B0 6.7-8.7 (waits for rank 1's B0,
@@ -102,3 +109,66 @@ def test_the_pipelines_figures_round_trip_in_the_profile_and_old_profiles_load(t
     old = {"version": 1, "device": {"base": "cpu", "busy_rank_speed": {"1": 1.3, "2": 1.0},
                                     "task_wait_s": 0.002}}  # fmt: skip
     assert load_profile(old).device.busy_rank_speed == {"1": 1.3, "2": 1.0}
+
+
+def test_the_rounds_keep_the_ranks_computing_during_each_stages_tasks():
+    """LONE: each stage's forwards are one alone and one beside the other rank's, so both kinds
+    average 1.5 ranks on both stages; GAPS: rank 0's F0 and B1 and rank 1's F1 run alone."""
+    figures = round_figures([LONE], [0.0, 0.0], microbatches=2)
+    assert figures["forward_ranks"] == pytest.approx([1.5, 1.5])
+    assert figures["backward_ranks"] == pytest.approx([1.5, 1.5])
+    gaps = round_figures([GAPS], [0.0, 0.0], microbatches=2)
+    # Rank 0's F1 (2.0-3.0) is overlapped 0.7 s by rank 1's F0 (1.7-2.7): 1.7 ranks.
+    assert gaps["forward_ranks"][0] == pytest.approx((1.0 + 1.7) / 2)
+
+
+def test_the_compute_level_is_how_fast_the_pipeline_ran_against_its_price():
+    """LONE's tasks are priced at 2 s forward and 4 s backward with every rank busy: at the
+    curve {1: 2, 2: 1} the lone ones take 1 and 2 s, the overlapped ones 2 and 4 s, as LONE
+    ran: level 1. Priced twice as slow, level 2; a round of a profile before the concurrencies
+    were kept gives none."""
+    rounds = [round_figures([LONE], [0.0, 0.0], microbatches=2)]
+    curve = {"1": 2.0, "2": 1.0}
+    assert pipeline_compute_level(rounds, [2.0, 2.0], [4.0, 4.0], curve) == pytest.approx(1.0)
+    assert pipeline_compute_level(rounds, [4.0, 4.0], [8.0, 8.0], curve) == pytest.approx(2.0)
+    # Without the lone speed-up in the curve, the same tasks ran 1.33x faster than priced.
+    flat = {"1": 1.0, "2": 1.0}
+    assert pipeline_compute_level(rounds, [2.0, 2.0], [4.0, 4.0], flat) == pytest.approx(4 / 3)
+    old = [{k: v for k, v in rounds[0].items() if not k.endswith("_ranks")}]
+    assert pipeline_compute_level(old, [2.0, 2.0], [4.0, 4.0], curve) is None
+    # Against the rate probed before the round: the machine ran at half the profile's peak
+    # then, so the same tasks ran twice as fast as priced at that moment.
+    probed = [dict(rounds[0], matmul_flops=50.0)]
+    at_rate = pipeline_compute_level(probed, [2.0, 2.0], [4.0, 4.0], curve, peak_flops=100.0)
+    assert at_rate == pytest.approx(2.0)
+    assert pipeline_compute_level(rounds, [2.0] * 2, [4.0] * 2, curve, peak_flops=1.0) is None
+    assert LEVEL_RANGE[0] < 1 < LEVEL_RANGE[1]
+
+
+def test_the_simulation_at_a_level_prices_stages_that_much_faster():
+    """``busy_rank_speed`` times a level is the same step as the stages' compute over it."""
+    stages = [StageCost(forward_s=1.0, backward_s=2.0, p2p_s=0.1),
+              StageCost(forward_s=1.5, backward_s=2.5, p2p_s=0.1)]  # fmt: skip
+    curve, level = {"1": 1.6, "2": 1.0}, 1.4
+    for schedule in ("gpipe", "1f1b"):
+        scaled = shared_schedule_time(stages, microbatches=4, schedule=schedule,
+                                      busy_rank_speed={k: v * level for k, v in curve.items()},
+                                      task_wait_s=0.01)  # fmt: skip
+        faster = [StageCost(forward_s=s.forward_s / level, backward_s=s.backward_s / level,
+                            p2p_s=s.p2p_s) for s in stages]  # fmt: skip
+        same = shared_schedule_time(faster, microbatches=4, schedule=schedule,
+                                    busy_rank_speed=curve, task_wait_s=0.01)  # fmt: skip
+        assert scaled.step_s == pytest.approx(same.step_s)
+        assert scaled.compute_s == pytest.approx(same.compute_s)
+
+
+def test_the_calibration_stage_is_priced_as_the_planner_prices_linear_layers():
+    """At width 1024 the matmuls dominate: a forward is 4 linears' FLOPs at the matmul rate;
+    a backward twice that, less stage 0's first input gradient (no gradient wanted there)."""
+    device = get_device("cpu")
+    rate = device.peak_flops["float32"] * device.matmul_efficiency
+    forward, backward = priced_stage_tasks(device, width=1024, rows=256, layers=4, world=2)
+    one = matmul_flops(256, 1024, 1024) / rate
+    assert forward == pytest.approx([4 * one, 4 * one], rel=0.02)
+    assert backward[1] == pytest.approx(8 * one, rel=0.02)
+    assert backward[0] == pytest.approx(7 * one, rel=0.02)
