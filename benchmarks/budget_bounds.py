@@ -22,7 +22,7 @@ from autopar.mesh import Mesh
 from autopar.options import PlanOptions
 from autopar.planner.driver import Driver
 from autopar.planner.space import build_space
-from autopar.planner.zero_choice import price_dominance, zero_candidates
+from autopar.planner.zero_choice import zero_candidates
 from autopar.presets import build_preset
 from solver import solve
 from solver.fixing import fix, restrict_budgeted
@@ -50,7 +50,7 @@ def main() -> None:
         return sol.choices, sol.objective_s, sol.bound_s
 
     print("zero config       patterns  D          bound_s    plan_s     gap     solves  seconds")
-    for zero in zero_candidates(mesh.ndim, mesh.shape, price_dominance(driver.space)):
+    for zero in zero_candidates(mesh.ndim, mesh.shape):
         free = driver.configurations.solve(zero, name="auto", budget=None)
         if free.evaluation.peak_memory_bytes <= driver.budget:
             continue

@@ -10,10 +10,8 @@ gradient-bucket all-reduce rank 0 issues. Per plan:
 
 - priced before (per parameter): one all-gather per ZeRO-3 parameter and P axis, and the
   gradient all-reduce's latency as a fraction (bytes / 25 MiB per axis: ``CommPricer.grad_sync_s``);
-- priced now: every chunk's collectives (``autopar.planner.zero_pricing.priced_calls``: stages
-  1-3 since session 13) and the bucket all-reduces the consumers price
-  (``autopar.planner.pricing.priced_bucket_calls``: one per bucket where every gradient that can
-  be Partial is; a ZeRO parameter gives back its bytes' part, not the last bucket's rounding);
+- priced now: every chunk's collectives (``autopar.planner.zero_pricing.priced_calls``) and
+  the non-ZeRO gradients' bucket fraction;
 - issued: the collectives of one step, and their bytes (all-gather: the full output).
 
     PYTHONPATH=. python benchmarks/zero_chunk_counts.py --world 2 --world 4
@@ -32,7 +30,6 @@ BUCKET_BYTES = 25 * 2**20
 
 def _priced(plan: Any) -> dict[str, Any]:
     """The plan's priced ZeRO and gradient collectives, before and after per-chunk pricing."""
-    from autopar.planner.pricing import priced_bucket_calls
     from autopar.planner.problem import ZeroConfig
     from autopar.planner.zero_pricing import (
         chosen_streams,
@@ -57,7 +54,6 @@ def _priced(plan: Any) -> dict[str, Any]:
         bucket_bytes["old"] += nbytes * len(reduced)
         bucket_bytes["new"] += nbytes * len([a for a in reduced if a not in own])
     calls = priced_calls(space, chosen_streams(space, choice, zero))
-    bucket_bytes["new"] = sum(priced_bucket_calls(space, choice)) * BUCKET_BYTES
     return {
         "old_zero": old_gathers,
         "old_buckets": bucket_bytes["old"] / BUCKET_BYTES,

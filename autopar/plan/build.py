@@ -20,7 +20,7 @@ from autopar.plan.document import PLAN_VERSION, strategy_entry
 from autopar.planner.checkpointing import with_segments
 from autopar.planner.configurations import Solved
 from autopar.planner.problem import Evaluation, StrategySpace, ZeroConfig, evaluate, param_state
-from autopar.planner.zero_choice import price_dominance, zero_configurations
+from autopar.planner.zero_choice import zero_configurations
 from autopar.strategies import input_nodes
 from autopar.version import version
 
@@ -241,8 +241,7 @@ def zero_considered(
         return zero.label(names)
 
     considered: list[dict[str, Any]] = []
-    dominates, top = price_dominance(space), ZeroConfig(stage=2, axes=all_axes)
-    for zero, dominated_by in zero_configurations(mesh.shape, dominates):
+    for zero, dominated_by in zero_configurations(mesh.shape):
         key = zero
         entry = solved_by_key.get(key)
         row: dict[str, Any] = zero.to_json(names)
@@ -282,10 +281,9 @@ def zero_considered(
         elif stage0_fits:
             verdict = "not solved: stage 0 fits, and ZeRO never makes a step faster"
         elif zero.stage == 0 and all_axes:
-            verdict = "its fastest layouts are over the budget" + (
-                f"; under the budget {label(top)} is as fast with no more memory"
-                if dominates(zero, top)
-                else ""
+            verdict = (
+                f"its fastest layouts are over the budget; under the budget "
+                f"{label(ZeroConfig(stage=2, axes=all_axes))} is as fast with no more memory"
             )
         elif entry is not None and entry["peak_memory_bytes"] > budget:
             verdict = "over the budget"

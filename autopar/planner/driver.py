@@ -43,7 +43,7 @@ from autopar.planner.problem import (
     ZeroConfig,
 )
 from autopar.planner.recipes import BASELINE_RECIPES, RecipeSpec, recipe_spec, recipe_specs
-from autopar.planner.zero_choice import forced_zero, price_dominance, zero_candidates
+from autopar.planner.zero_choice import forced_zero, zero_candidates
 from autopar.planner.zero_search import search_budgeted
 
 MEMORY_RESERVE = 0.10
@@ -319,7 +319,7 @@ class Driver:
         gap = self.options.gap
         found = search_budgeted(
             self.configurations,
-            zero_candidates(mesh.ndim, mesh.shape, price_dominance(self.space)),
+            zero_candidates(mesh.ndim, mesh.shape),
             budget=budget,
             gap=gap,
             report=self._report,

@@ -14,11 +14,11 @@ Cost model per node strategy (seconds, per device, one training step):
 - gradient all-reduce: a Replicate input whose gradient is Partial on an axis (the gradient
   convention) is all-reduced over it; for parameters this is the data-parallel gradient sync.
 - ZeRO (a stage per mesh axis, per parameter on the axes where it is Replicate; see
-  ``ZeroConfig``): stages 1-3 priced per chunk, as the runtime issues them
+  ``ZeroConfig``): stage 3 priced per chunk, as the runtime issues it
   (``autopar.planner.zero_pricing``): each chunk's all-gathers over P (before forward and again
-  before backward), gradient reduction and after-step refresh, latency once per chunk,
-  apportioned over its parameters by elements, in place of the bucketed all-reduce's bytes
-  that the consumers price there.
+  before backward) and gradient reduce-scatter, latency once per chunk, apportioned over its
+  parameters by elements, in place of the bucketed all-reduce the consumers price there;
+  stages 1-2 cost no time (reduce-scatter + all-gather move the all-reduce's bytes).
 Edge cost: forward plus backward conversion steps from ``autopar.resharding``.
 Memory per device: parameter, gradient and optimizer state (after ZeRO), activations saved for
 backward (outputs of non-view ops that need a gradient), user inputs and buffers, plus the
@@ -235,21 +235,21 @@ def _param_state_of(
         state_shards=math.prod(mesh.shape[a] for a in state_axes),
     )
     comm = 0.0
-    if state_axes:
-        # The parameter's share of its stream's chunk collectives over its ZeRO axes O
-        # (zero_pricing: gathers over P, the gradient's reduction, the refresh after the step),
-        # in place of the bucketed gradient all-reduce its consumers price on O (taken as
-        # Partial there: data-parallel), never below 0.
-        reduced = state_axes
-        stream = streams.get(state_axes, reduced)
+    if param_axes:
+        # The parameter's share of its stream's chunk collectives over P (zero_pricing), in
+        # place of the bucketed gradient all-reduce its consumers price on P (taken as
+        # Partial there: data-parallel), never below 0. Stages 1-2 cost no time (their
+        # reduce-scatter and refresh move the all-reduce's bytes; zero_choice's pruning).
+        reduced = param_axes
+        stream = streams.get(param_axes, reduced)
         if stream is None:  # a layout the streams did not foresee: a chunk of its own
-            stream = stream_price(space, zero, state_axes, reduced, [numel])
+            stream = stream_price(space, zero, param_axes, reduced, [numel])
         comm = numel * (stream.per_element_s + stream.latency_per_element_s)
         pricer = CommPricer(mesh, None)
         # Not its part of the last bucket's latency (pricing.bucket_rounding): the consumers
         # price that only where their layout makes the gradient Partial, which the parameter's
         # cost cannot see (subtracted here it would make ZeRO-3 of a layout with whole
-        # gradients cheaper than stage 2); so a ZeRO plan still pays it (README, session 13).
+        # gradients cheaper than stage 2); so a ZeRO-3 plan still pays it (README, session 13).
         comm -= sum(pricer.grad_sync_s(numel * itemsize, a) for a in reduced)
         comm = max(comm, 0.0)
     return breakdown.total, comm, breakdown

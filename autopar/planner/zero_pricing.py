@@ -1,27 +1,30 @@
-"""ZeRO's collectives priced per chunk, as the runtime issues them (stages 1-3).
+"""ZeRO-3's collectives priced per chunk, as the runtime issues them.
 
 The runtime (``autopar.runtime.zero_store``) packs the ZeRO-managed parameters into flat chunks,
-a stream of chunks per set of mesh axes O the parameters are kept sharded over (stage >= 1), and
-issues every collective once per chunk (:meth:`autopar.planner.chunks.ChunkPricing.calls`):
-over the stage-3 axes P an all-gather before forward (``runtime.zero_gather``, prefetched) and
-another before backward; the gradient's reduction (``runtime.zero_backward``: a reduce-scatter
-per stage-2-3 axis, an all-reduce per stage-1 axis); after the step, the refresh of the kept
-buffer over the stage-1-2 axes (``runtime.zero_layout.fill_flat``: one broadcast per rank on
-gloo, else an all-gather). So a chunk pays each collective's latency (and the link's
-``sync_s``) once; before session 12 the planner priced one all-gather per ZeRO-3 parameter, and
-before session 13 stages 1-2 as the bucketed all-reduce.
+a stream of chunks per set of mesh axes the parameters are sharded over, and issues every
+collective once per chunk: over the stage-3 axes P an all-gather before forward
+(``runtime.zero_gather``, prefetched), another before backward, and the gradient's
+reduce-scatter (``runtime.zero_backward``), each for the sum of the chunk's parameters' bytes
+(:meth:`autopar.planner.chunks.ChunkPricing.calls`). So a chunk pays each collective's latency
+(and the link's ``sync_s``) once; before, the planner priced one all-gather per parameter.
 
 The ILP still chooses a layout per parameter, so a chunk's price is split over its parameters:
-a parameter of ``n`` local elements in stream ``k`` (its O axes, and those of them where its
+a parameter of ``n`` local elements in stream ``k`` (its P axes, and those of them where its
 gradient is Partial) pays
 
     n * per_element[k] + per_chunk[k] * chunks[k] * n / elements[k]
 
-(bytes exactly; the stream's latencies apportioned by elements) less the bytes' part of the
-gradient all-reduce its consumers already price on those axes (``CommPricer.grad_sync_s``),
-never below 0 (ZeRO never makes a step faster than stage 0 under the model). Priced so, stages
-0-2 on an axis no longer cost the same time: ``planner.zero_choice.price_dominance`` prunes a
-configuration only where the prices show a raise to stage 2 costs no more.
+(bytes exactly; the stream's latencies apportioned by elements) less the gradient all-reduce its
+consumers already price on those axes (``CommPricer.grad_sync_s``: latency per 25 MiB bucket),
+never below 0 (ZeRO never makes a step faster than stage 0 under the model).
+
+Stages 1-2, and the reduction and refresh on an axis below stage 3, stay priced as that bucketed
+all-reduce (a reduce-scatter and an all-gather move its bytes): the runtime issues them per chunk
+too (a reduce-scatter, then one broadcast per rank on gloo), but pricing them would make stage 0
+on an axis faster than stage 2, and ``planner.zero_choice`` prunes stages 0-1 on an axis where
+stage 2 is solved because they cost the same time. For the same reason a stream is keyed by its
+P axes only (the runtime also splits streams by the stage-1-2 axes): exact where every ZeRO axis
+is at stage 3 (``fsdp``), or the others at 0 (``fsdp+tp``).
 
 What a stream holds depends on every parameter's layout, which the solver chooses; so the
 grouping is fixed before the solve:
@@ -33,8 +36,8 @@ figures a plan reports are the ones the ILP optimised; and a configuration's opt
 comparable with another's, which ``zero_choice``'s pruning relies on). That is exact for the
 recipes (one layout per parameter: :func:`chosen_streams`, the layout's own streams and
 Partial axes, gives the same) and where every parameter that can join a stream does (the
-data-parallel plans ZeRO is chosen with); where only some join, the shares sum to less than
-the stream's latencies (ZeRO's latency priced a little cheap).
+data-parallel plans ZeRO-3 is chosen with); where only some join, the shares sum to less than
+the stream's latencies (ZeRO-3's latency priced a little cheap).
 
 ``chunks[k]`` is the number of chunks the planner's chunk size gives (``plan.build._chunk_size``):
 one per stream where collectives do not overlap compute (gloo: the fewest chunks the budget
@@ -58,20 +61,19 @@ __all__ = [
     "priced_calls",
     "problem_streams",
     "stream_price",
-    "zero_axes",
 ]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StreamPrice:
-    """One stream of chunks: the ZeRO axes its parameters are kept sharded over, its price."""
+    """One stream of chunks: the stage-3 axes its parameters are sharded over, its price."""
 
     axes: tuple[int, ...]
-    """O: the ZeRO axes (stage >= 1) its parameters are Replicate on (mesh-axis order)."""
+    """P: the stage-3 axes (mesh-axis order)."""
     partial: tuple[int, ...]
-    """Axes of O where the gradients are Partial (reduced; elsewhere sliced or whole)."""
+    """Axes of P where the gradients are Partial (reduce-scattered; elsewhere sliced)."""
     stages: tuple[int, ...]
-    """The stage priced on every mesh axis for this stream: the configuration's on O, else 0."""
+    """The stage priced on every mesh axis for this stream: 3 on P, else 0."""
     elements: float
     """Local elements of the parameters in the stream."""
     chunks: int
@@ -102,18 +104,12 @@ class ZeroStreams:
 
 def gathered_axes(space, node, s: int, zero) -> tuple[int, ...]:
     """P of parameter strategy ``s``: the axes it is Replicate on, of size > 1, at stage 3."""
-    return tuple(a for a in zero_axes(space, node, s, zero) if zero.stage_of(a) == 3)
-
-
-def zero_axes(space, node, s: int, zero) -> tuple[int, ...]:
-    """O of parameter strategy ``s``: the axes it is Replicate on, of size > 1, at stage >= 1
-    (the runtime keeps it in the chunks of those axes)."""
     mesh = space.mesh
     placements = node.strategies[s].outputs[0]
     return tuple(
         a
         for a in range(mesh.ndim)
-        if mesh.shape[a] > 1 and zero.stage_of(a) >= 1 and placements[a].is_replicate()
+        if mesh.shape[a] > 1 and zero.stage_of(a) == 3 and placements[a].is_replicate()
     )
 
 
@@ -123,7 +119,7 @@ def stream_price(
     """The price of a stream on ``axes`` (gradients Partial on ``partial``) holding
     parameters of ``numels`` local elements (in order of first use)."""
     device = space.mesh.device
-    stages = tuple(zero.stage_of(a) if a in axes else 0 for a in range(space.mesh.ndim))
+    stages = tuple(3 if a in axes else 0 for a in range(space.mesh.ndim))
     pricing = _pricing(space, stages, partial)
     itemsize = 4  # the runtime's chunks are fp32 (runtime.zero_store refuses other dtypes)
     per_chunk, per_element = pricing.affine_s(
@@ -161,7 +157,7 @@ def _pricing(space, stages: tuple[int, ...], partial: tuple[int, ...]) -> ChunkP
 
 
 Key = tuple[tuple[int, ...], tuple[int, ...]]
-"""A stream: (its ZeRO axes O, the axes of O where the gradients are Partial)."""
+"""A stream: (P axes, the P axes where the gradients are Partial)."""
 
 
 def _streams(space, zero, members: dict[Key, list[float]]) -> ZeroStreams:
@@ -196,15 +192,15 @@ def partial_axes(space, choice: Sequence[int]) -> dict[int, tuple[int, ...]]:
 
 
 def chosen_streams(space, choice: Sequence[int], zero) -> ZeroStreams:
-    """The streams of a chosen layout (the runtime's grouping, by ZeRO axes)."""
+    """The streams of a chosen layout (the runtime's grouping, by P axes)."""
     members: dict[Key, list[float]] = {}
-    if zero.stage < 1:
+    if zero.stage < 3:
         return ZeroStreams(streams=())
     partial = partial_axes(space, choice)
     for i, (node, s) in enumerate(zip(space.nodes, choice)):
         if node.kind != "param" or node.alias_of is not None or node.local_numel is None:
             continue
-        axes = zero_axes(space, node, s, zero)
+        axes = gathered_axes(space, node, s, zero)
         if axes:
             key = (axes, tuple(a for a in axes if a in partial.get(i, ())))
             members.setdefault(key, []).append(float(node.local_numel[s]))
@@ -214,36 +210,20 @@ def chosen_streams(space, choice: Sequence[int], zero) -> ZeroStreams:
 def problem_streams(space, zero, allowed: dict[str, Sequence[int]] | None) -> ZeroStreams:
     """The streams a solve prices with (module docstring): every parameter counted in each
     stream one of its allowed strategies belongs to, at its largest block there."""
-    if zero.stage < 1:
+    if zero.stage < 3:
         return ZeroStreams(streams=())
     members: dict[Key, list[float]] = {}
-    mesh = space.mesh
-    # Per strategy set (layers share theirs): the largest block per Replicate axes (size > 1).
-    blocks: dict[tuple, dict[tuple[int, ...], float]] = {}
     for node in space.nodes:
         if node.kind != "param" or node.alias_of is not None or node.local_numel is None:
             continue
-        idx = tuple(
+        idx = (
             allowed[node.name] if allowed and node.name in allowed else range(len(node.strategies))
         )
-        key = (id(node.strategies), id(node.local_numel), idx)
-        if key not in blocks:
-            per_replicate: dict[tuple[int, ...], float] = {}
-            for s in idx:
-                placements = node.strategies[s].outputs[0]
-                replicate = tuple(
-                    a
-                    for a in range(mesh.ndim)
-                    if mesh.shape[a] > 1 and placements[a].is_replicate()
-                )
-                numel = float(node.local_numel[s])
-                per_replicate[replicate] = max(per_replicate.get(replicate, 0.0), numel)
-            blocks[key] = per_replicate
         largest: dict[tuple[int, ...], float] = {}
-        for replicate, numel in blocks[key].items():
-            axes = tuple(a for a in replicate if zero.stage_of(a) >= 1)
+        for s in idx:
+            axes = gathered_axes(space, node, s, zero)
             if axes:
-                largest[axes] = max(largest.get(axes, 0.0), numel)
+                largest[axes] = max(largest.get(axes, 0.0), float(node.local_numel[s]))
         for axes, numel in largest.items():
             members.setdefault((axes, axes), []).append(numel)
     return _streams(space, zero, members)
