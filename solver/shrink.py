@@ -253,8 +253,11 @@ def _solve_counts(
     """Tie classes under a budget as counts per strategy (solver/counts.py solve_counts): the
     members of a class may choose differently. A mixed plan further than counts.ACCEPT_GAP
     from the counts bound is compared with the classes forced alike and the better kept; the
-    bound reported is the counts bound, a lower bound on the untied optimum. None when the
-    counts model does not apply (the caller forces the classes alike)."""
+    bound reported is the counts bound, a lower bound on the untied optimum. At gap 0 a plan
+    above that bound is not an answer: the untied problem is then solved exactly from it (its
+    size grows with depth; at a gap > 0 the counts answer stands with the gap it reports, which
+    may exceed the gap asked for). None when the counts model does not apply (the caller forces
+    the classes alike)."""
     if problem.segments or not highs_direct.supports(problem):
         return None  # segments: the classes are forced alike (solver/counts.py docstring)
     out = solve_counts(problem, time_limit_s=time_limit_s, gap=gap, msg=msg)
@@ -302,6 +305,24 @@ def _solve_counts(
         if choices is None or forced.objective_s < objective:
             choices, objective = forced.choices, forced.objective_s
     relative_gap = (objective - out.bound_s) / abs(objective) if objective else 0.0
+    if gap <= ZERO_GAP and relative_gap >= ZERO_GAP and out.bound_s < objective:
+        # At gap 0 the answer is a proof: the realised plan is above the counts bound, so the
+        # untied problem is solved exactly, starting from that plan.
+        exact = solve_model(
+            dataclasses.replace(problem, tied=()),
+            backend="highs",
+            time_limit_s=time_limit_s,
+            gap=0.0,
+            msg=msg,
+            start_plan=choices,
+        )
+        details["counts_closed_untied"] = 1.0
+        return dataclasses.replace(
+            exact,
+            build_s=build_s + exact.build_s,
+            solve_s=solve_s + exact.solve_s,
+            details={**details, **exact.details},
+        )
     return Solution(
         choices=choices,
         objective_s=objective,

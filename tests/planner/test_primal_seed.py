@@ -41,7 +41,11 @@ def test_the_seed_is_a_plan_that_fits_priced_as_evaluated_and_not_below_the_opti
     assert found.evaluation.peak_memory_bytes <= driver.budget
     assert found.evaluation.step_s == pytest.approx(found.solution.objective_s, rel=1e-9)
     assert found.solution.bound_s == found.solution.objective_s  # proves nothing itself
-    exact, _ = driver.auto()  # gap 0: every configuration solved to optimality
-    assert exact.solution.gap == 0.0
-    assert found.evaluation.step_s >= exact.evaluation.step_s * (1 - 1e-9)
+    # gap 0: every configuration solved exactly. Without segments the tie classes are solved
+    # as counts (solver/shrink.py _solve_counts), whose bound is over plans that split a class,
+    # so the exact answer's bound, not its plan, is what no plan can beat (with the gradient
+    # buckets priced as issued this budget lands there: bound 1.3% under the plan).
+    exact, _ = driver.auto()
+    assert exact.solution.status == "optimal"
+    assert found.evaluation.step_s >= exact.solution.bound_s * (1 - 1e-9)
     assert seed(configurations, ordered, budget=driver.budget, gap=0.0) is None  # gap 0: as before

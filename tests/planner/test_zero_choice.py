@@ -2,11 +2,11 @@
 processes).
 
 The runtime takes a stage per mesh axis, so the planner's space is every assignment of stages
-0-3 to the axes of size > 1; an assignment with axes at stage 0 or 1 is pruned where raising
-some of them to 2 costs no more time on the planner's prices (``price_dominance``; it never
-keeps more memory): on the presets stage 1 is pruned, stage 0 next to 2 or 3 is not. Checked
-here: the enumeration, that every pruned configuration's own optimum is really no better than
-its dominator's, which raises the prices prune, that a shrinking budget moves the choice from stage 0 to stage 2 on the tiny MLP
+0-3 to the axes of size > 1; an assignment with an axis at stage 0 or 1 is pruned by dominance
+(raising those axes to 2 costs the same time under the cost model and no more memory), which
+leaves stage 2 or 3 on each axis (2^k candidates) plus stage 0 everywhere. Checked here: the
+enumeration, that every pruned configuration's own optimum is really no better than its
+dominator's, that a shrinking budget moves the choice from stage 0 to stage 2 on the tiny MLP
 (stage 3 is priced and listed but loses there: sharding weights over the same axis saves the
 same bytes for less communication, which the ILP finds under the budget), that on a 2x4 mesh of
 two data-parallel axes a budget between the all-stage-3 and all-stage-2 footprints gets a
