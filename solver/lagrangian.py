@@ -48,17 +48,15 @@ import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
-import numpy as np
-
 from solver.alike import make_alike
 from solver.checkpointing import fit_segments, freed_bytes, recompute_s
 from solver.count_patterns import CountPatterns, count_patterns
 from solver.multiplier import first_multiplier, next_multiplier, pattern_search
-from solver.pattern_bounds import PatternTerms, chord_floor, pattern_terms
-from solver.presolve import cost_matrix, plan_objective_s, plan_peak_memory_bytes
+from solver.pattern_bounds import PatternTerms, chord_floor, pattern_problem, pattern_terms
+from solver.presolve import plan_objective_s, plan_peak_memory_bytes
 from solver.pricing import Pricing
-from solver.problem import Edge, Node, Problem, Segment
-from solver.tying import _as_tuples, expand
+from solver.problem import Node, Problem, Segment
+from solver.tying import expand
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -165,35 +163,6 @@ def recompute_patterns(problem: Problem) -> list[tuple[int, ...]] | None:
     return patterns
 
 
-def _pattern_problem(
-    base: Problem, extra: dict[int, np.ndarray], extra_edges: dict[tuple[int, int], np.ndarray]
-) -> Problem:
-    """``base`` (the pattern-free priced problem) with a pattern's terms added."""
-    extra_edges = dict(extra_edges)
-    nodes = tuple(
-        node
-        if i not in extra
-        else Node(
-            name=node.name,
-            cost_s=tuple((np.asarray(node.cost_s) + extra[i]).tolist()),
-            memory_bytes=node.memory_bytes,
-        )
-        for i, node in enumerate(base.nodes)
-    )
-    edges = []
-    for e in base.edges:
-        m = extra_edges.pop((e.src, e.dst), None)
-        if m is None:
-            edges.append(e)
-        else:
-            edges.append(Edge(src=e.src, dst=e.dst, cost_s=_as_tuples(cost_matrix(e.cost_s) + m)))
-    edges.extend(
-        Edge(src=s, dst=d, cost_s=tuple(tuple(row) for row in m.tolist()))
-        for (s, d), m in extra_edges.items()
-    )
-    return Problem(nodes=nodes, edges=tuple(edges), tied=base.tied)
-
-
 class PatternDual(NamedTuple):
     """One evaluation of the pattern D at a multiplier (:func:`pattern_dual`)."""
 
@@ -239,6 +208,7 @@ def pattern_dual(
     table = PatternTerms([(t[2], t[3]) for t in terms])
     unsolved = set(range(len(patterns)))
     reached = give_up if give_up > -math.inf else math.inf
+    tables: dict = {}  # the pattern problems' edge tables (pattern_problem)
     while unsolved:
         # Nothing recomputed first (solved already), then the lowest bound first.
         k = min(unsolved, key=lambda k: (any(patterns[k]), lowers[k]))
@@ -251,7 +221,7 @@ def pattern_dual(
         if not any(patterns[k]):
             choices, value, lower = base_choices, base_value, base_lower
         else:
-            choices, value, lower = solve_free(_pattern_problem(base, extra, extra_edges))
+            choices, value, lower = solve_free(pattern_problem(base, extra, extra_edges, tables))
             rest = list(unsolved)
             for p, v in zip(rest, table.floors(k, lower, rest).tolist(), strict=True):
                 lowers[p] = max(lowers[p], v)

@@ -21,9 +21,11 @@ import math
 import numpy as np
 
 from solver.eliminate import _content_key
-from solver.problem import Problem
+from solver.presolve import cost_matrix
+from solver.problem import Edge, Node, Problem
+from solver.tying import _as_tuples
 
-__all__ = ["PatternTerms", "chord_floor", "pattern_terms"]
+__all__ = ["PatternTerms", "chord_floor", "pattern_problem", "pattern_terms"]
 
 
 def _segment_arrays(problem: Problem, k: int, cache: dict | None) -> tuple:
@@ -96,6 +98,59 @@ def pattern_terms(
         float(np.min(m)) for m in extra_edges.values()
     )
     return lower, alive, extra, extra_edges
+
+
+def pattern_problem(
+    base: Problem,
+    extra: dict[int, np.ndarray],
+    extra_edges: dict[tuple[int, int], np.ndarray],
+    tables: dict | None = None,
+) -> Problem:
+    """``base`` (the pattern-free priced problem) with a pattern's terms added. ``tables``: a
+    dict kept over one evaluation's patterns: each base table's array, and each edge summed
+    with a term array (by identity: pattern_terms and PatternTerms share equal terms) as one
+    Edge, so patterns alike there share its table object (converted once by the solves'
+    series memo, solver/eliminate.py) instead of converting it again; the same floats. The
+    summed edges of this and the previous pattern problem only are kept (as that memo
+    keeps its arrays: two solves' tables held at most)."""
+    tables = {} if tables is None else tables
+    previous = tables.pop("summed", {})
+    current = tables["summed"] = {}
+    extra_edges = dict(extra_edges)
+    nodes = tuple(
+        node
+        if i not in extra
+        else Node(
+            name=node.name,
+            cost_s=tuple((np.asarray(node.cost_s) + extra[i]).tolist()),
+            memory_bytes=node.memory_bytes,
+        )
+        for i, node in enumerate(base.nodes)
+    )
+    edges = []
+    for e in base.edges:
+        m = extra_edges.pop((e.src, e.dst), None)
+        if m is None:
+            edges.append(e)
+            continue
+        # Keyed by the objects' ids, which the values hold (so no id is reused meanwhile).
+        key = (id(e), id(m))
+        summed = current.get(key) or previous.get(key)
+        if summed is None:
+            held = tables.get(id(e.cost_s))
+            if held is None:
+                held = tables[id(e.cost_s)] = (e.cost_s, cost_matrix(e.cost_s))
+            summed = (e, m, Edge(src=e.src, dst=e.dst, cost_s=_as_tuples(held[1] + m)))
+        current[key] = summed
+        edges.append(summed[2])
+    for (s, d), m in extra_edges.items():
+        key = (s, d, id(m))
+        added = current.get(key) or previous.get(key)
+        if added is None:
+            added = (m, Edge(src=s, dst=d, cost_s=tuple(tuple(row) for row in m.tolist())))
+        current[key] = added
+        edges.append(added[1])
+    return Problem(nodes=nodes, edges=tuple(edges), tied=base.tied)
 
 
 class PatternTerms:

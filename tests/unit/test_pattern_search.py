@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from solver import brute_force
-from solver.lagrangian import _pattern_problem, pattern_dual, priced, recompute_patterns
+from solver.lagrangian import pattern_dual, priced, recompute_patterns
 from solver.multiplier import pattern_search
-from solver.pattern_bounds import PatternTerms, chord_floor, pattern_terms
+from solver.pattern_bounds import PatternTerms, chord_floor, pattern_problem, pattern_terms
 from tests.unit.test_lagrangian import SETTINGS, _free_solver, budgeted_problems
 
 
@@ -28,7 +28,7 @@ def _patterns_and_optima(problem, lam) -> tuple[list, list[float]] | None:
     for pattern in patterns:
         _, _, extra, extra_edges = pattern_terms(problem, lam, pattern)
         try:
-            optima.append(brute_force(_pattern_problem(base, extra, extra_edges))[1])
+            optima.append(brute_force(pattern_problem(base, extra, extra_edges))[1])
         except Exception:  # noqa: BLE001 - forbidden pairs everywhere: nothing to bound
             return None
     return patterns, optima

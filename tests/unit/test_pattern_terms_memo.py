@@ -4,15 +4,16 @@ terms formed pattern by pattern, across multipliers and in any order of the patt
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from solver.lagrangian import recompute_patterns
-from solver.pattern_bounds import pattern_terms
-from solver.problem import Problem
+from solver.lagrangian import priced, recompute_patterns
+from solver.pattern_bounds import pattern_problem, pattern_terms
+from solver.problem import Problem, SegmentEdge
 from tests.unit.test_lagrangian import budgeted_problems
 
 
@@ -62,3 +63,63 @@ def test_cached_terms_equal_the_plain_ones_bitwise(problem, lam, other, rng):
             assert _same(got[2], want[2]) and _same(got[3], want[3])
             for n, v in got[2].items():  # a pattern formed alike shares the very object
                 assert formed.setdefault(pattern, {}).setdefault(n, v) is v
+
+
+def _edge_bits(problem: Problem) -> list:
+    """Every edge's endpoints and table, floats as bits (None kept)."""
+    return [
+        (
+            e.src,
+            e.dst,
+            [[None if c is None else np.float64(c).tobytes() for c in row] for row in e.cost_s],
+        )
+        for e in problem.edges
+    ]
+
+
+def _with_segment_edges(problem: Problem, data: st.DataObject) -> Problem:
+    """``problem`` whose segments of two nodes or more re-issue edges: one the problem has
+    (its first two nodes) and one it has not (the reverse pair)."""
+    seconds = st.sampled_from([0.0, 0.25, 1.0, 2.5])
+
+    def table(u: int, v: int) -> tuple:
+        width_u, width_v = problem.nodes[u].num_choices, problem.nodes[v].num_choices
+        return tuple(tuple(data.draw(seconds) for _ in range(width_v)) for _ in range(width_u))
+
+    segments = []
+    for seg in problem.segments:
+        if len(seg.nodes) >= 2:
+            a, b = seg.nodes[:2]
+            edges = (
+                SegmentEdge(src=a, dst=b, cost_s=table(a, b)),
+                SegmentEdge(src=b, dst=a, cost_s=table(b, a)),
+            )
+            seg = dataclasses.replace(seg, edges=edges)
+        segments.append(seg)
+    return dataclasses.replace(problem, segments=tuple(segments))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(budgeted_problems(), st.floats(0.0, 2.0), st.randoms(), st.data())
+def test_pattern_problems_with_shared_tables_equal_the_plain_ones_bitwise(problem, lam, rng, data):
+    """pattern_problem with the tables kept over an evaluation (pattern_dual's) builds, in any
+    order and repeated, the problem it builds alone, bit for bit; a pattern problem built
+    right after one with the same edge term shares that Edge object."""
+    problem = _with_segment_edges(problem, data)
+    patterns = recompute_patterns(problem) or []
+    base = priced(dataclasses.replace(problem, segments=()), lam)
+    cache: dict = {}
+    terms = {p: pattern_terms(problem, lam, p, cache) for p in patterns}
+    order = list(patterns) * 2
+    rng.shuffle(order)
+    tables: dict = {}
+    last = None
+    for pattern in order:
+        _, _, extra, extra_edges = terms[pattern]
+        got = pattern_problem(base, extra, extra_edges, tables)
+        want = pattern_problem(base, extra, extra_edges)
+        assert got.nodes == want.nodes and got.tied == want.tied
+        assert _edge_bits(got) == _edge_bits(want)
+        if last is not None and last[0] == pattern:  # the same terms again: the same Edges
+            assert all(a is b for a, b in zip(got.edges, last[1].edges, strict=True))
+        last = (pattern, got)

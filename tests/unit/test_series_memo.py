@@ -123,3 +123,39 @@ def test_a_repeated_solve_forms_no_product_again(prune_everything, monkeypatch) 
         first.objective_s,
         first.bound_s,
     )
+
+
+def test_a_memo_keeps_its_generations_products_and_no_older(monkeypatch) -> None:
+    """A SeriesMemo of g generations takes a product formed g - 1 solves before from the memo
+    (the very result, bit for bit the product formed again) and forms it again after g
+    solves without it; the default SolveMemo keeps PRUNE_GENERATIONS for pruning."""
+    import numpy as np
+
+    formed = []
+    original = solver.eliminate.series_min
+
+    def counted(uv, cv, vw):
+        formed.append(uv.shape)
+        return original(uv, cv, vw)
+
+    monkeypatch.setattr(solver.eliminate, "series_min", counted)
+    uv = np.array([[0.0, 1.0, -0.0], [2.0, 0.5, 1.0]])
+    cv = np.array([0.0, -0.0, 1.0])
+    vw = np.array([[1.0, 0.0], [0.0, -0.0], [3.0, 1.0]])
+    other = (uv + 1.0, cv, vw)
+    for generations in (2, 3, 5):
+        memo = solver.eliminate.SeriesMemo(generations)
+        first, _ = memo.series(uv, cv, vw)
+        for _ in range(generations - 1):  # solves that form other products only
+            memo.next_generation()
+            memo.series(*other)
+        formed.clear()
+        again, _ = memo.series(uv.copy(), cv.copy(), vw.copy())
+        assert not formed and again is first
+        for _ in range(generations):
+            memo.next_generation()
+            memo.series(*other)
+        formed.clear()
+        late, _ = memo.series(uv.copy(), cv.copy(), vw.copy())
+        assert formed and late is not first and late.tobytes() == first.tobytes()
+    assert SolveMemo().prune._generations == solver.eliminate.PRUNE_GENERATIONS
