@@ -1,5 +1,5 @@
 """``python -m autopar ...`` (e.g. under ``torchrun -m autopar calibrate``): the CLI."""
 
-from autopar.tools.cli import main
+from autopar.tools.cli import run
 
-raise SystemExit(main())
+run()

@@ -38,13 +38,22 @@ def recipe_allowed(space: StrategySpace, recipe: str) -> dict[str, list[int]] | 
     return None
 
 
-def _adjacency(space: StrategySpace) -> tuple[list[list[Any]], list[list[Any]]]:
+_Adjacency = tuple[list[list[Any]], list[list[Any]], dict[str, list[int]]]
+
+
+def _adjacency(space: StrategySpace) -> _Adjacency:
+    """Each node's incoming and outgoing edges, and each node name's aliases (the indices of
+    the nodes whose ``alias_of`` names it), worked out once for all the nodes priced."""
     incoming: list[list[Any]] = [[] for _ in space.nodes]
     outgoing: list[list[Any]] = [[] for _ in space.nodes]
     for edge in space.edges:
         incoming[edge.dst].append(edge)
         outgoing[edge.src].append(edge)
-    return incoming, outgoing
+    aliases: dict[str, list[int]] = {}
+    for j, node in enumerate(space.nodes):
+        if node.alias_of is not None:
+            aliases.setdefault(node.alias_of, []).append(j)
+    return incoming, outgoing, aliases
 
 
 def node_alternatives(
@@ -56,14 +65,14 @@ def node_alternatives(
     headroom_bytes: float,
     allowed: dict[str, list[int]] | None = None,
     recipe: str = "auto",
-    adjacency: tuple[list[list[Any]], list[list[Any]]] | None = None,
+    adjacency: _Adjacency | None = None,
     max_options: int = MAX_OPTIONS,
 ) -> dict[str, Any]:
     """One node's stored alternatives: ``{"node", "kind", "fqn"?, "chosen", "num_strategies",
     "options": [{"layout", "step_delta_s", "memory_delta_bytes", "reason"}]}`` with the chosen
     strategy first and the others by step-time delta (None: impossible). A tied parameter's
     aliases (``alias_of``) change layout with it; every other node keeps the plan's choice."""
-    incoming, outgoing = adjacency or _adjacency(space)
+    incoming, outgoing, aliases = adjacency or _adjacency(space)
     node = space.nodes[i]
     own_s, memory = node_cost_vector(space, node, zero)
     chosen = choice[i]
@@ -71,8 +80,8 @@ def node_alternatives(
     # A tied parameter lifted twice is one tensor: its aliases take the same layout with it.
     group = [i] + [
         j
-        for j, other in enumerate(space.nodes)
-        if other.alias_of == node.name and len(other.strategies) == len(node.strategies)
+        for j in aliases.get(node.name, ())
+        if len(space.nodes[j].strategies) == len(node.strategies)
     ]
     costs = {j: node_cost_vector(space, space.nodes[j], zero)[0] for j in group[1:]}
 

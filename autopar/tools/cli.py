@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import gc
+import logging
 import os
 import sys
 import time
@@ -92,6 +94,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         from autopar.plan.summary import planning_note
         from autopar.presets import build_preset, splice_proven
         from autopar.tools.report import plot_prefix
+    # In the program (not a caller's process), what the imports loaded (torch's modules, op
+    # tables, the planner) and, below, the captured model live until exit: frozen, the
+    # collector's full passes no longer scan them again and again (llama3-8b b32 bf16: 0.9 s
+    # of CPU in 7 full passes, 0.45 s with both freezes).
+    if args.program:
+        gc.freeze()
     plot_path = None
     if getattr(args, "sweep_budget", None):  # matplotlib checked before capture and planning
         plot_path = plot_prefix(args.sweep_plot, "budget_sweep.png", "--sweep-plot")
@@ -104,6 +112,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             model, example_args, example_kwargs, check_splice=not splice_proven(args.model)
         )
     capture_s = time.perf_counter() - start
+    if args.program:
+        gc.freeze()
     replicated = f" ({captured.replicated_layers})" if captured.replicated_layers else ""
     console.log(f"capture: {len(captured.gm.graph.nodes)} nodes, {capture_s:.2f} s{replicated}")
     if getattr(args, "sweep_budget", None):
@@ -342,7 +352,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, program: bool = False) -> int:
+    """Run one command; ``program``: this process is the ``autopar`` program itself (see
+    :func:`run`), so nothing it loads needs collecting before exit."""
     from autopar.errors import AutoparError
 
     parser = build_parser()
@@ -352,6 +364,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if argv[k] == "--budget" and argv[k + 1].startswith("-"):
             argv[k : k + 2] = [f"--budget={argv[k + 1]}"]
     args = parser.parse_args(argv)
+    args.program = program
     try:
         return args.func(args)
     except (AutoparError, ValueError, KeyError, OSError) as e:
@@ -361,5 +374,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
+# Commands that run in one process and leave nothing to tear down but the interpreter itself.
+_FAST_EXIT_COMMANDS = frozenset({"plan", "show", "compare"})
+
+
+def run() -> None:
+    """The ``autopar`` program: :func:`main` on ``sys.argv``, then exit. After ``plan``,
+    ``show`` and ``compare`` the process ends at once (``os._exit``, output flushed and logging
+    shut down first) instead of tearing the interpreter down object by object: torch's and the
+    planner's objects took 1.3 s of CPU to destroy after a llama3-8b b32 plan (the commands
+    hold no files, processes or process groups open by then). Other commands (calibrate and
+    bench-cost run under torchrun) exit the ordinary way."""
+    argv = sys.argv[1:]
+    fast = bool(argv) and argv[0] in _FAST_EXIT_COMMANDS
+    if fast:
+        # Young collections every 20,000 allocations instead of 700: the planner allocates
+        # millions of short-lived containers and frees nearly all of them by reference count
+        # (llama3-8b b32 bf16: 1,350 young and 10 full collections, 0.86 s of CPU; 61 young,
+        # no full one, 0.47 s; gpt2-small-2l 0.81 -> 0.21 s; max RSS +1 MB).
+        gc.set_threshold(20_000, 10, 10)
+    code = main(argv, program=True)
+    if fast:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except OSError:  # a closed pipe (``| head``): nothing more can be written anyway
+                pass
+        logging.shutdown()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -167,3 +167,31 @@ def test_explain_from_a_saved_file_in_a_fresh_process(quick_start) -> None:
     assert (
         "did you mean layers.0.attention.wq.weight" in bad.stderr and "p_layers" not in bad.stderr
     )
+
+
+def test_the_program_flushes_everything_before_its_fast_exit(quick_start, tmp_path) -> None:
+    """``python -m autopar plan`` ends with os._exit (autopar.tools.cli.run): the summary, the
+    progress lines and the plan file are all complete, and the exit status is main's. A
+    caller's ``main(...)`` (the fixture, in this process) freezes nothing in its collector."""
+    import gc
+
+    from autopar.plan.document import Plan
+
+    assert gc.get_freeze_count() == 0
+    out = tmp_path / "mlp.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "100"}
+    run = subprocess.run(
+        [sys.executable, "-m", "autopar", "plan", "mlp", "--mesh", "2", "--no-cache", "--out", str(out)],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.rstrip().endswith(f"plan written to {out}") and "Step " in run.stdout
+    assert run.stderr.startswith("capture:") and "solve auto:" in run.stderr
+    assert Plan.load(out).data["model"]["name"] == "mlp"
+    bad = subprocess.run(
+        [sys.executable, "-m", "autopar", "plan", "mlp", "--mesh", "2", "--budget", "1B"],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=120,
+    )  # fmt: skip
+    assert bad.returncode == 2 and bad.stderr.rstrip().splitlines()[-1].startswith(
+        "autopar: error:"
+    )
