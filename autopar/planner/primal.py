@@ -78,8 +78,11 @@ def seed(
             fitted.append((found.objective_s, k))
     report(
         "primal: the budget-free plans fit "
-        + ", ".join(
-            f"{ordered[k][0].label(names)} {step * 1e3:.3f} ms" for step, k in sorted(fitted)
+        + (
+            ", ".join(
+                f"{ordered[k][0].label(names)} {step * 1e3:.3f} ms" for step, k in sorted(fitted)
+            )
+            or "no configuration"
         )
         + f", {time.perf_counter() - start:.1f} s"
     )
