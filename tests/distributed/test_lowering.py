@@ -361,11 +361,9 @@ def check_sharded_checkpoint(pmodel: Any, fresh: Any, args: Any, kwargs: dict) -
                 )
 
 
-def check_grad_buffers(mesh_shape: tuple[int, ...], groups: Any) -> None:
-    """Data-parallel gradients are views of their bucket's flat buffer after backward (nothing
-    is copied back after the all-reduce); under ``zero_grad(set_to_none=False)`` the next
-    backward accumulates into those views and reduces the same buffers in place; SGD steps
-    that way match the single-process model."""
+def _dp_buckets(mesh_shape: tuple[int, ...], groups: Any) -> tuple[dict, Any, Any, Any]:
+    """The tiny MLP's single-process reference and its data-parallel module with 256-byte
+    gradient buckets (several), its local inputs and an SGD optimizer."""
     from autopar.capture.export import capture
     from autopar.lowering import lower
     from autopar.runtime.module import ParallelModule
@@ -377,8 +375,15 @@ def check_grad_buffers(mesh_shape: tuple[int, ...], groups: Any) -> None:
     lowered = lower(captured, _chooser("dp")(captured, mesh_shape), mesh_shape, groups.key)
     pmodel = ParallelModule(lowered, model, groups, grad_bucket_bytes=256)
     assert pmodel.grad_reducer.num_buckets > 1
-    local = pmodel.shard_inputs(*args)
-    opt = torch.optim.SGD(pmodel.parameters(), lr=LR)
+    return want, pmodel, pmodel.shard_inputs(*args), torch.optim.SGD(pmodel.parameters(), lr=LR)
+
+
+def check_grad_buffers(mesh_shape: tuple[int, ...], groups: Any) -> None:
+    """Data-parallel gradients are views of their bucket's flat buffer after backward (nothing
+    is copied back after the all-reduce); under ``zero_grad(set_to_none=False)`` the next
+    backward accumulates into those views and reduces the same buffers in place; SGD steps
+    that way match the single-process model."""
+    want, pmodel, local, opt = _dp_buckets(mesh_shape, groups)
     buffers = None
     for _ in range(NUM_STEPS):
         opt.zero_grad(set_to_none=False)
@@ -399,19 +404,7 @@ def check_grad_kept(mesh_shape: tuple[int, ...], groups: Any) -> None:
     the next backward's gradients are copied into it; a ``.grad`` (or a view of one) that the
     caller keeps across ``zero_grad()`` is never overwritten: its bucket gets a new buffer and
     the other buckets keep theirs. SGD steps that way match the single-process model."""
-    from autopar.capture.export import capture
-    from autopar.lowering import lower
-    from autopar.runtime.module import ParallelModule
-    from tests.models import tiny_mlp
-
-    want = _reference(tiny_mlp)
-    model, args, kwargs = tiny_mlp()
-    captured = capture(model, args, kwargs)
-    lowered = lower(captured, _chooser("dp")(captured, mesh_shape), mesh_shape, groups.key)
-    pmodel = ParallelModule(lowered, model, groups, grad_bucket_bytes=256)
-    assert pmodel.grad_reducer.num_buckets > 1
-    local = pmodel.shard_inputs(*args)
-    opt = torch.optim.SGD(pmodel.parameters(), lr=LR)
+    want, pmodel, local, opt = _dp_buckets(mesh_shape, groups)
     names = [name for name, _ in pmodel.named_parameters()]
     before: dict[str, int] = {}
     held: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}

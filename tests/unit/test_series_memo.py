@@ -95,8 +95,9 @@ def _outcome(problem: Problem, memo: SolveMemo | None) -> tuple | str:
     return out.choices, out.objective_s, out.bound_s
 
 
-def test_a_repeated_solve_forms_no_product_again(prune_everything, monkeypatch) -> None:  # noqa: F811
-    """The second of two equal solves takes every product from the memo."""
+def _count_products(monkeypatch) -> list:
+    """The shapes of the series products formed from now on (solver.eliminate.series_min
+    wrapped for the test)."""
     formed = []
     original = solver.eliminate.series_min
 
@@ -105,6 +106,12 @@ def test_a_repeated_solve_forms_no_product_again(prune_everything, monkeypatch) 
         return original(uv, cv, vw)
 
     monkeypatch.setattr(solver.eliminate, "series_min", counted)
+    return formed
+
+
+def test_a_repeated_solve_forms_no_product_again(prune_everything, monkeypatch) -> None:  # noqa: F811
+    """The second of two equal solves takes every product from the memo."""
+    formed = _count_products(monkeypatch)
     table = tuple(tuple(float((s + t) % 3) for t in range(3)) for s in range(3))
     nodes = tuple(
         Node(name=f"n{i}", cost_s=(float(i % 2), 1.0, 2.0), memory_bytes=(0.0,) * 3)
@@ -131,14 +138,7 @@ def test_a_memo_keeps_its_generations_products_and_no_older(monkeypatch) -> None
     solves without it; the default SolveMemo keeps PRUNE_GENERATIONS for pruning."""
     import numpy as np
 
-    formed = []
-    original = solver.eliminate.series_min
-
-    def counted(uv, cv, vw):
-        formed.append(uv.shape)
-        return original(uv, cv, vw)
-
-    monkeypatch.setattr(solver.eliminate, "series_min", counted)
+    formed = _count_products(monkeypatch)
     uv = np.array([[0.0, 1.0, -0.0], [2.0, 0.5, 1.0]])
     cv = np.array([0.0, -0.0, 1.0])
     vw = np.array([[1.0, 0.0], [0.0, -0.0], [3.0, 1.0]])
