@@ -14,7 +14,6 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import solver
 from autopar.errors import PlanningError
@@ -37,6 +36,7 @@ from autopar.planner.problem import (
     evaluate,
 )
 from autopar.planner.recipes import RecipeSpec
+from autopar.planner.solve_log import log_entry as log_entry  # driver, zero_search use it
 from autopar.planner.tying import repeated_blocks
 from autopar.planner.zero_pricing import ZeroStreams, problem_streams
 from solver.budgeted import Recorded, Warm, budget_free_record, priced_bound
@@ -80,24 +80,30 @@ def _within_gap(solution: solver.Solution, gap: float) -> bool:
     return solution.status == "optimal" or solution.gap <= gap or solution.cut_off
 
 
+def _cut_short(
+    plain: solver.Solution | None,
+    solution: solver.Solution,
+    options: PlanOptions,
+    limit: float | None,
+) -> bool:
+    """Whether, at gap 0, the alternative solve ``plain`` stopped on the cap :meth:`_finish`
+    gave it (not the user's --time-limit) with a plan better than ``solution`` but unproven.
+    (With a gap to spend the cap stands: the joint plan is within it already.)"""
+    return (
+        plain is not None
+        and options.gap == 0
+        and limit is not None
+        and options.time_limit_s is None
+        and plain.status != "optimal"
+        and not _within_gap(plain, options.gap)
+        and plain.objective_s < solution.objective_s
+    )
+
+
 def tie_levels(space: StrategySpace) -> list[tuple[tuple[int, ...], ...]]:
     """Every layer of a stack tied, then the middle layers only (see autopar.planner.tying)."""
     levels = [repeated_blocks(space, include_ends=True), repeated_blocks(space)]
     return [level for k, level in enumerate(levels) if level and level not in levels[:k]]
-
-
-def log_entry(solved: Solved, *, budget_free: bool = False) -> dict[str, Any]:
-    """The plan JSON's ``solver.candidates`` entry of one solved configuration."""
-    return {
-        "zero_stage": solved.zero.stage,
-        "zero_axes": list(solved.zero.axes),
-        "zero_stages": list(solved.zero.stages),
-        "status": solved.solution.status,
-        "step_s": solved.evaluation.step_s,
-        "peak_memory_bytes": solved.evaluation.peak_memory_bytes,
-        "memory": solved.evaluation.memory,
-        "budget_free": budget_free,
-    }
 
 
 class ConfigurationSolver:
@@ -463,6 +469,12 @@ class ConfigurationSolver:
                 )
             except (solver.InfeasibleBudgetError, solver.SolverStoppedError):
                 plain = None
+            if _cut_short(plain, solution, options, limit):
+                # At gap 0 with no time limit of the user's, the answer must not depend on
+                # how fast this machine is: an alternative stopped on its own cap with a
+                # better plan is solved to the end (on a loaded machine the cap otherwise
+                # decides which plan is returned).
+                plain = solver.solve(built.problem, backend=options.solver, gap=options.gap)
             if plain is not None and plain.objective_s < solution.objective_s:
                 solution = dataclasses.replace(plain, recomputed=(0,) * len(problem.segments))
         choice = tuple(built.allowed[i][c] for i, c in enumerate(solution.choices))
