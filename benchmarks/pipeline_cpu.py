@@ -40,6 +40,10 @@ import torch.distributed as dist
 from benchmarks.pipeline_cost_check import _gathered, _load, build, plan_cases, timing_lock
 
 WITHIN = 0.2
+OPS, LEVEL = "ops", "level"
+"""The two ways of turning a priced second into CPU seconds: the share of a core calibration's
+op timings ran at (``ops_cpu_share``), or the calibration pipeline's tasks' level
+(``1 / cpu_compute_level``)."""
 
 
 def record_task_cpu(pmodel: Any) -> None:
@@ -118,17 +122,18 @@ def repetition_figures(rows: Sequence[Sequence[Sequence[float]]]) -> dict[str, A
 def priced_at_share(
     case: Mapping[str, Any],
     shares: Sequence[float],
-    cpu_level: float,
+    cpu_per_priced: float,
     task_wait_s: float,
 ) -> Any:
-    """The plan's schedule with stage ``i``'s forward and backward at ``t / cpu_level /
-    shares[i]`` (module docstring), its sends, the wait per task and the plan's head and tail."""
+    """The plan's schedule with stage ``i``'s forward and backward at ``t x cpu_per_priced /
+    shares[i]`` (module docstring: the CPU seconds a priced second stands for, at the share of
+    a core rank ``i``'s tasks got), its sends, the wait per task and the plan's head and tail."""
     from autopar.planner.pipeline_schedule import StageCost, schedule_time
 
     stages = [
         StageCost(
-            forward_s=s["forward_s"] / cpu_level / share,
-            backward_s=s["backward_s"] / cpu_level / share,
+            forward_s=s["forward_s"] * cpu_per_priced / share,
+            backward_s=s["backward_s"] * cpu_per_priced / share,
             p2p_s=s["p2p_s"],
             step_s=s["grad_sync_s"],
         )
@@ -145,16 +150,23 @@ def priced_at_share(
 def summarize(
     cases: Sequence[Mapping[str, Any]],
     measured: Mapping[str, Any],
-    cpu_level: float,
+    cpu_per_priced: Mapping[str, float],
     task_wait_s: float,
 ) -> list[dict[str, Any]]:
-    """Per configuration: predicted (at each repetition's share; raw) and measured step and
-    idle share, their ratios (median over repetitions of a repetition's ratio)."""
+    """Per configuration: predicted (at each repetition's share, for each way of turning the
+    profile's prices into CPU seconds, ``cpu_per_priced``; raw) and measured step and idle
+    share, their ratios (median over repetitions of a repetition's ratio)."""
     table = []
     for case in cases:
         reps = [repetition_figures(r["rows"]) for r in measured[case["key"]]]
-        priced = [priced_at_share(case, r["shares"], cpu_level, task_wait_s) for r in reps]
         steps = [r["step_s"] for r in reps]
+        by_way = {}
+        for way, factor in cpu_per_priced.items():
+            priced = [priced_at_share(case, r["shares"], factor, task_wait_s) for r in reps]
+            by_way[way] = {
+                **by_way[OPS],
+                "by_way": by_way,
+            }
         table.append({
             "key": case["key"],
             "blocks": [s["blocks"] for s in case["stages"]],
@@ -176,39 +188,43 @@ def summarize(
 
 def markdown(world: int, table: Sequence[Mapping[str, Any]]) -> str:
     lines = [
-        "| ranks | model / schedule / m | cuts | predicted ms at the CPU share | measured ms "
-        "(min-max) | measured / predicted | raw: predicted ms, ratio | predicted bubble | "
-        "predicted idle | measured idle | CPU share per rank |",
-        "|---|---|---|---:|---|---:|---|---:|---:|---:|---|",
+        "| ranks | model / schedule / m | cuts | predicted ms at the CPU share: ops (level) | "
+        "measured ms (min-max) | measured / predicted: ops (level) | raw: predicted ms, ratio | "
+        "predicted bubble | predicted idle: ops | measured idle | CPU share per rank |",
+        "|---|---|---|---|---|---|---|---:|---:|---:|---|",
     ]
     for r in table:
         cuts = "+".join(str(len(b)) for b in r["blocks"])
+        level = r["by_way"][LEVEL]
         lines.append(
-            f"| {world} | {r['key']} | {cuts} | {r['predicted_s'] * 1e3:.0f} | "
-            f"{r['step_s'] * 1e3:.0f} ({r['step_min_s'] * 1e3:.0f}-{r['step_max_s'] * 1e3:.0f}) | "
-            f"{r['ratio']:.2f} | {r['raw_predicted_s'] * 1e3:.0f}, {r['raw_ratio']:.2f} | "
+            f"| {world} | {r['key']} | {cuts} | {r['predicted_s'] * 1e3:.0f} "
+            f"({level['predicted_s'] * 1e3:.0f}) | {r['step_s'] * 1e3:.0f} "
+            f"({r['step_min_s'] * 1e3:.0f}-{r['step_max_s'] * 1e3:.0f}) | {r['ratio']:.2f} "
+            f"({level['ratio']:.2f}) | {r['raw_predicted_s'] * 1e3:.0f}, {r['raw_ratio']:.2f} | "
             f"{r['predicted_bubble']:.3f} | {r['predicted_idle']:.3f} | {r['idle']:.3f} | "
             + ", ".join(f"{s:.2f}" for s in r["shares"])
             + " |"
         )
-    hits = sum(abs(r["ratio"] - 1) <= WITHIN for r in table)
+    n = len(table)
+    hits = {w: sum(abs(r["by_way"][w]["ratio"] - 1) <= WITHIN for r in table) for w in (OPS, LEVEL)}
     raw = sum(abs(r["raw_ratio"] - 1) <= WITHIN for r in table)
     lines.append(
-        f"\nwithin 20%: {hits} of {len(table)} at the CPU share; raw {raw} of {len(table)}"
+        f"\nwithin 20%: {hits[OPS]} of {n} at the CPU share (ops), {hits[LEVEL]} of {n} "
+        f"(level); raw {raw} of {n}"
     )
     return "\n".join(lines)
 
 
-def profile_cpu_level(profile: Any) -> tuple[float, float | None]:
-    """The profile's ``cpu_compute_level`` and calibration pipeline's CPU share."""
+def cpu_per_priced(profile: Any) -> dict[str, float]:
+    """The profile's two conversions of a priced second into CPU seconds (``OPS``, ``LEVEL``),
+    from what calibration recorded (``meta.measurements.task_wait``)."""
     waits = (profile.meta or {}).get("measurements", {}).get("task_wait", {})
-    level = waits.get("cpu_compute_level")
-    if level is None:
+    if waits.get("cpu_compute_level") is None or waits.get("ops_cpu_share") is None:
         raise ValueError(
-            "the profile has no cpu_compute_level (calibrated before session 15): calibrate "
-            "again (drop --profile) to record the pipeline tasks' thread CPU seconds"
+            "the profile has no cpu_compute_level / ops_cpu_share (calibrated before session "
+            "15): calibrate again (drop --profile) to record the thread CPU seconds"
         )
-    return level, waits.get("cpu_share")
+    return {OPS: waits["ops_cpu_share"], LEVEL: 1.0 / waits["cpu_compute_level"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -239,22 +255,23 @@ def main(argv: list[str] | None = None) -> int:
         with timing_lock(args.lock, "calibration"):
             profile = calibrate((args.world,), ("pp",), nproc=args.world, verbose=False)
         save_profile(profile, os.path.join(args.out, f"pipeline_cpu_profile_{args.world}.json"))
-    level, share = profile_cpu_level(profile)
+    factors = cpu_per_priced(profile)
     cases = plan_cases(args.world, profile, args)
     print(f"planned {len(cases)} configurations in {time.perf_counter() - start:.0f} s", flush=True)
     with timing_lock(args.lock, "the timed steps"):
         ranks = spawn_ranks(run_rank, args.world, cases, args, timeout_s=1800, pg_timeout_s=600)
     measured = ranks[0]["measured"]
-    table = summarize(cases, measured, level, profile.device.task_wait_s)
-    print(f"profile: cpu_compute_level {level:.3f}, calibration pipeline's CPU share "
-          f"{share}, task_wait_s {profile.device.task_wait_s * 1e3:.2f} ms, matmul "
+    table = summarize(cases, measured, factors, profile.device.task_wait_s)
+    waits = profile.meta["measurements"]["task_wait"]
+    print(f"profile: CPU seconds per priced second {factors}; calibration pipeline's CPU share "
+          f"{waits['cpu_share']:.3f}; task_wait_s {profile.device.task_wait_s * 1e3:.2f} ms, matmul "
           f"{profile.device.peak_flops['float32'] / 1e9:.1f} GFLOP/s")  # fmt: skip
     print(f"load at end: {_load()}; {time.perf_counter() - start:.0f} s in all")
     print(markdown(args.world, table))
     path = os.path.join(args.out, f"pipeline_cpu_{args.world}.json")
     with open(path, "w") as f:
         json.dump({"argv": sys.argv, "table": table, "measured": measured,
-                   "cpu_level": level, "cpu_share": share}, f, indent=1, default=str)  # fmt: skip
+                   "cpu_per_priced": factors}, f, indent=1, default=str)  # fmt: skip
     print(f"command: PYTHONPATH=. python benchmarks/pipeline_cpu.py {' '.join(sys.argv[1:])}")
     return 0
 

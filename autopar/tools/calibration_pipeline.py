@@ -53,7 +53,7 @@ from autopar.tools.calibration_level import (
     round_cpu_share,
     timed_task,
 )
-from autopar.tools.calibration_rates import matmul_rate_now, priced_stage_tasks
+from autopar.tools.calibration_rates import matmul_cpu_share, matmul_rate_now, priced_stage_tasks
 
 __all__ = ["matmul_rate_now", "priced_stage_tasks"]  # moved; importable from here as before
 
@@ -428,6 +428,9 @@ def with_pipeline_figures(
     ``details["busy_rank_speed"]["probe"]``."""
     import dataclasses
 
+    # Recorded only (session 15): the share of a core a rank gets with every rank computing,
+    # the moment calibration's op prices stand for (benchmarks/pipeline_cpu.py).
+    ops_share = matmul_cpu_share(rate_sizes or (width,), device) if device.type == "cpu" else None
     wait, details["task_wait"] = measure_task_wait(width, links, device, log, rounds=rounds,
                                                    rate_sizes=rate_sizes)  # fmt: skip
     spec = dataclasses.replace(spec, task_wait_s=wait)
@@ -446,6 +449,7 @@ def with_pipeline_figures(
     timed["cpu_compute_level"] = cpu_compute_level(timed["rounds"], *priced)
     shares = [s for s in map(round_cpu_share, timed["rounds"]) if s is not None]
     timed["cpu_share"] = statistics.median(shares) if shares else None
+    timed["ops_cpu_share"], timed["ops_cpu_flops"] = ops_share or (None, None)
     timed["compute_level_at_round_rate"] = pipeline_compute_level(
         timed["rounds"], *priced, speed, peak_flops=spec.peak_flops["float32"]
     )

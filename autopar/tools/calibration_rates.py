@@ -57,3 +57,30 @@ def priced_stage_tasks(
         forward.append(f)
         backward.append(b)
     return forward, backward
+
+
+def matmul_cpu_share(sizes: Sequence[int], device: torch.device) -> tuple[float, float]:
+    """The share of a core each rank gets while every rank computes at once, as calibration
+    times its ops (``peak_flops``, the family efficiencies): every rank multiplies each size for
+    0.2 s, recording thread CPU seconds beside wall seconds; returns ``(share, rate)``, the
+    ranks' mean CPU over wall seconds and the fp32 FLOP/s per CPU second. The profile's prices
+    are wall seconds at that share: a stage priced ``t`` needs ``t x share`` CPU seconds."""
+    import time
+
+    from autopar.tools.timing import mean_over_ranks
+    from cost_models.compute import matmul_flops
+
+    cpu = wall = flops = 0.0
+    for n in sizes:
+        a = torch.randn(n, n, device=device)
+        a @ a  # warm-up
+        dist.barrier()
+        start, cpu_start, count = time.perf_counter(), time.thread_time(), 0
+        while count < 2 or time.perf_counter() - start < 0.2:
+            a @ a
+            count += 1
+        cpu += time.thread_time() - cpu_start
+        wall += time.perf_counter() - start
+        flops += count * matmul_flops(n, n, n)
+    share, cpu_s = mean_over_ranks([min(1.0, cpu / wall), cpu], device)
+    return share, flops / cpu_s

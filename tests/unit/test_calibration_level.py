@@ -105,14 +105,14 @@ def _case(schedule: str) -> dict:
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_pricing_at_the_share_divides_the_stages_by_level_and_share(schedule):
-    """2 equal stages, m = 4, no sends or wait: (m + p - 1) x (f + b). A level L and a share s
-    make every task t / L / s; halving the share doubles the step and keeps the bubble."""
+    """2 equal stages, m = 4, no sends or wait: (m + p - 1) x (f + b). CPU seconds c per priced second and a share s
+    make every task t x c / s; halving the share doubles the step and keeps the bubble."""
     base = priced_at_share(_case(schedule), [1.0, 1.0], 1.0, 0.0)
     assert base.step_s == pytest.approx(5 * 0.03)
     half = priced_at_share(_case(schedule), [0.5, 0.5], 1.0, 0.0)
     assert half.step_s == pytest.approx(2 * base.step_s)
     assert half.bubble_fraction == pytest.approx(base.bubble_fraction)
-    leveled = priced_at_share(_case(schedule), [0.5, 0.5], 2.0, 0.0)
+    leveled = priced_at_share(_case(schedule), [0.5, 0.5], 0.5, 0.0)
     assert leveled.step_s == pytest.approx(base.step_s)
     # One slow rank (share 0.25) stretches the step past the equal-shares one.
     uneven = priced_at_share(_case(schedule), [1.0, 0.25], 1.0, 0.0)
