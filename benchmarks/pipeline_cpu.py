@@ -164,20 +164,19 @@ def summarize(
         for way, factor in cpu_per_priced.items():
             priced = [priced_at_share(case, r["shares"], factor, task_wait_s) for r in reps]
             by_way[way] = {
-                **by_way[OPS],
-                "by_way": by_way,
+                "predicted_s": statistics.median(t.step_s for t in priced),
+                "ratio": statistics.median(r["step_s"] / t.step_s for r, t in zip(reps, priced)),
+                "predicted_idle": statistics.median(1 - t.compute_s / t.step_s for t in priced),
             }
         table.append({
             "key": case["key"],
             "blocks": [s["blocks"] for s in case["stages"]],
-            "predicted_s": statistics.median(t.step_s for t in priced),
+            **by_way[OPS], "by_way": by_way,
             "step_s": statistics.median(steps), "step_min_s": min(steps),
             "step_max_s": max(steps),
-            "ratio": statistics.median(r["step_s"] / t.step_s for r, t in zip(reps, priced)),
             "raw_predicted_s": case["predicted"]["step_s"],
             "raw_ratio": statistics.median(steps) / case["predicted"]["step_s"],
             "predicted_bubble": case["predicted"]["bubble_fraction"],
-            "predicted_idle": statistics.median(1 - t.compute_s / t.step_s for t in priced),
             "idle": statistics.median(r["idle"] for r in reps),
             "shares": [statistics.median(r["shares"][i] for r in reps)
                        for i in range(len(reps[0]["shares"]))],
@@ -261,6 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     with timing_lock(args.lock, "the timed steps"):
         ranks = spawn_ranks(run_rank, args.world, cases, args, timeout_s=1800, pg_timeout_s=600)
     measured = ranks[0]["measured"]
+    path = os.path.join(args.out, f"pipeline_cpu_{args.world}.json")
+    with open(path, "w") as f:  # the steps first: a summary that fails keeps them
+        json.dump({"argv": sys.argv, "measured": measured, "cases": cases}, f, default=str)
     table = summarize(cases, measured, factors, profile.device.task_wait_s)
     waits = profile.meta["measurements"]["task_wait"]
     print(f"profile: CPU seconds per priced second {factors}; calibration pipeline's CPU share "
@@ -268,7 +270,6 @@ def main(argv: list[str] | None = None) -> int:
           f"{profile.device.peak_flops['float32'] / 1e9:.1f} GFLOP/s")  # fmt: skip
     print(f"load at end: {_load()}; {time.perf_counter() - start:.0f} s in all")
     print(markdown(args.world, table))
-    path = os.path.join(args.out, f"pipeline_cpu_{args.world}.json")
     with open(path, "w") as f:
         json.dump({"argv": sys.argv, "table": table, "measured": measured,
                    "cpu_per_priced": factors}, f, indent=1, default=str)  # fmt: skip

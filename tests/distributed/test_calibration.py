@@ -96,6 +96,7 @@ def test_tiny_calibration_gives_a_profile_the_planner_uses(tmp_path) -> None:
                for r in task_wait["rounds"])  # fmt: skip
     assert task_wait["cpu_compute_level"] == cpu_compute_level(task_wait["rounds"], *priced)
     assert 0 < task_wait["cpu_share"] <= 1
+    assert 0 < task_wait["ops_cpu_share"] <= 1 and task_wait["ops_cpu_flops"] > 1e8
     level = min(max(level, LEVEL_RANGE[0]), LEVEL_RANGE[1])
     assert dict(device.busy_rank_speed) == pytest.approx({k: v * level for k, v in shaped.items()})
     assert device.task_wait_s >= 0 and device.task_wait_s < min(

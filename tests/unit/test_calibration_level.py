@@ -117,3 +117,19 @@ def test_pricing_at_the_share_divides_the_stages_by_level_and_share(schedule):
     # One slow rank (share 0.25) stretches the step past the equal-shares one.
     uneven = priced_at_share(_case(schedule), [1.0, 0.25], 1.0, 0.0)
     assert uneven.step_s > priced_at_share(_case(schedule), [0.5, 0.5], 1.0, 0.0).step_s
+
+
+def test_the_summary_prices_each_way_and_counts_the_rows_within_20_percent():
+    """Measured 150 ms at share 1 against stages priced 5 x 30 ms: 1 CPU second per priced
+    second predicts it exactly; 0.5 (the pipeline level 2) predicts half of it."""
+    from benchmarks.pipeline_cpu import markdown, summarize
+
+    case = dict(_case("gpipe"), key="x/gpipe/m4")
+    case["stages"] = [dict(s, blocks=[0]) for s in case["stages"]]
+    step = [[0.15, 0.12, 0.12, 0.12], [0.15, 0.12, 0.12, 0.12]]
+    measured = {"x/gpipe/m4": [{"rows": [step, step], "load": 1.0}] * 3}
+    (row,) = summarize([case], measured, {"ops": 1.0, "level": 0.5}, 0.0)
+    assert row["ratio"] == pytest.approx(1.0) and row["predicted_s"] == pytest.approx(0.15)
+    assert row["by_way"]["level"]["ratio"] == pytest.approx(2.0)
+    assert row["idle"] == pytest.approx(0.2) and row["shares"] == pytest.approx([1.0, 1.0])
+    assert "1 of 1 at the CPU share (ops), 0 of 1 (level); raw 0 of 1" in markdown(2, [row])
