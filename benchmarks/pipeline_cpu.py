@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown(args.world, table))
     with open(path, "w") as f:
         json.dump({"argv": sys.argv, "table": table, "measured": measured,
-                   "cpu_per_priced": factors}, f, indent=1, default=str)  # fmt: skip
+                   "cpu_per_priced": factors, "cases": cases}, f, indent=1, default=str)  # fmt: skip
     print(f"command: PYTHONPATH=. python benchmarks/pipeline_cpu.py {' '.join(sys.argv[1:])}")
     return 0
 
