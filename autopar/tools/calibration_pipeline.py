@@ -46,6 +46,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autopar.tools.calibration_level import (
+    cpu_compute_level,
+    gather_task_cpu,
+    round_cpu_figures,
+    round_cpu_share,
+    timed_task,
+)
+from autopar.tools.calibration_rates import matmul_cpu_share, matmul_rate_now, priced_stage_tasks
+
+__all__ = ["matmul_rate_now", "priced_stage_tasks"]  # moved; importable from here as before
+
 PIPELINE_ROWS = 128
 """Rows per microbatch of the calibration pipeline (its activation: ``rows x width`` fp32,
 about 390 KiB at width 768, the size of a small model's stage boundary)."""
@@ -53,17 +64,6 @@ PIPELINE_MICROBATCHES = 4
 PIPELINE_LAYERS = 4
 """Linear layers per stage: tasks of about 10-30 ms at width 768 on these cores, the order of
 the stages the pipeline check runs (1-2 transformer blocks of width 256 at 2-8 rows x 128)."""
-
-
-def _timed(stage: Any, kind: str, call: Callable[[], Any]) -> Any:
-    """Runs ``call`` (one microbatch's forward or backward of ``stage``) and appends
-    ``(kind, start, end)`` on the monotonic clock, which every process of the machine shares,
-    to ``stage.spans``."""
-    start = time.perf_counter()
-    try:
-        return call()
-    finally:
-        stage.spans.append((kind, start, time.perf_counter()))
 
 
 def _timed_stage_class() -> type:
@@ -75,12 +75,12 @@ def _timed_stage_class() -> type:
         spans: list[tuple[str, float, float]]
 
         def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-            return _timed(
+            return timed_task(
                 self, "F", lambda: super(TimedStage, self).forward_one_chunk(*args, **kwargs)
             )
 
         def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-            return _timed(
+            return timed_task(
                 self, "B", lambda: super(TimedStage, self).backward_one_chunk(*args, **kwargs)
             )
 
@@ -294,8 +294,10 @@ def measure_task_wait(
     schedule = ScheduleGPipe(stage, m, loss_fn=lambda out, target: (out - target).square().sum())
     x = torch.randn(m * rows, width)
 
+    cpu_steps: list[list[list[float]]] = []
+
     def one_step() -> list[Any]:
-        stage.spans = []
+        stage.spans, stage.cpu_spans = [], []
         dist.barrier()
         start = time.perf_counter()
         if rank == 0:
@@ -309,6 +311,7 @@ def measure_task_wait(
             flat += [float(kind == "B"), a, b]
         every = [torch.zeros(len(flat), dtype=torch.float64) for _ in range(world)]
         dist.all_gather(every, torch.tensor(flat, dtype=torch.float64))
+        cpu_steps.append(gather_task_cpu(stage.cpu_spans, world))
         return [
             (float(t[0]), float(t[1]), [("FB"[int(t[k])], float(t[k + 1]), float(t[k + 2]))
                                         for k in range(2, len(t), 3)])
@@ -322,8 +325,10 @@ def measure_task_wait(
     per_round: list[dict[str, Any]] = []
     for _ in range(rounds):
         rate = matmul_rate_now(rate_sizes, device) if rate_sizes else None
+        cpu_steps.clear()
         timelines = [one_step() for _ in range(steps)]
-        per_round.append(dict(round_figures(timelines, p2p, microbatches=m), matmul_flops=rate))
+        per_round.append(dict(round_figures(timelines, p2p, microbatches=m), matmul_flops=rate,
+                              **round_cpu_figures(cpu_steps)))  # fmt: skip
     wait = statistics.median(r["task_wait_s"] for r in per_round)
     dist.destroy_process_group(group)
     detail = {"schedule": "gpipe", "microbatches": m, "rows": rows, "width": width, "layers": layers,
@@ -366,52 +371,6 @@ def pipeline_busy_rank_speed(
         return dict(probe)
     power = min(1.5, max(0.0, math.log(max(lone_speedup, 1e-9)) / math.log(span)))
     return {k: v**power for k, v in probe.items()}
-
-
-def matmul_rate_now(sizes: Sequence[int], device: torch.device) -> float:
-    """fp32 matmul FLOP/s now, fitted as calibration fits ``peak_flops`` (every rank timing each
-    size at once, mean over ranks, through the origin; 0.1 s per size): the machine's rate at a
-    pipeline round, against which :func:`pipeline_compute_level` can take the level apart from
-    the load's drift since the peak was timed."""
-    from autopar.tools.timing import mean_over_ranks, time_callable
-    from cost_models.calibrate import fit_rate
-    from cost_models.compute import matmul_flops
-
-    times = []
-    for n in sizes:
-        a = torch.randn(n, n, device=device)
-        dist.barrier()
-        times.append(time_callable(lambda a=a: a @ a, device=device, min_time_s=0.1, trials=1))
-    times = mean_over_ranks(times, device)
-    return fit_rate([matmul_flops(n, n, n) for n in sizes], times, through_origin=True)[0]
-
-
-def priced_stage_tasks(
-    spec: Any, *, width: int, rows: int, layers: int, world: int
-) -> tuple[list[float], list[float]]:
-    """Per stage of calibration's pipeline, the seconds of one microbatch's forward and
-    backward as the planner prices them on ``spec`` (every rank computing): each linear layer's
-    roofline (``autopar.capture.flops.op_costs``, ``cost_models.compute_time_s``), stage 0's
-    input needing no gradient; the last stage's loss (one square and one sum of a microbatch,
-    under 1% of its work) is left out."""
-    from autopar.capture.flops import op_costs
-    from cost_models.compute import compute_time_s
-
-    forward, backward = [], []
-    for stage in range(world):
-        f = b = 0.0
-        for layer in range(layers):
-            x = torch.empty(rows, width, device="meta", requires_grad=stage > 0 or layer > 0)
-            w = torch.empty(width, width, device="meta", requires_grad=True)
-            bias = torch.empty(width, device="meta", requires_grad=True)
-            work = op_costs(torch.ops.aten.linear.default, [x, w, bias])
-            f += compute_time_s(flops=work.fwd_flops, bytes_accessed=work.fwd_bytes,
-                                device=spec, family=work.family)  # fmt: skip
-            b += compute_time_s(flops=work.bwd_flops, bytes_accessed=work.bwd_bytes,
-                                device=spec, family=work.family)  # fmt: skip
-        forward.append(f)
-        backward.append(b)
-    return forward, backward
 
 
 LEVEL_RANGE = (0.25, 4.0)
@@ -469,6 +428,9 @@ def with_pipeline_figures(
     ``details["busy_rank_speed"]["probe"]``."""
     import dataclasses
 
+    # Recorded only (session 15): the share of a core a rank gets with every rank computing,
+    # the moment calibration's op prices stand for (benchmarks/pipeline_cpu.py).
+    ops_share = matmul_cpu_share(rate_sizes or (width,), device) if device.type == "cpu" else None
     wait, details["task_wait"] = measure_task_wait(width, links, device, log, rounds=rounds,
                                                    rate_sizes=rate_sizes)  # fmt: skip
     spec = dataclasses.replace(spec, task_wait_s=wait)
@@ -482,6 +444,12 @@ def with_pipeline_figures(
     level = pipeline_compute_level(timed["rounds"], *priced, speed)
     timed["priced_forward_s"], timed["priced_backward_s"] = priced
     timed["compute_level"] = level
+    # Recorded only (session 15): the level in thread CPU seconds and the share of a core the
+    # pipeline's tasks got; busy_rank_speed does not use them.
+    timed["cpu_compute_level"] = cpu_compute_level(timed["rounds"], *priced)
+    shares = [s for s in map(round_cpu_share, timed["rounds"]) if s is not None]
+    timed["cpu_share"] = statistics.median(shares) if shares else None
+    timed["ops_cpu_share"], timed["ops_cpu_flops"] = ops_share or (None, None)
     timed["compute_level_at_round_rate"] = pipeline_compute_level(
         timed["rounds"], *priced, speed, peak_flops=spec.peak_flops["float32"]
     )

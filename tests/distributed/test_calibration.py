@@ -24,6 +24,7 @@ def _calibrate(rank: int, world_size: int) -> dict[str, Any]:
 def test_tiny_calibration_gives_a_profile_the_planner_uses(tmp_path) -> None:
     from autopar.mesh import Mesh
     from autopar.tools.calibration import CALIBRATED_FAMILIES
+    from autopar.tools.calibration_level import cpu_compute_level
     from autopar.tools.calibration_links import CALIBRATED_COLLECTIVES
     from autopar.tools.calibration_pipeline import (
         LEVEL_RANGE,
@@ -90,6 +91,12 @@ def test_tiny_calibration_gives_a_profile_the_planner_uses(tmp_path) -> None:
     assert task_wait["compute_level_at_round_rate"] == pipeline_compute_level(
         task_wait["rounds"], *priced, shaped, peak_flops=device.peak_flops["float32"]
     )
+    # Recorded only (session 15): the level in thread CPU seconds and the tasks' CPU share.
+    assert all(len(r["forward_cpu_s"]) == world and min(r["backward_cpu_s"]) > 0
+               for r in task_wait["rounds"])  # fmt: skip
+    assert task_wait["cpu_compute_level"] == cpu_compute_level(task_wait["rounds"], *priced)
+    assert 0 < task_wait["cpu_share"] <= 1
+    assert 0 < task_wait["ops_cpu_share"] <= 1 and task_wait["ops_cpu_flops"] > 1e8
     level = min(max(level, LEVEL_RANGE[0]), LEVEL_RANGE[1])
     assert dict(device.busy_rank_speed) == pytest.approx({k: v * level for k, v in shaped.items()})
     assert device.task_wait_s >= 0 and device.task_wait_s < min(
