@@ -145,17 +145,22 @@ def _reduce_many(
     if groups.mesh_shape[axis] == 1:
         return tuple(tensors)
 
-    flat = torch.cat([t.reshape(-1).to(dtype) for t in tensors])
+    # Scalars (a loss and its count) stack and unbind: fewer ops than flatten, cat and split.
+    scalars = all(t.dim() == 0 for t in tensors)
+    same = [t if t.dtype == dtype else t.to(dtype) for t in tensors]
+    flat = torch.stack(same) if scalars else torch.cat([t.reshape(-1) for t in same])
 
     def call() -> Tensor:
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=groups.groups[axis])
         return flat
 
     summed = _guarded("all_reduce", groups, axis, flat, call)
-    parts = summed.split([t.numel() for t in tensors])
+    parts = summed.unbind() if scalars else summed.split([t.numel() for t in tensors])
+    shaped = [
+        part if scalars else part.view(t.shape) for part, t in zip(parts, tensors, strict=True)
+    ]
     return tuple(
-        part.view(t.shape) if t.dtype == dtype else part.to(t.dtype).view(t.shape)
-        for part, t in zip(parts, tensors, strict=True)
+        p if p.dtype == t.dtype else p.to(t.dtype) for p, t in zip(shaped, tensors, strict=True)
     )
 
 
