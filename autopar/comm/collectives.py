@@ -15,6 +15,8 @@ Slice       R -> S(d)   local chunk of this coord.   all_gather along d
 ZeroOut     R -> P      zeros off coordinate 0       identity
 GradAllReduce R -> R    identity                     all_reduce (sum): a Replicate input
                                                      whose gradient comes out Partial
+AllReduceMany P.. -> R..  one all_reduce of a flat     identity per input
+                        buffer holding every input
 ======================  ===========================  ===============================
 
 Chunks and gathers follow the coordinate order on the axis, matching the simulator in
@@ -49,6 +51,7 @@ from autopar.resharding.steps import Step
 __all__ = [
     "AllGather",
     "AllReduce",
+    "AllReduceMany",
     "AllToAll",
     "GradAllReduce",
     "ReduceScatter",
@@ -60,6 +63,7 @@ __all__ = [
     "apply_step",
     "autopar_all_gather",
     "autopar_all_reduce",
+    "autopar_all_reduce_many",
     "autopar_all_to_all",
     "autopar_gather_sections",
     "autopar_grad_all_reduce",
@@ -129,6 +133,35 @@ def _reduce(t: Tensor, groups: AxisGroups, axis: int) -> Tensor:
         return out
 
     return _guarded("all_reduce", groups, axis, t, call)
+
+
+def _reduce_many(
+    tensors: Sequence[Tensor], groups: AxisGroups, axis: int, dtype: torch.dtype
+) -> tuple[Tensor, ...]:
+    """Sum each tensor over ``axis`` with ONE all-reduce of a flat ``dtype`` buffer holding them
+    in order. A tensor of another dtype (an integer count) is converted into the buffer and its
+    sum back: exact only while the sum is an integer the buffer's dtype represents, which the
+    caller (``autopar.lowering.fused_reductions``) proves from the count's bound."""
+    if groups.mesh_shape[axis] == 1:
+        return tuple(tensors)
+
+    # Scalars (a loss and its count) stack and unbind: fewer ops than flatten, cat and split.
+    scalars = all(t.dim() == 0 for t in tensors)
+    same = [t if t.dtype == dtype else t.to(dtype) for t in tensors]
+    flat = torch.stack(same) if scalars else torch.cat([t.reshape(-1) for t in same])
+
+    def call() -> Tensor:
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=groups.groups[axis])
+        return flat
+
+    summed = _guarded("all_reduce", groups, axis, flat, call)
+    parts = summed.unbind() if scalars else summed.split([t.numel() for t in tensors])
+    shaped = [
+        part if scalars else part.view(t.shape) for part, t in zip(parts, tensors, strict=True)
+    ]
+    return tuple(
+        p if p.dtype == t.dtype else p.to(t.dtype) for p, t in zip(shaped, tensors, strict=True)
+    )
 
 
 def gather_stacked(t: Tensor, groups: AxisGroups, axis: int) -> Tensor:
@@ -215,6 +248,23 @@ class AllReduce(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         return grad, None, None
+
+
+class AllReduceMany(torch.autograd.Function):
+    """Several P -> R on one axis as one all-reduce; backward: identity for each (integer
+    inputs, e.g. token counts, have no gradient)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, groups: AxisGroups, axis: int, dtype: torch.dtype, *tensors: Tensor
+    ) -> tuple[Tensor, ...]:
+        outs = _reduce_many(tensors, groups, axis, dtype)
+        ctx.mark_non_differentiable(*(o for o in outs if not o.is_floating_point()))
+        return outs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
+        return (None, None, None, *grads)
 
 
 class ReduceScatter(torch.autograd.Function):
@@ -396,6 +446,14 @@ def autopar_select_sections(
 def autopar_all_reduce(t: Tensor, group_key: str, axis: int) -> Tensor:
     """P -> R on ``axis``; backward: identity."""
     return AllReduce.apply(t, lookup_axis_groups(group_key), axis)
+
+
+def autopar_all_reduce_many(
+    tensors: Sequence[Tensor], group_key: str, axis: int, dtype: torch.dtype
+) -> tuple[Tensor, ...]:
+    """Several P -> R on ``axis`` with one all-reduce of a ``dtype`` buffer (the lowering's
+    fused reductions); backward: identity."""
+    return AllReduceMany.apply(lookup_axis_groups(group_key), axis, dtype, *tensors)
 
 
 def autopar_reduce_scatter(t: Tensor, group_key: str, axis: int, dim: int) -> Tensor:

@@ -20,6 +20,8 @@
 * **Local ops** (:mod:`autopar.lowering.local_ops`): size arguments become local sizes,
   vocab-parallel embeddings a masked local lookup, ``squeeze`` keeps globally non-unit dims, and
   dropout draws rank-aware masks.
+* **Fused reductions** (:mod:`autopar.lowering.fused_reductions`): back-to-back all-reduces
+  on one axis (a mean loss's sum and token count) become one all-reduce of a flat buffer.
 * **Outputs** are converted to ``output_placements`` (Replicate by default, so every rank
   returns the single-process value, e.g. the global mean loss). An output the user asks to be
   sharded over ``N`` devices gets DDP's convention (DESIGN.md): the user computes a loss on the
@@ -49,6 +51,7 @@ from autopar.lowering.conversions import (
     producer_placements,
     requires_grad_nodes,
 )
+from autopar.lowering.fused_reductions import fuse_all_reduces
 from autopar.lowering.local_ops import rewrite_local_ops, shape_of
 from autopar.placement import Placements, format_placements, local_shape, replicated
 from autopar.strategies.registry import Strategy, input_nodes
@@ -177,6 +180,7 @@ def lower(
     out_placements = convert_outputs(
         graph, output_node, output_src, output_placements, mesh_shape, group_key
     )
+    fuse_all_reduces(graph)
 
     for node, strategy in strategies.items():
         node.meta["autopar_placements"] = strategy.outputs

@@ -1,0 +1,151 @@
+"""Fused reductions: back-to-back all-reduces on one axis become one all-reduce of a flat buffer.
+
+A data-parallel mean loss with ``ignore_index`` is lowered (``autopar.capture.exact_means``) as
+``sum of losses / count of kept tokens``, both Partial over the batch axes, so the graph issues
+two scalar all-reduces on each such axis, one latency each, where one carries both. More
+generally, ``fuse_all_reduces(graph)`` groups ``autopar_all_reduce`` calls that
+
+* run on the same mesh (group key) and axis,
+* follow each other in graph order with no node between them that uses one of their results
+  (so none of them depends on another, and one call issued where the last one was issued sees
+  every input already computed),
+* carry floating-point tensors of one dtype, small enough (``MAX_FUSED_NUMEL`` elements in
+  all) that the buffer's copy costs less than the latency saved,
+
+and replaces each group of two or more by one ``autopar_all_reduce_many`` call (one all-reduce
+of the concatenated buffer, identity backward per member) whose results are taken apart by
+``getitem``. An integer member joins a float group only when it is a count -- ``sum`` of a bool
+tensor -- whose global bound (the bool tensor's element count) the buffer's dtype represents
+exactly (2**24 for float32), so its sum and the conversion back are exact.
+
+Numerics: every member's sum is over the same ranks' values. Integer counts are exact. On
+gloo, floats are bit-identical to separate all-reduces with 2 ranks (one addition, commutative)
+and, measured, for the 2-element loss-and-count buffer with 4 ranks; a longer buffer on 4 ranks
+may have its elements added in another rank order (the ring's chunks move with the length), so
+those sums agree to rounding only (``tests/distributed/test_lowering_reductions.py``), within
+the distributed numerics tests' rtol 1e-5 / atol 1e-6.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+import torch.fx as fx
+
+from autopar.comm import collectives
+
+__all__ = ["MAX_FUSED_NUMEL", "fuse_all_reduces"]
+
+aten = torch.ops.aten
+
+MAX_FUSED_NUMEL = 65536
+"""Largest number of elements of one fused buffer (256 KiB in float32)."""
+
+_EXACT_INTEGER_BOUND = {
+    torch.float64: 2**53,
+    torch.float32: 2**24,
+    torch.bfloat16: 2**8,
+    torch.float16: 2**11,
+}
+"""Largest integer up to which every integer is exactly representable in the dtype."""
+
+_COUNT_SUMS = (aten.sum.default, aten.sum.dim_IntList)
+
+
+def _value(node: object) -> torch.Tensor | None:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return val if isinstance(val, torch.Tensor) else None
+
+
+def _count_bound(node: fx.Node) -> int | None:
+    """The global bound of a count (``sum`` of a bool tensor): its input's element count."""
+    if node.target not in _COUNT_SUMS or not node.args:
+        return None
+    counted = _value(node.args[0])
+    if counted is None or counted.dtype is not torch.bool:
+        return None
+    return math.prod(counted.shape)
+
+
+def _member(node: fx.Node, group_key: str, axis: int) -> bool:
+    return (
+        node.op == "call_function"
+        and node.target is collectives.autopar_all_reduce
+        and tuple(node.args[1:]) == (group_key, axis)
+    )
+
+
+def _runs(graph: fx.Graph) -> list[list[fx.Node]]:
+    """Maximal runs of all-reduces on one (group key, axis) with nothing between them that uses
+    a result of the run (other nodes between them stay where they are)."""
+    runs: list[list[fx.Node]] = []
+    current: list[fx.Node] = []
+    for node in graph.nodes:
+        if current and _member(node, *current[0].args[1:]):
+            if node.args[0] in current:
+                runs.append(current)
+                current = [node]
+            else:
+                current.append(node)
+            continue
+        if current and any(arg in current for arg in node.all_input_nodes):
+            runs.append(current)
+            current = []
+        if node.op == "call_function" and node.target is collectives.autopar_all_reduce:
+            if current:
+                runs.append(current)
+            current = [node]
+    if current:
+        runs.append(current)
+    return [run for run in runs if len(run) > 1]
+
+
+def _fusable(run: list[fx.Node]) -> tuple[torch.dtype, list[fx.Node]] | None:
+    """The buffer's dtype and the members of ``run`` that may share it (module docstring)."""
+    values = [_value(node.args[0]) for node in run]
+    floats = [v.dtype for v in values if v is not None and v.is_floating_point()]
+    if not floats:
+        return None
+    dtype = max(set(floats), key=floats.count)
+    members, numel = [], 0
+    for node, value in zip(run, values, strict=True):
+        if value is None:
+            continue
+        if value.dtype != dtype:
+            bound = _count_bound(node.args[0]) if not value.is_floating_point() else None
+            if bound is None or bound > _EXACT_INTEGER_BOUND.get(dtype, 0):
+                continue
+        if numel + value.numel() > MAX_FUSED_NUMEL:
+            continue
+        members.append(node)
+        numel += value.numel()
+    return (dtype, members) if len(members) > 1 else None
+
+
+def fuse_all_reduces(graph: fx.Graph) -> int:
+    """Fuse back-to-back all-reduces of ``graph`` in place (module docstring); returns the number
+    of all-reduces removed. The caller lints and recompiles."""
+    removed = 0
+    for run in _runs(graph):
+        fusable = _fusable(run)
+        if fusable is None:
+            continue
+        dtype, members = fusable
+        _, group_key, axis = members[0].args
+        with graph.inserting_after(members[-1]):
+            fused = graph.call_function(
+                collectives.autopar_all_reduce_many,
+                ([m.args[0] for m in members], group_key, axis, dtype),
+            )
+        previous = fused
+        for index, member in enumerate(members):
+            with graph.inserting_after(previous):
+                part = graph.call_function(operator.getitem, (fused, index))
+            part.meta.update(member.meta)
+            member.replace_all_uses_with(part)
+            graph.erase_node(member)
+            previous = part
+        removed += len(members) - 1
+    return removed
