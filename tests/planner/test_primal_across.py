@@ -75,22 +75,44 @@ def _search(driver, monkeypatch, floor: float, *, seeded: bool = True):
     return found, freed
 
 
-def test_configurations_are_skipped_exactly_when_the_floor_cannot_win(driver, monkeypatch) -> None:
-    from autopar.planner.zero_search import _closes
+def _across(driver, monkeypatch, floor: float):
+    """zero_search._across after the first configuration's budgeted plan, with ``floor``:
+    the search state and the configurations given a budget-free solve."""
+    from autopar.planner import zero_search
 
+    configurations, zeros = driver.configurations, _zeros(driver)
+    first = configurations.solve(zeros[0], name="auto", budget=driver.budget)
+    freed: list = []
+    bounded = zero_search.bounded
+
+    def counting(configurations, zeros, budget, report=lambda line: None):
+        freed.extend(zeros)
+        return bounded(configurations, zeros, budget, report)
+
+    monkeypatch.setattr(zero_search, "bounded", counting)
+    out = zero_search.Searched(best=first)
+    rest = list(
+        zero_search._across(
+            configurations, zeros[1:], driver.budget, GAP, floor, lambda line: None, out
+        )
+    )
+    monkeypatch.setattr(zero_search, "bounded", bounded)
+    return out, rest, freed
+
+
+def test_configurations_are_skipped_exactly_when_the_floor_cannot_win(driver, monkeypatch) -> None:
     zeros = _zeros(driver)
-    low, freed = _search(driver, monkeypatch, floor=0.0)
-    assert low.best is not None
-    assert set(freed) == set(zeros)  # the floor cannot win: every one solved budget-free
-    assert not any(e["status"] == "skipped" and e["bound_s"] == 0.0 for e in low.log)
-    # A floor just at the best plan less the gap: the rest are skipped with no budget-free solve.
-    at = low.best.solution.objective_s * (1 - GAP)
-    assert _closes(low.best, at, GAP) and not _closes(low.best, at * (1 - 1e-6), GAP)
-    high, freed = _search(driver, monkeypatch, floor=at)
-    assert freed == zeros[:1]
-    on_floor = [e for e in high.log if e["status"] == "skipped" and e["bound_s"] == at]
-    assert len(on_floor) == len(zeros) - 1  # the first may be skipped on its own bound
-    assert min(high.bounds) <= high.best.solution.objective_s
+    out, rest, freed = _across(driver, monkeypatch, floor=0.0)
+    assert freed == [z for z, _ in rest] and set(freed) == set(zeros[1:])  # all solved
+    assert not any(e["status"] == "skipped" for e in out.log)
+    # A floor at the best plan less the gap closes the search: no budget-free solve.
+    at = out.best.solution.objective_s * (1 - GAP)
+    out, rest, freed = _across(driver, monkeypatch, floor=at)
+    assert not rest and not freed
+    assert [e["bound_s"] for e in out.log if e["status"] == "skipped"] == [at] * (len(zeros) - 1)
+    # Just under it, the floor could win by more than the gap: every one solved budget-free.
+    out, rest, freed = _across(driver, monkeypatch, floor=at * (1 - 1e-6))
+    assert set(freed) == set(zeros[1:]) and not out.log
 
 
 def test_the_plan_chosen_is_the_plan_chosen_without_the_seed(driver, monkeypatch) -> None:
