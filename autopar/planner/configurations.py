@@ -258,10 +258,15 @@ class ConfigurationSolver:
         self.budgeted_problem(zero, budget)
         return self._prepared[(zero, budget)][0]
 
-    def release(self) -> None:
-        """Drop the problems :meth:`budgeted_problem` keeps (the planner's memory)."""
-        self._prepared.clear()
-        self._recorded.clear()
+    def release(self, zero: ZeroConfig | None = None, budget: float | None = None) -> None:
+        """Drop the problems :meth:`budgeted_problem` keeps (the planner's memory): all of
+        them, or only ``zero``'s under ``budget`` (one configuration done with)."""
+        if zero is None:
+            self._prepared.clear()
+            self._recorded.clear()
+            return
+        self._prepared.pop((zero, budget), None)
+        self._recorded.pop((zero, budget), None)
 
     def priced_bound(
         self,

@@ -56,10 +56,12 @@ def seed(
     gap: float,
     report: Callable[[str], None] = lambda line: None,
     seconds: float | None = None,
+    start_from: Solved | None = None,
 ) -> Solved | None:
     """The best plan found (module docstring) for the configurations ``ordered`` (each with
     its budget-free solve, zero_search.bounded's order), or None when none fits.
-    ``seconds``: round 2's time (None: the budget-free solves' seconds, module docstring)."""
+    ``seconds``: round 2's time (None: the budget-free solves' seconds, module docstring).
+    ``start_from``: a plan found before (the first seed's or a solved one), fitted as well."""
     if not ordered or gap <= 0.0:
         return None
     if seconds is None:
@@ -69,6 +71,8 @@ def seed(
     names = configurations.space.mesh.axis_names
     lowest = min(free.solution.bound_s for _, free in ordered)
     plans = list(dict.fromkeys(free.choice for _, free in ordered))
+    if start_from is not None:
+        plans = list(dict.fromkeys([start_from.choice, *plans]))
     fitted: list[tuple[float, int]] = []  # (step, index in ordered) per configuration that fits
     for k, (zero, _) in enumerate(ordered):
         problem = configurations.budgeted_problem(zero, budget)
@@ -118,6 +122,42 @@ def seed(
             )
         if not improved:
             break
+    return best
+
+
+def across(
+    configurations: ConfigurationSolver,
+    zeros: Sequence[ZeroConfig],
+    incumbent: Solved,
+    *,
+    budget: float,
+    report: Callable[[str], None] = lambda line: None,
+) -> Solved | None:
+    """The fastest of ``incumbent``'s plan (one configuration's budgeted plan) made to fit each
+    of ``zeros``' budgeted problems (solver.primal.best_fit: its layouts kept where the
+    configuration offers them, its recomputation refitted to that configuration's ZeRO bytes
+    and seconds, the budget checked), or None when it fits none. It runs before their
+    budget-free solves (zero_search._across): a feasible plan, so a cutoff, for each. Each
+    problem is built and released in turn (ConfigurationSolver.release: one held at a time)."""
+    start = time.perf_counter()
+    best: Solved | None = None
+    for zero in zeros:
+        problem = configurations.budgeted_problem(zero, budget)
+        plans = _as_problem(configurations, zero, budget, [incumbent.choice])
+        found = best_fit(problem, plans) if plans else None
+        if found is not None and (best is None or found.objective_s < best.solution.objective_s):
+            best = _solved(configurations, zero, budget, found, start)
+        configurations.release(zero, budget)
+    names = configurations.space.mesh.axis_names
+    report(
+        f"primal across: ZeRO {incumbent.zero.label(names)}'s plan fits "
+        + (
+            f"best as ZeRO {best.zero.label(names)} {best.solution.objective_s * 1e3:.3f} ms"
+            if best is not None
+            else "no other configuration"
+        )
+        + f", {time.perf_counter() - start:.1f} s"
+    )
     return best
 
 

@@ -48,7 +48,7 @@ from typing import Any
 import solver
 from autopar.planner.checkpointing import with_segments
 from autopar.planner.configurations import ConfigurationSolver, Solved, log_entry
-from autopar.planner.primal import seed
+from autopar.planner.primal import across, seed
 from autopar.planner.problem import ZeroConfig, evaluate
 
 
@@ -85,6 +85,14 @@ def bounded(
             f"ZeRO {zero.label(configurations.space.mesh.axis_names)} budget-free: bound "
             f"{solved[-1][1].solution.bound_s * 1e3:.3f} ms, {time.perf_counter() - start:.1f} s"
         )
+    return _bound_first(solved, budget)
+
+
+def _bound_first(
+    solved: list[tuple[ZeroConfig, Solved]], budget: float
+) -> list[tuple[ZeroConfig, Solved]]:
+    """``solved`` with the budget-free plans that fit first, then lowest budget-free bound
+    first (the best bound goes first: its solve gives the cutoff the others are tried at)."""
     return sorted(
         solved,
         key=lambda pair: (
@@ -108,14 +116,14 @@ def _ordered(
     (stage 2 on every axis: stage 0's seconds for every layout, so the lowest budget-free
     bound) is taken alone first. When the best plan found for it is within the gap of
     ``floor``, a bound on every configuration, the others cannot beat it by more than the gap:
-    they are skipped on ``floor`` with no budget-free solve. Otherwise the others come as
-    before, by :func:`bounded`'s order.
+    they are skipped on ``floor`` with no budget-free solve (:func:`_across`).
 
     Where the first configuration's budget-free plan does not fit, its best plan is first
     sought by the primal seed (autopar/planner/primal.py) from that plan alone; a seed within
     the gap of ``floor`` skips every configuration, the first on its own budget-free bound.
-    Otherwise every configuration is solved budget-free and the seed runs again over all of
-    their plans, before any budgeted solve, and sets ``out.best``."""
+    Otherwise the first configuration is solved under the budget (with that seed as its
+    cutoff) before anything is done for the others, and the others come by :func:`_across`:
+    skipped on ``floor`` where its plan (or that plan fitted into them) closes the search."""
     if gap <= 0:
         yield from ((zero, None) for zero in zeros)
         return
@@ -129,21 +137,45 @@ def _ordered(
             for other in zeros[1:]:
                 _skip(out, other, other.label(names), floor, report, 0.0)
             return
-        rest = bounded(configurations, zeros[1:], budget, report)
-        everything = first + rest
-        found = seed(configurations, everything, budget=budget, gap=gap, report=report)
-        if found is not None and (
-            out.best is None or found.solution.objective_s < out.best.solution.objective_s
-        ):
-            out.best = found
-        yield from everything
-        return
     yield from first
+    yield from _across(configurations, zeros[1:], budget, gap, floor, report, out)
+
+
+def _across(
+    configurations: ConfigurationSolver,
+    zeros: Sequence[ZeroConfig],
+    budget: float,
+    gap: float,
+    floor: float,
+    report: Callable[[str], None],
+    out: Searched,
+) -> Iterator[tuple[ZeroConfig, Solved]]:
+    """The configurations after the first, once its plan is solved (``out.best``): skipped on
+    ``floor`` with no budget-free solve where the best plan is within the gap of it; else the
+    best plan is fitted into each (primal.across) before their budget-free solves, a seed that
+    may close the search on ``floor`` as well; else they are solved budget-free, seeded from
+    their plans and the best one (primal.seed, the second seed), and come best bound first."""
+    names = configurations.space.mesh.axis_names
+    if out.best is not None and not _closes(out.best, floor, gap):
+        _keep_better(out, across(configurations, zeros, out.best, budget=budget, report=report))
     if _closes(out.best, floor, gap):
-        for zero in zeros[1:]:
+        for zero in zeros:
             _skip(out, zero, zero.label(names), floor, report, 0.0)
         return
-    yield from bounded(configurations, zeros[1:], budget, report)
+    rest = bounded(configurations, zeros, budget, report)
+    _keep_better(
+        out,
+        seed(configurations, rest, budget=budget, gap=gap, report=report, start_from=out.best),
+    )
+    yield from rest
+
+
+def _keep_better(out: Searched, found: Solved | None) -> None:
+    """``found`` as the best plan where it is faster than the best so far."""
+    if found is not None and (
+        out.best is None or found.solution.objective_s < out.best.solution.objective_s
+    ):
+        out.best = found
 
 
 def _closes(best: Solved | None, floor: float, gap: float) -> bool:

@@ -1,0 +1,126 @@
+"""autopar/planner/primal.py ``across`` and zero_search._across (issue 16 item 2): the first
+configuration's budgeted plan, fitted into each other configuration before its budget-free
+solve, is a real plan of that configuration within the budget; the other configurations are
+skipped without a budget-free solve exactly when the floor cannot beat the best plan by the
+gap; and the plan chosen is the one chosen without the seed. No time limit is involved."""
+
+from __future__ import annotations
+
+import pytest
+
+from autopar.capture.export import capture
+from autopar.mesh import Mesh
+from autopar.options import PlanOptions
+from tests.models import tiny_gpt
+
+BUDGET = 2_500_000  # binds: stage 0 does not fit (the tiny-gpt-2-zero stored case)
+GAP = 0.01
+
+
+@pytest.fixture()
+def driver():
+    """A fresh driver per test: no solve or problem kept from another test."""
+    from autopar.planner.driver import Driver
+    from autopar.planner.space import build_space
+
+    model, args, kwargs = tiny_gpt()
+    options = PlanOptions(memory_budget=BUDGET, gap=GAP)
+    return Driver(
+        build_space(capture(model, args, kwargs), Mesh.parse("2", device="h100"), options)
+    )
+
+
+def _zeros(driver):
+    from autopar.planner.zero_choice import zero_candidates
+
+    return zero_candidates(driver.space.mesh.ndim, driver.space.mesh.shape)
+
+
+def test_the_plan_fitted_across_fits_and_is_priced_as_evaluated(driver) -> None:
+    from autopar.planner.primal import across
+
+    configurations, zeros = driver.configurations, _zeros(driver)
+    assert len(zeros) > 1
+    first = configurations.solve(zeros[0], name="auto", budget=driver.budget)
+    found = across(configurations, zeros[1:], first, budget=driver.budget)
+    assert found is not None and found.zero in zeros[1:]
+    assert found.evaluation.peak_memory_bytes <= driver.budget
+    assert found.solution.peak_memory_bytes <= driver.budget
+    assert found.evaluation.step_s == pytest.approx(found.solution.objective_s, rel=1e-9)
+    assert not configurations._prepared  # every configuration's problem released
+
+
+def _search(driver, monkeypatch, floor: float, *, seeded: bool = True):
+    """search_budgeted with ``floor``; the configurations given a budget-free solve."""
+    from autopar.planner import zero_search
+
+    freed: list = []
+    bounded = zero_search.bounded
+
+    def counting(configurations, zeros, budget, report=lambda line: None):
+        freed.extend(zeros)
+        return bounded(configurations, zeros, budget, report)
+
+    monkeypatch.setattr(zero_search, "bounded", counting)
+    if not seeded:
+        monkeypatch.setattr(zero_search, "across", lambda *a, **k: None)
+    found = zero_search.search_budgeted(
+        driver.configurations,
+        _zeros(driver),
+        budget=driver.budget,
+        gap=GAP,
+        report=lambda line: None,
+        floor=floor,
+    )
+    return found, freed
+
+
+def _across(driver, monkeypatch, floor: float):
+    """zero_search._across after the first configuration's budgeted plan, with ``floor``:
+    the search state and the configurations given a budget-free solve."""
+    from autopar.planner import zero_search
+
+    configurations, zeros = driver.configurations, _zeros(driver)
+    first = configurations.solve(zeros[0], name="auto", budget=driver.budget)
+    freed: list = []
+    bounded = zero_search.bounded
+
+    def counting(configurations, zeros, budget, report=lambda line: None):
+        freed.extend(zeros)
+        return bounded(configurations, zeros, budget, report)
+
+    monkeypatch.setattr(zero_search, "bounded", counting)
+    out = zero_search.Searched(best=first)
+    rest = list(
+        zero_search._across(
+            configurations, zeros[1:], driver.budget, GAP, floor, lambda line: None, out
+        )
+    )
+    monkeypatch.setattr(zero_search, "bounded", bounded)
+    return out, rest, freed
+
+
+def test_configurations_are_skipped_exactly_when_the_floor_cannot_win(driver, monkeypatch) -> None:
+    zeros = _zeros(driver)
+    out, rest, freed = _across(driver, monkeypatch, floor=0.0)
+    assert freed == [z for z, _ in rest] and set(freed) == set(zeros[1:])  # all solved
+    assert not any(e["status"] == "skipped" for e in out.log)
+    # A floor at the best plan less the gap closes the search: no budget-free solve.
+    at = out.best.solution.objective_s * (1 - GAP)
+    out, rest, freed = _across(driver, monkeypatch, floor=at)
+    assert not rest and not freed
+    assert [e["bound_s"] for e in out.log if e["status"] == "skipped"] == [at] * (len(zeros) - 1)
+    # Just under it, the floor could win by more than the gap: every one solved budget-free.
+    out, rest, freed = _across(driver, monkeypatch, floor=at * (1 - 1e-6))
+    assert set(freed) == set(zeros[1:]) and not out.log
+
+
+def test_the_plan_chosen_is_the_plan_chosen_without_the_seed(driver, monkeypatch) -> None:
+    floor = driver.configurations.solve(
+        _zeros(driver)[0].__class__(), name="auto", budget=None
+    ).solution.bound_s
+    seeded, _ = _search(driver, monkeypatch, floor=floor)
+    plain, _ = _search(driver, monkeypatch, floor=floor, seeded=False)
+    assert seeded.best.evaluation.step_s == pytest.approx(plain.best.evaluation.step_s, rel=1e-9)
+    assert seeded.best.choice == plain.best.choice
+    assert seeded.best.zero == plain.best.zero
