@@ -86,9 +86,8 @@ def _cut_short(
     options: PlanOptions,
     limit: float | None,
 ) -> bool:
-    """Whether, at gap 0, the alternative solve ``plain`` stopped on the cap :meth:`_finish`
-    gave it (not the user's --time-limit) with a plan better than ``solution`` but unproven.
-    (With a gap to spend the cap stands: the joint plan is within it already.)"""
+    """Whether, at gap 0, the alternative solve ``plain`` stopped on :meth:`_finish`'s cap
+    (not the user's --time-limit) with a plan better than ``solution`` but unproven."""
     return (
         plain is not None
         and options.gap == 0
