@@ -126,7 +126,10 @@ class _ForwardPricer:
         from autopar.planner.saved_activations import _root, _saves, saved_owners, saved_rules
 
         gm = space.captured.gm
-        needs_grad = grad_nodes(gm, space.captured.param_nodes)
+        # The space's own (same graph): computed once per plan, not once per pricer.
+        needs_grad = space.needs_grad
+        if needs_grad is None:
+            needs_grad = grad_nodes(gm, space.captured.param_nodes)
         # (consumer, storages its backward saves): what stays saved outside a segment.
         self.saves = [
             (node.name, {root.name for root in _saves(node, needs_grad)[0]})
@@ -134,7 +137,7 @@ class _ForwardPricer:
         ]
         # Saved-bytes rules (which inputs a node's activation bytes own, at its input layout),
         # nodes whose own backward saves their output, and every root some backward saves.
-        self.rules = saved_rules(gm.graph, needs_grad)
+        self.rules = space.saved if space.saved is not None else saved_rules(gm.graph, needs_grad)
         self.self_saved = {name for name, roots in self.saves if name in roots}
         # Root name -> the node whose activation bytes price its storage.
         self.owner = saved_owners(gm.graph, needs_grad)
