@@ -1,6 +1,7 @@
 """The fixed phases share their per-graph work (issue 16): the checkpoint candidates reuse the
 strategy space's ``grad_nodes`` and ``saved_rules`` and compute each node's saved roots once;
-the results equal the ones computed from scratch, on repeated layers and on unequal ones."""
+the pricer's tables equal the direct calls and the candidates equal the ones computed from
+scratch, on repeated layers (tiny LLaMA and GPT, 4 layers) and on a stack of unequal layers."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ import torch.nn as nn
 from autopar.capture.export import Captured, capture
 from autopar.mesh import Mesh
 from autopar.options import PlanOptions
-from autopar.planner.checkpointing import Candidate, candidate_segments
-from autopar.planner.saved_activations import _saves, saved_owners, saved_rules
+from autopar.planner.checkpointing import Candidate, _ForwardPricer, candidate_segments
+from autopar.planner.saved_activations import _root, _saves, saved_owners, saved_rules
 from autopar.planner.space import build_space, grad_nodes
 from tests.models import tiny_gpt, tiny_llama
 
@@ -95,9 +96,17 @@ def test_candidates_equal_the_ones_computed_from_scratch(captured: Captured, mod
     _same_candidates(shared, scratch)
 
 
-def test_saved_owners_from_given_saves_equal_computed(captured: Captured) -> None:
+@pytest.mark.parametrize("shared", [True, False])
+def test_forward_pricer_tables_equal_the_direct_calls(captured: Captured, shared: bool) -> None:
+    space = build_space(captured, MESH, PlanOptions(mixed_precision="bf16"))
+    if not shared:
+        space = dataclasses.replace(space, needs_grad=None, saved=None)
+    pricer = _ForwardPricer(space)
     graph = captured.gm.graph
     needs = grad_nodes(captured.gm, captured.param_nodes)
-    saves = [(node, _saves(node, needs)[0]) for node in graph.nodes]
-    owners = saved_owners(graph, needs)
-    assert owners and saved_owners(graph, needs, saves) == owners
+    assert pricer.rules == saved_rules(graph, needs) and pricer.rules
+    assert pricer.owner == saved_owners(graph, needs) and pricer.owner
+    want = [(n.name, {r.name for r in _saves(n, needs)[0]}) for n in graph.nodes]
+    assert pricer.saves == want and any(roots for _, roots in want)
+    for node in graph.nodes:
+        assert pricer.root_of(node) is _root(node)
