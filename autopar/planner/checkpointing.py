@@ -31,6 +31,7 @@ jointly with the sharding, under one memory budget.
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from dataclasses import dataclass, replace
@@ -126,25 +127,26 @@ class _ForwardPricer:
         from autopar.planner.saved_activations import _root, _saves, saved_owners, saved_rules
 
         gm = space.captured.gm
-        needs_grad = grad_nodes(gm, space.captured.param_nodes)
+        # The space's own (same graph): computed once per plan, not once per pricer.
+        needs_grad = space.needs_grad
+        if needs_grad is None:
+            needs_grad = grad_nodes(gm, space.captured.param_nodes)
         # (consumer, storages its backward saves): what stays saved outside a segment.
-        self.saves = [
-            (node.name, {root.name for root in _saves(node, needs_grad)[0]})
-            for node in gm.graph.nodes
-        ]
+        found = [(node, _saves(node, needs_grad)[0]) for node in gm.graph.nodes]
+        self.saves = [(node.name, {root.name for root in roots}) for node, roots in found]
         # Saved-bytes rules (which inputs a node's activation bytes own, at its input layout),
         # nodes whose own backward saves their output, and every root some backward saves.
-        self.rules = saved_rules(gm.graph, needs_grad)
+        self.rules = space.saved if space.saved is not None else saved_rules(gm.graph, needs_grad)
         self.self_saved = {name for name, roots in self.saves if name in roots}
         # Root name -> the node whose activation bytes price its storage.
-        self.owner = saved_owners(gm.graph, needs_grad)
+        self.owner = saved_owners(gm.graph, needs_grad, found)
         self.saved_any = {root for _, roots in self.saves for root in roots}
         # Root -> the consumers whose backward saves it.
         self.savers: dict[str, set[str]] = {}
         for consumer, roots in self.saves:
             for root in roots:
                 self.savers.setdefault(root, set()).add(consumer)
-        self.root_of = _root
+        self.root_of = functools.cache(_root)  # this pricer's: each alias chain walked once
         self.model_outputs = {
             n.name for n in gm.graph.nodes if any(u.op == "output" for u in n.users)
         }

@@ -338,12 +338,19 @@ def _owners(owner: Mapping[fx.Node, fx.Node]) -> dict[fx.Node, list[int]]:
     return out
 
 
-def saved_owners(graph: fx.Graph, needs_grad: Collection[str]) -> dict[str, str]:
+def saved_owners(
+    graph: fx.Graph,
+    needs_grad: Collection[str],
+    saves: Sequence[tuple[fx.Node, list[fx.Node]]] | None = None,
+) -> dict[str, str]:
     """Saved activation root name -> name of the node whose activation bytes price its
-    storage (itself, or the consumer owning it; see the module docstring)."""
+    storage (itself, or the consumer owning it; see the module docstring). ``saves``: each
+    node of the graph, in order, with ``_saves(node, needs_grad)[0]`` (computed here if None)."""
+    if saves is None:
+        saves = [(node, _saves(node, needs_grad)[0]) for node in graph.nodes]
     owner: dict[fx.Node, fx.Node] = {}
-    for node in graph.nodes:
-        for root in _saves(node, needs_grad)[0]:
+    for node, roots in saves:
+        for root in roots:
             owner.setdefault(root, node)
     return {
         root.name: (owner[root].name if positions else root.name)

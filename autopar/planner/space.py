@@ -27,9 +27,10 @@ from autopar.options import PlanOptions
 from autopar.placement import REPLICATE, Placements, SectionShard, Shard, divides, local_shape
 from autopar.planner.pricing import CommPricer, bucket_rounding, pair_table
 from autopar.planner.saved_activations import SavedRule, saved_rules
+from autopar.planner.signatures import op_signature as _op_signature
 from autopar.strategies import Strategy, input_nodes, strategies_for
 from autopar.strategies.registry import TensorMeta, in_op_collectives, op_call, tensor_meta
-from autopar.strategies.sections import fused_param_sections, section_hints, section_strategies
+from autopar.strategies.sections import fused_param_sections, section_strategies
 from cost_models import compute_time_s, op_bytes
 
 VIEW_FAMILIES = frozenset({"view"})
@@ -93,6 +94,9 @@ class StrategySpace:
     bucket_share_s: tuple[float, ...] = ()
     """Per mesh axis: the last gradient bucket's all-reduce latency per byte of a Partial
     parameter block (``pricing.bucket_rounding``)."""
+    # grad_nodes and saved_rules of the graph, as built (the checkpoint candidates reuse them).
+    needs_grad: frozenset[str] | None = field(default=None, repr=False)
+    saved: dict | None = field(default=None, repr=False)
     evaluation_cache: dict[tuple[int, ...], dict] = field(default_factory=dict, repr=False)
     """autopar.planner.problem.evaluate's ZeRO-independent sums per choice (a few, recent)."""
 
@@ -259,6 +263,8 @@ def build_space(captured: Captured, mesh: Mesh, options: PlanOptions) -> Strateg
         build_s=time.perf_counter() - start,
         signatures=signatures,
         bucket_share_s=bucket_share_s,
+        needs_grad=frozenset(needs_grad),
+        saved=saved,
     )
 
 
@@ -408,35 +414,6 @@ def _op_space(
         transient_bytes=transient,
         fixed_bytes=_zeros(n),
         forward_s=forward,
-    )
-
-
-def _freeze(value):
-    """A hashable stand-in for an OpCall's args (lists, dicts, TensorMeta, constants)."""
-    if isinstance(value, (list, tuple)):
-        return (type(value).__name__, tuple(_freeze(v) for v in value))
-    if isinstance(value, dict):
-        return ("dict", tuple((str(k), _freeze(v)) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))))
-    if isinstance(value, float):
-        return ("float", float.hex(value))
-    if isinstance(value, (TensorMeta, bool, int, str, torch.dtype)) or value is None:
-        return value
-    return (type(value).__name__, str(value))
-
-
-def _op_signature(node: fx.Node, needs_grad: set[str]) -> tuple:
-    """Everything an op node's strategies and costs depend on: op, argument structure with
-    tensors as (shape, dtype), outputs, and which inputs carry gradients (and are placeholders)."""
-    call = op_call(node)
-    inputs = input_nodes(node)
-    return (
-        node.target,
-        _freeze(call.args),
-        _freeze(call.kwargs),
-        _freeze(call.outputs),
-        node.name in needs_grad,
-        tuple((inp.name in needs_grad, inp.op == "placeholder") for inp in inputs),
-        section_hints(node),
     )
 
 
