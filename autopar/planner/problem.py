@@ -15,8 +15,9 @@ Cost model per node strategy (seconds, per device, one training step):
   convention) is all-reduced over it; for parameters this is the data-parallel gradient sync.
 - ZeRO (a stage per mesh axis, per parameter on the axes where it is Replicate; see
   ``ZeroConfig``): stage 3 priced per chunk, as the runtime issues it
-  (``autopar.planner.zero_pricing``): each chunk's all-gathers over P (before forward and again
-  before backward) and gradient reduce-scatter, latency once per chunk, apportioned over its
+  (``autopar.planner.zero_pricing``): each chunk's all-gathers over P (before forward, again
+  before backward where a backward saves a parameter of it) and gradient reduce-scatter (where
+  Partial), latency once per chunk, apportioned over its
   parameters by elements, in place of the bucketed all-reduce the consumers price there;
   stages 1-2 cost no time (reduce-scatter + all-gather move the all-reduce's bytes).
 Edge cost: forward plus backward conversion steps from ``autopar.resharding``.

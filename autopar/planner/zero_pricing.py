@@ -1,10 +1,13 @@
 """ZeRO-3's collectives priced per chunk, as the runtime issues them.
 
 The runtime (``autopar.runtime.zero_store``) packs the ZeRO-managed parameters into flat chunks,
-a stream of chunks per set of mesh axes the parameters are sharded over, and issues every
-collective once per chunk: over the stage-3 axes P an all-gather before forward
-(``runtime.zero_gather``, prefetched), another before backward, and the gradient's
-reduce-scatter (``runtime.zero_backward``), each for the sum of the chunk's parameters' bytes
+a stream of chunks per set of mesh axes the parameters are sharded over and of axes where their
+gradients are Partial, and issues every collective once per chunk: over the stage-3 axes P an
+all-gather before forward (``runtime.zero_gather``, prefetched), another before backward where
+some backward saves one of the chunk's parameters (the unpack hook gathers it again; an
+embedding table's backward saves none: :func:`saved_param_nodes`), and the gradient's
+reduce-scatter over the axes of P where it is Partial (``runtime.zero_backward``; sliced
+elsewhere), each for the sum of the chunk's parameters' bytes
 (:meth:`autopar.planner.chunks.ChunkPricing.calls`). So a chunk pays each collective's latency
 (and the link's ``sync_s``) once; before, the planner priced one all-gather per parameter.
 
@@ -31,9 +34,12 @@ grouping is fixed before the solve:
 
 (:func:`problem_streams`): ``elements[k]`` counts every parameter that can take a layout of
 stream ``k`` among its allowed strategies (its largest such block), its gradient taken as
-Partial there (data-parallel). ``evaluate`` prices a chosen layout with the same streams (the
-figures a plan reports are the ones the ILP optimised; and a configuration's optimum stays
-comparable with another's, which ``zero_choice``'s pruning relies on). That is exact for the
+Partial on the axes where some allowed consumer strategy makes it so
+(:func:`allowed_partial_axes`: for a recipe the axes the runtime reduces; for the auto plan
+nearly every data axis), the stream gathered again in backward if a backward saves one of its
+parameters (per stream: exact with one chunk per stream, gloo). ``evaluate`` prices a chosen
+layout with the same streams (the figures a plan reports are the ones the ILP optimised; and a
+configuration's optimum stays comparable with another's, which ``zero_choice``'s pruning relies on). That is exact for the
 recipes (one layout per parameter: :func:`chosen_streams`, the layout's own streams and
 Partial axes, gives the same) and where every parameter that can join a stream does (the
 data-parallel plans ZeRO-3 is chosen with); where only some join, the shares sum to less than
