@@ -28,45 +28,15 @@ the distributed numerics tests' rtol 1e-5 / atol 1e-6.
 
 from __future__ import annotations
 
-import math
 import operator
 
 import torch
 import torch.fx as fx
 
 from autopar.comm import collectives
+from autopar.comm.fusion import MAX_FUSED_NUMEL, buffer_members
 
 __all__ = ["MAX_FUSED_NUMEL", "fuse_all_reduces"]
-
-aten = torch.ops.aten
-
-MAX_FUSED_NUMEL = 65536
-"""Largest number of elements of one fused buffer (256 KiB in float32)."""
-
-_EXACT_INTEGER_BOUND = {
-    torch.float64: 2**53,
-    torch.float32: 2**24,
-    torch.bfloat16: 2**8,
-    torch.float16: 2**11,
-}
-"""Largest integer up to which every integer is exactly representable in the dtype."""
-
-_COUNT_SUMS = (aten.sum.default, aten.sum.dim_IntList)
-
-
-def _value(node: object) -> torch.Tensor | None:
-    val = node.meta.get("val") if isinstance(node, fx.Node) else None
-    return val if isinstance(val, torch.Tensor) else None
-
-
-def _count_bound(node: fx.Node) -> int | None:
-    """The global bound of a count (``sum`` of a bool tensor): its input's element count."""
-    if node.target not in _COUNT_SUMS or not node.args:
-        return None
-    counted = _value(node.args[0])
-    if counted is None or counted.dtype is not torch.bool:
-        return None
-    return math.prod(counted.shape)
 
 
 def _member(node: fx.Node, group_key: str, axis: int) -> bool:
@@ -103,25 +73,13 @@ def _runs(graph: fx.Graph) -> list[list[fx.Node]]:
 
 
 def _fusable(run: list[fx.Node]) -> tuple[torch.dtype, list[fx.Node]] | None:
-    """The buffer's dtype and the members of ``run`` that may share it (module docstring)."""
-    values = [_value(node.args[0]) for node in run]
-    floats = [v.dtype for v in values if v is not None and v.is_floating_point()]
-    if not floats:
+    """The buffer's dtype and the members of ``run`` that may share it
+    (:func:`autopar.comm.fusion.buffer_members`)."""
+    found = buffer_members([node.args[0] for node in run])
+    if found is None:
         return None
-    dtype = max(set(floats), key=floats.count)
-    members, numel = [], 0
-    for node, value in zip(run, values, strict=True):
-        if value is None:
-            continue
-        if value.dtype != dtype:
-            bound = _count_bound(node.args[0]) if not value.is_floating_point() else None
-            if bound is None or bound > _EXACT_INTEGER_BOUND.get(dtype, 0):
-                continue
-        if numel + value.numel() > MAX_FUSED_NUMEL:
-            continue
-        members.append(node)
-        numel += value.numel()
-    return (dtype, members) if len(members) > 1 else None
+    dtype, positions = found
+    return dtype, [run[k] for k in positions]
 
 
 def fuse_all_reduces(graph: fx.Graph) -> int:

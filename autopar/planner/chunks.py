@@ -68,7 +68,9 @@ class ChunkPricing:
     copies, reductions and transport (gloo on CPU), so that every collective is exposed.
     ``whole``: per entry of ``axes``, whether the gradient is already whole there (not
     Partial: the runtime slices it on a G axis and reduces nothing on another); empty = Partial
-    on every ZeRO axis (data-parallel).
+    on every ZeRO axis (data-parallel). ``regather``: whether backward gathers the chunks over
+    P again (``runtime.zero_gather``'s unpack hook does so only for a chunk some backward saves
+    a parameter of; an embedding table's backward saves none).
     """
 
     axes: tuple[tuple[int, LinkSpec, int], ...]
@@ -77,6 +79,7 @@ class ChunkPricing:
     broadcast_refresh: bool = False
     overlap: bool = True
     whole: tuple[bool, ...] = ()
+    regather: bool = True
 
     @classmethod
     def on_mesh(
@@ -89,13 +92,15 @@ class ChunkPricing:
         forward_s: float,
         backward_s: float,
         partial: Sequence[int] | None = None,
+        regather: bool = True,
     ) -> ChunkPricing:
         """The pricing of chunks split over the axes of ``shape`` with a stage >= 1 (and size
         > 1), in the runtime's split order (``runtime.zero_store``: stage 3 axes, then 2,
         then 1, each in mesh-axis order). Whether collectives overlap compute and how the
         refresh runs are the device's (``DeviceSpec.collectives_overlap_compute``,
         ``comm_backend``: set for the CPU preset and by ``autopar calibrate``). ``partial``: the
-        mesh axes where the chunks' gradients are Partial (None: every ZeRO axis)."""
+        mesh axes where the chunks' gradients are Partial (None: every ZeRO axis); ``regather``:
+        whether backward gathers them again (some backward saves one of their parameters)."""
         axes = [a for a, n in enumerate(shape) if n > 1 and a < len(stages) and stages[a] >= 1]
         axes.sort(key=lambda a: -stages[a])
         return cls(
@@ -106,10 +111,17 @@ class ChunkPricing:
             # The runtime refreshes with broadcasts on gloo (runtime.zero_layout.fill_flat).
             broadcast_refresh=device.comm_backend == "gloo",
             overlap=device.collectives_overlap_compute,
+            regather=regather,
         )
 
+    @property
+    def num_gathers(self) -> int:
+        """All-gathers over P per chunk and step: before forward, and again before backward
+        when :attr:`regather`."""
+        return 2 if self.regather else 1
+
     def gather_s(self, nbytes: float) -> float:
-        """All-gather of a chunk over P (stage 3), once before forward, once for backward."""
+        """All-gather of a chunk over P (stage 3), once (:attr:`num_gathers` per step)."""
         out, size = 0.0, nbytes
         for n, link, stage in self.axes:
             if stage == 3:
@@ -157,7 +169,7 @@ class ChunkPricing:
         """(kind, group size, bytes as ``collective_time_s`` takes them) of every collective a
         chunk of ``gather_bytes`` (compute dtype; ``reduce_bytes`` as fp32 gradient) issues in
         a step, in the runtime's order: the all-gathers over P before forward and again before
-        backward (``runtime.zero_gather``), the gradient reduction (``runtime.zero_backward``:
+        backward where :attr:`regather` (``runtime.zero_gather``), the gradient reduction (``runtime.zero_backward``:
         a reduce-scatter per G axis, an all-reduce per O \\ G axis) and the after-step refresh
         over O \\ P (``runtime.zero_layout.fill_flat``: one broadcast per rank on gloo, else
         one all-gather). The same collectives :meth:`gather_s`, :meth:`reduce_s` and
@@ -178,7 +190,7 @@ class ChunkPricing:
             else:
                 refresh.append(("all_gather", n, block * n))
             block *= n
-        return gathers + gathers + reduces + refresh
+        return gathers * self.num_gathers + reduces + refresh
 
     def affine_s(self, *, gather_itemsize: int, reduce_itemsize: int) -> tuple[float, float]:
         """(seconds per chunk, seconds per element) of a chunk's collectives in a step, every
@@ -187,7 +199,7 @@ class ChunkPricing:
         the compute dtype (``gather_itemsize``), the reduction the fp32 gradient."""
         per_chunk = per_element = 0.0
         for price, itemsize, times in (
-            (self.gather_s, gather_itemsize, 2),
+            (self.gather_s, gather_itemsize, self.num_gathers),
             (self.reduce_s, reduce_itemsize, 1),
             (self.refresh_s, gather_itemsize, 1),
         ):
@@ -203,7 +215,8 @@ class ChunkPricing:
         one before it ended and chunk k-1 started computing (one prefetch), its compute when
         the gather ended; compute per chunk is ``forward_s`` split by bytes. Backward runs the
         chunks in reverse: a chunk's reduction starts when its compute ended and the previous
-        reduction did (one collective stream), after a re-gather like forward's. Then the
+        reduction did (one collective stream), after a re-gather like forward's (where
+        :attr:`regather`). Then the
         refreshes, one after another. Exposed = what ends after the compute would have.
         Without ``overlap``, the sum of every collective.
         """
@@ -213,7 +226,7 @@ class ChunkPricing:
             _affine(price) for price in (self.gather_s, self.reduce_s, self.refresh_s)
         )
         if not self.overlap:
-            return sum(2 * gather(b) + reduce(b) + refresh(b) for b in chunk_bytes)
+            return sum(self.num_gathers * gather(b) + reduce(b) + refresh(b) for b in chunk_bytes)
         exposed = 0.0
         for order, compute_s, reduces in (
             (list(chunk_bytes), self.forward_s, False),
@@ -221,7 +234,7 @@ class ChunkPricing:
         ):
             comm_end = comp_end = start = 0.0
             for nbytes in order:
-                seconds = gather(nbytes)
+                seconds = gather(nbytes) if self.regather or not reduces else 0.0
                 if seconds > 0:  # compute waits for its gather, the gather for the stream
                     comm_end = max(comm_end, start) + seconds
                     start = max(comp_end, comm_end)

@@ -15,8 +15,9 @@ Cost model per node strategy (seconds, per device, one training step):
   convention) is all-reduced over it; for parameters this is the data-parallel gradient sync.
 - ZeRO (a stage per mesh axis, per parameter on the axes where it is Replicate; see
   ``ZeroConfig``): stage 3 priced per chunk, as the runtime issues it
-  (``autopar.planner.zero_pricing``): each chunk's all-gathers over P (before forward and again
-  before backward) and gradient reduce-scatter, latency once per chunk, apportioned over its
+  (``autopar.planner.zero_pricing``): each chunk's all-gathers over P (before forward, again
+  before backward where a backward saves a parameter of it) and gradient reduce-scatter (where
+  Partial), latency once per chunk, apportioned over its
   parameters by elements, in place of the bucketed all-reduce the consumers price there;
   stages 1-2 cost no time (reduce-scatter + all-gather move the all-reduce's bytes).
 Edge cost: forward plus backward conversion steps from ``autopar.resharding``.
@@ -44,6 +45,7 @@ from autopar.planner.space import (  # re-exported: the bridge's inputs
     placeholder_strategies,
 )
 from autopar.planner.zero_pricing import (
+    GradInfo,
     ZeroStreams,
     problem_streams,
     stream_price,
@@ -183,7 +185,7 @@ def param_state(
             {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "master": 0.0, "total": 0.0},
         )
     streams = open_streams(space, zero) if streams is None else streams
-    key = _param_key(space, node, s)
+    key = _param_key(space, node, s, streams)
     total, comm, breakdown = _param_state_of(space, *key, zero, streams)
     return total, comm, breakdown.to_dict()
 
@@ -199,16 +201,19 @@ def open_streams(space: StrategySpace, zero: ZeroConfig) -> ZeroStreams:
     return streams
 
 
-def _param_key(space: StrategySpace, node: NodeSpace, s: int) -> tuple[tuple[int, ...], float, int]:
+def _param_key(
+    space: StrategySpace, node: NodeSpace, s: int, streams: ZeroStreams
+) -> tuple[tuple[int, ...], float, int, GradInfo]:
     """What :func:`param_state` depends on besides the ZeRO configuration: the mesh axes (of
-    size > 1) where strategy ``s`` replicates the parameter, its local elements, its itemsize."""
+    size > 1) where strategy ``s`` replicates the parameter, its local elements, its itemsize,
+    and its gradient as ``streams`` price it (Partial axes, saved by a backward)."""
     mesh = space.mesh
     placements = node.strategies[s].outputs[0]
     replicate = tuple(
         a for a in range(mesh.ndim) if placements[a].is_replicate() and mesh.shape[a] > 1
     )
     assert node.local_numel is not None
-    return replicate, float(node.local_numel[s]), node.itemsize
+    return replicate, float(node.local_numel[s]), node.itemsize, streams.grad_of(node.name)
 
 
 def _param_state_of(
@@ -216,6 +221,7 @@ def _param_state_of(
     replicate: tuple[int, ...],
     numel: float,
     itemsize: int,
+    grad: GradInfo,
     zero: ZeroConfig,
     streams: ZeroStreams,
 ) -> tuple[float, float, MemoryBreakdown]:
@@ -237,13 +243,15 @@ def _param_state_of(
     comm = 0.0
     if param_axes:
         # The parameter's share of its stream's chunk collectives over P (zero_pricing), in
-        # place of the bucketed gradient all-reduce its consumers price on P (taken as
-        # Partial there: data-parallel), never below 0. Stages 1-2 cost no time (their
-        # reduce-scatter and refresh move the all-reduce's bytes; zero_choice's pruning).
-        reduced = param_axes
+        # place of the bucketed gradient all-reduce its consumers price on the axes of P
+        # where its gradient is Partial (reduced there, sliced elsewhere), never below 0.
+        # Stages 1-2 cost no time (their reduce-scatter and refresh move the all-reduce's
+        # bytes; zero_choice's pruning).
+        partial, saved = grad
+        reduced = tuple(a for a in param_axes if a in partial)
         stream = streams.get(param_axes, reduced)
         if stream is None:  # a layout the streams did not foresee: a chunk of its own
-            stream = stream_price(space, zero, param_axes, reduced, [numel])
+            stream = stream_price(space, zero, param_axes, reduced, [numel], saved)
         comm = numel * (stream.per_element_s + stream.latency_per_element_s)
         pricer = CommPricer(mesh, None)
         # Not its part of the last bucket's latency (pricing.bucket_rounding): the consumers
@@ -275,7 +283,7 @@ def node_cost_vector(
             states = {} if states is None else states
             streams = open_streams(space, zero) if streams is None else streams
             for s in range(len(node.strategies)):
-                key = (*_param_key(space, node, s), zero, streams)
+                key = (*_param_key(space, node, s, streams), zero, streams)
                 state = states.get(key)
                 if state is None:
                     total, comm, _ = _param_state_of(space, *key)

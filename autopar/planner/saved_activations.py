@@ -53,6 +53,7 @@ __all__ = [
     "predicted_saved_bytes",
     "predicted_saved_bytes_with_segments",
     "saved_owners",
+    "saved_parameters",
     "saved_rules",
 ]
 
@@ -323,6 +324,26 @@ def saved_rules(graph: fx.Graph, needs_grad: Collection[str]) -> dict[str, Saved
         if rule.output or rule.first_input or rule.inputs:
             rules[node.name] = rule
     return rules
+
+
+def saved_parameters(graph: fx.Graph, needs_grad: Collection[str]) -> frozenset[str]:
+    """Names of the placeholders (parameters, buffers, inputs) some backward saves, seen
+    through alias ops: what ZeRO-3's unpack hook gathers again in backward
+    (``runtime.zero_gather``: a saved view of a gathered chunk re-gathers the chunk). A norm
+    saves its weight and bias too (``native_layer_norm_backward`` takes them), which
+    :func:`_saves` leaves out as they are not activations."""
+    out: set[str] = set()
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        roots = _saves(node, needs_grad)[0]
+        if roots and _name(node) in _NORMS:
+            roots = [_root(n) for n in _tensor_inputs(node)]
+        out.update(root.name for root in roots if root.op == "placeholder")
+    return frozenset(out)
+
+
+_NORMS = {"layer_norm", "native_layer_norm", "group_norm", "batch_norm", "native_batch_norm"}
 
 
 def _owners(owner: Mapping[fx.Node, fx.Node]) -> dict[fx.Node, list[int]]:

@@ -25,6 +25,7 @@ from autopar.capture.flops import node_costs
 from autopar.mesh import Mesh
 from autopar.options import PlanOptions
 from autopar.placement import REPLICATE, Placements, SectionShard, Shard, divides, local_shape
+from autopar.planner.fused_pricing import price_fused_reductions
 from autopar.planner.pricing import CommPricer, bucket_rounding, pair_table
 from autopar.planner.saved_activations import SavedRule, saved_rules
 from autopar.planner.signatures import op_signature as _op_signature
@@ -251,6 +252,7 @@ def build_space(captured: Captured, mesh: Mesh, options: PlanOptions) -> Strateg
 
     edges = _edges(gm, nodes, index, pricer, signatures)
     edges.extend(_tie_edges(captured, nodes, index))
+    price_fused_reductions(gm, nodes, edges, pricer)
     bucket_share_s = bucket_rounding(nodes, edges, pricer)
     return StrategySpace(
         captured=captured,

@@ -1,10 +1,13 @@
 """ZeRO-3's collectives priced per chunk, as the runtime issues them.
 
 The runtime (``autopar.runtime.zero_store``) packs the ZeRO-managed parameters into flat chunks,
-a stream of chunks per set of mesh axes the parameters are sharded over, and issues every
-collective once per chunk: over the stage-3 axes P an all-gather before forward
-(``runtime.zero_gather``, prefetched), another before backward, and the gradient's
-reduce-scatter (``runtime.zero_backward``), each for the sum of the chunk's parameters' bytes
+a stream of chunks per set of mesh axes the parameters are sharded over and of axes where their
+gradients are Partial, and issues every collective once per chunk: over the stage-3 axes P an
+all-gather before forward (``runtime.zero_gather``, prefetched), another before backward where
+some backward saves one of the chunk's parameters (the unpack hook gathers it again; an
+embedding table's backward saves none: :func:`saved_param_nodes`), and the gradient's
+reduce-scatter over the axes of P where it is Partial (``runtime.zero_backward``; sliced
+elsewhere), each for the sum of the chunk's parameters' bytes
 (:meth:`autopar.planner.chunks.ChunkPricing.calls`). So a chunk pays each collective's latency
 (and the link's ``sync_s``) once; before, the planner priced one all-gather per parameter.
 
@@ -31,9 +34,12 @@ grouping is fixed before the solve:
 
 (:func:`problem_streams`): ``elements[k]`` counts every parameter that can take a layout of
 stream ``k`` among its allowed strategies (its largest such block), its gradient taken as
-Partial there (data-parallel). ``evaluate`` prices a chosen layout with the same streams (the
-figures a plan reports are the ones the ILP optimised; and a configuration's optimum stays
-comparable with another's, which ``zero_choice``'s pruning relies on). That is exact for the
+Partial on the axes where some allowed consumer strategy makes it so
+(:func:`allowed_partial_axes`: for a recipe the axes the runtime reduces; for the auto plan
+nearly every data axis), the stream gathered again in backward if a backward saves one of its
+parameters (per stream: exact with one chunk per stream, gloo). ``evaluate`` prices a chosen
+layout with the same streams (the figures a plan reports are the ones the ILP optimised; and a
+configuration's optimum stays comparable with another's, which ``zero_choice``'s pruning relies on). That is exact for the
 recipes (one layout per parameter: :func:`chosen_streams`, the layout's own streams and
 Partial axes, gives the same) and where every parameter that can join a stream does (the
 data-parallel plans ZeRO-3 is chosen with); where only some join, the shares sum to less than
@@ -48,20 +54,29 @@ allows, one unless the budget's headroom caps the chunk), else the stream packed
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from autopar.planner.chunks import DEFAULT_MAX_CHUNK_BYTES, ChunkPricing, pack_chunks
+from autopar.planner.saved_activations import saved_parameters
 
 __all__ = [
+    "GradInfo",
     "StreamPrice",
     "ZeroStreams",
+    "allowed_partial_axes",
     "chosen_streams",
     "gathered_axes",
     "partial_axes",
     "priced_calls",
     "problem_streams",
+    "saved_param_nodes",
     "stream_price",
 ]
+
+GradInfo = tuple[tuple[int, ...], bool]
+"""Of a parameter: the mesh axes where its gradient is priced Partial (reduced), and whether
+some backward saves it (its chunk is gathered again in backward)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -83,6 +98,8 @@ class StreamPrice:
     """Seconds per element of the stream's collectives (bandwidth)."""
     collectives: tuple[tuple[str, int], ...]
     """(kind, group size) of each collective one chunk issues per step."""
+    regathers: bool = True
+    """Whether backward gathers the chunks again: some member is saved by a backward."""
 
     @property
     def latency_per_element_s(self) -> float:
@@ -94,6 +111,15 @@ class ZeroStreams:
     """The streams of one ZeRO configuration (hashable: a memo key)."""
 
     streams: tuple[StreamPrice, ...]
+    grads: dict[str, GradInfo] = field(default_factory=dict, compare=False, hash=False)
+    """Per parameter node (an alias's entry is its owner's): :data:`GradInfo` as priced."""
+    grads_key: int = 0
+    """A hash of ``grads`` (which is left out of comparisons: hashing it per memo lookup
+    would cost its length), so streams priced with other gradients compare unequal."""
+
+    def grad_of(self, name: str) -> GradInfo:
+        """:data:`GradInfo` of parameter node ``name``; a parameter no op uses: nothing."""
+        return self.grads.get(name, ((), False))
 
     def get(self, axes: tuple[int, ...], partial: tuple[int, ...]) -> StreamPrice | None:
         for stream in self.streams:
@@ -114,13 +140,19 @@ def gathered_axes(space, node, s: int, zero) -> tuple[int, ...]:
 
 
 def stream_price(
-    space, zero, axes: tuple[int, ...], partial: tuple[int, ...], numels: Sequence[float]
+    space,
+    zero,
+    axes: tuple[int, ...],
+    partial: tuple[int, ...],
+    numels: Sequence[float],
+    regathers: bool = True,
 ) -> StreamPrice:
     """The price of a stream on ``axes`` (gradients Partial on ``partial``) holding
-    parameters of ``numels`` local elements (in order of first use)."""
+    parameters of ``numels`` local elements (in order of first use); ``regathers``: some
+    backward saves one of them (backward gathers the chunks again)."""
     device = space.mesh.device
     stages = tuple(3 if a in axes else 0 for a in range(space.mesh.ndim))
-    pricing = _pricing(space, stages, partial)
+    pricing = _pricing(space, stages, partial, regathers)
     itemsize = 4  # the runtime's chunks are fp32 (runtime.zero_store refuses other dtypes)
     per_chunk, per_element = pricing.affine_s(
         gather_itemsize=2 if space.options.mixed_precision else itemsize,
@@ -140,10 +172,13 @@ def stream_price(
         per_chunk_s=per_chunk,
         per_element_s=per_element,
         collectives=tuple((kind, n) for kind, n, _ in pricing.calls(1.0, 1.0)),
+        regathers=regathers,
     )
 
 
-def _pricing(space, stages: tuple[int, ...], partial: tuple[int, ...]) -> ChunkPricing:
+def _pricing(
+    space, stages: tuple[int, ...], partial: tuple[int, ...], regathers: bool
+) -> ChunkPricing:
     mesh = space.mesh
     return ChunkPricing.on_mesh(
         shape=mesh.shape,
@@ -153,6 +188,7 @@ def _pricing(space, stages: tuple[int, ...], partial: tuple[int, ...]) -> ChunkP
         forward_s=0.0,
         backward_s=0.0,
         partial=partial,
+        regather=regathers,
     )
 
 
@@ -160,14 +196,48 @@ Key = tuple[tuple[int, ...], tuple[int, ...]]
 """A stream: (P axes, the P axes where the gradients are Partial)."""
 
 
-def _streams(space, zero, members: dict[Key, list[float]]) -> ZeroStreams:
+def _streams(
+    space, zero, members: dict[Key, list[tuple[float, bool]]], grads: dict[str, GradInfo]
+) -> ZeroStreams:
     return ZeroStreams(
         streams=tuple(
-            stream_price(space, zero, axes, partial, members[(axes, partial)])
+            stream_price(
+                space,
+                zero,
+                axes,
+                partial,
+                [n for n, _ in members[(axes, partial)]],
+                any(saved for _, saved in members[(axes, partial)]),
+            )
             for axes, partial in sorted(members)
-            if axes and sum(members[(axes, partial)]) > 0
-        )
+            if axes and sum(n for n, _ in members[(axes, partial)]) > 0
+        ),
+        grads=grads,
+        grads_key=hash(tuple(sorted(grads.items()))),
     )
+
+
+def saved_param_nodes(space) -> frozenset[str]:
+    """Parameter nodes some backward saves (an alias counts for its owner): their chunks are
+    gathered again for backward (``saved_activations.saved_parameters``). Memoised in the
+    space's evaluation cache."""
+    cache: dict[Any, Any] = space.evaluation_cache
+    out = cache.get("saved_params")
+    if out is None:
+        from autopar.planner.space import grad_nodes
+
+        gm = space.captured.gm
+        needs = space.needs_grad
+        if needs is None:
+            needs = grad_nodes(gm, space.captured.param_nodes)
+        saved = saved_parameters(gm.graph, needs)
+        out = frozenset(
+            node.alias_of or node.name
+            for node in space.nodes
+            if node.kind == "param" and node.name in saved
+        )
+        cache["saved_params"] = out
+    return out
 
 
 def partial_axes(space, choice: Sequence[int]) -> dict[int, tuple[int, ...]]:
@@ -191,28 +261,73 @@ def partial_axes(space, choice: Sequence[int]) -> dict[int, tuple[int, ...]]:
     return {i: tuple(sorted(axes)) for i, axes in out.items()}
 
 
+def allowed_partial_axes(
+    space, allowed: dict[str, Sequence[int]] | None
+) -> dict[int, tuple[int, ...]]:
+    """Per parameter node (an alias counts for its original): the mesh axes where some
+    allowed strategy of some consumer makes its gradient Partial (where the solve prices its
+    reduction; for a recipe, whose consumers' layouts are fixed on the data axes, the axes the
+    runtime reduces)."""
+    mesh, nodes = space.mesh, space.nodes
+    memo: dict[tuple, frozenset[int]] = {}  # repeated layers share strategy lists
+    out: dict[int, set[int]] = {}
+    for edge in space.edges:
+        src, dst, j = nodes[edge.src], nodes[edge.dst], edge.input_index
+        if src.kind != "param" or j < 0:
+            continue
+        idx = allowed.get(dst.name) if allowed else None
+        key = (id(dst.strategies), j, None if idx is None else tuple(idx))
+        axes = memo.get(key)
+        if axes is None:
+            found: set[int] = set()
+            for t in range(len(dst.strategies)) if idx is None else idx:
+                grads = dst.strategies[t].input_grads
+                grad = grads[j] if j < len(grads) else None
+                if grad is not None:
+                    found.update(
+                        a for a, p in enumerate(grad) if p.is_partial() and mesh.shape[a] > 1
+                    )
+            axes = memo[key] = frozenset(found)
+        owner = space.index[src.alias_of] if src.alias_of is not None else edge.src
+        out.setdefault(owner, set()).update(axes)
+    return {i: tuple(sorted(axes)) for i, axes in out.items()}
+
+
+def _grads(space, partial: dict[int, tuple[int, ...]]) -> dict[str, GradInfo]:
+    saved = saved_param_nodes(space)
+    return {
+        node.name: (partial.get(i, ()), node.name in saved)
+        for i, node in enumerate(space.nodes)
+        if node.kind == "param" and node.alias_of is None
+    }
+
+
 def chosen_streams(space, choice: Sequence[int], zero) -> ZeroStreams:
-    """The streams of a chosen layout (the runtime's grouping, by P axes)."""
-    members: dict[Key, list[float]] = {}
+    """The streams of a chosen layout (the runtime's grouping: by P axes and the axes where
+    the gradients are Partial, from the consumers' chosen layouts)."""
     if zero.stage < 3:
         return ZeroStreams(streams=())
-    partial = partial_axes(space, choice)
-    for i, (node, s) in enumerate(zip(space.nodes, choice)):
+    grads = _grads(space, partial_axes(space, choice))
+    members: dict[Key, list[tuple[float, bool]]] = {}
+    for node, s in zip(space.nodes, choice):
         if node.kind != "param" or node.alias_of is not None or node.local_numel is None:
             continue
         axes = gathered_axes(space, node, s, zero)
         if axes:
-            key = (axes, tuple(a for a in axes if a in partial.get(i, ())))
-            members.setdefault(key, []).append(float(node.local_numel[s]))
-    return _streams(space, zero, members)
+            partial, saved = grads[node.name]
+            key = (axes, tuple(a for a in axes if a in partial))
+            members.setdefault(key, []).append((float(node.local_numel[s]), saved))
+    return _streams(space, zero, members, grads)
 
 
 def problem_streams(space, zero, allowed: dict[str, Sequence[int]] | None) -> ZeroStreams:
     """The streams a solve prices with (module docstring): every parameter counted in each
-    stream one of its allowed strategies belongs to, at its largest block there."""
+    stream one of its allowed strategies belongs to, at its largest block there, its gradient
+    Partial where some allowed consumer strategy makes it so (:func:`allowed_partial_axes`)."""
     if zero.stage < 3:
         return ZeroStreams(streams=())
-    members: dict[Key, list[float]] = {}
+    grads = _grads(space, allowed_partial_axes(space, allowed))
+    members: dict[Key, list[tuple[float, bool]]] = {}
     for node in space.nodes:
         if node.kind != "param" or node.alias_of is not None or node.local_numel is None:
             continue
@@ -224,9 +339,11 @@ def problem_streams(space, zero, allowed: dict[str, Sequence[int]] | None) -> Ze
             axes = gathered_axes(space, node, s, zero)
             if axes:
                 largest[axes] = max(largest.get(axes, 0.0), float(node.local_numel[s]))
+        partial, saved = grads[node.name]
         for axes, numel in largest.items():
-            members.setdefault((axes, axes), []).append(numel)
-    return _streams(space, zero, members)
+            key = (axes, tuple(a for a in axes if a in partial))
+            members.setdefault(key, []).append((numel, saved))
+    return _streams(space, zero, members, grads)
 
 
 def priced_calls(space, streams: ZeroStreams) -> list[tuple[str, int, float]]:
@@ -236,7 +353,7 @@ def priced_calls(space, streams: ZeroStreams) -> list[tuple[str, int, float]]:
     gather_itemsize = 2 if space.options.mixed_precision else 4
     out: list[tuple[str, int, float]] = []
     for stream in streams.streams:
-        pricing = _pricing(space, stream.stages, stream.partial)
+        pricing = _pricing(space, stream.stages, stream.partial, stream.regathers)
         elements = stream.elements / stream.chunks
         for _ in range(stream.chunks):
             out += pricing.calls(elements * gather_itemsize, elements * 4)

@@ -9,6 +9,15 @@ Stage 1: the step is priced as the bucketed all-reduce (``zero_pricing``'s docst
 but the chunk model (``ChunkPricing.calls``, which sizes the chunks) names what is issued.
 ddp: the gradient buckets are priced as the all-reduces the runtime issues, one per bucket
 (``autopar.planner.pricing.bucket_rounding``; before, 0.24 of one on this model).
+
+The same spawn plans the GPT of ``benchmarks/cost_model.py``. fsdp: its position embedding's
+chunk is gathered once per step (no backward saves an embedding table, so the unpack hook never
+gathers it again) and its gradient is whole (computed replicated, sliced: nothing to
+reduce-scatter), so it is a stream of its own priced with one all-gather; the rest is gathered
+twice and reduce-scattered (before this, the solve priced one stream of everything: 3
+collectives for the 4 issued, and a re-gather for every chunk). ddp: the loss's sum and token
+count are all-reduced in one call (``lowering.fused_reductions``), priced as one all-reduce
+(``planner.fused_pricing``; before, two).
 """
 
 from __future__ import annotations
@@ -20,7 +29,42 @@ from typing import Any
 import pytest
 
 FACTORY = "benchmarks.cost_model:mlp"
+GPT = "benchmarks.cost_model:gpt"
 BATCH, SEQ = 2, 16
+
+
+def _log_graph_collectives(log: Any) -> None:
+    """Also record, in ``log``, the lowered graph's collectives (``autopar.comm.collectives``,
+    which issue them through ``_guarded``) as ``(op, "graph", group size, bytes)``."""
+    import torch.distributed as dist
+
+    from autopar.comm import collectives
+
+    original = collectives._guarded
+
+    def guarded(op, groups, axis, t, call, _run=original):  # type: ignore[no-untyped-def]
+        size = dist.get_world_size(groups.groups[axis])
+        log.calls.append((op, "graph", size, t.numel() * t.element_size()))
+        return _run(op, groups, axis, t, call)
+
+    collectives._guarded = guarded
+
+
+def _loss_latencies(plan: Any) -> float:
+    """The loss's reductions as the plan prices them, in all-reduces of a scalar: the edges into
+    the loss (the sum and the count converted to Replicate), the pair edges between them
+    (``planner.fused_pricing``) and the loss's own output conversion."""
+    from autopar.planner.pricing import CommPricer
+
+    space, choice = plan.space, plan.choice
+    out = next(n for n in space.captured.gm.graph.nodes if n.op == "output")
+    loss = space.index[out.all_input_nodes[0].name]
+    into = [e for e in space.edges if e.dst == loss and e.input_index >= 0]
+    producers = {e.src for e in into}
+    pairs = [e for e in space.edges if e.input_index == -2 and {e.src, e.dst} <= producers]
+    total = sum(float(e.cost_s[choice[e.src], choice[e.dst]]) for e in into + pairs)
+    total += float(space.nodes[loss].output_comm_s[choice[loss]])
+    return total / CommPricer(space.mesh, None).all_reduce_s(4.0, 0)
 
 
 def _rank(rank: int, world_size: int) -> dict[str, Any]:
@@ -40,6 +84,7 @@ def _rank(rank: int, world_size: int) -> dict[str, Any]:
 
     log = CollectiveLog()
     log.install()
+    _log_graph_collectives(log)
     model, args, kwargs = build_preset(FACTORY, batch=BATCH, seq=SEQ)
     captured = capture(model, args, kwargs)
     mesh = autopar.Mesh.spec((2,), ("dp",), device="cpu")
@@ -57,13 +102,32 @@ def _rank(rank: int, world_size: int) -> dict[str, Any]:
         name: prepare_plan(captured, model, args, kwargs, data, groups)
         for name, data in (("fsdp", plan.data), ("stage1", stage1), ("ddp", ddp.data))
     }
+    gpt_model, gpt_args, gpt_kwargs = build_preset(GPT, batch=BATCH, seq=SEQ)
+    gpt_captured = capture(gpt_model, gpt_args, gpt_kwargs)
+    gpt = {
+        recipe: plan_captured(
+            gpt_captured, mesh, PlanOptions(recipe=recipe), model_name="gpt", price_baselines=False
+        )
+        for recipe in ("fsdp", "ddp")
+    }
+    for recipe, gpt_plan in gpt.items():
+        prepared[f"gpt {recipe}"] = prepare_plan(
+            gpt_captured, gpt_model, gpt_args, gpt_kwargs, gpt_plan.data, groups
+        )
+    gpt_space = gpt["fsdp"].space
+    gpt_solved = problem_streams(gpt_space, zero, recipe_spec(gpt_space, "fsdp").allowed)
     stage1_model = ChunkPricing.on_mesh(
         shape=mesh.shape, links=mesh.links, device=mesh.device, stages=(1,),
         forward_s=0.0, backward_s=0.0,
     )  # fmt: skip
     return {
-        "solved_is_chosen": solved == chosen_streams(space, plan.choice, zero),
+        "solved_is_chosen": solved.streams == chosen_streams(space, plan.choice, zero).streams,
         "priced": priced_calls(space, solved),
+        "gpt_solved_is_chosen": gpt_solved.streams
+        == chosen_streams(gpt_space, gpt["fsdp"].choice, zero).streams,
+        "gpt_priced": priced_calls(gpt_space, gpt_solved),
+        "gpt_streams": [(s.partial, s.regathers) for s in gpt_solved.streams],
+        "gpt_loss_latencies": _loss_latencies(gpt["ddp"]),
         "ddp_buckets": priced_bucket_calls(ddp.space, ddp.choice),
         "stage1_model": [(k, n) for k, n, _ in stage1_model.calls(1.0, 1.0)],
         "issued": issued_per_step(prepared, log, warmup=1),
@@ -115,3 +179,28 @@ def test_ddp_buckets_are_priced_as_the_all_reduces_the_runtime_issues() -> None:
     assert [c[0] for c in issued] == ["all_reduce"]  # the whole model in one 25 MiB bucket
     assert result["ddp_buckets"] == [pytest.approx(len(issued), rel=1e-9)]
     assert not _zero_calls(result["issued"]["ddp"])
+
+
+@pytest.mark.distributed
+def test_zero3_prices_the_gathers_and_reductions_the_runtime_issues_per_chunk() -> None:
+    result = _result()
+    assert result["gpt_solved_is_chosen"]
+    # The position embedding: whole gradient, saved by no backward; the rest: Partial, saved.
+    assert sorted(result["gpt_streams"]) == [((), False), ((0,), True)]
+    priced, issued = result["gpt_priced"], _zero_calls(result["issued"]["gpt fsdp"])
+    assert (
+        Counter(k for k, _, _ in priced)
+        == Counter(c[0] for c in issued)
+        == {"all_gather": 3, "reduce_scatter": 1}
+    )
+    padding = 2 * 4 * len(issued)
+    assert abs(sum(b for _, _, b in priced) - sum(c[3] for c in issued)) <= padding
+
+
+@pytest.mark.distributed
+def test_the_loss_reductions_are_priced_as_the_one_fused_all_reduce_issued() -> None:
+    result = _result()
+    # Scalars in the lowered graph's collectives: the loss's sum and count, one 2-float buffer.
+    issued = [c for c in result["issued"]["gpt ddp"] if c[1] == "graph" and c[3] <= 16]
+    assert [(c[0], c[3]) for c in issued] == [("all_reduce", 8)]
+    assert result["gpt_loss_latencies"] == pytest.approx(len(issued), rel=1e-3)
