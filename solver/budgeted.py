@@ -43,6 +43,10 @@ class Warm(NamedTuple):
     separable: float
     best: float
     recorded: Recorded | None = None
+    search: bool = True
+    """False: no multiplier search; the D at ``best`` (its priced solves taken from
+    ``recorded``) is the relaxation's bound and its multiplier the MIP's (lagrangian.relax
+    ``search``)."""
 
 
 # Long: the relaxation and the MIP after it share one state (plan, bound, details, memo).
@@ -79,6 +83,7 @@ def solve_relaxed(
             target_gap=gap,
             stop_at=stop_at,
             warm=None if warm is None else (warm[0], warm[1]),
+            search=warm.search if isinstance(warm, Warm) else True,
         )
     except InfeasibleError:
         return None

@@ -330,6 +330,7 @@ def relax(
     max_pattern_evaluations: int = 8,
     target_gap: float = 0.0,
     stop_at: float = math.inf,
+    search: bool = True,
 ) -> Relaxed:
     """Search the multiplier (module docstring). ``solve_free(problem) -> (choices, value,
         bound)`` solves a budget-free problem (value: its objective; bound: a lower bound on its
@@ -343,7 +344,9 @@ def relax(
     one solve per pattern not pruned, ``max_pattern_evaluations`` at most) from the best
     multiplier found. Each stops when the best plan is within ``target_gap`` of the bound, the
     bracket closes, the bound reaches ``stop_at`` (a plan found elsewhere that this problem
-    cannot beat by the gap: a cutoff), or after its number of evaluations."""
+    cannot beat by the gap: a cutoff), or after its number of evaluations. ``search`` False
+    (with ``warm``): no search; D at multiplier 0 and at ``warm[1]`` only (the pattern D where
+    there are patterns), for a caller whose MIP decides anyway (budgeted.Warm.search)."""
     clock, budget = time.perf_counter(), problem.memory_budget_bytes
     assert budget is not None
     constant = problem.memory_offset_bytes + transient_floor(problem) - budget
@@ -409,6 +412,21 @@ def relax(
         limit = max_evaluations + (max_pattern_evaluations if exact else 0)
         return settled() or evaluations >= limit
 
+    def result(separable_lam: float) -> Relaxed:
+        """What the search found (``separable_lam``: where its separable phase ended)."""
+        return Relaxed(
+            bound_s=best_bound,
+            choices=None if best is None else best[1],
+            recomputed=() if best is None else best[2],
+            objective_s=math.inf if best is None else best[0],
+            multiplier=best_lam,
+            separable_multiplier=separable_lam,
+            evaluations=evaluations,
+            seconds=time.perf_counter() - clock,
+            counted=counted,
+            pattern_lowers=seen.get(best_lam),
+        )
+
     # Bracket: lo with the relaxed plan over the budget, hi with it within.
     lo, hi = 0.0, None
     value0, excess0, _ = evaluate(0.0)
@@ -420,6 +438,13 @@ def relax(
         # that fits within the gap of D(0) is found there when the budget binds little.
         lam = min(lam, target_gap * abs(value0) / excess0)
     pattern_start = 0.0
+    if not search and warm is not None:
+        if not settled():
+            counted = None if patterns is not None else count_patterns(problem)
+            exact = patterns is not None or counted is not None
+            patterns = patterns if counted is None else counted.patterns
+            evaluate(warm[1])
+        return result(warm[0])
     if warm is not None and warm[0] > 0.0 and hi is None and not done():
         lam = warm[0]
         if evaluate(lam)[1] > 0.0:
@@ -452,15 +477,4 @@ def relax(
         if not done():
             lam = pattern_start or best_lam or first_multiplier(problem)
             pattern_search(evaluate, lam, done, target)
-    return Relaxed(
-        bound_s=best_bound,
-        choices=None if best is None else best[1],
-        recomputed=() if best is None else best[2],
-        objective_s=math.inf if best is None else best[0],
-        multiplier=best_lam,
-        separable_multiplier=separable_lam,
-        evaluations=evaluations,
-        seconds=time.perf_counter() - clock,
-        counted=counted,
-        pattern_lowers=seen.get(best_lam),
-    )
+    return result(separable_lam)

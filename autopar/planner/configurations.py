@@ -138,8 +138,7 @@ class ConfigurationSolver:
     @property
     def candidates(self) -> tuple[Candidate, ...]:
         """The checkpoint candidates (given, else ``candidate_segments`` of the options'
-        ``checkpoint``, priced on first use: a plan whose budget-free solves fit never needs
-        them)."""
+        ``checkpoint``, priced on first use: budget-free solves that fit never need them)."""
         if self._candidates is None:
             self._candidates = candidate_segments(self.space, self.options.checkpoint)
         return self._candidates
@@ -155,6 +154,7 @@ class ConfigurationSolver:
         cutoff_s: float | None = None,
         warm_from: Solved | None = None,
         free: Solved | None = None,
+        search: bool = True,
     ) -> Solved:
         """Solve one ZeRO configuration (and recipe, with ``spec``). When the layers tied at the
         tightest level do not fit the budget, the next, looser level is tried, and finally
@@ -165,7 +165,8 @@ class ConfigurationSolver:
         configurations differ only in parameter costs; any multiplier gives a valid bound).
         ``free``: this configuration solved without the budget: with no ``warm_from``, its
         relaxation takes that answer for its priced solve at multiplier 0 instead of making it
-        again (:meth:`_budget_free_record`).
+        again (:meth:`_budget_free_record`). ``search`` False: no multiplier search where its
+        bound was evaluated at ``warm_from``'s (:meth:`priced_bound`; budgeted.Warm ``search``).
 
         Raises:
             solver.InfeasibleBudgetError: nothing fits even untied (``min_budget_bytes`` set).
@@ -177,9 +178,8 @@ class ConfigurationSolver:
             built, problem = self._prepared[key]  # budgeted_problem built it already
             multipliers, recorded = self._recorded.pop(key, (None, None))
             if recorded is not None and warm is not None and multipliers == tuple(warm):
-                # Its bound was evaluated at these multipliers (priced_bound): the relaxation
-                # takes those priced solves instead of making them again.
-                warm = Warm(warm[0], warm[1], recorded)
+                # Its bound was evaluated there (priced_bound): those priced solves are reused.
+                warm = Warm(warm[0], warm[1], recorded, search)
         else:
             built, problem = self._prepare(zero, budget=budget, spec=spec, tied=tied)
         if warm is None and free is not None and budget is not None and tied is self.tied:

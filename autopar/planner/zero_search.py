@@ -186,6 +186,15 @@ def _across(
     yield from rest
 
 
+def _went_to_mip(relaxed: Solved) -> bool:
+    """Whether ``relaxed``'s multiplier search ended short of its cutoff and of the gap, so
+    that its MIP (after reduced-cost fixing) decided. A similar configuration bounded at its
+    multipliers is then solved with no search of its own (ConfigurationSolver.solve
+    ``search``): on gpt2-small-2l 2x2 at 1.5 GiB no configuration's D reaches the cutoff, the
+    searches ended within 0.1% of the bound at these multipliers and the MIPs decided."""
+    return "fixing_s" in relaxed.solution.details
+
+
 def _keep_better(out: Searched, found: Solved | None) -> None:
     """``found`` as the best plan where it is faster than the best so far."""
     if found is not None and (
@@ -337,6 +346,7 @@ def search_budgeted(
                         cutoff_s=cutoff,
                         warm_from=warm,
                         free=free_z,
+                        search=not (relaxed and _went_to_mip(warm)),
                     )
                 except solver.InfeasibleBudgetError as e:
                     configurations.release()
