@@ -43,11 +43,7 @@ from autopar.planner.space import (  # re-exported: the bridge's inputs
     build_space,
     placeholder_strategies,
 )
-from autopar.planner.zero_pricing import (
-    ZeroStreams,
-    problem_streams,
-    stream_price,
-)
+from autopar.planner.zero_pricing import ZeroStreams, problem_streams, stream_price
 from cost_models import MemoryBreakdown, training_state_bytes
 from solver.tables import float_table
 
@@ -259,27 +255,32 @@ def node_cost_vector(
     space: StrategySpace,
     node: NodeSpace,
     zero: ZeroConfig,
-    states: dict[tuple, tuple[float, float]] | None = None,
+    states: dict[tuple, dict[tuple, tuple[float, float]]] | None = None,
     streams: ZeroStreams | None = None,
+    keys: dict[str, list[tuple]] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(seconds, resident bytes) per strategy of ``node`` under ``zero``. ``states``: a memo
-    of parameter states by :func:`_param_key`, configuration and streams (one per space),
-    shared between the strategies and parameters that replicate alike and hold as many
-    elements. ``streams``: ZeRO's chunk streams (:func:`open_streams` when None)."""
+    of parameter states by configuration and streams, then :func:`_param_key` (one per
+    space), shared between the strategies and parameters that replicate alike and hold as
+    many elements (the streams hashed once per node). ``streams``: ZeRO's chunk streams
+    (:func:`open_streams` when None). ``keys``: a memo of :func:`_param_key` per strategy by
+    node name (one per space)."""
     cost = node.compute_s + node.grad_comm_s + node.param_grad_comm_s + node.output_comm_s
     memory = node.activation_bytes + node.fixed_bytes
     if node.kind == "param":
         extra_mem = np.zeros(len(node.strategies))
         extra_cost = np.zeros(len(node.strategies))
         if node.alias_of is None:  # an alias holds no state of its own (param_state: zeros)
-            states = {} if states is None else states
+            states, keys = {} if states is None else states, {} if keys is None else keys
             streams = open_streams(space, zero) if streams is None else streams
-            for s in range(len(node.strategies)):
-                key = (*_param_key(space, node, s), zero, streams)
-                state = states.get(key)
+            of_zero = states.setdefault((zero, streams), {})
+            if node.name not in keys:
+                keys[node.name] = [_param_key(space, node, s) for s in range(len(node.strategies))]
+            for s, key in enumerate(keys[node.name]):
+                state = of_zero.get(key)
                 if state is None:
-                    total, comm, _ = _param_state_of(space, *key)
-                    state = states[key] = (total, comm)
+                    total, comm, _ = _param_state_of(space, *key, zero, streams)
+                    state = of_zero[key] = (total, comm)
                 extra_mem[s], extra_cost[s] = state
         cost = cost + extra_cost
         memory = memory + extra_mem
@@ -297,8 +298,9 @@ class ProblemMemo:
 
     nodes: dict[tuple, solver.Node] = field(default_factory=dict)
     edges: dict[tuple, tuple[tuple[float | None, ...], ...]] = field(default_factory=dict)
-    param_states: dict[tuple, tuple[float, float]] = field(default_factory=dict)
-    """(memory bytes, ZeRO comm seconds) of a parameter by its key and configuration."""
+    param_states: dict[tuple, dict[tuple, tuple[float, float]]] = field(default_factory=dict)
+    """(memory bytes, ZeRO comm seconds) of a parameter by configuration, then its key."""
+    param_keys: dict[str, list[tuple]] = field(default_factory=dict)
 
 
 def build_problem(
@@ -333,7 +335,9 @@ def build_problem(
         node_key = (k, idx, (zero, streams) if node.kind == "param" else None)
         solver_node = memo.nodes.get(node_key)
         if solver_node is None:
-            cost, memory = node_cost_vector(space, node, zero, memo.param_states, streams)
+            cost, memory = node_cost_vector(
+                space, node, zero, memo.param_states, streams, memo.param_keys
+            )
             picked = list(idx)  # float64 rows to Python floats: the same values as float(x[i])
             solver_node = memo.nodes[node_key] = solver.Node(
                 name=node.name,
@@ -463,20 +467,16 @@ def evaluate(
     node_s = list(base["node_s"])
     zero_comm = 0.0
     streams = open_streams(space, zero) if streams is None else streams
-    # Parameters that replicate alike and hold as many elements have one state (param_state):
-    # priced once per plan (llama3-70b: 9 states for 720 parameters, under up to 64
-    # configurations in the plan's zero.considered).
-    states: dict[tuple, tuple[float, dict[str, float]]] = {}
+    states: dict[tuple, tuple[float, dict[str, float]]] = {}  # param_state of alike ones
     for i in base["params"]:
         node = space.nodes[i]
         if node.alias_of is not None:
             continue  # an alias holds no state of its own (param_state: zeros)
         key = _param_key(space, node, choice[i])
-        state = states.get(key)
-        if state is None:
+        if key not in states:
             _, comm, breakdown = _param_state_of(space, *key, zero, streams)
-            state = states[key] = (comm, breakdown.to_dict())
-        comm, breakdown = state
+            states[key] = (comm, breakdown.to_dict())
+        comm, breakdown = states[key]
         zero_comm += comm
         node_s[i] += comm
         for key in ("params", "grads", "optimizer", "master"):
