@@ -411,8 +411,9 @@ def solver_segments(
     def row(values: np.ndarray, idx: tuple[int, ...]) -> tuple[float, ...]:
         key = (id(values), idx)
         out = converted.get(key)
-        if out is None:
-            out = converted[key] = tuple(float(values[i]) for i in idx)
+        if out is None:  # float64 to Python floats: the same values as float(values[i])
+            picked = np.asarray(values, dtype=np.float64)[list(idx)]
+            out = converted[key] = tuple(picked.tolist())
         return out
 
     def table(matrix: np.ndarray, rows: tuple[int, ...], cols: tuple[int, ...]) -> tuple:

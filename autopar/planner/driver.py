@@ -324,6 +324,7 @@ class Driver:
             gap=gap,
             report=self._report,
             floor=free.solution.bound_s,
+            like=free,
         )
         log.extend(found.log)
         best, bounds = found.best, found.bounds

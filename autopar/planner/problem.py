@@ -185,7 +185,7 @@ def param_state(
             {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "master": 0.0, "total": 0.0},
         )
     streams = open_streams(space, zero) if streams is None else streams
-    key = _param_key(space, node, s, streams)
+    key = (*_param_key(space, node, s), streams.grad_of(node.name))
     total, comm, breakdown = _param_state_of(space, *key, zero, streams)
     return total, comm, breakdown.to_dict()
 
@@ -201,19 +201,18 @@ def open_streams(space: StrategySpace, zero: ZeroConfig) -> ZeroStreams:
     return streams
 
 
-def _param_key(
-    space: StrategySpace, node: NodeSpace, s: int, streams: ZeroStreams
-) -> tuple[tuple[int, ...], float, int, GradInfo]:
+def _param_key(space: StrategySpace, node: NodeSpace, s: int) -> tuple[tuple[int, ...], float, int]:
     """What :func:`param_state` depends on besides the ZeRO configuration: the mesh axes (of
-    size > 1) where strategy ``s`` replicates the parameter, its local elements, its itemsize,
-    and its gradient as ``streams`` price it (Partial axes, saved by a backward)."""
+    size > 1) where strategy ``s`` replicates the parameter, its local elements, its itemsize.
+    Callers append its gradient as the streams price it (``ZeroStreams.grad_of``: Partial axes,
+    saved by a backward), the same for every strategy of the node."""
     mesh = space.mesh
     placements = node.strategies[s].outputs[0]
     replicate = tuple(
         a for a in range(mesh.ndim) if placements[a].is_replicate() and mesh.shape[a] > 1
     )
     assert node.local_numel is not None
-    return replicate, float(node.local_numel[s]), node.itemsize, streams.grad_of(node.name)
+    return replicate, float(node.local_numel[s]), node.itemsize
 
 
 def _param_state_of(
@@ -267,27 +266,34 @@ def node_cost_vector(
     space: StrategySpace,
     node: NodeSpace,
     zero: ZeroConfig,
-    states: dict[tuple, tuple[float, float]] | None = None,
+    states: dict[tuple, dict[tuple, tuple[float, float]]] | None = None,
     streams: ZeroStreams | None = None,
+    keys: dict[str, list[tuple]] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(seconds, resident bytes) per strategy of ``node`` under ``zero``. ``states``: a memo
-    of parameter states by :func:`_param_key`, configuration and streams (one per space),
-    shared between the strategies and parameters that replicate alike and hold as many
-    elements. ``streams``: ZeRO's chunk streams (:func:`open_streams` when None)."""
+    of parameter states by configuration and streams, then :func:`_param_key` (one per
+    space), shared between the strategies and parameters that replicate alike and hold as
+    many elements (the streams hashed once per node). ``streams``: ZeRO's chunk streams
+    (:func:`open_streams` when None). ``keys``: a memo of :func:`_param_key` per strategy by
+    node name (one per space)."""
     cost = node.compute_s + node.grad_comm_s + node.param_grad_comm_s + node.output_comm_s
     memory = node.activation_bytes + node.fixed_bytes
     if node.kind == "param":
         extra_mem = np.zeros(len(node.strategies))
         extra_cost = np.zeros(len(node.strategies))
         if node.alias_of is None:  # an alias holds no state of its own (param_state: zeros)
-            states = {} if states is None else states
+            states, keys = {} if states is None else states, {} if keys is None else keys
             streams = open_streams(space, zero) if streams is None else streams
-            for s in range(len(node.strategies)):
-                key = (*_param_key(space, node, s, streams), zero, streams)
-                state = states.get(key)
+            of_zero = states.setdefault((zero, streams), {})
+            if node.name not in keys:
+                keys[node.name] = [_param_key(space, node, s) for s in range(len(node.strategies))]
+            grad = streams.grad_of(node.name)  # the same for every strategy of the node
+            for s, layout in enumerate(keys[node.name]):
+                key = (*layout, grad)
+                state = of_zero.get(key)
                 if state is None:
-                    total, comm, _ = _param_state_of(space, *key)
-                    state = states[key] = (total, comm)
+                    total, comm, _ = _param_state_of(space, *key, zero, streams)
+                    state = of_zero[key] = (total, comm)
                 extra_mem[s], extra_cost[s] = state
         cost = cost + extra_cost
         memory = memory + extra_mem
@@ -305,8 +311,9 @@ class ProblemMemo:
 
     nodes: dict[tuple, solver.Node] = field(default_factory=dict)
     edges: dict[tuple, tuple[tuple[float | None, ...], ...]] = field(default_factory=dict)
-    param_states: dict[tuple, tuple[float, float]] = field(default_factory=dict)
-    """(memory bytes, ZeRO comm seconds) of a parameter by its key and configuration."""
+    param_states: dict[tuple, dict[tuple, tuple[float, float]]] = field(default_factory=dict)
+    """(memory bytes, ZeRO comm seconds) of a parameter by configuration, then its key."""
+    param_keys: dict[str, list[tuple]] = field(default_factory=dict)
 
 
 def build_problem(
@@ -341,7 +348,9 @@ def build_problem(
         node_key = (k, idx, (zero, streams) if node.kind == "param" else None)
         solver_node = memo.nodes.get(node_key)
         if solver_node is None:
-            cost, memory = node_cost_vector(space, node, zero, memo.param_states, streams)
+            cost, memory = node_cost_vector(
+                space, node, zero, memo.param_states, streams, memo.param_keys
+            )
             picked = list(idx)  # float64 rows to Python floats: the same values as float(x[i])
             solver_node = memo.nodes[node_key] = solver.Node(
                 name=node.name,
@@ -471,8 +480,16 @@ def evaluate(
     node_s = list(base["node_s"])
     zero_comm = 0.0
     streams = open_streams(space, zero) if streams is None else streams
+    states: dict[tuple, tuple[float, dict[str, float]]] = {}  # param_state of alike ones
     for i in base["params"]:
-        _, comm, breakdown = param_state(space, space.nodes[i], choice[i], zero, streams)
+        node = space.nodes[i]
+        if node.alias_of is not None:
+            continue  # an alias holds no state of its own (param_state: zeros)
+        key = (*_param_key(space, node, choice[i]), streams.grad_of(node.name))
+        if key not in states:
+            _, comm, breakdown = _param_state_of(space, *key, zero, streams)
+            states[key] = (comm, breakdown.to_dict())
+        comm, breakdown = states[key]
         zero_comm += comm
         node_s[i] += comm
         for key in ("params", "grads", "optimizer", "master"):

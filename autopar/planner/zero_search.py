@@ -48,6 +48,7 @@ from typing import Any
 import solver
 from autopar.planner.checkpointing import with_segments
 from autopar.planner.configurations import ConfigurationSolver, Solved, log_entry
+from autopar.planner.free_reuse import reused_free
 from autopar.planner.primal import across, seed
 from autopar.planner.problem import ZeroConfig, evaluate
 
@@ -73,17 +74,24 @@ def bounded(
     zeros: Sequence[ZeroConfig],
     budget: float,
     report: Callable[[str], None] = lambda line: None,
+    like: Solved | None = None,
 ) -> list[tuple[ZeroConfig, Solved]]:
     """Each ZeRO configuration with its budget-free solve, most promising first: those whose
     budget-free plan fits (solved already: they give the best plan to beat before any budgeted
-    solve), then by their budget-free bound (the Lagrangian bound at multiplier 0)."""
+    solve), then by their budget-free bound (the Lagrangian bound at multiplier 0). ``like``:
+    a configuration solved budget-free before (stage 0), whose answer a configuration with
+    the same budget-free problem but for bytes takes instead of a solve (free_reuse.py)."""
     solved = []
+    names = configurations.space.mesh.axis_names
     for zero in zeros:
         start = time.perf_counter()
-        solved.append((zero, configurations.solve(zero, name="auto", budget=None)))
+        reused = None if like is None else reused_free(configurations, zero, like)
+        free = reused or configurations.solve(zero, name="auto", budget=None)
+        solved.append((zero, free))
         report(
-            f"ZeRO {zero.label(configurations.space.mesh.axis_names)} budget-free: bound "
-            f"{solved[-1][1].solution.bound_s * 1e3:.3f} ms, {time.perf_counter() - start:.1f} s"
+            f"ZeRO {zero.label(names)} budget-free: bound {free.solution.bound_s * 1e3:.3f} ms"
+            + (f" (ZeRO {like.zero.label(names)}'s plan)" if reused is not None else "")
+            + f", {time.perf_counter() - start:.1f} s"
         )
     return _bound_first(solved, budget)
 
@@ -110,6 +118,7 @@ def _ordered(
     floor: float,
     report: Callable[[str], None],
     out: Searched,
+    like: Solved | None = None,
 ) -> Iterator[tuple[ZeroConfig, Solved | None]]:
     """The configurations in the order :func:`search_budgeted` takes them, each with its
     budget-free solve at a gap > 0 (:func:`bounded`), made lazily: the first configuration
@@ -128,7 +137,7 @@ def _ordered(
     if gap <= 0:
         yield from ((zero, None) for zero in zeros)
         return
-    first = bounded(configurations, zeros[:1], budget, report)
+    first = bounded(configurations, zeros[:1], budget, report, like=like)
     names = configurations.space.mesh.axis_names
     if first and first[0][1].evaluation.peak_memory_bytes > budget:
         zero, free = first[0]
@@ -288,12 +297,15 @@ def search_budgeted(
     gap: float,
     report: Callable[[str], None],
     floor: float = -math.inf,
+    like: Solved | None = None,
 ) -> Searched:
     """The fastest configuration of ``zeros`` under ``budget`` (see the module docstring).
-    ``floor``: a lower bound on every configuration's step (stage 0's budget-free optimum)."""
+    ``floor``: a lower bound on every configuration's step (stage 0's budget-free optimum).
+    ``like``: that budget-free solve, which the first configuration takes where its
+    budget-free problem is the same but for bytes (:func:`bounded`)."""
     names = configurations.space.mesh.axis_names
     out = Searched(best=None)
-    ordered = _ordered(configurations, zeros, budget, gap, floor, report, out)
+    ordered = _ordered(configurations, zeros, budget, gap, floor, report, out, like)
     # Multipliers to bound and warm-start at: the seed's price of a byte until a relaxation
     # has run, then the best plan relaxed.
     warm, relaxed = None, False

@@ -57,9 +57,9 @@ def _search(driver, monkeypatch, floor: float, *, seeded: bool = True):
     freed: list = []
     bounded = zero_search.bounded
 
-    def counting(configurations, zeros, budget, report=lambda line: None):
+    def counting(configurations, zeros, budget, report=lambda line: None, **kwargs):
         freed.extend(zeros)
-        return bounded(configurations, zeros, budget, report)
+        return bounded(configurations, zeros, budget, report, **kwargs)
 
     monkeypatch.setattr(zero_search, "bounded", counting)
     if not seeded:
@@ -85,9 +85,9 @@ def _across(driver, monkeypatch, floor: float):
     freed: list = []
     bounded = zero_search.bounded
 
-    def counting(configurations, zeros, budget, report=lambda line: None):
+    def counting(configurations, zeros, budget, report=lambda line: None, **kwargs):
         freed.extend(zeros)
-        return bounded(configurations, zeros, budget, report)
+        return bounded(configurations, zeros, budget, report, **kwargs)
 
     monkeypatch.setattr(zero_search, "bounded", counting)
     out = zero_search.Searched(best=first)
