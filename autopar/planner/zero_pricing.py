@@ -53,6 +53,7 @@ allows, one unless the budget's headroom caps the chunk), else the stream packed
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -213,7 +214,10 @@ def _streams(
             if axes and sum(n for n, _ in members[(axes, partial)]) > 0
         ),
         grads=grads,
-        grads_key=hash(tuple(sorted(grads.items()))),
+        # A digest, not hash(): equal in every process (str hashes are salted per process).
+        grads_key=int.from_bytes(
+            hashlib.blake2b(repr(sorted(grads.items())).encode(), digest_size=8).digest(), "big"
+        ),
     )
 
 
