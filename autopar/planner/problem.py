@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 import solver
+from autopar.planner.evaluation_sums import zero_free_sums
 from autopar.planner.pricing import CommPricer
 from autopar.planner.space import (  # re-exported: the bridge's inputs
     EdgeSpace,
@@ -416,57 +417,6 @@ class Evaluation:
     """Forward seconds spent again in recomputed checkpoint segments (autopar.planner.checkpointing)."""
 
 
-def _zero_free_sums(space: StrategySpace, choice: tuple[int, ...]) -> dict[str, Any]:
-    """The parts of :func:`evaluate` that no ZeRO configuration changes, memoised per choice
-    (the plan prices one choice under every configuration it considered)."""
-    cache = space.evaluation_cache
-    key = choice
-    if key in cache:
-        return cache[key]
-    compute = grad_sync = act_comm = out_comm = transient = 0.0
-    memory = dict.fromkeys(
-        ("params", "grads", "optimizer", "master", "activations", "inputs_buffers"), 0.0
-    )
-    node_s = [0.0] * len(space.nodes)
-    params = []
-    for i, node in enumerate(space.nodes):
-        s = choice[i]
-        compute += node.compute_s[s]
-        grad_sync += node.param_grad_comm_s[s]
-        act_comm += node.grad_comm_s[s]
-        out_comm += node.output_comm_s[s]
-        node_s[i] = float(
-            node.compute_s[s]
-            + node.param_grad_comm_s[s]
-            + node.grad_comm_s[s]
-            + node.output_comm_s[s]
-        )
-        memory["activations"] += node.activation_bytes[s]
-        memory["inputs_buffers"] += node.fixed_bytes[s]
-        transient = max(transient, float(node.transient_bytes[s]))
-        if node.kind == "param":
-            params.append(i)
-    resharding = 0.0
-    for edge in space.edges:
-        c = float(edge.cost_s[choice[edge.src], choice[edge.dst]])
-        resharding += c
-        node_s[edge.dst] += c
-    if len(cache) >= 8:
-        cache.clear()
-    cache[key] = out = {
-        "compute": compute,
-        "grad_sync": grad_sync,
-        "act_comm": act_comm,
-        "out_comm": out_comm,
-        "transient": transient,
-        "memory": memory,
-        "node_s": node_s,
-        "params": params,
-        "resharding": resharding,
-    }
-    return out
-
-
 def evaluate(
     space: StrategySpace,
     choice: Sequence[int],
@@ -475,7 +425,7 @@ def evaluate(
 ) -> Evaluation:
     """The predicted figures of ``choice`` under ``zero``, ZeRO-3 priced on ``streams`` (the
     solve's: ``BuiltProblem.streams``; None = :func:`open_streams`, every strategy allowed)."""
-    base = _zero_free_sums(space, tuple(choice))
+    base = zero_free_sums(space, tuple(choice))
     memory = dict(base["memory"])
     node_s = list(base["node_s"])
     zero_comm = 0.0
