@@ -76,18 +76,19 @@ def brute_force_recompute(problem: Problem) -> tuple[tuple[int, ...], float, tup
                 for node, c in zip(problem.nodes, choices)
                 if node.transient_bytes
             ]
-            peak = math.fsum(
-                [
-                    problem.memory_offset_bytes,
-                    *(node.memory_bytes[c] for node, c in zip(problem.nodes, choices)),
-                    max([0.0, *transients]),
-                ]
-            )
+            # Every term of a peak summed once (math.fsum: the correctly rounded exact sum), as
+            # solver.presolve.plan_peak_memory_bytes does; rounding a partial sum first put a
+            # plan exactly at the budget 3e-14 over it.
+            peak_terms = [
+                problem.memory_offset_bytes,
+                *(node.memory_bytes[c] for node, c in zip(problem.nodes, choices)),
+                max([0.0, *transients]),
+            ]
             for vector in vectors:
                 extra_s, freed, again = (
                     recompute_terms(problem, choices, vector) if segments else (0.0, 0.0, 0.0)
                 )
-                vector_peak = math.fsum([peak, -freed, again])
+                vector_peak = math.fsum([*peak_terms, -freed, again])
                 min_peak = min(min_peak, vector_peak)
                 if budget is not None and vector_peak > budget:
                     continue

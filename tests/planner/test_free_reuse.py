@@ -8,31 +8,12 @@ from __future__ import annotations
 
 import pytest
 
-from autopar.capture.export import capture
-from autopar.mesh import Mesh
-from autopar.options import PlanOptions
-from tests.models import tiny_gpt
-
-BUDGET = 2_500_000  # binds: stage 0 does not fit (the tiny-gpt-2-zero stored case)
-GAP = 0.01
+from tests.planner.test_primal_across import GAP, _zeros, tiny_gpt_driver
 
 
 @pytest.fixture()
 def driver():
-    from autopar.planner.driver import Driver
-    from autopar.planner.space import build_space
-
-    model, args, kwargs = tiny_gpt()
-    options = PlanOptions(memory_budget=BUDGET, gap=GAP)
-    return Driver(
-        build_space(capture(model, args, kwargs), Mesh.parse("2", device="h100"), options)
-    )
-
-
-def _zeros(driver):
-    from autopar.planner.zero_choice import zero_candidates
-
-    return zero_candidates(driver.space.mesh.ndim, driver.space.mesh.shape)
+    return tiny_gpt_driver()
 
 
 def _stage0(driver):

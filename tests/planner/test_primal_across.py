@@ -17,9 +17,8 @@ BUDGET = 2_500_000  # binds: stage 0 does not fit (the tiny-gpt-2-zero stored ca
 GAP = 0.01
 
 
-@pytest.fixture()
-def driver():
-    """A fresh driver per test: no solve or problem kept from another test."""
+def tiny_gpt_driver():
+    """A fresh driver of the tiny GPT on 2 ranks at BUDGET and GAP."""
     from autopar.planner.driver import Driver
     from autopar.planner.space import build_space
 
@@ -28,6 +27,12 @@ def driver():
     return Driver(
         build_space(capture(model, args, kwargs), Mesh.parse("2", device="h100"), options)
     )
+
+
+@pytest.fixture()
+def driver():
+    """A fresh driver per test: no solve or problem kept from another test."""
+    return tiny_gpt_driver()
 
 
 def _zeros(driver):

@@ -9,10 +9,11 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from solver import InfeasibleError, Problem, solve
+from solver import Problem, solve
 from solver.budgeted import Recorded, Warm, priced_bound
 from solver.presolve import plan_objective_s, plan_peak_memory_bytes
 from tests.unit.test_lagrangian import _optimum, budgeted_problems
+from tests.unit.test_zero_bounds import relaxed_start
 
 FEW = settings(
     max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
@@ -24,17 +25,10 @@ FEW = settings(
 def test_a_solve_without_search_evaluates_twice_and_keeps_its_bound_and_gap(
     problem: Problem, scale: float, cut: bool
 ) -> None:
-    try:
-        first = solve(problem, gap=0.01)
-    except InfeasibleError:
+    started = relaxed_start(problem, scale, cut)
+    if started is None:
         return
-    if "lagrangian_multiplier" not in first.details:
-        return  # the budget-free plan fits, or the exact path ran: no relaxation
-    warm = (
-        first.details["lagrangian_separable_multiplier"] * scale,
-        first.details["lagrangian_multiplier"] * scale,
-    )
-    cutoff = first.objective_s * scale if cut else None
+    _, warm, cutoff = started
     record = Recorded(edges=problem.edges)
     priced_bound(problem, warm[1], separable_multiplier=warm[0], record=record)
     found = solve(

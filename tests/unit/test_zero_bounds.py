@@ -56,22 +56,32 @@ def _result(solution) -> tuple:
     return (dataclasses.replace(solution, build_s=0.0, solve_s=0.0, details={}), details)
 
 
+def relaxed_start(problem: Problem, scale: float, cut: bool):
+    """``problem`` solved at gap 1%, its multipliers scaled by ``scale`` and a cutoff at its
+    objective so scaled (with ``cut``), or None where no relaxation ran (infeasible, the
+    budget-free plan fits, or the exact path)."""
+    try:
+        first = solve(problem, gap=0.01)
+    except InfeasibleError:
+        return None
+    if "lagrangian_multiplier" not in first.details:
+        return None
+    warm = (
+        first.details["lagrangian_separable_multiplier"] * scale,
+        first.details["lagrangian_multiplier"] * scale,
+    )
+    return first, warm, (first.objective_s * scale if cut else None)
+
+
 @settings(FEW, max_examples=9)
 @given(budgeted_problems(), st.floats(0.5, 1.5), st.booleans())
 def test_a_relaxation_started_from_a_bound_evaluation_is_the_cold_one(
     problem: Problem, scale: float, cut: bool
 ) -> None:
-    try:
-        first = solve(problem, gap=0.01)
-    except InfeasibleError:
+    started = relaxed_start(problem, scale, cut)
+    if started is None:
         return
-    if "lagrangian_multiplier" not in first.details:
-        return  # the budget-free plan fits, or the exact path ran: no relaxation
-    warm = (
-        first.details["lagrangian_separable_multiplier"] * scale,
-        first.details["lagrangian_multiplier"] * scale,
-    )
-    cutoff = first.objective_s * scale if cut else None
+    first, warm, cutoff = started
     record = Recorded(edges=problem.edges)
     target = first.objective_s * scale * 0.99 if cut else None
     priced_bound(problem, warm[1], separable_multiplier=warm[0], target=target, record=record)
