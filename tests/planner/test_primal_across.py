@@ -55,8 +55,9 @@ def test_the_plan_fitted_across_fits_and_is_priced_as_evaluated(driver) -> None:
     assert not configurations._prepared  # every configuration's problem released
 
 
-def _search(driver, monkeypatch, floor: float, *, seeded: bool = True):
-    """search_budgeted with ``floor``; the configurations given a budget-free solve."""
+def _count_bounded(monkeypatch) -> list:
+    """zero_search.bounded wrapped: the list it returns collects every configuration given a
+    budget-free solve."""
     from autopar.planner import zero_search
 
     freed: list = []
@@ -67,6 +68,14 @@ def _search(driver, monkeypatch, floor: float, *, seeded: bool = True):
         return bounded(configurations, zeros, budget, report, **kwargs)
 
     monkeypatch.setattr(zero_search, "bounded", counting)
+    return freed
+
+
+def _search(driver, monkeypatch, floor: float, *, seeded: bool = True):
+    """search_budgeted with ``floor``; the configurations given a budget-free solve."""
+    from autopar.planner import zero_search
+
+    freed = _count_bounded(monkeypatch)
     if not seeded:
         monkeypatch.setattr(zero_search, "across", lambda *a, **k: None)
     found = zero_search.search_budgeted(
@@ -87,14 +96,8 @@ def _across(driver, monkeypatch, floor: float):
 
     configurations, zeros = driver.configurations, _zeros(driver)
     first = configurations.solve(zeros[0], name="auto", budget=driver.budget)
-    freed: list = []
     bounded = zero_search.bounded
-
-    def counting(configurations, zeros, budget, report=lambda line: None, **kwargs):
-        freed.extend(zeros)
-        return bounded(configurations, zeros, budget, report, **kwargs)
-
-    monkeypatch.setattr(zero_search, "bounded", counting)
+    freed = _count_bounded(monkeypatch)
     out = zero_search.Searched(best=first)
     rest = list(
         zero_search._across(
