@@ -2,25 +2,28 @@
 
 The lowering (:mod:`autopar.lowering.fused_reductions`) turns all-reduces on one mesh axis that
 follow each other, with nothing between them using their results, into one
-``autopar_all_reduce_many`` call. Conversions are inserted right before their consumer, so this
-happens where one op takes two or more inputs (a data-parallel mean loss's sum and its token
-count) that are each converted by exactly one all-reduce on the same axis (Partial there to
-Replicate, every other axis unchanged: a conversion of more steps, such as Partial on two axes,
-ends the run) and whose values may share a buffer (:func:`autopar.comm.fusion.buffer_members`:
-dtype, counts, size). Each such pair saves one all-reduce latency (and ``sync_s``).
+``autopar_all_reduce_many`` call, after ordering chained all-reduces (a value Partial on several
+axes) by chain step. Conversions are inserted right before their consumer, so this happens where
+one op takes two or more inputs (a data-parallel mean loss's sum and its token count) that are
+each converted by all-reduces only (Partial to Replicate on a set of axes, every other axis
+unchanged) and whose values may share a buffer (:func:`autopar.comm.fusion.buffer_members`:
+dtype, counts, size). Where the two conversions are the same, each of their axes saves one
+all-reduce latency (and ``sync_s``): on a 2x2 data-parallel mesh the sum and count take two
+calls, one per axis, instead of four.
 
 The saving depends on three choices (the two producers' layouts and the consumer's), and the
 ILP's costs are per node and per pair of nodes, so it is split in two (per mesh axis ``a``, ``L``
 one all-reduce's latency on it, for consecutive members ``i``, ``j`` of the group):
 
-* the edge from producer ``i`` to the consumer gives back ``L`` where its conversion is one
-  all-reduce on ``a`` and the consumer takes ``j`` in the same layout as ``i``;
+* the edge from producer ``i`` to the consumer gives back ``L`` where its conversion is
+  all-reduces only, one of them on ``a``, and the consumer takes ``j`` in the same layout as
+  ``i``;
 * a new edge between the two producers charges ``L`` where ``i`` is Partial on ``a`` and ``j``
   has another layout than ``i``.
 
-Where the consumer takes both in one layout and ``i`` is one all-reduce from it, ``j`` is one
-all-reduce from it exactly when the producers' layouts are equal: then the pair pays one latency,
-as issued, and otherwise two, as issued. Elsewhere (``i`` Partial on ``a`` and ``j`` in another
+Where the consumer takes both in one layout and ``i`` is all-reduces only from it, ``j``'s
+conversion is the same calls exactly when the producers' layouts are equal: then the pair pays
+one latency per axis, as issued, and otherwise two per axis of ``i``'s, never less than issued. Elsewhere (``i`` Partial on ``a`` and ``j`` in another
 layout, with no fused pair) the pair edge charges one latency that is not issued: a price too
 high, never too low, for layouts where the two values of one loss are reduced differently.
 """
@@ -114,11 +117,12 @@ def _may_fuse(src, fx_node: fx.Node | None) -> bool:
     )
 
 
-def _one_all_reduce(src: Placements | None, dst: Placements | None, axis: int) -> bool:
-    """Whether converting ``src`` to ``dst`` is exactly one all-reduce, on ``axis``."""
+def _all_reduce_on(src: Placements | None, dst: Placements | None, axis: int) -> bool:
+    """Whether converting ``src`` to ``dst`` is all-reduces only (Partial to Replicate on some
+    axes, every other axis unchanged), one of them on ``axis``."""
     if src is None or dst is None or not (src[axis].is_partial() and dst[axis].is_replicate()):
         return False
-    return all(p == q for b, (p, q) in enumerate(zip(src, dst)) if b != axis)
+    return all(p == q or (p.is_partial() and q.is_replicate()) for p, q in zip(src, dst))
 
 
 def _pair_prices(
@@ -140,7 +144,7 @@ def _pair_prices(
     pair = np.zeros((len(out_i), len(out_j)))
     for axis, seconds in latency.items():
         one = np.array(
-            [[float(_one_all_reduce(p, q, axis)) for q in need_i] for p in out_i]
+            [[float(_all_reduce_on(p, q, axis)) for q in need_i] for p in out_i]
         ).reshape(len(out_i), -1)
         credit += seconds * one * same[None, :]
         partial = np.array([float(p is not None and p[axis].is_partial()) for p in out_i])

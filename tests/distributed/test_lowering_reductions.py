@@ -126,6 +126,54 @@ def test_a_reduction_of_a_reduced_value_is_not_fused_with_it() -> None:
     assert first in graph.nodes
 
 
+def test_chains_over_two_axes_are_fused_axis_by_axis() -> None:
+    """A sum and a count each all-reduced on axis 0 then axis 1, issued chain after chain: the
+    pass orders the four calls by chain step and fuses each step (two calls, axis 0 first), the
+    count checked on its chain's origin (the second step's input is the first's result)."""
+    graph = fx.Graph()
+    loss = graph.placeholder("loss")
+    loss.meta["val"] = torch.zeros(())
+    flags = graph.placeholder("flags")
+    flags.meta["val"] = torch.zeros((64,), dtype=torch.bool)
+    count = graph.call_function(torch.ops.aten.sum.default, (flags,))
+    count.meta["val"] = torch.zeros((), dtype=torch.int64)
+    ends = []
+    for value in (loss, count):
+        for axis in (0, 1):
+            value = graph.call_function(collectives.autopar_all_reduce, (value, "m", axis))
+            value.meta["val"] = torch.zeros((), dtype=value.args[0].meta["val"].dtype)
+        ends.append(value)
+    div = graph.call_function(torch.ops.aten.div.Tensor, tuple(ends))
+    graph.output((div,))
+    assert fuse_all_reduces(graph) == 2
+    graph.lint()
+    fused = [n for n in graph.nodes if n.target is collectives.autopar_all_reduce_many]
+    assert _calls(graph) == ["autopar_all_reduce_many"] * 2
+    assert [n.args[2] for n in fused] == [0, 1]
+    assert [a.name for a in fused[0].args[0]] == ["loss", "sum_default"]
+    assert all(a.args[0] is fused[0] for a in fused[1].args[0])
+    assert [a.args[1] for a in fused[1].args[0]] == [0, 1]
+    assert [a.args for a in div.args] == [(fused[1], 0), (fused[1], 1)]
+
+
+def test_chains_are_reordered_only_within_a_block_of_all_reduces() -> None:
+    """A node between two chains (here one using the first chain's result) keeps them apart:
+    nothing moves across it, and each chain stays as issued."""
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["val"] = torch.zeros(4)
+    a = graph.call_function(collectives.autopar_all_reduce, (x, "m", 0))
+    b = graph.call_function(collectives.autopar_all_reduce, (a, "m", 1))
+    used = graph.call_function(torch.ops.aten.mul.Tensor, (b, 2.0))
+    c = graph.call_function(collectives.autopar_all_reduce, (used, "m", 0))
+    d = graph.call_function(collectives.autopar_all_reduce, (c, "m", 1))
+    for node in (a, b, used, c, d):
+        node.meta["val"] = torch.zeros(4)
+    graph.output((d,))
+    assert fuse_all_reduces(graph) == 0
+    assert [n for n in graph.nodes if n.op == "call_function"] == [a, b, used, c, d]
+
+
 # ---------------------------------------------------------------------------------------------
 # Numerics on gloo ranks.
 
@@ -144,19 +192,21 @@ def _close(what: str, got: torch.Tensor, want: torch.Tensor) -> None:
     assert_close_named(what, got, want, rtol=RTOL, atol=ATOL)
 
 
-def check_ddp_ignore_index(world_size: int) -> dict[str, Any]:
+def check_ddp_ignore_index(shape: tuple[int, ...]) -> dict[str, Any]:
+    """The ddp recipe on ``shape``: the loss's sum and count take one fused all-reduce per mesh
+    axis (on 2x2, each value's two-step chain fused axis by axis: two calls, not four)."""
     import autopar
     from autopar.runtime.module import gather_full
 
     model, args, kwargs = _ignored_gpt()
     want = sgd_reference(model, args, kwargs, lr=LR, steps=NUM_STEPS)
     model, args, kwargs = _ignored_gpt()
-    mesh = autopar.Mesh.from_world((world_size,), device="h100")
+    mesh = autopar.Mesh.from_world(shape, device="h100")
     pmodel = autopar.autoparallelize(
         model, mesh, args, kwargs, recipe="ddp", optimizer="sgd", price_baselines=False
     )
     code = pmodel.lowered.gm.code
-    assert code.count("autopar_all_reduce_many(") == 1, code
+    assert code.count("autopar_all_reduce_many(") == len(shape), code
     assert "autopar_all_reduce(" not in code, code
     local_args = pmodel.shard_inputs(*args)
     loss = model_loss(pmodel(*local_args))
@@ -217,11 +267,15 @@ def check_fused_against_separate(world_size: int) -> dict[str, Any]:
 
 def run_case(rank: int, world_size: int, case: str) -> Any:
     if case == "gpt/dp_ignore_index":
-        return check_ddp_ignore_index(world_size)
+        return check_ddp_ignore_index((world_size,))
+    if case == "gpt/2x2_ignore_index":
+        return check_ddp_ignore_index((2, 2))
     return check_fused_against_separate(world_size)
 
 
-CASES = ("gpt/dp_ignore_index", "fused-vs-separate")
+def _cases(world_size: int) -> tuple[str, ...]:
+    extra = ("gpt/2x2_ignore_index",) if world_size == 4 else ()
+    return ("gpt/dp_ignore_index", "fused-vs-separate", *extra)
 
 
 @functools.cache
@@ -231,7 +285,7 @@ def _results(world_size: int) -> dict[str, Any]:
     return run_cases(
         run_case,
         world_size,
-        [(case, case) for case in CASES],
+        [(case, case) for case in _cases(world_size)],
         timeout_s=300,
         env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"},
     )
@@ -241,6 +295,11 @@ def _results(world_size: int) -> dict[str, Any]:
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_ddp_mean_loss_with_ignored_tokens_trains_like_one_process(world_size: int) -> None:
     _results(world_size)["gpt/dp_ignore_index"].check()
+
+
+@pytest.mark.distributed
+def test_ddp_mean_loss_on_2x2_takes_one_call_per_axis_and_trains_like_one_process() -> None:
+    _results(4)["gpt/2x2_ignore_index"].check()
 
 
 @pytest.mark.distributed
