@@ -28,6 +28,7 @@ from autopar.placement import REPLICATE, Placements, SectionShard, Shard, divide
 from autopar.planner.fused_pricing import price_fused_reductions
 from autopar.planner.pricing import CommPricer, bucket_rounding, pair_table
 from autopar.planner.saved_activations import SavedRule, saved_rules
+from autopar.planner.shared_grads import price_shared_param_grads
 from autopar.planner.signatures import op_signature as _op_signature
 from autopar.strategies import Strategy, input_nodes, strategies_for
 from autopar.strategies.registry import TensorMeta, in_op_collectives, op_call, tensor_meta
@@ -252,6 +253,7 @@ def build_space(captured: Captured, mesh: Mesh, options: PlanOptions) -> Strateg
 
     edges = _edges(gm, nodes, index, pricer, signatures)
     edges.extend(_tie_edges(captured, nodes, index))
+    price_shared_param_grads(gm, nodes, index, edges, pricer, needs_grad)
     price_fused_reductions(gm, nodes, edges, pricer)
     bucket_share_s = bucket_rounding(nodes, edges, pricer)
     return StrategySpace(

@@ -1,0 +1,126 @@
+"""A parameter read by two ops (a GPT's embedding tied to its head) has its gradient reduced once
+by the runtime, after autograd sums both uses; the planner prices it once
+(``autopar.planner.shared_grads``).
+
+Over every pair of strategies of the two consumers, the price of the parameter's reduction with
+the pair term equals the price without it (each consumer its own reduction) less the later
+consumer's share on each axis where both leave the gradient Partial in the same placements:
+never below one reduction, never above two. On the ddp recipe over 2x2 the step drops by one
+gradient all-reduce of the tied table per axis.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+import pytest
+
+import autopar
+from autopar.api import plan_captured
+from autopar.capture.export import capture
+from autopar.options import PlanOptions
+from autopar.planner import space as space_module
+from autopar.planner.shared_grads import SHARED_GRAD_EDGE
+from tests.models import hf_gpt2
+
+MESH = "2x2"
+
+
+@functools.cache
+def _plans(shared: bool) -> tuple[Any, Any]:
+    model, args, kwargs = hf_gpt2()
+    captured = capture(model, args, kwargs)
+    assert captured.tied_params, "hf_gpt2 ties its embedding and head"
+    original = space_module.price_shared_param_grads
+    if not shared:
+        space_module.price_shared_param_grads = lambda *a, **k: 0
+    try:
+        plan = plan_captured(
+            captured,
+            autopar.Mesh.parse(MESH, device="h100"),
+            PlanOptions(recipe="ddp"),
+            model_name="gpt2",
+            price_baselines=False,
+        )
+    finally:
+        space_module.price_shared_param_grads = original
+    return captured, plan
+
+
+def _tied_uses(space: Any) -> list[tuple[int, int]]:
+    """(consumer index, input position) of the tied table's uses, in graph order."""
+    owner = {n.name: n.alias_of or n.name for n in space.nodes if n.kind == "param"}
+    tied = {
+        name
+        for name, node in ((n.name, n) for n in space.nodes)
+        if node.kind == "param" and node.fqn in space.captured.tied_params
+    }
+    owners = {owner[name] for name in tied}
+    uses = []
+    for node in space.captured.gm.graph.nodes:
+        k = space.index.get(node.name)
+        if k is None or space.nodes[k].kind != "op":
+            continue
+        for j, inp in enumerate(node.all_input_nodes):
+            if owner.get(inp.name) in owners:
+                uses.append((k, j))
+    return uses
+
+
+def test_the_tied_table_is_read_by_two_ops_and_gets_one_pair_edge() -> None:
+    space = _plans(True)[1].space
+    uses = _tied_uses(space)
+    assert len(uses) == 2, uses
+    (c1, _), (c2, _) = uses
+    pairs = [e for e in space.edges if e.input_index == SHARED_GRAD_EDGE]
+    assert [(e.src, e.dst) for e in pairs] == [(min(c1, c2), max(c1, c2))]
+
+
+def test_every_pair_of_layouts_pays_one_reduction_where_the_uses_agree_and_two_elsewhere() -> None:
+    new, old = _plans(True)[1].space, _plans(False)[1].space
+    (c1, j1), (c2, j2) = _tied_uses(new)
+    pair = next(e for e in new.edges if e.input_index == SHARED_GRAD_EDGE)
+    matrix = pair.cost_s if pair.src == c1 else pair.cost_s.T
+    first, later = new.nodes[c1].strategies, new.nodes[c2].strategies
+    shape = new.mesh.shape
+    pricer = space_module.CommPricer(new.mesh, None)
+    fx_node = next(n for n in new.captured.gm.graph.nodes if n.name == new.nodes[c2].name)
+    meta = space_module.tensor_meta(fx_node.all_input_nodes[j2].meta["val"])
+    agreeing = checked = 0
+    for s, t in np.ndindex(len(first), len(later)):
+        got = new.nodes[c1].param_grad_comm_s[s] + new.nodes[c2].param_grad_comm_s[t] + matrix[s, t]
+        before = old.nodes[c1].param_grad_comm_s[s] + old.nodes[c2].param_grad_comm_s[t]
+        g1, g2 = first[s].input_grads[j1], later[t].input_grads[j2]
+        same = first[s].inputs[j1] == later[t].inputs[j2]
+        axes = [
+            a
+            for a in range(len(shape))
+            if shape[a] > 1 and g1 is not None and g2 is not None
+            and g1[a].is_partial() and g2[a].is_partial() and same
+        ]  # fmt: skip
+        if axes:
+            nbytes = space_module.local_bytes(meta, later[t].inputs[j2], shape)
+            once = sum(pricer.grad_sync_s(nbytes, a) for a in axes)
+            agreeing += 1
+            assert got == pytest.approx(before - once, rel=1e-9, abs=1e-15)
+        else:
+            assert got == pytest.approx(before, rel=1e-9, abs=1e-15)
+        checked += 1
+    assert agreeing >= 1 and checked >= 4
+
+
+def test_the_ddp_step_pays_one_all_reduce_of_the_tied_table_per_axis() -> None:
+    new, old = _plans(True)[1], _plans(False)[1]
+    space = new.space
+    (c1, j1), _ = _tied_uses(space)
+    strategy = space.nodes[c1].strategies[new.choice[c1]]
+    fx_node = next(n for n in space.captured.gm.graph.nodes if n.name == space.nodes[c1].name)
+    meta = space_module.tensor_meta(fx_node.all_input_nodes[j1].meta["val"])
+    nbytes = space_module.local_bytes(meta, strategy.inputs[j1], space.mesh.shape)
+    pricer = space_module.CommPricer(space.mesh, None)
+    one = sum(pricer.grad_sync_s(nbytes, a) for a in range(len(space.mesh.shape)))
+    assert new.choice == old.choice
+    saved = old.data["predicted"]["step_s"] - new.data["predicted"]["step_s"]
+    assert saved == pytest.approx(one, rel=1e-6)
