@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from autopar.planner.shared_grads import SHARED_GRAD_EDGE
 from autopar.planner.space import StrategySpace
 
 
@@ -42,7 +43,10 @@ def zero_free_sums(space: StrategySpace, choice: tuple[int, ...]) -> dict[str, A
     resharding = 0.0
     for edge in space.edges:
         c = float(edge.cost_s[choice[edge.src], choice[edge.dst]])
-        resharding += c
+        if edge.input_index == SHARED_GRAD_EDGE:  # a parameter's reduction charged back
+            grad_sync += c
+        else:
+            resharding += c
         node_s[edge.dst] += c
     if len(cache) >= 8:
         cache.clear()

@@ -127,7 +127,9 @@ def pair_table(
     return table
 
 
-def bucket_rounding(nodes: Sequence, edges: Sequence, pricer: CommPricer) -> tuple[float, ...]:
+def bucket_rounding(
+    nodes: Sequence, edges: Sequence, pricer: CommPricer, skip: frozenset = frozenset()
+) -> tuple[float, ...]:
     """Price the gradient buckets' all-reduces as whole calls: add to each consumer's
     ``param_grad_comm_s`` its share of the last bucket's rounding; returns that share per mesh
     axis, in seconds per byte of a parameter input's largest Partial block.
@@ -148,8 +150,10 @@ def bucket_rounding(nodes: Sequence, edges: Sequence, pricer: CommPricer) -> tup
     why), so a ZeRO-3 plan still pays the rounding its consumers price.
 
     Consumers' cost arrays are replaced, not written in place; nodes that shared an array
-    (repeated layers) share the new one."""
-    inputs, total = _bucket_pool(nodes, edges, pricer.mesh)
+    (repeated layers) share the new one. ``skip``: (consumer, input) uses not in the pool, the
+    later uses of a parameter read by several ops (``planner.shared_grads``: its gradient is
+    one block of one bucket, its first use holds it)."""
+    inputs, total = _bucket_pool(nodes, edges, pricer.mesh, skip)
     share = tuple(
         pricer.all_reduce_latency_s(a) * (1.0 - math.modf(t / GRAD_BUCKET_BYTES)[0]) / t
         if t > 0
@@ -174,7 +178,9 @@ def bucket_rounding(nodes: Sequence, edges: Sequence, pricer: CommPricer) -> tup
     return share
 
 
-def _bucket_pool(nodes: Sequence, edges: Sequence, mesh: Mesh) -> tuple[list[tuple], list[float]]:
+def _bucket_pool(
+    nodes: Sequence, edges: Sequence, mesh: Mesh, skip: frozenset = frozenset()
+) -> tuple[list[tuple], list[float]]:
     """The parameter inputs whose gradient some consumer strategy makes Partial: per (consumer,
     input) ``(consumer index, axes, blocks, largest)``: per consumer strategy the mesh axes
     (size > 1) where the gradient is Partial and the input's local bytes, per axis the largest
@@ -187,7 +193,7 @@ def _bucket_pool(nodes: Sequence, edges: Sequence, mesh: Mesh) -> tuple[list[tup
     memo: dict[tuple[int, int, float], tuple] = {}
     for edge in edges:
         src, dst, j = nodes[edge.src], nodes[edge.dst], edge.input_index
-        if src.kind != "param" or dst.kind != "op" or j < 0:
+        if src.kind != "param" or dst.kind != "op" or j < 0 or (edge.dst, j) in skip:
             continue
         assert src.local_numel is not None
         full_bytes = float(max(src.local_numel)) * src.itemsize
@@ -234,7 +240,8 @@ def priced_bucket_calls(space, choice: Sequence[int]) -> list[float]:
     pricer = CommPricer(mesh, None)
     share = space.bucket_share_s or (0.0,) * mesh.ndim
     calls = [0.0] * mesh.ndim
-    for dst, partial, blocks, largest in _bucket_pool(space.nodes, space.edges, mesh)[0]:
+    pool = _bucket_pool(space.nodes, space.edges, mesh, space.shared_grad_uses)[0]
+    for dst, partial, blocks, largest in pool:
         s = choice[dst]
         for a in partial[s]:
             if pricer.all_reduce_latency_s(a) > 0:

@@ -18,7 +18,9 @@ strategies, unless ``c_1`` also leaves the gradient Partial on ``a`` and takes t
 in the same placements as ``c_i`` (then both partial sums land in one gradient of one layout,
 and ``c_1``'s price is the one reduction issued). So where the uses agree the parameter pays
 one reduction per axis, as issued, and otherwise what it paid before: never below what is
-issued. With three or more uses that disagree with ``c_1`` but agree among themselves, each
+issued. The plan's breakdown counts the pair edges in ``grad_sync_s`` (``evaluation_sums``;
+in ``resharding_s`` where one joined two consumers already joined by a data edge and was added
+to it). With three or more uses that disagree with ``c_1`` but agree among themselves, each
 still pays its own: a price too high, never too low.
 """
 
@@ -100,18 +102,19 @@ def price_shared_param_grads(
     edges: list,
     pricer: CommPricer,
     needs_grad,
-) -> int:
+) -> frozenset[tuple[int, int]]:
     """Price each parameter's gradient reduction once (module docstring): replaces the later
     consumers' ``param_grad_comm_s`` (never written in place; arrays shared by repeated
     layers get one shared replacement) and adds the pair edges to ``edges`` (or to an edge
-    already joining the two consumers). Returns the number of later uses priced."""
+    already joining the two consumers). Returns the later uses ``(consumer, input)`` priced
+    (``pricing.bucket_rounding`` leaves them out of the bucket pool)."""
     from autopar.planner.space import EdgeSpace
 
     existing = {(e.src, e.dst): e for e in edges}
     node_memo: dict[tuple, np.ndarray] = {}
     pair_memo: dict[tuple, np.ndarray] = {}
     replaced: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
-    priced = 0
+    priced: set[tuple[int, int]] = set()
     for owner_uses in _uses(gm, nodes, index, needs_grad).values():
         c1, j1, _ = owner_uses[0]
         for ci, ji, inp in owner_uses[1:]:
@@ -139,7 +142,7 @@ def price_shared_param_grads(
                 before = later.param_grad_comm_s
                 replaced[replace_key] = (before, np.maximum(before - own, 0.0))
             later.param_grad_comm_s = replaced[replace_key][1]
-            priced += 1
+            priced.add((ci, ji))
             ends, matrix = (c1, ci), pair
             if c1 > ci:
                 ends, matrix = (ci, c1), pair.T
@@ -151,4 +154,4 @@ def price_shared_param_grads(
                 )
                 existing[ends] = edge
                 edges.append(edge)
-    return priced
+    return frozenset(priced)

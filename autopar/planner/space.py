@@ -97,6 +97,9 @@ class StrategySpace:
     """Per mesh axis: the last gradient bucket's all-reduce latency per byte of a Partial
     parameter block (``pricing.bucket_rounding``)."""
     # grad_nodes and saved_rules of the graph, as built (the checkpoint candidates reuse them).
+    shared_grad_uses: frozenset[tuple[int, int]] = frozenset()
+    """(consumer, input) uses of a parameter that another op reads first: their reduction is
+    priced on a pair edge (``planner.shared_grads``), their bucket share by the first use."""
     needs_grad: frozenset[str] | None = field(default=None, repr=False)
     saved: dict | None = field(default=None, repr=False)
     evaluation_cache: dict[tuple[int, ...], dict] = field(default_factory=dict, repr=False)
@@ -253,9 +256,9 @@ def build_space(captured: Captured, mesh: Mesh, options: PlanOptions) -> Strateg
 
     edges = _edges(gm, nodes, index, pricer, signatures)
     edges.extend(_tie_edges(captured, nodes, index))
-    price_shared_param_grads(gm, nodes, index, edges, pricer, needs_grad)
+    shared_uses = price_shared_param_grads(gm, nodes, index, edges, pricer, needs_grad)
     price_fused_reductions(gm, nodes, edges, pricer)
-    bucket_share_s = bucket_rounding(nodes, edges, pricer)
+    bucket_share_s = bucket_rounding(nodes, edges, pricer, shared_uses)
     return StrategySpace(
         captured=captured,
         mesh=mesh,
@@ -267,6 +270,7 @@ def build_space(captured: Captured, mesh: Mesh, options: PlanOptions) -> Strateg
         build_s=time.perf_counter() - start,
         signatures=signatures,
         bucket_share_s=bucket_share_s,
+        shared_grad_uses=shared_uses,
         needs_grad=frozenset(needs_grad),
         saved=saved,
     )
