@@ -86,13 +86,63 @@ def prefer_recipe_within_margin(
     return (fitting[best] if keep_recipe else auto), decision
 
 
+def recount_buckets(
+    space: Any, auto: Solved, recipes: dict[str, Solved], *, budget: float
+) -> tuple[Solved, dict[str, Any] | None]:
+    """The auto plan, or the fastest recipe that fits ``budget``, was predicted no faster than
+    the auto plan, and is faster once every plan's parameter-gradient reductions are counted as
+    issued (``planner.bucket_count``: buckets per set of axes, in-graph reductions, which the
+    solve prices per node); with the decision (None when the count changes nothing)."""
+    from autopar.planner.bucket_count import bucket_correction_s
+
+    # Only recipes the solve ranked behind the auto plan: the count may reverse its order, not
+    # override what the options asked of the auto plan (a recipe already predicted faster is
+    # one the options kept it from, e.g. ``zero_stage=0`` against fsdp).
+    fitting = {
+        n: s
+        for n, s in recipes.items()
+        if s.evaluation.peak_memory_bytes <= budget
+        and s.evaluation.step_s >= auto.evaluation.step_s
+    }
+    auto_fix = bucket_correction_s(space, auto)
+    if not fitting or auto_fix <= 0:
+        return auto, None
+    counted = {n: s.evaluation.step_s + bucket_correction_s(space, s) for n, s in fitting.items()}
+    best = min(counted, key=lambda n: (counted[n], n))
+    auto_s = auto.evaluation.step_s + auto_fix
+    if counted[best] >= auto_s:
+        return auto, None
+    reason = (
+        f"auto predicted {auto.evaluation.step_s * 1e3:.3f} ms, {auto_s * 1e3:.3f} ms with its "
+        f"gradient reductions counted as issued; {best} {counted[best] * 1e3:.3f} ms: "
+        f"{best}'s layout chosen"
+    )
+    return fitting[best], {
+        "margin": 0.0,
+        "margin_source": "bucket count",
+        "auto_step_s": auto_s,
+        "recipe": best,
+        "recipe_step_s": counted[best],
+        "predicted_gain": (counted[best] - auto_s) / counted[best],
+        "chosen": best,
+        "reason": reason,
+    }
+
+
 def auto_or_recipe(driver: Driver, auto: Solved) -> tuple[Solved, dict[str, Any] | None]:
     """What :meth:`Driver.plan` returns for "auto": ``auto``, or the fastest recipe that fits
     the driver's budget (recomputing to fit, as the baselines table prices it) when the auto
-    plan's predicted gain over it is within the margin; with the decision."""
+    plan's predicted gain over it is within the margin, or when the recipe is faster once both
+    plans' gradient reductions are counted as issued (:func:`recount_buckets`); with the
+    decision."""
     margin, source = auto_margin(driver.space.mesh, driver.options)
     if margin <= 0:
-        return auto, None
+        # The recipes the plan priced already (none solved for this: planning time unchanged).
+        priced = dict(driver._within)
+        chosen, decision = recount_buckets(driver.space, auto, priced, budget=driver.budget)
+        if decision is not None:
+            driver._report(decision["reason"])
+        return chosen, decision
     recipes = {
         name: driver.recipe_within_budget(name, free, strict=False)
         for name, free in driver.recipes(BASELINE_RECIPES).items()
@@ -105,4 +155,4 @@ def auto_or_recipe(driver: Driver, auto: Solved) -> tuple[Solved, dict[str, Any]
     return chosen, decision
 
 
-__all__ = ["auto_margin", "auto_or_recipe", "prefer_recipe_within_margin"]
+__all__ = ["auto_margin", "auto_or_recipe", "prefer_recipe_within_margin", "recount_buckets"]

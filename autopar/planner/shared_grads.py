@@ -12,16 +12,27 @@ table (and a ZeRO configuration gives back only one of them, ``problem._param_st
 The saving depends on two consumers' choices, so it is a pair term, kept non-negative as the
 solver's costs are: for a parameter (an alias counts for its original) whose uses are
 ``(c_1, j_1), ..., (c_k, j_k)`` (consumer, input position; graph order), each later consumer
-``c_i`` (``i >= 2``, another node than ``c_1``) no longer prices its own reduction on axis
-``a`` in its node cost; a new edge between ``c_1`` and ``c_i`` charges it back, per pair of
-strategies, unless ``c_1`` also leaves the gradient Partial on ``a`` and takes the parameter
-in the same placements as ``c_i`` (then both partial sums land in one gradient of one layout,
-and ``c_1``'s price is the one reduction issued). So where the uses agree the parameter pays
-one reduction per axis, as issued, and otherwise what it paid before: never below what is
-issued. The plan's breakdown counts the pair edges in ``grad_sync_s`` (``evaluation_sums``;
-in ``resharding_s`` where one joined two consumers already joined by a data edge and was added
-to it). With three or more uses that disagree with ``c_1`` but agree among themselves, each
-still pays its own: a price too high, never too low.
+``c_i`` (``i >= 2``, another node than ``c_1``) no longer prices its own reduction in its node
+cost, and a new edge between ``c_1`` and ``c_i`` prices, per pair of strategies and per mesh
+axis ``a``, what the lowering issues (``lowering.rewrite``: a parameter's gradient joins the
+buckets on ``a`` only where every use leaves it Partial there; otherwise each Partial use's
+gradient is all-reduced in the graph, a whole collective):
+
+* both Partial on ``a`` and taking the parameter in the same placements: nothing more
+  (``c_1``'s bucketed price is the one reduction issued);
+* otherwise: ``c_i``'s gradient, where Partial on ``a``, as a whole all-reduce, and ``c_1``'s,
+  where Partial on ``a``, topped up from its bucketed price to a whole all-reduce.
+
+So where the uses agree the parameter pays one bucketed reduction per axis, as issued, and
+where they disagree the in-graph all-reduces issued (before: each use a bucketed share, below
+what runs: gpt's auto plan on 2x2 computed the embedding with the tokens replicated over one
+axis and the head Partial on both, and was priced 2.7 ms for two whole 2 MiB all-reduces). A
+use that converts the parameter is also reduced in the graph; the pair cannot see the
+parameter's own layout, so that case keeps the bucketed price (``bucket_count`` counts it
+after the solve). The plan's breakdown counts the pair edges in ``grad_sync_s``
+(``evaluation_sums``; in ``resharding_s`` where one joined two consumers already joined by a
+data edge and was added to it). With three or more uses each later one is paired with the
+first only: ``c_1``'s top-up may be charged more than once, a price too high, never too low.
 """
 
 from __future__ import annotations
@@ -56,13 +67,15 @@ def _uses(gm: fx.GraphModule, nodes: Sequence, index: dict[str, int], needs_grad
     return uses
 
 
-def _shares(strategies: Sequence, j: int, meta, pricer: CommPricer) -> np.ndarray:
-    """[strategy, mesh axis]: the reduction a consumer strategy prices for its input ``j`` (a
-    parameter) on each axis, as ``space._op_space`` prices it."""
+def _prices(strategies: Sequence, j: int, meta, pricer: CommPricer) -> tuple[np.ndarray, ...]:
+    """[strategy, mesh axis] each: the bucketed reduction a consumer strategy prices for its
+    input ``j`` (a parameter) on each axis, as ``space._op_space`` prices it, and the whole
+    in-graph all-reduce of the same bytes (0 where the gradient is not Partial)."""
     from autopar.planner.space import local_bytes
 
     shape = pricer.mesh.shape
-    out = np.zeros((len(strategies), len(shape)))
+    bucketed = np.zeros((len(strategies), len(shape)))
+    in_graph = np.zeros((len(strategies), len(shape)))
     for t, strategy in enumerate(strategies):
         if j >= len(strategy.inputs) or j >= len(strategy.input_grads):
             continue
@@ -72,27 +85,37 @@ def _shares(strategies: Sequence, j: int, meta, pricer: CommPricer) -> np.ndarra
         nbytes = local_bytes(meta, placements, shape)
         for a, p in enumerate(grad):
             if p.is_partial() and shape[a] > 1:
-                out[t, a] = pricer.grad_sync_s(nbytes, a)
-    return out
+                bucketed[t, a] = pricer.grad_sync_s(nbytes, a)
+                in_graph[t, a] = pricer.all_reduce_s(nbytes, a)
+    return bucketed, in_graph
 
 
-def _agrees(first: Sequence, j1: int, later: Sequence, ji: int, axis: int) -> np.ndarray:
-    """[strategy of c_1, strategy of c_i]: 1 where ``c_1`` leaves the gradient Partial on
-    ``axis`` and takes the parameter in the placements ``c_i`` takes it in."""
+def _same_placements(first: Sequence, j1: int, later: Sequence, ji: int) -> np.ndarray:
+    """[strategy of c_1, strategy of c_i]: 1 where both take the parameter alike."""
 
     def placements(s, j):
         return s.inputs[j] if j < len(s.inputs) else None
 
-    def partial(s, j):
-        grad = s.input_grads[j] if j < len(s.input_grads) else None
-        return grad is not None and grad[axis].is_partial()
-
     return np.array(
-        [
-            [float(partial(s, j1) and placements(s, j1) == placements(t, ji)) for t in later]
-            for s in first
-        ]
+        [[float(placements(s, j1) == placements(t, ji)) for t in later] for s in first]
     ).reshape(len(first), len(later))
+
+
+def _pair(first: Sequence, j1: int, later: Sequence, ji: int, meta, pricer) -> tuple:
+    """(pair matrix [strategy of c_1, strategy of c_i], the later use's bucketed price per
+    strategy): the module docstring's charge."""
+    bucketed_1, in_graph_1 = _prices(first, j1, meta, pricer)
+    bucketed_i, in_graph_i = _prices(later, ji, meta, pricer)
+    same = _same_placements(first, j1, later, ji)
+    pair = np.zeros((len(first), len(later)))
+    for a in range(bucketed_i.shape[1]):
+        partial_1, partial_i = bucketed_1[:, a] > 0, bucketed_i[:, a] > 0
+        if not (partial_1.any() or partial_i.any()):
+            continue
+        agree = same * partial_1[:, None] * partial_i[None, :]
+        top_up = (in_graph_1[:, a] - bucketed_1[:, a])[:, None]
+        pair += (1.0 - agree) * (in_graph_i[None, :, a] + top_up)
+    return pair, bucketed_i.sum(axis=1)
 
 
 def price_shared_param_grads(
@@ -124,14 +147,9 @@ def price_shared_param_grads(
             meta = tensor_meta(inp.meta["val"])
             key = (id(first.strategies), j1, id(later.strategies), ji, meta)
             if key not in pair_memo:
-                shares = _shares(later.strategies, ji, meta, pricer)
-                pair = np.zeros((len(first.strategies), len(later.strategies)))
-                for a in range(shares.shape[1]):
-                    if shares[:, a].any():
-                        agree = _agrees(first.strategies, j1, later.strategies, ji, a)
-                        pair += shares[None, :, a] * (1.0 - agree)
+                pair, own = _pair(first.strategies, j1, later.strategies, ji, meta, pricer)
                 pair_memo[key] = pair
-                node_memo[(*key, "node")] = shares.sum(axis=1)
+                node_memo[(*key, "node")] = own
             pair, own = pair_memo[key], node_memo[(*key, "node")]
             if not own.any():
                 continue

@@ -2,10 +2,9 @@
 by the runtime, after autograd sums both uses; the planner prices it once
 (``autopar.planner.shared_grads``).
 
-Over every pair of strategies of the two consumers, the price of the parameter's reduction with
-the pair term equals the price without it (each consumer its own reduction) less the later
-consumer's share on each axis where both leave the gradient Partial in the same placements:
-never below one reduction, never above two. On the ddp recipe over 2x2 the step drops by one
+Over every pair of strategies of the two consumers, the pair term prices what the lowering
+issues: nothing more on an axis where both leave the gradient Partial in the same placements
+(one bucketed reduction, the first use's), the in-graph all-reduces elsewhere. On the ddp recipe over 2x2 the step drops by one
 gradient all-reduce of the tied table per axis.
 """
 
@@ -81,8 +80,9 @@ def test_the_tied_table_is_read_by_two_ops_and_gets_one_pair_edge() -> None:
 
 def test_every_pair_of_layouts_pays_one_reduction_where_the_uses_agree_and_two_elsewhere() -> None:
     """The later use (the head) prices no reduction of the table on its own; the pair edge
-    charges it back, per axis, wherever the embedding does not leave the gradient Partial on
-    that axis in the head's placements."""
+    prices, per axis where the two uses do not both leave the gradient Partial in the same
+    placements, the in-graph all-reduces the lowering then issues (the head's whole, the
+    embedding's topped up from its bucketed price)."""
     new, old = _plans(True)[1].space, _plans(False)[1].space
     (c1, j1), (c2, j2) = _tied_uses(new)
     assert not new.nodes[c2].param_grad_comm_s.any()  # the head's only parameter is the table
@@ -97,20 +97,21 @@ def test_every_pair_of_layouts_pays_one_reduction_where_the_uses_agree_and_two_e
     agreeing = disagreeing = 0
     for s, t in np.ndindex(len(first), len(later)):
         g1, g2 = first[s].input_grads[j1], later[t].input_grads[j2]
-        if g2 is None:
-            assert matrix[s, t] == 0.0
-            continue
         same = first[s].inputs[j1] == later[t].inputs[j2]
-        nbytes = space_module.local_bytes(meta, later[t].inputs[j2], shape)
+        bytes_1 = space_module.local_bytes(meta, first[s].inputs[j1], shape)
+        bytes_2 = space_module.local_bytes(meta, later[t].inputs[j2], shape)
         want = 0.0
         for a in range(len(shape)):
-            if shape[a] == 1 or not g2[a].is_partial():
-                continue
-            if same and g1 is not None and g1[a].is_partial():
+            p1 = shape[a] > 1 and g1 is not None and g1[a].is_partial()
+            p2 = shape[a] > 1 and g2 is not None and g2[a].is_partial()
+            if p1 and p2 and same:
                 agreeing += 1
-            else:
-                want += pricer.grad_sync_s(nbytes, a)
+                continue
+            if p2:  # the later use's gradient all-reduced in the graph, whole
+                want += pricer.all_reduce_s(bytes_2, a)
                 disagreeing += 1
+            if p1:  # the first use's, topped up from its bucketed price
+                want += pricer.all_reduce_s(bytes_1, a) - pricer.grad_sync_s(bytes_1, a)
         assert matrix[s, t] == pytest.approx(want, rel=1e-12, abs=1e-18), (s, t)
     assert agreeing >= 1 and disagreeing >= 1
 
