@@ -95,14 +95,16 @@ def recount_buckets(
     solve prices per node); with the decision (None when the count changes nothing)."""
     from autopar.planner.bucket_count import bucket_correction_s
 
-    # Only recipes the solve ranked behind the auto plan: the count may reverse its order, not
-    # override what the options asked of the auto plan (a recipe already predicted faster is
-    # one the options kept it from, e.g. ``zero_stage=0`` against fsdp).
+    # Only recipes the solve ranked behind the auto plan (the count may reverse its order, not
+    # override what the options asked of the auto plan: a recipe already predicted faster is
+    # one the options kept it from, e.g. ``zero_stage=0`` against fsdp), and without ZeRO,
+    # where the count is exact on both sides (ZeRO's chunks are not recounted).
     fitting = {
         n: s
         for n, s in recipes.items()
         if s.evaluation.peak_memory_bytes <= budget
         and s.evaluation.step_s >= auto.evaluation.step_s
+        and not s.zero.axes
     }
     auto_fix = bucket_correction_s(space, auto)
     if not fitting or auto_fix <= 0:
