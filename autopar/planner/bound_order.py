@@ -65,6 +65,18 @@ def _shift(ref: Reference, other: Reference) -> float:
     return math.fsum([*lowest.tolist(), ref.multiplier * (other.offset_bytes - ref.offset_bytes)])
 
 
+def greedy_order(table: np.ndarray) -> list[int]:
+    """The indices of ``table`` (:func:`shifts`) in bounding order: each time, of those left,
+    the one with the most others left at a shift >= 0 from it (ties: the lower index)."""
+    left = list(range(len(table)))
+    order = []
+    while left:
+        pick = max(left, key=lambda a: (sum(table[a, b] >= 0.0 for b in left if b != a), -a))
+        order.append(pick)
+        left.remove(pick)
+    return order
+
+
 def derive_first(
     configurations: ConfigurationSolver,
     pairs: Sequence[tuple[ZeroConfig, Solved]],
@@ -79,7 +91,7 @@ def derive_first(
     whose budget-free plan fits keep their places at the front (they are solved by it)."""
     fitting = [p for p in pairs if p[1].evaluation.peak_memory_bytes <= budget]
     rest = [p for p in pairs if p[1].evaluation.peak_memory_bytes > budget]
-    if len(rest) < 3 or not multiplier >= 0.0:
+    if len(rest) < 2 or not multiplier >= 0.0:
         return list(pairs)
     priced = []
     for zero, _ in rest:
@@ -87,12 +99,7 @@ def derive_first(
         priced.append(reference(problem, multiplier, 0.0))
         configurations.release(zero, budget)
     table = shifts(priced)
-    left = list(range(len(rest)))
-    order = []
-    while left:
-        pick = max(left, key=lambda a: (sum(table[a, b] >= 0.0 for b in left if b != a), -a))
-        order.append(pick)
-        left.remove(pick)
+    order = greedy_order(table)
     names = configurations.space.mesh.axis_names
     report(
         "bound order (configurations deriving others' bounds at a shift >= 0 first): "
