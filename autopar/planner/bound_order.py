@@ -25,6 +25,7 @@ and at gap 0 the search takes no bounds and this is not called.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -93,6 +94,7 @@ def derive_first(
     rest = [p for p in pairs if p[1].evaluation.peak_memory_bytes > budget]
     if len(rest) < 2 or not multiplier >= 0.0:
         return list(pairs)
+    start = time.perf_counter()
     priced = []
     for zero, _ in rest:
         problem = configurations.budgeted_problem(zero, budget)
@@ -107,5 +109,6 @@ def derive_first(
             f"{rest[a][0].label(names)} ({int(sum(table[a, b] >= 0.0 for b in order[i + 1 :]))})"
             for i, a in enumerate(order)
         )
+        + f", {time.perf_counter() - start:.1f} s"
     )
     return fitting + [rest[k] for k in order]
