@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import solver
+from autopar.planner.bound_order import derive_first
 from autopar.planner.checkpointing import with_segments
 from autopar.planner.configurations import ConfigurationSolver, Solved, log_entry
 from autopar.planner.free_reuse import reused_free
@@ -160,6 +161,11 @@ def _ordered(
             configurations, everything, budget=budget, gap=gap, report=report, start_from=out.best
         )
         _keep_better(out, found)
+        if out.best is not None and out.best.warm_multipliers is not None:
+            # The configuration that derives the most others' bounds is bounded first.
+            everything = derive_first(
+                configurations, everything, budget, out.best.warm_multipliers[1], report
+            )
         yield from everything
         return
     yield from first
