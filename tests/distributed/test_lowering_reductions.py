@@ -25,6 +25,7 @@ import torch.fx as fx
 
 from autopar.comm import collectives
 from autopar.lowering.fused_reductions import fuse_all_reduces
+from tests.chains import loss_and_count_chains
 from tests.distributed.reference import assert_close_named, model_loss, sgd_reference, sgd_steps
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -130,19 +131,7 @@ def test_chains_over_two_axes_are_fused_axis_by_axis() -> None:
     """A sum and a count each all-reduced on axis 0 then axis 1, issued chain after chain: the
     pass orders the four calls by chain step and fuses each step (two calls, axis 0 first), the
     count checked on its chain's origin (the second step's input is the first's result)."""
-    graph = fx.Graph()
-    loss = graph.placeholder("loss")
-    loss.meta["val"] = torch.zeros(())
-    flags = graph.placeholder("flags")
-    flags.meta["val"] = torch.zeros((64,), dtype=torch.bool)
-    count = graph.call_function(torch.ops.aten.sum.default, (flags,))
-    count.meta["val"] = torch.zeros((), dtype=torch.int64)
-    ends = []
-    for value in (loss, count):
-        for axis in (0, 1):
-            value = graph.call_function(collectives.autopar_all_reduce, (value, "m", axis))
-            value.meta["val"] = torch.zeros((), dtype=value.args[0].meta["val"].dtype)
-        ends.append(value)
+    graph, ends = loss_and_count_chains((0, 1), (0, 1), "m")
     div = graph.call_function(torch.ops.aten.div.Tensor, tuple(ends))
     graph.output((div,))
     assert fuse_all_reduces(graph) == 2

@@ -15,8 +15,6 @@ import itertools
 from typing import Any
 
 import pytest
-import torch
-import torch.fx as fx
 
 import autopar
 from autopar.api import plan_captured
@@ -27,6 +25,7 @@ from autopar.lowering.fused_reductions import fuse_all_reduces
 from autopar.options import PlanOptions
 from autopar.plan.document import Plan
 from autopar.planner.pricing import CommPricer
+from tests.chains import loss_and_count_chains
 from tests.models import tiny_gpt
 
 
@@ -85,19 +84,7 @@ def _issued_calls(steps_i: list[int], steps_j: list[int]) -> list[tuple[int, int
     """(axis, scalars) of each call the lowering's fusion pass issues for a loss sum all-reduced
     on ``steps_i`` and a token count on ``steps_j`` (in that order, as the conversions are
     inserted before the division)."""
-    graph = fx.Graph()
-    loss = graph.placeholder("loss")
-    loss.meta["val"] = torch.zeros(())
-    flags = graph.placeholder("flags")
-    flags.meta["val"] = torch.zeros((64,), dtype=torch.bool)
-    count = graph.call_function(torch.ops.aten.sum.default, (flags,))
-    count.meta["val"] = torch.zeros((), dtype=torch.int64)
-    ends = []
-    for value, steps in ((loss, steps_i), (count, steps_j)):
-        for axis in steps:
-            value = graph.call_function(collectives.autopar_all_reduce, (value, "k", axis))
-            value.meta["val"] = torch.zeros((), dtype=value.args[0].meta["val"].dtype)
-        ends.append(value)
+    graph, ends = loss_and_count_chains(steps_i, steps_j, "k")
     graph.output(tuple(ends))
     fuse_all_reduces(graph)
     calls = []
