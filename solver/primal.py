@@ -123,18 +123,24 @@ def search(
     *,
     backend: str = "highs",
     time_limit_s: float | None = None,
+    max_steps: int = MAX_STEPS,
+    steps: list[int] | None = None,
 ) -> Fitted | None:
     """The best plan found for budgeted ``problem`` from the candidate ``plans`` (module
-    docstring): :func:`best_fit`, then :func:`neighbourhood` steps while they improve, within
-    about ``time_limit_s`` (None: no limit). None when no plan that fits was found."""
+    docstring): :func:`best_fit`, then :func:`neighbourhood` steps while they improve, at most
+    ``max_steps`` of them, within about ``time_limit_s`` (None: no limit, and the answer is a
+    function of the problem and the plans alone). ``steps``: 1 is appended to it per
+    neighbourhood MIP made. None when no plan that fits was found."""
     start = time.perf_counter()
     best = best_fit(problem, plans)
     if best is None or not problem.segments and not problem.tied:
         return best
-    for _ in range(MAX_STEPS):
+    for _ in range(max_steps):
         left = None if time_limit_s is None else time_limit_s - (time.perf_counter() - start)
         if left is not None and left <= 0.0:
             break
+        if steps is not None:
+            steps.append(1)
         found = neighbourhood(problem, best, plans, backend=backend, time_limit_s=left)
         if found.objective_s >= best.objective_s * (1.0 - 1e-9):
             break

@@ -17,7 +17,7 @@ module finds one from the budget-free plans at hand, in two rounds:
    the gap of the lowest bound, or no configuration left could beat it by the gap (its
    budget-free bound), or one's search does not improve the best plan (the later ones start
    from slower fits; llama3-70b fp32: the first two within 0.001%, the next four 2-3% above,
-   90 s), or the seconds given are spent.
+   90 s), or the neighbourhood MIPs given are made (``SEARCH_MIPS``).
 
 The plan returned is evaluated like a solved one (its Solved's step is the problem's
 objective, its peak the problem's). It proves no bound: its solution's bound is its own step,
@@ -27,9 +27,16 @@ seed as its cutoff). Its price of a byte (what its recomputation added per byte 
 solver.primal.byte_price) stands for a relaxation's multipliers (Solved.warm_multipliers):
 the first configuration not skipped is bounded there before it is solved (on llama3-70b fp32
 the first configuration, ZeRO-2 everywhere, has a budget-free bound 3.5% under the best plan
-and a budgeted optimum 2.4% over it), and its relaxation starts there. Round 2 takes at most about as long as the budget-free solves took
-(``SEARCH_MIN_S`` at least): a seed is worth what it saves of the budgeted solves after it,
-which on small rows are themselves seconds.
+and a budgeted optimum 2.4% over it), and its relaxation starts there.
+
+Round 2's limit is work, not time: at most ``SEARCH_MIPS`` neighbourhood MIPs in all, each
+run to its end (no time limit but the user's ``time_limit_s``), so the seed, and the plan and
+bound that follow from it, are the same on every machine and at every load. Until session 18
+round 2 had as many seconds as the budget-free solves took (5 s at least) and each MIP the
+seconds left: on llama3-70b bf16 the plan moved between 4994.060 and 4994.196 ms with the
+machine's load. The rows of ``benchmarks/plan_time.py --set budget`` make 2-5 MIPs per seed,
+each 0.2-2 s, so the limit does not bind there; it caps a search whose configurations keep
+improving each other (at most ``MAX_STEPS`` MIPs per configuration).
 """
 
 from __future__ import annotations
@@ -42,10 +49,10 @@ from autopar.planner.checkpointing import chosen_segments, with_segments
 from autopar.planner.configurations import ConfigurationSolver, Solved
 from autopar.planner.problem import ZeroConfig, evaluate
 from solver.ilp import resolve_backend
-from solver.primal import Fitted, best_fit, byte_price, search
+from solver.primal import MAX_STEPS, Fitted, best_fit, byte_price, search
 
-SEARCH_MIN_S = 5.0
-"""Seconds round 2 may take at least (module docstring); each MIP is given what is left."""
+SEARCH_MIPS = 8
+"""Neighbourhood MIPs round 2 makes at most, over all its configurations (module docstring)."""
 
 
 def seed(
@@ -55,18 +62,16 @@ def seed(
     budget: float,
     gap: float,
     report: Callable[[str], None] = lambda line: None,
-    seconds: float | None = None,
+    mips: int | None = None,
     start_from: Solved | None = None,
 ) -> Solved | None:
     """The best plan found (module docstring) for the configurations ``ordered`` (each with
     its budget-free solve, zero_search.bounded's order), or None when none fits.
-    ``seconds``: round 2's time (None: the budget-free solves' seconds, module docstring).
+    ``mips``: round 2's neighbourhood MIPs at most (None: ``SEARCH_MIPS``).
     ``start_from``: a plan found before (the first seed's or a solved one), fitted as well."""
     if not ordered or gap <= 0.0:
         return None
-    if seconds is None:
-        spent = sum(free.solution.build_s + free.solution.solve_s for _, free in ordered)
-        seconds = max(SEARCH_MIN_S, spent)
+    mips = SEARCH_MIPS if mips is None else mips
     start = time.perf_counter()
     names = configurations.space.mesh.axis_names
     lowest = min(free.solution.bound_s for _, free in ordered)
@@ -91,14 +96,13 @@ def seed(
         + f", {time.perf_counter() - start:.1f} s"
     )
     best: Solved | None = None
-    round_two = time.perf_counter()
+    made: list[int] = []  # one entry per neighbourhood MIP of round 2
     for _, k in sorted(fitted):
         zero, free = ordered[k]
         target = lowest if best is None else best.solution.objective_s * (1.0 - gap)
         if best is not None and (free.solution.bound_s >= target or lowest >= target):
             continue  # cannot beat the best by the gap, or the search is closed already
-        left = seconds - (time.perf_counter() - round_two)
-        if best is not None and left <= 0.0:
+        if best is not None and len(made) >= mips:
             break
         problem = configurations.budgeted_problem(zero, budget)
         candidates = plans if best is None else [*plans, best.choice]
@@ -106,7 +110,9 @@ def seed(
             problem,
             _as_problem(configurations, zero, budget, candidates),
             backend=configurations.options.solver,
-            time_limit_s=max(left, 1.0),
+            time_limit_s=configurations.options.time_limit_s,
+            max_steps=max(min(MAX_STEPS, mips - len(made)), 0),
+            steps=made,
         )
         improved = found is not None and (
             best is None or found.objective_s < best.solution.objective_s

@@ -60,7 +60,7 @@ def test_the_search_makes_no_budget_free_solve_of_the_first_and_chooses_as_befor
     from autopar.planner import primal, zero_search
     from autopar.planner.configurations import ConfigurationSolver
 
-    monkeypatch.setattr(primal, "SEARCH_MIN_S", 1e6)  # the seed's round 2 never cut by time
+    monkeypatch.setattr(primal, "SEARCH_MIPS", 1000)  # the seed's round 2 never cut short
     configurations, zeros = driver.configurations, _zeros(driver)
     free0 = _stage0(driver)
     solved_free: list = []

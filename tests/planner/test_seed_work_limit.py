@@ -1,0 +1,79 @@
+"""autopar/planner/primal.py: the seed's round 2 is limited by work (neighbourhood MIPs), not
+by the clock, so its plan is the same on a fast and on a loaded machine (issue 16: on
+llama3-70b bf16 the plan moved with the load while round 2 stopped on wall time)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from tests.planner.test_primal_across import GAP, _zeros, tiny_gpt_driver
+
+
+class _SlowClock:
+    """``time`` as seen by a module on a machine where every step takes 1,000 s."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        self.now += 1000.0
+        return self.now
+
+
+@pytest.fixture(scope="module")
+def ordered():
+    from autopar.planner.zero_search import bounded
+
+    driver = tiny_gpt_driver()
+    return driver, bounded(driver.configurations, _zeros(driver), driver.budget)
+
+
+def _seed(driver, ordered, monkeypatch, *, slow: bool, mips: int | None = None):
+    """primal.seed over ``ordered``: its plan and the neighbourhood MIPs it made."""
+    import solver.primal
+    from autopar.planner import primal
+
+    made: list[int] = []
+    neighbourhood = solver.primal.neighbourhood
+
+    def counting(*args, **kwargs):
+        made.append(1)
+        return neighbourhood(*args, **kwargs)
+
+    monkeypatch.setattr(solver.primal, "neighbourhood", counting)
+    if slow:
+        clock = _SlowClock()
+        fake = types.SimpleNamespace(perf_counter=clock.perf_counter)
+        monkeypatch.setattr(primal, "time", fake)
+        monkeypatch.setattr(solver.primal, "time", fake)
+    limit = {} if mips is None else {"mips": mips}
+    found = primal.seed(driver.configurations, ordered, budget=driver.budget, gap=GAP, **limit)
+    monkeypatch.undo()
+    return found, len(made)
+
+
+def test_the_seed_is_the_same_on_a_slow_clock(ordered, monkeypatch) -> None:
+    driver, configurations = ordered
+    fast, fast_mips = _seed(driver, configurations, monkeypatch, slow=False)
+    slow, slow_mips = _seed(driver, configurations, monkeypatch, slow=True)
+    # Round 2 searches two configurations here: the second improves on the first's plan.
+    assert fast_mips == slow_mips >= 2
+    assert slow.choice == fast.choice and slow.zero == fast.zero
+    assert slow.solution.objective_s == fast.solution.objective_s
+
+
+def test_the_mips_given_are_the_limit(ordered, monkeypatch) -> None:
+    from autopar.planner import primal
+
+    driver, configurations = ordered
+    full, full_mips = _seed(driver, configurations, monkeypatch, slow=False)
+    assert full_mips <= primal.SEARCH_MIPS
+    one, one_mips = _seed(driver, configurations, monkeypatch, slow=False, mips=1)
+    assert one_mips == 1
+    # One MIP searches the first configuration only: a slower plan than the full round's.
+    assert one.solution.objective_s > full.solution.objective_s
+    # Every MIP the full round made: the same plan as without a limit.
+    same, same_mips = _seed(driver, configurations, monkeypatch, slow=True, mips=full_mips)
+    assert same_mips == full_mips and same.choice == full.choice
