@@ -3,7 +3,9 @@
 For each mesh shape ``pp x dp x tp`` (one given with ``--mesh``, or every factorisation of
 ``--devices`` with ``tp`` inside a node, :func:`mesh_shapes`), each microbatch count ``m``
 (dividing the batch, the microbatch dividing over ``dp``, at most ``8 * pp``) and each schedule
-(GPipe, 1F1B, interleaved 1F1B with 2 virtual stages per rank), the planner:
+(GPipe, 1F1B, interleaved 1F1B with 2 virtual stages per rank, and the split-backward
+``zero-bubble``, ``zbv`` and ``dualpipev`` with 2 stages per rank, priced on torch's action
+order by ``planner.split_schedules``), the planner:
 
 1. prices every stage kind (``k`` blocks, with the head and/or tail end, at its position's
    in-flight count) from the probes of ``planner.stage_pricing``: one ILP per (``tp``, local
@@ -42,12 +44,23 @@ from autopar.planner.pipeline_schedule import (
     in_flight,
     schedule_time,
 )
+from autopar.planner.split_schedules import SPLIT_SCHEDULES, SPLIT_VIRTUAL, refusal
 from autopar.planner.stage_pricing import Parts, StagePricer
+from autopar.planner.stages import stage_rank
 from autopar.planner.stage_probes import ProbeCache
 from cost_models.hardware import get_device
 
 INTERLEAVED_VIRTUAL = 2
-_SCHEDULE_ORDER = {"none": 0, "1f1b": 1, "interleaved-1f1b": 2, "gpipe": 3}
+assert INTERLEAVED_VIRTUAL == SPLIT_VIRTUAL  # the split schedules' stages per rank
+_SCHEDULE_ORDER = {
+    "none": 0,
+    "1f1b": 1,
+    "interleaved-1f1b": 2,
+    "gpipe": 3,
+    "dualpipev": 4,
+    "zbv": 5,
+    "zero-bubble": 6,
+}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -254,8 +267,8 @@ class StagePlanner:
         for schedule in schedules:
             if schedule == "1f1b" and m < p:
                 continue  # torch's Schedule1F1B refuses fewer microbatches than stages
-            if schedule == "interleaved-1f1b":
-                found = self._interleaved(mesh, m, pricer)
+            if schedule == "interleaved-1f1b" or schedule in SPLIT_SCHEDULES:
+                found = self._interleaved(mesh, m, pricer, schedule)
                 if found is not None:
                     out.append(found)
                 continue
@@ -299,11 +312,20 @@ class StagePlanner:
             )  # type: ignore[arg-type]
         return out
 
-    def _interleaved(self, mesh: MeshShape, m: int, pricer: StagePricer) -> Candidate | None:
+    def _interleaved(
+        self, mesh: MeshShape, m: int, pricer: StagePricer, schedule: str
+    ) -> Candidate | None:
+        """``schedule`` with 2 stages per rank (interleaved 1F1B, or a split-backward one),
+        the blocks split evenly over the ``2 * pp`` stages; None where torch's class refuses
+        the shape."""
         p, v, n = mesh.pp, INTERLEAVED_VIRTUAL, self.model.num_blocks
-        if p * v > n or m % p:
+        if p * v > n:
+            return None
+        if schedule == "interleaved-1f1b" and m % p:
             return None  # torch's interleaved schedule wants whole rounds of microbatches
-        return self._fixed_split(mesh, m, pricer, "interleaved-1f1b", even_sizes(n, p * v), v)
+        if schedule in SPLIT_SCHEDULES and refusal(schedule, p, m, v):
+            return None
+        return self._fixed_split(mesh, m, pricer, schedule, even_sizes(n, p * v), v)
 
     def _fixed_split(
         self, mesh: MeshShape, m: int, pricer: StagePricer, schedule: str, sizes: list[int], v: int
@@ -311,7 +333,7 @@ class StagePlanner:
         p = mesh.pp
         stages = []
         for c, k in enumerate(sizes):
-            flight = in_flight(schedule, c % p, p, m, v)
+            flight = in_flight(schedule, stage_rank(schedule, c, p), p, m, v)
             cost = pricer.price(
                 blocks=k, first=c == 0, last=c == len(sizes) - 1, in_flight=flight, microbatches=m
             )

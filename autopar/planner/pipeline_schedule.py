@@ -42,10 +42,12 @@ from typing import Any
 
 import numpy as np
 
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
-"""Schedules the stage planner offers. The split-backward schedules (``zero-bubble``, ``zbv``,
-``dualpipev``) run (``pipeline=dict(schedule=...)``) but are not priced: their bubble depends on
-the split of each backward into input and weight passes, which the stage costs do not carry."""
+from autopar.planner.split_schedules import SPLIT_SCHEDULES
+
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", *SPLIT_SCHEDULES)
+"""Schedules the stage planner offers. The split-backward ones (``zero-bubble``, ``zbv``,
+``dualpipev``) are priced by simulating torch's action order (:mod:`planner.split_schedules`),
+with 2 stages per rank."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -56,6 +58,9 @@ class StageCost:
     """Per microbatch."""
     backward_s: float
     """Per microbatch, recomputation included."""
+    weight_s: float = 0.0
+    """The parameter-gradient part of ``backward_s`` (the weight pass of a split-backward
+    schedule: planner.split_schedules)."""
     p2p_s: float = 0.0
     """Per microbatch: this stage's sends (activation forward, gradient backward)."""
     step_s: float = 0.0
@@ -76,6 +81,10 @@ def in_flight(
 ) -> int:
     """Microbatches (chunk-microbatches under interleaving) whose activations the stage at
     pipeline rank ``position`` keeps at once (see the module docstring)."""
+    if schedule in SPLIT_SCHEDULES:
+        from autopar.planner.split_schedules import rank_in_flight
+
+        return rank_in_flight(schedule, num_ranks, microbatches, virtual)[position]
     if schedule == "gpipe":
         return microbatches
     if schedule == "1f1b":
@@ -155,6 +164,8 @@ def schedule_time(
         )
     ranks = len(stages) if num_ranks is None else num_ranks
     sync = max(s.step_s for s in stages)
+    if schedule in SPLIT_SCHEDULES:
+        return _split_time(stages, m, schedule, ranks, sync, head_s, tail_s)
     if schedule == "interleaved-1f1b":
         per_rank = [stages[r::ranks] for r in range(ranks)]
         slowest = max(per_rank, key=lambda chunks: sum(c.time_s for c in chunks))
@@ -173,6 +184,35 @@ def schedule_time(
         bubble_s=bubble,
         compute_s=m * work[0],
         p2p_s=m * work[1],
+        collectives_s=sync,
+        head_s=head_s,
+        tail_s=tail_s,
+    )
+
+
+def _split_time(
+    stages: Sequence[StageCost],
+    m: int,
+    schedule: str,
+    ranks: int,
+    sync: float,
+    head_s: float,
+    tail_s: float,
+) -> ScheduleTime:
+    """A split-backward schedule's step, simulated on torch's action order
+    (:mod:`planner.split_schedules`); the bubble is the busiest rank's idle time."""
+    from autopar.planner.split_schedules import action_orders, simulate
+    from autopar.planner.stages import stage_rank
+
+    orders = action_orders(schedule, ranks, m, len(stages) // ranks)
+    placed = [stage_rank(schedule, s, ranks) for s in range(len(stages))]
+    sim = simulate(orders, stages, placed)
+    busiest = int(np.argmax(sim.busy_s))
+    return ScheduleTime(
+        step_s=head_s + sim.pipeline_s + tail_s + sync,
+        bubble_s=sim.pipeline_s - sim.busy_s[busiest],
+        compute_s=sim.busy_s[busiest] - sim.p2p_s[busiest],
+        p2p_s=sim.p2p_s[busiest],
         collectives_s=sync,
         head_s=head_s,
         tail_s=tail_s,

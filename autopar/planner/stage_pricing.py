@@ -43,6 +43,8 @@ class Part:
 
     forward_s: float = 0.0
     backward_s: float = 0.0
+    weight_s: float = 0.0
+    """The parameter-gradient products in ``backward_s`` (:func:`weight_share`)."""
     tp_sync_s: float = 0.0
     """Parameter-gradient all-reduces on the tp axis (once per step)."""
     params: list[tuple[float, int]] = field(default_factory=list)
@@ -60,6 +62,7 @@ class Part:
         return Part(
             forward_s=self.forward_s * factor,
             backward_s=self.backward_s * factor,
+            weight_s=self.weight_s * factor,
             tp_sync_s=self.tp_sync_s * factor,
             activation_bytes=self.activation_bytes * factor,
             transient_bytes=self.transient_bytes,
@@ -119,6 +122,7 @@ def probe_parts(space: StrategySpace, solved: Solved, *, layouts: str) -> Parts:
         )
     parts: dict[str, Part] = {"head": Part(), "tail": Part(), "block": Part()}
     choice = solved.choice
+    shares = weight_shares(space)
     for i, node in enumerate(space.nodes):
         key = names[node.name]
         part = parts["block" if key.startswith("block") else key]
@@ -127,6 +131,7 @@ def probe_parts(space: StrategySpace, solved: Solved, *, layouts: str) -> Parts:
         comm = float(node.output_comm_s[s])
         part.forward_s += fwd + comm / 2
         part.backward_s += float(node.compute_s[s]) - fwd + float(node.grad_comm_s[s]) + comm / 2
+        part.weight_s += (float(node.compute_s[s]) - fwd) * shares.get(node.name, 0.0)
         part.tp_sync_s += float(node.param_grad_comm_s[s])
         part.activation_bytes += float(node.activation_bytes[s])
         part.fixed_bytes += float(node.fixed_bytes[s])
@@ -152,6 +157,36 @@ def probe_parts(space: StrategySpace, solved: Solved, *, layouts: str) -> Parts:
         layouts=layouts,
         num_probe_blocks=num_blocks,
     )
+
+
+def weight_shares(space: StrategySpace) -> dict[str, float]:
+    """Per op node, the share of its backward computation that is parameter gradients (what
+    a split backward's weight pass computes; planner.split_schedules): a matrix product with a
+    weight operand (one fed only by parameters: a weight, its transpose or cast) computes dX
+    and dW, two products of the forward's size (cost_models' backward factor), so 1/2; an
+    embedding lookup's backward is its weight's gradient alone, 1; every other op's backward
+    is input gradients (a norm's or a bias's parameter gradient is a column sum, counted
+    there)."""
+    from autopar.capture.flops import op_family
+
+    params = {n.name for n in space.nodes if n.kind == "param"}
+    weight_only: set[str] = set()
+    shares: dict[str, float] = {}
+    for node in space.captured.gm.graph.nodes:
+        inputs = [a.name for a in node.all_input_nodes]
+        if node.name in params or (
+            node.op == "call_function" and inputs and all(a in weight_only for a in inputs)
+        ):
+            weight_only.add(node.name)
+            continue
+        if node.op != "call_function" or not any(a in weight_only for a in inputs):
+            continue
+        family = op_family(node.target)
+        if family in ("matmul", "convolution"):
+            shares[node.name] = 0.5
+        elif family == "embedding":
+            shares[node.name] = 1.0
+    return shares
 
 
 def _boundary_bytes(
@@ -238,6 +273,7 @@ class StagePricer:
             chosen.append((parts.tail, 1))
         forward = sum(p.forward_s * n for p, n in chosen)
         backward = sum(p.backward_s * n for p, n in chosen)
+        weight = sum(p.weight_s * n for p, n in chosen)
         activations = sum(p.activation_bytes * n for p, n in chosen)
         fixed = sum(p.fixed_bytes * n for p, n in chosen)
         transient = max(p.transient_bytes for p, _ in chosen)
@@ -272,6 +308,7 @@ class StagePricer:
         return StageCost(
             forward_s=forward + gather_s / 2,
             backward_s=backward + gather_s / 2,
+            weight_s=weight,
             p2p_s=p2p,
             step_s=sync_s,
             peak_memory_bytes=sum(memory.values()),
@@ -326,4 +363,4 @@ class StagePricer:
 _ANY_DEVICE = get_device("cpu")
 """CommPricer needs a mesh; a dp-only mesh's device is never used for communication."""
 
-__all__ = ["Part", "Parts", "StagePricer", "probe_parts"]
+__all__ = ["Part", "Parts", "StagePricer", "probe_parts", "weight_shares"]

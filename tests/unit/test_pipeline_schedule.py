@@ -60,8 +60,11 @@ def test_in_flight_counts():
     assert in_flight("interleaved-1f1b", 0, 4, 8, 2) == 2 * 3 + 4 + 1
     assert in_flight("interleaved-1f1b", 3, 4, 8, 2) == 0 + 4 + 1
     assert in_flight("interleaved-1f1b", 0, 4, 2, 2) == 4  # capped at m * v
+    # Split-backward schedules: counted on torch's order (planner.split_schedules), from an F
+    # until the microbatch's W: ZBV's rank 0 holds 8 = m chunk-microbatches.
+    assert in_flight("zbv", 0, 4, 8, 2) == 8
     with pytest.raises(ValueError, match="not priced"):
-        in_flight("zero-bubble", 0, 4, 8)
+        in_flight("looped", 0, 4, 8)
 
 
 def _brute(times, n, p, m):
