@@ -46,8 +46,8 @@ from autopar.planner.pipeline_schedule import (
 )
 from autopar.planner.split_schedules import SPLIT_SCHEDULES, SPLIT_VIRTUAL, refusal
 from autopar.planner.stage_pricing import Parts, StagePricer
-from autopar.planner.stages import stage_rank
 from autopar.planner.stage_probes import ProbeCache
+from autopar.planner.stages import stage_rank
 from cost_models.hardware import get_device
 
 INTERLEAVED_VIRTUAL = 2

@@ -196,7 +196,9 @@ def simulate(
                 remaining -= 1
                 progressed = True
         if not progressed:
-            stuck = [order[position[r]] for r, order in enumerate(orders) if position[r] < len(order)]
+            stuck = [
+                order[position[r]] for r, order in enumerate(orders) if position[r] < len(order)
+            ]
             raise ValueError(f"the schedule's orders deadlock at {stuck[:4]}")
     return Simulated(pipeline_s=max(free), busy_s=tuple(busy), p2p_s=tuple(sends))
 
@@ -243,4 +245,3 @@ def rank_in_flight(
     """:func:`in_flight_counts` of torch's order for this shape, kept (the stage search asks
     once per stage kind priced)."""
     return in_flight_counts(action_orders(schedule, ranks, microbatches, virtual))
-

@@ -197,8 +197,8 @@ def _add_planning_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--schedule",
         default=None,
-        choices=["gpipe", "1f1b", "interleaved-1f1b"],
-        help="pipeline schedule (default: searched)",
+        choices=["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev"],
+        help="pipeline schedule (default: searched; the last three: 2 stages per rank)",
     )
     parser.add_argument(
         "--no-cache",

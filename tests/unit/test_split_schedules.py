@@ -112,7 +112,9 @@ def test_a_split_schedule_fills_the_bubble_when_the_weight_pass_is_cheap() -> No
 
     p, m = 4, 8
     chunk = StageCost(forward_s=0.5, backward_s=1.0, weight_s=0.5)
-    one = schedule_time([StageCost(forward_s=1.0, backward_s=2.0)] * p, microbatches=m, schedule="1f1b")
+    one = schedule_time(
+        [StageCost(forward_s=1.0, backward_s=2.0)] * p, microbatches=m, schedule="1f1b"
+    )
     replayed = schedule_time([chunk] * (2 * p), microbatches=m, schedule="zbv", num_ranks=p)
     old = split.WEIGHT_PASS_REPLAY
     split.WEIGHT_PASS_REPLAY = 0.0
@@ -174,8 +176,11 @@ def test_the_stage_search_takes_a_split_schedule_only_where_it_pays(monkeypatch)
     # on its busiest rank and wins; its step is its simulated schedule's.
     eight = _search(4, 8, _parts(0.5))
     assert eight[0].schedule == "dualpipev" and eight[0].virtual_stages == 2
-    assert eight[0].time.bubble_fraction < next(
-        c for c in eight if c.schedule == "interleaved-1f1b"
-    ).time.bubble_fraction
+    assert (
+        eight[0].time.bubble_fraction
+        < next(c for c in eight if c.schedule == "interleaved-1f1b").time.bubble_fraction
+    )
     again = schedule_time(list(eight[0].stages), microbatches=8, schedule="dualpipev", num_ranks=4)
-    assert eight[0].step_s == pytest.approx(again.step_s + eight[0].time.head_s + eight[0].time.tail_s)
+    assert eight[0].step_s == pytest.approx(
+        again.step_s + eight[0].time.head_s + eight[0].time.tail_s
+    )
