@@ -223,11 +223,16 @@ def paired_error_of(link_details: Mapping[str, Any], trials: int) -> float:
 
 
 def link_from_fits(
-    name: str, fits: Mapping[str, tuple[float, float]], *, source: str = "", sync_s: float = 0.0
+    name: str,
+    fits: Mapping[str, tuple[float, float]],
+    *,
+    source: str = "",
+    sync_s: float = 0.0,
+    smallest: Mapping[str, tuple[float, float]] | None = None,
 ) -> LinkSpec:
-    """A LinkSpec carrying calibrated ``(alpha, beta)`` per collective and the measured
-    ``sync_s``; its plain ``latency_s`` / ``bandwidth_Bps`` come from the all-reduce fit (else
-    the first one)."""
+    """A LinkSpec carrying calibrated ``(alpha, beta)`` per collective, the measured
+    ``sync_s`` and ``smallest`` ((bytes, seconds) at the smallest size timed, per kind); its
+    plain ``latency_s`` / ``bandwidth_Bps`` come from the all-reduce fit (else the first one)."""
     if not fits:
         raise ValueError(f"link {name!r}: no collective fits to build it from")
     alpha, beta = fits.get("all_reduce") or next(iter(fits.values()))
@@ -236,6 +241,7 @@ def link_from_fits(
         bandwidth_Bps=1.0 / beta,
         latency_s=alpha,
         collectives=dict(fits),
+        smallest=dict(smallest or {}),
         source=source,
         sync_s=sync_s,
     )

@@ -64,7 +64,11 @@ def collective_time_s(kind: str, nbytes: float, group_size: int, link: LinkSpec)
     calibrated = link.collectives.get(kind)
     if calibrated is not None:
         alpha, beta = calibrated
-        return alpha * steps + beta * wire + link.sync_s
+        line = alpha * steps + beta * wire
+        smallest = link.smallest.get(kind)
+        if smallest is not None and nbytes <= smallest[0]:
+            line = min(line, smallest[1])  # no more than the smallest size measured
+        return line + link.sync_s
     return steps * link.latency_s + wire / link.bandwidth_Bps + link.sync_s
 
 

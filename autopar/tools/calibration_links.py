@@ -120,6 +120,7 @@ def measure_links(
             continue
         group = groups.groups[axis]
         fits: dict[str, tuple[float, float]] = {}
+        smallest: dict[str, tuple[float, float]] = {}
         sizes = [float(max(b // 4 // size, 1) * size * 4) for b in config.collective_bytes]
         per_size = [
             _time_kinds_interleaved(group, size, int(nbytes), device, config) for nbytes in sizes
@@ -151,6 +152,7 @@ def measure_links(
                 steps = collective_steps_and_wire_bytes(kind, 0.0, size)[0]
                 fits[kind] = (statistics.median(times) / steps, 1e-12)
                 log(f"axis {name}: {kind} timings do not grow with size; latency only")
+            smallest[kind] = (sizes[0], times[0])
             alpha, beta = fits[kind]
             log(
                 f"axis {name} (size {size}) {kind}: alpha {alpha * 1e6:.1f} us/step, {1 / beta / 1e9:.2f} GB/s"
@@ -166,6 +168,7 @@ def measure_links(
                 fits,
                 source=f"autopar calibrate, {dist.get_backend()} on {platform.node()}",
                 sync_s=sync_s,
+                smallest=smallest,
             )
     return links, details
 

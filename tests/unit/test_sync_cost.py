@@ -103,3 +103,29 @@ def test_a_wait_per_collective_makes_the_planner_use_fewer_collectives() -> None
         ]
         counts.append(len(plan.conversions()))
     assert counts[0] > counts[1] > counts[2] == 0, counts
+
+
+def test_a_message_no_larger_than_the_smallest_calibrated_costs_at_most_its_timing() -> None:
+    # Fitted line: 0.95 ms per step (6 steps on 4 ranks) plus bandwidth; the 16 KiB all-reduce
+    # measured 4.2 ms (session 19's 4-rank calibration): a scalar is priced 4.2 ms, not 5.7.
+    fits = {"all_reduce": (0.95e-3, 7e-10)}
+    smallest = {"all_reduce": (16384.0, 4.2e-3)}
+    line = link_from_fits("l", fits, sync_s=2e-3)
+    anchored = link_from_fits("l", fits, sync_s=2e-3, smallest=smallest)
+    assert collective_time_s("all_reduce", 8, 4, line) == pytest.approx(6 * 0.95e-3 + 2e-3, rel=1e-3)
+    assert collective_time_s("all_reduce", 8, 4, anchored) == pytest.approx(4.2e-3 + 2e-3)
+    assert collective_time_s("all_reduce", 16384, 4, anchored) == pytest.approx(4.2e-3 + 2e-3)
+    # Larger messages keep the fitted line; a measurement above the line never raises a price.
+    for nbytes in (16385, 2**20, 2**24):
+        assert collective_time_s("all_reduce", nbytes, 4, anchored) == collective_time_s(
+            "all_reduce", nbytes, 4, line
+        )
+    slow = link_from_fits("l", fits, smallest={"all_reduce": (16384.0, 9e-3)})
+    assert collective_time_s("all_reduce", 8, 4, slow) == collective_time_s(
+        "all_reduce", 8, 4, link_from_fits("l", fits)
+    )
+    # Kept through the JSON (and absent from links without it, whose JSON stays as it was).
+    assert LinkSpec.from_dict(anchored.to_dict()) == anchored
+    assert "smallest" not in line.to_dict()
+    with pytest.raises(ValueError, match="without a calibrated fit"):
+        link_from_fits("l", fits, smallest={"all_gather": (16384.0, 1e-3)})
