@@ -110,6 +110,16 @@ PROFILE_SCHEMA: dict[str, Any] = {
                             "maxItems": 2,
                         },
                     },
+                    "smallest": {
+                        "type": "object",
+                        "propertyNames": {"enum": list(COLLECTIVE_KINDS)},
+                        "additionalProperties": {
+                            "type": "array",
+                            "items": _NONNEGATIVE,
+                            "minItems": 2,
+                            "maxItems": 2,
+                        },
+                    },
                     "source": {"type": "string"},
                 },
                 "anyOf": [

@@ -113,6 +113,11 @@ def test_tiny_calibration_gives_a_profile_the_planner_uses(tmp_path) -> None:
     timed = profile.meta["measurements"]
     assert timed["tp/reduce_scatter"]["call"] == "reduce_scatter_single"  # the runtime's call
     assert all(min(timed[f"tp/{kind}"]["seconds"]) > 0 for kind in CALIBRATED_COLLECTIVES)
+    # The smallest size's timing, kept per kind for small messages (cost_models.comm).
+    assert {k: v for k, v in link.smallest.items()} == {
+        k: (timed[f"tp/{k}"]["bytes"][0], timed[f"tp/{k}"]["seconds"][0])
+        for k in CALIBRATED_COLLECTIVES
+    }
     assert profile.meta["world_size"] == 2 and profile.meta["backend"] == "gloo"
     # The profile's own error: the standard error of its figures (spread of the trials).
     spreads = [timed[f"tp/{kind}"]["spread"] for kind in CALIBRATED_COLLECTIVES]
