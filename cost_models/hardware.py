@@ -272,7 +272,9 @@ class LinkSpec:
                 raise ValueError(f"link {self.name!r}: smallest[{kind!r}] without a calibrated fit")
             nbytes, seconds = (float(x) for x in pair)
             if nbytes <= 0 or seconds < 0:
-                raise ValueError(f"link {self.name!r}: smallest[{kind!r}] must be (bytes > 0, s >= 0)")
+                raise ValueError(
+                    f"link {self.name!r}: smallest[{kind!r}] must be (bytes > 0, s >= 0)"
+                )
             small[kind] = (nbytes, seconds)
         object.__setattr__(self, "smallest", FrozenMap(small))
 

@@ -41,6 +41,14 @@ PROFILE_VERSION = 1
 
 _POSITIVE = {"type": "number", "exclusiveMinimum": 0}
 _NONNEGATIVE = {"type": "number", "minimum": 0}
+
+_PAIR_PER_KIND = {
+    "type": "object",
+    "propertyNames": {"enum": list(COLLECTIVE_KINDS)},
+    "additionalProperties": {"type": "array", "items": _NONNEGATIVE, "minItems": 2, "maxItems": 2},
+}
+"""Two numbers per collective kind: a link's ``collectives`` (alpha, beta) and ``smallest``
+(bytes, seconds)."""
 _FRACTION = {"type": "number", "exclusiveMinimum": 0, "maximum": 1}
 _TEXT = {"type": "string", "minLength": 1}
 
@@ -100,26 +108,8 @@ PROFILE_SCHEMA: dict[str, Any] = {
                     "bandwidth_Bps": _POSITIVE,
                     "latency_s": _NONNEGATIVE,
                     "sync_s": _NONNEGATIVE,
-                    "collectives": {
-                        "type": "object",
-                        "propertyNames": {"enum": list(COLLECTIVE_KINDS)},
-                        "additionalProperties": {
-                            "type": "array",
-                            "items": _NONNEGATIVE,
-                            "minItems": 2,
-                            "maxItems": 2,
-                        },
-                    },
-                    "smallest": {
-                        "type": "object",
-                        "propertyNames": {"enum": list(COLLECTIVE_KINDS)},
-                        "additionalProperties": {
-                            "type": "array",
-                            "items": _NONNEGATIVE,
-                            "minItems": 2,
-                            "maxItems": 2,
-                        },
-                    },
+                    "collectives": _PAIR_PER_KIND,
+                    "smallest": _PAIR_PER_KIND,
                     "source": {"type": "string"},
                 },
                 "anyOf": [

@@ -112,7 +112,9 @@ def test_a_message_no_larger_than_the_smallest_calibrated_costs_at_most_its_timi
     smallest = {"all_reduce": (16384.0, 4.2e-3)}
     line = link_from_fits("l", fits, sync_s=2e-3)
     anchored = link_from_fits("l", fits, sync_s=2e-3, smallest=smallest)
-    assert collective_time_s("all_reduce", 8, 4, line) == pytest.approx(6 * 0.95e-3 + 2e-3, rel=1e-3)
+    assert collective_time_s("all_reduce", 8, 4, line) == pytest.approx(
+        6 * 0.95e-3 + 2e-3, rel=1e-3
+    )
     assert collective_time_s("all_reduce", 8, 4, anchored) == pytest.approx(4.2e-3 + 2e-3)
     assert collective_time_s("all_reduce", 16384, 4, anchored) == pytest.approx(4.2e-3 + 2e-3)
     # Larger messages keep the fitted line; a measurement above the line never raises a price.
