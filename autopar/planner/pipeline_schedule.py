@@ -42,7 +42,13 @@ from typing import Any
 
 import numpy as np
 
-from autopar.planner.split_schedules import SPLIT_SCHEDULES
+from autopar.planner.split_schedules import (
+    SPLIT_SCHEDULES,
+    action_orders,
+    rank_in_flight,
+    simulate,
+)
+from autopar.planner.stages import stage_rank
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", *SPLIT_SCHEDULES)
 """Schedules the stage planner offers. The split-backward ones (``zero-bubble``, ``zbv``,
@@ -82,8 +88,6 @@ def in_flight(
     """Microbatches (chunk-microbatches under interleaving) whose activations the stage at
     pipeline rank ``position`` keeps at once (see the module docstring)."""
     if schedule in SPLIT_SCHEDULES:
-        from autopar.planner.split_schedules import rank_in_flight
-
         return rank_in_flight(schedule, num_ranks, microbatches, virtual)[position]
     if schedule == "gpipe":
         return microbatches
@@ -201,9 +205,6 @@ def _split_time(
 ) -> ScheduleTime:
     """A split-backward schedule's step, simulated on torch's action order
     (:mod:`planner.split_schedules`); the bubble is the busiest rank's idle time."""
-    from autopar.planner.split_schedules import action_orders, simulate
-    from autopar.planner.stages import stage_rank
-
     orders = action_orders(schedule, ranks, m, len(stages) // ranks)
     placed = [stage_rank(schedule, s, ranks) for s in range(len(stages))]
     sim = simulate(orders, stages, placed)

@@ -44,7 +44,7 @@ class Part:
     forward_s: float = 0.0
     backward_s: float = 0.0
     weight_s: float = 0.0
-    """The parameter-gradient products in ``backward_s`` (:func:`weight_share`)."""
+    """The parameter-gradient products in ``backward_s`` (:func:`weight_shares`)."""
     tp_sync_s: float = 0.0
     """Parameter-gradient all-reduces on the tp axis (once per step)."""
     params: list[tuple[float, int]] = field(default_factory=list)

@@ -9,6 +9,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import NoReturn
 
+from autopar.planner.stages import SCHEDULES
+
 
 def parse_zero(text: str) -> int | tuple[int, ...] | dict[str, int]:
     """``--zero``: '3', '3,2' (one stage per mesh axis) or 'dp=3,tp=0' (per axis name)."""
@@ -197,7 +199,7 @@ def _add_planning_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--schedule",
         default=None,
-        choices=["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev"],
+        choices=SCHEDULES,
         help="pipeline schedule (default: searched; the last three: 2 stages per rank)",
     )
     parser.add_argument(
