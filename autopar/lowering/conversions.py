@@ -23,6 +23,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from autopar.comm import collectives
 from autopar.lowering.local_ops import autopar_scale_grad, emit_steps, itemsize, shape_of
+from autopar.lowering.param_chains import ParamChains
 from autopar.placement import Placements, Shard, replicated
 from autopar.resharding.steps import Step, reshard_steps
 from autopar.strategies.registry import Strategy, input_nodes
@@ -127,10 +128,14 @@ def collect_edges(
 
 
 def deferred_param_axes(
-    edges: Sequence[Edge], param_fqn: Mapping[str, str], num_axes: int
+    edges: Sequence[Edge],
+    param_fqn: Mapping[str, str],
+    num_axes: int,
+    chains: ParamChains | None = None,
 ) -> dict[str, tuple[int, ...]]:
     """Axes over which the runtime may sum a parameter's gradient after backward: those on
-    which EVERY use leaves a Partial gradient, for parameters no use converts."""
+    which EVERY use leaves a Partial gradient, directly or through a chain of ops on the
+    parameter alone (:mod:`autopar.lowering.param_chains`), for parameters no use converts."""
     uses: dict[str, list[Edge]] = {}
     for edge in edges:
         if edge.producer.op == "placeholder" and edge.producer.name in param_fqn:
@@ -141,7 +146,7 @@ def deferred_param_axes(
             continue
         common = set(range(num_axes))
         for e in param_edges:
-            common &= set(e.partial_axes)
+            common &= set(e.partial_axes) | (chains.chain_grad_axes(e) if chains else set())
         if common:
             deferred[fqn] = tuple(sorted(common))
     return deferred
@@ -154,6 +159,7 @@ def insert_conversions(
     param_fqn: Mapping[str, str],
     mesh_shape: tuple[int, ...],
     group_key: str,
+    chains: ParamChains | None = None,
 ) -> None:
     converted: dict[tuple[fx.Node, Placements, tuple[int, ...]], fx.Node] = {}
     actual: dict[fx.Node, fx.Node] = {}  # getitem node -> the value holding its declared layout
@@ -162,6 +168,9 @@ def insert_conversions(
         axes = edge.partial_axes
         if edge.producer.op == "placeholder" and edge.producer.name in param_fqn:
             skip = deferred.get(param_fqn[edge.producer.name], ())
+            axes = tuple(a for a in axes if a not in skip)
+        elif chains is not None and axes:
+            skip = chains.skipped_axes(edge.producer, deferred, param_fqn)
             axes = tuple(a for a in axes if a not in skip)
         if node.target is operator.getitem:
             # The element keeps the layout of its tuple slot; convert it after indexing.

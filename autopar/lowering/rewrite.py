@@ -53,6 +53,7 @@ from autopar.lowering.conversions import (
 )
 from autopar.lowering.fused_reductions import fuse_all_reduces
 from autopar.lowering.local_ops import rewrite_local_ops, shape_of
+from autopar.lowering.param_chains import param_chains
 from autopar.placement import Placements, format_placements, local_shape, replicated
 from autopar.strategies.registry import Strategy, input_nodes
 
@@ -154,8 +155,10 @@ def lower(
     param_fqn, tied = _canonical_param_names(captured)
     inputs = _placeholder_layouts(captured, graph, strategies, param_fqn, mesh_shape)
 
-    edges = collect_edges(graph, strategies, requires_grad_nodes(graph, set(param_fqn)))
-    deferred = deferred_param_axes(edges, param_fqn, num_axes)
+    requires_grad = requires_grad_nodes(graph, set(param_fqn))
+    edges = collect_edges(graph, strategies, requires_grad)
+    chains = param_chains(graph, edges, strategies, requires_grad, set(param_fqn))
+    deferred = deferred_param_axes(edges, param_fqn, num_axes, chains)
     param_use_order = tuple(
         dict.fromkeys(
             param_fqn[e.producer.name]
@@ -171,7 +174,7 @@ def lower(
         if isinstance(leaf, fx.Node)
     ]
 
-    insert_conversions(graph, edges, deferred, param_fqn, mesh_shape, group_key)
+    insert_conversions(graph, edges, deferred, param_fqn, mesh_shape, group_key, chains)
     rewrite_local_ops(graph, strategies, first_input_shape, mesh_shape, group_key)
     if device is not None:
         for node in graph.nodes:
