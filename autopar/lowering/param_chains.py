@@ -11,8 +11,10 @@ over those ranks of the parameter gradients each computes from its summand IS th
 gradient of the sum. So the reduction can move to the parameter and join the runtime's buckets
 (or ZeRO's reduce-scatter).
 
-A **parameter chain node** is a call with one tensor output and exactly one input that
-carries a gradient, that input being a parameter or another chain node (the table of an
+A **parameter chain node** is a call with one tensor output and exactly one input that may
+carry a gradient (a value computed from a parameter, or from a floating input that is not a
+buffer: a pipeline stage's activation input brings the next stage's gradient), that input
+being a parameter or another chain node (the table of an
 ``embedding``, the tensor of a view, a cast, a ``tanh``; other inputs are indices or
 constants); the edge into it converts nothing, and only the first node of a chain may leave a
 Partial gradient on its parameter. The chain nodes from one parameter form a tree, so every
@@ -90,10 +92,12 @@ def param_chains(
     graph: fx.Graph,
     edges: Sequence[Edge],
     strategies: Mapping[fx.Node, Strategy],
-    requires_grad: set[fx.Node],
+    carriers: set[fx.Node],
     param_names: set[str],
 ) -> ParamChains:
-    """Find the parameter chain nodes of ``graph`` (module docstring)."""
+    """Find the parameter chain nodes of ``graph`` (module docstring). ``carriers``: the nodes
+    that may carry a gradient (from a parameter or from any floating input but a buffer: a
+    pipeline stage's activation input carries one though it is no parameter)."""
     chains = ParamChains()
     into: dict[fx.Node, list[Edge]] = {}
     out_of: dict[fx.Node, list[Edge]] = {}
@@ -108,7 +112,7 @@ def param_chains(
             or not isinstance(node.meta.get("val"), torch.Tensor)
         ):
             continue
-        carried = [n for n in input_nodes(node) if n in requires_grad]
+        carried = [n for n in input_nodes(node) if n in carriers]
         if len(carried) != 1:
             continue
         source = carried[0]

@@ -38,21 +38,39 @@ from autopar.planner.pricing import CommPricer
 from autopar.strategies import input_nodes
 from autopar.strategies.registry import tensor_meta
 
-__all__ = ["chain_roots", "price_chain_grads"]
+__all__ = [
+    "allowed_carried_axes",
+    "carried_partial_axes",
+    "chain_edges",
+    "chain_roots",
+    "price_chain_grads",
+]
 
 
 def chain_roots(
-    gm: fx.GraphModule, param_nodes: dict[str, str], needs_grad
+    gm: fx.GraphModule, param_nodes: dict[str, str], buffer_nodes: dict[str, str]
 ) -> dict[fx.Node, tuple[fx.Node, int]]:
     """Chain node -> (its parameter placeholder, the input position of its gradient-carrying
-    input)."""
+    input). As in the lowering, any floating input but a buffer may carry a gradient (a
+    pipeline stage's activation input does)."""
+    sources = {
+        n.name: 1
+        for n in gm.graph.nodes
+        if n.op == "placeholder"
+        and n.name not in buffer_nodes
+        and isinstance(n.meta.get("val"), torch.Tensor)
+        and n.meta["val"].is_floating_point()
+    }
+    from autopar.planner.space import grad_nodes
+
+    carriers = grad_nodes(gm, sources)
     roots: dict[fx.Node, tuple[fx.Node, int]] = {}
     for node in gm.graph.nodes:
-        if node.op != "call_function" or node.name not in needs_grad:
+        if node.op != "call_function" or node.name not in carriers:
             continue
         if not isinstance(node.meta.get("val"), torch.Tensor):
             continue
-        carried = [(j, n) for j, n in enumerate(input_nodes(node)) if n.name in needs_grad]
+        carried = [(j, n) for j, n in enumerate(input_nodes(node)) if n.name in carriers]
         if len(carried) != 1:
             continue
         j, source = carried[0]
@@ -110,11 +128,14 @@ def price_chain_grads(
     pricer: CommPricer,
     needs_grad,
     param_nodes: dict[str, str],
+    buffer_nodes: dict[str, str],
 ) -> int:
     """Move the price of each chain node's Partial gradient from its consumer's
     ``grad_comm_s`` onto their data edge (module docstring); never in place (arrays are shared
     by repeated layers). Returns the number of edges repriced."""
-    roots = chain_roots(gm, param_nodes, needs_grad)
+    roots = {
+        k: v for k, v in chain_roots(gm, param_nodes, buffer_nodes).items() if k.name in needs_grad
+    }
     if not roots:
         return 0
     data_edges = {(e.src, e.dst, e.input_index): e for e in edges if e.input_index >= 0}
@@ -159,3 +180,61 @@ def price_chain_grads(
             edge.cost_s = edge.cost_s + matrix
             repriced += 1
     return repriced
+
+
+def chain_edges(space) -> list[tuple[object, int, int]]:
+    """``(data edge, consumer input position, parameter node index)`` for every edge out of a
+    chain node (an alias counts for its original). Memoised in the space's evaluation cache."""
+    cache = space.evaluation_cache
+    out = cache.get("chain_edges")
+    if out is None:
+        gm, captured = space.captured.gm, space.captured
+        roots = chain_roots(gm, captured.param_nodes, captured.buffer_nodes)
+        needs = space.needs_grad
+        root_of = {n.name: r for n, (r, _) in roots.items() if needs is None or n.name in needs}
+        out = []
+        for edge in space.edges:
+            root = root_of.get(space.nodes[edge.src].name)
+            if edge.input_index < 0 or root is None or root.name not in space.index:
+                continue
+            param = space.nodes[space.index[root.name]]
+            owner = space.index[param.alias_of or root.name]
+            out.append((edge, edge.input_index, owner))
+        cache["chain_edges"] = out
+    return out
+
+
+def carried_partial_axes(space, choice) -> dict[int, set[int]]:
+    """Per parameter node: the mesh axes on which the lowering reduces its gradient because a
+    chain from it carries a Partial gradient back under ``choice`` (as priced above)."""
+    shape, nodes = space.mesh.shape, space.nodes
+    out: dict[int, set[int]] = {}
+    for edge, j, owner in chain_edges(space):
+        produced = nodes[edge.src].strategies[choice[edge.src]]
+        taken = nodes[edge.dst].strategies[choice[edge.dst]]
+        grad = taken.input_grads[j] if j < len(taken.input_grads) else None
+        if grad is None or produced.outputs[0] != taken.inputs[j]:
+            continue
+        for a, p in enumerate(grad):
+            if p.is_partial() and shape[a] > 1:
+                if all(q is None or is_replicate(q[a]) for q in produced.inputs):
+                    out.setdefault(owner, set()).add(a)
+    return out
+
+
+def allowed_carried_axes(space, allowed) -> dict[int, set[int]]:
+    """Per parameter node: the mesh axes on which some allowed strategy of a chain node's
+    consumer leaves the chain a Partial gradient (``zero_pricing.allowed_partial_axes``)."""
+    shape, nodes = space.mesh.shape, space.nodes
+    out: dict[int, set[int]] = {}
+    for edge, j, owner in chain_edges(space):
+        dst = nodes[edge.dst]
+        idx = allowed.get(dst.name) if allowed else None
+        for t in range(len(dst.strategies)) if idx is None else idx:
+            grads = dst.strategies[t].input_grads
+            grad = grads[j] if j < len(grads) else None
+            if grad is not None:
+                out.setdefault(owner, set()).update(
+                    a for a, p in enumerate(grad) if p.is_partial() and shape[a] > 1
+                )
+    return out

@@ -264,7 +264,9 @@ def build_space(captured: Captured, mesh: Mesh, options: PlanOptions) -> Strateg
     edges = _edges(gm, nodes, index, pricer, signatures)
     edges.extend(_tie_edges(captured, nodes, index))
     shared_uses = price_shared_param_grads(gm, nodes, index, edges, pricer, needs_grad)
-    price_chain_grads(gm, nodes, index, edges, pricer, needs_grad, captured.param_nodes)
+    price_chain_grads(
+        gm, nodes, index, edges, pricer, needs_grad, captured.param_nodes, captured.buffer_nodes
+    )
     price_fused_reductions(gm, nodes, edges, pricer)
     bucket_share_s = bucket_rounding(nodes, edges, pricer, shared_uses)
     return StrategySpace(

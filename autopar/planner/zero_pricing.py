@@ -58,6 +58,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from autopar.planner.chain_grads import allowed_carried_axes, carried_partial_axes
 from autopar.planner.chunks import DEFAULT_MAX_CHUNK_BYTES, ChunkPricing, pack_chunks
 from autopar.planner.saved_activations import saved_parameters
 
@@ -247,7 +248,8 @@ def saved_param_nodes(space) -> frozenset[str]:
 def partial_axes(space, choice: Sequence[int]) -> dict[int, tuple[int, ...]]:
     """Per parameter node (an alias counts for its original): the mesh axes where its
     gradient is Partial under ``choice``, from its consumers' chosen input-gradient layouts
-    (what ``space`` prices the gradient all-reduce on, and the runtime reduces)."""
+    (what ``space`` prices the gradient all-reduce on, and the runtime reduces), and those
+    on which a chain of ops on it alone carries one back (``planner.chain_grads``)."""
     mesh, nodes = space.mesh, space.nodes
     out: dict[int, set[int]] = {}
     for edge in space.edges:
@@ -262,6 +264,8 @@ def partial_axes(space, choice: Sequence[int]) -> dict[int, tuple[int, ...]]:
         out.setdefault(owner, set()).update(
             a for a, p in enumerate(grad) if p.is_partial() and mesh.shape[a] > 1
         )
+    for owner, axes in carried_partial_axes(space, choice).items():
+        out.setdefault(owner, set()).update(axes)
     return {i: tuple(sorted(axes)) for i, axes in out.items()}
 
 
@@ -294,6 +298,8 @@ def allowed_partial_axes(
             axes = memo[key] = frozenset(found)
         owner = space.index[src.alias_of] if src.alias_of is not None else edge.src
         out.setdefault(owner, set()).update(axes)
+    for owner, carried in allowed_carried_axes(space, allowed).items():
+        out.setdefault(owner, set()).update(carried)
     return {i: tuple(sorted(axes)) for i, axes in out.items()}
 
 

@@ -622,9 +622,10 @@ def test_lowering_rewrites_a_copy_with_local_sizes_and_collectives() -> None:
     batch = args[0].shape[0]
     assert any(list(n.args[1])[0] == batch // 2 for n in views), "view sizes must become local"
     assert lowered.local_input_shapes[0] == (batch // 2, args[0].shape[1])
-    # Data parallel: the gradients of parameters applied to the sharded batch are summed over the
-    # batch axis after backward (wpe is applied to the replicated positions: its gradient is whole).
-    assert set(lowered.param_grad_reduce_axes) == set(lowered.param_placements) - {"wpe.weight"}
+    # Data parallel: every parameter's gradient is summed over the batch axis after backward
+    # (wpe's lookup of the replicated positions is added to the sharded batch: its Partial
+    # gradient is carried back to it, lowering.param_chains).
+    assert set(lowered.param_grad_reduce_axes) == set(lowered.param_placements)
     assert all(axes == (0,) for axes in lowered.param_grad_reduce_axes.values())
 
 
