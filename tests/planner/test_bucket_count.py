@@ -12,7 +12,8 @@ ddp. Checked here:
 
 * the solve now prices disagreeing uses of a parameter as the in-graph all-reduces they are
   (``shared_grads``): the auto plan is ddp's layout, chosen by the ILP (no decision recorded);
-* with the old pair pricing restored, the recount sees the same plan at 94.3 ms as issued and
+* with the old pair pricing restored (and session 20's chain pricing left out: with it, the
+  old pair pricing already picks ddp's layout), the recount sees the same plan at 94.3 ms as issued and
   chooses ddp's layout, saying why (``auto_choice``, margin source "bucket count");
 * the count itself: that plan issues, beyond ddp's, the head's whole all-reduce on a1 and one
   more call's latency on a0, less the table's bucketed transfer on a1.
@@ -31,6 +32,7 @@ from autopar.capture.export import capture
 from autopar.mesh import Mesh
 from autopar.options import PlanOptions
 from autopar.planner import shared_grads
+from autopar.planner import space as space_module
 from autopar.planner.bucket_count import issued_grad_sync_s
 from autopar.planner.driver import Driver
 from autopar.planner.pricing import GRAD_BUCKET_BYTES, CommPricer
@@ -71,17 +73,24 @@ def _old_pair(first, j1, later, ji, meta, pricer):  # type: ignore[no-untyped-de
     return pair, bucketed_i.sum(axis=1)
 
 
+def _no_chain_pricing(*args: Any) -> int:
+    """Session 20's chain pricing (``planner.chain_grads``) left out, as before it: the position
+    embedding's Partial gradient priced as an in-graph all-reduce of the activation."""
+    return 0
+
+
 @functools.cache
 def _plans(old_pair: bool) -> dict[str, Any]:
-    original = shared_grads._pair
+    original, chains = shared_grads._pair, space_module.price_chain_grads
     if old_pair:
         shared_grads._pair = _old_pair
+        space_module.price_chain_grads = _no_chain_pricing
     try:
         return plans_for_recipes(
             _captured(), _mesh(), PlanOptions(), recipes=["auto", "ddp"], model_name="gpt"
         )
     finally:
-        shared_grads._pair = original
+        shared_grads._pair, space_module.price_chain_grads = original, chains
 
 
 def test_the_solve_prices_disagreeing_uses_in_graph_and_picks_ddps_layout() -> None:
@@ -101,14 +110,14 @@ def test_with_the_old_pricing_the_recount_chooses_ddp_and_says_why() -> None:
 
 
 def test_the_count_adds_the_in_graph_all_reduce_and_a_bucket_of_its_own() -> None:
-    original = shared_grads._pair
-    shared_grads._pair = _old_pair
+    original, chains = shared_grads._pair, space_module.price_chain_grads
+    shared_grads._pair, space_module.price_chain_grads = _old_pair, _no_chain_pricing
     try:
         space = build_space(_captured(), _mesh(), PlanOptions())
         driver = Driver(space)
         auto, _ = driver.auto()  # the raw solve, before the recount
     finally:
-        shared_grads._pair = original
+        shared_grads._pair, space_module.price_chain_grads = original, chains
     ddp = tuple(_plans(False)["ddp"].choice)
     assert tuple(auto.choice) != ddp
     pricer = CommPricer(space.mesh, None)
