@@ -32,28 +32,39 @@ it: a whole gradient added to summands would be counted once per rank.
 out on every edge out of a chain node: the parameter's deferred axes within the first chain
 node's ``passable`` (which every later node's ``passable`` contains).
 
-The moved reduction is of the parameter's size, not the activation's (a 1024-row position
-table read 64 rows at a time sums 16x the bytes), but in the buckets it costs no collective of
-its own; DDP pays the same.
+The moved reduction is of the parameter's size, not the value's (a 1024-row position table
+read 64 rows at a time sums 16x the bytes); in the buckets it costs no collective of its own
+(DDP pays the same). It moves only where the parameter's local bytes exceed the value's by at
+most :data:`CARRY_EXTRA_BYTES` (:func:`carry_too_big`; a chain node failing it passes
+nothing): a large table read a few rows at a time (a token embedding whose tokens are
+replicated) keeps its value's all-reduce. ``planner.chain_grads`` prices with the same rule.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 import torch.fx as fx
 
-from autopar.placement import is_replicate
+from autopar.placement import Placements, is_replicate, local_shape
 from autopar.strategies.registry import Strategy, input_nodes
 
 if TYPE_CHECKING:
     from autopar.lowering.conversions import Edge
 
-__all__ = ["ParamChains", "param_chains"]
+__all__ = ["CARRY_EXTRA_BYTES", "ParamChains", "carry_too_big", "param_chains"]
 
 _aten = torch.ops.aten
+
+CARRY_EXTRA_BYTES = 4 * 2**20
+"""How many more bytes than the value's the parameter's gradient may add to the buckets when
+its reduction moves there: about what one collective's latency is worth at its link's
+bandwidth (a gloo all-reduce's milliseconds at about 1 GB/s, NVLink's 10-20 us at 200-400
+GB/s). A position table of 1024 x 768 fp32 (3 MiB) read 64 rows at a time moves; a 128k-row
+token embedding does not."""
 
 
 class ParamChains:
@@ -92,12 +103,26 @@ def param_chains(
     graph: fx.Graph,
     edges: Sequence[Edge],
     strategies: Mapping[fx.Node, Strategy],
-    carriers: set[fx.Node],
     param_names: set[str],
+    buffer_names: set[str],
+    mesh_shape: tuple[int, ...],
 ) -> ParamChains:
-    """Find the parameter chain nodes of ``graph`` (module docstring). ``carriers``: the nodes
-    that may carry a gradient (from a parameter or from any floating input but a buffer: a
-    pipeline stage's activation input carries one though it is no parameter)."""
+    """Find the parameter chain nodes of ``graph`` (module docstring)."""
+    from autopar.lowering.conversions import requires_grad_nodes
+
+    # Values that may carry a gradient: from a parameter, or from any floating input that is
+    # not a buffer (a pipeline stage's activation input carries one though it is no parameter).
+    carriers = requires_grad_nodes(
+        graph,
+        {
+            n.name
+            for n in graph.nodes
+            if n.op == "placeholder"
+            and n.name not in buffer_names
+            and isinstance(n.meta.get("val"), torch.Tensor)
+            and n.meta["val"].is_floating_point()
+        },
+    )
     chains = ParamChains()
     into: dict[fx.Node, list[Edge]] = {}
     out_of: dict[fx.Node, list[Edge]] = {}
@@ -130,8 +155,29 @@ def param_chains(
         chains.root[node] = root
         chains.first[node] = first
     for node in reversed(list(chains.root)):
-        chains.passable[node] = _passable(node, strategies[node], out_of.get(node, []), chains)
+        passable = _passable(node, strategies[node], out_of.get(node, []), chains)
+        param, value = chains.root[node], node.meta["val"]
+        if passable and carry_too_big(
+            _local_bytes(param.meta["val"], strategies[param].outputs[0], mesh_shape),
+            _local_bytes(value, strategies[node].outputs[0], mesh_shape),
+        ):
+            passable = frozenset()
+        chains.passable[node] = passable
     return chains
+
+
+def carry_too_big(param_bytes: float, value_bytes: float) -> bool:
+    """Whether summing the parameter's gradient (``param_bytes`` here) in the buckets would cost
+    more than all-reducing the value's (``value_bytes``) where it appears: more than
+    :data:`CARRY_EXTRA_BYTES` more bytes (module docstring)."""
+    return param_bytes > value_bytes + CARRY_EXTRA_BYTES
+
+
+def _local_bytes(value: torch.Tensor, placements: Placements, mesh_shape: tuple[int, ...]) -> float:
+    return (
+        float(math.prod(local_shape(tuple(value.shape), placements, mesh_shape)))
+        * value.element_size()
+    )
 
 
 def _passable(

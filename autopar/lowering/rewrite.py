@@ -157,20 +157,9 @@ def lower(
 
     requires_grad = requires_grad_nodes(graph, set(param_fqn))
     edges = collect_edges(graph, strategies, requires_grad)
-    # Values that may carry a gradient: from parameters, and from any floating input that is
-    # not a buffer (a pipeline stage's activation input does; a user's input may).
-    carriers = requires_grad_nodes(
-        graph,
-        {
-            n.name
-            for n in graph.nodes
-            if n.op == "placeholder"
-            and n.name not in captured.buffer_nodes
-            and isinstance(n.meta.get("val"), torch.Tensor)
-            and n.meta["val"].is_floating_point()
-        },
+    chains = param_chains(
+        graph, edges, strategies, set(param_fqn), set(captured.buffer_nodes), mesh_shape
     )
-    chains = param_chains(graph, edges, strategies, carriers, set(param_fqn))
     deferred = deferred_param_axes(edges, param_fqn, num_axes, chains)
     param_use_order = tuple(
         dict.fromkeys(

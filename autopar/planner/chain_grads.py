@@ -10,9 +10,10 @@ all-reduce of the input's bytes; for such inputs this module moves that price on
 edge (chain node -> consumer), per pair of strategies:
 
 * the chain node's strategy has every tensor input Replicate on ``a`` and hands the consumer
-  the placement it takes: the parameter's bucketed share on ``a`` (``grad_sync_s`` of the
-  parameter's bytes, divided over the axes on which the chain node's gradient-carrying input is
-  split);
+  the placement it takes, and the parameter is not too big to move (its bytes, divided over
+  the axes on which the chain node's gradient-carrying input is split, at most
+  ``CARRY_EXTRA_BYTES`` more than the value's: ``lowering.param_chains.carry_too_big``): the
+  parameter's bucketed share on ``a`` (``grad_sync_s`` of those bytes);
 * otherwise: the whole all-reduce, as before.
 
 A **chain node** here is the structural part of the lowering's condition (a call with one
@@ -28,11 +29,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
 import torch.fx as fx
 
+from autopar.lowering.param_chains import carry_too_big
 from autopar.placement import is_replicate
 from autopar.planner.pricing import CommPricer
 from autopar.strategies import input_nodes
@@ -102,22 +105,44 @@ def _activation_prices(strategies: Sequence, j: int, meta, pricer: CommPricer) -
     return prices
 
 
-def _deferred_prices(
-    strategies: Sequence, carried: int, param_bytes: float, pricer: CommPricer
+def _split(strategy, carried: int, shape) -> int:
+    """Over how many devices the chain node's carried input is split (the parameter's share
+    of it: its layout where the parameter feeds the node directly)."""
+    held = strategy.inputs[carried] if carried < len(strategy.inputs) else None
+    return math.prod(shape[b] for b, p in enumerate(held or ()) if not is_replicate(p))
+
+
+def _movable(
+    strategies: Sequence, carried: int, param_bytes: float, value_meta, shape
 ) -> np.ndarray:
-    """[chain node strategy, mesh axis]: the parameter's bucketed share where the strategy's
-    tensor inputs are all Replicate on the axis; -1 where they are not."""
-    shape = pricer.mesh.shape
-    prices = np.full((len(strategies), len(shape)), -1.0)
+    """[chain node strategy, mesh axis]: whether the lowering may move the reduction of a
+    Partial gradient on the axis to the parameter: the strategy's tensor inputs all Replicate
+    there, and the parameter not too big to move (``lowering.param_chains.carry_too_big``)."""
+    from autopar.planner.space import local_bytes
+
+    movable = np.zeros((len(strategies), len(shape)), dtype=bool)
     for s, strategy in enumerate(strategies):
-        held = strategy.inputs[carried] if carried < len(strategy.inputs) else None
-        if held is None:
+        if carried >= len(strategy.inputs) or strategy.inputs[carried] is None:
             continue
-        split = math.prod(shape[b] for b, p in enumerate(held) if not is_replicate(p))
+        if carry_too_big(
+            param_bytes / _split(strategy, carried, shape),
+            local_bytes(value_meta, strategy.outputs[0], shape),
+        ):
+            continue
         for a in range(len(shape)):
             if shape[a] > 1 and all(p is None or is_replicate(p[a]) for p in strategy.inputs):
-                prices[s, a] = pricer.grad_sync_s(param_bytes / split, a)
-    return prices
+                movable[s, a] = True
+    return movable
+
+
+def _chain_terms(node: fx.Node, roots: dict) -> tuple[float, int, Any, Any]:
+    """(the parameter's global bytes, the carried input's position, the value's meta, the
+    parameter placeholder) of chain node ``node``."""
+    param, carried = roots[node]
+    param_meta = tensor_meta(param.meta["val"])
+    # A parameter's gradient keeps its dtype (as ``_op_space`` prices it).
+    param_bytes = float(math.prod(param_meta.shape)) * param_meta.dtype.itemsize
+    return param_bytes, carried, tensor_meta(node.meta["val"]), param
 
 
 def price_chain_grads(
@@ -127,15 +152,20 @@ def price_chain_grads(
     edges: list,
     pricer: CommPricer,
     needs_grad,
-    param_nodes: dict[str, str],
-    buffer_nodes: dict[str, str],
+    captured,
+    signatures: dict[str, tuple],
 ) -> int:
     """Move the price of each chain node's Partial gradient from its consumer's
-    ``grad_comm_s`` onto their data edge (module docstring); never in place (arrays are shared
-    by repeated layers). Returns the number of edges repriced."""
+    ``grad_comm_s`` onto their data edge (module docstring), where some pair of strategies
+    moves the reduction; never in place (arrays are shared by repeated layers), and the
+    consumer's signature is made its own (``tying`` ties layers by signature: a repriced
+    first layer is no longer like the others). Returns the number of edges repriced."""
     roots = {
-        k: v for k, v in chain_roots(gm, param_nodes, buffer_nodes).items() if k.name in needs_grad
+        k: v
+        for k, v in chain_roots(gm, captured.param_nodes, captured.buffer_nodes).items()
+        if k.name in needs_grad
     }
+    shape = pricer.mesh.shape
     if not roots:
         return 0
     data_edges = {(e.src, e.dst, e.input_index): e for e in edges if e.input_index >= 0}
@@ -153,11 +183,19 @@ def price_chain_grads(
             whole = _activation_prices(consumer.strategies, j, tensor_meta(inp.meta["val"]), pricer)
             if not whole.any():
                 continue
-            param, carried = roots[inp]
-            param_meta = tensor_meta(param.meta["val"])
-            # A parameter's gradient keeps its dtype (as ``_op_space`` prices it).
-            param_bytes = float(math.prod(param_meta.shape)) * param_meta.dtype.itemsize
-            deferred = _deferred_prices(producer.strategies, carried, param_bytes, pricer)
+            param_bytes, carried, value_meta, _ = _chain_terms(inp, roots)
+            movable = _movable(producer.strategies, carried, param_bytes, value_meta, shape)
+            if not movable[:, whole.any(axis=0)].any():
+                continue  # reduced where it appears whatever the layouts: priced so already
+            shares = np.array(
+                [
+                    [
+                        pricer.grad_sync_s(param_bytes / _split(ps, carried, shape), a)
+                        for a in range(len(shape))
+                    ]
+                    for ps in producer.strategies
+                ]
+            ).reshape(len(producer.strategies), len(shape))
             same = np.array(
                 [
                     [float(s.outputs[0] == t.inputs[j]) for t in consumer.strategies]
@@ -169,37 +207,48 @@ def price_chain_grads(
                 partial = whole[:, a] > 0
                 if not partial.any():
                     continue
-                can = (same * (deferred[:, a] >= 0)[:, None] * partial[None, :]) > 0
-                moved = np.where(can, np.maximum(deferred[:, a], 0.0)[:, None], whole[None, :, a])
+                can = (same * movable[:, a][:, None] * partial[None, :]) > 0
+                moved = np.where(can, shares[:, a][:, None], whole[None, :, a])
                 matrix += moved
             key = (id(consumer.grad_comm_s), id(consumer.strategies), j, inp.meta["val"].shape)
             if key not in replaced:  # the entry keeps the replaced array (and its id) alive
                 before = consumer.grad_comm_s
                 replaced[key] = (before, np.maximum(before - whole.sum(axis=1), 0.0))
             consumer.grad_comm_s = replaced[key][1]
+            signatures[node.name] = (signatures.get(node.name), "chain gradient", j)
             edge.cost_s = edge.cost_s + matrix
             repriced += 1
     return repriced
 
 
-def chain_edges(space) -> list[tuple[object, int, int]]:
-    """``(data edge, consumer input position, parameter node index)`` for every edge out of a
-    chain node (an alias counts for its original). Memoised in the space's evaluation cache."""
+def chain_edges(space) -> list[tuple[Any, int, int, np.ndarray]]:
+    """``(data edge, consumer input position, parameter node index, movable)`` for every edge
+    out of a chain node (an alias counts for its original; ``movable`` as :func:`_movable`,
+    per strategy of the chain node). Memoised in the space's evaluation cache."""
     cache = space.evaluation_cache
     out = cache.get("chain_edges")
     if out is None:
-        gm, captured = space.captured.gm, space.captured
-        roots = chain_roots(gm, captured.param_nodes, captured.buffer_nodes)
+        gm, captured, shape = space.captured.gm, space.captured, space.mesh.shape
         needs = space.needs_grad
-        root_of = {n.name: r for n, (r, _) in roots.items() if needs is None or n.name in needs}
+        roots = {
+            n: r
+            for n, r in chain_roots(gm, captured.param_nodes, captured.buffer_nodes).items()
+            if needs is None or n.name in needs
+        }
+        by_name = {n.name: n for n in roots}
         out = []
         for edge in space.edges:
-            root = root_of.get(space.nodes[edge.src].name)
-            if edge.input_index < 0 or root is None or root.name not in space.index:
+            node = by_name.get(space.nodes[edge.src].name)
+            if edge.input_index < 0 or node is None:
                 continue
-            param = space.nodes[space.index[root.name]]
-            owner = space.index[param.alias_of or root.name]
-            out.append((edge, edge.input_index, owner))
+            param_bytes, carried, value_meta, param = _chain_terms(node, roots)
+            if param.name not in space.index:
+                continue
+            owner = space.index[space.nodes[space.index[param.name]].alias_of or param.name]
+            movable = _movable(
+                space.nodes[edge.src].strategies, carried, param_bytes, value_meta, shape
+            )
+            out.append((edge, edge.input_index, owner, movable))
         cache["chain_edges"] = out
     return out
 
@@ -209,16 +258,18 @@ def carried_partial_axes(space, choice) -> dict[int, set[int]]:
     chain from it carries a Partial gradient back under ``choice`` (as priced above)."""
     shape, nodes = space.mesh.shape, space.nodes
     out: dict[int, set[int]] = {}
-    for edge, j, owner in chain_edges(space):
-        produced = nodes[edge.src].strategies[choice[edge.src]]
-        taken = nodes[edge.dst].strategies[choice[edge.dst]]
+    for edge, j, owner, movable in chain_edges(space):
+        s = choice[edge.src]
+        produced, taken = (
+            nodes[edge.src].strategies[s],
+            nodes[edge.dst].strategies[choice[edge.dst]],
+        )
         grad = taken.input_grads[j] if j < len(taken.input_grads) else None
         if grad is None or produced.outputs[0] != taken.inputs[j]:
             continue
         for a, p in enumerate(grad):
-            if p.is_partial() and shape[a] > 1:
-                if all(q is None or is_replicate(q[a]) for q in produced.inputs):
-                    out.setdefault(owner, set()).add(a)
+            if p.is_partial() and shape[a] > 1 and movable[s, a]:
+                out.setdefault(owner, set()).add(a)
     return out
 
 
@@ -227,7 +278,7 @@ def allowed_carried_axes(space, allowed) -> dict[int, set[int]]:
     consumer leaves the chain a Partial gradient (``zero_pricing.allowed_partial_axes``)."""
     shape, nodes = space.mesh.shape, space.nodes
     out: dict[int, set[int]] = {}
-    for edge, j, owner in chain_edges(space):
+    for edge, j, owner, _ in chain_edges(space):
         dst = nodes[edge.dst]
         idx = allowed.get(dst.name) if allowed else None
         for t in range(len(dst.strategies)) if idx is None else idx:

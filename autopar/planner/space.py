@@ -175,11 +175,7 @@ def grad_nodes(gm: fx.GraphModule, param_nodes: dict[str, str]) -> set[str]:
     for node in gm.graph.nodes:
         val = node.meta.get("val")
         if node.op == "placeholder":
-            if (
-                node.name in param_nodes
-                and isinstance(val, torch.Tensor)
-                and val.is_floating_point()
-            ):
+            if node.name in param_nodes and isinstance(val, torch.Tensor) and val.is_floating_point():
                 needs.add(node.name)
         elif node.op == "call_function" and any(inp.name in needs for inp in input_nodes(node)):
             floats = [val] if isinstance(val, torch.Tensor) else list(val or ())
@@ -216,9 +212,7 @@ def build_space(captured: Captured, mesh: Mesh, options: PlanOptions) -> Strateg
             kind = (
                 "param"
                 if node.name in captured.param_nodes
-                else "buffer"
-                if node.name in captured.buffer_nodes
-                else "input"
+                else "buffer" if node.name in captured.buffer_nodes else "input"
             )
             # Each layer's parameters repeat (kind, shape, dtype): priced once, shared.
             sections = param_sections.get(node.name, ())
@@ -264,9 +258,7 @@ def build_space(captured: Captured, mesh: Mesh, options: PlanOptions) -> Strateg
     edges = _edges(gm, nodes, index, pricer, signatures)
     edges.extend(_tie_edges(captured, nodes, index))
     shared_uses = price_shared_param_grads(gm, nodes, index, edges, pricer, needs_grad)
-    price_chain_grads(
-        gm, nodes, index, edges, pricer, needs_grad, captured.param_nodes, captured.buffer_nodes
-    )
+    price_chain_grads(gm, nodes, index, edges, pricer, needs_grad, captured, signatures)
     price_fused_reductions(gm, nodes, edges, pricer)
     bucket_share_s = bucket_rounding(nodes, edges, pricer, shared_uses)
     return StrategySpace(
@@ -459,9 +451,7 @@ def _edges(gm, nodes, index, pricer, signatures) -> list[EdgeSpace]:
             dst_strats = nodes[dst].strategies
             # Price each distinct (source placement, required placement) pair once: strategies
             # share placements, so the matrix is a gather from a much smaller table.
-            src_pls = [
-                s.outputs[out_index] if out_index < len(s.outputs) else None for s in src_strats
-            ]
+            src_pls = [s.outputs[out_index] if out_index < len(s.outputs) else None for s in src_strats]
             dst_pls = [t.inputs[j] for t in dst_strats]
             src_ids = {p: k for k, p in enumerate(dict.fromkeys(src_pls))}
             dst_ids = {p: k for k, p in enumerate(dict.fromkeys(dst_pls))}
@@ -474,9 +464,7 @@ def _edges(gm, nodes, index, pricer, signatures) -> list[EdgeSpace]:
     return edges
 
 
-def _tie_edges(
-    captured: Captured, nodes: list[NodeSpace], index: dict[str, int]
-) -> list[EdgeSpace]:
+def _tie_edges(captured: Captured, nodes: list[NodeSpace], index: dict[str, int]) -> list[EdgeSpace]:
     """Tied parameters lifted as separate placeholders (HF GPT-2's wte / lm_head) are one
     parameter: the same layout is forced by an edge allowing equal placements only, and the
     later placeholder's state is not counted again (``NodeSpace.alias_of``)."""

@@ -123,11 +123,7 @@ def measure_ops(
                 sigs = None
                 break
             placements = strategy.inputs[j] if j < len(strategy.inputs) else None
-            shape = (
-                tuple(val.shape)
-                if placements is None
-                else local_shape(tuple(val.shape), placements, mesh_shape)
-            )
+            shape = tuple(val.shape) if placements is None else local_shape(tuple(val.shape), placements, mesh_shape)
             grad = inp.name in needs and val.dtype.is_floating_point and node.name in needs
             sigs.append((tuple(int(s) for s in shape), val.dtype, grad))
         if sigs is None:
@@ -149,9 +145,7 @@ def measure_ops(
         kwargs = fx.node.map_arg(node.kwargs, real.__getitem__)
         try:
             fn = fwd_bwd_callable(node.target, list(args), dict(kwargs))
-            seconds = time_callable(
-                fn, device=device, min_time_s=config.op_repeat_s, trials=config.op_trials
-            )
+            seconds = time_callable(fn, device=device, min_time_s=config.op_repeat_s, trials=config.op_trials)
         except Exception as exc:  # noqa: BLE001 - an op that cannot run on local shapes alone
             skipped.append((node.name, f"{type(exc).__name__}: {str(exc).splitlines()[0][:100]}"))
             # Kept as NaN: every rank then reduces the same list of ops, whichever rank failed.
@@ -235,10 +229,7 @@ def prepare_plan(
         if len({v for v in stages.values() if v}) > 1:  # per-axis stages
             extra = {"zero_stage": tuple(stages.get(n, 0) for n in names)}
         else:
-            extra = {
-                "zero_stage": zero["stage"],
-                "zero_axes": [names.index(a) for a in zero["axes"]],
-            }
+            extra = {"zero_stage": zero["stage"], "zero_axes": [names.index(a) for a in zero["axes"]]}
         # The plan's chunk size, as autoparallelize runs it (the runtime's own search, for plans
         # without one, makes at least 8 chunks: not the collectives the plan priced).
         extra["chunk_bytes"] = zero.get("chunk_bytes")
@@ -247,17 +238,10 @@ def prepare_plan(
     local = pmodel.shard_inputs(*args, **kwargs)
     local_args, local_kwargs = local if kwargs else (local, {})
     optimizer = torch.optim.AdamW(pmodel.parameters(), lr=1e-4)
-    return PreparedPlan(
-        pmodel=pmodel,
-        optimizer=optimizer,
-        local_args=tuple(local_args),
-        local_kwargs=dict(local_kwargs),
-    )
+    return PreparedPlan(pmodel=pmodel, optimizer=optimizer, local_args=tuple(local_args), local_kwargs=dict(local_kwargs))
 
 
-def time_plans(
-    prepared: Mapping[str, PreparedPlan], config: BenchConfig, device: torch.device
-) -> dict[str, dict[str, Any]]:
+def time_plans(prepared: Mapping[str, PreparedPlan], config: BenchConfig, device: torch.device) -> dict[str, dict[str, Any]]:
     """Median step seconds and peak bytes per plan on this rank. Steps of the plans are
     interleaved (one step of each plan in turn), so load from other processes on a shared
     machine falls on every plan alike instead of on whichever ran at a bad moment."""
@@ -284,11 +268,7 @@ def time_plans(
             plan.step()
         plan.optimizer.zero_grad(set_to_none=True)
         memory = None if peak.peak_delta is None else float(plan.state_bytes() + peak.peak_delta)
-        out[name] = {
-            "step_s": statistics.median(times[name]),
-            "step_times_s": times[name],
-            "peak_memory_bytes": memory,
-        }
+        out[name] = {"step_s": statistics.median(times[name]), "step_times_s": times[name], "peak_memory_bytes": memory}
     return out
 
 
@@ -305,9 +285,7 @@ def _reduce(values: list[float], op: Any) -> list[float]:
     return t.tolist()
 
 
-def bench_on_rank(
-    model_spec: ModelSpec, plans: Mapping[str, Mapping[str, Any]], config: BenchConfig
-) -> dict[str, Any]:
+def bench_on_rank(model_spec: ModelSpec, plans: Mapping[str, Mapping[str, Any]], config: BenchConfig) -> dict[str, Any]:
     """Run the benchmark on this rank (inside an initialized process group); the result (the
     same on every rank) has ``ops`` (per-op entries, timings averaged over ranks), ``skipped_ops``
     and ``plans`` (per plan: predicted and measured step seconds and peak bytes, or ``skipped``)."""
@@ -320,24 +298,15 @@ def bench_on_rank(
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     torch.manual_seed(0)
-    model, args, kwargs = build_preset(
-        model_spec.name, batch=model_spec.batch, seq=model_spec.seq, device=device
-    )
+    model, args, kwargs = build_preset(model_spec.name, batch=model_spec.batch, seq=model_spec.seq, device=device)
     captured = capture(model, args, kwargs)
-    out: dict[str, Any] = {
-        "ops": [],
-        "skipped_ops": [],
-        "plans": {},
-        "load_average": list(os.getloadavg()),
-    }
+    out: dict[str, Any] = {"ops": [], "skipped_ops": [], "plans": {}, "load_average": list(os.getloadavg())}
     if config.measure_ops and config.ops_plan in plans:
         ops = measure_ops(captured, plans[config.ops_plan], config, device)
         mean = _reduce([o["measured_s"] for o in ops["ops"]], dist.ReduceOp.SUM)
         for entry, total in zip(ops["ops"], mean):
             entry["measured_s"] = total / dist.get_world_size()
-        out["ops"] = [
-            o for o in ops["ops"] if math.isfinite(o["measured_s"])
-        ]  # NaN: failed somewhere
+        out["ops"] = [o for o in ops["ops"] if math.isfinite(o["measured_s"])]  # NaN: failed somewhere
         out["skipped_ops"] = ops["skipped"]
     mesh_groups: dict[tuple, Any] = {}
     prepared: dict[str, PreparedPlan] = {}
@@ -375,14 +344,8 @@ def bench_on_rank(
         else:
             m = measured[name]
             # step_times_s: every timed step, the slowest rank's (for the spread over repetitions)
-            step_s, memory, *steps = _reduce(
-                [m["step_s"], m["peak_memory_bytes"] or -1.0, *m["step_times_s"]], dist.ReduceOp.MAX
-            )
-            result = {
-                "step_s": step_s,
-                "step_times_s": steps,
-                "peak_memory_bytes": memory if memory >= 0 else None,
-            }
+            step_s, memory, *steps = _reduce([m["step_s"], m["peak_memory_bytes"] or -1.0, *m["step_times_s"]], dist.ReduceOp.MAX)
+            result = {"step_s": step_s, "step_times_s": steps, "peak_memory_bytes": memory if memory >= 0 else None}
         result["predicted_step_s"] = data["predicted"]["step_s"]
         result["predicted_breakdown"] = data["predicted"]["breakdown"]
         result["predicted_peak_memory_bytes"] = data["predicted"]["peak_memory_bytes"]
@@ -400,9 +363,7 @@ def _matmul_rate(device: torch.device) -> float:
     return _reduce([matmul_flops(n, n, n) / seconds], dist.ReduceOp.SUM)[0] / dist.get_world_size()
 
 
-def _bench_rank(
-    rank: int, world_size: int, model_spec: ModelSpec, plans: dict, config: BenchConfig
-) -> dict | None:
+def _bench_rank(rank: int, world_size: int, model_spec: ModelSpec, plans: dict, config: BenchConfig) -> dict | None:
     result = bench_on_rank(model_spec, plans, config)
     return result if rank == 0 else None
 
@@ -424,10 +385,7 @@ def run_bench(
     if nproc is not None:
         if nproc not in sizes:
             raise ValueError(f"the plans need {sizes.pop()} ranks but nproc is {nproc}")
-        return {
-            **spawn_local(_bench_rank, nproc, model_spec, datas, config)[0],
-            "calibrated_flops": peak,
-        }
+        return {**spawn_local(_bench_rank, nproc, model_spec, datas, config)[0], "calibrated_flops": peak}
     if not dist.is_initialized():
         import datetime
 
@@ -454,32 +412,21 @@ def bench_cost_cli(args: Any, config: BenchConfig) -> int:
     mesh = Mesh.parse(args.mesh, device=device, links=links, profile=args.profile)
     under_torchrun = "WORLD_SIZE" in os.environ and args.nproc is None
     rank = int(os.environ.get("RANK", "0")) if under_torchrun else 0
-    options = PlanOptions(
-        memory_budget=args.budget,
-        optimizer=args.optimizer,
-        solver=args.solver,
-        time_limit_s=args.time_limit,
-        gap=args.gap,
-        auto_margin=args.auto_margin,
-    )
+    options = PlanOptions(memory_budget=args.budget, optimizer=args.optimizer, solver=args.solver,
+                          time_limit_s=args.time_limit, gap=args.gap, auto_margin=args.auto_margin)
     model, ex_args, ex_kwargs = build_preset(args.model, batch=args.batch, seq=args.seq)
     captured = capture(model, ex_args, ex_kwargs)
     recipes = [r for r in args.recipes.split(",") if r]
     plans = plans_for_recipes(captured, mesh, options, recipes=recipes, model_name=args.model)
     nproc = None if under_torchrun else (args.nproc or mesh.num_devices)
-    result = run_bench(
-        ModelSpec(name=args.model, batch=args.batch, seq=args.seq), plans, config, nproc=nproc
-    )
+    result = run_bench(ModelSpec(name=args.model, batch=args.batch, seq=args.seq), plans, config, nproc=nproc)
     if rank != 0:
         return 0
     summary = summarize(result)
     title = f"{args.model} on {mesh.describe()}"
     print(report_text(result, summary, markdown=args.markdown, title=title))
-    ran = [
-        {"plan": n, "predicted_s": p["predicted_step_s"], "measured_s": p["step_s"]}
-        for n, p in result["plans"].items()
-        if "skipped" not in p
-    ]
+    ran = [{"plan": n, "predicted_s": p["predicted_step_s"], "measured_s": p["step_s"]}
+           for n, p in result["plans"].items() if "skipped" not in p]
     written = []
     if prefix is not None and result["ops"]:
         written.append(f"{prefix}_ops.png")
@@ -496,10 +443,5 @@ def bench_cost_cli(args: Any, config: BenchConfig) -> int:
         print(f"report written to {args.html}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(
-                {"result": result, "summary": summary, "config": asdict(config)},
-                f,
-                indent=1,
-                default=str,
-            )
+            json.dump({"result": result, "summary": summary, "config": asdict(config)}, f, indent=1, default=str)
     return 0
