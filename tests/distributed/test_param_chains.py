@@ -12,7 +12,9 @@ every use of every value on the way leaves a Partial gradient; otherwise it stay
   through ``slice`` and ``tanh`` (both deferred), and a bias table whose rows also enter a
   replicated penalty added to the loss (a whole gradient: its rows' Partial gradient is
   all-reduced in the graph, the table not deferred); the same model also returning the
-  position rows (a use outside the graph's edges: reduced in the graph);
+  position rows (a use outside the graph's edges: reduced in the graph); a position table
+  more than ``CARRY_EXTRA_BYTES`` larger than the rows it reads keeps their all-reduce, one
+  row fewer moves;
 * numerics on gloo, against one process: that model and the tiny GPT under ddp on 2 ranks and
   on 2x2, and under fsdp (ZeRO-3) on 2 ranks: loss, every gradient and the parameters after 3
   SGD steps (fp32, rtol 1e-5, atol 1e-6), with the gradient all-reduces left in the graph
@@ -49,10 +51,10 @@ class PositionTables(nn.Module):
     (slice, tanh), then a head; the loss adds a replicated penalty on the bias rows, and the
     model optionally also returns the position rows."""
 
-    def __init__(self, *, return_rows: bool = False) -> None:
+    def __init__(self, *, return_rows: bool = False, pos_rows: int = 2 * SEQ) -> None:
         super().__init__()
         self.tok = nn.Embedding(VOCAB, WIDTH)
-        self.pos = nn.Parameter(torch.randn(2 * SEQ, WIDTH))
+        self.pos = nn.Parameter(torch.randn(pos_rows, WIDTH))
         self.gate = nn.Parameter(torch.randn(2 * SEQ, WIDTH))
         self.bias = nn.Parameter(torch.randn(2 * SEQ, WIDTH))
         self.head = nn.Linear(WIDTH, VOCAB)
@@ -68,9 +70,11 @@ class PositionTables(nn.Module):
         return (loss, rows) if self.return_rows else loss
 
 
-def position_tables(return_rows: bool = False) -> tuple[nn.Module, tuple[Any, ...], dict]:
+def position_tables(
+    return_rows: bool = False, pos_rows: int = 2 * SEQ
+) -> tuple[nn.Module, tuple[Any, ...], dict]:
     torch.manual_seed(0)
-    model = PositionTables(return_rows=return_rows)
+    model = PositionTables(return_rows=return_rows, pos_rows=pos_rows)
     idx = torch.randint(0, VOCAB, (BATCH, SEQ))
     return model, (idx, torch.randint(0, VOCAB, (BATCH, SEQ))), {}
 
@@ -144,6 +148,19 @@ def test_chains_are_deferred_only_where_every_use_leaves_a_partial_gradient() ->
     assert _reduced_values(lowered) == ["slice", "unsqueeze"]
     assert "pos" not in lowered.param_grad_reduce_axes
     assert lowered.param_grad_reduce_axes["gate"] == (0,)
+
+
+def test_a_table_much_larger_than_the_rows_read_keeps_their_all_reduce() -> None:
+    from autopar.lowering.param_chains import CARRY_EXTRA_BYTES
+
+    # 4 bytes per element: the table is just over the limit larger than the 8 rows read.
+    rows = (CARRY_EXTRA_BYTES + SEQ * WIDTH * 4) // (WIDTH * 4) + 1
+    lowered = _lowered(functools.partial(position_tables, pos_rows=rows), "ddp", "2")
+    assert _reduced_values(lowered) == ["slice", "unsqueeze"]
+    assert "pos" not in lowered.param_grad_reduce_axes
+    lowered = _lowered(functools.partial(position_tables, pos_rows=rows - 1), "ddp", "2")
+    assert _reduced_values(lowered) == ["slice"]
+    assert lowered.param_grad_reduce_axes["pos"] == (0,)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -143,3 +143,30 @@ def test_ddp_prediction_changes_by_the_moved_reduction_only(mesh: str) -> None:
         for a in axes
     )
     assert plan.predicted_step_s - before.predicted_step_s == pytest.approx(moved, rel=1e-6)
+
+
+def test_a_table_too_big_to_move_is_priced_where_its_rows_are_reduced() -> None:
+    from autopar.lowering.param_chains import CARRY_EXTRA_BYTES
+    from tests.distributed.test_param_chains import SEQ, WIDTH, position_tables
+
+    rows = (CARRY_EXTRA_BYTES + SEQ * WIDTH * 4) // (WIDTH * 4) + 1
+    reduced = {}
+    for n in (rows, rows - 1):
+        model, args, kwargs = position_tables(pos_rows=n)
+        captured = capture(model, args, kwargs)
+        plan = plan_captured(
+            captured,
+            autopar.Mesh.parse("2", device="h100"),
+            PlanOptions(recipe="ddp"),
+            model_name="tables",
+            price_baselines=False,
+        )
+        space, choice = plan.space, plan.choice
+        unsqueeze = space.index["unsqueeze"]
+        consumer = next(e.dst for e in space.edges if e.src == unsqueeze and e.input_index >= 0)
+        reduced[n] = space.nodes[consumer].grad_comm_s[choice[consumer]]
+        lowered = lower(captured, Plan(data=dict(plan.data)).choices(), space.mesh.shape, "k")
+        assert ("pos" in lowered.param_grad_reduce_axes) == (n < rows)
+    # Too big: the consumer still prices the rows' whole all-reduce; one row fewer: moved.
+    assert reduced[rows] > 0.0
+    assert reduced[rows - 1] < reduced[rows]
