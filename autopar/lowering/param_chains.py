@@ -35,9 +35,9 @@ node's ``passable`` (which every later node's ``passable`` contains).
 The moved reduction is of the parameter's size, not the value's (a 1024-row position table
 read 64 rows at a time sums 16x the bytes); in the buckets it costs no collective of its own
 (DDP pays the same). It moves only where the parameter's local bytes exceed the value's by at
-most :data:`CARRY_EXTRA_BYTES` (:func:`carry_too_big`; a chain node failing it passes
-nothing): a large table read a few rows at a time (a token embedding whose tokens are
-replicated) keeps its value's all-reduce. ``planner.chain_grads`` prices with the same rule.
+most ``CARRY_EXTRA_BYTES`` (``planner.chain_grads.carry_too_big``, which holds the rule and
+prices with it; a chain node failing it passes nothing): a large table read a few rows at a
+time (a token embedding whose tokens are replicated) keeps its value's all-reduce.
 """
 
 from __future__ import annotations
@@ -50,21 +50,15 @@ import torch
 import torch.fx as fx
 
 from autopar.placement import Placements, is_replicate, local_shape
+from autopar.planner.chain_grads import carry_too_big
 from autopar.strategies.registry import Strategy, input_nodes
 
 if TYPE_CHECKING:
     from autopar.lowering.conversions import Edge
 
-__all__ = ["CARRY_EXTRA_BYTES", "ParamChains", "carry_too_big", "param_chains"]
+__all__ = ["ParamChains", "param_chains"]
 
 _aten = torch.ops.aten
-
-CARRY_EXTRA_BYTES = 4 * 2**20
-"""How many more bytes than the value's the parameter's gradient may add to the buckets when
-its reduction moves there: about what one collective's latency is worth at its link's
-bandwidth (a gloo all-reduce's milliseconds at about 1 GB/s, NVLink's 10-20 us at 200-400
-GB/s). A position table of 1024 x 768 fp32 (3 MiB) read 64 rows at a time moves; a 128k-row
-token embedding does not."""
 
 
 class ParamChains:
@@ -164,13 +158,6 @@ def param_chains(
             passable = frozenset()
         chains.passable[node] = passable
     return chains
-
-
-def carry_too_big(param_bytes: float, value_bytes: float) -> bool:
-    """Whether summing the parameter's gradient (``param_bytes`` here) in the buckets would cost
-    more than all-reducing the value's (``value_bytes``) where it appears: more than
-    :data:`CARRY_EXTRA_BYTES` more bytes (module docstring)."""
-    return param_bytes > value_bytes + CARRY_EXTRA_BYTES
 
 
 def _local_bytes(value: torch.Tensor, placements: Placements, mesh_shape: tuple[int, ...]) -> float:

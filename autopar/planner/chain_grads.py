@@ -12,7 +12,7 @@ edge (chain node -> consumer), per pair of strategies:
 * the chain node's strategy has every tensor input Replicate on ``a`` and hands the consumer
   the placement it takes, and the parameter is not too big to move (its bytes, divided over
   the axes on which the chain node's gradient-carrying input is split, at most
-  ``CARRY_EXTRA_BYTES`` more than the value's: ``lowering.param_chains.carry_too_big``): the
+  ``CARRY_EXTRA_BYTES`` more than the value's: :func:`carry_too_big`): the
   parameter's bucketed share on ``a`` (``grad_sync_s`` of those bytes);
 * otherwise: the whole all-reduce, as before.
 
@@ -35,19 +35,35 @@ import numpy as np
 import torch
 import torch.fx as fx
 
-from autopar.lowering.param_chains import carry_too_big
 from autopar.placement import is_replicate
 from autopar.planner.pricing import CommPricer
 from autopar.strategies import input_nodes
 from autopar.strategies.registry import tensor_meta
 
 __all__ = [
+    "CARRY_EXTRA_BYTES",
     "allowed_carried_axes",
+    "carry_too_big",
     "carried_partial_axes",
     "chain_edges",
     "chain_roots",
     "price_chain_grads",
 ]
+
+
+CARRY_EXTRA_BYTES = 4 * 2**20
+"""How many more bytes than the value's the parameter's gradient may add to the buckets when
+its reduction moves there: about what one collective's latency is worth at its link's
+bandwidth (a gloo all-reduce's milliseconds at about 1 GB/s, NVLink's 10-20 us at 200-400
+GB/s). A position table of 1024 x 768 fp32 (3 MiB) read 64 rows at a time moves; a 128k-row
+token embedding does not."""
+
+
+def carry_too_big(param_bytes: float, value_bytes: float) -> bool:
+    """Whether summing the parameter's gradient (``param_bytes`` here) in the buckets would cost
+    more than all-reducing the value's (``value_bytes``) where it appears: more than
+    :data:`CARRY_EXTRA_BYTES` more bytes (module docstring)."""
+    return param_bytes > value_bytes + CARRY_EXTRA_BYTES
 
 
 def chain_roots(
@@ -117,7 +133,7 @@ def _movable(
 ) -> np.ndarray:
     """[chain node strategy, mesh axis]: whether the lowering may move the reduction of a
     Partial gradient on the axis to the parameter: the strategy's tensor inputs all Replicate
-    there, and the parameter not too big to move (``lowering.param_chains.carry_too_big``)."""
+    there, and the parameter not too big to move (:func:`carry_too_big`)."""
     from autopar.planner.space import local_bytes
 
     movable = np.zeros((len(strategies), len(shape)), dtype=bool)

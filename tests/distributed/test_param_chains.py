@@ -151,7 +151,7 @@ def test_chains_are_deferred_only_where_every_use_leaves_a_partial_gradient() ->
 
 
 def test_a_table_much_larger_than_the_rows_read_keeps_their_all_reduce() -> None:
-    from autopar.lowering.param_chains import CARRY_EXTRA_BYTES
+    from autopar.planner.chain_grads import CARRY_EXTRA_BYTES
 
     # 4 bytes per element: the table is just over the limit larger than the 8 rows read.
     rows = (CARRY_EXTRA_BYTES + SEQ * WIDTH * 4) // (WIDTH * 4) + 1

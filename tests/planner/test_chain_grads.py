@@ -146,7 +146,7 @@ def test_ddp_prediction_changes_by_the_moved_reduction_only(mesh: str) -> None:
 
 
 def test_a_table_too_big_to_move_is_priced_where_its_rows_are_reduced() -> None:
-    from autopar.lowering.param_chains import CARRY_EXTRA_BYTES
+    from autopar.planner.chain_grads import CARRY_EXTRA_BYTES
     from tests.distributed.test_param_chains import SEQ, WIDTH, position_tables
 
     rows = (CARRY_EXTRA_BYTES + SEQ * WIDTH * 4) // (WIDTH * 4) + 1
