@@ -28,6 +28,7 @@ import numpy as np
 from solver.errors import InfeasibleError
 from solver.minplus import series_min
 from solver.problem import Edge, Node, Problem
+from solver.tables import array_table, table_matrix
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -45,12 +46,6 @@ class Eliminated:
     (one row, not the whole (s, r) table)."""
     constant_s: float
     num_original: int
-
-
-def _table_matrix(table: tuple) -> np.ndarray:
-    matrix = np.array(table, dtype=np.float64)  # None becomes nan
-    matrix[np.isnan(matrix)] = np.inf
-    return matrix
 
 
 _KEY_SAMPLES = 256
@@ -102,7 +97,7 @@ class SeriesMemo:
         id cannot be reused meanwhile; the relaxation's priced problems share their tables)."""
         found = self._arrays.get(id(table)) or self._previous_arrays.get(id(table))
         if found is None or found[0] is not table:
-            found = (table, _table_matrix(table))
+            found = (table, table_matrix(table))
         self._arrays[id(table)] = found
         return found[1]
 
@@ -179,9 +174,7 @@ class _TupleMemo:
             if np.array_equal(seen, matrix) and _same_signs(seen, matrix):
                 self._done.setdefault(key, []).append((seen, out))
                 return out
-        values = matrix.astype(object)
-        values[~np.isfinite(matrix)] = None
-        out = tuple(map(tuple, values.tolist()))
+        out = array_table(matrix)
         self._done.setdefault(key, []).append((matrix, out))
         return out
 
@@ -206,7 +199,7 @@ class _MinPlusGraph:
             matrix = converted.get(id(edge.cost_s))
             if matrix is None:
                 matrix = converted[id(edge.cost_s)] = (
-                    _table_matrix(edge.cost_s) if memo is None else memo.matrix(edge.cost_s)
+                    table_matrix(edge.cost_s) if memo is None else memo.matrix(edge.cost_s)
                 )
             self.add_edge(edge.src, edge.dst, matrix)
 

@@ -8,7 +8,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from solver.eliminate import SeriesMemo, _table_matrix
+from solver.eliminate import SeriesMemo
+from solver.tables import table_matrix
 
 _ENTRIES = st.sampled_from([0.0, -0.0, 1.5, 2.0, None])
 
@@ -19,7 +20,7 @@ def test_tables_converted_once_keep_their_bits(rows, data) -> None:
     memo = SeriesMemo()
     table = tuple(tuple(r) for r in rows)
     first = memo.matrix(table)
-    assert first.tobytes() == _table_matrix(table).tobytes()
+    assert first.tobytes() == table_matrix(table).tobytes()
     memo.next_generation()
     assert memo.matrix(table) is first  # the same object: converted once
     copy = tuple(tuple(r) for r in rows)  # equal, another object: converted again
