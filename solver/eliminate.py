@@ -54,10 +54,15 @@ equal keys are compared in full)."""
 
 
 def _content_key(array: np.ndarray) -> tuple:
-    """A hashable key of a contiguous array's content, from a strided sample of it: cheap on
-    the large tables, and a collision costs only a full comparison."""
-    flat = array.reshape(-1)
-    return (array.shape, hash(flat[:: max(1, flat.size // _KEY_SAMPLES)].tobytes()))
+    """A hashable key of an array's content, from a strided sample of it in C order: cheap on
+    the large tables, and a collision costs only a full comparison. A transposed view has the
+    key of its contiguous copy, without the copy."""
+    step = max(1, array.size // _KEY_SAMPLES)
+    if array.flags.c_contiguous:
+        sample = array.reshape(-1)[::step]
+    else:
+        sample = array[np.unravel_index(np.arange(0, array.size, step), array.shape)]
+    return (array.shape, hash(sample.tobytes()))
 
 
 class SeriesMemo:
@@ -108,8 +113,8 @@ class SeriesMemo:
     def series(
         self, uv: np.ndarray, cv: np.ndarray, vw: np.ndarray
     ) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        """The min-plus product and the inputs it was formed from (kept for the argmin)."""
-        uv, vw = np.ascontiguousarray(uv), np.ascontiguousarray(vw)
+        """The min-plus product and the inputs it was formed from (kept for the argmin; views
+        such as an edge's transpose are kept as they are: arrays are never written to)."""
         key = self._key(uv, cv, vw)
         found = self._find(self._done, key, (uv, cv, vw))
         for older in self._older:

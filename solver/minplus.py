@@ -34,6 +34,7 @@ def series_min_plain(uv: np.ndarray, cv: np.ndarray, vw: np.ndarray) -> np.ndarr
     """best[s, r] = min_t (uv[s, t] + cv[t]) + vw[t, r], one t at a time: 2-D work arrays
     only, several times faster than forming the 3-D sum and its argmin (the argmin of the
     chosen (s, r) is formed on demand by eliminate.back_substitute, from the same sums)."""
+    vw = np.ascontiguousarray(vw)  # its rows are read one by one
     best = np.full((uv.shape[0], vw.shape[1]), np.inf)
     scratch = np.empty_like(best)
     for t in range(uv.shape[1]):
@@ -64,7 +65,7 @@ def series_min(uv: np.ndarray, cv: np.ndarray, vw: np.ndarray) -> np.ndarray:
     cols = _distinct_rows(vw.T)
     if rows is not None:
         a = a[rows[0]]
-    b = vw if cols is None else vw[:, cols[0]]
+    b = np.ascontiguousarray(vw) if cols is None else vw[:, cols[0]]
     with np.errstate(invalid="ignore"):  # inf - inf or nan: kept, never skipped
         ub = np.min(a + np.max(b, axis=1)[None, :], axis=1)
         lower = a + np.min(b, axis=1)[None, :]
