@@ -26,8 +26,8 @@ save), the sum is 0 and c' inherits c's bound exactly.
 from __future__ import annotations
 
 import math
-from itertools import chain
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 
