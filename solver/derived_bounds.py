@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 
@@ -59,8 +60,9 @@ def _priced(problem: Problem, lam: float) -> tuple[np.ndarray, np.ndarray]:
     starts = np.zeros(len(counts) + 1, dtype=np.int64)
     np.cumsum(counts, out=starts[1:])
     size = int(starts[-1])
-    cost = np.fromiter((c for n in problem.nodes for c in n.cost_s), float, size)
-    memory = np.fromiter((m for n in problem.nodes for m in n.memory_bytes), float, size)
+    # chain.from_iterable walks each node's tuple in C: the same floats, no generator frame each
+    cost = np.fromiter(chain.from_iterable(n.cost_s for n in problem.nodes), float, size)
+    memory = np.fromiter(chain.from_iterable(n.memory_bytes for n in problem.nodes), float, size)
     return cost + lam * memory, starts
 
 

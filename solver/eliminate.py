@@ -28,6 +28,7 @@ import numpy as np
 from solver.errors import InfeasibleError
 from solver.minplus import series_min
 from solver.problem import Edge, Node, Problem
+from solver.tables import array_table, table_matrix
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -47,22 +48,21 @@ class Eliminated:
     num_original: int
 
 
-def _table_matrix(table: tuple) -> np.ndarray:
-    matrix = np.array(table, dtype=np.float64)  # None becomes nan
-    matrix[np.isnan(matrix)] = np.inf
-    return matrix
-
-
 _KEY_SAMPLES = 256
 """Entries of an array that its memo key hashes (equal arrays have equal keys; arrays with
 equal keys are compared in full)."""
 
 
 def _content_key(array: np.ndarray) -> tuple:
-    """A hashable key of a contiguous array's content, from a strided sample of it: cheap on
-    the large tables, and a collision costs only a full comparison."""
-    flat = array.reshape(-1)
-    return (array.shape, hash(flat[:: max(1, flat.size // _KEY_SAMPLES)].tobytes()))
+    """A hashable key of an array's content, from a strided sample of it in C order: cheap on
+    the large tables, and a collision costs only a full comparison. A transposed view has the
+    key of its contiguous copy, without the copy."""
+    step = max(1, array.size // _KEY_SAMPLES)
+    if array.flags.c_contiguous:
+        sample = array.reshape(-1)[::step]
+    else:
+        sample = array[np.unravel_index(np.arange(0, array.size, step), array.shape)]
+    return (array.shape, hash(sample.tobytes()))
 
 
 class SeriesMemo:
@@ -102,7 +102,7 @@ class SeriesMemo:
         id cannot be reused meanwhile; the relaxation's priced problems share their tables)."""
         found = self._arrays.get(id(table)) or self._previous_arrays.get(id(table))
         if found is None or found[0] is not table:
-            found = (table, _table_matrix(table))
+            found = (table, table_matrix(table))
         self._arrays[id(table)] = found
         return found[1]
 
@@ -113,8 +113,8 @@ class SeriesMemo:
     def series(
         self, uv: np.ndarray, cv: np.ndarray, vw: np.ndarray
     ) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        """The min-plus product and the inputs it was formed from (kept for the argmin)."""
-        uv, vw = np.ascontiguousarray(uv), np.ascontiguousarray(vw)
+        """The min-plus product and the inputs it was formed from (kept for the argmin; views
+        such as an edge's transpose are kept as they are: arrays are never written to)."""
         key = self._key(uv, cv, vw)
         found = self._find(self._done, key, (uv, cv, vw))
         for older in self._older:
@@ -179,9 +179,7 @@ class _TupleMemo:
             if np.array_equal(seen, matrix) and _same_signs(seen, matrix):
                 self._done.setdefault(key, []).append((seen, out))
                 return out
-        values = matrix.astype(object)
-        values[~np.isfinite(matrix)] = None
-        out = tuple(map(tuple, values.tolist()))
+        out = array_table(matrix)
         self._done.setdefault(key, []).append((matrix, out))
         return out
 
@@ -206,7 +204,7 @@ class _MinPlusGraph:
             matrix = converted.get(id(edge.cost_s))
             if matrix is None:
                 matrix = converted[id(edge.cost_s)] = (
-                    _table_matrix(edge.cost_s) if memo is None else memo.matrix(edge.cost_s)
+                    table_matrix(edge.cost_s) if memo is None else memo.matrix(edge.cost_s)
                 )
             self.add_edge(edge.src, edge.dst, matrix)
 

@@ -23,7 +23,7 @@ import numpy as np
 from solver.eliminate import _content_key
 from solver.presolve import cost_matrix
 from solver.problem import Edge, Node, Problem
-from solver.tying import _as_tuples
+from solver.tables import array_table
 
 __all__ = ["PatternTerms", "chord_floor", "pattern_problem", "pattern_terms"]
 
@@ -140,7 +140,7 @@ def pattern_problem(
             held = tables.get(id(e.cost_s))
             if held is None:
                 held = tables[id(e.cost_s)] = (e.cost_s, cost_matrix(e.cost_s))
-            summed = (e, m, Edge(src=e.src, dst=e.dst, cost_s=_as_tuples(held[1] + m)))
+            summed = (e, m, Edge(src=e.src, dst=e.dst, cost_s=array_table(held[1] + m)))
         current[key] = summed
         edges.append(summed[2])
     for (s, d), m in extra_edges.items():

@@ -18,6 +18,7 @@ import numpy as np
 from solver.checkpointing import recompute_terms
 from solver.errors import InfeasibleError
 from solver.problem import Problem
+from solver.tables import table_matrix
 
 
 @dataclass(frozen=True, kw_only=True, slots=True, eq=False)
@@ -134,10 +135,9 @@ def validate(problem: Problem) -> None:
 
 
 def cost_matrix(cost_s: Sequence[Sequence[float | None]]) -> np.ndarray:
-    """An edge's cost table as a float64 array, +inf for a forbidden (None) pair."""
-    matrix = np.array(cost_s, dtype=np.float64)  # None becomes nan
-    matrix[np.isnan(matrix)] = np.inf
-    return matrix
+    """An edge's cost table as a float64 array, +inf for a forbidden (None) pair (read-only
+    when the table holds its matrix: solver/tables.py ArrayTable)."""
+    return table_matrix(cost_s)
 
 
 def reduce_problem(problem: Problem) -> Reduced:

@@ -35,6 +35,7 @@ import numpy as np
 from solver.eliminate import SeriesMemo, _MinPlusGraph
 from solver.presolve import cost_matrix
 from solver.problem import Edge, Problem
+from solver.tables import array_table
 
 PRUNE_MIN_ENTRIES = 200_000
 """Prune only problems whose edge tables hold more entries than this: below it the ILP is
@@ -250,8 +251,6 @@ def _restrict(problem: Problem, keep: list[tuple[int, ...]]) -> Problem:
         table = done.get(key)
         if table is None:
             matrix = cost_matrix(e.cost_s)[np.ix_(keep[e.src], keep[e.dst])]
-            values = matrix.astype(object)
-            values[~np.isfinite(matrix)] = None
-            table = done[key] = tuple(map(tuple, values.tolist()))
+            table = done[key] = array_table(matrix)
         edges.append(Edge(src=e.src, dst=e.dst, cost_s=table))
     return Problem(nodes=nodes, edges=tuple(edges), memory_offset_bytes=problem.memory_offset_bytes)

@@ -30,15 +30,14 @@ def float_table(
     sub = np.asarray(matrix, dtype=np.float64)
     if tuple(rows) != tuple(range(sub.shape[0])) or tuple(cols) != tuple(range(sub.shape[1])):
         sub = sub[np.ix_(rows, cols)]
-    values = sub.astype(object)
-    values[~np.isfinite(sub)] = None
     if banned:
+        sub = sub.copy()  # never the caller's matrix
         row_at = {a: k for k, a in enumerate(rows)}
         col_at = {b: k for k, b in enumerate(cols)}
         for a, b in banned:
             if a in row_at and b in col_at:
-                values[row_at[a], col_at[b]] = None
-    return tuple(map(tuple, values.tolist()))
+                sub[row_at[a], col_at[b]] = np.inf
+    return array_table(sub)
 
 
 def entry_array(table: Table) -> np.ndarray:
@@ -61,3 +60,37 @@ def sub_table(entries: np.ndarray, rows: Sequence[int], cols: Sequence[int]) -> 
     ):
         entries = entries[np.ix_(rows, cols)]
     return tuple(map(tuple, entries.tolist()))
+
+
+class ArrayTable(tuple):
+    """An edge table made from a float matrix: nested tuples like any other (equal to, and
+    hashed as, the plain tuple of the same rows) that also hold what reading them back gives,
+    ``matrix`` (float64, +inf where forbidden, read-only). The passes that need the matrix
+    (presolve.cost_matrix, the series memo of solver/eliminate.py) take it instead of
+    converting the tuples again: the relaxation's priced solves made each table in one pass
+    (tie contraction, elimination, pattern terms) only for the next to read it back."""
+
+    matrix: np.ndarray
+
+
+def array_table(matrix: np.ndarray) -> Table:
+    """``matrix`` as the solver's nested tuples (None where not finite), holding the matrix
+    those tuples read back as (:class:`ArrayTable`): the same floats, zero signs included."""
+    finite = np.isfinite(matrix)
+    values = matrix.astype(object)
+    values[~finite] = None
+    table = ArrayTable(map(tuple, values.tolist()))
+    held = np.where(finite, matrix, np.inf)
+    held.flags.writeable = False
+    table.matrix = held
+    return table
+
+
+def table_matrix(table: Table) -> np.ndarray:
+    """An edge table as a float64 matrix, +inf where forbidden (None). An
+    :class:`ArrayTable`'s own matrix, which is read-only: callers never write to it."""
+    if isinstance(table, ArrayTable):
+        return table.matrix
+    matrix = np.array(table, dtype=np.float64)  # None becomes nan
+    matrix[np.isnan(matrix)] = np.inf
+    return matrix

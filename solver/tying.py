@@ -22,6 +22,7 @@ import numpy as np
 
 from solver.presolve import cost_matrix
 from solver.problem import Edge, Node, Problem
+from solver.tables import array_table
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -83,7 +84,7 @@ def contract(problem: Problem) -> Contracted:
             src, dst, array = dst, src, array.T
         pairs[src, dst] = pairs[src, dst] + array if (src, dst) in pairs else array
     new_edges = [
-        Edge(src=src, dst=dst, cost_s=_as_tuples(array)) for (src, dst), array in pairs.items()
+        Edge(src=src, dst=dst, cost_s=array_table(array)) for (src, dst), array in pairs.items()
     ]
     contracted = Problem(
         nodes=tuple(new_nodes),
@@ -92,13 +93,6 @@ def contract(problem: Problem) -> Contracted:
         memory_offset_bytes=problem.memory_offset_bytes,
     )
     return Contracted(problem=contracted, node_map=tuple(node_map))
-
-
-def _as_tuples(array: np.ndarray) -> tuple[tuple[float | None, ...], ...]:
-    """An edge table as the solver's nested tuples (None where +inf: forbidden)."""
-    values = array.astype(object)
-    values[~np.isfinite(array)] = None
-    return tuple(map(tuple, values.tolist()))
 
 
 def _merge_nodes(members: list[Node]) -> Node:

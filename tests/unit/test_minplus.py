@@ -45,18 +45,21 @@ def products(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 @settings(max_examples=120, deadline=None)
-@given(products())
+@given(products(), st.sampled_from([0, 10**18]))
 def test_series_min_shortcuts_equal_the_plain_loop_bitwise(
-    product: tuple[np.ndarray, np.ndarray, np.ndarray],
+    product: tuple[np.ndarray, np.ndarray, np.ndarray], row_work: int
 ) -> None:
-    saved = minplus.SMALL_WORK
+    """Both ways of forming what the shortcuts leave: one t at a time and one row at a time
+    (ROW_WORK 0: every product a row at a time)."""
+    saved = minplus.SMALL_WORK, minplus.ROW_WORK
     minplus.SMALL_WORK = 0  # the shortcuts on every size, down to 1 x 1 x 1
+    minplus.ROW_WORK = row_work
     try:
         with np.errstate(invalid="ignore"):
             got = minplus.series_min(*product)
             want = minplus.series_min_plain(*product)
     finally:
-        minplus.SMALL_WORK = saved
+        minplus.SMALL_WORK, minplus.ROW_WORK = saved
     assert got.shape == want.shape
     nan = np.isnan(want)
     assert np.array_equal(np.isnan(got), nan)
@@ -84,3 +87,20 @@ def test_skipped_inner_strategies_are_the_ones_that_cannot_reach_the_minimum() -
         )
     finally:
         minplus.SMALL_WORK = saved
+
+
+def test_a_row_at_a_time_keeps_the_last_of_equal_zeros() -> None:
+    """Formed a row at a time, a tie between +0.0 (t=0) and -0.0 (t=1) gives the loop's -0.0:
+    the minimum down t runs in ascending t and keeps the later of equal values."""
+    uv = np.array([[0.0, -0.0], [0.0, -0.0]])
+    cv = np.array([0.0, -0.0])
+    vw = np.array([[0.0, 0.0], [-0.0, -0.0]])
+    saved = minplus.SMALL_WORK, minplus.ROW_WORK
+    minplus.SMALL_WORK, minplus.ROW_WORK = 0, 0
+    try:
+        got = minplus.series_min(uv, cv, vw)
+    finally:
+        minplus.SMALL_WORK, minplus.ROW_WORK = saved
+    want = minplus.series_min_plain(uv, cv, vw)
+    assert np.signbit(want).all()  # the loop over t: the last t's -0.0
+    assert got.tobytes() == want.tobytes()

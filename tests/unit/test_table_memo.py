@@ -8,7 +8,11 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from solver.eliminate import SeriesMemo, _table_matrix
+from solver.eliminate import SeriesMemo, eliminate
+from solver.presolve import cost_matrix
+from solver.problem import Edge, Node, Problem
+from solver.tables import ArrayTable, array_table, table_matrix
+from solver.tying import contract
 
 _ENTRIES = st.sampled_from([0.0, -0.0, 1.5, 2.0, None])
 
@@ -19,7 +23,7 @@ def test_tables_converted_once_keep_their_bits(rows, data) -> None:
     memo = SeriesMemo()
     table = tuple(tuple(r) for r in rows)
     first = memo.matrix(table)
-    assert first.tobytes() == _table_matrix(table).tobytes()
+    assert first.tobytes() == table_matrix(table).tobytes()
     memo.next_generation()
     assert memo.matrix(table) is first  # the same object: converted once
     copy = tuple(tuple(r) for r in rows)  # equal, another object: converted again
@@ -42,3 +46,60 @@ def test_tables_converted_once_keep_their_bits(rows, data) -> None:
         for ra, rb in zip(got, want, strict=True)
         for a, b in zip(ra, rb, strict=True)
     )
+
+
+_MATRIX_ENTRIES = st.sampled_from([0.0, -0.0, 1.5, 2.0, np.inf, -np.inf, np.nan])
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.lists(_MATRIX_ENTRIES, min_size=3, max_size=3), min_size=1, max_size=4))
+def test_a_table_made_from_a_matrix_reads_back_as_its_tuples_would(rows) -> None:
+    """array_table: the very tuples of converting entry by entry (None where not finite), and
+    the matrix it holds is what reading those tuples gives, bit for bit; every reader (presolve,
+    the series memo) takes that matrix instead of converting again."""
+    matrix = np.array(rows, dtype=np.float64)
+    table = array_table(matrix)
+    plain = tuple(tuple(float(v) if np.isfinite(v) else None for v in row) for row in rows)
+    assert table == plain
+    assert all(
+        (a is None and b is None) or bool(np.signbit(a)) == bool(np.signbit(b))
+        for ra, rb in zip(table, plain, strict=True)
+        for a, b in zip(ra, rb, strict=True)
+    )
+    assert table.matrix.tobytes() == table_matrix(plain).tobytes()
+    assert cost_matrix(table) is table.matrix
+    assert SeriesMemo().matrix(table) is table.matrix
+    assert not table.matrix.flags.writeable  # shared by every reader: never written to
+    matrix[0, 0] = 9.0  # the caller's matrix is not the one held
+    assert table.matrix.tobytes() == table_matrix(plain).tobytes()
+
+
+def test_contracted_and_eliminated_tables_hold_their_matrix() -> None:
+    """The tables tie contraction and elimination make are read back without conversion."""
+    node = Node(name="n", cost_s=(1.0, 2.0), memory_bytes=(0.0, 0.0))
+    edge_table = ((0.0, 1.0), (None, -0.0))
+    problem = Problem(
+        nodes=(node,) * 4,
+        edges=(
+            Edge(src=0, dst=1, cost_s=edge_table),
+            Edge(src=2, dst=3, cost_s=edge_table),
+            Edge(src=1, dst=2, cost_s=edge_table),
+        ),
+        tied=((0, 2), (1, 3)),
+    )
+    contracted = contract(problem).problem
+    assert contracted.edges
+    for e in contracted.edges:
+        assert isinstance(e.cost_s, ArrayTable)
+        assert cost_matrix(e.cost_s) is e.cost_s.matrix
+        assert e.cost_s.matrix.tobytes() == table_matrix(tuple(e.cost_s)).tobytes()
+    complete = Problem(
+        nodes=(node,) * 4,
+        edges=tuple(
+            Edge(src=a, dst=b, cost_s=edge_table)
+            for a, b in ((0, 1), (1, 2), (2, 3), (3, 0), (0, 2), (1, 3))  # K4: nothing of degree 2
+        ),
+    )
+    kept = eliminate(complete).problem
+    assert kept.edges
+    assert all(isinstance(e.cost_s, ArrayTable) for e in kept.edges)
