@@ -131,7 +131,7 @@ def deferred_param_axes(
     edges: Sequence[Edge],
     param_fqn: Mapping[str, str],
     num_axes: int,
-    chains: ParamChains | None = None,
+    chains: ParamChains,
 ) -> dict[str, tuple[int, ...]]:
     """Axes over which the runtime may sum a parameter's gradient after backward: those on
     which EVERY use leaves a Partial gradient, directly or through a chain of ops on the
@@ -146,7 +146,7 @@ def deferred_param_axes(
             continue
         common = set(range(num_axes))
         for e in param_edges:
-            common &= set(e.partial_axes) | (chains.chain_grad_axes(e) if chains else set())
+            common &= set(e.partial_axes) | chains.chain_grad_axes(e)
         if common:
             deferred[fqn] = tuple(sorted(common))
     return deferred
@@ -159,7 +159,7 @@ def insert_conversions(
     param_fqn: Mapping[str, str],
     mesh_shape: tuple[int, ...],
     group_key: str,
-    chains: ParamChains | None = None,
+    chains: ParamChains,
 ) -> None:
     converted: dict[tuple[fx.Node, Placements, tuple[int, ...]], fx.Node] = {}
     actual: dict[fx.Node, fx.Node] = {}  # getitem node -> the value holding its declared layout
@@ -169,7 +169,7 @@ def insert_conversions(
         if edge.producer.op == "placeholder" and edge.producer.name in param_fqn:
             skip = deferred.get(param_fqn[edge.producer.name], ())
             axes = tuple(a for a in axes if a not in skip)
-        elif chains is not None and axes:
+        elif axes:
             skip = chains.skipped_axes(edge.producer, deferred, param_fqn)
             axes = tuple(a for a in axes if a not in skip)
         if node.target is operator.getitem:

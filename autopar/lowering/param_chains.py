@@ -42,23 +42,20 @@ time (a token embedding whose tokens are replicated) keeps its value's all-reduc
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-import torch
 import torch.fx as fx
 
-from autopar.placement import Placements, is_replicate, local_shape
-from autopar.planner.chain_grads import carry_too_big
-from autopar.strategies.registry import Strategy, input_nodes
+from autopar.placement import is_replicate
+from autopar.planner.chain_grads import carry_too_big, chain_roots
+from autopar.planner.space import local_bytes
+from autopar.strategies.registry import Strategy, input_nodes, tensor_meta
 
 if TYPE_CHECKING:
     from autopar.lowering.conversions import Edge
 
 __all__ = ["ParamChains", "param_chains"]
-
-_aten = torch.ops.aten
 
 
 class ParamChains:
@@ -94,53 +91,29 @@ class ParamChains:
 
 
 def param_chains(
-    graph: fx.Graph,
+    gm: fx.GraphModule,
     edges: Sequence[Edge],
     strategies: Mapping[fx.Node, Strategy],
     param_names: set[str],
     buffer_names: set[str],
     mesh_shape: tuple[int, ...],
 ) -> ParamChains:
-    """Find the parameter chain nodes of ``graph`` (module docstring)."""
-    from autopar.lowering.conversions import requires_grad_nodes
-
-    # Values that may carry a gradient: from a parameter, or from any floating input that is
-    # not a buffer (a pipeline stage's activation input carries one though it is no parameter).
-    carriers = requires_grad_nodes(
-        graph,
-        {
-            n.name
-            for n in graph.nodes
-            if n.op == "placeholder"
-            and n.name not in buffer_names
-            and isinstance(n.meta.get("val"), torch.Tensor)
-            and n.meta["val"].is_floating_point()
-        },
-    )
+    """Find the parameter chain nodes of ``gm``'s graph (module docstring; their structure is
+    ``planner.chain_grads.chain_roots``, shared with the pricing)."""
     chains = ParamChains()
     into: dict[fx.Node, list[Edge]] = {}
     out_of: dict[fx.Node, list[Edge]] = {}
     for edge in edges:
         into.setdefault(edge.consumer, []).append(edge)
         out_of.setdefault(edge.producer, []).append(edge)
-    for node in graph.nodes:
-        if (
-            node.op != "call_function"
-            or node not in strategies
-            or len(strategies[node].outputs) != 1
-            or not isinstance(node.meta.get("val"), torch.Tensor)
-        ):
+    for node, (root, carried) in chain_roots(gm, param_names, buffer_names).items():
+        if node not in strategies or len(strategies[node].outputs) != 1:
             continue
-        carried = [n for n in input_nodes(node) if n in carriers]
-        if len(carried) != 1:
-            continue
-        source = carried[0]
-        if node.target is _aten.embedding.default and len(node.args) > 4 and node.args[4]:
-            continue  # sparse gradients
-        if source.op == "placeholder" and source.name in param_names:
-            root, first = source, node
-        elif source in chains.root:
-            root, first = chains.root[source], chains.first[source]
+        source = input_nodes(node)[carried]
+        if source is root:
+            first = node
+        elif source in chains.first:
+            first = chains.first[source]
         else:
             continue
         edge = next((e for e in into.get(node, ()) if e.producer is source), None)
@@ -150,21 +123,14 @@ def param_chains(
         chains.first[node] = first
     for node in reversed(list(chains.root)):
         passable = _passable(node, strategies[node], out_of.get(node, []), chains)
-        param, value = chains.root[node], node.meta["val"]
+        param = chains.root[node]
         if passable and carry_too_big(
-            _local_bytes(param.meta["val"], strategies[param].outputs[0], mesh_shape),
-            _local_bytes(value, strategies[node].outputs[0], mesh_shape),
+            local_bytes(tensor_meta(param.meta["val"]), strategies[param].outputs[0], mesh_shape),
+            local_bytes(tensor_meta(node.meta["val"]), strategies[node].outputs[0], mesh_shape),
         ):
             passable = frozenset()
         chains.passable[node] = passable
     return chains
-
-
-def _local_bytes(value: torch.Tensor, placements: Placements, mesh_shape: tuple[int, ...]) -> float:
-    return (
-        float(math.prod(local_shape(tuple(value.shape), placements, mesh_shape)))
-        * value.element_size()
-    )
 
 
 def _passable(

@@ -155,10 +155,9 @@ def lower(
     param_fqn, tied = _canonical_param_names(captured)
     inputs = _placeholder_layouts(captured, graph, strategies, param_fqn, mesh_shape)
 
-    requires_grad = requires_grad_nodes(graph, set(param_fqn))
-    edges = collect_edges(graph, strategies, requires_grad)
+    edges = collect_edges(graph, strategies, requires_grad_nodes(graph, set(param_fqn)))
     chains = param_chains(
-        graph, edges, strategies, set(param_fqn), set(captured.buffer_nodes), mesh_shape
+        gm, edges, strategies, set(param_fqn), set(captured.buffer_nodes), mesh_shape
     )
     deferred = deferred_param_axes(edges, param_fqn, num_axes, chains)
     param_use_order = tuple(

@@ -68,21 +68,23 @@ def carry_too_big(param_bytes: float, value_bytes: float) -> bool:
 
 
 def chain_roots(
-    gm: fx.GraphModule, param_nodes: dict[str, str], buffer_nodes: dict[str, str]
+    gm: fx.GraphModule, param_names, buffer_names
 ) -> dict[fx.Node, tuple[fx.Node, int]]:
     """Chain node -> (its parameter placeholder, the input position of its gradient-carrying
-    input). As in the lowering, any floating input but a buffer may carry a gradient (a
-    pipeline stage's activation input does)."""
+    input): a call with one tensor output whose one input that may carry a gradient is a
+    parameter or a chain node. Any floating input but a buffer may carry a gradient (a
+    pipeline stage's activation input does). An embedding with sparse gradients is none. The
+    lowering (``lowering.param_chains``) and the pricing here share this definition."""
+    from autopar.planner.space import grad_nodes
+
     sources = {
-        n.name: 1
+        n.name
         for n in gm.graph.nodes
         if n.op == "placeholder"
-        and n.name not in buffer_nodes
+        and n.name not in buffer_names
         and isinstance(n.meta.get("val"), torch.Tensor)
         and n.meta["val"].is_floating_point()
     }
-    from autopar.planner.space import grad_nodes
-
     carriers = grad_nodes(gm, sources)
     roots: dict[fx.Node, tuple[fx.Node, int]] = {}
     for node in gm.graph.nodes:
@@ -90,11 +92,13 @@ def chain_roots(
             continue
         if not isinstance(node.meta.get("val"), torch.Tensor):
             continue
+        if node.target is torch.ops.aten.embedding.default and len(node.args) > 4 and node.args[4]:
+            continue  # sparse gradients
         carried = [(j, n) for j, n in enumerate(input_nodes(node)) if n.name in carriers]
         if len(carried) != 1:
             continue
         j, source = carried[0]
-        if source.op == "placeholder" and source.name in param_nodes:
+        if source.op == "placeholder" and source.name in param_names:
             roots[node] = (source, j)
         elif source in roots:
             roots[node] = (roots[source][0], j)
