@@ -120,9 +120,11 @@ class PlanOptions:
     """ILP backend: 'highs' or 'cbc'."""
     auto_margin: float | str | None = None
     """The relative gain the auto plan's predicted step must have over the fastest recipe
-    that fits, else the recipe's layout is chosen (autopar/planner/auto_margin.py); None or 0 =
-    always the auto plan (the default: measured in session 9, a margin of the profile's error
-    kept ddp where the auto plan ran as fast or faster on 5 of 6 rows); "profile" = the
+    that fits, else the recipe's layout is chosen (autopar/planner/auto_margin.py). None (the
+    default): near-ties only, on a device whose profile was measured (``TIE_MARGIN``, 2%, or
+    the profile's error where smaller; 0 on datasheet devices); 0 = always the auto plan (a
+    margin of the profile's full error kept ddp where the auto plan ran as fast or faster on 5
+    of 6 rows in session 9, hence not the default); "profile" = the
     profile's measured error of a difference (``DeviceSpec.paired_error``, else
     ``DeviceSpec.step_error``; 0 for datasheet devices)."""
 

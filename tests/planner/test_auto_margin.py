@@ -15,7 +15,7 @@ from autopar.capture.export import Captured, capture
 from autopar.mesh import Mesh
 from autopar.options import PlanOptions
 from autopar.plan.document import Plan
-from autopar.planner.auto_margin import prefer_recipe_within_margin
+from autopar.planner.auto_margin import TIE_MARGIN, auto_margin, prefer_recipe_within_margin
 from autopar.planner.driver import Driver
 from autopar.planner.space import build_space
 from cost_models import get_device
@@ -81,8 +81,17 @@ def test_the_profiles_measured_error_is_the_margin_only_when_asked(gpt, space) -
     noisy = dataclasses.replace(get_device("h100"), step_error=gain * 1.5)
     mesh = Mesh.spec((4,), ("dp",), device=noisy)
     noisy_space = build_space(gpt, mesh, PlanOptions())
-    default = Driver(noisy_space).plan()  # default margin 0: the auto plan, nothing weighed
-    assert default.decision is None and default.chosen.choice == gain_plan.chosen.choice
+    # The default on a measured device: near-ties only (TIE_MARGIN), so the auto plan, 13.6%
+    # faster, is kept and the decision says why; an explicit 0 weighs nothing.
+    default = Driver(noisy_space).plan()
+    assert default.decision["margin_source"] == "tie" and default.decision["chosen"] == "auto"
+    assert (
+        default.decision["margin"] == TIE_MARGIN
+        and default.chosen.choice == gain_plan.chosen.choice
+    )
+    assert "beyond the 2.0% near-tie margin of a measured profile" in default.decision["reason"]
+    zero = Driver(noisy_space, options=PlanOptions(auto_margin=0)).plan()
+    assert zero.decision is None and zero.chosen.choice == gain_plan.chosen.choice
     planned = Driver(noisy_space, options=PlanOptions(auto_margin="profile")).plan()
     assert planned.decision["margin_source"] == "profile"
     assert planned.decision["chosen"] == "ddp"
@@ -123,3 +132,34 @@ def test_a_bad_margin_is_a_one_line_error() -> None:
         PlanOptions(auto_margin=5)
     with pytest.raises(ValueError, match="step_error must be in"):
         dataclasses.replace(get_device("h100"), step_error=1.0)
+
+
+def test_the_default_margin_decides_near_ties_on_measured_devices_only(gpt, space) -> None:
+    """A measured device (step_error or paired_error above 0) gets TIE_MARGIN, or its own error
+    where that is smaller; a datasheet device 0; an explicit option wins over both. At a
+    near-tie (the auto plan predicted less than the margin faster) the recipe is chosen."""
+    h100 = get_device("h100")
+    options = PlanOptions()
+    assert auto_margin(MESH, options) == (0.0, "option")
+    noisy = Mesh.spec((4,), ("dp",), device=dataclasses.replace(h100, step_error=0.3))
+    assert auto_margin(noisy, options) == (TIE_MARGIN, "tie")
+    precise = Mesh.spec((4,), ("dp",), device=dataclasses.replace(h100, paired_error=0.005))
+    assert auto_margin(precise, options) == (0.005, "tie")
+    assert auto_margin(noisy, PlanOptions(auto_margin=0.1)) == (0.1, "option")
+    assert auto_margin(noisy, PlanOptions(auto_margin=0)) == (0.0, "option")
+    planned = Driver(space).plan()
+    auto = planned.chosen
+    # A recipe priced 1% slower than the auto plan is a near-tie: the recipe is chosen.
+    near = {
+        "ddp": dataclasses.replace(
+            planned.baselines["ddp"],
+            evaluation=dataclasses.replace(
+                planned.baselines["ddp"].evaluation, step_s=auto.evaluation.step_s * 1.01
+            ),
+        )
+    }
+    chosen, decision = prefer_recipe_within_margin(
+        auto, near, margin=TIE_MARGIN, source="tie", budget=1e12
+    )
+    assert chosen is near["ddp"] and decision["chosen"] == "ddp"
+    assert "within the 2.0% near-tie margin of a measured profile" in decision["reason"]
