@@ -58,6 +58,7 @@ from torch.distributed.pipelining import (
 )
 from torch.utils._pytree import tree_flatten
 
+from autopar.lowering.checkpointing import CheckpointedSegment
 from autopar.lowering.local_ops import autopar_scale_grad
 from autopar.placement import SectionShard, Shard
 from autopar.planner.stages import MULTI_STAGE_SCHEDULES, V_SCHEDULES
@@ -150,6 +151,9 @@ class _Stage(PipelineStage):
     schedule runs between its point-to-point waits): :attr:`PipelineModule.busy_s`."""
 
     busy_s: float = 0.0
+    recomputes: bool = False
+    """The stage's graph recomputes checkpointed segments: its weight pass replays (one
+    autograd call, one recomputation; :mod:`autopar.runtime.pipeline_backward`)."""
     defer_reduction: bool = False
     """Every backward pass runs under ``no_sync``; :meth:`PipelineModule.step` reduces the
     accumulated gradients after the schedule (split-backward schedules)."""
@@ -181,8 +185,10 @@ class _Stage(PipelineStage):
         sync = last_backward and not self.defer_reduction
         context = contextlib.nullcontext() if sync else self.submod.pmodule.no_sync()
         with context:
-            if backward_type == "weight":  # one autograd call, ZeRO's chunks whole
-                weight_pass(self.submod.parameters(), bwd_kwargs["param_groups"])
+            if backward_type == "weight":  # ZeRO's chunks whole, the input pass not replayed
+                weight_pass(
+                    self.submod.parameters(), bwd_kwargs["param_groups"], replay=self.recomputes
+                )
                 return (), None
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
 
@@ -238,6 +244,9 @@ class PipelineModule(nn.Module):
         for stage in pipeline_stages:
             stage.defer_reduction = self._defer_reduction
             stage.submod.plain_outputs = self._defer_reduction
+            stage.recomputes = any(
+                isinstance(m, CheckpointedSegment) for m in stage.submod.modules()
+            )
         self._stages = pipeline_stages
         self.busy_s = 0.0
         """Wall seconds this rank spent in its stages' microbatch forwards and backwards during
