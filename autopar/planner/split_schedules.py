@@ -21,15 +21,16 @@ and on the three times. So:
   ``F``), ``W`` after its own ``I``. The step is the last action's end;
 - **the times are the stage's**: ``F`` is ``forward_s``, ``I`` the backward without the
   weight gradients (``backward_s - weight_s``), ``B`` the whole ``backward_s``; each adds
-  half the stage's sends (``p2p_s``, as the closed forms count them). ``W`` is ``weight_s``
-  plus what autopar's weight pass computes again: it is one ``torch.autograd.grad`` from the
-  recorded intermediates to the parameters (autopar/runtime/pipeline_backward.py), and
-  autograd runs every backward node on a path from an intermediate to a parameter, so the
-  input gradients between the stage's first and last intermediate (every matmul's dX, the
-  pointwise ops between them) are computed a second time and dropped at the next
-  intermediate (its gradient is pinned to the recorded one). That is nearly the whole input
-  pass: ``W = weight_s + WEIGHT_PASS_REPLAY * (backward_s - weight_s)``, with
-  ``WEIGHT_PASS_REPLAY`` 1.0;
+  half the stage's sends (``p2p_s``, as the closed forms count them). ``W`` is what
+  autopar's weight pass (autopar/runtime/pipeline_backward.py) computes: on a stage that
+  does not recompute, the cut pass runs each intermediate's parameter-side products once,
+  one autograd call per intermediate, so ``W = weight_s * (1 + WEIGHT_PASS_OVERHEAD)`` (the
+  calls' cost, measured on CPU: a 4-block GPT stage's input pass 15.5 ms and weight pass
+  15.0 ms against 26.4 ms for its whole backward); on a stage that recomputes, the replay
+  pass (one autograd call, so the segments recompute once) runs every backward node between
+  the intermediates again: ``W = weight_s + WEIGHT_PASS_REPLAY * (backward_s - weight_s)``,
+  with ``WEIGHT_PASS_REPLAY`` 1.0 (until session 21 every stage's weight pass replayed:
+  zero-bubble and ZBV measured 1.21-1.43x interleaved 1F1B's step, 1.03-1.12x since);
 - **in flight**: a microbatch's activations on a stage stay from its ``F`` until its ``W``
   (or ``B``) ends, since the weight pass reads them. :func:`in_flight_counts` walks each
   rank's order (no timing needed: a rank runs its order in sequence) and returns the most
@@ -54,7 +55,16 @@ SPLIT_VIRTUAL = 2
 the interleaved zero-bubble schedule is offered with 2 as interleaved 1F1B is."""
 
 WEIGHT_PASS_REPLAY = 1.0
-"""Share of the input pass that autopar's weight pass computes again (module docstring)."""
+"""Share of the input pass that the weight pass of a stage that recomputes computes again
+(module docstring)."""
+
+WEIGHT_PASS_OVERHEAD = 0.25
+"""The cut weight pass's cost beyond its products, as a share of them (module docstring)."""
+
+
+def replays(stage) -> bool:
+    """The stage's weight pass is the replay pass: its plan recomputes blocks."""
+    return bool(stage.detail.get("recomputed_blocks"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,7 +157,9 @@ def action_seconds(stage, kind: str) -> float:
     input_pass = stage.backward_s - stage.weight_s
     if kind == "I":
         return input_pass + half_send
-    return stage.weight_s + WEIGHT_PASS_REPLAY * input_pass
+    if replays(stage):
+        return stage.weight_s + WEIGHT_PASS_REPLAY * input_pass
+    return stage.weight_s * (1 + WEIGHT_PASS_OVERHEAD)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

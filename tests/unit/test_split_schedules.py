@@ -3,6 +3,8 @@ the event-driven timeline, in-flight counts, and the stage search offering them 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -10,6 +12,7 @@ from hypothesis import strategies as st
 from autopar.planner.pipeline_schedule import StageCost, schedule_time
 from autopar.planner.split_schedules import (
     SPLIT_SCHEDULES,
+    WEIGHT_PASS_OVERHEAD,
     Act,
     action_orders,
     action_seconds,
@@ -96,32 +99,31 @@ def test_refusals_are_torchs() -> None:
         action_orders("dualpipev", 4, 4)
 
 
-def test_the_weight_pass_replays_the_input_pass() -> None:
-    # autopar's weight pass differentiates from the recorded intermediates: it recomputes the
-    # input gradients between them (split_schedules' module docstring).
-    stage = StageCost(forward_s=1.0, backward_s=3.0, weight_s=1.0, p2p_s=0.2)
-    assert action_seconds(stage, "I") == pytest.approx(2.0 + 0.1)
-    assert action_seconds(stage, "W") == pytest.approx(1.0 + 2.0)
-    assert action_seconds(stage, "B") == pytest.approx(3.0 + 0.1)
+def test_the_weight_pass_replays_the_input_pass_only_where_the_stage_recomputes() -> None:
+    # autopar's weight pass (split_schedules' module docstring): the cut pass runs the
+    # products once, at WEIGHT_PASS_OVERHEAD more; a recomputing stage's replay pass computes
+    # the input gradients between the intermediates again.
+    plain = StageCost(forward_s=1.0, backward_s=3.0, weight_s=1.0, p2p_s=0.2)
+    assert action_seconds(plain, "I") == pytest.approx(2.0 + 0.1)
+    assert action_seconds(plain, "W") == pytest.approx(1.0 * (1 + WEIGHT_PASS_OVERHEAD))
+    assert action_seconds(plain, "B") == pytest.approx(3.0 + 0.1)
+    recomputing = dataclasses.replace(plain, detail={"recomputed_blocks": 1})
+    assert action_seconds(recomputing, "I") == pytest.approx(2.0 + 0.1)
+    assert action_seconds(recomputing, "W") == pytest.approx(1.0 + 2.0)
 
 
 def test_a_split_schedule_fills_the_bubble_when_the_weight_pass_is_cheap() -> None:
-    # 4 ranks, 8 microbatches: 1F1B idles (p - 1) (f + b) = 9 of 33; with the weight pass free
-    # of replay ZBV's step is 25.5, with autopar's replay (W = the whole backward) 34.5.
-    import autopar.planner.split_schedules as split
-
+    # 4 ranks, 8 microbatches: 1F1B idles (p - 1) (f + b) = 9 of 33; ZBV with the cut weight
+    # pass (no replay) is faster, with the replay pass (a recomputing stage: W = the whole
+    # backward) slower.
     p, m = 4, 8
     chunk = StageCost(forward_s=0.5, backward_s=1.0, weight_s=0.5)
+    replaying = dataclasses.replace(chunk, detail={"recomputed_blocks": 1})
     one = schedule_time(
         [StageCost(forward_s=1.0, backward_s=2.0)] * p, microbatches=m, schedule="1f1b"
     )
-    replayed = schedule_time([chunk] * (2 * p), microbatches=m, schedule="zbv", num_ranks=p)
-    old = split.WEIGHT_PASS_REPLAY
-    split.WEIGHT_PASS_REPLAY = 0.0
-    try:
-        plain = schedule_time([chunk] * (2 * p), microbatches=m, schedule="zbv", num_ranks=p)
-    finally:
-        split.WEIGHT_PASS_REPLAY = old
+    replayed = schedule_time([replaying] * (2 * p), microbatches=m, schedule="zbv", num_ranks=p)
+    plain = schedule_time([chunk] * (2 * p), microbatches=m, schedule="zbv", num_ranks=p)
     assert plain.step_s < one.step_s < replayed.step_s
     assert plain.bubble_fraction < one.bubble_fraction
 
@@ -161,16 +163,18 @@ def test_the_stage_search_takes_a_split_schedule_only_where_it_pays(monkeypatch)
     import autopar.planner.split_schedules as split
 
     # 4 pipeline ranks, 16 blocks, 4 microbatches (DualPipeV needs 8: not offered). The
-    # split schedules' bubble is smaller than interleaved 1F1B's, but every weight pass
-    # replays the input pass (autopar's runtime): they are slower, and not chosen.
+    # split schedules' bubble is smaller than interleaved 1F1B's; with the cut weight pass
+    # (stages that do not recompute) the bubble saving decides and zero-bubble wins.
     few = _search(4, 4, _parts(0.5))
     assert {c.schedule for c in few} == {"gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv"}
-    best, zb = few[0], next(c for c in few if c.schedule == "zero-bubble")
+    assert few[0].schedule == "zero-bubble"
+    # Where every weight pass replays the input pass (stages that recompute), the split
+    # schedules are slower despite their smaller bubble, and not chosen.
+    monkeypatch.setattr(split, "replays", lambda stage: True)
+    replayed = _search(4, 4, _parts(0.5))
+    best, zb = replayed[0], next(c for c in replayed if c.schedule == "zero-bubble")
     assert best.schedule == "interleaved-1f1b"
     assert zb.time.bubble_fraction < best.time.bubble_fraction and zb.step_s > best.step_s
-    # A weight pass without the replay: the bubble saving decides, the split schedule wins.
-    monkeypatch.setattr(split, "WEIGHT_PASS_REPLAY", 0.0)
-    assert _search(4, 4, _parts(0.5))[0].schedule == "zero-bubble"
     monkeypatch.undo()
     # 8 microbatches: DualPipeV (most backwards whole, so little replay) leaves no idle time
     # on its busiest rank and wins; its step is its simulated schedule's.
