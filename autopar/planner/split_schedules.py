@@ -25,8 +25,10 @@ and on the three times. So:
   autopar's weight pass (autopar/runtime/pipeline_backward.py) computes: on a stage that
   does not recompute, the cut pass runs each intermediate's parameter-side products once,
   one autograd call per intermediate, so ``W = weight_s * (1 + WEIGHT_PASS_OVERHEAD)`` (the
-  calls' cost, measured on CPU: a 4-block GPT stage's input pass 15.5 ms and weight pass
-  15.0 ms against 26.4 ms for its whole backward); on a stage that recomputes, the replay
+  calls' cost: ``benchmarks/weight_pass_time.py`` measures a 4-block GPT stage's input and
+  weight passes at 1.41x its whole backward on CPU; 0.5 is fitted to four runs of
+  ``benchmarks/pipeline_zero_bubble.py``, README "Session 21: the weight pass without the
+  replay"); on a stage that recomputes, the replay
   pass (one autograd call, so the segments recompute once) runs every backward node between
   the intermediates again: ``W = weight_s + WEIGHT_PASS_REPLAY * (backward_s - weight_s)``,
   with ``WEIGHT_PASS_REPLAY`` 1.0 (until session 21 every stage's weight pass replayed:
@@ -58,7 +60,7 @@ WEIGHT_PASS_REPLAY = 1.0
 """Share of the input pass that the weight pass of a stage that recomputes computes again
 (module docstring)."""
 
-WEIGHT_PASS_OVERHEAD = 0.25
+WEIGHT_PASS_OVERHEAD = 0.5
 """The cut weight pass's cost beyond its products, as a share of them (module docstring)."""
 
 
