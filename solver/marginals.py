@@ -23,25 +23,32 @@ what each step eliminated:
   (never subtracting: tables hold +inf). The same with u and w exchanged, and for leaf
   steps and unary children with one variable fewer;
 - the instance's min-marginal is M(v, t) = min over (u, w) of pi(u, w) + a f_j(t, u, w): the
-  relaxation's optimum with that copy of v at t.
+  relaxation's optimum with that copy of v at t. Only one instance of each step is followed
+  (the one of largest scale; every step has one, since each parent step has one): the
+  others would cost their products again for one more valid bound of the same node.
 
 Why it is exact (a valid bound): every plan x of the original is a plan of the relaxation
 with every copy of a node at the node's strategy, at the same cost (the halves add back up).
 So for any instance of any copy of node i, M(t) <= min over relaxed plans with that copy at
 t <= the cost of every original plan with x_i = t. The largest of node i's instances'
 marginals is still a lower bound, and prune.py drops a strategy only when it exceeds the
-cost of a known plan (plus a relative 1e-9 for sums in another order): no strategy of a plan
-within that cost, so of no optimal plan, is dropped.
+cost UB of a known plan (plus a relative 1e-9 for sums in another order): no strategy of a
+plan within UB, so of no optimal plan, is dropped.
 
-The root's own bound is the forward pass's (bit for bit the pinned run's). Restricting the
-root to the strategies its bound keeps before the backward pass is exact for the same reason
-as prune.py's sequential restriction (a plan within the upper bound uses only kept
-strategies), and makes the products cheaper: strategies at +inf in pi are cut out of them.
+Restriction inside the pass. The root's own bound is the forward pass's (bit for bit the
+pinned run's); the root is restricted to the strategies it keeps before the backward pass,
+and each node as soon as its first bound is known (steps come in reverse order, so a node's
+bucket, and those of its copies, come before every bucket below them): its dropped
+strategies are +inf in the outside messages passed down, and products leave them out. The
+bounds computed after that are bounds over the plans that use no dropped strategy; every
+plan within UB is one of them (by induction, each dropped strategy is in no plan within UB),
+so they still never drop a strategy of such a plan. This is prune.py's sequential argument.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 
@@ -138,7 +145,9 @@ def _minplus(left: np.ndarray, right: np.ndarray) -> np.ndarray:
         return out
     if rows.all() and inner.all() and cols.all():
         return series_min(left, np.zeros(left.shape[1]), right)
-    part = series_min(left[np.ix_(rows, inner)], np.zeros(np.count_nonzero(inner)), right[np.ix_(inner, cols)])
+    part = series_min(
+        left[np.ix_(rows, inner)], np.zeros(np.count_nonzero(inner)), right[np.ix_(inner, cols)]
+    )
     out[np.ix_(rows, cols)] = part
     return out
 
@@ -203,7 +212,7 @@ class OnePass:
         self.root_bound = graph.cost[root] + constant
         self.plan = _plan(steps, root, int(np.argmin(self.root_bound)), len(graph.cost))[:num]
         self.num_copies = len(graph.cost) - num
-        self.root_cost_sizes = [len(c) for c in graph.cost[:num]]
+        self.sizes = [len(c) for c in graph.cost[:num]]
 
     def bounds(self, root_keep: np.ndarray, limit: float, plan: list[int]) -> list[np.ndarray]:
         """Every node's LB, the root restricted to ``root_keep`` (a mask over its strategies)
@@ -237,20 +246,20 @@ class OnePass:
                 others = _others(self.root_terms, k, 1.0, cost.shape)
                 outside = np.where(root_keep, others, np.inf) + constant
                 instances[child].append((scale, outside))
-        self.num_instances = 0
         for j in reversed(range(len(steps))):
-            step = steps[j]
             if not instances[j]:
                 continue
-            # one instance per step: the one of largest scale (module docstring)
+            step = steps[j]
+            # one instance per step, the one of largest scale (module docstring)
             alpha, outside = max(instances[j], key=lambda instance: instance[0])
-            if True:
-                if step.u >= 0 and masks[origin[step.u]] is not None:
-                    outside = np.where(masks[origin[step.u]][:, None] if step.w >= 0 else masks[origin[step.u]], outside, np.inf)
-                if step.w >= 0 and masks[origin[step.w]] is not None:
-                    outside = np.where(masks[origin[step.w]][None, :], outside, np.inf)
-                _backward(step, alpha, outside, instances, record)
-        out = [b if b is not None else np.full(c, -np.inf) for b, c in zip(bounds, self.root_cost_sizes)]
+            for var, axis in ((step.u, 0), (step.w, 1)):
+                mask = masks[origin[var]] if var >= 0 else None
+                if mask is not None:
+                    outside = np.where(
+                        mask[:, None] if axis == 0 and outside.ndim == 2 else mask, outside, np.inf
+                    )
+            _backward(step, alpha, outside, instances, record)
+        out = [b if b is not None else np.full(n, -np.inf) for b, n in zip(bounds, self.sizes)]
         out[self.root] = np.where(root_keep, self.root_bound, np.inf)
         return out
 
@@ -260,7 +269,7 @@ def _backward(
     alpha: float,
     outside: np.ndarray,
     instances: list[list[tuple[float, np.ndarray]]],
-    record,
+    record: Callable[[int, np.ndarray], np.ndarray],
 ) -> None:
     """One instance of a step: its v's min-marginal (given to ``record``, which returns the
     strategies of v kept), then its children's instances, without v's dropped strategies."""

@@ -200,7 +200,9 @@ def _pinned_bound(
     return bound, full[: base.num]
 
 
-def prune(problem: Problem, memo: SeriesMemo | None = None, *, method: str = "one-pass") -> Pruned | None:
+def prune(
+    problem: Problem, memo: SeriesMemo | None = None, *, method: str = "one-pass"
+) -> Pruned | None:
     """The problem restricted by bounds (module docstring); None when nothing is dropped.
 
     ``problem`` must be budget-free and without tie classes or segments. The node with the
