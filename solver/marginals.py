@@ -108,26 +108,14 @@ def _halved(terms: list[_Term]) -> list[_Term]:
 
 
 def _split(graph: _MinPlusGraph, terms: _Terms, v: int) -> int:
-    """prune._split, with the terms split alike. Returns the copy's index."""
-    n1, n2 = sorted(graph.neighbours[v])[:2]
-    copy = len(graph.cost)
-    half = graph.cost[v] * 0.5
-    graph.cost[v] = half
-    graph.cost.append(half)
-    graph.neighbours.append(set())
+    """_MinPlusGraph.split, with the terms split alike. Returns the copy's index."""
+    copy, n1, n2 = graph.split(v)
     terms.unary[v] = _halved(terms.unary[v])
     terms.unary.append(list(terms.unary[v]))
-    first = graph.oriented(v, n1)
-    second = graph.oriented(v, n2) * 0.5
     first_terms = terms.oriented(v, n1)
     second_terms = _halved(terms.oriented(v, n2))
-    graph.drop(v, n1)
-    graph.drop(v, n2)
     terms.drop(v, n1)
     terms.drop(v, n2)
-    graph.add_edge(v, n2, second)
-    graph.add_edge(copy, n1, first)
-    graph.add_edge(copy, n2, second)
     terms.add(v, n2, second_terms)
     terms.add(copy, n1, first_terms)
     terms.add(copy, n2, second_terms)
