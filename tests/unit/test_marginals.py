@@ -6,6 +6,7 @@ the pinned run's."""
 from __future__ import annotations
 
 import itertools
+import random
 
 import numpy as np
 from hypothesis import given, settings
@@ -146,3 +147,47 @@ def test_a_k5_is_split_and_its_bounds_stay_below_the_truth() -> None:
     for bound, exact in zip(bounds, truth, strict=True):
         assert np.all(bound <= exact + 1e-9)
         assert np.all(bound >= 0.5 * np.min(exact))  # the relaxation is not vacuous
+
+
+def test_restricting_inside_the_pass_tightens_the_bounds() -> None:
+    """A K5 of 3 strategies (integer costs, seeded): with each node restricted as soon as its
+    bound is known, the pass drops a strategy that the same pass without restriction keeps;
+    an optimal plan stays within the limit either way."""
+    rng = random.Random(28)
+    k = 3
+    nodes = tuple(
+        Node(
+            name=f"n{i}",
+            cost_s=tuple(float(rng.randint(0, 9)) for _ in range(k)),
+            memory_bytes=(0.0,) * k,
+        )
+        for i in range(5)
+    )
+    edges = tuple(
+        Edge(
+            src=u,
+            dst=v,
+            cost_s=tuple(tuple(float(rng.randint(0, 9)) for _ in range(k)) for _ in range(k)),
+        )
+        for u, v in itertools.combinations(range(5), 2)
+    )
+    base = _Base(Problem(nodes=nodes, edges=edges))
+    one = OnePass(base.fresh(), base.num, 0, SeriesMemo())
+    plan = one.plan
+    base.improve(plan)
+    upper = base.plan_cost(plan)
+    root_keep = one.root_bound <= upper
+    root_keep[plan[0]] = True
+    restricted = one.bounds(root_keep, upper, plan)
+    unrestricted = one.bounds(root_keep, np.inf, plan)
+
+    def kept(bounds: list[np.ndarray]) -> int:
+        return sum(int(np.count_nonzero(b <= upper)) for b in bounds)
+
+    assert kept(restricted) < kept(unrestricted)
+    truth = min_marginals(base)
+    optimum = min(float(np.min(m)) for m in truth)
+    best = min(itertools.product(range(k), repeat=5), key=lambda p: base.plan_cost(list(p)))
+    assert base.plan_cost(list(best)) == optimum
+    for i, s in enumerate(best):
+        assert restricted[i][s] <= upper and unrestricted[i][s] <= upper
