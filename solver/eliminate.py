@@ -233,6 +233,25 @@ class _MinPlusGraph:
         self.neighbours[a].discard(b)
         self.neighbours[b].discard(a)
 
+    def split(self, v: int) -> tuple[int, int, int]:
+        """Split node v (degree >= 3) for a relaxation (solver/prune.py's module docstring): a
+        new copy takes v's first neighbour's edge, half of its second's and half of v's cost.
+        Returns (the copy's index, the first neighbour, the second)."""
+        n1, n2 = sorted(self.neighbours[v])[:2]
+        copy = len(self.cost)
+        half = self.cost[v] * 0.5
+        self.cost[v] = half
+        self.cost.append(half)
+        self.neighbours.append(set())
+        first = self.oriented(v, n1)
+        second = self.oriented(v, n2) * 0.5
+        self.drop(v, n1)
+        self.drop(v, n2)
+        self.add_edge(v, n2, second)
+        self.add_edge(copy, n1, first)
+        self.add_edge(copy, n2, second)
+        return copy, n1, n2
+
 
 def eliminate(problem: Problem, memo: SeriesMemo | None = None) -> Eliminated:
     """Eliminate leaf and series nodes of a budget-free problem (see the module docstring).

@@ -39,7 +39,6 @@ from solver.eliminate import SeriesMemo, _MinPlusGraph
 from solver.lagrangian import priced, transient_floor
 from solver.pattern_bounds import pattern_terms
 from solver.problem import Edge, Node, Problem, SegmentEdge
-from solver.prune import _split
 from solver.tables import Table, entry_array, sub_table
 from solver.tying import contract
 
@@ -86,8 +85,7 @@ def graph_marginals(graph: _MinPlusGraph, num: int, memo: SeriesMemo) -> list[np
     while alive:
         v = min(alive, key=lambda k: (len(graph.neighbours[k]), k))
         if len(graph.neighbours[v]) > 2:
-            n1, n2 = sorted(graph.neighbours[v])[:2]
-            copy = _split(graph, v)
+            copy, n1, n2 = graph.split(v)
             steps.append(("split", v, copy, n1, n2))
             v = copy
         else:

@@ -54,6 +54,32 @@ def cores(draw: st.DrawFn) -> Problem:
     return Problem(nodes=tuple(nodes), edges=tuple(edges))
 
 
+@st.composite
+def cores_with_tails(draw: st.DrawFn) -> Problem:
+    """A core (test_prune.cores) with 1-3 more nodes, each joined to one or two earlier
+    ones: their leaf and series messages reach nodes that are split later."""
+    core = draw(cores())
+    nodes, edges = list(core.nodes), list(core.edges)
+    number = st.integers(0, 6).map(float)
+    for _ in range(draw(st.integers(1, 3))):
+        new = len(nodes)
+        k = draw(st.integers(1, 3))
+        nodes.append(
+            Node(
+                name=f"t{new}",
+                cost_s=tuple(draw(number) for _ in range(k)),
+                memory_bytes=(0.0,) * k,
+            )
+        )
+        ends = draw(st.lists(st.integers(0, new - 1), min_size=1, max_size=2, unique=True))
+        for u in ends:
+            table = tuple(
+                tuple(draw(number) for _ in range(k)) for _ in range(nodes[u].num_choices)
+            )
+            edges.append(Edge(src=u, dst=new, cost_s=table))
+    return Problem(nodes=tuple(nodes), edges=tuple(edges))
+
+
 def every_plan(problem: Problem) -> list[tuple[tuple[int, ...], float]]:
     """Each allowed plan and its exact cost."""
     out = []
@@ -65,17 +91,18 @@ def every_plan(problem: Problem) -> list[tuple[tuple[int, ...], float]]:
     return out
 
 
+@pytest.mark.parametrize("method", ["one-pass", "pinned"])
 @SETTINGS
-@given(cores())
+@given(problem=st.one_of(cores(), cores_with_tails()))
 def test_pruning_keeps_every_optimal_plan_and_brackets_the_optimum(
-    prune_everything, problem: Problem
+    prune_everything, method: str, problem: Problem
 ) -> None:
     plans = every_plan(problem)
     if not plans:
         return
     optimum = min(cost for _, cost in plans)
     tolerance = 1e-9 * max(1.0, abs(optimum))
-    pruned = prune(problem)
+    pruned = prune(problem, method=method)
     if pruned is None:
         return
     assert pruned.lower_s <= optimum + tolerance <= pruned.upper_s + 2 * tolerance
