@@ -58,7 +58,6 @@ from torch.distributed.pipelining import (
 )
 from torch.utils._pytree import tree_flatten
 
-from autopar.lowering.checkpointing import CheckpointedSegment
 from autopar.lowering.local_ops import autopar_scale_grad
 from autopar.placement import SectionShard, Shard
 from autopar.planner.stages import MULTI_STAGE_SCHEDULES, V_SCHEDULES
@@ -244,9 +243,7 @@ class PipelineModule(nn.Module):
         for stage in pipeline_stages:
             stage.defer_reduction = self._defer_reduction
             stage.submod.plain_outputs = self._defer_reduction
-            stage.recomputes = any(
-                isinstance(m, CheckpointedSegment) for m in stage.submod.modules()
-            )
+            stage.recomputes = bool(stage.submod.pmodule.plan.checkpoint_segments())
         self._stages = pipeline_stages
         self.busy_s = 0.0
         """Wall seconds this rank spent in its stages' microbatch forwards and backwards during

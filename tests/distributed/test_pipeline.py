@@ -117,6 +117,8 @@ def check_pipeline(rank: int, world_size: int, case: Any) -> dict[str, Any]:
     # one-block stage may have none), ZeRO and tensor-parallel layouts (every stage).
     recomputes = [bool(p.plan.checkpoint_segments()) for p in pmodel.pmodules]
     assert any(recomputes) == ("checkpoint" in options), recomputes
+    # A stage that recomputes runs the one-call weight pass (runtime/pipeline_backward.py).
+    assert [s.recomputes for s in pmodel._stages] == recomputes
     for pmodule in pmodel.pmodules:
         assert (pmodule.zero is not None) == options.get("recipe", "").startswith("fsdp")
         layouts = set(pmodule.plan.param_placements().values())
