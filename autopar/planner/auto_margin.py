@@ -81,15 +81,15 @@ def prefer_recipe_within_margin(
     if margin <= 0 or not fitting:
         return auto, None
     best = min(fitting, key=lambda n: (fitting[n].evaluation.step_s, n))
-    same = (auto.choice, auto.zero, auto.segments) == (
-        fitting[best].choice,
-        fitting[best].zero,
-        fitting[best].segments,
-    )
-    if source == "tie" and same:
+    recipe = fitting[best]
+    if source == "tie" and (auto.choice, auto.zero, auto.segments) == (
+        recipe.choice,
+        recipe.zero,
+        recipe.segments,
+    ):
         return auto, None  # the auto plan is that recipe's layout: nothing to weigh
     auto_s = auto.evaluation.step_s
-    recipe_s = fitting[best].evaluation.step_s
+    recipe_s = recipe.evaluation.step_s
     gain = (recipe_s - auto_s) / recipe_s if recipe_s > 0 else 0.0
     keep_recipe = gain < margin
     if source == "tie":
@@ -115,7 +115,7 @@ def prefer_recipe_within_margin(
         "chosen": best if keep_recipe else "auto",
         "reason": reason,
     }
-    return (fitting[best] if keep_recipe else auto), decision
+    return (recipe if keep_recipe else auto), decision
 
 
 def recount_buckets(

@@ -132,20 +132,20 @@ def param_side(intermediates: Iterable[Any], targets: Iterable[Any]) -> dict[Any
     return side
 
 
-_Cut = list[tuple[Any, tuple[Any, ...], list[int], bool]]
+_Cut = list[tuple[Any, tuple[Any, ...], list[tuple[int, tuple[Any, int]]], bool]]
 
 
 def _cut_plan(pinned: _Pinned, targets: list[Any]) -> _Cut | None:
-    """Per intermediate in creation order: its recorded gradients, the indices of its
-    parameter-side next edges, and whether it is called directly (a shared edge); None when
+    """Per intermediate in creation order: its recorded gradients, its parameter-side next
+    edges with their indices, and whether it is called directly (a shared edge); None when
     one must be called directly but cannot be (module docstring)."""
     side = param_side([node for node, _ in pinned], targets)
     plan: _Cut = []
     for node, grads in sorted(pinned, key=lambda p: p[0]._sequence_nr(), reverse=True):
-        edges = [i for i, (child, _) in enumerate(node.next_functions) if child in side]
+        edges = [(i, edge) for i, edge in enumerate(node.next_functions) if edge[0] in side]
         if not edges or all(g is None for g in grads):
             continue
-        shared = any(side[node.next_functions[i][0]] != {node} for i in edges)
+        shared = any(side[child] != {node} for _, (child, _) in edges)
         if shared and (not callable(node) or any(g is None for g in grads)):
             return None
         plan.append((node, grads, edges, shared))
@@ -159,18 +159,17 @@ def _cut_pass(plan: _Cut, targets: list[Any]) -> tuple[torch.Tensor | None, ...]
         if shared:
             with torch.no_grad():
                 out = node(*grads)
-            got = [_as_input(out[i], node.next_functions[i]) for i in edges]
+            got = [_as_input(out[i], edge) for i, edge in edges]
         else:
             roots = [(GradientEdge(node, i), g) for i, g in enumerate(grads) if g is not None]
             got = torch.autograd.grad(
                 [edge for edge, _ in roots],
-                [GradientEdge(*node.next_functions[i]) for i in edges],
+                [GradientEdge(*edge) for _, edge in edges],
                 grad_outputs=[g for _, g in roots],
                 allow_unused=True,
             )
-        for i, grad in zip(edges, got, strict=True):
+        for (_, key), grad in zip(edges, got, strict=True):
             if grad is not None:
-                key = node.next_functions[i]
                 summed[key] = grad if key not in summed else summed[key] + grad
     if not summed:
         return (None,) * len(targets)
