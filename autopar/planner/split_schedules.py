@@ -26,7 +26,7 @@ and on the three times. So:
   does not recompute, the cut pass runs each intermediate's parameter-side products once,
   one autograd call per intermediate, so ``W = weight_s * (1 + WEIGHT_PASS_OVERHEAD)`` (the
   calls' cost: ``benchmarks/weight_pass_time.py`` measures a 4-block GPT stage's input and
-  weight passes at 1.41x its whole backward on CPU; 0.5 is fitted to four runs of
+  weight passes at 1.39-1.41x its whole backward on CPU; 0.5 is fitted to four runs of
   ``benchmarks/pipeline_zero_bubble.py``, README "Session 21: the weight pass without the
   replay"); on a stage that recomputes, the replay
   pass (one autograd call, so the segments recompute once) runs every backward node between
