@@ -69,6 +69,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -92,6 +93,41 @@ from solver.presolve import (
 )
 from solver.problem import Problem, Solution
 from solver.rows import build_rows
+
+
+def _drop_import_tracebacks() -> None:
+    """Forget the tracebacks of the exceptions pulp keeps from its own import.
+
+    pulp stores, on the class of each solver it could not load, the exception raised while
+    loading it (``COPT_DLL.err``, ``CPLEX_PY.err``). That traceback holds the frames of pulp's
+    import, and through their ``f_back`` every frame that was running when pulp was first
+    imported, with its locals. autopar imports this module on the first solve, so without this
+    the caller's frames (``autoparallelize`` holding the user's unsharded model and example
+    inputs) lived as long as the process. pulp uses only the message (``str(err)``).
+    """
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == "pulp" or name.startswith("pulp.")):
+            continue
+        for value in list(vars(module).values()):
+            # module-level values, and the class attributes of its classes
+            for item in list(vars(value).values()) if isinstance(value, type) else [value]:
+                if isinstance(item, BaseException):
+                    _clear_traceback(item)
+
+
+def _clear_traceback(exc: BaseException) -> None:
+    seen: set[int] = set()
+    stack: list[BaseException | None] = [exc]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        e.__traceback__ = None
+        stack += [e.__context__, e.__cause__]
+
+
+_drop_import_tracebacks()
 
 BACKENDS = ("highs", "cbc")
 
