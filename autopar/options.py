@@ -118,6 +118,10 @@ class PlanOptions:
     of the budget (solver/lagrangian.py) answer without the MIP."""
     solver: str = "highs"
     """ILP backend: 'highs' or 'cbc'."""
+    in_flight: int = 1
+    """Microbatches whose saved activations a device holds at once: a pipeline stage's plan
+    counts the microbatches its schedule keeps in flight (the stage planner sets it from the
+    schedule); activation memory, and what recomputation frees, count this many times."""
     auto_margin: float | str | None = None
     """The relative gain the auto plan's predicted step must have over the fastest recipe
     that fits, else the recipe's layout is chosen (autopar/planner/auto_margin.py). None (the
@@ -144,6 +148,8 @@ class PlanOptions:
             )
         if self.memory_budget is not None:
             parse_bytes(self.memory_budget)
+        if not isinstance(self.in_flight, int) or self.in_flight < 1:
+            raise ValueError(f"in_flight must be an integer >= 1, got {self.in_flight!r}")
         if not 0 <= self.gap < 1:
             raise ValueError(f"gap must be in [0, 1), got {self.gap}")
         if isinstance(self.auto_margin, str):
@@ -173,6 +179,8 @@ class PlanOptions:
         out = asdict(self)
         if out["auto_margin"] is None:
             del out["auto_margin"]  # the default: plans and cache keys stay as they were
+        if out["in_flight"] == 1:
+            del out["in_flight"]  # likewise
         if isinstance(self.zero_stage, tuple):
             pairs = self.zero_stage and isinstance(self.zero_stage[0], tuple)
             out["zero_stage"] = dict(self.zero_stage) if pairs else list(self.zero_stage)

@@ -13,14 +13,14 @@ schedule (see its docstring for the training step and the loss on every rank).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from autopar.api import plan_stage_graphs, with_stage_axis
+from autopar.api import plan_stage_graphs, stage_plan_options, with_stage_axis
 from autopar.capture.blocks import STACK_NAMES
 from autopar.capture.export import capture
 from autopar.capture.stages import StageGraph, block_indices, split_stages
@@ -44,6 +44,7 @@ from autopar.parallelize import (
 )
 from autopar.plan.document import Plan
 from autopar.plan.stage_copies import stage_plans_from_stored, stored_stage_plans
+from autopar.planner.driver import memory_budget_bytes
 from autopar.planner.stages import (
     MULTI_STAGE_SCHEDULES,
     SCHEDULES,
@@ -244,7 +245,11 @@ def autoparallelize_pipeline(
     if stored is not None:
         plans = stage_plans_from_stored(stored, stages)
     else:
-        plans = _plan_on_rank0(stages, sub_mesh, options, name, pipeline.stack)
+        budget = (
+            plan.data["memory_budget_bytes"] if from_plan else memory_budget_bytes(mesh, options)
+        )
+        per_stage = stage_plan_options(options, pipeline, budget)
+        plans = _plan_on_rank0(stages, sub_mesh, per_stage, name, pipeline.stack)
     _agree(
         lambda: [check_plan(p, s.captured, sub_mesh) for p, s in zip(plans, stages, strict=True)]
     )
@@ -377,7 +382,11 @@ def _solved_by_leaders(solve: Any, leaders: dict[int, int], *, what: str) -> dic
 
 
 def _plan_on_rank0(
-    stages: tuple[StageGraph, ...], mesh: Mesh, options: PlanOptions, name: str, stack: str
+    stages: tuple[StageGraph, ...],
+    mesh: Mesh,
+    options: Sequence[PlanOptions],
+    name: str,
+    stack: str,
 ) -> list[Plan]:
     """Rank 0 plans every stage (twin stages solved once), every rank gets the plans."""
     texts = _from_rank0(

@@ -171,6 +171,7 @@ def _output_bytes_of(space: StrategySpace, node: fx.Node) -> np.ndarray:
     call = op_call(node)
     dtype = next((m.dtype for m in call.outputs if m is not None), torch.float32)
     scale = 2 / dtype.itemsize if space.options.mixed_precision and dtype.is_floating_point else 1.0
+    scale *= space.options.in_flight  # as the activation bytes (PlanOptions.in_flight)
     return np.array(
         [
             scale
@@ -200,6 +201,7 @@ def _input_bytes_of(space: StrategySpace, node: fx.Node, position: int) -> np.nd
         return np.zeros(len(space.node(node.name).strategies))
     floating = meta.dtype.is_floating_point
     scale = 2 / meta.dtype.itemsize if space.options.mixed_precision and floating else 1.0
+    scale *= space.options.in_flight  # as the activation bytes (PlanOptions.in_flight)
     return np.array(
         [
             scale * local_bytes(meta, st.inputs[position], space.mesh.shape)

@@ -175,7 +175,11 @@ def grad_nodes(gm: fx.GraphModule, param_nodes: dict[str, str]) -> set[str]:
     for node in gm.graph.nodes:
         val = node.meta.get("val")
         if node.op == "placeholder":
-            if node.name in param_nodes and isinstance(val, torch.Tensor) and val.is_floating_point():
+            if (
+                node.name in param_nodes
+                and isinstance(val, torch.Tensor)
+                and val.is_floating_point()
+            ):
                 needs.add(node.name)
         elif node.op == "call_function" and any(inp.name in needs for inp in input_nodes(node)):
             floats = [val] if isinstance(val, torch.Tensor) else list(val or ())
@@ -212,7 +216,9 @@ def build_space(captured: Captured, mesh: Mesh, options: PlanOptions) -> Strateg
             kind = (
                 "param"
                 if node.name in captured.param_nodes
-                else "buffer" if node.name in captured.buffer_nodes else "input"
+                else "buffer"
+                if node.name in captured.buffer_nodes
+                else "input"
             )
             # Each layer's parameters repeat (kind, shape, dtype): priced once, shared.
             sections = param_sections.get(node.name, ())
@@ -390,8 +396,10 @@ def _op_space(
                         for j in saved_rule.inputs
                     )
                     activation[i] = (
-                        saved_rule.output * out_bytes + saved_rule.first_input * first_in + owned
-                    ) * precision_scale
+                        (saved_rule.output * out_bytes + saved_rule.first_input * first_in + owned)
+                        * precision_scale
+                        * options.in_flight
+                    )
             transient[i] = out_bytes * (2 if grad else 1)
         # Collectives inside the op (autopar.strategies.registry.in_op_collectives).
         for kind, axis, nbytes in in_op_collectives(call, strategy, mesh_shape):
@@ -451,7 +459,9 @@ def _edges(gm, nodes, index, pricer, signatures) -> list[EdgeSpace]:
             dst_strats = nodes[dst].strategies
             # Price each distinct (source placement, required placement) pair once: strategies
             # share placements, so the matrix is a gather from a much smaller table.
-            src_pls = [s.outputs[out_index] if out_index < len(s.outputs) else None for s in src_strats]
+            src_pls = [
+                s.outputs[out_index] if out_index < len(s.outputs) else None for s in src_strats
+            ]
             dst_pls = [t.inputs[j] for t in dst_strats]
             src_ids = {p: k for k, p in enumerate(dict.fromkeys(src_pls))}
             dst_ids = {p: k for k, p in enumerate(dict.fromkeys(dst_pls))}
@@ -464,7 +474,9 @@ def _edges(gm, nodes, index, pricer, signatures) -> list[EdgeSpace]:
     return edges
 
 
-def _tie_edges(captured: Captured, nodes: list[NodeSpace], index: dict[str, int]) -> list[EdgeSpace]:
+def _tie_edges(
+    captured: Captured, nodes: list[NodeSpace], index: dict[str, int]
+) -> list[EdgeSpace]:
     """Tied parameters lifted as separate placeholders (HF GPT-2's wte / lm_head) are one
     parameter: the same layout is forced by an edge allowing equal placements only, and the
     later placeholder's state is not counted again (``NodeSpace.alias_of``)."""
