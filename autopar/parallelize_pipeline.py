@@ -241,15 +241,9 @@ def autoparallelize_pipeline(
     stages = split_stages(captured, pipeline)
     sub_mesh, sub_groups, groups = _submesh(mesh, groups, pipeline.axis)
     name = model_name or type(model).__name__
-    stored = stored_stage_plans(plan if from_plan else None, mesh, pipeline.num_stages)
-    if stored is not None:
-        plans = stage_plans_from_stored(stored, stages)
-    else:
-        budget = (
-            plan.data["memory_budget_bytes"] if from_plan else memory_budget_bytes(mesh, options)
-        )
-        per_stage = stage_plan_options(options, pipeline, budget)
-        plans = _plan_on_rank0(stages, sub_mesh, per_stage, name, pipeline.stack)
+    plans = _stage_plans(
+        plan if from_plan else None, pipeline, stages, mesh, sub_mesh, options, name
+    )
     _agree(
         lambda: [check_plan(p, s.captured, sub_mesh) for p, s in zip(plans, stages, strict=True)]
     )
@@ -379,6 +373,25 @@ def _solved_by_leaders(solve: Any, leaders: dict[int, int], *, what: str) -> dic
                 raise cls(f"rank {leader} failed {what} (stage {index}): {detail}")
             out[index] = value
     return out
+
+
+def _stage_plans(
+    plan: Plan | None,
+    pipeline: PipelinePlan,
+    stages: tuple[StageGraph, ...],
+    mesh: Mesh,
+    sub_mesh: Mesh,
+    options: PlanOptions,
+    name: str,
+) -> list[Plan]:
+    """Every stage's intra-op plan: ``plan``'s stored ones, else planned on rank 0 with the
+    options the stage search priced (:func:`autopar.api.stage_plan_options`)."""
+    stored = stored_stage_plans(plan, mesh, pipeline.num_stages)
+    if stored is not None:
+        return stage_plans_from_stored(stored, stages)
+    budget = plan.data["memory_budget_bytes"] if plan else memory_budget_bytes(mesh, options)
+    per_stage = stage_plan_options(options, pipeline, budget)
+    return _plan_on_rank0(stages, sub_mesh, per_stage, name, pipeline.stack)
 
 
 def _plan_on_rank0(
