@@ -23,6 +23,7 @@ from autopar.plan.pipelined import pipelined_document, search_json
 from autopar.plan.stage_copies import renamed_plan, stored_entries, twin_key
 from autopar.plan.stage_search import StageOptions, search_stages, slice_inputs
 from autopar.planner.driver import Driver, Planned, memory_budget_bytes
+from autopar.planner.outputs import ANY_PLACEMENT
 from autopar.planner.space import build_space
 from autopar.planner.stages import PipelinePlan
 
@@ -141,7 +142,7 @@ def plan_stages(
         plan = plan_captured(
             whole,
             flat,
-            options,
+            dataclasses.replace(options, accumulation=best.microbatches),
             model_name=model_name,
             capture_s=capture_s,
             progress=progress,
@@ -224,7 +225,11 @@ def stage_plan_options(
     lowers fits as the stage search priced it: the ZeRO stage the search chose on the stage's
     ``dp`` axis (``predicted["zero_stage"]``); the microbatches the schedule keeps in flight on
     the stage (``in_flight``: the ILP counts that many copies of the activations it keeps, and
-    chooses layouts and recomputation for them); and the budget less what the rank's other
+    chooses layouts and recomputation for them); the microbatches per step (``accumulation``:
+    the gradient sync, once per step, weighs ``1/m`` against each microbatch's work, as the
+    search prices it; solved per microbatch with the whole sync, the ILP chose tensor-parallel
+    layouts whose per-microbatch collectives cost more over ``m`` microbatches than the sync
+    they saved); and the budget less what the rank's other
     stages hold (``memory_other_stages_bytes``, schedules with 2 stages per rank). Without
     them the ILP saw one microbatch under the whole budget: it chose no ZeRO where the search
     needed it, and layouts keeping more activations per microbatch than priced, so the stages
@@ -242,6 +247,7 @@ def stage_plan_options(
                 options,
                 zero_stage=(("dp", int(priced["zero_stage"])),),
                 in_flight=max(int(priced["in_flight"]), 1),
+                accumulation=pipeline.microbatches,
                 memory_budget=int(budget_bytes - others),
             )
         )
@@ -298,6 +304,10 @@ def _plan_stage_graphs(
     solved: dict[tuple, tuple[StageGraph, Plan]] = {}
     for s, opts, graph_key in zip(stages, per_stage, graph_keys, strict=True):
         name = f"{model_name}/stage{s.index}"
+        if s.index < len(stages) - 1 and opts.output_placements is None:
+            # The boundary goes to the next stage in the layout it reads (the runtime lowers
+            # it so), not gathered: no output conversion to price.
+            opts = dataclasses.replace(opts, output_placements=(ANY_PLACEMENT,) * len(s.outputs))
         key = None if graph_key is None else (graph_key, opts)
         if key in solved:
             source, plan = solved[key]

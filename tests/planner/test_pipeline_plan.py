@@ -364,6 +364,7 @@ def test_stage_plans_are_solved_as_the_search_priced_them():
         priced = stage.predicted
         assert options.zero_stage == (("dp", int(priced["zero_stage"])),)
         assert options.in_flight == int(priced["in_flight"])
+        assert options.accumulation == pipeline.microbatches == 4
         others = priced.get("memory_other_stages_bytes", 0.0)
         assert options.memory_budget == int(budget - others)
         entry = stored[stage.index]
@@ -371,6 +372,11 @@ def test_stage_plans_are_solved_as_the_search_priced_them():
         assert entry["zero"]["stages"]["dp"] == int(priced["zero_stage"])
         assert entry["options"].get("in_flight", 1) >= options.in_flight
         assert entry["predicted"]["peak_memory_bytes"] + others <= budget
+        # A boundary goes to the next stage in the layout it reads: no gather priced on it.
+        last = stage.index == len(pipeline.stages) - 1
+        assert entry["options"]["output_placements"] == (None if last else ["*"])
+        if not last:
+            assert entry["predicted"]["breakdown"]["output_comm_s"] == 0.0
 
 
 def test_in_flight_counts_the_activations_that_many_times():
@@ -406,3 +412,17 @@ def test_planned_stages_sit_on_the_ranks_their_schedule_runs_them(schedule, rank
     stages = plan.data["pipeline"]["stages"]
     assert [s["pp_rank"] for s in stages] == ranks
     assert [s["ranks"] for s in stages] == [[r] for r in ranks]
+
+
+def test_accumulation_shares_the_gradient_sync_between_microbatches():
+    """``PlanOptions.accumulation``: the gradient sync, once per optimizer step, counts 1/m in
+    the per-microbatch plan; nothing else moves (ddp's layouts fixed)."""
+    model, args, _ = tiny_gpt(layers=2)
+    mesh = Mesh.spec((2,), device="cpu")
+    one = autopar.plan(model, mesh, args, recipe="ddp", optimizer="sgd")
+    four = autopar.plan(model, mesh, args, recipe="ddp", optimizer="sgd", accumulation=4)
+    b1, b4 = one.data["predicted"]["breakdown"], four.data["predicted"]["breakdown"]
+    assert b1["grad_sync_s"] > 0
+    assert b4["grad_sync_s"] == pytest.approx(b1["grad_sync_s"] / 4)
+    assert b4["compute_s"] == pytest.approx(b1["compute_s"])
+    assert four.data["options"]["accumulation"] == 4 and "accumulation" not in one.data["options"]
