@@ -387,6 +387,7 @@ BAD_INPUT = {
     "wrong world size, plan file": "but the world size is 2",
     "dualpipev, fewer microbatches than stages": "ScheduleDualPipeV refuses 2 microbatches on 4",
     "zbv, 3 stages per rank": "runs exactly 2 stages per pipeline rank",
+    "bf16 without a data-parallel axis": "replicates no parameter over an axis of size > 1",
 }
 
 
@@ -424,6 +425,8 @@ def check_bad_input(what: str) -> str:
     elif what == "dualpipev, fewer microbatches than stages":
         model, args, _ = models.tiny_llama(layers=4)
         kwargs["pipeline"] = {"stages": 2, "microbatches": 2, "schedule": "dualpipev"}
+    elif what == "bf16 without a data-parallel axis":  # fp32 masters live in ZeRO chunks
+        kwargs["mixed_precision"] = "bf16"
     elif what == "zbv, 3 stages per rank":
         model, args, _ = models.tiny_llama(layers=6)
         kwargs["pipeline"] = {"microbatches": 2, "schedule": "zbv", "virtual_stages": 3}
