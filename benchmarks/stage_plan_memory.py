@@ -13,7 +13,14 @@ fresh cache) with its stage plans, per budget; then per pipeline rank, from the 
   times the microbatches in flight on the rank, plus that stage's transient memory. A plan
   solved with ``in_flight`` (session 22) already counts its in-flight activations; an older one
   counts one microbatch, multiplied here;
-- the ZeRO stage and recomputed segments of the stage plans against the search's.
+- the ZeRO stage and recomputed segments of the stage plans against the search's;
+- **step ms**: one optimizer step of the rank's stages, priced by the search (``m`` times
+  forward + backward, plus the gradient sync) and by the stored stage plans (``m`` times a
+  microbatch's step, the gradient sync once: a plan solved with ``accumulation`` counts
+  ``1 / accumulation`` of it per microbatch).
+
+Stages are grouped by the pipeline rank torch's schedule runs them on (``stage_rank``: V
+schedules fold back, 0, 1, 1, 0).
 """
 
 from __future__ import annotations
@@ -41,14 +48,18 @@ def plan_file(model: str, devices: int, budget: str, out: Path) -> None:
 
 def ranks(data: dict) -> list[dict]:
     """Per pipeline rank: priced peak, the stage plans' held memory, ZeRO and segments."""
+    from autopar.planner.stages import stage_rank
+
     pipe = data["pipeline"]
     stored = pipe["stage_plans"]
+    pp, m = data["mesh"]["shape"][0], pipe["microbatches"]
     by_rank: dict[int, list[tuple[dict, dict]]] = {}
     for stage in pipe["stages"]:
         entry = stored[stage["index"]]
         if "renamed_from" in entry:
             entry = stored[entry["renamed_from"]]
-        by_rank.setdefault(stage["pp_rank"], []).append((stage["predicted"], entry))
+        rank = stage_rank(pipe["schedule"], stage["index"], pp)
+        by_rank.setdefault(rank, []).append((stage["predicted"], entry))
     rows = []
     for rank, members in sorted(by_rank.items()):
         held = sum(sum(e["predicted"]["memory"][k] for k in STATE) for _, e in members)
@@ -58,13 +69,27 @@ def ranks(data: dict) -> list[dict]:
             counted = entry["options"].get("in_flight", 1)
             copies = priced["in_flight"] / counted
             busiest = max(busiest, memory["activations"] * copies + memory["transient"])
+        priced_s = sum(
+            m * (p["forward_s"] + p["backward_s"]) + p["grad_sync_s"] for p, _ in members
+        )
+        plan_s = 0.0
+        for _, entry in members:
+            step, sync = (
+                entry["predicted"]["step_s"],
+                entry["predicted"]["breakdown"]["grad_sync_s"],
+            )
+            plan_s += m * (step - sync) + sync * entry["options"].get("accumulation", 1)
         rows.append(
             {
                 "rank": rank,
+                "priced_ms": priced_s * 1e3,
+                "plans_ms": plan_s * 1e3,
                 "stages": len(members),
                 "priced_gib": max(p["peak_memory_bytes"] for p, _ in members) / 2**30,
                 "plans_gib": (held + busiest) / 2**30,
-                "zero": [(int(p["zero_stage"]), e["zero"]["stages"].get("dp", 0)) for p, e in members],
+                "zero": [
+                    (int(p["zero_stage"]), e["zero"]["stages"].get("dp", 0)) for p, e in members
+                ],
                 "segments": [
                     (int(p["recomputed_blocks"]), len(e["checkpoint"]["segments"]))
                     for p, e in members
@@ -82,9 +107,10 @@ def main() -> None:
     args = parser.parse_args()
     print(
         "| budget | schedule, mesh | rank | stages | priced peak GiB | stage plans hold GiB | "
-        "fits | ZeRO on dp (priced, plan) | recomputed (priced blocks, plan segments) |"
+        "fits | ZeRO on dp (priced, plan) | recomputed (priced blocks, plan segments) | "
+        "step ms priced / stage plans |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         for budget in args.budgets:
             out = Path(tmp) / f"{budget}.json"
@@ -98,7 +124,8 @@ def main() -> None:
                 print(
                     f"| {budget} | {where} | {row['rank']} | {row['stages']} | "
                     f"{row['priced_gib']:.2f} | {row['plans_gib']:.2f} | {fits} | "
-                    f"{row['zero']} | {row['segments']} |"
+                    f"{row['zero']} | {row['segments']} | "
+                    f"{row['priced_ms']:.1f} / {row['plans_ms']:.1f} |"
                 )
 
 

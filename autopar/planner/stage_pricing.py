@@ -376,12 +376,15 @@ class StagePricer:
                 state_shards=dp if zero >= 1 else 1,
             )
             state += breakdown.total
-            grad_itemsize = 2 if self.mixed_precision else itemsize
+            # Gradients are reduced in the parameters' dtype (fp32 under mixed precision: the
+            # runtime reduces into the fp32 masters, as the ILP prices it); ZeRO-3 gathers the
+            # compute copies (half precision under mixed precision).
+            gather_itemsize = 2 if self.mixed_precision else itemsize
             if dp > 1:
-                sync += pricer.grad_sync_s(numel * grad_itemsize, 0)
+                sync += pricer.grad_sync_s(numel * itemsize, 0)
                 if zero == 3:
                     gather += collective_time_s(
-                        "all_gather", numel * grad_itemsize, dp, self.dp_link
+                        "all_gather", numel * gather_itemsize, dp, self.dp_link
                     )
         return state, gather, sync
 
