@@ -50,7 +50,6 @@ from tests.distributed.test_zero import (
     ADAM_ATOL,
     ADAM_RTOL,
     ATOL,
-    LR,
     NUM_STEPS,
     RTOL,
     _build,
@@ -59,6 +58,7 @@ from tests.distributed.test_zero import (
     _reference,
     _state_bytes,
     _train,
+    bf16_against_autocast,
     check_accumulation,
 )
 
@@ -253,7 +253,7 @@ def _autoparallelized_bf16() -> None:
     """A bf16 plan at ZeRO stage 0 (the ``ddp`` recipe) runs: its fp32 master weights live in
     ZeRO-1 chunks over the data-parallel axes (the planner prices stage 1 as stage 0; until
     session 22 the runtime refused the plan), within bf16 tolerance of one process under
-    autocast (``test_zero._check_bf16``'s bars) for 3 SGD steps."""
+    autocast (``test_zero.bf16_against_autocast``)."""
     import autopar
     from tests.models import tiny_gpt
 
@@ -264,25 +264,7 @@ def _autoparallelized_bf16() -> None:
     )
     assert not any(pmodel.plan.zero["stages"].values()), pmodel.plan.zero
     assert pmodel.zero is not None and pmodel.zero.stages == (1, 1)
-    assert all(p.dtype == torch.float32 for p in pmodel.parameters())
-    ref, _, _ = tiny_gpt()
-    opt = torch.optim.SGD(pmodel.parameters(), lr=LR)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
-    local = pmodel.shard_inputs(*args)
-    for _ in range(3):
-        opt.zero_grad()
-        ref_opt.zero_grad()
-        loss = pmodel(*local)
-        loss.backward()
-        opt.step()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            want = ref(*args)
-        want.backward()
-        ref_opt.step()
-        torch.testing.assert_close(loss, want, rtol=1e-3, atol=1e-3)
-    state = pmodel.state_dict()
-    for name, value in ref.state_dict().items():
-        torch.testing.assert_close(state[name], value, rtol=0, atol=1e-3, msg=name)
+    bf16_against_autocast(pmodel, args)
 
 
 def run_case(rank: int, world_size: int, case: tuple[str, Any], path: str) -> Any:
