@@ -171,3 +171,48 @@ def test_bench_cost_measures_every_plan_and_op_on_two_ranks(tmp_path, capsys) ->
     assert -1.0 <= summary["spearman"] <= 1.0 and math.isfinite(summary["step_mape"])
     assert (tmp_path / "bench_ops.png").stat().st_size > 0
     assert (tmp_path / "bench_steps.png").stat().st_size > 0
+
+
+SKEW_S = 3e-3
+
+
+def _sync_with_a_late_rank(rank: int, world_size: int) -> dict[str, Any]:
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from autopar.tools.calibration import CalibrationConfig
+    from autopar.tools.calibration_links import _measure_sync
+    from cost_models.calibrate import link_from_fits
+
+    if rank == 1:  # this rank's computations take SKEW_S longer: rank 0 waits in the all-reduce
+        mm = torch.mm
+
+        def late_mm(*args: Any) -> Any:
+            time.sleep(SKEW_S)
+            return mm(*args)
+
+        torch.mm = late_mm
+    line = link_from_fits("line", {"all_reduce": (1e-6, 1e-12)})
+    sync_s, details = _measure_sync(
+        dist.group.WORLD, torch.device("cpu"), CalibrationConfig.tiny(), line
+    )
+    return {"sync_s": sync_s, **details}
+
+
+@pytest.mark.distributed
+def test_sync_s_is_the_wait_inside_the_collective_after_a_computation() -> None:
+    """One rank computes SKEW_S longer before every all-reduce: the other waits that long inside
+    it, so a step spends SKEW_S / 2 per call there on the mean rank, and ``sync_s`` charges it.
+    The difference of the three loops (the slowest rank's computation alone, then with the
+    collective) reads about 0 for the same wait: it is what sync_s was before session 22."""
+    from tests.distributed.launcher import run_distributed
+
+    results = run_distributed(_sync_with_a_late_rank, 2, timeout_s=120)
+    assert results[0]["sync_s"] == results[1]["sync_s"], "every rank fits the same figure"
+    sync = results[0]
+    assert sync["matmuls_per_segment"] == 1
+    assert sync["sync_s"] == pytest.approx(statistics.median(sync["in_call_s"]) - sync["priced_s"])
+    assert sync["sync_s"] > 0.6 * SKEW_S / 2
+    assert sync["difference_sync_s"] < 0.5 * sync["sync_s"]
