@@ -129,33 +129,6 @@ def fit_sync_s(
     return max(0.0, median)
 
 
-def fit_sync_in_call_s(in_call_s: Sequence[float], priced_s: float) -> float:
-    """Per-call seconds a collective costs between computations beyond its price, from the
-    time spent INSIDE the call.
-
-    ``in_call_s`` holds one figure per trial: the mean over ranks of the seconds per iteration
-    each rank spent inside a small collective that followed a computation (the ranks that
-    arrive early wait there for the last one); ``priced_s`` is what the link's fitted line
-    (``min(line, smallest)``, without ``sync_s``) charges that collective. The result,
-    ``median(in_call) - priced_s`` clamped at 0, is ``LinkSpec.sync_s``: what makes the price
-    of a collective between computations equal its in-call time, which is what a training step
-    spends in it (each rank's step is its own computation plus its waits).
-
-    Unlike :func:`fit_sync_s`, the wait is read within each iteration instead of as a
-    difference of three loops timed one after another, whose own swings under load (2-rank
-    calibrations at load 2-4: computation 4.3-6.7 ms, a 1 KiB all-reduce 0.2-3.1 ms per
-    call between trials) are larger than the wait itself (README, "Session 22").
-
-    Raises:
-        ValueError: no trials, or a negative price.
-    """
-    if not in_call_s:
-        raise ValueError("fit_sync_in_call_s needs one in-call time per trial")
-    if priced_s < 0:
-        raise ValueError(f"fit_sync_in_call_s: priced_s must be >= 0, got {priced_s}")
-    return max(0.0, _median(in_call_s) - priced_s)
-
-
 STEP_ERROR_MAX = 0.5
 """Cap of :func:`fit_step_error`: beyond it the profile is too noisy to rank plans at all."""
 

@@ -32,15 +32,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from autopar.tools.timing import max_over_ranks, mean_over_ranks, sync_device, time_queued
-from cost_models import collective_steps_and_wire_bytes, collective_time_s, fit_alpha_beta
-from cost_models.calibrate import (
-    fit_sync_in_call_s,
-    fit_sync_s,
-    link_from_fits,
-    paired_spreads,
-    relative_spread,
-)
+from autopar.tools.timing import max_over_ranks, sync_device, time_queued
+from cost_models import collective_steps_and_wire_bytes, fit_alpha_beta
+from cost_models.calibrate import fit_sync_s, link_from_fits, paired_spreads, relative_spread
 
 if TYPE_CHECKING:
     from autopar.tools.calibration import CalibrationConfig
@@ -164,8 +158,7 @@ def measure_links(
                 f"axis {name} (size {size}) {kind}: alpha {alpha * 1e6:.1f} us/step, {1 / beta / 1e9:.2f} GB/s"
             )
         if fits:
-            line = link_from_fits(f"calibrated-{name}", fits, smallest=smallest)
-            sync_s, sync_details = _measure_sync(group, device, config, line)
+            sync_s, sync_details = _measure_sync(group, device, config)
             details[f"{name}/sync"] = sync_details
             log(
                 f"axis {name} (size {size}) wait per collective between computations: {sync_s * 1e6:.1f} us"
@@ -204,21 +197,18 @@ def sync_segment_matmuls(matmul_s: float, segment_s: float) -> int:
 
 
 def _measure_sync(
-    group: Any, device: torch.device, config: CalibrationConfig, line: Any
+    group: Any, device: torch.device, config: CalibrationConfig
 ) -> tuple[float, dict[str, Any]]:
     """``LinkSpec.sync_s`` of one axis: per trial, iterations of a computation of about
     ``config.sync_segment_s`` (:func:`sync_segment_matmuls`) then a 1 KiB all-reduce on the
     axis, of the computation alone, and of the all-reduce alone (back to back), on every rank
-    at once, interleaved so that load from other processes falls on all three alike;
-    ``config.sync_trials`` trials. ``sync_s`` is read inside the iterations: the time each rank
-    spends in the all-reduce after its computation, mean over ranks, less the price ``line``
-    (the axis' fitted LinkSpec, no ``sync_s``) gives that all-reduce
-    (``cost_models.calibrate.fit_sync_in_call_s``). The difference of the three loops
-    (``fit_sync_s``, the slowest rank's time per iteration; what was used before session 22)
-    is kept in the details as ``difference_sync_s``: on 2 loaded cores its loops swing more
-    than the wait between trials (the 1 KiB all-reduce alone 0.2-5 ms), and two 2-rank
-    calibrations a minute apart read 0 and 1.5 ms. The same after ONE matmul (what was measured
-    before session 11) is kept in the details as ``one_matmul``, for comparison."""
+    at once; the slowest rank's time per iteration counts (``cost_models.calibrate.fit_sync_s``).
+    The three are interleaved per trial so that load from other processes falls on all three
+    alike; ``config.sync_trials`` trials (7: the wait is a difference of three jittery timings;
+    on 2 loaded cores the 1 KiB all-reduce alone varied 0.3-5 ms between trials, and with 5
+    trials one 2-rank calibration read 0.06 ms where the one before read 4.5). The same after
+    ONE matmul (what was measured before session 11) is kept in the details as
+    ``one_matmul``, for comparison."""
     a = torch.randn(SYNC_MATMUL, SYNC_MATMUL, device=device)
     small = torch.zeros(256, device=device)
     matmul_s = max_over_ranks([time_queued(lambda: torch.mm(a, a), device, 5, 1)], device)[0]
@@ -236,37 +226,22 @@ def _measure_sync(
         def collective() -> None:
             dist.all_reduce(small, group=group)
 
-        in_call = [0.0]
-
-        def mixed(compute: Callable[[], None] = compute, in_call: list[float] = in_call) -> None:
+        def mixed(compute: Callable[[], None] = compute) -> None:
             compute()
-            sync_device(device)
-            start = time.perf_counter()
             dist.all_reduce(small, group=group)
-            sync_device(device)
-            in_call[0] += time.perf_counter() - start
 
         mixed()
         times: dict[str, list[float]] = {"mixed": [], "compute": [], "collective": []}
-        waits: list[float] = []
         for _ in range(config.sync_trials):
             for key, fn in (("mixed", mixed), ("compute", compute), ("collective", collective)):
                 dist.barrier()
-                in_call[0] = 0.0  # only the mixed loop adds to it
                 times[key].append(time_queued(fn, device, calls, 1))
-                if key == "mixed":
-                    waits.append(in_call[0] / calls)
         # Compute against a collective, timed in the same trials: a paired ratio between the
         # two kinds of term a plan trades (DeviceSpec.paired_error), before the max over ranks.
         paired = paired_spreads({"compute": times["compute"], "collective": times["collective"]})
         for key in times:
             times[key] = max_over_ranks(times[key], device)
-        waits = mean_over_ranks(waits, device)
-        priced = collective_time_s(
-            "all_reduce", small.numel() * 4, dist.get_world_size(group), line
-        )
-        entry = {"sync_s": fit_sync_in_call_s(waits, priced), "in_call_s": waits, "priced_s": priced,
-                 "difference_sync_s": fit_sync_s(times["mixed"], times["compute"], times["collective"]),
+        entry = {"sync_s": fit_sync_s(times["mixed"], times["compute"], times["collective"]),
                  "seconds_per_call": times, "calls": calls, "matmuls_per_segment": matmuls,
                  "segment_s": matmuls * matmul_s}  # fmt: skip
         if label == "segment":

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cost_models import LINKS, LinkSpec, collective_time_s, load_profile
-from cost_models.calibrate import fit_sync_in_call_s, fit_sync_s, link_from_fits
+from cost_models.calibrate import fit_sync_s, link_from_fits
 
 
 def test_fit_sync_s_recovers_the_wait_per_call() -> None:
@@ -131,13 +131,3 @@ def test_a_message_no_larger_than_the_smallest_calibrated_costs_at_most_its_timi
     assert "smallest" not in line.to_dict()
     with pytest.raises(ValueError, match="without a calibrated fit"):
         link_from_fits("l", fits, smallest={"all_gather": (16384.0, 1e-3)})
-
-
-def test_fit_sync_in_call_s_is_the_median_time_in_the_call_less_its_price() -> None:
-    in_call = [4.8e-3, 4.2e-3, 6.9e-3, 7.3e-3, 4.0e-3]
-    assert fit_sync_in_call_s(in_call, 0.5e-3) == pytest.approx(4.3e-3)
-    assert fit_sync_in_call_s(in_call, 9e-3) == 0.0  # a price above the time: no wait
-    with pytest.raises(ValueError, match="one in-call time per trial"):
-        fit_sync_in_call_s([], 0.0)
-    with pytest.raises(ValueError, match="priced_s must be >= 0"):
-        fit_sync_in_call_s([1e-3], -1.0)
