@@ -9,7 +9,9 @@ lowered graph, on real gloo ranks, one training step of each plan in turn:
 - forward: each node run by an ``fx.Interpreter`` that times it (a collective node's time holds
   its copy, its autograd Function and the call);
 - backward: a pre-hook on the ``grad_fn`` of each node's output stamps the time; the interval
-  to the next stamp is that node's backward (its inner autograd nodes included);
+  to the next stamp is that node's backward (its inner autograd nodes included; work that
+  runs in backward hooks, such as the gradient buckets' all-reduces, lands on the node whose
+  backward ran just before it);
 - every ``torch.distributed`` collective the step issues: its wall time (until ``wait()`` on
   asynchronous ones) and the time since the previous collective ended (the computation before
   it, which sets its wait: README "Session 11").
