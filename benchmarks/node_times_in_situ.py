@@ -1,7 +1,7 @@
 """Where a plan's step goes, node by node, against the planner's per-node price (issue 13).
 
-    PYTHONPATH=. python benchmarks/node_times_in_situ.py benchmarks.cost_model:gpt \
-        --profile p_2.json --recipes ddp,megatron --steps 12
+    PYTHONPATH=. python benchmarks/node_times_in_situ.py benchmarks.cost_model:gpt --mesh 2 \
+        --profile p_2.json --recipes ddp,megatron,fsdp --steps 12
 
 ``bench_cost_terms`` splits a step into collectives and the rest; this splits it by node of the
 lowered graph, on real gloo ranks, one training step of each plan in turn:
@@ -25,7 +25,6 @@ collective call its bytes, the computation before it and its in-situ time agains
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -212,47 +211,25 @@ def report(res: list[dict[str, Any]], plans: dict[str, Any], link: Any, group: i
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model", help="package.module:factory or a preset")
-    parser.add_argument("--profile", required=True, help="calibrated profile of a 1-D mesh")
-    parser.add_argument("--recipes", default="ddp,megatron")
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--json", help="write the measurements here")
-    args = parser.parse_args(argv)
     import math
     import os
 
-    from autopar.capture.export import capture
-    from autopar.mesh import Mesh
-    from autopar.options import PlanOptions
-    from autopar.presets import build_preset
     from autopar.runtime.spawn import spawn_ranks
-    from autopar.tools.report import plans_for_recipes
-    from cost_models import load_profile
+    from autopar.tools.bench_cost_terms import plans_from_command_line
 
-    profile = load_profile(args.profile)
-    names = tuple(profile.links)
-    if len(names) != 1:
-        raise ValueError(f"{args.profile}: a profile of a 1-D mesh is needed, got axes {names}")
-    size = int(profile.meta["mesh"]["shape"][0])
-    mesh = Mesh(
-        shape=(size,), axis_names=names, device=profile.device, links=(profile.links[names[0]],)
+    args, mesh, made = plans_from_command_line(
+        __doc__.splitlines()[0], argv, recipes="ddp,megatron", auto=False
     )
-    model, margs, kwargs = build_preset(args.model, batch=args.batch, seq=args.seq)
-    recipes = [r for r in args.recipes.split(",") if r]
-    made = plans_for_recipes(capture(model, margs, kwargs), mesh, PlanOptions(), recipes=recipes,
-                             model_name=args.model)  # fmt: skip
+    if mesh.ndim != 1:
+        raise ValueError(f"--mesh {args.mesh}: this benchmark prices collectives on a 1-D mesh")
     plans = {n: p.data for n, p in made.items()}
-    print(f"load average before: {os.getloadavg()}")
+    load = os.getloadavg()
     res = spawn_ranks(_rank, math.prod(mesh.shape), args.model, mesh.shape, plans, args.steps,
                       args.batch, args.seq, timeout_s=600, env={"OMP_NUM_THREADS": "1"})  # fmt: skip
-    print(f"load average after: {os.getloadavg()}")
-    print(report(res, plans, profile.links[names[0]], size))
+    print(f"load average before / after: {load} / {os.getloadavg()}")
+    print(report(res, plans, mesh.link("a0"), mesh.shape[0]))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
+        Path(args.json).write_text(json.dumps(res, indent=1))
     return 0
 
 
