@@ -222,19 +222,22 @@ def stage_plan_options(
     options: PlanOptions, pipeline: PipelinePlan, budget_bytes: float
 ) -> list[PlanOptions]:
     """Per stage, the options its intra-op plan is solved with, so that the plan the runtime
-    lowers fits as the stage search priced it: the ZeRO stage the search chose on the stage's
-    ``dp`` axis (``predicted["zero_stage"]``); the microbatches the schedule keeps in flight on
-    the stage (``in_flight``: the ILP counts that many copies of the activations it keeps, and
-    chooses layouts and recomputation for them); the microbatches per step (``accumulation``:
-    the gradient sync, once per step, weighs ``1/m`` against each microbatch's work, as the
-    search prices it; solved per microbatch with the whole sync, the ILP chose tensor-parallel
-    layouts whose per-microbatch collectives cost more over ``m`` microbatches than the sync
-    they saved); and the budget less what the rank's other
-    stages hold (``memory_other_stages_bytes``, schedules with 2 stages per rank). Without
-    them the ILP saw one microbatch under the whole budget: it chose no ZeRO where the search
-    needed it, and layouts keeping more activations per microbatch than priced, so the stages
-    ran over the budget the plan reported. A stage without a priced entry (a pipeline given by
-    hand) keeps ``options``."""
+    lowers is the stage the search priced:
+
+    - the ZeRO stage the search chose on the stage's ``dp`` axis (``predicted["zero_stage"]``);
+    - ``in_flight``: the microbatches the schedule keeps in flight on the stage (the ILP counts
+      that many copies of the activations it keeps, and chooses layouts and recomputation for
+      them);
+    - ``accumulation``: the microbatches per step (the gradient sync, once per step, weighs
+      ``1/m`` against each microbatch's work, as the search prices it);
+    - the budget less what the rank's other stages hold (``memory_other_stages_bytes``,
+      schedules with 2 stages per rank).
+
+    Without them the ILP saw one microbatch under the whole budget with the whole sync: it chose
+    no ZeRO where the search needed it, layouts keeping more activations per microbatch than
+    priced, and tensor-parallel layouts whose collectives, paid ``m`` times, cost more than the
+    sync they saved. A stage without a priced entry (a pipeline given by hand) keeps
+    ``options``."""
     out = []
     for stage in pipeline.stages:
         priced = stage.predicted

@@ -11,10 +11,11 @@ Candidates (``candidate_segments``): every layer of a stack of repeated blocks (
 - ``full``: the whole block recomputed;
 - ``selective``: the block with matmul / SDPA outputs kept, pointwise ops recomputed;
 - ``full`` on each child module holding a matmul (attention, MLP).
-Pricing per node strategy s (the arrays of autopar.planner.problem's strategy space):
-- freed bytes (times ``PlanOptions.in_flight``, as the activations): the node's saved activation,
-  for nodes not kept, less the storages a backward outside the segment saves too (its own
-  output, or an input it owns; found with autopar.planner.saved_activations). Checkpoint keeps every
+
+Pricing per node strategy s (the arrays of autopar.planner.problem's strategy space; bytes
+times ``PlanOptions.in_flight``, as the activations):
+- freed bytes: the node's saved activation, for nodes not kept, less the storages a backward
+  outside the segment saves too (its own output, or an input it owns). Checkpoint keeps every
   segment input as it enters, i.e. at its PRODUCER's layout (conversions run inside): unless a
   consumer outside the segment owns that storage anyway, the producer's output bytes are
   charged as a negative row on the producer (``Candidate.node_index`` lists the segment's
@@ -87,8 +88,7 @@ class Candidate:
     """Space indices of the segment's nodes, then of the producers of segment inputs it keeps
     (their rows charge the kept storage)."""
     footprint: tuple[int, ...] = ()
-    """Space indices of the segment's own nodes (overlap is judged on them); empty means
-    ``node_index``."""
+    """Space indices of the segment's own nodes (overlap is judged on them; empty: node_index)."""
     freed_bytes: tuple[np.ndarray, ...]
     """Per node, per space strategy: bytes freed."""
     recompute_s: tuple[np.ndarray, ...]

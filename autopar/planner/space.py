@@ -170,11 +170,7 @@ def grad_nodes(gm: fx.GraphModule, param_nodes: dict[str, str]) -> set[str]:
     for node in gm.graph.nodes:
         val = node.meta.get("val")
         if node.op == "placeholder":
-            if (
-                node.name in param_nodes
-                and isinstance(val, torch.Tensor)
-                and val.is_floating_point()
-            ):
+            if node.name in param_nodes and isinstance(val, torch.Tensor) and val.is_floating_point():
                 needs.add(node.name)
         elif node.op == "call_function" and any(inp.name in needs for inp in input_nodes(node)):
             floats = [val] if isinstance(val, torch.Tensor) else list(val or ())
@@ -211,9 +207,7 @@ def build_space(captured: Captured, mesh: Mesh, options: PlanOptions) -> Strateg
             kind = (
                 "param"
                 if node.name in captured.param_nodes
-                else "buffer"
-                if node.name in captured.buffer_nodes
-                else "input"
+                else "buffer" if node.name in captured.buffer_nodes else "input"
             )
             # Each layer's parameters repeat (kind, shape, dtype): priced once, shared.
             sections = param_sections.get(node.name, ())
