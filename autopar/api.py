@@ -183,7 +183,7 @@ def plan_stages(
         )
         data["warnings"] = [
             *data.get("warnings", []),
-            *stage_memory_warnings(pipeline, [p for p, _ in planned], data["memory_budget_bytes"]),
+            *stage_plan_warnings(pipeline, [p for p, _ in planned], data["memory_budget_bytes"]),
         ]
         data["timings"]["stages_s"] = time.perf_counter() - start
     return Plan(data=data)
@@ -257,20 +257,33 @@ def stage_plan_options(
     return out
 
 
-def stage_memory_warnings(
+def stage_plan_warnings(
     pipeline: PipelinePlan, plans: Sequence[Plan], budget_bytes: float
 ) -> list[str]:
-    """One line per stage whose intra-op plan (its peak counts the microbatches in flight,
-    :func:`stage_plan_options`), beside its rank's other stages, holds more than the budget."""
+    """One line per stage whose intra-op plan is not the stage the search priced: it holds
+    more than the budget beside its rank's other stages (its peak counts the microbatches in
+    flight, :func:`stage_plan_options`), or it recomputes where the search priced none (or
+    the reverse: the split schedules' weight pass replays where a stage recomputes, priced
+    by ``planner.split_schedules.replays``)."""
     out = []
     for stage, plan in zip(pipeline.stages, plans, strict=True):
-        others = float(stage.predicted.get("memory_other_stages_bytes", 0.0))
-        held = float(plan.data["predicted"]["peak_memory_bytes"]) + others
-        if "in_flight" in stage.predicted and held > budget_bytes * (1 + 1e-9):
+        priced = stage.predicted
+        if "in_flight" not in priced:
+            continue
+        held = float(plan.data["predicted"]["peak_memory_bytes"])
+        held += float(priced.get("memory_other_stages_bytes", 0.0))
+        if held > budget_bytes * (1 + 1e-9):
             out.append(
-                f"stage {stage.index}: its intra-op plan with {stage.predicted['in_flight']:.0f} "
+                f"stage {stage.index}: its intra-op plan with {priced['in_flight']:.0f} "
                 f"microbatches in flight, beside its rank's other stages, holds about "
                 f"{held / 2**30:.2f} GiB of the {budget_bytes / 2**30:.2f} GiB budget"
+            )
+        segments = len(plan.checkpoint_segments())
+        if bool(segments) != bool(priced.get("recomputed_blocks")):
+            out.append(
+                f"stage {stage.index}: its intra-op plan recomputes {segments} segment(s) where "
+                f"the stage search priced {priced.get('recomputed_blocks', 0):.0f} recomputed "
+                f"block(s): its time differs from the priced one"
             )
     return out
 
@@ -409,8 +422,8 @@ __all__ = [
     "plan_captured",
     "plan_stage_graphs",
     "plan_stages",
-    "stage_memory_warnings",
     "stage_mesh",
     "stage_plan_options",
+    "stage_plan_warnings",
     "with_stage_axis",
 ]

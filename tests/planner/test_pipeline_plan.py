@@ -426,3 +426,22 @@ def test_accumulation_shares_the_gradient_sync_between_microbatches():
     assert b4["grad_sync_s"] == pytest.approx(b1["grad_sync_s"] / 4)
     assert b4["compute_s"] == pytest.approx(b1["compute_s"])
     assert four.data["options"]["accumulation"] == 4 and "accumulation" not in one.data["options"]
+
+
+def test_a_stage_plan_that_is_not_the_priced_stage_is_a_warning():
+    from autopar.api import stage_plan_warnings
+    from autopar.planner.stages import PipelinePlan, even_stages
+
+    pipeline = even_stages(
+        stack="layers", num_blocks=2, num_stages=2, microbatches=2, schedule="1f1b"
+    ).to_json()
+    pipeline["stages"][0]["predicted"] = {"in_flight": 2.0, "recomputed_blocks": 1.0}
+    pipeline["stages"][1]["predicted"] = {"in_flight": 1.0, "recomputed_blocks": 0.0}
+    pipeline = PipelinePlan.from_json(pipeline)
+    over = Plan(data={"predicted": {"peak_memory_bytes": 2e9}, "checkpoint": {"segments": []}})
+    fits = Plan(data={"predicted": {"peak_memory_bytes": 5e8}, "checkpoint": {"segments": []}})
+    warnings = stage_plan_warnings(pipeline, [over, fits], 1e9)
+    assert len(warnings) == 2 and all(w.startswith("stage 0: ") for w in warnings)
+    assert "holds about 1.86 GiB of the 0.93 GiB budget" in warnings[0]
+    assert "recomputes 0 segment(s) where the stage search priced 1" in warnings[1]
+    assert stage_plan_warnings(pipeline, [fits, fits], 1e9) == [warnings[1]]
