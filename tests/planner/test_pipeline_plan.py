@@ -14,8 +14,8 @@ from autopar.plan.document import PLAN_VERSION, Plan
 from tests.models import BATCH, tiny_gpt, tiny_llama
 
 
-@pytest.fixture(scope="module")
-def searched() -> Plan:
+def _tiny_llama_on_4(budget: str, **options) -> Plan:
+    """The tiny LLaMA's stage search on 4 devices, 2 per node: 2 stages, 4 microbatches."""
     model, args, _ = tiny_llama(layers=4)
     return autopar.plan(
         model,
@@ -27,9 +27,15 @@ def searched() -> Plan:
         model_name="tiny-llama",
         stages=2,
         microbatches=4,
-        memory_budget="64MiB",
-        stage_plans=False,  # the search is tested here; stored stage plans in test_pipeline
+        memory_budget=budget,
+        **options,
     )
+
+
+@pytest.fixture(scope="module")
+def searched() -> Plan:
+    # The search is tested here; stored stage plans in test_pipeline.
+    return _tiny_llama_on_4("64MiB", stage_plans=False)
 
 
 def test_mesh_search_ranks_every_factorisation(searched):
@@ -340,19 +346,7 @@ def test_stage_plans_are_solved_as_the_search_priced_them():
     from autopar.options import PlanOptions
     from autopar.planner.stages import PipelinePlan
 
-    model, args, _ = tiny_llama(layers=4)
-    plan = autopar.plan(
-        model,
-        None,
-        args,
-        devices=4,
-        per_node=2,
-        device="cpu",
-        model_name="tiny-llama",
-        stages=2,
-        microbatches=4,
-        memory_budget="1MiB",
-    )
+    plan = _tiny_llama_on_4("1MiB")
     pipeline = PipelinePlan.from_json(plan.data["pipeline"])
     stored = plan.data["pipeline"]["stage_plans"]
     budget = plan.data["memory_budget_bytes"]
