@@ -49,17 +49,24 @@ def start_priced_bound(problem: Problem, multiplier: float, **options: Any) -> B
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     env.setdefault("OMP_NUM_THREADS", "1")
-    payload = pickle.dumps((problem, multiplier, options), protocol=pickle.HIGHEST_PROTOCOL)
+    held = [pickle.dumps((problem, multiplier, options), protocol=pickle.HIGHEST_PROTOCOL)]
 
     def run() -> tuple[str, Any]:
-        done = subprocess.run(
+        worker = subprocess.Popen(
             [sys.executable, "-m", "solver.background"],
-            input=payload,
-            capture_output=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
             env=env,
-            check=False,
         )
-        return pickle.loads(done.stdout)
+        try:
+            with worker.stdin:  # the worker reads the whole job before it writes anything
+                worker.stdin.write(held.pop())  # and the job's bytes are not held past it
+            answer = worker.stdout.read()
+        finally:
+            worker.stdout.close()
+            worker.wait()
+        return pickle.loads(answer)
 
     # One thread waits on the worker's pipes (it holds no lock while it waits).
     pool = ThreadPoolExecutor(max_workers=1)

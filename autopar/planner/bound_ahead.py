@@ -40,8 +40,8 @@ take about a second on the llama3-70b b256 row, whose problem has about 60 milli
 class Ahead:
     """The priced bounds evaluated ahead of their configuration's turn (module docstring)."""
 
-    def __init__(self, min_entries: int = MIN_AHEAD_ENTRIES) -> None:
-        self.min_entries = min_entries
+    def __init__(self, min_entries: int | None = None) -> None:
+        self.min_entries = MIN_AHEAD_ENTRIES if min_entries is None else min_entries
         self.followers: dict[ZeroConfig, set[ZeroConfig]] = {}
         """Per configuration, those its bound derives at a shift >= 0 (bound_order.py)."""
         self.upcoming: Sequence[tuple[ZeroConfig, Solved]] = ()
@@ -78,7 +78,6 @@ class Ahead:
         problem = configurations.budgeted_problem(zero, budget)
         if other is None or problem_entries(problem) < self.min_entries:
             return configurations.priced_bound(zero, budget, multipliers, target=target)
-        built = configurations.built_problem(zero, budget)
         job = start_priced_bound(
             problem,
             multipliers[1],
@@ -95,6 +94,7 @@ class Ahead:
         if answer is None:  # no answer from the worker: evaluated here after all
             held = configurations.bound_aside(zero, budget, multipliers, target=target)
         else:
+            built = configurations.built_problem(zero, budget)
             held = (built, problem, Recorded(edges=problem.edges, bounds=answer[2]), answer[:2])
         return configurations.priced_bound(zero, budget, multipliers, target=target, held=held)
 
