@@ -87,6 +87,10 @@ class Ahead:
             target=target,
         )
         self.started += 1
+        # Its problem is not held while the worker bounds it (about 0.2 GB on the llama3-70b
+        # b256 row, beside the next one's evaluation here): built again for the answer.
+        del problem
+        configurations.release(zero, budget)
         self._held[(other, budget, tuple(multipliers), target)] = configurations.bound_aside(
             other, budget, multipliers, target=target
         )
@@ -94,6 +98,7 @@ class Ahead:
         if answer is None:  # no answer from the worker: evaluated here after all
             held = configurations.bound_aside(zero, budget, multipliers, target=target)
         else:
+            problem = configurations.budgeted_problem(zero, budget)
             built = configurations.built_problem(zero, budget)
             held = (built, problem, Recorded(edges=problem.edges, bounds=answer[2]), answer[:2])
         return configurations.priced_bound(zero, budget, multipliers, target=target, held=held)

@@ -350,6 +350,7 @@ def search_budgeted(
             problem = configurations.budgeted_problem(zero, budget)
             fingerprint = _fingerprint(problem)
             same = _same_problem(configurations, fingerprint, problem, solved_problems, budget)
+            del problem  # not held here: bound_ahead.py may release it while a worker bounds it
             if same is not None:
                 solved, what = (
                     _as_zero(configurations, same, zero),
@@ -399,7 +400,6 @@ def search_budgeted(
                     )
                     continue
                 solved_problems.append((fingerprint, solved))
-            del problem
             configurations.release()  # one configuration's problem held at a time
         out.log.append(log_entry(solved))
         out.bounds.append(max(solved.solution.bound_s, priced))
