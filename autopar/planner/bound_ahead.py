@@ -78,14 +78,8 @@ class Ahead:
         problem = configurations.budgeted_problem(zero, budget)
         if other is None or problem_entries(problem) < self.min_entries:
             return configurations.priced_bound(zero, budget, multipliers, target=target)
-        job = start_priced_bound(
-            problem,
-            multipliers[1],
-            backend=configurations.options.solver,
-            time_limit_s=configurations.options.time_limit_s,
-            separable_multiplier=multipliers[0],
-            target=target,
-        )
+        options = configurations.bound_options(multipliers, target)
+        job = start_priced_bound(problem, multipliers[1], **options)
         self.started += 1
         # Its problem is not held while the worker bounds it (about 0.2 GB on the llama3-70b
         # b256 row, beside the next one's evaluation here): built again for the answer.

@@ -275,16 +275,18 @@ class ConfigurationSolver:
         reference added), for :meth:`priced_bound` ``held`` later."""
         problem = self.budgeted_problem(zero, budget)
         recorded = Recorded(edges=problem.edges)
-        found = priced_bound(
-            problem,
-            multipliers[1],
-            backend=self.options.solver,
-            time_limit_s=self.options.time_limit_s,
-            separable_multiplier=multipliers[0],
-            target=target,
-            record=recorded,
-        )
+        options = self.bound_options(multipliers, target)
+        found = priced_bound(problem, multipliers[1], **options, record=recorded)
         return self._prepared[(zero, budget)][0], problem, recorded, found
+
+    def bound_options(self, multipliers: tuple[float, float], target: float | None) -> dict:
+        """solver.budgeted.priced_bound's keywords at ``multipliers`` (separable, best)."""
+        return {
+            "backend": self.options.solver,
+            "time_limit_s": self.options.time_limit_s,
+            "separable_multiplier": multipliers[0],
+            "target": target,
+        }
 
     def derived_bound(
         self, zero: ZeroConfig, budget: float, plan: tuple[int, ...]
