@@ -16,13 +16,14 @@ import torch.nn as nn
 from autopar.capture.export import Captured, capture
 from autopar.capture.stages import StageGraph, split_stages
 from autopar.mesh import Mesh
-from autopar.options import PlanOptions
+from autopar.options import PlanOptions, parse_bytes
 from autopar.plan.build import plan_document
 from autopar.plan.document import Plan
 from autopar.plan.pipelined import pipelined_document, search_json
 from autopar.plan.stage_copies import renamed_plan, stored_entries, twin_key
 from autopar.plan.stage_search import StageOptions, search_stages, slice_inputs
 from autopar.planner.driver import Driver, Planned, memory_budget_bytes
+from autopar.planner.outputs import ANY_PLACEMENT
 from autopar.planner.space import build_space
 from autopar.planner.stages import PipelinePlan
 
@@ -141,7 +142,7 @@ def plan_stages(
         plan = plan_captured(
             whole,
             flat,
-            options,
+            dataclasses.replace(options, accumulation=best.microbatches),
             model_name=model_name,
             capture_s=capture_s,
             progress=progress,
@@ -171,11 +172,19 @@ def plan_stages(
         whole = (capture_microbatch or probe)(model.batch // best.microbatches)
         sub_mesh = stage_mesh(Mesh.from_dict(data["mesh"]), pipeline.axis)
         planned = _plan_stage_graphs(
-            split_stages(whole, pipeline), sub_mesh, options, model_name, pipeline.stack
+            split_stages(whole, pipeline),
+            sub_mesh,
+            stage_plan_options(options, pipeline, data["memory_budget_bytes"]),
+            model_name,
+            pipeline.stack,
         )
         data["pipeline"]["stage_plans"] = stored_entries(
             [p.data for p, _ in planned], [source for _, source in planned]
         )
+        data["warnings"] = [
+            *data.get("warnings", []),
+            *stage_plan_warnings(pipeline, [p for p, _ in planned], data["memory_budget_bytes"]),
+        ]
         data["timings"]["stages_s"] = time.perf_counter() - start
     return Plan(data=data)
 
@@ -209,45 +218,146 @@ def stage_mesh(mesh: Mesh, axis: int) -> Mesh:
     )
 
 
+def stage_plan_options(
+    options: PlanOptions, pipeline: PipelinePlan, budget_bytes: float
+) -> list[PlanOptions]:
+    """Per stage, the options its intra-op plan is solved with, so that the plan the runtime
+    lowers is the stage the search priced:
+
+    - the ZeRO stage the search chose on the stage's ``dp`` axis (``predicted["zero_stage"]``);
+    - ``in_flight``: the microbatches the schedule keeps in flight on the stage (the ILP counts
+      that many copies of the activations it keeps, and chooses layouts and recomputation for
+      them);
+    - ``accumulation``: the microbatches per step (the gradient sync, once per step, weighs
+      ``1/m`` against each microbatch's work, as the search prices it);
+    - the budget less what the rank's other stages hold (``memory_other_stages_bytes``,
+      schedules with 2 stages per rank).
+
+    Without them the ILP saw one microbatch under the whole budget with the whole sync: it chose
+    no ZeRO where the search needed it, layouts keeping more activations per microbatch than
+    priced, and tensor-parallel layouts whose collectives, paid ``m`` times, cost more than the
+    sync they saved. A stage without a priced entry (a pipeline given by hand) keeps
+    ``options``."""
+    out = []
+    for stage in pipeline.stages:
+        priced = stage.predicted
+        if "in_flight" not in priced or "zero_stage" not in priced:
+            out.append(options)
+            continue
+        others = float(priced.get("memory_other_stages_bytes", 0.0))
+        out.append(
+            dataclasses.replace(
+                options,
+                zero_stage=(("dp", int(priced["zero_stage"])),),
+                in_flight=max(int(priced["in_flight"]), 1),
+                accumulation=pipeline.microbatches,
+                memory_budget=int(budget_bytes - others),
+            )
+        )
+    return out
+
+
+def stage_plan_warnings(
+    pipeline: PipelinePlan, plans: Sequence[Plan], budget_bytes: float
+) -> list[str]:
+    """One line per stage whose intra-op plan is not the stage the search priced: it holds
+    more than the budget beside its rank's other stages (its peak counts the microbatches in
+    flight, :func:`stage_plan_options`), or it recomputes where the search priced none (or
+    the reverse: the split schedules' weight pass replays where a stage recomputes, priced
+    by ``planner.split_schedules.replays``)."""
+    out = []
+    for stage, plan in zip(pipeline.stages, plans, strict=True):
+        priced = stage.predicted
+        if "in_flight" not in priced:
+            continue
+        held = float(plan.data["predicted"]["peak_memory_bytes"])
+        held += float(priced.get("memory_other_stages_bytes", 0.0))
+        if held > budget_bytes * (1 + 1e-9):
+            out.append(
+                f"stage {stage.index}: its intra-op plan with {priced['in_flight']:.0f} "
+                f"microbatches in flight, beside its rank's other stages, holds about "
+                f"{held / 2**30:.2f} GiB of the {budget_bytes / 2**30:.2f} GiB budget"
+            )
+        segments = len(plan.checkpoint_segments())
+        if bool(segments) != bool(priced.get("recomputed_blocks")):
+            out.append(
+                f"stage {stage.index}: its intra-op plan recomputes {segments} segment(s) where "
+                f"the stage search priced {priced.get('recomputed_blocks', 0):.0f} recomputed "
+                f"block(s): its time differs from the priced one"
+            )
+    return out
+
+
 def plan_stage_graphs(
     stages: Sequence[StageGraph],
     mesh: Mesh,
-    options: PlanOptions,
+    options: PlanOptions | Sequence[PlanOptions],
     *,
     model_name: str,
     stack: str | None = None,
 ) -> list[Plan]:
     """Each stage graph's intra-op plan on the stage ``mesh`` (the offline planner and the
-    runtime, for a plan without stored stage plans, both plan stages here). With the pipeline's
-    ``stack``, twin stages (same graph up to the block index, :mod:`autopar.plan.stage_copies`)
-    are solved once and the others get that plan renamed; else one ILP per stage."""
+    runtime, for a plan without stored stage plans, both plan stages here), with ``options``
+    or one options per stage (:func:`stage_plan_options`). With the pipeline's ``stack``, twin
+    stages (same graph up to the block index and the same options,
+    :mod:`autopar.plan.stage_copies`) are solved once and the others get that plan renamed;
+    else one ILP per stage."""
     return [p for p, _ in _plan_stage_graphs(stages, mesh, options, model_name, stack)]
 
 
 def _plan_stage_graphs(
     stages: Sequence[StageGraph],
     mesh: Mesh,
-    options: PlanOptions,
+    options: PlanOptions | Sequence[PlanOptions],
     model_name: str,
     stack: str | None,
 ) -> list[tuple[Plan, int | None]]:
     """:func:`plan_stage_graphs`, each plan with the stage it was renamed from (None: solved)."""
+    per_stage = [options] * len(stages) if isinstance(options, PlanOptions) else list(options)
+    graph_keys = [None if stack is None else twin_key(s, stack) for s in stages]
+    per_stage = _twins_alike(graph_keys, per_stage)
     planned: list[tuple[Plan, int | None]] = []
     solved: dict[tuple, tuple[StageGraph, Plan]] = {}
-    for s in stages:
+    for s, opts, graph_key in zip(stages, per_stage, graph_keys, strict=True):
         name = f"{model_name}/stage{s.index}"
-        key = None if stack is None else twin_key(s, stack)
+        if s.index < len(stages) - 1 and opts.output_placements is None:
+            # The boundary goes to the next stage in the layout it reads (the runtime lowers
+            # it so), not gathered: no output conversion to price.
+            opts = dataclasses.replace(opts, output_placements=(ANY_PLACEMENT,) * len(s.outputs))
+        key = None if graph_key is None else (graph_key, opts)
         if key in solved:
             source, plan = solved[key]
             data = renamed_plan(plan.data, source, s, model_name=name)
             if data is not None:
                 planned.append((Plan(data=data), source.index))
                 continue
-        plan = plan_captured(s.captured, mesh, options, model_name=name, price_baselines=False)
+        plan = plan_captured(s.captured, mesh, opts, model_name=name, price_baselines=False)
         if key is not None:
             solved.setdefault(key, (s, plan))
         planned.append((plan, None))
     return planned
+
+
+def _twins_alike(graph_keys: list, options: list[PlanOptions]) -> list[PlanOptions]:
+    """Twin stages whose options differ only in their in-flight count and budget (their
+    positions in the schedule) are solved once, with the most in flight and the least
+    budget of the twins: that plan fits every one of them."""
+    groups: dict[tuple, list[int]] = {}
+    for i, (key, opts) in enumerate(zip(graph_keys, options, strict=True)):
+        if key is not None:
+            loose = dataclasses.replace(opts, in_flight=1, memory_budget=None)
+            groups.setdefault((key, loose), []).append(i)
+    out = list(options)
+    for members in groups.values():
+        budgets = [options[i].memory_budget for i in members]
+        merged = dataclasses.replace(
+            options[members[0]],
+            in_flight=max(options[i].in_flight for i in members),
+            memory_budget=None if None in budgets else min(parse_bytes(b) for b in budgets),
+        )
+        for i in members:
+            out[i] = merged
+    return out
 
 
 def plan_captured(
@@ -313,5 +423,7 @@ __all__ = [
     "plan_stage_graphs",
     "plan_stages",
     "stage_mesh",
+    "stage_plan_options",
+    "stage_plan_warnings",
     "with_stage_axis",
 ]

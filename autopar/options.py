@@ -118,6 +118,15 @@ class PlanOptions:
     of the budget (solver/lagrangian.py) answer without the MIP."""
     solver: str = "highs"
     """ILP backend: 'highs' or 'cbc'."""
+    in_flight: int = 1
+    """Microbatches whose saved activations a device holds at once: a pipeline stage's plan
+    counts the microbatches its schedule keeps in flight (the stage planner sets it from the
+    schedule); activation memory, and what recomputation frees, count this many times."""
+    accumulation: int = 1
+    """Microbatches whose gradients accumulate before one optimizer step (a pipeline stage's
+    microbatches, gradient accumulation): the plan is one microbatch's, and the gradient
+    synchronisation, issued once per step, counts ``1 / accumulation`` of its time in it (the
+    stage planner sets it)."""
     auto_margin: float | str | None = None
     """The relative gain the auto plan's predicted step must have over the fastest recipe
     that fits, else the recipe's layout is chosen (autopar/planner/auto_margin.py). None (the
@@ -144,6 +153,10 @@ class PlanOptions:
             )
         if self.memory_budget is not None:
             parse_bytes(self.memory_budget)
+        for name in ("in_flight", "accumulation"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if not 0 <= self.gap < 1:
             raise ValueError(f"gap must be in [0, 1), got {self.gap}")
         if isinstance(self.auto_margin, str):
@@ -173,6 +186,9 @@ class PlanOptions:
         out = asdict(self)
         if out["auto_margin"] is None:
             del out["auto_margin"]  # the default: plans and cache keys stay as they were
+        for name in ("in_flight", "accumulation"):
+            if out[name] == 1:
+                del out[name]  # likewise
         if isinstance(self.zero_stage, tuple):
             pairs = self.zero_stage and isinstance(self.zero_stage[0], tuple)
             out["zero_stage"] = dict(self.zero_stage) if pairs else list(self.zero_stage)

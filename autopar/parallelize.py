@@ -249,15 +249,26 @@ def _parallel_module(
     """The ParallelModule running ``lowered`` with the plan's ZeRO layout and precision."""
     zero = chosen.data["zero"]
     zero_config = ZeroConfig.from_json(zero, plan_mesh.axis_names)
+    # Uniform stages as (stage, axes); per-axis stages as one stage per mesh axis.
+    zero_stage: int | tuple[int, ...] = (
+        zero_config.stage
+        if zero_config.is_uniform
+        else tuple(zero_config.stage_of(a) for a in range(plan_mesh.ndim))
+    )
+    zero_axes = list(zero_config.axes) or None if zero_config.is_uniform else None
+    if plan_options.mixed_precision and not any(
+        zero_config.stage_of(a) for a in range(plan_mesh.ndim)
+    ):
+        # The fp32 master weights live in ZeRO chunks: stage 1 over the data-parallel axes,
+        # which the planner prices as stage 0 in time (its step is stage 0's) and which holds
+        # less (the plan's memory counts stage 0's).
+        zero_stage, zero_axes = 1, None
     return ParallelModule(
         lowered,
         model,
         groups,
-        # Uniform stages as (stage, axes); per-axis stages as one stage per mesh axis.
-        zero_stage=zero_config.stage
-        if zero_config.is_uniform
-        else tuple(zero_config.stage_of(a) for a in range(plan_mesh.ndim)),
-        zero_axes=list(zero_config.axes) or None if zero_config.is_uniform else None,
+        zero_stage=zero_stage,
+        zero_axes=zero_axes,
         chunk_bytes=zero.get("chunk_bytes"),
         mixed_precision=plan_options.mixed_precision,
         state_source=(

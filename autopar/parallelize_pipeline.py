@@ -13,14 +13,14 @@ schedule (see its docstring for the training step and the loss on every rank).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from autopar.api import plan_stage_graphs, with_stage_axis
+from autopar.api import plan_stage_graphs, stage_plan_options, with_stage_axis
 from autopar.capture.blocks import STACK_NAMES
 from autopar.capture.export import capture
 from autopar.capture.stages import StageGraph, block_indices, split_stages
@@ -44,6 +44,7 @@ from autopar.parallelize import (
 )
 from autopar.plan.document import Plan
 from autopar.plan.stage_copies import stage_plans_from_stored, stored_stage_plans
+from autopar.planner.driver import memory_budget_bytes
 from autopar.planner.stages import (
     MULTI_STAGE_SCHEDULES,
     SCHEDULES,
@@ -240,11 +241,9 @@ def autoparallelize_pipeline(
     stages = split_stages(captured, pipeline)
     sub_mesh, sub_groups, groups = _submesh(mesh, groups, pipeline.axis)
     name = model_name or type(model).__name__
-    stored = stored_stage_plans(plan if from_plan else None, mesh, pipeline.num_stages)
-    if stored is not None:
-        plans = stage_plans_from_stored(stored, stages)
-    else:
-        plans = _plan_on_rank0(stages, sub_mesh, options, name, pipeline.stack)
+    plans = _stage_plans(
+        plan if from_plan else None, pipeline, stages, mesh, sub_mesh, options, name
+    )
     _agree(
         lambda: [check_plan(p, s.captured, sub_mesh) for p, s in zip(plans, stages, strict=True)]
     )
@@ -376,8 +375,31 @@ def _solved_by_leaders(solve: Any, leaders: dict[int, int], *, what: str) -> dic
     return out
 
 
+def _stage_plans(
+    plan: Plan | None,
+    pipeline: PipelinePlan,
+    stages: tuple[StageGraph, ...],
+    mesh: Mesh,
+    sub_mesh: Mesh,
+    options: PlanOptions,
+    name: str,
+) -> list[Plan]:
+    """Every stage's intra-op plan: ``plan``'s stored ones, else planned on rank 0 with the
+    options the stage search priced (:func:`autopar.api.stage_plan_options`)."""
+    stored = stored_stage_plans(plan, mesh, pipeline.num_stages)
+    if stored is not None:
+        return stage_plans_from_stored(stored, stages)
+    budget = plan.data["memory_budget_bytes"] if plan else memory_budget_bytes(mesh, options)
+    per_stage = stage_plan_options(options, pipeline, budget)
+    return _plan_on_rank0(stages, sub_mesh, per_stage, name, pipeline.stack)
+
+
 def _plan_on_rank0(
-    stages: tuple[StageGraph, ...], mesh: Mesh, options: PlanOptions, name: str, stack: str
+    stages: tuple[StageGraph, ...],
+    mesh: Mesh,
+    options: Sequence[PlanOptions],
+    name: str,
+    stack: str,
 ) -> list[Plan]:
     """Rank 0 plans every stage (twin stages solved once), every rank gets the plans."""
     texts = _from_rank0(

@@ -23,6 +23,7 @@ from autopar.capture.export import capture  # noqa: E402
 from autopar.capture.stages import split_stages  # noqa: E402
 from autopar.mesh import Mesh, default_links  # noqa: E402
 from autopar.options import PlanOptions  # noqa: E402
+from autopar.parallelize_pipeline import find_stack  # noqa: E402
 from autopar.planner.driver import Driver  # noqa: E402
 from autopar.planner.problem import ZeroConfig  # noqa: E402
 from autopar.planner.space import build_space  # noqa: E402
@@ -54,12 +55,7 @@ def check(name: str, *, batch: int, seq: int, tp: int, stages: int, options: Pla
     )
     model, args, kwargs = build_preset(name, batch=batch, seq=seq)
     whole = capture(model, args, kwargs)
-    stack = "layers" if "llama" in name else "h"
-    num_blocks = sum(
-        1
-        for n in whole.param_nodes.values()
-        if n.endswith(".attention_norm.weight") or n.endswith(".ln_1.weight")
-    )
+    stack, num_blocks = find_stack(whole.gm)
     pipeline = even_stages(
         stack=stack, num_blocks=num_blocks, num_stages=stages, microbatches=1, schedule="1f1b"
     )

@@ -69,7 +69,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     ) -> Tensor:
         num_local = logits.shape[1]
         local_max = logits.detach().amax(dim=1)
-        exp = (logits - local_max.unsqueeze(1)).exp()
+        exp = (logits - local_max.unsqueeze(1)).exp_()  # one [N, C] temporary, not two
         local_target = target - class_start
         valid = target != ignore_index
         here = valid & (local_target >= 0) & (local_target < num_local)

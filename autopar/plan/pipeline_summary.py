@@ -104,6 +104,10 @@ def pipeline_summary(d: dict[str, Any]) -> str:
                 f"{'x'.join(map(str, base.get('mesh', [])))}, {base.get('microbatches', 1)} "
                 f"microbatches, {base.get('schedule', '-')}"
             )
+    if d.get("warnings"):
+        lines.append("")
+        lines.append(f"Warnings ({len(d['warnings'])}):")
+        lines.extend(f"- {w}" for w in d["warnings"])
     if d.get("stage_search"):
         lines.append("")
         lines.extend(search_table(d["stage_search"]))

@@ -24,7 +24,7 @@ from autopar.capture.blocks import index_in_stack
 from autopar.mesh import Mesh
 from autopar.options import PlanOptions
 from autopar.planner.pipeline import Candidate, SearchResult
-from autopar.planner.stages import PipelinePlan, Stage
+from autopar.planner.stages import PipelinePlan, Stage, stage_rank
 from autopar.version import version
 
 MAX_ROWS = 30
@@ -66,7 +66,7 @@ def pipeline_plan(c: Candidate, *, stack: str, param_fqns: tuple[str, ...]) -> P
     stages, start = [], 0
     num_blocks = sum(c.sizes)
     for index, (size, cost) in enumerate(zip(c.sizes, c.stages, strict=True)):
-        rank = index % pp
+        rank = stage_rank(c.schedule, index, pp)  # V schedules fold back: 0, 1, 1, 0
         owned = [f for f in param_fqns if start <= in_block.get(f, -1) < start + size]
         if index == 0:
             owned = [f for f in ends if _is_head(f, param_fqns, stack)] + owned

@@ -86,7 +86,7 @@ def issued_grad_sync_s(space: Any, choice: tuple[int, ...]) -> float:
             latency = pricer.all_reduce_latency_s(a)
             total += pricer.grad_sync_s(nbytes, a) - latency * nbytes / GRAD_BUCKET_BYTES
             total += calls * latency
-    return total
+    return total / space.options.accumulation  # once per step (PlanOptions.accumulation)
 
 
 def bucket_correction_s(space: Any, solved: Any) -> float:

@@ -12,10 +12,10 @@ Candidates (``candidate_segments``): every layer of a stack of repeated blocks (
 - ``selective``: the block with matmul / SDPA outputs kept, pointwise ops recomputed;
 - ``full`` on each child module holding a matmul (attention, MLP).
 
-Pricing per node strategy s (the arrays of autopar.planner.problem's strategy space):
+Pricing per node strategy s (the arrays of autopar.planner.problem's strategy space; bytes
+times ``PlanOptions.in_flight``, as the activations):
 - freed bytes: the node's saved activation, for nodes not kept, less the storages a backward
-  outside the segment saves too (its own output, or an input it owns; found with
-  autopar.planner.saved_activations, the rules the activation bytes follow). Checkpoint keeps every
+  outside the segment saves too (its own output, or an input it owns). Checkpoint keeps every
   segment input as it enters, i.e. at its PRODUCER's layout (conversions run inside): unless a
   consumer outside the segment owns that storage anyway, the producer's output bytes are
   charged as a negative row on the producer (``Candidate.node_index`` lists the segment's
@@ -88,8 +88,7 @@ class Candidate:
     """Space indices of the segment's nodes, then of the producers of segment inputs it keeps
     (their rows charge the kept storage)."""
     footprint: tuple[int, ...] = ()
-    """Space indices of the segment's own nodes (overlap is judged on them); empty means
-    ``node_index``."""
+    """Space indices of the segment's own nodes (overlap is judged on them; empty: node_index)."""
     freed_bytes: tuple[np.ndarray, ...]
     """Per node, per space strategy: bytes freed."""
     recompute_s: tuple[np.ndarray, ...]
@@ -170,7 +169,8 @@ def _output_bytes_of(space: StrategySpace, node: fx.Node) -> np.ndarray:
     ns = space.node(node.name)
     call = op_call(node)
     dtype = next((m.dtype for m in call.outputs if m is not None), torch.float32)
-    scale = 2 / dtype.itemsize if space.options.mixed_precision and dtype.is_floating_point else 1.0
+    half = space.options.mixed_precision and dtype.is_floating_point
+    scale = (2 / dtype.itemsize if half else 1.0) * space.options.in_flight
     return np.array(
         [
             scale
@@ -198,8 +198,8 @@ def _input_bytes_of(space: StrategySpace, node: fx.Node, position: int) -> np.nd
     meta = op_call(node).inputs[position]
     if not isinstance(meta, TensorMeta):
         return np.zeros(len(space.node(node.name).strategies))
-    floating = meta.dtype.is_floating_point
-    scale = 2 / meta.dtype.itemsize if space.options.mixed_precision and floating else 1.0
+    half = space.options.mixed_precision and meta.dtype.is_floating_point
+    scale = (2 / meta.dtype.itemsize if half else 1.0) * space.options.in_flight
     return np.array(
         [
             scale * local_bytes(meta, st.inputs[position], space.mesh.shape)

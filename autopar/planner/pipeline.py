@@ -63,6 +63,47 @@ _SCHEDULE_ORDER = {
 }
 
 
+RESERVE_PASSES = 4
+"""Pricing passes that settle what each stage reserves for its rank's other stages."""
+
+
+def _rank_shared_stages(
+    pricer: StagePricer, schedule: str, sizes: list[int], p: int, m: int, v: int
+) -> list[StageCost] | None:
+    """Every chunk of a schedule with ``v`` stages per rank, priced so that the RANK fits: a
+    rank holds its chunks' states, inputs and buffers at once, and its in-flight
+    chunk-microbatches (each chunk is priced with all of them, at its own activation size, a
+    bound on the rank's). Each chunk reserves what the rank's other chunks hold at rest; a
+    chunk pushed to more ZeRO or recomputation by its reserve holds less, and one priced
+    differently may hold more, so reserves only grow, pass by pass, until every chunk's covers
+    its partners' (else None: the candidate does not fit)."""
+    ranks = [stage_rank(schedule, c, p) for c in range(len(sizes))]
+    reserve = [0.0] * len(sizes)
+    for _ in range(RESERVE_PASSES):
+        stages = []
+        for c, k in enumerate(sizes):
+            cost = pricer.price(
+                blocks=k,
+                first=c == 0,
+                last=c == len(sizes) - 1,
+                in_flight=in_flight(schedule, ranks[c], p, m, v),
+                microbatches=m,
+                reserve_bytes=reserve[c],
+            )
+            if cost is None:
+                return None
+            stages.append(cost)
+        held = [s.memory["state"] + s.memory["inputs_buffers"] for s in stages]
+        needed = [
+            sum(h for o, h in enumerate(held) if o != c and ranks[o] == ranks[c])
+            for c in range(len(sizes))
+        ]
+        if all(n <= r for n, r in zip(needed, reserve, strict=True)):
+            return stages
+        reserve = [max(n, r) for n, r in zip(needed, reserve, strict=True)]
+    return None
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StageModel:
     """What the stage planner needs of a model.
@@ -331,15 +372,9 @@ class StagePlanner:
         self, mesh: MeshShape, m: int, pricer: StagePricer, schedule: str, sizes: list[int], v: int
     ) -> Candidate | None:
         p = mesh.pp
-        stages = []
-        for c, k in enumerate(sizes):
-            flight = in_flight(schedule, stage_rank(schedule, c, p), p, m, v)
-            cost = pricer.price(
-                blocks=k, first=c == 0, last=c == len(sizes) - 1, in_flight=flight, microbatches=m
-            )
-            if cost is None:
-                return None
-            stages.append(cost)
+        stages = _rank_shared_stages(pricer, schedule, sizes, p, m, v)
+        if stages is None:
+            return None
         ends = pipeline_ends(num_stages=p, pp_link=mesh.pp_link)
         t = schedule_time(
             stages,

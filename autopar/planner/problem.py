@@ -258,7 +258,9 @@ def _param_state_of(
         # price that only where their layout makes the gradient Partial, which the parameter's
         # cost cannot see (subtracted here it would make ZeRO-3 of a layout with whole
         # gradients cheaper than stage 2); so a ZeRO-3 plan still pays it (README, session 13).
-        comm -= sum(pricer.grad_sync_s(numel * itemsize, a) for a in reduced)
+        comm -= sum(pricer.grad_sync_s(numel * itemsize, a) for a in reduced) / (
+            space.options.accumulation  # as the consumers price it (space.build_space)
+        )
         comm = max(comm, 0.0)
     return breakdown.total, comm, breakdown
 

@@ -27,6 +27,8 @@ from autopar.options import PlanOptions
 from autopar.placement import REPLICATE, Placements, SectionShard, Shard, divides, local_shape
 from autopar.planner.chain_grads import price_chain_grads
 from autopar.planner.fused_pricing import price_fused_reductions
+from autopar.planner.outputs import output_requirements as _output_requirements
+from autopar.planner.outputs import tensor_value as _tensor_value
 from autopar.planner.pricing import CommPricer, bucket_rounding, pair_table
 from autopar.planner.saved_activations import SavedRule, saved_rules
 from autopar.planner.shared_grads import price_shared_param_grads
@@ -112,13 +114,6 @@ class StrategySpace:
 
 # --------------------------------------------------------------------------------------------
 # Strategy space
-
-
-def _tensor_value(node: fx.Node) -> bool:
-    val = node.meta.get("val")
-    if isinstance(val, torch.Tensor):
-        return True
-    return isinstance(val, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in val)
 
 
 def placeholder_strategies(
@@ -261,6 +256,10 @@ def build_space(captured: Captured, mesh: Mesh, options: PlanOptions) -> Strateg
     price_chain_grads(gm, nodes, index, edges, pricer, needs_grad, captured, signatures)
     price_fused_reductions(gm, nodes, edges, pricer)
     bucket_share_s = bucket_rounding(nodes, edges, pricer, shared_uses)
+    if options.accumulation > 1:  # the gradient sync, once per step, shared by its microbatches
+        for ns in nodes:
+            ns.param_grad_comm_s = ns.param_grad_comm_s / options.accumulation
+        bucket_share_s = tuple(s / options.accumulation for s in bucket_share_s)
     return StrategySpace(
         captured=captured,
         mesh=mesh,
@@ -276,31 +275,6 @@ def build_space(captured: Captured, mesh: Mesh, options: PlanOptions) -> Strateg
         needs_grad=frozenset(needs_grad),
         saved=saved,
     )
-
-
-def _output_requirements(
-    captured: Captured, mesh: Mesh, options: PlanOptions
-) -> dict[str, list[tuple[int, Placements]]]:
-    """Producer name -> [(output index, required placement)] for the model's outputs."""
-    from autopar.placement import parse_placements
-
-    out_node = next(n for n in captured.gm.graph.nodes if n.op == "output")
-    leaves = [leaf for leaf in torch.utils._pytree.tree_flatten(out_node.args)[0]]
-    tensor_leaves = [leaf for leaf in leaves if isinstance(leaf, fx.Node) and _tensor_value(leaf)]
-    user_outputs = tensor_leaves[len(tensor_leaves) - len(captured.output_names) :]
-    requirements: dict[str, list[tuple[int, Placements]]] = {}
-    for i, leaf in enumerate(user_outputs):
-        if options.output_placements is not None and i < len(options.output_placements):
-            required = parse_placements(options.output_placements[i])
-            if len(required) != mesh.ndim:
-                raise ValueError(
-                    f"output_placements[{i}] = {options.output_placements[i]!r} has "
-                    f"{len(required)} entries but the mesh has {mesh.ndim} axes"
-                )
-        else:
-            required = (REPLICATE,) * mesh.ndim
-        requirements.setdefault(leaf.name, []).append((0, required))
-    return requirements
 
 
 def _zeros(n: int) -> np.ndarray:
@@ -390,8 +364,10 @@ def _op_space(
                         for j in saved_rule.inputs
                     )
                     activation[i] = (
-                        saved_rule.output * out_bytes + saved_rule.first_input * first_in + owned
-                    ) * precision_scale
+                        (saved_rule.output * out_bytes + saved_rule.first_input * first_in + owned)
+                        * precision_scale
+                        * options.in_flight
+                    )
             transient[i] = out_bytes * (2 if grad else 1)
         # Collectives inside the op (autopar.strategies.registry.in_op_collectives).
         for kind, axis, nbytes in in_op_collectives(call, strategy, mesh_shape):
@@ -451,7 +427,9 @@ def _edges(gm, nodes, index, pricer, signatures) -> list[EdgeSpace]:
             dst_strats = nodes[dst].strategies
             # Price each distinct (source placement, required placement) pair once: strategies
             # share placements, so the matrix is a gather from a much smaller table.
-            src_pls = [s.outputs[out_index] if out_index < len(s.outputs) else None for s in src_strats]
+            src_pls = [
+                s.outputs[out_index] if out_index < len(s.outputs) else None for s in src_strats
+            ]
             dst_pls = [t.inputs[j] for t in dst_strats]
             src_ids = {p: k for k, p in enumerate(dict.fromkeys(src_pls))}
             dst_ids = {p: k for k, p in enumerate(dict.fromkeys(dst_pls))}
@@ -464,7 +442,9 @@ def _edges(gm, nodes, index, pricer, signatures) -> list[EdgeSpace]:
     return edges
 
 
-def _tie_edges(captured: Captured, nodes: list[NodeSpace], index: dict[str, int]) -> list[EdgeSpace]:
+def _tie_edges(
+    captured: Captured, nodes: list[NodeSpace], index: dict[str, int]
+) -> list[EdgeSpace]:
     """Tied parameters lifted as separate placeholders (HF GPT-2's wte / lm_head) are one
     parameter: the same layout is forced by an edge allowing equal placements only, and the
     later placeholder's state is not counted again (``NodeSpace.alias_of``)."""

@@ -247,14 +247,30 @@ class StagePricer:
     """Per (part, ZeRO stage): its state bytes and communication (parts are shared)."""
 
     def price(
-        self, *, blocks: int, first: bool, last: bool, in_flight: int, microbatches: int
+        self,
+        *,
+        blocks: int,
+        first: bool,
+        last: bool,
+        in_flight: int,
+        microbatches: int,
+        reserve_bytes: float = 0.0,
     ) -> StageCost | None:
-        """The fastest way to run this stage kind that fits the budget, or None."""
+        """The fastest way to run this stage kind that fits the budget, or None.
+        ``reserve_bytes``: what the other stages on the same rank hold at rest (their state,
+        inputs and buffers; schedules with 2 stages per rank), kept out of the budget and
+        counted in the memory as ``other_stages``."""
         best: StageCost | None = None
         for parts in self.options:
             for zero in self.zero_stages if self.dp > 1 else (0,):
                 cost = self._price_one(
-                    parts, zero, blocks=blocks, first=first, last=last, in_flight=in_flight
+                    parts,
+                    zero,
+                    blocks=blocks,
+                    first=first,
+                    last=last,
+                    in_flight=in_flight,
+                    reserve_bytes=reserve_bytes,
                 )
                 if cost is None:
                     continue
@@ -264,7 +280,15 @@ class StagePricer:
         return best
 
     def _price_one(
-        self, parts: Parts, zero: int, *, blocks: int, first: bool, last: bool, in_flight: int
+        self,
+        parts: Parts,
+        zero: int,
+        *,
+        blocks: int,
+        first: bool,
+        last: bool,
+        in_flight: int,
+        reserve_bytes: float = 0.0,
     ) -> StageCost | None:
         chosen = [(parts.block, blocks)]
         if first:
@@ -282,7 +306,7 @@ class StagePricer:
         boundary = parts.block.boundary_bytes
         if not first:
             fixed += boundary  # the received activation
-        fixed_total = state + fixed + transient
+        fixed_total = state + fixed + transient + reserve_bytes
         saving = (parts.block.activation_bytes - boundary) * in_flight
         recomputed = 0
         over = fixed_total + activations * in_flight - self.budget
@@ -305,6 +329,8 @@ class StagePricer:
             "inputs_buffers": fixed,
             "transient": transient,
         }
+        if reserve_bytes:
+            memory["other_stages"] = reserve_bytes
         return StageCost(
             forward_s=forward + gather_s / 2,
             backward_s=backward + gather_s / 2,
@@ -350,12 +376,15 @@ class StagePricer:
                 state_shards=dp if zero >= 1 else 1,
             )
             state += breakdown.total
-            grad_itemsize = 2 if self.mixed_precision else itemsize
+            # Gradients are reduced in the parameters' dtype (fp32 under mixed precision: the
+            # runtime reduces into the fp32 masters, as the ILP prices it); ZeRO-3 gathers the
+            # compute copies (half precision under mixed precision).
+            gather_itemsize = 2 if self.mixed_precision else itemsize
             if dp > 1:
-                sync += pricer.grad_sync_s(numel * grad_itemsize, 0)
+                sync += pricer.grad_sync_s(numel * itemsize, 0)
                 if zero == 3:
                     gather += collective_time_s(
-                        "all_gather", numel * grad_itemsize, dp, self.dp_link
+                        "all_gather", numel * gather_itemsize, dp, self.dp_link
                     )
         return state, gather, sync
 

@@ -381,6 +381,13 @@ def build_zero_engine(
         )
         if own:
             entries.append((fqn, param, own, tuple(lowered.param_grad_reduce_axes.get(fqn, ()))))
+    if mixed_precision is not None and not entries:
+        raise ValueError(
+            f"mixed_precision={mixed_precision!r} keeps the fp32 master weights in ZeRO chunks "
+            f"sharded over a data-parallel axis, but the mesh {mesh_shape} replicates no "
+            f"parameter over an axis of size > 1, so nothing would compute in {mixed_precision}: "
+            f"plan without mixed_precision, or on a mesh with such an axis"
+        )
     return ZeroEngine(
         stages=stages,
         stage=stage if isinstance(stage, int) else None,

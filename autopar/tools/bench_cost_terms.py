@@ -273,20 +273,22 @@ def terms_table(terms: dict[str, Any], reference: str) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def plans_from_command_line(
+    description: str, argv: list[str] | None, *, recipes: str, auto: bool = True
+) -> tuple[argparse.Namespace, Any, dict[str, Any]]:
+    """Parse ``MODEL --mesh --profile --recipes --batch --seq --steps --json`` and plan MODEL's
+    recipes (and the auto plan, first, where ``auto``) on the mesh with the profile's device
+    and links; returns the arguments, that Mesh (axes ``a0``, ``a1``, ...) and the Plans."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("model", help="package.module:factory or a preset")
     parser.add_argument("--mesh", default="2")
     parser.add_argument("--profile", required=True, help="calibrated profile of this mesh")
-    parser.add_argument("--recipes", default="ddp,megatron,fsdp,fsdp+tp")
+    parser.add_argument("--recipes", default=recipes)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--json", help="write the terms here")
+    parser.add_argument("--json", help="write the measurements here")
     args = parser.parse_args(argv)
-    import json
-    import os
-
     from autopar.capture.export import capture
     from autopar.mesh import Mesh
     from autopar.options import PlanOptions
@@ -301,10 +303,21 @@ def main(argv: list[str] | None = None) -> int:
                 links=tuple(profile.links[n] for n in names))  # fmt: skip
     model, margs, kwargs = build_preset(args.model, batch=args.batch, seq=args.seq)
     captured = capture(model, margs, kwargs)
-    recipes = ["auto", *[r for r in args.recipes.split(",") if r and r != "auto"]]
-    plans = plans_for_recipes(captured, mesh, PlanOptions(), recipes=recipes, model_name=args.model)
+    names = [r for r in args.recipes.split(",") if r and r != "auto"]
+    plans = plans_for_recipes(captured, mesh, PlanOptions(), recipes=(["auto"] if auto else []) + names,
+                              model_name=args.model)  # fmt: skip
+    return args, mesh, plans
+
+
+def main(argv: list[str] | None = None) -> int:
+    import json
+    import os
+
+    args, mesh, plans = plans_from_command_line(
+        __doc__.splitlines()[0], argv, recipes="ddp,megatron,fsdp,fsdp+tp"
+    )
     print(f"load average before: {os.getloadavg()}")
-    terms = measure_terms(args.model, args.batch, args.seq, base.shape, plans, args.steps)
+    terms = measure_terms(args.model, args.batch, args.seq, mesh.shape, plans, args.steps)
     print(f"load average after: {os.getloadavg()}")
     print(terms_table(terms, "auto"))
     if args.json:

@@ -96,6 +96,8 @@ def check_pipeline(rank: int, world_size: int, case: Any) -> dict[str, Any]:
         return check_dcp(case[1])
     if case[0] == "saved":
         return check_saved_plan(case[1])
+    if case[0] == "saved-v":
+        return check_saved_v_plan(case[1])
     if case[0] == "eval":
         return check_eval(case[1])
     shape, names, model_name, stages, microbatches, schedule, options = case
@@ -171,6 +173,7 @@ def test_pipeline_numerics(world_size: int, tmp_path: Any) -> None:
         cases += [(f"bad/{what}", ("bad", what)) for what in BAD_INPUT]
     if world_size == 2:
         cases.append(("saved", ("saved", str(tmp_path / "plan.json"))))
+        cases.append(("saved-v", ("saved-v", str(tmp_path / "plan-v.json"))))
         cases.append(("eval", ("eval", "zero-bubble")))
     if world_size == 4:
         cases.append(("dcp", ("dcp", str(tmp_path / "ckpt"))))
@@ -190,6 +193,7 @@ def test_pipeline_numerics(world_size: int, tmp_path: Any) -> None:
         # were planned on rank 0 only, the twin middle stages once.
         assert [v["solves"] for v in saved] == [(0, 3), (0, 0)], saved
         assert len(results["eval"].check()) == 2
+        assert [v["stages"] for v in results["saved-v"].check()] == [[0, 3], [1, 2]]
     for what in BAD_INPUT if world_size == 2 else ():
         results[f"bad/{what}"].check()
 
@@ -252,6 +256,31 @@ def check_saved_plan(path: str) -> dict[str, Any]:
     assert "other input shapes" in errors[0] and "from_world((2, 1, 1)" in errors[1], errors
     assert not any("\n" in e for e in errors), errors
     return {"solves": tuple(counts), "errors": errors}
+
+
+def check_saved_v_plan(path: str) -> dict[str, Any]:
+    """A V schedule (ZBV) planned by ``autopar.plan`` runs as saved: its stages fold back onto
+    the ranks (0, 1, 1, 0), as torch's V schedules place them (the plan placed them 0, 1, 0, 1
+    until session 22, which the runtime refused), with the numerics of one process."""
+    import torch.distributed as dist
+
+    import autopar
+    from autopar.plan.document import Plan
+
+    model, args, kwargs = _build("llama")
+    want = sgd_reference(model, args, kwargs, lr=LR, steps=NUM_STEPS)
+    if dist.get_rank() == 0:
+        offline = autopar.Mesh.spec((2,), ("pp",))
+        autopar.plan(
+            model, offline, args, stages=2, microbatches=2, schedule="zbv", optimizer="sgd"
+        ).save(path)
+    dist.barrier()
+    assert [s["pp_rank"] for s in Plan.load(path).data["pipeline"]["stages"]] == [0, 1, 1, 0]
+    model, args, kwargs = _build("llama")
+    mesh = _mesh((2, 1, 1), ("pp", "dp", "tp"))
+    pmodel = autopar.autoparallelize(model, mesh, args, kwargs, plan=path)
+    checked = _train_and_compare(pmodel, args, kwargs, want)
+    return {**checked, "stages": list(pmodel.stage_indices)}
 
 
 def check_eval(schedule: str) -> float:
@@ -358,6 +387,7 @@ BAD_INPUT = {
     "wrong world size, plan file": "but the world size is 2",
     "dualpipev, fewer microbatches than stages": "ScheduleDualPipeV refuses 2 microbatches on 4",
     "zbv, 3 stages per rank": "runs exactly 2 stages per pipeline rank",
+    "bf16 without a data-parallel axis": "replicates no parameter over an axis of size > 1",
 }
 
 
@@ -395,6 +425,8 @@ def check_bad_input(what: str) -> str:
     elif what == "dualpipev, fewer microbatches than stages":
         model, args, _ = models.tiny_llama(layers=4)
         kwargs["pipeline"] = {"stages": 2, "microbatches": 2, "schedule": "dualpipev"}
+    elif what == "bf16 without a data-parallel axis":  # fp32 masters live in ZeRO chunks
+        kwargs["mixed_precision"] = "bf16"
     elif what == "zbv, 3 stages per rank":
         model, args, _ = models.tiny_llama(layers=6)
         kwargs["pipeline"] = {"microbatches": 2, "schedule": "zbv", "virtual_stages": 3}

@@ -576,12 +576,19 @@ def load_on_mesh2(rank: int, world_size: int, checkpoint: dict[str, Any]) -> Any
 
 
 def _check_bf16(plan: str | None, mesh_shape: tuple[int, ...], stage: int) -> None:
-    """bf16 compute with fp32 master shards vs one process under autocast with fp32 weights:
-    3 SGD steps. Measured differences: 1.6e-4 on the loss, 2e-4 on parameters (the fp32 run
-    differs from the autocast one by 1.1e-4); bars at 5x that, far below bf16's 7.8e-3 epsilon."""
+    """bf16 compute with fp32 master shards vs one process under autocast with fp32 weights
+    (:func:`bf16_against_autocast`)."""
+    model, args, pmodel = _build(plan, mesh_shape, stage, mixed_precision="bf16")
+    bf16_against_autocast(pmodel, args)
+
+
+def bf16_against_autocast(pmodel: Any, args: tuple) -> None:
+    """3 SGD steps of ``pmodel`` (the tiny GPT, bf16 compute) against one process under
+    autocast with fp32 weights. Measured differences: 1.6e-4 on the loss, 2e-4 on parameters
+    (the fp32 run differs from the autocast one by 1.1e-4); bars at 5x that, far below bf16's
+    7.8e-3 epsilon."""
     from tests.models import tiny_gpt
 
-    model, args, pmodel = _build(plan, mesh_shape, stage, mixed_precision="bf16")
     ref, _, _ = tiny_gpt()
     opt = torch.optim.SGD(pmodel.parameters(), lr=LR)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)

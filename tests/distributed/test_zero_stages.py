@@ -32,6 +32,8 @@ both axes are data parallel here, the names are the test mesh's):
 * ``autoparallelize/dp=2,tp=3``: ``autoparallelize(..., zero_stage={"dp": 2, "tp": 3})`` (the
   planner picks the layouts, the plan JSON carries the stages to the engine): 3 SGD steps equal
   one process.
+* ``autoparallelize-bf16/ddp``: a bf16 plan at ZeRO stage 0 runs with its fp32 masters in ZeRO-1
+  chunks, within bf16 tolerance of one process under autocast.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ from tests.distributed.test_zero import (
     _reference,
     _state_bytes,
     _train,
+    bf16_against_autocast,
     check_accumulation,
 )
 
@@ -246,12 +249,32 @@ def _keep_grads(pmodel: Any, args: Any, stages: tuple[int, int]) -> None:
         )
 
 
+def _autoparallelized_bf16() -> None:
+    """A bf16 plan at ZeRO stage 0 (the ``ddp`` recipe) runs: its fp32 master weights live in
+    ZeRO-1 chunks over the data-parallel axes (the planner prices stage 1 as stage 0; until
+    session 22 the runtime refused the plan), within bf16 tolerance of one process under
+    autocast (``test_zero.bf16_against_autocast``)."""
+    import autopar
+    from tests.models import tiny_gpt
+
+    model, args, _ = tiny_gpt()
+    mesh = autopar.Mesh.from_world(MESH, ("dp", "tp"))
+    pmodel = autopar.autoparallelize(
+        model, mesh, args, recipe="ddp", mixed_precision="bf16", optimizer="sgd"
+    )
+    assert not any(pmodel.plan.zero["stages"].values()), pmodel.plan.zero
+    assert pmodel.zero is not None and pmodel.zero.stages == (1, 1)
+    bf16_against_autocast(pmodel, args)
+
+
 def run_case(rank: int, world_size: int, case: tuple[str, Any], path: str) -> Any:
     kind, stages = case
     if kind == "dcp":
         return _dcp(stages, path)
     if kind == "autoparallelize":
         return _autoparallelized(stages)
+    if kind == "autoparallelize-bf16":
+        return _autoparallelized_bf16()
     if kind == "bf16":
         return _check_bf16(None, MESH, stages)  # type: ignore[arg-type]
     _, args, pmodel = _build(None, MESH, stages)
@@ -293,6 +316,7 @@ CASES = (
         ("bf16/(3, 1)", ("bf16", (3, 1))),
         ("dcp/(3, 2)", ("dcp", (3, 2))),
         ("autoparallelize/dp=2,tp=3", ("autoparallelize", {"dp": 2, "tp": 3})),
+        ("autoparallelize-bf16/ddp", ("autoparallelize-bf16", None)),
     ]
 )
 

@@ -14,8 +14,8 @@ from autopar.plan.document import PLAN_VERSION, Plan
 from tests.models import BATCH, tiny_gpt, tiny_llama
 
 
-@pytest.fixture(scope="module")
-def searched() -> Plan:
+def _tiny_llama_on_4(budget: str, **options) -> Plan:
+    """The tiny LLaMA's stage search on 4 devices, 2 per node: 2 stages, 4 microbatches."""
     model, args, _ = tiny_llama(layers=4)
     return autopar.plan(
         model,
@@ -27,9 +27,15 @@ def searched() -> Plan:
         model_name="tiny-llama",
         stages=2,
         microbatches=4,
-        memory_budget="64MiB",
-        stage_plans=False,  # the search is tested here; stored stage plans in test_pipeline
+        memory_budget=budget,
+        **options,
     )
+
+
+@pytest.fixture(scope="module")
+def searched() -> Plan:
+    # The search is tested here; stored stage plans in test_pipeline.
+    return _tiny_llama_on_4("64MiB", stage_plans=False)
 
 
 def test_mesh_search_ranks_every_factorisation(searched):
@@ -299,3 +305,137 @@ def test_ranks_sharing_cores_price_the_pipeline_with_their_solo_speed():
     assert after.predicted["step_s"] == pytest.approx(expected.step_s)
     assert after.predicted["step_s"] > no_wait.step_s + 5 * shared.task_wait_s
     assert after.predicted["step_s"] < 0.9 * before.predicted["step_s"]
+
+
+def test_stages_sharing_a_rank_are_priced_to_fit_together():
+    """A V schedule puts chunks 0 and 3 on rank 0: the rank holds both chunks' state. Each
+    chunk alone fits the budget unsharded; the two together do not, so the pairing must shard
+    (ZeRO on dp) or refuse, and what the rank holds must fit."""
+    from autopar.planner.pipeline import _rank_shared_stages
+    from autopar.planner.stages import stage_rank
+
+    params = [(1e6, 4)]  # 8 MB of SGD state per block unsharded (parameters and gradients)
+    full = 2 * 1e6 * 4 * 2  # two blocks per chunk
+    budget = 1.5 * full  # one chunk's unsharded state fits, two do not
+    pricer = _pricer(budget, dp=4, params=params)
+    alone = pricer.price(blocks=2, first=True, last=False, in_flight=3, microbatches=4)
+    assert alone is not None and alone.detail["zero_stage"] == 0
+    stages = _rank_shared_stages(pricer, "zbv", [2, 2, 2, 2], p=2, m=4, v=2)
+    assert stages is not None
+    ranks = [stage_rank("zbv", c, 2) for c in range(4)]
+    assert ranks[0] == ranks[3] and ranks[1] == ranks[2]
+    for rank in set(ranks):
+        mine = [s for s, r in zip(stages, ranks, strict=True) if r == rank]
+        held = sum(s.memory["state"] + s.memory["inputs_buffers"] for s in mine)
+        busiest = max(s.memory["activations"] + s.memory["transient"] for s in mine)
+        assert held + busiest <= budget
+        assert all(s.memory["other_stages"] > 0 for s in mine)
+        assert any(s.detail["zero_stage"] > 0 for s in mine)
+    # Without room for a second chunk at all, the candidate is refused.
+    assert (
+        _rank_shared_stages(_pricer(0.6 * full, dp=1, params=params), "zbv", [2] * 4, 2, 4, 2)
+        is None
+    )
+
+
+def test_stage_plans_are_solved_as_the_search_priced_them():
+    """The stored stage plans take the ZeRO stage the search priced on dp, count the
+    microbatches the schedule keeps in flight, keep out of their budget what the rank's other
+    stages hold, and fit. 1 MiB: the search needs ZeRO-2 on dp in both stages."""
+    from autopar.api import stage_plan_options
+    from autopar.options import PlanOptions
+    from autopar.planner.stages import PipelinePlan
+
+    plan = _tiny_llama_on_4("1MiB")
+    pipeline = PipelinePlan.from_json(plan.data["pipeline"])
+    stored = plan.data["pipeline"]["stage_plans"]
+    budget = plan.data["memory_budget_bytes"]
+    per_stage = stage_plan_options(PlanOptions(memory_budget="1MiB"), pipeline, budget)
+    assert [int(s.predicted["zero_stage"]) for s in pipeline.stages] == [2, 2]
+    assert [int(s.predicted["in_flight"]) for s in pipeline.stages] == [2, 1]
+    assert plan.warnings == []
+    for stage, options in zip(pipeline.stages, per_stage, strict=True):
+        priced = stage.predicted
+        assert options.zero_stage == (("dp", int(priced["zero_stage"])),)
+        assert options.in_flight == int(priced["in_flight"])
+        assert options.accumulation == pipeline.microbatches == 4
+        others = priced.get("memory_other_stages_bytes", 0.0)
+        assert options.memory_budget == int(budget - others)
+        entry = stored[stage.index]
+        entry = stored[entry["renamed_from"]] if "renamed_from" in entry else entry
+        assert entry["zero"]["stages"]["dp"] == int(priced["zero_stage"])
+        assert entry["options"].get("in_flight", 1) >= options.in_flight
+        assert entry["predicted"]["peak_memory_bytes"] + others <= budget
+        # A boundary goes to the next stage in the layout it reads: no gather priced on it.
+        last = stage.index == len(pipeline.stages) - 1
+        assert entry["options"]["output_placements"] == (None if last else ["*"])
+        if not last:
+            assert entry["predicted"]["breakdown"]["output_comm_s"] == 0.0
+
+
+def test_in_flight_counts_the_activations_that_many_times():
+    """``PlanOptions.in_flight`` multiplies the activations a plan keeps (and what
+    recomputation frees), not the state; a budget that fits one microbatch's activations but
+    not four makes the 4-in-flight plan recompute or shard more."""
+    model, args, _ = tiny_gpt(layers=2)
+    mesh = Mesh.spec((2,), device="cpu")
+    one = autopar.plan(model, mesh, args, recipe="ddp", checkpoint="none", optimizer="sgd")
+    four = autopar.plan(
+        model, mesh, args, recipe="ddp", checkpoint="none", optimizer="sgd", in_flight=4
+    )
+    m1, m4 = one.data["predicted"]["memory"], four.data["predicted"]["memory"]
+    assert m4["activations"] == pytest.approx(4 * m1["activations"])
+    assert m4["params"] == m1["params"] and m4["grads"] == m1["grads"]
+    assert four.data["options"]["in_flight"] == 4 and "in_flight" not in one.data["options"]
+    with pytest.raises(ValueError, match="in_flight must be an integer >= 1"):
+        autopar.plan(model, mesh, args, in_flight=0)
+
+
+@pytest.mark.parametrize(("schedule", "ranks"), [("zbv", [0, 1, 1, 0]), ("1f1b", [0, 1])])
+def test_planned_stages_sit_on_the_ranks_their_schedule_runs_them(schedule, ranks):
+    model, args, _ = tiny_llama(layers=4)
+    plan = autopar.plan(
+        model,
+        Mesh.spec((2,), ("pp",), device="cpu"),
+        args,
+        stages=2,
+        microbatches=2,
+        schedule=schedule,
+        stage_plans=False,
+    )
+    stages = plan.data["pipeline"]["stages"]
+    assert [s["pp_rank"] for s in stages] == ranks
+    assert [s["ranks"] for s in stages] == [[r] for r in ranks]
+
+
+def test_accumulation_shares_the_gradient_sync_between_microbatches():
+    """``PlanOptions.accumulation``: the gradient sync, once per optimizer step, counts 1/m in
+    the per-microbatch plan; nothing else moves (ddp's layouts fixed)."""
+    model, args, _ = tiny_gpt(layers=2)
+    mesh = Mesh.spec((2,), device="cpu")
+    one = autopar.plan(model, mesh, args, recipe="ddp", optimizer="sgd")
+    four = autopar.plan(model, mesh, args, recipe="ddp", optimizer="sgd", accumulation=4)
+    b1, b4 = one.data["predicted"]["breakdown"], four.data["predicted"]["breakdown"]
+    assert b1["grad_sync_s"] > 0
+    assert b4["grad_sync_s"] == pytest.approx(b1["grad_sync_s"] / 4)
+    assert b4["compute_s"] == pytest.approx(b1["compute_s"])
+    assert four.data["options"]["accumulation"] == 4 and "accumulation" not in one.data["options"]
+
+
+def test_a_stage_plan_that_is_not_the_priced_stage_is_a_warning():
+    from autopar.api import stage_plan_warnings
+    from autopar.planner.stages import PipelinePlan, even_stages
+
+    pipeline = even_stages(
+        stack="layers", num_blocks=2, num_stages=2, microbatches=2, schedule="1f1b"
+    ).to_json()
+    pipeline["stages"][0]["predicted"] = {"in_flight": 2.0, "recomputed_blocks": 1.0}
+    pipeline["stages"][1]["predicted"] = {"in_flight": 1.0, "recomputed_blocks": 0.0}
+    pipeline = PipelinePlan.from_json(pipeline)
+    over = Plan(data={"predicted": {"peak_memory_bytes": 2e9}, "checkpoint": {"segments": []}})
+    fits = Plan(data={"predicted": {"peak_memory_bytes": 5e8}, "checkpoint": {"segments": []}})
+    warnings = stage_plan_warnings(pipeline, [over, fits], 1e9)
+    assert len(warnings) == 2 and all(w.startswith("stage 0: ") for w in warnings)
+    assert "holds about 1.86 GiB of the 0.93 GiB budget" in warnings[0]
+    assert "recomputes 0 segment(s) where the stage search priced 1" in warnings[1]
+    assert stage_plan_warnings(pipeline, [fits, fits], 1e9) == [warnings[1]]
