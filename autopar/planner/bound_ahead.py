@@ -32,16 +32,20 @@ from solver.background import start_priced_bound
 from solver.budgeted import Recorded
 from solver.parallel import problem_entries
 
-MIN_AHEAD_ENTRIES = 2_000_000
-"""Cost entries from which a bound is worth a worker (its start and the problem's pickling
-take about a second on the llama3-70b b256 row, whose problem has about 60 million)."""
+MIN_AHEAD_ENTRIES: int | None = None
+"""Cost entries from which a bound is worth a worker (the worker's start and the problem's
+pickling take about a second on the llama3-70b b256 row; 2,000,000 takes that row).
+None: never, the default: on that row the worker's 1.9 GB beside this process's 2.5 GB take
+the process tree to 4.4 GB at its peak (README, Session 22), over the 4 GB it is held to."""
 
 
 class Ahead:
     """The priced bounds evaluated ahead of their configuration's turn (module docstring)."""
 
-    def __init__(self, min_entries: int | None = None) -> None:
-        self.min_entries = MIN_AHEAD_ENTRIES if min_entries is None else min_entries
+    def __init__(self, min_entries: int | None = -1) -> None:
+        """``min_entries``: the least problem size bounded beside another (-1: the module's
+        :data:`MIN_AHEAD_ENTRIES`; None: none)."""
+        self.min_entries = MIN_AHEAD_ENTRIES if min_entries == -1 else min_entries
         self.followers: dict[ZeroConfig, set[ZeroConfig]] = {}
         """Per configuration, those its bound derives at a shift >= 0 (bound_order.py)."""
         self.upcoming: Sequence[tuple[ZeroConfig, Solved]] = ()
@@ -76,7 +80,7 @@ class Ahead:
             return configurations.priced_bound(zero, budget, multipliers, target=target, held=held)
         other = self._beside(zero, budget, target)
         problem = configurations.budgeted_problem(zero, budget)
-        if other is None or problem_entries(problem) < self.min_entries:
+        if other is None or problem_entries(problem) < (self.min_entries or 0):
             return configurations.priced_bound(zero, budget, multipliers, target=target)
         options = configurations.bound_options(multipliers, target)
         job = start_priced_bound(problem, multipliers[1], **options)
@@ -99,7 +103,10 @@ class Ahead:
 
     def _beside(self, zero: ZeroConfig, budget: float, target: float) -> ZeroConfig | None:
         """The next configuration that may need its own bound after ``zero``'s (module
-        docstring), or None (also where fewer than two cores are usable)."""
+        docstring), or None (also where fewer than two cores are usable, or the side-by-side
+        evaluation is off: ``min_entries`` None)."""
+        if self.min_entries is None:
+            return None
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         if (cores or 1) < 2:
             return None
