@@ -171,7 +171,7 @@ def _ordered(
                 budget,
                 out.best.warm_multipliers[1],
                 report,
-                None if ahead is None else ahead.followers,
+                followers=None if ahead is None else ahead.followers,
             )
         for k, pair in enumerate(everything):
             if ahead is not None:  # what comes next: bound_ahead.py bounds one beside
