@@ -84,12 +84,14 @@ def derive_first(
     budget: float,
     multiplier: float,
     report: Callable[[str], None] = lambda line: None,
+    followers: dict[ZeroConfig, set[ZeroConfig]] | None = None,
 ) -> list[tuple[ZeroConfig, Solved]]:
     """``pairs`` (configurations with their budget-free solves, in the search's order) with
     those whose budget-free plan does not fit reordered so that the configuration from which
     the most of the others derive a bound at a shift >= 0 comes first (module docstring),
     greedily: after each pick, the next is the one deriving the most of those left. Those
-    whose budget-free plan fits keep their places at the front (they are solved by it)."""
+    whose budget-free plan fits keep their places at the front (they are solved by it).
+    ``followers``: filled with, per configuration reordered, those it derives at a shift >= 0."""
     fitting = [p for p in pairs if p[1].evaluation.peak_memory_bytes <= budget]
     rest = [p for p in pairs if p[1].evaluation.peak_memory_bytes > budget]
     if len(rest) < 2 or not multiplier >= 0.0:
@@ -102,6 +104,9 @@ def derive_first(
         configurations.release(zero, budget)
     table = shifts(priced)
     order = greedy_order(table)
+    if followers is not None:
+        for a, (zero, _) in enumerate(rest):
+            followers[zero] = {rest[b][0] for b in range(len(rest)) if table[a, b] >= 0.0}
     names = configurations.space.mesh.axis_names
     report(
         "bound order (configurations deriving others' bounds at a shift >= 0 first): "

@@ -13,14 +13,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import solver
 from autopar.errors import PlanningError
 from autopar.options import PlanOptions
 from autopar.planner.checkpointing import (
     Candidate,
-    ChosenSegment,
     candidate_segments,
     chosen_segments,
     solver_segments,
@@ -28,7 +26,6 @@ from autopar.planner.checkpointing import (
 )
 from autopar.planner.problem import (
     BuiltProblem,
-    Evaluation,
     ProblemMemo,
     StrategySpace,
     ZeroConfig,
@@ -36,7 +33,8 @@ from autopar.planner.problem import (
     evaluate,
 )
 from autopar.planner.recipes import RecipeSpec
-from autopar.planner.solve_log import log_entry as log_entry  # driver, zero_search use it
+from autopar.planner.solve_log import Solved as Solved  # driver, zero_search, primal use it
+from autopar.planner.solve_log import log_entry as log_entry
 from autopar.planner.tying import repeated_blocks
 from autopar.planner.zero_pricing import ZeroStreams, problem_streams
 from solver.budgeted import Recorded, Warm, budget_free_record, priced_bound
@@ -47,30 +45,8 @@ from solver.presolve import plan_objective_s
 
 Ties = Sequence[tuple[tuple[int, ...], ...]]
 """Tie levels: tie-class sets from the most to the least tied (see :func:`tie_levels`)."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Solved:
-    """One solved configuration: its layouts (``choice``: a strategy index per space node),
-    ZeRO configuration, figures and the solver's report."""
-
-    name: str
-    zero: ZeroConfig
-    choice: tuple[int, ...]
-    evaluation: Evaluation
-    solution: solver.Solution
-    segments: tuple[ChosenSegment, ...] = ()
-    """Checkpoint segments recomputed (evaluation already includes them)."""
-
-    @property
-    def warm_multipliers(self) -> tuple[float, float] | None:
-        """Where its solve's Lagrangian relaxation ended (the separable phase's multiplier,
-        the best bound's), to start another configuration's from (ConfigurationSolver.solve
-        ``warm_from``); None when no relaxation ran."""
-        details = self.solution.details
-        if "lagrangian_separable_multiplier" not in details:
-            return None
-        return details["lagrangian_separable_multiplier"], details["lagrangian_multiplier"]
+Held = tuple[BuiltProblem, solver.Problem, Recorded, tuple[float, float | None]]
+"""A priced bound's evaluation (ConfigurationSolver.bound_aside): problem, solves, result."""
 
 
 def _within_gap(solution: solver.Solution, gap: float) -> bool:
@@ -274,29 +250,43 @@ class ConfigurationSolver:
         multipliers: tuple[float, float],
         *,
         target: float | None = None,
+        held: Held | None = None,
     ) -> tuple[float, float | None]:
-        """solver.budgeted.priced_bound of ``zero``'s budgeted problem (built and kept, as
-        :meth:`budgeted_problem`): a lower bound on its step under the budget (at the tightest
-        tie level; valid whatever the multipliers: a search's separable and best ones,
-        ``Solved.warm_multipliers``), and the step of a plan that fits, if a priced plan does
-        (None: feasibility unknown). ``target``: the bound that would skip it (the evaluation
-        stops once it is known to reach it or not). Its priced solves are kept for
-        :meth:`solve` with ``warm_from`` at the same multipliers, until :meth:`release`."""
-        problem = self.budgeted_problem(zero, budget)
-        recorded = Recorded(edges=problem.edges)
-        found = priced_bound(
-            problem,
-            multipliers[1],
-            backend=self.options.solver,
-            time_limit_s=self.options.time_limit_s,
-            separable_multiplier=multipliers[0],
-            target=target,
-            record=recorded,
+        """solver.budgeted.priced_bound of ``zero``'s budgeted problem (kept, as
+        :meth:`budgeted_problem`): a bound on its step under the budget at the tightest tie
+        level (valid at any multipliers: ``Solved.warm_multipliers``), and the step of a priced
+        plan that fits (None: feasibility unknown). ``target``: the bound that would skip it.
+        Its priced solves are kept for :meth:`solve` with ``warm_from`` at the same multipliers,
+        until :meth:`release`. ``held``: :meth:`bound_aside`'s (or a worker's,
+        autopar/planner/bound_ahead.py) for these very arguments, taken instead."""
+        built, problem, recorded, found = held or self.bound_aside(
+            zero, budget, multipliers, target=target
         )
+        self._prepared[(zero, budget)] = (built, problem)
         self._recorded[(zero, budget)] = (tuple(multipliers), recorded)
         for lam, bound in recorded.bounds.items():
             self._keep_reference(problem, lam, bound)
         return found
+
+    def bound_aside(
+        self, zero: ZeroConfig, budget: float, multipliers: tuple[float, float], *, target=None
+    ) -> Held:
+        """:meth:`priced_bound`'s evaluation held by the caller (nothing kept here, no
+        reference added), for :meth:`priced_bound` ``held`` later."""
+        problem = self.budgeted_problem(zero, budget)
+        recorded = Recorded(edges=problem.edges)
+        options = self.bound_options(multipliers, target)
+        found = priced_bound(problem, multipliers[1], **options, record=recorded)
+        return self._prepared[(zero, budget)][0], problem, recorded, found
+
+    def bound_options(self, multipliers: tuple[float, float], target: float | None) -> dict:
+        """solver.budgeted.priced_bound's keywords at ``multipliers`` (separable, best)."""
+        return {
+            "backend": self.options.solver,
+            "time_limit_s": self.options.time_limit_s,
+            "separable_multiplier": multipliers[0],
+            "target": target,
+        }
 
     def derived_bound(
         self, zero: ZeroConfig, budget: float, plan: tuple[int, ...]

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import solver
+from autopar.planner.bound_ahead import Ahead
 from autopar.planner.bound_order import derive_first
 from autopar.planner.checkpointing import with_segments
 from autopar.planner.configurations import ConfigurationSolver, Solved, log_entry
@@ -120,6 +121,7 @@ def _ordered(
     report: Callable[[str], None],
     out: Searched,
     like: Solved | None = None,
+    ahead: Ahead | None = None,
 ) -> Iterator[tuple[ZeroConfig, Solved | None]]:
     """The configurations in the order :func:`search_budgeted` takes them, each with its
     budget-free solve at a gap > 0 (:func:`bounded`), made lazily: the first configuration
@@ -164,9 +166,17 @@ def _ordered(
         if out.best is not None and out.best.warm_multipliers is not None:
             # The configuration that derives the most others' bounds is bounded first.
             everything = derive_first(
-                configurations, everything, budget, out.best.warm_multipliers[1], report
+                configurations,
+                everything,
+                budget,
+                out.best.warm_multipliers[1],
+                report,
+                followers=None if ahead is None else ahead.followers,
             )
-        yield from everything
+        for k, pair in enumerate(everything):
+            if ahead is not None:  # what comes next: bound_ahead.py bounds one beside
+                ahead.upcoming = everything[k + 1 :]
+            yield pair
         return
     yield from first
     yield from _across(configurations, zeros[1:], budget, gap, floor, report, out)
@@ -311,12 +321,14 @@ def search_budgeted(
     budget-free problem is the same but for bytes (:func:`bounded`)."""
     names = configurations.space.mesh.axis_names
     out = Searched(best=None)
-    ordered = _ordered(configurations, zeros, budget, gap, floor, report, out, like)
+    ahead = Ahead()
+    ordered = _ordered(configurations, zeros, budget, gap, floor, report, out, like, ahead)
     # Multipliers to bound and warm-start at: the seed's price of a byte until a relaxation
     # has run, then the best plan relaxed.
     warm, relaxed = None, False
     solved_problems: list[tuple[int | None, Solved]] = []  # (fingerprint, answer)
     for zero, free_z in ordered:
+        ahead.drop(keep=zero)  # bounds held for configurations past are not taken
         start = time.perf_counter()
         label = zero.label(names)
         bound = free_z.solution.bound_s if free_z is not None else -math.inf
@@ -338,6 +350,7 @@ def search_budgeted(
             problem = configurations.budgeted_problem(zero, budget)
             fingerprint = _fingerprint(problem)
             same = _same_problem(configurations, fingerprint, problem, solved_problems, budget)
+            del problem  # not held here: bound_ahead.py may release it while a worker bounds it
             if same is not None:
                 solved, what = (
                     _as_zero(configurations, same, zero),
@@ -348,7 +361,8 @@ def search_budgeted(
                     priced = _derived(configurations, zero, budget, best, report)
                     if priced < skip_at and warm is not None and warm.warm_multipliers:
                         priced = max(
-                            priced, _priced(configurations, zero, budget, warm, skip_at, report)
+                            priced,
+                            _priced(configurations, zero, budget, warm, skip_at, report, ahead),
                         )
                     bound = max(bound, priced)
                     if bound >= skip_at:
@@ -386,7 +400,6 @@ def search_budgeted(
                     )
                     continue
                 solved_problems.append((fingerprint, solved))
-            del problem
             configurations.release()  # one configuration's problem held at a time
         out.log.append(log_entry(solved))
         out.bounds.append(max(solved.solution.bound_s, priced))
@@ -411,6 +424,8 @@ def search_budgeted(
         ):
             warm, relaxed = solved, True
     configurations.release()
+    ahead.upcoming = ()
+    ahead.drop()
     return out
 
 
@@ -443,20 +458,26 @@ def _priced(
     best: Solved,
     skip_at: float,
     report: Callable[[str], None],
+    ahead: Ahead,
 ) -> float:
     """``zero``'s bound at the multipliers of the best plan's relaxation
     (ConfigurationSolver.priced_bound: the separable D, then, unless it reaches ``skip_at``, the
     pattern D), or -inf where no priced plan fits the
     budget: a plan that fits proves the tightest tie level feasible, so the configuration is
     solved at that level and the bound is over it (an infeasible level falls back to looser
-    ones, which the bound does not cover). Its priced solves are kept for the solve after it."""
+    ones, which the bound does not cover). Its priced solves are kept for the solve after it.
+    ``ahead``: where it may have been evaluated already, or is evaluated beside another's."""
     assert best.warm_multipliers is not None
     start = time.perf_counter()
-    bound, fits = configurations.priced_bound(zero, budget, best.warm_multipliers, target=skip_at)
+    taken = ahead.taken
+    bound, fits = ahead.priced_bound(
+        configurations, zero, budget, best.warm_multipliers, target=skip_at
+    )
     report(
         f"bound ZeRO {zero.label(configurations.space.mesh.axis_names)} at multipliers "
         f"{best.warm_multipliers[0]:.4g}, {best.warm_multipliers[1]:.4g}: {bound * 1e3:.3f} ms"
         f"{'' if fits is not None else ' (no priced plan fits: not used)'}, "
         f"{time.perf_counter() - start:.1f} s"
+        + (" (evaluated beside an earlier bound)" if ahead.taken > taken else "")
     )
     return bound if fits is not None else -math.inf

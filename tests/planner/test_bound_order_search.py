@@ -15,7 +15,7 @@ def test_the_search_bounds_configurations_in_derive_firsts_order(monkeypatch) ->
     calls = []
     real = zero_search.derive_first
 
-    def reversed_order(configurations, pairs, budget, multiplier, report=lambda line: None):
+    def reversed_order(configurations, pairs, budget, multiplier, report=lambda line: None, **kw):
         calls.append((list(pairs), multiplier))
         assert real(configurations, pairs, budget, multiplier) is not None
         return list(reversed(pairs))

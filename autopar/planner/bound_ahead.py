@@ -1,0 +1,121 @@
+"""Two ZeRO configurations' priced bounds side by side (issue 16, llama3-70b fp32).
+
+After the second seed, autopar/planner/zero_search.py bounds the configurations one after
+another in autopar/planner/bound_order.py's order, each at the best plan's multipliers, and
+skips those whose bound reaches the skip line. On the llama3-70b b256 fp32 row two of those
+bounds are pattern D's at the seed's multipliers, 13-14 s each on one core: (2,2,3)'s, from
+which five others derive theirs, and (3,3,2)'s, which (2,2,3)'s does not derive (its shift
+from (2,2,3) is below 0) and whose relaxation follows from its priced solves.
+
+So when a configuration A is to be bounded at multipliers m and it is large enough
+(:data:`MIN_AHEAD_ENTRIES`), the next configuration B in the order that may need its own bound
+at m is found: its budget-free bound is below the skip line, its budget-free plan does not
+fit, and A's bound cannot derive B's at a shift >= 0. A's bound is then evaluated in a worker
+process (solver/background.py) while B's is evaluated here and held, with its priced solves
+(ConfigurationSolver.bound_aside); A's answer comes back as its bound, its feasibility step and
+its bound per multiplier. B's is taken when B's turn comes at the same multipliers and target
+(ConfigurationSolver.priced_bound ``held``); nothing about B (its references for derived
+bounds included) is known to the search before then. A bound is a function of its problem,
+multipliers and target only, so the search takes the same steps and finds the same floats as
+one after another; where B's turn comes at other multipliers, or never, the held bound is
+dropped unused (the time it took ran beside A's).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+from autopar.planner.configurations import ConfigurationSolver, Held, Solved
+from autopar.planner.problem import ZeroConfig
+from solver.background import start_priced_bound
+from solver.budgeted import Recorded
+from solver.parallel import problem_entries
+
+MIN_AHEAD_ENTRIES: int | None = None
+"""Cost entries from which a bound is worth a worker (the worker's start and the problem's
+pickling take about a second on the llama3-70b b256 row; 2,000,000 takes that row).
+None: never, the default: on that row the worker's 1.9 GB beside this process's 2.5 GB take
+the process tree to 4.4 GB at its peak (README, Session 22), over the 4 GB it is held to."""
+
+
+class Ahead:
+    """The priced bounds evaluated ahead of their configuration's turn (module docstring)."""
+
+    def __init__(self, min_entries: int | None = -1) -> None:
+        """``min_entries``: the least problem size bounded beside another (-1: the module's
+        :data:`MIN_AHEAD_ENTRIES`; None: none)."""
+        self.min_entries = MIN_AHEAD_ENTRIES if min_entries == -1 else min_entries
+        self.followers: dict[ZeroConfig, set[ZeroConfig]] = {}
+        """Per configuration, those its bound derives at a shift >= 0 (bound_order.py)."""
+        self.upcoming: Sequence[tuple[ZeroConfig, Solved]] = ()
+        """The configurations after the current one, with their budget-free solves."""
+        self._held: dict[tuple, Held] = {}
+        self.started = 0
+        """Bounds evaluated in a worker."""
+        self.taken = 0
+        """Held bounds taken at their configuration's turn."""
+
+    def drop(self, keep: ZeroConfig | None = None) -> None:
+        """Drop the held bounds of configurations past (all but ``keep``'s and upcoming)."""
+        alive = {keep, *(zero for zero, _ in self.upcoming)}
+        self._held = {key: held for key, held in self._held.items() if key[0] in alive}
+
+    def priced_bound(
+        self,
+        configurations: ConfigurationSolver,
+        zero: ZeroConfig,
+        budget: float,
+        multipliers: tuple[float, float],
+        *,
+        target: float,
+    ) -> tuple[float, float | None]:
+        """ConfigurationSolver.priced_bound(zero, budget, multipliers, target=target): held
+        from an earlier turn, or evaluated in a worker beside the next configuration's."""
+        key = (zero, budget, tuple(multipliers), target)
+        held = self._held.pop(key, None)
+        self.drop()
+        if held is not None:
+            self.taken += 1
+            return configurations.priced_bound(zero, budget, multipliers, target=target, held=held)
+        other = self._beside(zero, budget, target)
+        problem = configurations.budgeted_problem(zero, budget)
+        if other is None or problem_entries(problem) < (self.min_entries or 0):
+            return configurations.priced_bound(zero, budget, multipliers, target=target)
+        options = configurations.bound_options(multipliers, target)
+        job = start_priced_bound(problem, multipliers[1], **options)
+        self.started += 1
+        # Its problem is not held while the worker bounds it (about 0.2 GB on the llama3-70b
+        # b256 row, beside the next one's evaluation here): built again for the answer.
+        del problem
+        configurations.release(zero, budget)
+        self._held[(other, budget, tuple(multipliers), target)] = configurations.bound_aside(
+            other, budget, multipliers, target=target
+        )
+        answer = job.result()
+        if answer is None:  # no answer from the worker: evaluated here after all
+            held = configurations.bound_aside(zero, budget, multipliers, target=target)
+        else:
+            problem = configurations.budgeted_problem(zero, budget)
+            built = configurations.built_problem(zero, budget)
+            held = (built, problem, Recorded(edges=problem.edges, bounds=answer[2]), answer[:2])
+        return configurations.priced_bound(zero, budget, multipliers, target=target, held=held)
+
+    def _beside(self, zero: ZeroConfig, budget: float, target: float) -> ZeroConfig | None:
+        """The next configuration that may need its own bound after ``zero``'s (module
+        docstring), or None (also where fewer than two cores are usable, or the side-by-side
+        evaluation is off: ``min_entries`` None)."""
+        if self.min_entries is None:
+            return None
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        if (cores or 1) < 2:
+            return None
+        derived = self.followers.get(zero, set())
+        for other, free in self.upcoming:
+            if (
+                other not in derived
+                and free.solution.bound_s < target
+                and free.evaluation.peak_memory_bytes > budget
+            ):
+                return other
+        return None
