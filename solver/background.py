@@ -21,6 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from solver.budgeted import Recorded, priced_bound
+from solver.parallel import worker_env
 from solver.problem import Problem
 
 __all__ = ["BoundJob", "start_priced_bound"]
@@ -45,10 +46,7 @@ class BoundJob:
 def start_priced_bound(problem: Problem, multiplier: float, **options: Any) -> BoundJob:
     """``priced_bound(problem, multiplier, **options, record=...)`` started in a worker
     process; returns at once. ``options``: priced_bound's keywords but ``record``."""
-    env = dict(os.environ)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    env.setdefault("OMP_NUM_THREADS", "1")
+    env = worker_env()
     held = [pickle.dumps((problem, multiplier, options), protocol=pickle.HIGHEST_PROTOCOL)]
 
     def run() -> tuple[str, Any]:

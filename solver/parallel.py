@@ -59,6 +59,23 @@ def problem_entries(problem: Problem) -> int:
     return total
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity, where the platform says)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def worker_env() -> dict[str, str]:
+    """The environment of a worker interpreter: this one's, importing this package from where
+    this process found it, one thread per worker."""
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
 def solve_all(
     problems: Sequence[Problem],
     *,
@@ -74,11 +91,7 @@ def solve_all(
     (every problem is solved), as ``asyncio.gather`` does.
     """
     if workers is None:
-        workers = (
-            len(os.sched_getaffinity(0))
-            if hasattr(os, "sched_getaffinity")
-            else os.cpu_count() or 1
-        )
+        workers = usable_cores()
     workers = min(workers, len(problems))
     if workers < 2 or sum(problem_entries(p) for p in problems) < MIN_PARALLEL_ENTRIES:
         return [_solve_here(p, return_exceptions, options) for p in problems]
@@ -132,11 +145,7 @@ def _in_worker(
 ) -> tuple[str, Any, int]:
     """(status, value, the worker's exit status): ("ok", the answer), ("raise", the exception
     it raised) or ("error", None) when it ended without an answer."""
-    env = dict(os.environ)
-    # The worker imports this package from where this process found it.
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    env.setdefault("OMP_NUM_THREADS", "1")
+    env = worker_env()
     payload = pickle.dumps((problem, options, memory_limit_bytes), protocol=pickle.HIGHEST_PROTOCOL)
     try:
         done = subprocess.run(

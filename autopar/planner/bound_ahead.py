@@ -23,14 +23,13 @@ dropped unused (the time it took ran beside A's).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 from autopar.planner.configurations import ConfigurationSolver, Held, Solved
 from autopar.planner.problem import ZeroConfig
 from solver.background import start_priced_bound
 from solver.budgeted import Recorded
-from solver.parallel import problem_entries
+from solver.parallel import problem_entries, usable_cores
 
 MIN_AHEAD_ENTRIES: int | None = None
 """Cost entries from which a bound is worth a worker (the worker's start and the problem's
@@ -107,8 +106,7 @@ class Ahead:
         evaluation is off: ``min_entries`` None)."""
         if self.min_entries is None:
             return None
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        if (cores or 1) < 2:
+        if usable_cores() < 2:
             return None
         derived = self.followers.get(zero, set())
         for other, free in self.upcoming:
