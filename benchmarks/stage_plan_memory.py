@@ -32,12 +32,15 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from pipeline_plans import CASES  # noqa: E402  (the presets' batch and sequence at scale)
+
 STATE = ("params", "grads", "optimizer", "master", "inputs_buffers")
-PRESETS = {"gpt2-xl": (512, 1024), "llama3-8b": (32, 8192), "llama3-70b": (256, 8192)}
 
 
 def plan_file(model: str, devices: int, budget: str, out: Path) -> None:
-    batch, seq = PRESETS[model]
+    batch, seq = CASES[model]["batch"], CASES[model]["seq"]
     cmd = [
         sys.executable, "-m", "autopar", "plan", model, "--devices", str(devices),
         "--per-node", "8", "--batch", str(batch), "--seq", str(seq),
@@ -101,8 +104,8 @@ def ranks(data: dict) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="gpt2-xl", choices=sorted(PRESETS))
-    parser.add_argument("--devices", type=int, default=64)
+    parser.add_argument("--model", default="gpt2-xl", choices=sorted(CASES))
+    parser.add_argument("--devices", type=int, help="default: the case's (pipeline_plans.py)")
     parser.add_argument("--budgets", nargs="+", default=["12GiB", "16GiB", "72GiB"])
     args = parser.parse_args()
     print(
@@ -114,7 +117,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for budget in args.budgets:
             out = Path(tmp) / f"{budget}.json"
-            plan_file(args.model, args.devices, budget, out)
+            plan_file(args.model, args.devices or CASES[args.model]["devices"], budget, out)
             data = json.loads(out.read_text())
             limit = data["memory_budget_bytes"] / 2**30
             shape = "x".join(map(str, data["mesh"]["shape"]))
