@@ -13,7 +13,8 @@ rank gets the same bits. Each sample's loss is ``(M - x_t) + log S`` (with smoot
 reduction (none / sum / mean over the non-ignored targets, as PyTorch) makes the same output on
 every rank: Replicate on the class axes. The backward needs no collective: the gradient of the
 local logits is ``g * (softmax - (1 - eps) * onehot - eps / C)`` on the local classes, with the
-softmax kept from the forward (the local ``[N, C_local]`` block, as PyTorch keeps the log-softmax).
+softmax kept from the forward as the local ``[N, C_local]`` block of ``exp(x - m)`` and the
+per-sample factor ``exp(m - M) / S`` (one block, as PyTorch keeps the log-softmax).
 Class weights are not handled here: the strategy rule never shards the class dim when a weight
 is given (that loss runs on replicated logits).
 
@@ -89,9 +90,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             loss = (1.0 - smoothing) * loss + smoothing * uniform
         loss = loss.masked_fill(~valid, 0.0)
         count = valid.sum()
-        # softmax = exp(x - m) * exp(m - M) / S on the local classes (kept for backward).
-        softmax = exp.mul_(((local_max - global_max).exp() / sum_exp).unsqueeze(1))
-        ctx.save_for_backward(softmax, index, here, valid, count)
+        # softmax = exp(x - m) * exp(m - M) / S on the local classes: the backward applies the
+        # per-sample factor with the incoming gradient, one pass over [N, C] instead of two.
+        scale = (local_max - global_max).exp() / sum_exp
+        ctx.save_for_backward(exp, scale, index, here, valid, count)
         ctx.args = (reduction, smoothing, num_classes)
         if reduction == REDUCTION_NONE:
             return loss
@@ -100,7 +102,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        softmax, index, here, valid, count = ctx.saved_tensors
+        exp, scale, index, here, valid, count = ctx.saved_tensors
         reduction, smoothing, num_classes = ctx.args
         if reduction == REDUCTION_NONE:
             per_sample = grad
@@ -109,13 +111,17 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         else:
             per_sample = (grad / count).expand(valid.shape)
         per_sample = per_sample.masked_fill(~valid, 0.0).unsqueeze(1)
-        grad_logits = softmax.clone()
+        # g * (softmax - eps / C) in one pass over the [N, C] block, then the target's
+        # -(1 - eps) * g: the terms aten's log-softmax backward sums, in its order.
         if smoothing:
-            grad_logits.sub_(smoothing / num_classes)
+            grad_logits = torch.addcmul(
+                per_sample * (-smoothing / num_classes), exp, scale.unsqueeze(1) * per_sample
+            )
+        else:
+            grad_logits = exp * (scale.unsqueeze(1) * per_sample)
         grad_logits.scatter_add_(
-            1, index, (here.to(softmax.dtype) * -(1.0 - smoothing)).unsqueeze(1)
+            1, index, here.to(exp.dtype).unsqueeze(1) * per_sample * -(1.0 - smoothing)
         )
-        grad_logits.mul_(per_sample)
         return grad_logits, None, None, None, None, None, None, None, None
 
 

@@ -43,7 +43,8 @@ def vocab_parallel_embedding(
     local = local.masked_fill(outside, 0)
     local_padding = padding_idx - vocab_start if 0 <= padding_idx - vocab_start < num_rows else -1
     out = torch.ops.aten.embedding(local_weight, local, local_padding)
-    return out.masked_fill(outside.unsqueeze(-1), 0.0)
+    # In place: the lookup's backward does not read its output, and no [N, D] copy is made.
+    return out.masked_fill_(outside.unsqueeze(-1), 0.0)
 
 
 @register(aten.embedding.default)
