@@ -463,7 +463,11 @@ class ParallelModule(nn.Module):
 def _reorder_kwargs(kwargs: dict[str, Any], in_spec: Any) -> dict[str, Any]:
     if not kwargs:
         return {}
-    keys = list(in_spec.children_specs[1].context) if in_spec is not None else list(kwargs)
+    if in_spec is None:
+        keys = list(kwargs)
+    else:  # newer torch has TreeSpec.child and warns on children_specs; older has only that
+        child = in_spec.child(1) if hasattr(in_spec, "child") else in_spec.children_specs[1]
+        keys = list(child.context)
     if set(keys) != set(kwargs):
         raise ValueError(
             f"keyword inputs {sorted(kwargs)} differ from the captured ones {sorted(keys)}"
