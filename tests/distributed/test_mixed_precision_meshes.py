@@ -1,0 +1,235 @@
+"""Mixed precision on meshes with no data-parallel axis trains like one process under autocast.
+
+A parameter with no axis to shard its fp32 master over (every parameter of a pp-only pipeline
+stage, whose submesh is (1,); every parameter on one rank; the tensor-parallel blocks of a
+tp-only mesh) keeps its master whole in a ZeRO chunk of no axes (``autopar.runtime.zero``):
+half compute copies, the optimizer stepping the fp32 masters. Until session 23 such plans were
+refused ("replicates no parameter over an axis of size > 1").
+
+Each case trains 3 SGD steps against one process with fp32 weights under
+``torch.autocast(dtype)`` (fp16: with ``torch.amp.GradScaler``, the run with
+``pmodel.grad_scaler``): the loss of every step, every gradient of the first step and every
+parameter after the last within the bf16 tests' bar (``test_zero.bf16_against_autocast``: 1e-3,
+far below bf16's 7.8e-3 epsilon), the compute copies in the half dtype, the masters fp32, and
+the run not equal to fp32 (half precision was used). The pp=2 bf16 run is saved with
+``dcp.save`` and loaded into a fresh pp=2 bf16 module: equal masters, and the next step's loss
+equal bit for bit (the compute copies were refreshed from the loaded masters).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import torch
+
+from tests.distributed.launcher import run_cases
+from tests.distributed.reference import assert_close_named, full_grads, model_loss
+
+LR = 0.1
+NUM_STEPS = 3
+TOL = 1e-3
+"""The bf16 bar of ``test_zero.bf16_against_autocast`` (loss rtol and atol, parameters atol)."""
+
+_HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+# name -> (mesh shape, axis names, model, precision, autoparallelize options)
+# fmt: off
+CASES: dict[int, dict[str, tuple]] = {
+    1: {
+        "one rank/gpt/bf16": ((1,), ("dp",), "gpt", "bf16", {}),
+    },
+    2: {
+        "pp2/gpt/gpipe/bf16": (
+            (2,), ("pp",), "gpt", "bf16",
+            {"pipeline": {"stages": 2, "microbatches": 2, "schedule": "gpipe"}},
+        ),
+        "pp2/llama/1f1b/bf16": (
+            (2,), ("pp",), "llama", "bf16",
+            {"pipeline": {"stages": 2, "microbatches": 4, "schedule": "1f1b"}},
+        ),
+        "tp2/gpt/megatron/bf16": ((2,), ("tp",), "gpt", "bf16", {"recipe": "megatron"}),
+        "tp2/llama/megatron/fp16": ((2,), ("tp",), "llama", "fp16", {"recipe": "megatron"}),
+    },
+    4: {
+        "pp2xtp2/llama/1f1b/megatron/bf16": (
+            (2, 2), ("pp", "tp"), "llama", "bf16",
+            {"recipe": "megatron", "pipeline": {"stages": 2, "microbatches": 2, "schedule": "1f1b"}},
+        ),
+    },
+}
+# fmt: on
+
+
+def _build(name: str) -> Any:
+    from tests import models
+
+    return (models.tiny_gpt if name == "gpt" else models.tiny_llama)(layers=4)
+
+
+@functools.cache
+def _mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> Any:
+    import autopar
+
+    return autopar.Mesh.from_world(shape, names, device="h100")
+
+
+def _reference(model_name: str, precision: str) -> dict[str, Any]:
+    """One process, fp32 weights, each step's forward under autocast (fp16: GradScaler)."""
+    model, args, kwargs = _build(model_name)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    scaler = torch.amp.GradScaler("cpu", enabled=precision == "fp16")
+    losses, grads = [], {}
+    for step in range(NUM_STEPS):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=_HALF[precision]):
+            loss = model_loss(model(*args, **kwargs))
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        if step == 0:
+            grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+        scaler.step(opt)
+        scaler.update()
+        losses.append(loss.detach().float())
+    fp32, args, kwargs = _build(model_name)
+    return {
+        "losses": losses,
+        "grads": grads,
+        "state": model.state_dict(),
+        "fp32 loss": model_loss(fp32(*args, **kwargs)).detach(),
+    }
+
+
+def _check_masters(pmodel: Any, precision: str) -> int:
+    """The mechanism: chunks of no axes hold whole fp32 masters with half compute copies.
+    Returns the number of such chunks on this rank."""
+    pmodules = getattr(pmodel, "pmodules", [pmodel])
+    whole = 0
+    for pmodule in pmodules:
+        assert pmodule.zero is not None, "mixed precision keeps its masters in ZeRO chunks"
+        for chunk in pmodule.zero.chunks:
+            assert chunk.shard.dtype == torch.float32, "masters are fp32"
+            if chunk.kept is not None:
+                assert chunk.kept.dtype == _HALF[precision], chunk.kept.dtype
+            if not chunk.zero_axes:
+                assert chunk.kept.numel() == chunk.shard.numel() == chunk.numel
+                whole += 1
+    assert all(p.dtype == torch.float32 for p in pmodel.parameters())
+    return whole
+
+
+def _step(pmodel: Any, args: Any, kwargs: Any, opt: Any) -> tuple[torch.Tensor, dict]:
+    """One training step (pipelined: ``pmodel.step``); returns the loss and, unscaled, every
+    gradient of this rank's stages gathered whole."""
+    scaler = None
+    if hasattr(pmodel, "pmodules"):
+        loss = pmodel.step(*args, **kwargs)
+        pmodules = pmodel.pmodules
+    else:
+        loss = model_loss(pmodel(*pmodel.shard_inputs(*args), **kwargs))
+        scaler = pmodel.grad_scaler
+        pmodel.scale_loss(loss).backward()
+        scaler.unscale_(opt)
+        pmodules = [pmodel]
+    grads = {name: g for p in pmodules for name, g in full_grads(p).items()}
+    if scaler is None:
+        opt.step()
+    else:
+        scaler.step(opt)
+        scaler.update()
+    return loss.detach().float(), grads
+
+
+def check_case(rank: int, world_size: int, case: tuple, path: str) -> dict[str, Any]:
+    import autopar
+
+    shape, names, model_name, precision, options = case
+    want = _reference(model_name, precision)
+    model, args, kwargs = _build(model_name)
+    pmodel = autopar.autoparallelize(
+        model,
+        _mesh(shape, names),
+        args,
+        kwargs,
+        optimizer="sgd",
+        mixed_precision=precision,
+        price_baselines=False,
+        **options,
+    )
+    whole = _check_masters(pmodel, precision)
+    assert whole > 0, "no parameter without a data-parallel axis: the case tests nothing"
+    opt = torch.optim.SGD(pmodel.parameters(), lr=LR)
+    checked = []
+    for step in range(NUM_STEPS):
+        opt.zero_grad()
+        loss, grads = _step(pmodel, args, kwargs, opt)
+        assert_close_named(f"loss of step {step}", loss, want["losses"][step], rtol=TOL, atol=TOL)
+        if step == 0:
+            assert abs(loss.item() - want["fp32 loss"].item()) > 1e-6, "half was not used"
+            for name, grad in grads.items():
+                assert_close_named(f"grad of {name}", grad, want["grads"][name], rtol=0, atol=TOL)
+                checked.append(name)
+    state = pmodel.state_dict()
+    for name, value in state.items():
+        assert_close_named(f"{name} after 3 steps", value, want["state"][name], rtol=0, atol=TOL)
+    if path and "pipeline" in options:
+        _check_dcp(pmodel, case, path)
+    return {"grads": sorted(checked), "state": sorted(state), "whole chunks": whole}
+
+
+def _check_dcp(saved: Any, case: tuple, path: str) -> None:
+    """The masters through ``dcp.save`` / ``dcp.load`` into a fresh module of the same plan:
+    equal masters, and the next step's loss equal bit for bit (compute copies refreshed)."""
+    import torch.distributed.checkpoint as dcp
+
+    import autopar
+
+    shape, names, model_name, precision, options = case
+    dcp.save(saved.state_dict(sharded=True), checkpoint_id=path)
+    model, args, kwargs = _build(model_name)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    loaded = autopar.autoparallelize(
+        model,
+        _mesh(shape, names),
+        args,
+        kwargs,
+        optimizer="sgd",
+        mixed_precision=precision,
+        price_baselines=False,
+        **options,
+    )
+    template = loaded.state_dict(sharded=True)
+    dcp.load(template, checkpoint_id=path)
+    loaded.load_state_dict(template)
+    want = saved.state_dict()
+    for name, value in loaded.state_dict().items():
+        torch.testing.assert_close(value, want[name], rtol=0, atol=0, msg=name)
+    torch.testing.assert_close(loaded.step(*args), saved.step(*args), rtol=0, atol=0)
+
+
+def _run(world_size: int, tmp_path: Any) -> None:
+    cases = [
+        (name, (case, str(tmp_path / name.replace("/", "-")) if world_size == 2 else ""))
+        for name, case in CASES[world_size].items()
+    ]
+    results = run_cases(_check_one, world_size, cases, timeout_s=300)
+    for name, case in CASES[world_size].items():
+        values = results[name].check()
+        model, _, _ = _build(case[2])
+        every = {n for n, _ in model.named_parameters()}
+        assert set().union(*(v["grads"] for v in values)) == every, name
+        assert set().union(*(v["state"] for v in values)) >= every, name
+
+
+def _check_one(rank: int, world_size: int, item: tuple) -> dict[str, Any]:
+    case, path = item
+    return check_case(rank, world_size, case, path)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
+def test_mixed_precision_without_data_parallel_axis(world_size: int, tmp_path: Any) -> None:
+    _run(world_size, tmp_path)
