@@ -31,9 +31,10 @@ LR = 0.1
 NUM_STEPS = 3
 TOL = 1e-3
 """The bf16 bar of ``test_zero.bf16_against_autocast`` (loss rtol and atol, parameters atol)."""
-GRAD_RTOL = 2.0**-7
-"""Gradients also within bf16's epsilon relative: the compute copies' gradients are half
-before they are flattened to fp32 (the reference's are fp32 throughout)."""
+GRAD_RTOL, GRAD_ATOL = 2.0**-7, 2.0**-8
+"""Gradients within bf16's epsilon relative and its unit roundoff absolute: they are sums over
+tokens computed in half precision in both runs, in other orders (tensor-parallel shards,
+microbatches), and the compute copies' gradients are half before they reach the fp32 buffer."""
 
 _HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -161,6 +162,8 @@ def check_case(rank: int, world_size: int, case: tuple, path: str) -> dict[str, 
         **options,
     )
     whole = _check_masters(pmodel, precision)
+    if not hasattr(pmodel, "pmodules"):
+        assert pmodel.grad_scaler.is_enabled() == (precision == "fp16")
     assert whole > 0, "no parameter without a data-parallel axis: the case tests nothing"
     opt = torch.optim.SGD(pmodel.parameters(), lr=LR)
     checked = []
@@ -173,7 +176,7 @@ def check_case(rank: int, world_size: int, case: tuple, path: str) -> dict[str, 
             assert abs(loss.item() - want["fp32 loss"].item()) > 1e-6, "half was not used"
             for name, grad in grads.items():
                 assert_close_named(
-                    f"grad of {name}", grad, want["grads"][name], rtol=GRAD_RTOL, atol=TOL
+                    f"grad of {name}", grad, want["grads"][name], rtol=GRAD_RTOL, atol=GRAD_ATOL
                 )
                 checked.append(name)
                 diffs["grad diff"] = max(diffs["grad diff"], _diff(grad, want["grads"][name]))
