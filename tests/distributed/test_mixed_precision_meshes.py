@@ -247,6 +247,6 @@ def _check_one(rank: int, world_size: int, item: tuple) -> dict[str, Any]:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("world_size", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_mixed_precision_without_data_parallel_axis(world_size: int, tmp_path: Any) -> None:
     _run(world_size, tmp_path)
