@@ -107,9 +107,10 @@ def _reference(model_name: str, precision: str) -> dict[str, Any]:
 
 def _check_masters(pmodel: Any, precision: str) -> int:
     """The mechanism: chunks of no axes hold whole fp32 masters with half compute copies.
-    Returns the number of such chunks on this rank."""
+    Returns the number of such chunks on this rank and of chunks sharded over some axis."""
     pmodules = getattr(pmodel, "pmodules", [pmodel])
     whole = 0
+    sharded = 0
     for pmodule in pmodules:
         assert pmodule.zero is not None, "mixed precision keeps its masters in ZeRO chunks"
         for chunk in pmodule.zero.chunks:
@@ -119,8 +120,32 @@ def _check_masters(pmodel: Any, precision: str) -> int:
             if not chunk.zero_axes:
                 assert chunk.kept.numel() == chunk.shard.numel() == chunk.numel
                 whole += 1
+            else:
+                sharded += 1
     assert all(p.dtype == torch.float32 for p in pmodel.parameters())
-    return whole
+    return whole, sharded
+
+
+def _check_priced_memory(pmodel: Any) -> None:
+    """What each (stage) plan prices at ZeRO stage 0 under mixed precision (half parameters,
+    fp32 gradients and master copy: 2 + 4 + 4 bytes an element) is what the chunks hold after
+    a step: half compute copies, fp32 gradient buffers, fp32 masters (whole where the chunk
+    has no axes; a chunk sharded over a data-parallel axis holds a shard, less than priced)."""
+    for pmodule in getattr(pmodel, "pmodules", [pmodel]):
+        priced = pmodule.plan.data["predicted"]["memory"]
+        chunks = pmodule.zero.chunks
+        held = {
+            "params": sum(c.kept.nbytes for c in chunks),
+            "grads": sum(c.grad_buffer.nbytes for c in chunks),
+            "master": sum(c.shard.nbytes for c in chunks),
+        }
+        padding = sum(c.numel - sum(s.numel for s in c.slots) for c in chunks)
+        assert 0 <= held["params"] - priced["params"] <= 2 * padding, (held, priced)
+        assert 0 <= held["grads"] - priced["grads"] <= 4 * padding, (held, priced)
+        if all(not c.zero_axes for c in chunks):
+            assert held["master"] == priced["master"], (held, priced)
+        else:
+            assert held["master"] < priced["master"], (held, priced)
 
 
 def _step(pmodel: Any, args: Any, kwargs: Any, opt: Any) -> tuple[torch.Tensor, dict]:
@@ -161,7 +186,7 @@ def check_case(rank: int, world_size: int, case: tuple, path: str) -> dict[str, 
         price_baselines=False,
         **options,
     )
-    whole = _check_masters(pmodel, precision)
+    whole, sharded = _check_masters(pmodel, precision)
     if not hasattr(pmodel, "pmodules"):
         assert pmodel.grad_scaler.is_enabled() == (precision == "fp16")
     assert whole > 0, "no parameter without a data-parallel axis: the case tests nothing"
@@ -181,28 +206,31 @@ def check_case(rank: int, world_size: int, case: tuple, path: str) -> dict[str, 
                 checked.append(name)
                 diffs["grad diff"] = max(diffs["grad diff"], _diff(grad, want["grads"][name]))
         diffs["loss diff"] = max(diffs["loss diff"], _diff(loss, want["losses"][step]))
+    _check_priced_memory(pmodel)
     state = pmodel.state_dict()
     for name, value in state.items():
         assert_close_named(f"{name} after 3 steps", value, want["state"][name], rtol=0, atol=TOL)
         diffs["param diff"] = max(diffs["param diff"], _diff(value, want["state"][name]))
-    if path and "pipeline" in options:
-        _check_dcp(pmodel, case, path)
-    return {"grads": sorted(checked), "state": sorted(state), "whole chunks": whole, **diffs}
+    if path:
+        _check_reload(pmodel, case, path)
+    return {"grads": sorted(checked), "state": sorted(state), "whole chunks": whole, "sharded chunks": sharded, **diffs}
 
 
 def _diff(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).abs().max()) if got.numel() else 0.0
 
 
-def _check_dcp(saved: Any, case: tuple, path: str) -> None:
-    """The masters through ``dcp.save`` / ``dcp.load`` into a fresh module of the same plan:
-    equal masters, and the next step's loss equal bit for bit (compute copies refreshed)."""
+def _check_reload(saved: Any, case: tuple, path: str) -> None:
+    """The masters into a fresh module of the same plan, through ``dcp.save`` / ``dcp.load``
+    into directory ``path`` or (``path == "full"``) as a full state dict: equal masters, and
+    the next loss equal bit for bit (the compute copies were refreshed from the masters)."""
     import torch.distributed.checkpoint as dcp
 
     import autopar
 
     shape, names, model_name, precision, options = case
-    dcp.save(saved.state_dict(sharded=True), checkpoint_id=path)
+    if path != "full":
+        dcp.save(saved.state_dict(sharded=True), checkpoint_id=path)
     model, args, kwargs = _build(model_name)
     with torch.no_grad():
         for p in model.parameters():
@@ -217,24 +245,32 @@ def _check_dcp(saved: Any, case: tuple, path: str) -> None:
         price_baselines=False,
         **options,
     )
-    template = loaded.state_dict(sharded=True)
-    dcp.load(template, checkpoint_id=path)
-    loaded.load_state_dict(template)
     want = saved.state_dict()
+    if path == "full":
+        loaded.load_state_dict(want)
+    else:
+        template = loaded.state_dict(sharded=True)
+        dcp.load(template, checkpoint_id=path)
+        loaded.load_state_dict(template)
     for name, value in loaded.state_dict().items():
         torch.testing.assert_close(value, want[name], rtol=0, atol=0, msg=name)
-    torch.testing.assert_close(loaded.step(*args), saved.step(*args), rtol=0, atol=0)
+    if hasattr(saved, "pmodules"):
+        torch.testing.assert_close(loaded.step(*args), saved.step(*args), rtol=0, atol=0)
+    else:
+        local = saved.shard_inputs(*args)
+        torch.testing.assert_close(loaded(*local), saved(*local), rtol=0, atol=0)
 
 
 def _run(world_size: int, tmp_path: Any) -> None:
-    cases = [
-        (name, (case, str(tmp_path / name.replace("/", "-")) if world_size == 2 else ""))
-        for name, case in CASES[world_size].items()
-    ]
+    cases = []
+    for name, case in CASES[world_size].items():
+        # Reloaded: the pp=2 masters through DCP, the one-rank ones as a full state dict.
+        path = str(tmp_path / name.replace("/", "-")) if "pipeline" in case[4] else "full"
+        cases.append((name, (case, path if world_size < 4 and "tp" not in case[1] else "")))
     results = run_cases(_check_one, world_size, cases, timeout_s=300)
     for name, case in CASES[world_size].items():
         values = results[name].check()
-        print(name, [{k: v[k] for k in ("whole chunks", "loss diff", "grad diff", "param diff")} for v in values])
+        print(name, [{k: v[k] for k in ("whole chunks", "sharded chunks", "loss diff", "grad diff", "param diff")} for v in values])
         model, _, _ = _build(case[2])
         every = {n for n, _ in model.named_parameters()}
         assert set().union(*(v["grads"] for v in values)) == every, name
