@@ -478,14 +478,8 @@ def _shared_groups(
         for s in shared[fqn]:
             node = next(n for n, f in stages[s].captured.param_nodes.items() if f == fqn)
             layouts.add(tuple(plans[s].choices()[node].outputs[0]))
-        # A copy sharded by ZeRO is refused (its pieces need not line up across stages); a
-        # mixed-precision master held whole (a chunk of no axes) sums like a plain parameter.
-        zero = any(
-            m.pmodule.zero is not None
-            and fqn in m.pmodule.zero.shard_params
-            and m.pmodule.zero.zero_axes_of(m.pmodule.zero.shard_params[fqn])
-            for m in modules
-        )
+        # A ZeRO-sharded copy is refused; a whole mixed-precision master sums like a parameter.
+        zero = any(m.pmodule.zero is not None and m.pmodule.zero.shards(fqn) for m in modules)
         if len(layouts) > 1 or zero:
             raise UnsupportedModelError(
                 f"parameter {fqn} is used by pipeline stages {list(shared[fqn])} (tied weights) "

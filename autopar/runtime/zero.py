@@ -268,6 +268,12 @@ class ZeroEngine:
         order; empty if not managed)."""
         return self.store.zero_axes_of(param)
 
+    def shards(self, fqn: str) -> bool:
+        """Whether the parameter ``fqn`` (canonical) is split over some mesh axis (False for
+        an unmanaged one and for a mixed-precision master held whole in a chunk of no axes)."""
+        param = self.store.shard_params.get(fqn)
+        return param is not None and bool(self.store.zero_axes_of(param))
+
     def piece_of(self, param: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
         """The part of a full local block that this rank's shard parameter ``param`` holds."""
         return self.store.piece_of(param, block)

@@ -213,7 +213,13 @@ def check_case(rank: int, world_size: int, case: tuple, path: str) -> dict[str, 
         diffs["param diff"] = max(diffs["param diff"], _diff(value, want["state"][name]))
     if path:
         _check_reload(pmodel, case, path)
-    return {"grads": sorted(checked), "state": sorted(state), "whole chunks": whole, "sharded chunks": sharded, **diffs}
+    return {
+        "grads": sorted(checked),
+        "state": sorted(state),
+        "whole chunks": whole,
+        "sharded chunks": sharded,
+        **diffs,
+    }
 
 
 def _diff(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -270,7 +276,22 @@ def _run(world_size: int, tmp_path: Any) -> None:
     results = run_cases(_check_one, world_size, cases, timeout_s=300)
     for name, case in CASES[world_size].items():
         values = results[name].check()
-        print(name, [{k: v[k] for k in ("whole chunks", "sharded chunks", "loss diff", "grad diff", "param diff")} for v in values])
+        print(
+            name,
+            [
+                {
+                    k: v[k]
+                    for k in (
+                        "whole chunks",
+                        "sharded chunks",
+                        "loss diff",
+                        "grad diff",
+                        "param diff",
+                    )
+                }
+                for v in values
+            ],
+        )
         model, _, _ = _build(case[2])
         every = {n for n, _ in model.named_parameters()}
         assert set().union(*(v["grads"] for v in values)) == every, name
