@@ -53,6 +53,10 @@ CASES: dict[int, dict[str, tuple]] = {
             (2,), ("pp",), "llama", "bf16",
             {"pipeline": {"stages": 2, "microbatches": 4, "schedule": "1f1b"}},
         ),
+        "pp2/llama/1f1b/fp16": (
+            (2,), ("pp",), "llama", "fp16",
+            {"pipeline": {"stages": 2, "microbatches": 2, "schedule": "1f1b"}},
+        ),
         "tp2/gpt/megatron/bf16": ((2,), ("tp",), "gpt", "bf16", {"recipe": "megatron"}),
         "tp2/llama/megatron/fp16": ((2,), ("tp",), "llama", "fp16", {"recipe": "megatron"}),
     },
@@ -151,22 +155,18 @@ def _check_priced_memory(pmodel: Any) -> None:
 def _step(pmodel: Any, args: Any, kwargs: Any, opt: Any) -> tuple[torch.Tensor, dict]:
     """One training step (pipelined: ``pmodel.step``); returns the loss and, unscaled, every
     gradient of this rank's stages gathered whole."""
-    scaler = None
+    scaler = pmodel.grad_scaler
     if hasattr(pmodel, "pmodules"):
-        loss = pmodel.step(*args, **kwargs)
+        loss = pmodel.step(*args, **kwargs)  # scales each microbatch loss under fp16
         pmodules = pmodel.pmodules
     else:
         loss = model_loss(pmodel(*pmodel.shard_inputs(*args), **kwargs))
-        scaler = pmodel.grad_scaler
         pmodel.scale_loss(loss).backward()
-        scaler.unscale_(opt)
         pmodules = [pmodel]
+    scaler.unscale_(opt)
     grads = {name: g for p in pmodules for name, g in full_grads(p).items()}
-    if scaler is None:
-        opt.step()
-    else:
-        scaler.step(opt)
-        scaler.update()
+    scaler.step(opt)
+    scaler.update()
     return loss.detach().float(), grads
 
 
@@ -187,8 +187,7 @@ def check_case(rank: int, world_size: int, case: tuple, path: str) -> dict[str, 
         **options,
     )
     whole, sharded = _check_masters(pmodel, precision)
-    if not hasattr(pmodel, "pmodules"):
-        assert pmodel.grad_scaler.is_enabled() == (precision == "fp16")
+    assert pmodel.grad_scaler.is_enabled() == (precision == "fp16")
     assert whole > 0, "no parameter without a data-parallel axis: the case tests nothing"
     opt = torch.optim.SGD(pmodel.parameters(), lr=LR)
     checked = []
@@ -211,6 +210,8 @@ def check_case(rank: int, world_size: int, case: tuple, path: str) -> dict[str, 
     for name, value in state.items():
         assert_close_named(f"{name} after 3 steps", value, want["state"][name], rtol=0, atol=TOL)
         diffs["param diff"] = max(diffs["param diff"], _diff(value, want["state"][name]))
+    if precision == "fp16":
+        _check_overflow_skips(pmodel, args, kwargs, opt)
     if path:
         _check_reload(pmodel, case, path)
     return {
@@ -224,6 +225,28 @@ def check_case(rank: int, world_size: int, case: tuple, path: str) -> dict[str, 
 
 def _diff(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).abs().max()) if got.numel() else 0.0
+
+
+def _check_overflow_skips(pmodel: Any, args: Any, kwargs: Any, opt: Any) -> None:
+    """An inf in rank 0's gradients only: every rank skips the step (parameters unchanged bit
+    for bit, on every stage) and halves the scale."""
+    import torch.distributed as dist
+
+    scaler = pmodel.grad_scaler
+    before = {name: value.clone() for name, value in pmodel.state_dict().items()}
+    scale = scaler.get_scale()
+    opt.zero_grad()
+    if hasattr(pmodel, "pmodules"):
+        pmodel.step(*args, **kwargs)
+    else:
+        pmodel.scale_loss(model_loss(pmodel(*pmodel.shard_inputs(*args), **kwargs))).backward()
+    if dist.get_rank() == 0:
+        next(p for p in pmodel.parameters() if p.grad is not None).grad.view(-1)[0] = float("inf")
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.get_scale() == scale / 2 and scaler.skipped_steps == 1
+    for name, value in pmodel.state_dict().items():
+        assert torch.equal(value, before[name]), name
 
 
 def _check_reload(saved: Any, case: tuple, path: str) -> None:
