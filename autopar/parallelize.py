@@ -256,13 +256,6 @@ def _parallel_module(
         else tuple(zero_config.stage_of(a) for a in range(plan_mesh.ndim))
     )
     zero_axes = list(zero_config.axes) or None if zero_config.is_uniform else None
-    if plan_options.mixed_precision and not any(
-        zero_config.stage_of(a) for a in range(plan_mesh.ndim)
-    ):
-        # The fp32 master weights live in ZeRO chunks: stage 1 over the data-parallel axes,
-        # which the planner prices as stage 0 in time (its step is stage 0's) and which holds
-        # less (the plan's memory counts stage 0's).
-        zero_stage, zero_axes = 1, None
     return ParallelModule(
         lowered,
         model,

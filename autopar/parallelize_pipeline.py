@@ -478,9 +478,11 @@ def _shared_groups(
         for s in shared[fqn]:
             node = next(n for n, f in stages[s].captured.param_nodes.items() if f == fqn)
             layouts.add(tuple(plans[s].choices()[node].outputs[0]))
-        zero = any(
-            m.pmodule.zero is not None and fqn in m.pmodule.zero.shard_params for m in modules
-        )
+        # ZeRO-sharded on some rank: refused on all; a whole mixed-precision master sums.
+        zero = any(m.pmodule.zero is not None and m.pmodule.zero.shards(fqn) for m in modules)
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, zero)
+        zero = any(every)
         if len(layouts) > 1 or zero:
             raise UnsupportedModelError(
                 f"parameter {fqn} is used by pipeline stages {list(shared[fqn])} (tied weights) "

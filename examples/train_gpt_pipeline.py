@@ -2,9 +2,12 @@
 
     torchrun --nproc-per-node 4 examples/train_gpt_pipeline.py --mesh pp=2,dp=2 --schedule 1f1b
     torchrun --nproc-per-node 4 examples/train_gpt_pipeline.py --mesh pp=4 --schedule gpipe
-    python examples/train_gpt_pipeline.py --single                          # one process
+    torchrun --nproc-per-node 2 examples/train_gpt_pipeline.py --mesh pp=2 --mixed-precision bf16
+    python examples/train_gpt_pipeline.py --single [--mixed-precision bf16]   # one process
 
-Both print the same loss per step (rank 0 prints under torchrun). ``pmodel.step(idx, targets)``
+Both print the same loss per step (rank 0 prints under torchrun; under ``--mixed-precision`` the
+single process runs under ``torch.autocast`` with fp32 weights, and the losses agree to bf16's
+or fp16's precision), then the median step time. ``pmodel.step(idx, targets)``
 takes the GLOBAL batch on every rank (each stage takes what it consumes: the first stage the
 tokens, the last the targets), runs torch.distributed.pipelining's schedule forward and
 backward over the microbatches and returns the global mean loss on every rank.
@@ -13,7 +16,9 @@ backward over the microbatches and returns the global mean loss on every rank.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import statistics
 import time
 
 import torch
@@ -53,17 +58,26 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--mixed-precision", default=None, help="bf16 or fp16 (default fp32)")
     parser.add_argument("--single", action="store_true", help="train in one process")
     args = parser.parse_args()
     model = build_model()
+    seconds = []
     if args.single or "RANK" not in os.environ:
+        half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.mixed_precision)
         opt = torch.optim.SGD(model.parameters(), lr=args.lr)
+        scaler = torch.amp.GradScaler("cpu", enabled=args.mixed_precision == "fp16")
         for step in range(args.steps):
-            loss = model(*synthetic_batch(step, args.batch))
-            loss.backward()
-            opt.step()
+            started = time.perf_counter()
+            with torch.autocast("cpu", dtype=half) if half else contextlib.nullcontext():
+                loss = model(*synthetic_batch(step, args.batch))
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
             opt.zero_grad()
+            seconds.append(time.perf_counter() - started)
             print(f"step {step} loss {loss.item():.6f}", flush=True)
+        print(f"# median step {statistics.median(seconds):.4f} s", flush=True)
         return
     spec = autopar.Mesh.parse(args.mesh, device="cpu")
     mesh = autopar.Mesh.from_world(spec.shape, spec.axis_names)  # initializes gloo under torchrun
@@ -77,6 +91,7 @@ def main() -> None:
         pipeline=pipeline,
         recipe=args.recipe,
         optimizer="sgd",
+        mixed_precision=args.mixed_precision,
         price_baselines=False,
     )
     if rank == 0:
@@ -89,11 +104,15 @@ def main() -> None:
         )
     opt = torch.optim.SGD(pmodel.parameters(), lr=args.lr)
     for step in range(args.steps):
+        started = time.perf_counter()
         loss = pmodel.step(*synthetic_batch(step, args.batch))
         opt.step()
         opt.zero_grad()
+        seconds.append(time.perf_counter() - started)
         if rank == 0:
             print(f"step {step} loss {loss.item():.6f}", flush=True)
+    if rank == 0:
+        print(f"# median step {statistics.median(seconds):.4f} s", flush=True)
     torch.distributed.destroy_process_group()
 
 

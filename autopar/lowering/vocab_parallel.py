@@ -140,6 +140,10 @@ def autopar_vocab_parallel_cross_entropy(
     The local classes start at (mixed-radix coordinate over ``class_axes``) x (local class
     count); the result is the full loss on every rank (module docstring).
     """
+    if torch.is_autocast_enabled(logits.device.type):
+        # Autocast runs cross entropy in fp32 (its fp32 op list): so does the sharded one, or a
+        # bf16 run's loss would be rounded to bf16 (8 bits) unlike the unsharded loss's.
+        logits = logits.float()
     groups = lookup_axis_groups(group_key)
     coordinate = 0
     for axis in class_axes:

@@ -72,8 +72,9 @@ class ParallelModule(nn.Module):
             stage per mesh axis (a sequence; ``zero_axes`` must then be None).
         zero_axes: mesh axes to shard over (None: the axes parameter gradients are summed over).
         mixed_precision: None, "bf16" or "fp16" (half compute, fp32 master shards and
-            reduction; needs ``zero_stage >= 1``; fp16 also needs loss scaling with
-            ``grad_scaler`` / ``scale_loss``).
+            reduction; at ``zero_stage=0`` the masters live in ZeRO-1 chunks over the
+            data-parallel axes, whole where a parameter has none; fp16 also needs loss
+            scaling with ``grad_scaler`` / ``scale_loss``).
         state_source: where the values come from when ``source`` is a model built on the
             meta device (:class:`~autopar.runtime.state.StateSource`: a full state dict or a
             safetensors file): each rank reads only its blocks (under ZeRO stage 3 only the
@@ -128,9 +129,10 @@ class ParallelModule(nn.Module):
         self._split_axes: dict[int, tuple[int, ...]] | None = None
         zero_on = bool(zero_stage) if isinstance(zero_stage, int) else any(zero_stage)
         if mixed_precision is not None and not zero_on:
-            raise ValueError(
-                "mixed_precision needs zero_stage >= 1 (fp32 master shards live in ZeRO chunks)"
-            )
+            # The fp32 master weights live in ZeRO chunks: stage 1 over the data-parallel axes
+            # (the planner prices stage 0 and 1 alike in time; stage 1 holds less), chunks of
+            # no axes where a parameter has none to shard over (autopar.runtime.zero).
+            zero_stage, zero_axes, zero_on = 1, None, True
         if zero_on:
             self.zero = build_zero_engine(
                 lowered,

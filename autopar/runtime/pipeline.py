@@ -33,7 +33,8 @@ consumes, e.g. the tokens in the first stage and the targets in the last), then
 
 The returned loss is the global mean over the whole batch on EVERY rank: the last stage sums
 its microbatch losses (each already divided by the number of microbatches) and broadcasts the
-sum over the pipeline axis's group.
+sum over the pipeline axis's group. Under fp16 mixed precision each microbatch loss is also
+multiplied by ``grad_scaler``'s scale before its backward (the returned loss is unscaled).
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ from torch.utils._pytree import tree_flatten
 from autopar.lowering.local_ops import autopar_scale_grad
 from autopar.placement import SectionShard, Shard
 from autopar.planner.stages import MULTI_STAGE_SCHEDULES, V_SCHEDULES
+from autopar.runtime.grad_scaler import ShardedGradScaler
 from autopar.runtime.materialize import local_block
 from autopar.runtime.module import ParallelModule
 from autopar.runtime.pipeline_backward import weight_pass
@@ -236,6 +238,13 @@ class PipelineModule(nn.Module):
         self.plan: Any = None
         """The stage plans (one Plan per stage of this rank) and the PipelinePlan."""
         self.pipeline: Any = None
+        self.grad_scaler = ShardedGradScaler(
+            [dist.group.WORLD],
+            enabled=any(module.pmodule.grad_scaler.is_enabled() for _, module in stages),
+        )
+        """fp16 loss scaling over every rank of every stage (all agree to skip a step): each
+        microbatch loss is scaled before its backward, :meth:`step` returns the loss unscaled;
+        then ``pmodel.grad_scaler.step(opt)`` and ``.update()``. A pass-through in fp32 / bf16."""
         pipeline_stages = [
             _Stage(module, index, num_stages, device, group=p2p_group) for index, module in stages
         ]
@@ -275,7 +284,7 @@ class PipelineModule(nn.Module):
 
     def _microbatch_loss(self, output: torch.Tensor, target: Any) -> torch.Tensor:
         # Microbatch means of equal microbatches: their mean is the global mean.
-        return output / self.microbatches
+        return self.grad_scaler.scale(output / self.microbatches)
 
     def train(self, mode: bool = True) -> PipelineModule:
         """Switch train/eval mode (eval: forward-only :meth:`step`). Refused for the V-shaped
@@ -356,7 +365,7 @@ class PipelineModule(nn.Module):
         """The sum of the last stage's microbatch losses (each already divided by the number
         of microbatches), sent over the pipeline axis's group: the global mean on every rank."""
         if self._has_last:
-            loss = torch.stack([x.detach() for x in losses]).sum()
+            loss = torch.stack([x.detach() for x in losses]).sum() / self.grad_scaler.get_scale()
         else:
             loss = torch.zeros((), dtype=torch.float32)
         device = next(iter(self.parameters())).device

@@ -71,6 +71,10 @@ Mixed precision (``compute_dtype=torch.bfloat16`` or ``torch.float16``): the O-s
 compute dtype (refreshed after each step; when O = P there is none and the shard is cast before
 gathering); the graph runs under ``torch.autocast``; gradients are flattened to fp32 before any
 reduction. fp16 needs loss scaling: :class:`autopar.runtime.grad_scaler.ShardedGradScaler`.
+A parameter with no data-parallel axis to shard over (R empty: a pipeline stage on a (1,)
+submesh, one rank, a block tensor-parallel on every axis) is packed, under mixed precision only,
+into chunks of no axes (P = G = O = {}): its fp32 master is the whole chunk, the kept buffer is
+its half copy, the gradient is reduced in fp32 only over its partial axes (if any).
 
 :class:`ZeroEngine` is a facade over objects with one job each, built in this order and handed
 their dependencies explicitly: :class:`~autopar.runtime.zero_layout.ZeroMesh` (axis sizes,
@@ -130,7 +134,8 @@ class ZeroEngine:
     Args:
         params: ``(canonical fqn, local parameter, replicate axes R, grad-reduce axes)`` in
             order of first use; R lists the mesh axes of size > 1 with a ZeRO stage >= 1 on
-            which the parameter is Replicate (non-empty).
+            which the parameter is Replicate (non-empty, except under mixed precision: an
+            empty R is a chunk of no axes, its fp32 master held whole on this rank).
         mesh_shape: size of each mesh axis.
         coords: this rank's mesh coordinate.
         group_of: mesh axis -> this rank's process group along it.
@@ -181,8 +186,11 @@ class ZeroEngine:
         self.axis_names = self.mesh.axis_names
         for fqn, _, axes, _ in params:
             bad = [a for a in axes if self.stages[a] < 1 or self.mesh_shape[a] < 2]
-            if not axes or bad:
-                raise ValueError(f"{fqn}: ZeRO axes {axes} must be non-empty axes of stage >= 1")
+            if bad or not (axes or compute_dtype is not None):
+                raise ValueError(
+                    f"{fqn}: ZeRO axes {axes} must be axes of stage >= 1, non-empty without "
+                    f"mixed precision (with it, an empty R keeps the fp32 master whole)"
+                )
         if chunk_bytes is None:
             shards = max(
                 (math.prod(self.mesh_shape[a] for a in axes) for _, _, axes, _ in params), default=1
@@ -259,6 +267,12 @@ class ZeroEngine:
         """The mesh axes a managed parameter's optimizer shards are split over (O, in split
         order; empty if not managed)."""
         return self.store.zero_axes_of(param)
+
+    def shards(self, fqn: str) -> bool:
+        """Whether the parameter ``fqn`` (canonical) is split over some mesh axis (False for
+        an unmanaged one and for a mixed-precision master held whole in a chunk of no axes)."""
+        param = self.store.shard_params.get(fqn)
+        return param is not None and bool(self.store.zero_axes_of(param))
 
     def piece_of(self, param: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
         """The part of a full local block that this rank's shard parameter ``param`` holds."""
@@ -379,15 +393,11 @@ def build_zero_engine(
             for a in range(len(mesh_shape))
             if stages[a] >= 1 and isinstance(placements[a], Replicate) and mesh_shape[a] > 1
         )
-        if own:
+        # Under mixed precision a parameter with no axis to shard over (a pipeline stage's
+        # (1,) submesh, one rank, tensor-parallel blocks) keeps its fp32 master whole in a chunk
+        # of no axes: the same half copy, casts, optimizer hook and state paths as a shard.
+        if own or mixed_precision is not None:
             entries.append((fqn, param, own, tuple(lowered.param_grad_reduce_axes.get(fqn, ()))))
-    if mixed_precision is not None and not entries:
-        raise ValueError(
-            f"mixed_precision={mixed_precision!r} keeps the fp32 master weights in ZeRO chunks "
-            f"sharded over a data-parallel axis, but the mesh {mesh_shape} replicates no "
-            f"parameter over an axis of size > 1, so nothing would compute in {mixed_precision}: "
-            f"plan without mixed_precision, or on a mesh with such an axis"
-        )
     return ZeroEngine(
         stages=stages,
         stage=stage if isinstance(stage, int) else None,

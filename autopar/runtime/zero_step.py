@@ -140,18 +140,20 @@ class OptimizerStepHook:
 
     def sync_full(self, index: int) -> None:
         """All-gather the chunk's updated O-shards over ``O \\ P`` into its kept buffer (a
-        collective over those axes; nothing when O = P)."""
+        collective over those axes; nothing when O = P). Under mixed precision the O-shard is
+        first cast into its place in the kept buffer (the whole buffer for a chunk of no axes)."""
         chunk = self.store.chunks[index]
-        rest = chunk.zero_axes[chunk.num_param_axes :]
-        if not rest:
+        if chunk.kept is None:  # O = P under mixed precision: the shard is cast when gathered
             return
-        assert chunk.kept is not None and chunk.shard is not None
+        assert chunk.shard is not None
         kept, lo = chunk.kept, chunk.shard_in_kept
         mine = kept[lo : lo + chunk.shard_numel]
         if mine.data_ptr() != chunk.shard.data_ptr():  # mixed precision: cast into place
             mine.copy_(chunk.shard)
-        # In place: the O-shard already sits at its offset in the kept buffer.
-        self.mesh.fill_flat(kept, chunk.shard_numel, rest)
+        rest = chunk.zero_axes[chunk.num_param_axes :]
+        if rest:
+            # In place: the O-shard already sits at its offset in the kept buffer.
+            self.mesh.fill_flat(kept, chunk.shard_numel, rest)
 
 
 @dataclass(frozen=True, slots=True)

@@ -151,9 +151,10 @@ class ChunkStore:
             chunk.shard = kept[s0 : s0 + shard_numel]
         else:
             chunk.shard = kept[s0 : s0 + shard_numel].clone()
-            chunk.kept = (
-                kept.to(self.compute_dtype) if len(chunk.zero_axes) > chunk.num_param_axes else None
-            )
+            # No kept buffer only when O = P is non-empty (the shard is cast at each gather);
+            # a chunk of no axes keeps its half copy like any chunk with P empty.
+            gathered = chunk.zero_axes and len(chunk.zero_axes) == chunk.num_param_axes
+            chunk.kept = None if gathered else kept.to(self.compute_dtype)
         if chunk.num_param_axes == 0:
             chunk.full = chunk.kept
         for k, slot in enumerate(chunk.slots):
