@@ -245,8 +245,10 @@ def _parallel_module(
     plan_mesh: Mesh,
     plan_options: PlanOptions,
     state_dict: Any,
+    zero_alone: tuple[str, ...] = (),
 ) -> ParallelModule:
-    """The ParallelModule running ``lowered`` with the plan's ZeRO layout and precision."""
+    """The ParallelModule running ``lowered`` with the plan's ZeRO layout and precision
+    (``zero_alone``: FQNs in ZeRO chunks of their own, see :class:`ParallelModule`)."""
     zero = chosen.data["zero"]
     zero_config = ZeroConfig.from_json(zero, plan_mesh.axis_names)
     # Uniform stages as (stage, axes); per-axis stages as one stage per mesh axis.
@@ -270,6 +272,7 @@ def _parallel_module(
             else StateSource(state_dict)
         ),
         device=_runtime_device(),
+        zero_alone=zero_alone,
     )
 
 

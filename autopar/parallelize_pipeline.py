@@ -55,6 +55,7 @@ from autopar.planner.stages import (
 )
 from autopar.planner.tying import stack_blocks
 from autopar.runtime.pipeline import PipelineModule, StageModule
+from autopar.runtime.pipeline_tied import tied_weight_groups
 
 __all__ = ["autoparallelize_pipeline", "check_pipeline_mesh", "find_stack"]
 
@@ -267,7 +268,7 @@ def autoparallelize_pipeline(
         schedule=pipeline.schedule,
         microbatches=pipeline.microbatches,
         num_inputs=len(captured.input_nodes),
-        shared=_shared_groups(stages, plans, pipeline, groups, [m for _, m in modules]),
+        shared=tied_weight_groups(stages, plans, pipeline, groups, [m for _, m in modules]),
         device=_runtime_device(),
         training=model.training,
     )
@@ -454,47 +455,11 @@ def _stage_module(
         )
         if name in names
     }
-    pmodule = _parallel_module(lowered, state, sub_groups, chosen, plan_mesh, plan_options, None)
+    # A weight tied across stages: a ZeRO chunk of its own, its shards aligned (pipeline_tied).
+    tied = captured.tied_params
+    alone = tuple(n for fqn in stage.shared_params for n in (fqn, *tied.get(fqn, ())))
+    args = (lowered, state, sub_groups, chosen, plan_mesh, plan_options, None, alone)
+    pmodule = _parallel_module(*args)
     pmodule.plan = chosen
     model_inputs = [inputs.index(n) for n in stage.model_inputs]
     return StageModule(pmodule, model_inputs, is_last=index == len(stages) - 1)
-
-
-def _shared_groups(
-    stages: tuple[StageGraph, ...],
-    plans: list[Plan],
-    pipeline: PipelinePlan,
-    groups: AxisGroups,
-    modules: list[StageModule],
-) -> list[tuple[str, Any]]:
-    """Per parameter used by several stages: (FQN, the group of its holders' ranks at this
-    rank's submesh coordinate, None when this rank holds every copy); a collective."""
-    shared: dict[str, tuple[int, ...]] = {}
-    for stage in stages:
-        shared.update(stage.shared_params)
-    out: list[tuple[str, Any]] = []
-    for fqn in sorted(shared):
-        layouts = set()
-        for s in shared[fqn]:
-            node = next(n for n, f in stages[s].captured.param_nodes.items() if f == fqn)
-            layouts.add(tuple(plans[s].choices()[node].outputs[0]))
-        # ZeRO-sharded on some rank: refused on all; a whole mixed-precision master sums.
-        zero = any(m.pmodule.zero is not None and m.pmodule.zero.shards(fqn) for m in modules)
-        every: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(every, zero)
-        zero = any(every)
-        if len(layouts) > 1 or zero:
-            raise UnsupportedModelError(
-                f"parameter {fqn} is used by pipeline stages {list(shared[fqn])} (tied weights) "
-                f"and {'is under ZeRO' if zero else 'has different layouts in them'}; untie it "
-                f"(e.g. tie_weights=False) or plan without ZeRO"
-            )
-        holders = sorted({pipeline.stages[s].pp_rank for s in shared[fqn]})
-        if len(holders) == 1:
-            out.append((fqn, None))
-            continue
-        grid = groups.device_mesh.mesh.movedim(pipeline.axis, -1)
-        rows = grid.reshape(-1, grid.shape[-1]).tolist()
-        mine, _ = dist.new_subgroups_by_enumeration([[row[h] for h in holders] for row in rows])
-        out.append((fqn, mine))
-    return out

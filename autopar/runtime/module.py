@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -81,6 +81,7 @@ class ParallelModule(nn.Module):
             rows covering its chunk pieces) onto ``device`` (default: this rank's CUDA device
             under NCCL, else CPU). Non-persistent buffers it lacks are taken from ``source``
             if they are not on meta, else refused by name.
+        zero_alone: FQNs given a ZeRO chunk each (weights tied across pipeline stages).
 
     Attributes (besides the parameters and buffers under their original names): ``lowered``,
     ``groups``, ``coords`` (this rank's mesh coordinate) and ``grad_reducer`` (the
@@ -101,6 +102,7 @@ class ParallelModule(nn.Module):
         mixed_precision: str | None = None,
         state_source: StateSource | None = None,
         device: torch.device | str | None = None,
+        zero_alone: Collection[str] = (),
     ) -> None:
         super().__init__()
         self.lowered = lowered
@@ -150,6 +152,7 @@ class ParallelModule(nn.Module):
                 ),
                 device=device,
                 axis_names=groups.axis_names,
+                alone=zero_alone,
             )
             for name in self._param_placements:
                 shard = self.zero.shard_params.get(src.key(name))

@@ -382,6 +382,7 @@ class PipelineModule(nn.Module):
             ]
             if not copies:
                 continue
+            # Under ZeRO the copies are shards holding the same elements (parallelize_pipeline).
             total = torch.zeros_like(copies[0])
             for p in copies:
                 if p.grad is not None:
@@ -389,7 +390,10 @@ class PipelineModule(nn.Module):
             if group is not None:
                 dist.all_reduce(total, group=group)
             for p in copies:
-                p.grad = total.clone()
+                if p.grad is not None:  # in place: ZeRO's .grad views its gradient buffer
+                    p.grad.copy_(total)
+                elif p.numel():  # an empty ZeRO slot has no gradient on this rank
+                    p.grad = total.clone()
 
     def state_dict(self, *args: Any, sharded: bool = False, **kwargs: Any) -> Any:
         """This rank's stages' state under the original FQNs: full tensors (gathered over the

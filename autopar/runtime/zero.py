@@ -91,7 +91,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
@@ -151,6 +151,8 @@ class ZeroEngine:
             and filled from it, reading only the range of this rank's kept buffer.
         device: where ``read_flat``'s chunks live.
         axis_names: the mesh axes' names (collective failures and check mode name the axis).
+        alone: FQNs each packed in a chunk of its own (a weight tied across pipeline stages,
+            whose gradient shards the stages then sum element for element; :meth:`layout`).
     """
 
     def __init__(
@@ -167,6 +169,7 @@ class ZeroEngine:
         read_flat: Callable[[str, int, int], torch.Tensor] | None = None,
         device: torch.device | str | None = None,
         axis_names: Sequence[str] | None = None,
+        alone: Collection[str] = (),
     ) -> None:
         if stages is None and stage is None:
             raise ValueError("give ZeroEngine stages= (one per mesh axis) or stage=")
@@ -209,6 +212,7 @@ class ZeroEngine:
             compute_dtype=compute_dtype,
             read_flat=read_flat,
             device=torch.device(device) if device is not None else None,
+            alone=frozenset(alone),
         )
         self.gatherer = ChunkGatherer(self.store, self.mesh)
         self.reducer = GradientReducer(self.store, self.mesh, self.gatherer.end_backward)
@@ -268,11 +272,15 @@ class ZeroEngine:
         order; empty if not managed)."""
         return self.store.zero_axes_of(param)
 
-    def shards(self, fqn: str) -> bool:
-        """Whether the parameter ``fqn`` (canonical) is split over some mesh axis (False for
-        an unmanaged one and for a mixed-precision master held whole in a chunk of no axes)."""
-        param = self.store.shard_params.get(fqn)
-        return param is not None and bool(self.store.zero_axes_of(param))
+    def layout(self, param: torch.Tensor) -> tuple[Any, ...] | None:
+        """Where this rank's shard parameter ``param`` lies: its chunk's size, axes and shard
+        index and the slot's place in it (None if not managed). Two engines whose layouts of
+        a parameter are equal hold the same elements of it in their shards."""
+        if not self.store.manages(param):
+            return None
+        chunk, slot = self.store.slot_of(param)
+        where = (slot.offset, slot.shard_lo, slot.shard_hi, slot.param_lo)
+        return (chunk.numel, chunk.zero_axes, chunk.shard_index, chunk.shard_numel, *where)
 
     def piece_of(self, param: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
         """The part of a full local block that this rank's shard parameter ``param`` holds."""
@@ -357,6 +365,7 @@ def build_zero_engine(
     read_flat: Callable[[str, int, int], torch.Tensor] | None = None,
     device: torch.device | str | None = None,
     axis_names: Sequence[str] | None = None,
+    alone: Collection[str] = (),
 ) -> ZeroEngine:
     """The engine for a ParallelModule's local parameters (canonical FQN -> local block).
 
@@ -367,7 +376,7 @@ def build_zero_engine(
             over those of them on which it is Replicate.
         mixed_precision: None, "bf16" or "fp16" (see :class:`ZeroEngine`'s ``compute_dtype``;
             fp16 needs loss scaling: :class:`ShardedGradScaler`).
-        read_flat, device: materialize meta-device parameters (see :class:`ZeroEngine`).
+        read_flat, device, alone: see :class:`ZeroEngine`.
     """
     if mixed_precision not in (None, "bf16", "fp16"):
         raise ValueError(
@@ -410,6 +419,7 @@ def build_zero_engine(
         read_flat=read_flat,
         device=device,
         axis_names=axis_names,
+        alone=alone,
     )
 
 

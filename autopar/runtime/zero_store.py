@@ -32,6 +32,8 @@ class ChunkStore:
         compute_dtype: None (fp32) or the half dtype the kept buffers are held in.
         read_flat, device: fill meta-device parameters' chunks from a state source (see
             :class:`autopar.runtime.zero.ZeroEngine`).
+        alone: FQNs packed each in a chunk of its own (a weight tied across pipeline stages:
+            its shards then cover the same elements in every stage's engine).
     """
 
     def __init__(
@@ -44,6 +46,7 @@ class ChunkStore:
         compute_dtype: torch.dtype | None,
         read_flat: Callable[[str, int, int], torch.Tensor] | None,
         device: torch.device | None,
+        alone: frozenset[str] = frozenset(),
     ) -> None:
         self.stages = stages
         self.mesh = mesh
@@ -62,10 +65,11 @@ class ChunkStore:
                     f"ZeRO keeps fp32 chunks but {fqn} is {param.dtype}; build the model in fp32 "
                     f"(mixed precision is a runtime option)"
                 )
-            streams.setdefault((tuple(axes), tuple(sorted(reduce_axes))), []).append((fqn, param))
+            key = (tuple(axes), tuple(sorted(reduce_axes)), fqn if fqn in alone else "")
+            streams.setdefault(key, []).append((fqn, param))
         first_use = {fqn: i for i, (fqn, _, _, _) in enumerate(params)}
         pending: list[tuple[int, int, tuple[int, ...], tuple[int, ...], list[_Member]]] = []
-        for (axes, reduce_axes), members in streams.items():
+        for (axes, reduce_axes, _), members in streams.items():
             shards = math.prod(mesh.shape[a] for a in axes)
             chunk_numel = max(1, chunk_bytes // 4)
             numels = [p.numel() for _, p in members]

@@ -58,6 +58,10 @@ CASES: dict[int, dict[str, tuple]] = {
             (2, 2), ("pp", "dp"), "gpt8", 2, 8, "zbv", {"recipe": "ddp", "checkpoint": "all"},
         ),
         "pp2xtp2/gpt/zbv/mb2/megatron": ((2, 2), ("pp", "tp"), "gpt", 2, 2, "zbv", {"recipe": "megatron"}),
+        # The tied embedding / head under ZeRO-3: summed shard by shard over the pp ranks (1F1B)
+        # and within rank 0, which runs the first and last stage (ZBV).
+        "pp2xdp2/gpt/1f1b/mb2/zero3-tied": ((2, 2), ("pp", "dp"), "gpt", 2, 2, "1f1b", {"recipe": "fsdp"}),
+        "pp2xdp2/gpt/zbv/mb4/zero3-tied": ((2, 2), ("pp", "dp"), "gpt", 2, 4, "zbv", {"recipe": "fsdp"}),
     },
     8: {
         "pp2xdp2xtp2/llama/1f1b/mb4/fsdp+tp": (
