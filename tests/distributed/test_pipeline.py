@@ -99,7 +99,7 @@ def check_pipeline(rank: int, world_size: int, case: Any) -> dict[str, Any]:
     if case[0] == "bad":
         return check_bad_input(case[1])
     if case[0] == "dcp":
-        return check_dcp(case[1])
+        return check_dcp(*case[1:])
     if case[0] == "saved":
         return check_saved_plan(case[1])
     if case[0] == "saved-v":
@@ -183,6 +183,8 @@ def test_pipeline_numerics(world_size: int, tmp_path: Any) -> None:
         cases.append(("eval", ("eval", "zero-bubble")))
     if world_size == 4:
         cases.append(("dcp", ("dcp", str(tmp_path / "ckpt"))))
+        # GPT's head tied to its embedding, ZeRO-3 shards of it in both stages.
+        cases.append(("dcp-tied", ("dcp", str(tmp_path / "ckpt-tied"), "gpt")))
     results = run_cases(check_pipeline, world_size, cases, timeout_s=600)
     for name, case in CASES[world_size].items():
         values = results[name].check()
@@ -193,6 +195,7 @@ def test_pipeline_numerics(world_size: int, tmp_path: Any) -> None:
         assert set().union(*(v["state"] for v in values)) >= every, name
     if world_size == 4:
         assert results["dcp"].check()[0] > 0
+        assert results["dcp-tied"].check()[0] > 0
     if world_size == 2:
         saved = results["saved"].check()
         # The stored stage plans ran on both ranks without a solve; the older plan's 4 stages
@@ -330,7 +333,7 @@ def _without_stage_plans(plan: Any) -> Any:
     return Plan.from_dict(data)
 
 
-def check_dcp(path: str) -> int:
+def check_dcp(path: str, model_name: str = "llama") -> int:
     """``state_dict(sharded=True)`` of pp=2 x dp=2 (ZeRO-3 inside the stages, after a step)
     saved with ``dcp.save`` loads into pp=4 and into a one-stage 2x2 module (TP): every tensor
     equal. Returns the number of tensors compared."""
@@ -339,7 +342,7 @@ def check_dcp(path: str) -> int:
 
     import autopar
 
-    model, args, _ = _build("llama")
+    model, args, _ = _build(model_name)
     saved = autopar.autoparallelize(
         model,
         _mesh((2, 2), ("pp", "dp")),
@@ -362,7 +365,7 @@ def check_dcp(path: str) -> int:
         (_mesh((4,), ("pp",)), {"microbatches": 4, "schedule": "gpipe"}),
         (_mesh((2, 2), ("dp", "tp")), None),
     ):
-        model, args, _ = _build("llama")
+        model, args, _ = _build(model_name)
         with torch.no_grad():
             for p in model.parameters():
                 p.zero_()
