@@ -258,10 +258,15 @@ def priced_bound(
     ``target``: the bound that decides a skip. With patterns and a ``separable_multiplier``,
     the separable D there (one priced solve) comes first and is the answer when it reaches
     ``target`` with a plan that fits; without patterns the separable D is taken there. The
-    pattern D is evaluated whole (not given up at ``target``): a skipped problem's bound is
-    then D itself, strong enough to derive its neighbours' from (solver/derived_bounds.py),
-    and where it does not skip, the relaxation that follows takes every priced solve made
-    (its first pattern evaluation, at ``multiplier``, makes a prefix of the same sequence).
+    pattern D is then given up at ``target`` (lagrangian.pattern_dual ``give_up``): once
+    every pattern left is bounded at or above it the bound is their smallest bound (it
+    skips, and every configuration derived from it at a shift >= 0 too:
+    autopar/planner/bound_order.py), and once a priced plan is below it the problem is
+    solved anyway, and its relaxation, whose first pattern evaluation at ``multiplier``
+    gives up at the same target, takes the priced solves made (the same sequence). On
+    llama3-70b fp32 the three pattern D's evaluated whole made 24 priced solves each, and
+    the relaxation after (3,3,2)'s took 8 of its 24. Without ``target`` the pattern D is
+    evaluated whole.
     ``record`` (its ``edges`` ``problem.edges``): filled with every priced solve's answer and
     the bound per multiplier, for :class:`Warm` (a relaxation of this problem started at these
     multipliers takes them instead of solving).
@@ -327,7 +332,8 @@ def priced_bound(
         if bound >= target and steps:
             return bound, min(steps)
     patterns = patterns if counted is None else counted.patterns
-    found = _phase_two(problem, counted, multiplier, solve_free, patterns, None, {}, -math.inf)
+    give_up = -math.inf if target is None else target - multiplier * constant
+    found = _phase_two(problem, counted, multiplier, solve_free, patterns, None, {}, give_up)
     pattern_bound = bound_of(found.lower, multiplier, found.plans)
     if record is not None:
         record.bounds[multiplier] = max(record.bounds.get(multiplier, -math.inf), pattern_bound)
