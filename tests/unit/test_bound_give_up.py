@@ -17,6 +17,7 @@ from solver.count_patterns import count_patterns
 from solver.lagrangian import recompute_patterns
 from tests.unit.test_budget_stops import assert_bounds_optimum
 from tests.unit.test_lagrangian import _optimum, budgeted_problems
+from tests.unit.test_zero_bounds import _counting_solves
 
 FEW = settings(
     max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
@@ -29,19 +30,11 @@ def _bound(problem: Problem, lam: float, target: float | None) -> tuple[float, i
     """priced_bound's bound at ``lam`` (the pattern D: no separable multiplier) and the priced
     solves it made."""
     record = Recorded(edges=problem.edges)
-    calls = []
-    real = shrink.solve
-
-    def counted(p, **kwargs):
-        if kwargs.get("relaxation"):
-            calls.append(1)
-        return real(p, **kwargs)
-
-    shrink.solve = counted
+    calls = _counting_solves()
     try:
         bound, _ = priced_bound(problem, lam, target=target, record=record)
     finally:
-        shrink.solve = real
+        shrink.solve = calls.real
     assert record.bounds[lam] == bound
     return bound, len(calls)
 
