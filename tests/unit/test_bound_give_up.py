@@ -40,7 +40,7 @@ def _bound(problem: Problem, lam: float, target: float | None) -> tuple[float, i
 
 
 @FEW
-@given(budgeted_problems(), st.floats(0.0, 2.0), st.sampled_from((0.9, 0.999, 1.0, 1.001, 1.1)))
+@given(budgeted_problems(), st.floats(0.0, 2.0), st.sampled_from((0.9, 0.999, 1.001, 1.1)))
 def test_a_target_keeps_the_skip_and_the_bound_below_the_optimum(
     problem: Problem, lam: float, scale: float
 ) -> None:
@@ -51,7 +51,8 @@ def test_a_target_keeps_the_skip_and_the_bound_below_the_optimum(
         whole, whole_solves = _bound(problem, lam, None)
     except InfeasibleError:
         return
-    # Targets at and around the whole D, so that both sides of it (skip or not) are met.
+    # Targets near the whole D, on both sides of it (skip or not). Not at D itself: the
+    # target is moved by the bound's constant and back, so at D a rounding decides the side.
     target = whole * scale if math.isfinite(whole) and whole else scale
     given_up, solves = _bound(problem, lam, target)
     tolerance = 1e-9 * max(1.0, abs(whole))
