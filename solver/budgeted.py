@@ -258,15 +258,12 @@ def priced_bound(
     ``target``: the bound that decides a skip. With patterns and a ``separable_multiplier``,
     the separable D there (one priced solve) comes first and is the answer when it reaches
     ``target`` with a plan that fits; without patterns the separable D is taken there. The
-    pattern D is then given up at ``target`` (lagrangian.pattern_dual ``give_up``): once
-    every pattern left is bounded at or above it the bound is their smallest bound (it
-    skips, and every configuration derived from it at a shift >= 0 too:
-    autopar/planner/bound_order.py), and once a priced plan is below it the problem is
-    solved anyway, and its relaxation, whose first pattern evaluation at ``multiplier``
-    gives up at the same target, takes the priced solves made (the same sequence). On
-    llama3-70b fp32 the three pattern D's evaluated whole made 24 priced solves each, and
-    the relaxation after (3,3,2)'s took 8 of its 24. Without ``target`` the pattern D is
-    evaluated whole.
+    pattern D is given up at ``target`` (lagrangian.pattern_dual ``give_up``): once every
+    pattern left is bounded at or above it, the bound is their least (it skips, as does
+    every configuration derived from it at a shift >= 0); once a priced plan is below it,
+    the problem is solved anyway and its relaxation, whose first pattern evaluation here
+    gives up at the same target, takes the solves made (llama3-70b fp32: (3,3,2)'s made 24
+    evaluated whole, its relaxation took 8). Without ``target`` it is evaluated whole.
     ``record`` (its ``edges`` ``problem.edges``): filled with every priced solve's answer and
     the bound per multiplier, for :class:`Warm` (a relaxation of this problem started at these
     multipliers takes them instead of solving).
