@@ -1,7 +1,8 @@
-"""A priced bound with a skip target gives its pattern D up at the target
-(solver.budgeted.priced_bound): on tiny budgeted problems with recompute patterns, against the
-same bound evaluated whole and against brute force, the skip decision is the same, the bound
-is still below the optimum, and it takes no more priced solves (fewer in some examples)."""
+"""A priced bound with a skip target stops its pattern D once a priced plan is below the
+target (solver.budgeted.priced_bound): on tiny budgeted problems with recompute patterns,
+against the same bound evaluated whole and against brute force, the skip decision is the
+same, a bound that skips is the whole D itself, the bound is below the optimum, and it takes
+no more priced solves (fewer in some examples)."""
 
 from __future__ import annotations
 
@@ -58,6 +59,8 @@ def test_a_target_keeps_the_skip_and_the_bound_below_the_optimum(
     tolerance = 1e-9 * max(1.0, abs(whole))
     assert (given_up >= target) == (whole >= target)
     assert given_up <= whole + tolerance
+    if whole >= target:  # above the target the pattern D is evaluated whole
+        assert (given_up, solves) == (whole, whole_solves)
     assert solves <= whole_solves
     assert_bounds_optimum(optimum, given_up, None)
     SAVED.append(whole_solves - solves)
