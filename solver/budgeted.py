@@ -330,9 +330,8 @@ def priced_bound(
             return bound, min(steps)
     patterns = patterns if counted is None else counted.patterns
     give_up = -math.inf if target is None else target - multiplier * constant
-    found = _phase_two(
-        problem, counted, multiplier, solve_free, patterns, None, {}, give_up, below_only=True
-    )
+    args = (problem, counted, multiplier, solve_free, patterns, None, {}, give_up)
+    found = _phase_two(*args, below_only=True)
     pattern_bound = bound_of(found.lower, multiplier, found.plans)
     if record is not None:
         record.bounds[multiplier] = max(record.bounds.get(multiplier, -math.inf), pattern_bound)
