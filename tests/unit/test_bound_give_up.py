@@ -21,7 +21,7 @@ from tests.unit.test_lagrangian import _optimum, budgeted_problems
 from tests.unit.test_zero_bounds import _counting_solves
 
 FEW = settings(
-    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
+    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
 )
 SAVED: list[int] = []
 """Per example, the priced solves the target saved (checked over all of them below)."""
