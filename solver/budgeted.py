@@ -15,7 +15,7 @@ from solver.eliminate import SolveMemo
 from solver.errors import InfeasibleError, SolverStoppedError, stop_code
 from solver.ilp import ZERO_GAP, resolve_backend
 from solver.presolve import plan_objective_s, plan_peak_memory_bytes
-from solver.problem import Problem, Solution
+from solver.problem import Edge, Problem, Solution
 
 
 @dataclass(kw_only=True, slots=True)
@@ -258,10 +258,12 @@ def priced_bound(
     ``target``: the bound that decides a skip. With patterns and a ``separable_multiplier``,
     the separable D there (one priced solve) comes first and is the answer when it reaches
     ``target`` with a plan that fits; without patterns the separable D is taken there. The
-    pattern D is evaluated whole (not given up at ``target``): a skipped problem's bound is
-    then D itself, strong enough to derive its neighbours' from (solver/derived_bounds.py),
-    and where it does not skip, the relaxation that follows takes every priced solve made
-    (its first pattern evaluation, at ``multiplier``, makes a prefix of the same sequence).
+    pattern D stops once a priced plan is below ``target`` (lagrangian.pattern_dual
+    ``give_up``, ``below_only``): the problem is solved anyway and its relaxation, whose
+    first pattern evaluation here gives up at the same target, takes the solves made
+    (llama3-70b fp32: (3,3,2)'s made 24 evaluated whole, its relaxation took 8). Above the
+    target it is evaluated whole: a skipped problem's bound is D itself (giving up there
+    lowered llama-8l-2048's reported bound from 84.002 to 83.961 ms).
     ``record`` (its ``edges`` ``problem.edges``): filled with every priced solve's answer and
     the bound per multiplier, for :class:`Warm` (a relaxation of this problem started at these
     multipliers takes them instead of solving).
@@ -327,7 +329,9 @@ def priced_bound(
         if bound >= target and steps:
             return bound, min(steps)
     patterns = patterns if counted is None else counted.patterns
-    found = _phase_two(problem, counted, multiplier, solve_free, patterns, None, {}, -math.inf)
+    give_up = -math.inf if target is None else target - multiplier * constant
+    args = (problem, counted, multiplier, solve_free, patterns, None, {}, give_up)
+    found = _phase_two(*args, below_only=True)
     pattern_bound = bound_of(found.lower, multiplier, found.plans)
     if record is not None:
         record.bounds[multiplier] = max(record.bounds.get(multiplier, -math.inf), pattern_bound)
@@ -357,9 +361,10 @@ def _free_solver(
     held = record if record is not None else reuse
     memo = held.memo if held is not None else SolveMemo()
     sizes = {key[:2] for key in reuse.answers} if reuse is not None else set()
+    hashes = EdgeHashes()
 
     def key_of(p: Problem) -> tuple:
-        return _answer_key(p, held.edges)
+        return _answer_key(p, held.edges, hashes)
 
     def solve_free(priced_problem: Problem) -> tuple[tuple[int, ...], float, float]:
         shape = (len(priced_problem.nodes), len(priced_problem.edges))
@@ -391,10 +396,34 @@ def _free_solver(
     return solve_free
 
 
-def _answer_key(p: Problem, edges: tuple) -> tuple:
+class EdgeHashes:
+    """Each edge's hash by the edge object, over the edges of the last problem keyed: the
+    relaxation's pattern problems (lagrangian.pattern_problem) keep the pattern-free problem's
+    edges and share their summed ones with the pattern before, so most of a problem's edges
+    were hashed for the one before it (hashing their tables again took 6 of the 74 s of the
+    llama3-70b fp32 row's 126 priced solves under the profiler). Entries hold the edge, so
+    its id is not reused meanwhile; the hashes are hash(edge)'s, the same ints."""
+
+    def __init__(self) -> None:
+        self._last: dict[int, tuple[Edge, int]] = {}
+
+    def __call__(self, edges: tuple[Edge, ...]) -> tuple[int, ...]:
+        """hash(edge) of every edge of ``edges``, in order."""
+        last, found = self._last, {}
+        for e in edges:
+            held = last.get(id(e))
+            found[id(e)] = held if held is not None and held[0] is e else (e, hash(e))
+        self._last = found
+        return tuple(found[id(e)][1] for e in edges)
+
+
+def _answer_key(p: Problem, edges: tuple, hashes: EdgeHashes | None = None) -> tuple:
     """The key of a priced problem's answer in a :class:`Recorded` whose problem has ``edges``
-    (see :func:`_free_solver`)."""
-    held = True if p.edges is edges else hash(p.edges)
+    (see :func:`_free_solver`): its edges' hashes unless they are those very edges."""
+    if p.edges is edges:
+        held: bool | tuple[int, ...] = True
+    else:
+        held = (hashes or EdgeHashes())(p.edges)
     return (len(p.nodes), len(p.edges), hash(p.nodes), hash(p.tied), held)
 
 

@@ -187,6 +187,7 @@ def pattern_dual(
     floor: list[float] | None = None,
     cache: dict | None = None,
     give_up: float = -math.inf,
+    below_only: bool = False,
 ) -> PatternDual:
     """min over ``patterns`` of the priced pattern problems' optima (a lower bound each: the
     solver's bound), the plans that gave the pattern-free and the smallest priced value, the
@@ -197,7 +198,8 @@ def pattern_dual(
     not below the best value found is not solved (each solve raises the others' bounds:
     solver/pattern_bounds.py). ``give_up``: once a priced plan is below it, D(lam) is too
     and the rest is not solved (the first value is then the smallest bound left, below
-    D(lam)); once every pattern left is bounded at or above it, so is D(lam): idem."""
+    D(lam)); once every pattern left is bounded at or above it, so is D(lam): idem, unless
+    ``below_only`` (then D itself, as without ``give_up``)."""
     base = priced(dataclasses.replace(problem, segments=()), lam)
     base_choices, base_value, base_lower = solve_free(base)
     lowers = []
@@ -207,7 +209,7 @@ def pattern_dual(
     best, upper, upper_choices, upper_peak = math.inf, math.inf, base_choices, 0.0
     table = PatternTerms([(t[2], t[3]) for t in terms])
     unsolved = set(range(len(patterns)))
-    reached = give_up if give_up > -math.inf else math.inf
+    reached = give_up if give_up > -math.inf and not below_only else math.inf
     tables: dict = {}  # the pattern problems' edge tables (pattern_problem)
     while unsolved:
         # Nothing recomputed first (solved already), then the lowest bound first.
@@ -236,15 +238,19 @@ def pattern_dual(
     return PatternDual(best, [base_choices, upper_choices], upper_peak, lowers, upper)
 
 
-def _phase_two(problem: Problem, counted: CountPatterns | None, lam: float, *args) -> PatternDual:
+def _phase_two(
+    problem: Problem, counted: CountPatterns | None, lam: float, *args, below_only: bool = False
+) -> PatternDual:
     """pattern_dual on ``problem`` or, with count patterns, on its contraction: the plans
     expanded to every node, the bound shifted to ``problem``'s transient floor (the
     contraction's is at least as high: a class's transient is its members' largest)."""
     if counted is None:
-        return pattern_dual(problem, lam, *args)
+        return pattern_dual(problem, lam, *args, below_only=below_only)
     shift = lam * (transient_floor(counted.problem) - transient_floor(problem))
     *args, give_up = args
-    found = pattern_dual(counted.problem, lam, *args, give_up=give_up - shift)
+    found = pattern_dual(
+        counted.problem, lam, *args, give_up=give_up - shift, below_only=below_only
+    )
     return found._replace(
         lower=found.lower + shift,
         plans=[expand(counted.contracted, c) for c in found.plans],
