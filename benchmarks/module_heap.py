@@ -26,14 +26,21 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import batch_for, gloo_rank, memory_kib, spawn_ranks, warm_up  # noqa: E402
+from common import (  # noqa: E402
+    add_model_options,
+    batch_for,
+    gloo_rank,
+    memory_kib,
+    spawn_ranks,
+    warm_up,
+)
 
 FAKE_KEYS = ("val", "example_value", "tensor_meta")
 
 
-def reachable(root: Any) -> dict[str, int]:
-    """Counts by kind of the objects reachable from ``root`` (modules, classes and module
-    globals are not followed)."""
+def reachable(root: Any) -> tuple[dict[str, int], list[Any]]:
+    """(counts by kind of the objects reachable from ``root``, its GraphModules); modules,
+    classes and module globals are not followed. tests/unit/test_retained_state.py uses it."""
     import torch
     import torch.fx as fx
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
@@ -51,6 +58,7 @@ def reachable(root: Any) -> dict[str, int]:
     }
     counts = dict.fromkeys(kinds, 0)
     counts["meta tensors (not fake)"] = 0
+    graphs: list[Any] = []
     seen: set[int] = set()
     todo = [root]
     while todo:
@@ -59,30 +67,14 @@ def reachable(root: Any) -> dict[str, int]:
             continue
         seen.add(id(obj))
         for name, cls in kinds.items():
-            if isinstance(obj, cls):
-                counts[name] += 1
+            counts[name] += isinstance(obj, cls)
+        if isinstance(obj, fx.GraphModule):
+            graphs.append(obj)
         if isinstance(obj, torch.Tensor) and not isinstance(obj, FakeTensor) and obj.is_meta:
             counts["meta tensors (not fake)"] += 1
         todo.extend(gc.get_referents(obj))
     counts["objects"] = len(seen)
-    return counts
-
-
-def graph_modules(root: Any) -> list[Any]:
-    """Every GraphModule reachable from ``root``, each once."""
-    import torch.fx as fx
-
-    stop = {id(m.__dict__) for m in list(sys.modules.values()) if m is not None}
-    out, seen, todo = [], set(), [root]
-    while todo:
-        obj = todo.pop()
-        if id(obj) in seen or id(obj) in stop or isinstance(obj, (types.ModuleType, type)):
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, fx.GraphModule):
-            out.append(obj)
-        todo.extend(gc.get_referents(obj))
-    return out
+    return counts, graphs
 
 
 def top_sites(diffs: list[Any], top: int) -> list[str]:
@@ -120,29 +112,36 @@ def run_rank(rank: int, port: int, args: argparse.Namespace, results: Any) -> No
         mesh = autopar.Mesh.from_world((args.world,), ("a0",))
         warm_up(autopar.Mesh.from_world((args.world,)))
         pair = PAIRS[args.pair]
-        pair.autopar(args, mesh, pair.optimizer).step(*batch_for(0, args))
+        build = pair.peer if args.peer else pair.autopar
+        # Traced from the warm-up build on, so that what a build frees of the one before (a
+        # process-wide cache holding the latest capture) nets out.
+        tracemalloc.start(args.frames)
+        build(args, mesh, pair.optimizer).step(*batch_for(0, args))
         cache = fx_graph_module._loader.eval_cache
         sources_before = set(cache)
-        tracemalloc.start(args.frames)
         rss0, heap0 = settle()
         snap0 = tracemalloc.take_snapshot()
-        variant = pair.autopar(args, mesh, pair.optimizer)
+        variant = build(args, mesh, pair.optimizer)
         for i in range(2):
             variant.step(*batch_for(i, args))
         rss1, heap1 = settle()
         snap1 = tracemalloc.take_snapshot()
         new_sources = [k for k in cache if k not in sources_before]
         lines = [
-            f"{args.pair}, {args.world} ranks, {args.layers} layers (rank 0): the build and 2 "
+            f"{'peer' if args.peer else 'autopar'} {args.pair}, {args.world} ranks, {args.layers} layers (rank 0): the build and 2 "
             f"steps added {rss1 - rss0:.2f} MiB resident, {heap1 - heap0:.2f} MiB Python heap",
             f"fx source cache: {len(new_sources)} generated sources added, "
             f"{sum(len(cache[k]) for k in new_sources) / 2**20:.2f} MiB of text",
             "reachable from the module: "
-            + ", ".join(f"{k} {v}" for k, v in reachable(variant.module).items()),
+            + ", ".join(f"{k} {v}" for k, v in reachable(variant.module)[0].items()),
         ]
         lines += top_sites(snap1.compare_to(snap0, "traceback"), args.top)
+        if args.peer:
+            if rank == 0:
+                results.put(("ok", "\n".join(lines)))
+            return
         pmodel = variant.module
-        gms = graph_modules(pmodel)
+        gms = reachable(pmodel)[1]
 
         def drop_fake() -> None:
             for gm in gms:
@@ -182,7 +181,7 @@ def run_rank(rank: int, port: int, args: argparse.Namespace, results: Any) -> No
             before = after
         gc.collect()
         lines.append(
-            "after the drops: " + ", ".join(f"{k} {v}" for k, v in reachable(pmodel).items())
+            "after the drops: " + ", ".join(f"{k} {v}" for k, v in reachable(pmodel)[0].items())
         )
         if rank == 0:
             results.put(("ok", "\n".join(lines)))
@@ -192,14 +191,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pair", default="fsdp")
     parser.add_argument("--world", type=int, default=4)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--n-embd", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=1024)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--peer", action="store_true", help="measure the pair's PyTorch side")
+    add_model_options(
+        parser,
+        variants=(),
+        layers=2,
+        seq=64,
+        lr=1e-3,
+        timeout_s=600.0,
+        timeout_help="seconds for the spawn",
+    )
     parser.add_argument("--frames", type=int, default=40, help="traceback depth kept")
     parser.add_argument("--top", type=int, default=30, help="allocation sites printed")
     args = parser.parse_args()

@@ -32,17 +32,15 @@ from autopar.strategies.registry import input_nodes
 ROOT = Path(__file__).resolve().parents[2]
 
 _SCRIPT = """
-import gc, json, socket, sys, types
+import gc, json, socket
 import torch
 import torch.distributed as dist
-import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.fx.experimental.symbolic_shapes import ShapeEnv
+from torch._subclasses.fake_tensor import FakeTensor
 import autopar
 from autopar.models import GPT, GPTConfig
+from benchmarks.module_heap import reachable
 
-KINDS = {"FakeTensor": FakeTensor, "FakeTensorMode": FakeTensorMode, "ShapeEnv": ShapeEnv,
-         "ExportedProgram": torch.export.ExportedProgram}
+KINDS = ("FakeTensor", "FakeTensorMode", "ShapeEnv", "ExportedProgram")
 
 def batch():
     gen = torch.Generator().manual_seed(1)
@@ -62,21 +60,6 @@ def build():
     pmodel.train()
     return pmodel
 
-def reachable(root):
-    stop = {id(m.__dict__) for m in list(sys.modules.values()) if m is not None}
-    seen, todo, found, graphs = set(), [root], {k: 0 for k in KINDS}, []
-    while todo:
-        obj = todo.pop()
-        if id(obj) in seen or id(obj) in stop or isinstance(obj, (types.ModuleType, type)):
-            continue
-        seen.add(id(obj))
-        for name, cls in KINDS.items():
-            found[name] += isinstance(obj, cls)
-        if isinstance(obj, fx.GraphModule):
-            graphs.append(obj)
-        todo.extend(gc.get_referents(obj))
-    return found, graphs
-
 def live_fakes():
     gc.collect()
     return sum(isinstance(o, FakeTensor) for o in gc.get_objects())
@@ -87,7 +70,8 @@ with socket.socket() as s:
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
 pmodel = build()
 gc.collect()
-found, graphs = reachable(pmodel)
+counts, graphs = reachable(pmodel)
+found = {kind: counts[kind] for kind in KINDS}
 foreign = sorted({k for g in graphs for n in g.graph.nodes for k in n.meta
                   if not k.startswith("autopar_")})
 num_graphs = len(graphs)
