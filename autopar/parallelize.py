@@ -35,7 +35,7 @@ from autopar.api import plan_captured
 from autopar.capture.export import Captured, capture
 from autopar.comm.process_groups import AxisGroups, axis_groups
 from autopar.errors import PlanMismatchError, PlanningError, UnsupportedModelError
-from autopar.lowering import LoweredGraph, lower
+from autopar.lowering import LoweredGraph, drop_capture_meta, lower
 from autopar.lowering.checkpointing import checkpoint_lowered
 from autopar.mesh import Mesh, set_groups_timeout
 from autopar.options import PlanOptions
@@ -133,6 +133,7 @@ def autoparallelize(
     if model.training:
         # The plan's recomputed segments (the eval graph, lowered on demand, has none).
         lowered = checkpoint_lowered(lowered, chosen.checkpoint_segments())
+    drop_capture_meta(lowered)
     plan_mesh = Mesh.from_dict(chosen.data["mesh"])
     plan_options = PlanOptions.from_kwargs(chosen.data["options"])
     pmodel = _parallel_module(lowered, model, groups, chosen, plan_mesh, plan_options, state_dict)
@@ -197,7 +198,9 @@ def _mode_lowering(
             lambda: choices_with_layouts(other, plan_mesh, plan_options, lowered),
             what=f"planning the {'train' if training else 'eval'}-mode graph",
         )
-        return lower(other, choices, mesh.shape, groups.key, output_placements=output_placements)
+        return drop_capture_meta(
+            lower(other, choices, mesh.shape, groups.key, output_placements=output_placements)
+        )
 
     return lower_mode
 

@@ -5,7 +5,7 @@ from autopar.lowering.local_ops import (
     autopar_scale_grad,
     autopar_vocab_parallel_embedding,
 )
-from autopar.lowering.rewrite import LoweredGraph, PlaceholderSource, lower
+from autopar.lowering.rewrite import LoweredGraph, PlaceholderSource, drop_capture_meta, lower
 
 __all__ = [
     "LoweredGraph",
@@ -13,5 +13,6 @@ __all__ = [
     "autopar_dropout",
     "autopar_scale_grad",
     "autopar_vocab_parallel_embedding",
+    "drop_capture_meta",
     "lower",
 ]

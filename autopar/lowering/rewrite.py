@@ -57,7 +57,7 @@ from autopar.lowering.param_chains import param_chains
 from autopar.placement import Placements, format_placements, local_shape, replicated
 from autopar.strategies.registry import Strategy, input_nodes
 
-__all__ = ["LoweredGraph", "PlaceholderSource", "lower"]
+__all__ = ["LoweredGraph", "PlaceholderSource", "drop_capture_meta", "lower"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -210,6 +210,23 @@ def lower(
         in_spec=call_spec.in_spec,
         out_spec=call_spec.out_spec,
     )
+
+
+def drop_capture_meta(lowered: LoweredGraph) -> LoweredGraph:
+    """``lowered`` with its graph's capture-time node metadata dropped, for running only.
+
+    ``torch.export`` leaves on every node its fake tensor (``val``, with ``tensor_meta``), the
+    user's stack trace, module stack and provenance; the lowering reads them, the generated
+    code does not. Kept after lowering they hold, per node, a fake tensor (and through it the
+    capture's FakeTensorMode and ShapeEnv) and a few KiB of strings and dicts, in every copy of
+    the graph (the runtime's ZeRO rewrite copies the node metadata). autopar's own entries
+    (``autopar_*``: placements, module paths, checkpoint segments) stay. Call it last: the
+    recomputation pass reads ``val``. Returns ``lowered`` (its graph changed in place)."""
+    for node in lowered.gm.graph.nodes:
+        kept = {key: value for key, value in node.meta.items() if key.startswith("autopar_")}
+        node.meta.clear()
+        node.meta.update(kept)
+    return lowered
 
 
 def _first_input_shapes(strategies: Mapping[fx.Node, Strategy]) -> dict[fx.Node, tuple[int, ...]]:

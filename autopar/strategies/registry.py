@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import itertools
 import operator
-import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.fx.immutable_collections import immutable_dict, immutable_list
+from torch.utils._pytree import SUPPORTED_NODES, is_namedtuple_class, tree_flatten, tree_map
 
 from autopar.placement import (
     PARTIAL,
@@ -164,21 +164,37 @@ def tensor_meta(value: Any) -> Any:
     return value
 
 
-_INPUTS: weakref.WeakKeyDictionary[fx.Node, tuple[Any, Any, list[fx.Node]]] = (
-    weakref.WeakKeyDictionary()
-)
+_FLAT_SEQUENCES = (tuple, list, immutable_list)
+_FLAT_MAPPINGS = (dict, immutable_dict)
+
+
+def _collect_nodes(arg: Any, out: list[fx.Node]) -> None:
+    """Append the fx nodes among ``arg``'s pytree leaves to ``out``, in ``tree_flatten``'s
+    order; the plain containers fx argument lists hold are walked here (the hot path), any
+    other registered pytree type through ``tree_flatten``."""
+    if isinstance(arg, fx.Node):
+        out.append(arg)
+        return
+    kind = type(arg)
+    if kind in _FLAT_SEQUENCES:
+        for item in arg:
+            _collect_nodes(item, out)
+    elif kind in _FLAT_MAPPINGS:
+        for item in arg.values():
+            _collect_nodes(item, out)
+    elif kind in SUPPORTED_NODES or is_namedtuple_class(kind):
+        leaves, _ = tree_flatten(arg)
+        out.extend(leaf for leaf in leaves if isinstance(leaf, fx.Node))
 
 
 def input_nodes(node: fx.Node) -> list[fx.Node]:
-    """The node's input nodes in the order Strategy.inputs uses (memoised while the node's
-    args and kwargs are the same objects: fx replaces them when a node is rewired)."""
-    cached = _INPUTS.get(node)
-    if cached is not None and cached[0] is node.args and cached[1] is node.kwargs:
-        return list(cached[2])
-    leaves, _ = tree_flatten((node.args, node.kwargs))
-    found = [leaf for leaf in leaves if isinstance(leaf, fx.Node)]
-    _INPUTS[node] = (node.args, node.kwargs, found)
-    return list(found)
+    """The node's input nodes in the order Strategy.inputs uses (``tree_flatten`` order of
+    ``(args, kwargs)``, repeats kept). Not memoised: a memo keyed by the node but holding its
+    inputs kept every graph it saw, fake tensors and all, alive for the whole process."""
+    found: list[fx.Node] = []
+    _collect_nodes(node.args, found)
+    _collect_nodes(node.kwargs, found)
+    return found
 
 
 def output_metas(value: Any) -> tuple[TensorMeta | None, ...]:
