@@ -16,6 +16,7 @@ from solver import InfeasibleError, Problem
 from solver.budgeted import Recorded, priced_bound
 from solver.count_patterns import count_patterns
 from solver.lagrangian import recompute_patterns
+from solver.problem import Edge, Node, Segment
 from tests.unit.test_budget_stops import assert_bounds_optimum
 from tests.unit.test_lagrangian import _optimum, budgeted_problems
 from tests.unit.test_zero_bounds import _counting_solves
@@ -23,8 +24,6 @@ from tests.unit.test_zero_bounds import _counting_solves
 FEW = settings(
     max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
 )
-SAVED: list[int] = []
-"""Per example, the priced solves the target saved (checked over all of them below)."""
 
 
 def _bound(problem: Problem, lam: float, target: float | None) -> tuple[float, int]:
@@ -63,10 +62,46 @@ def test_a_target_keeps_the_skip_and_the_bound_below_the_optimum(
         assert (given_up, solves) == (whole, whole_solves)
     assert solves <= whole_solves
     assert_bounds_optimum(optimum, given_up, None)
-    SAVED.append(whole_solves - solves)
 
 
-def test_the_targets_saved_priced_solves() -> None:
-    # Runs after the hypothesis test above (file order): in some of its examples the pattern
-    # D stopped at the target before every pattern was solved.
-    assert sum(SAVED) > 0, SAVED
+def test_a_target_below_the_whole_d_saves_priced_solves() -> None:
+    """The mechanism on one fixed problem (found by the hypothesis search above): a target
+    above the whole D stops the pattern D after one priced solve instead of two, below it.
+    Fixed rather than counted over the examples above: which examples hypothesis draws there
+    moved with the modules collected beside this one (the suite's full run drew none that
+    saves a solve)."""
+    problem = Problem(
+        nodes=(
+            Node(name="n0", cost_s=(0.0, 0.65), memory_bytes=(47.7, 0.0)),
+            Node(name="n1", cost_s=(6.59, 5.2), memory_bytes=(0.0, 1.4)),
+            Node(name="n2", cost_s=(9.09, 8.12), memory_bytes=(0.0, 67.3)),
+            Node(name="n3", cost_s=(7.03, 2.31), memory_bytes=(25.0, 24.1)),
+        ),
+        edges=(
+            Edge(src=0, dst=1, cost_s=((9.0, 0.0), (7.58, 4.84))),
+            Edge(src=1, dst=2, cost_s=((5.24, 3.8), (8.43, 2.83))),
+            Edge(src=2, dst=3, cost_s=((9.2, 6.35), (10.0, 8.76))),
+        ),
+        memory_budget_bytes=33.1,
+        tied=((2, 3),),
+        segments=(
+            Segment(
+                name="s02",
+                nodes=(0, 1),
+                freed_bytes=((47.7, 0.0), (0.0, 1.4)),
+                recompute_s=((2.4525, 0.0), (0.965, 2.01)),
+                copies=2,
+            ),
+            Segment(
+                name="s01", nodes=(0,), freed_bytes=((47.7, 0.0),), recompute_s=((2.105, 0.0),)
+            ),
+        ),
+    )
+    lam = 0.5460295661651259
+    whole, whole_solves = _bound(problem, lam, None)
+    target = 1.1 * whole
+    given_up, solves = _bound(problem, lam, target)
+    assert given_up < target and whole < target  # no skip either way
+    assert given_up <= whole
+    assert solves < whole_solves, (solves, whole_solves)
+    assert_bounds_optimum(_optimum(problem), given_up, None)
