@@ -26,7 +26,10 @@ from the expanded choices:
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
+
+import numpy as np
 
 from solver import highs_direct
 from solver.alike import split_mixed
@@ -35,7 +38,7 @@ from solver.counts import ACCEPT_GAP, solve_counts
 from solver.eliminate import Eliminated, SolveMemo, back_substitute, eliminate
 from solver.errors import InfeasibleError
 from solver.ilp import ZERO_GAP, resolve_backend, solve_model
-from solver.presolve import plan_objective_s, plan_peak_memory_bytes, validate
+from solver.presolve import cost_matrix, plan_objective_s, plan_peak_memory_bytes, validate
 from solver.problem import Problem, Solution
 from solver.prune import PRUNE_MIN_ENTRIES, Pruned, edge_entries, prune
 from solver.realise import restrict
@@ -80,11 +83,12 @@ def solve(
         memo: budget-free only: series products shared with earlier solves of a sequence
             (eliminate.SolveMemo; the relaxation's pattern problems repeat most of them).
         stop_above: budget-free only: a value the caller only needs the optimum compared
-            with. Where pruning's first bound on what elimination left (solver/prune.py)
-            already proves the optimum above it, the solve stops there: its bound_s is that
-            bound (>= stop_above), its plan pruning's (objective_s >= bound_s), status
-            'feasible' and details["stopped_above"] set. Else the answer is the one without
-            it, bit for bit.
+            with. Where a bound proves the optimum above it, the solve stops there: right
+            after elimination (the least entries of what it left), or at pruning's first
+            bound (solver/prune.py). Its bound_s is then that bound (>= stop_above), status
+            'feasible' and details["stopped_above"] set; its plan is only some plan
+            (objective_s >= bound_s, +inf where it is not feasible). Else the answer is the
+            one without it, bit for bit.
 
     Raises:
         InfeasibleBudgetError: no allowed plan fits the budget; carries the smallest that fits.
@@ -112,6 +116,10 @@ def solve(
         validate(problem)
         start = time.perf_counter()
         elim = eliminate(problem, None if memo is None else memo.eliminate)
+        if stop_above is not None:
+            stopped = _least_entries_stop(problem, elim, stop_above, backend)
+            if stopped is not None:
+                return stopped
         if len(elim.kept) < len(problem.nodes):
             return _solve_eliminated(
                 problem,
@@ -268,6 +276,42 @@ def _solve_core(
     details["prune_s"] = prune_s
     return dataclasses.replace(
         inner, choices=choices, build_s=inner.build_s + prune_s, details=details
+    )
+
+
+def _least_entries_stop(
+    problem: Problem, elim: Eliminated, stop_above: float, backend: str
+) -> Solution | None:
+    """:func:`solve`'s ``stop_above`` right after elimination: what it left pays at least the
+    least entry of each node's costs and of each edge's table, so its constant plus their sum
+    bounds the optimum. None where that is below ``stop_above`` (by a relative 1e-9, at least
+    1e-12, as pruning's test); else a stopped answer with that bound and the plan of each
+    node's cheapest strategy substituted back (objective_s +inf where an edge forbids it)."""
+    left = elim.problem
+    least = [elim.constant_s, *(min(n.cost_s) for n in left.nodes)]
+    least += [float(np.min(cost_matrix(e.cost_s))) for e in left.edges]
+    bound = math.fsum(least)
+    if not bound >= stop_above + 1e-9 * max(abs(stop_above), 1e-3):
+        return None
+    cheapest = tuple(int(np.argmin(n.cost_s)) for n in left.nodes)
+    choices = back_substitute(elim, cheapest)
+    try:
+        objective = plan_objective_s(problem, choices)
+    except InfeasibleError:
+        objective = math.inf
+    return Solution(
+        choices=choices,
+        objective_s=objective,
+        bound_s=min(objective, bound),
+        gap=(objective - bound) / abs(objective) if 0.0 < abs(objective) < math.inf else 0.0,
+        status="feasible",
+        backend=resolve_backend(backend)[0],
+        peak_memory_bytes=0.0,
+        num_variables=0,
+        num_constraints=0,
+        build_s=0.0,
+        solve_s=0.0,
+        details={"stopped_above": 1.0},
     )
 
 
