@@ -82,13 +82,8 @@ def solve(
             the number of priced solves changes: every multiplier gives a valid bound.
         memo: budget-free only: series products shared with earlier solves of a sequence
             (eliminate.SolveMemo; the relaxation's pattern problems repeat most of them).
-        stop_above: budget-free only: a value the caller only needs the optimum compared
-            with. Where a bound proves the optimum above it, the solve stops there: right
-            after elimination (the least entries of what it left), or at pruning's first
-            bound (solver/prune.py). Its bound_s is then that bound (>= stop_above), status
-            'feasible' and details["stopped_above"] set; its plan is only some plan
-            (objective_s >= bound_s, +inf where it is not feasible). Else the answer is the
-            one without it, bit for bit.
+        stop_above: budget-free only: stop once a bound reaches it (bound_s >= it, 'feasible',
+            details["stopped_above"], some plan, objective_s +inf if none); else as without.
 
     Raises:
         InfeasibleBudgetError: no allowed plan fits the budget; carries the smallest that fits.
@@ -105,21 +100,15 @@ def solve(
         if problem.memory_budget_bytes is None and not any(
             seg.min_copies for seg in problem.segments
         ):  # recomputing only costs time: without a budget nothing is recomputed
-            inner = solve(
-                dataclasses.replace(problem, segments=()),
-                **common,
-                memo=memo,
-                stop_above=stop_above,
-            )
+            bare = dataclasses.replace(problem, segments=())
+            inner = solve(bare, **common, memo=memo, stop_above=stop_above)
             return dataclasses.replace(inner, recomputed=(0,) * len(problem.segments))
     if problem.memory_budget_bytes is None and problem.edges and not problem.segments:
         validate(problem)
         start = time.perf_counter()
         elim = eliminate(problem, None if memo is None else memo.eliminate)
-        if stop_above is not None:
-            stopped = _least_entries_stop(problem, elim, stop_above, backend)
-            if stopped is not None:
-                return stopped
+        if (stopped := _least_entries_stop(problem, elim, stop_above, backend)) is not None:
+            return stopped
         if len(elim.kept) < len(problem.nodes):
             return _solve_eliminated(
                 problem,
@@ -280,13 +269,16 @@ def _solve_core(
 
 
 def _least_entries_stop(
-    problem: Problem, elim: Eliminated, stop_above: float, backend: str
+    problem: Problem, elim: Eliminated, stop_above: float | None, backend: str
 ) -> Solution | None:
     """:func:`solve`'s ``stop_above`` right after elimination: what it left pays at least the
     least entry of each node's costs and of each edge's table, so its constant plus their sum
-    bounds the optimum. None where that is below ``stop_above`` (by a relative 1e-9, at least
-    1e-12, as pruning's test); else a stopped answer with that bound and the plan of each
-    node's cheapest strategy substituted back (objective_s +inf where an edge forbids it)."""
+    bounds the optimum. None without ``stop_above`` or where that is below it (by a relative
+    1e-9, at least 1e-12, as pruning's test); else a stopped answer with that bound and the
+    plan of each node's cheapest strategy substituted back (objective_s +inf where an edge
+    forbids it)."""
+    if stop_above is None:
+        return None
     left = elim.problem
     least = [elim.constant_s, *(min(n.cost_s) for n in left.nodes)]
     least += [float(np.min(cost_matrix(e.cost_s))) for e in left.edges]
