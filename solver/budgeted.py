@@ -84,6 +84,7 @@ def solve_relaxed(
             stop_at=stop_at,
             warm=None if warm is None else (warm[0], warm[1]),
             search=warm.search if isinstance(warm, Warm) else True,
+            stop_early=True,
         )
     except InfeasibleError:
         return None
@@ -331,7 +332,7 @@ def priced_bound(
     patterns = patterns if counted is None else counted.patterns
     give_up = -math.inf if target is None else target - multiplier * constant
     args = (problem, counted, multiplier, solve_free, patterns, None, {}, give_up)
-    found = _phase_two(*args, below_only=True)
+    found = _phase_two(*args, below_only=True, stop_early=True)
     pattern_bound = bound_of(found.lower, multiplier, found.plans)
     if record is not None:
         record.bounds[multiplier] = max(record.bounds.get(multiplier, -math.inf), pattern_bound)
@@ -354,8 +355,11 @@ def _free_solver(
     ``record``: each answer is added to it (its memo is the one shared); ``reuse``: answers so
     recorded, each taken once for a problem of the same key instead of solving it. The key:
     the problem's sizes and the hash of its nodes and tie classes, and of its edges unless they
-    are the recorded problem's very edges (priced problems keep them: lagrangian.priced); a
-    priced solve is a function of the problem alone."""
+    are the recorded problem's very edges (priced problems keep them: lagrangian.priced), and
+    the solve's ``stop_above`` (solver.shrink.solve: a solve may stop once its bound reaches
+    it); a priced solve is a function of the problem and that value alone. ``solve_free``
+    takes the priced problem and, optionally, that ``stop_above`` (lagrangian.pattern_dual
+    ``stop_early``)."""
     from solver.shrink import solve  # solver.shrink imports this module
 
     held = record if record is not None else reuse
@@ -363,12 +367,14 @@ def _free_solver(
     sizes = {key[:2] for key in reuse.answers} if reuse is not None else set()
     hashes = EdgeHashes()
 
-    def key_of(p: Problem) -> tuple:
-        return _answer_key(p, held.edges, hashes)
+    def key_of(p: Problem, stop_above: float | None) -> tuple:
+        return _answer_key(p, held.edges, hashes, stop_above)
 
-    def solve_free(priced_problem: Problem) -> tuple[tuple[int, ...], float, float]:
+    def solve_free(
+        priced_problem: Problem, stop_above: float | None = None
+    ) -> tuple[tuple[int, ...], float, float]:
         shape = (len(priced_problem.nodes), len(priced_problem.edges))
-        key = key_of(priced_problem) if record is not None or shape in sizes else None
+        key = key_of(priced_problem, stop_above) if record is not None or shape in sizes else None
         answer = reuse.answers.pop(key, None) if shape in sizes else None
         if answer is None:
             free = solve(
@@ -379,6 +385,7 @@ def _free_solver(
                 msg=msg,
                 relaxation=True,
                 memo=memo,
+                stop_above=stop_above,
             )
             answer = (
                 free.choices,
@@ -417,14 +424,20 @@ class EdgeHashes:
         return tuple(found[id(e)][1] for e in edges)
 
 
-def _answer_key(p: Problem, edges: tuple, hashes: EdgeHashes | None = None) -> tuple:
+def _answer_key(
+    p: Problem,
+    edges: tuple,
+    hashes: EdgeHashes | None = None,
+    stop_above: float | None = None,
+) -> tuple:
     """The key of a priced problem's answer in a :class:`Recorded` whose problem has ``edges``
-    (see :func:`_free_solver`): its edges' hashes unless they are those very edges."""
+    (see :func:`_free_solver`): its edges' hashes unless they are those very edges, and the
+    ``stop_above`` it was solved with."""
     if p.edges is edges:
         held: bool | tuple[int, ...] = True
     else:
         held = (hashes or EdgeHashes())(p.edges)
-    return (len(p.nodes), len(p.edges), hash(p.nodes), hash(p.tied), held)
+    return (len(p.nodes), len(p.edges), hash(p.nodes), hash(p.tied), stop_above, held)
 
 
 def budget_free_record(problem: Problem, answer: tuple) -> Recorded | None:

@@ -48,6 +48,7 @@ import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from solver import pattern_bounds
 from solver.alike import make_alike
 from solver.checkpointing import fit_segments, freed_bytes, recompute_s
 from solver.count_patterns import CountPatterns, count_patterns
@@ -188,6 +189,7 @@ def pattern_dual(
     cache: dict | None = None,
     give_up: float = -math.inf,
     below_only: bool = False,
+    stop_early: bool = False,
 ) -> PatternDual:
     """min over ``patterns`` of the priced pattern problems' optima (a lower bound each: the
     solver's bound), the plans that gave the pattern-free and the smallest priced value, the
@@ -199,13 +201,22 @@ def pattern_dual(
     solver/pattern_bounds.py). ``give_up``: once a priced plan is below it, D(lam) is too
     and the rest is not solved (the first value is then the smallest bound left, below
     D(lam)); once every pattern left is bounded at or above it, so is D(lam): idem, unless
-    ``below_only`` (then D itself, as without ``give_up``)."""
+    ``below_only`` (then D itself, as without ``give_up``). ``stop_early``: each pattern is
+    solved with the smallest priced value found so far as ``solve_free``'s second argument,
+    ``stop_above`` (solver.shrink.solve): a solve stopped there proves its pattern at or above
+    it, so its exact solve would have changed neither that value, its plan nor D (only the
+    pattern's own bound is weaker); and each pattern's bound starts at least at its
+    pattern_bounds.trivial_floor (no solve)."""
     base = priced(dataclasses.replace(problem, segments=()), lam)
     base_choices, base_value, base_lower = solve_free(base)
     lowers = []
     terms = [pattern_terms(problem, lam, pattern, cache) for pattern in patterns]
+    held: dict = {}  # trivial_floor's least entries
     for k in range(len(patterns)):
         lowers.append(max(base_lower + terms[k][0], floor[k] if floor else -math.inf))
+        if stop_early:
+            trivial = pattern_bounds.trivial_floor(base, terms[k][2], terms[k][3], held)
+            lowers[k] = max(lowers[k], trivial)
     best, upper, upper_choices, upper_peak = math.inf, math.inf, base_choices, 0.0
     table = PatternTerms([(t[2], t[3]) for t in terms])
     unsolved = set(range(len(patterns)))
@@ -223,7 +234,9 @@ def pattern_dual(
         if not any(patterns[k]):
             choices, value, lower = base_choices, base_value, base_lower
         else:
-            choices, value, lower = solve_free(pattern_problem(base, extra, extra_edges, tables))
+            made = pattern_problem(base, extra, extra_edges, tables)
+            stop = (upper,) if stop_early and math.isfinite(upper) else ()
+            choices, value, lower = solve_free(made, *stop)
             rest = list(unsolved)
             for p, v in zip(rest, table.floors(k, lower, rest).tolist(), strict=True):
                 lowers[p] = max(lowers[p], v)
@@ -239,18 +252,16 @@ def pattern_dual(
 
 
 def _phase_two(
-    problem: Problem, counted: CountPatterns | None, lam: float, *args, below_only: bool = False
+    problem: Problem, counted: CountPatterns | None, lam: float, *args, **options: bool
 ) -> PatternDual:
     """pattern_dual on ``problem`` or, with count patterns, on its contraction: the plans
     expanded to every node, the bound shifted to ``problem``'s transient floor (the
     contraction's is at least as high: a class's transient is its members' largest)."""
     if counted is None:
-        return pattern_dual(problem, lam, *args, below_only=below_only)
+        return pattern_dual(problem, lam, *args, **options)
     shift = lam * (transient_floor(counted.problem) - transient_floor(problem))
     *args, give_up = args
-    found = pattern_dual(
-        counted.problem, lam, *args, give_up=give_up - shift, below_only=below_only
-    )
+    found = pattern_dual(counted.problem, lam, *args, give_up=give_up - shift, **options)
     return found._replace(
         lower=found.lower + shift,
         plans=[expand(counted.contracted, c) for c in found.plans],
@@ -337,6 +348,7 @@ def relax(
     target_gap: float = 0.0,
     stop_at: float = math.inf,
     search: bool = True,
+    stop_early: bool = False,
 ) -> Relaxed:
     """Search the multiplier (module docstring). ``solve_free(problem) -> (choices, value,
         bound)`` solves a budget-free problem (value: its objective; bound: a lower bound on its
@@ -352,7 +364,8 @@ def relax(
     bracket closes, the bound reaches ``stop_at`` (a plan found elsewhere that this problem
     cannot beat by the gap: a cutoff), or after its number of evaluations. ``search`` False
     (with ``warm``): no search; D at multiplier 0 and at ``warm[1]`` only (the pattern D where
-    there are patterns), for a caller whose MIP decides anyway (budgeted.Warm.search)."""
+    there are patterns), for a caller whose MIP decides anyway (budgeted.Warm.search).
+    ``stop_early``: pattern_dual's (``solve_free`` takes ``stop_above``)."""
     clock, budget = time.perf_counter(), problem.memory_budget_bytes
     assert budget is not None
     constant = problem.memory_offset_bytes + transient_floor(problem) - budget
@@ -385,7 +398,8 @@ def relax(
         else:
             floor = chord_floor(seen, lam)
             below = target() - lam * constant if give_up else -math.inf
-            found = _phase_two(problem, counted, lam, solve_free, patterns, floor, cache, below)
+            args = (solve_free, patterns, floor, cache, below)
+            found = _phase_two(problem, counted, lam, *args, stop_early=stop_early)
             lower, plans, peak, value = found.lower, found.plans, found.peak, found.value
             seen[lam] = found.lowers
             complete = value >= below

@@ -85,6 +85,9 @@ class Pruned:
     """Its exact cost."""
     lower_s: float
     """The smallest LB over the strategies of any node: a lower bound on the optimum."""
+    stopped: bool = False
+    """The first bound reached ``prune(stop_above=)``: nothing was restricted (``problem``
+    is the one given, ``keep`` every strategy); only the plan and the bounds are answers."""
 
 
 def edge_entries(problem: Problem) -> int:
@@ -194,7 +197,11 @@ def _pinned_bound(
 
 
 def prune(
-    problem: Problem, memo: SeriesMemo | None = None, *, method: str = "one-pass"
+    problem: Problem,
+    memo: SeriesMemo | None = None,
+    *,
+    method: str = "one-pass",
+    stop_above: float | None = None,
 ) -> Pruned | None:
     """The problem restricted by bounds (module docstring); None when nothing is dropped.
 
@@ -206,7 +213,9 @@ def prune(
     most strategies first, each on the graph the earlier ones already restricted. Either way a
     plan within the upper bound keeps every strategy it uses, so the later bounds still
     cover it. ``memo``: series products kept from earlier solves (a new generation starts
-    here)."""
+    here). ``stop_above``: where the first bound (the root's, a lower bound on the optimum)
+    is at or above it (by a relative 1e-9, at least 1e-12, so that adding back what
+    elimination took keeps it there), nothing more is done: the answer is ``stopped``, with that bound and the plan."""
     assert problem.memory_budget_bytes is None and not problem.tied and not problem.segments
     assert method in ("one-pass", "pinned")
     if memo is None:
@@ -231,6 +240,16 @@ def prune(
         return None
     limit = upper + _TOLERANCE * abs(upper)
     lower = float(np.min(first))
+    if stop_above is not None and lower >= stop_above + _TOLERANCE * max(abs(stop_above), 1e-3):
+        every = tuple(tuple(range(n.num_choices)) for n in problem.nodes)
+        return Pruned(
+            problem=problem,
+            keep=every,
+            upper_plan=tuple(plan),
+            upper_s=upper,
+            lower_s=lower,
+            stopped=True,
+        )
     root_keep = _kept(first, limit, plan[root])
     if np.count_nonzero(root_keep) > GIVE_UP_KEPT * len(root_keep):
         return None  # the relaxation is too weak here to pay for the other bounds

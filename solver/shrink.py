@@ -26,7 +26,10 @@ from the expanded choices:
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
+
+import numpy as np
 
 from solver import highs_direct
 from solver.alike import split_mixed
@@ -35,9 +38,9 @@ from solver.counts import ACCEPT_GAP, solve_counts
 from solver.eliminate import Eliminated, SolveMemo, back_substitute, eliminate
 from solver.errors import InfeasibleError
 from solver.ilp import ZERO_GAP, resolve_backend, solve_model
-from solver.presolve import plan_objective_s, plan_peak_memory_bytes, validate
+from solver.presolve import cost_matrix, plan_objective_s, plan_peak_memory_bytes, validate
 from solver.problem import Problem, Solution
-from solver.prune import PRUNE_MIN_ENTRIES, edge_entries, prune
+from solver.prune import PRUNE_MIN_ENTRIES, Pruned, edge_entries, prune
 from solver.realise import restrict
 from solver.tying import contract, expand
 
@@ -55,6 +58,7 @@ def solve(
     relaxation: bool = False,
     warm_multipliers: tuple[float, float] | None = None,
     memo: SolveMemo | None = None,
+    stop_above: float | None = None,
 ) -> Solution:
     """Choose one strategy per node, minimising step time within the memory budget.
 
@@ -78,6 +82,8 @@ def solve(
             the number of priced solves changes: every multiplier gives a valid bound.
         memo: budget-free only: series products shared with earlier solves of a sequence
             (eliminate.SolveMemo; the relaxation's pattern problems repeat most of them).
+        stop_above: budget-free only: stop once a bound reaches it (bound_s >= it, 'feasible',
+            details["stopped_above"], some plan, objective_s +inf if none); else as without.
 
     Raises:
         InfeasibleBudgetError: no allowed plan fits the budget; carries the smallest that fits.
@@ -94,12 +100,15 @@ def solve(
         if problem.memory_budget_bytes is None and not any(
             seg.min_copies for seg in problem.segments
         ):  # recomputing only costs time: without a budget nothing is recomputed
-            inner = solve(dataclasses.replace(problem, segments=()), **common, memo=memo)
+            bare = dataclasses.replace(problem, segments=())
+            inner = solve(bare, **common, memo=memo, stop_above=stop_above)
             return dataclasses.replace(inner, recomputed=(0,) * len(problem.segments))
     if problem.memory_budget_bytes is None and problem.edges and not problem.segments:
         validate(problem)
         start = time.perf_counter()
         elim = eliminate(problem, None if memo is None else memo.eliminate)
+        if (stopped := _least_entries_stop(problem, elim, stop_above, backend)) is not None:
+            return stopped
         if len(elim.kept) < len(problem.nodes):
             return _solve_eliminated(
                 problem,
@@ -108,6 +117,7 @@ def solve(
                 **common,
                 relaxation=relaxation,
                 memo=memo,
+                stop_above=None if stop_above is None else stop_above - elim.constant_s,
             )
     if relax_first and _relaxation_applies(problem, gap):
         validate(problem)
@@ -128,9 +138,12 @@ def solve(
             start_plan=start_plan,
             relaxation=relaxation and problem.memory_budget_bytes is None,
             memo=memo if problem.memory_budget_bytes is None else None,
+            stop_above=stop_above if problem.memory_budget_bytes is None else None,
         )
     if problem.memory_budget_bytes is None and not problem.segments:
-        return _solve_core(problem, **common, relaxation=relaxation, memo=memo)
+        return _solve_core(
+            problem, **common, relaxation=relaxation, memo=memo, stop_above=stop_above
+        )
     return solve_model(problem, **common, start_plan=start_plan)
 
 
@@ -158,8 +171,10 @@ def _solve_eliminated(
     msg: bool,
     relaxation: bool = False,
     memo: SolveMemo | None = None,
+    stop_above: float | None = None,
 ) -> Solution:
-    """Solve what elimination (solver/eliminate.py) left and substitute back."""
+    """Solve what elimination (solver/eliminate.py) left and substitute back.
+    ``stop_above``: :func:`solve`'s, less the eliminated nodes' constant."""
     if elim.problem.nodes:
         solve_next = _solve_tied if elim.problem.tied else _solve_core
         inner = solve_next(
@@ -170,6 +185,7 @@ def _solve_eliminated(
             msg=msg,
             relaxation=relaxation,
             memo=memo,
+            stop_above=stop_above,
         )
     else:
         inner = Solution(
@@ -209,13 +225,18 @@ def _solve_core(
     msg: bool,
     relaxation: bool = False,
     memo: SolveMemo | None = None,
+    stop_above: float | None = None,
 ) -> Solution:
     """What elimination left of a budget-free problem (no ties): pruned by bounds first when
     its edge tables are large (solver/prune.py: exact, every optimal plan survives), then the
-    ILP on the strategies left, started from the pruning's plan."""
+    ILP on the strategies left, started from the pruning's plan. ``stop_above``: see
+    :func:`solve` (pruning's first bound reaching it ends the solve)."""
     start = time.perf_counter()
     big = edge_entries(problem) > PRUNE_MIN_ENTRIES
-    pruned = prune(problem, None if memo is None else memo.prune) if big else None
+    memo_prune = None if memo is None else memo.prune
+    pruned = prune(problem, memo_prune, stop_above=stop_above) if big else None
+    if pruned is not None and pruned.stopped:
+        return _stopped_above(problem, pruned, backend, time.perf_counter() - start)
     if pruned is None:
         return solve_model(
             problem,
@@ -244,6 +265,65 @@ def _solve_core(
     details["prune_s"] = prune_s
     return dataclasses.replace(
         inner, choices=choices, build_s=inner.build_s + prune_s, details=details
+    )
+
+
+def _least_entries_stop(
+    problem: Problem, elim: Eliminated, stop_above: float | None, backend: str
+) -> Solution | None:
+    """:func:`solve`'s ``stop_above`` right after elimination: what it left pays at least the
+    least entry of each node's costs and of each edge's table, so its constant plus their sum
+    bounds the optimum. None without ``stop_above`` or where that is below it (by a relative
+    1e-9, at least 1e-12, as pruning's test); else a stopped answer with that bound and the
+    plan of each node's cheapest strategy substituted back (objective_s +inf where an edge
+    forbids it)."""
+    if stop_above is None:
+        return None
+    left = elim.problem
+    least = [elim.constant_s, *(min(n.cost_s) for n in left.nodes)]
+    least += [float(np.min(cost_matrix(e.cost_s))) for e in left.edges]
+    bound = math.fsum(least)
+    if not bound >= stop_above + 1e-9 * max(abs(stop_above), 1e-3):
+        return None
+    cheapest = tuple(int(np.argmin(n.cost_s)) for n in left.nodes)
+    choices = back_substitute(elim, cheapest)
+    try:
+        objective = plan_objective_s(problem, choices)
+    except InfeasibleError:
+        objective = math.inf
+    return Solution(
+        choices=choices,
+        objective_s=objective,
+        bound_s=min(objective, bound),
+        gap=(objective - bound) / abs(objective) if 0.0 < abs(objective) < math.inf else 0.0,
+        status="feasible",
+        backend=resolve_backend(backend)[0],
+        peak_memory_bytes=0.0,
+        num_variables=0,
+        num_constraints=0,
+        build_s=0.0,
+        solve_s=0.0,
+        details={"stopped_above": 1.0},
+    )
+
+
+def _stopped_above(problem: Problem, pruned: Pruned, backend: str, prune_s: float) -> Solution:
+    """The answer of a solve that pruning's first bound stopped (:func:`solve`
+    ``stop_above``): pruning's plan and that bound; no model is built."""
+    objective = plan_objective_s(problem, pruned.upper_plan)
+    return Solution(
+        choices=pruned.upper_plan,
+        objective_s=objective,
+        bound_s=min(objective, pruned.lower_s),
+        gap=(objective - pruned.lower_s) / abs(objective) if objective else 0.0,
+        status="feasible",
+        backend=resolve_backend(backend)[0],
+        peak_memory_bytes=plan_peak_memory_bytes(problem, pruned.upper_plan),
+        num_variables=0,
+        num_constraints=0,
+        build_s=prune_s,
+        solve_s=0.0,
+        details={"stopped_above": 1.0, "prune_s": prune_s},
     )
 
 
@@ -349,9 +429,11 @@ def _solve_tied(
     start_plan: tuple[int, ...] | None = None,
     relaxation: bool = False,
     memo: SolveMemo | None = None,
+    stop_above: float | None = None,
 ) -> Solution:
     """Solve the contracted problem (solver/tying.py) and expand its choices to every node.
-    ``start_plan``: a plan whose tie classes choose alike, mapped onto the contracted nodes."""
+    ``start_plan``: a plan whose tie classes choose alike, mapped onto the contracted nodes.
+    ``stop_above``: :func:`solve`'s (contraction keeps every alike plan's cost)."""
     start = time.perf_counter()
     contracted = contract(problem)
     inner_problem = contracted.problem
@@ -378,6 +460,7 @@ def _solve_tied(
         start_plan=inner_start,
         relaxation=relaxation,
         memo=memo,
+        stop_above=stop_above,
     )
     choices = expand(contracted, inner.choices)
     recomputed = expand_recomputed(problem, groups, inner.recomputed) if problem.segments else ()
