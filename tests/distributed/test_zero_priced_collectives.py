@@ -13,8 +13,10 @@ ddp: the gradient buckets are priced as the all-reduces the runtime issues, one 
 The same spawn plans the GPT of ``benchmarks/cost_model.py``. fsdp: its position embedding's
 gradient is Partial like the others' (the lookup of the replicated positions is added to the
 batch-sharded tokens; ``lowering.param_chains`` reduces its gradient with the parameter's,
-not in backward), so it joins the one stream, gathered twice and reduce-scattered: 3
-collectives. (Before session 20 its gradient was reduced in the graph and whole at the
+not in backward), so it joins the one stream, gathered once and reduce-scattered: 2
+collectives (gathered twice, 3 collectives, before session 24: the one chunk is the one the
+graph uses last, which the runtime now keeps gathered from forward into backward, and the
+pricing knows it: ``ChunkPricing.keeps_last``). (Before session 20 its gradient was reduced in the graph and whole at the
 parameter: a stream of its own, priced with one all-gather, 4 collectives; before that, the
 solve priced one stream of everything: 3 collectives for the 4 issued.) ddp: the loss's sum and token
 count are all-reduced in one call (``lowering.fused_reductions``), priced as one all-reduce
@@ -155,7 +157,7 @@ def test_fsdp_is_priced_with_the_collectives_the_runtime_issues() -> None:
         Counter(k for k, _, _ in priced)
         == Counter(c[0] for c in issued)
         == {
-            "all_gather": 2,
+            "all_gather": 1,  # one chunk, the one used last: kept from forward into backward
             "reduce_scatter": 1,
         }
     )
@@ -192,7 +194,7 @@ def test_zero3_prices_the_gathers_and_reductions_the_runtime_issues_per_chunk() 
     assert (
         Counter(k for k, _, _ in priced)
         == Counter(c[0] for c in issued)
-        == {"all_gather": 2, "reduce_scatter": 1}
+        == {"all_gather": 1, "reduce_scatter": 1}
     )
     padding = 2 * 4 * len(issued)
     assert abs(sum(b for _, _, b in priced) - sum(c[3] for c in issued)) <= padding
