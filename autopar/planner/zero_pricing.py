@@ -102,9 +102,6 @@ class StreamPrice:
     """(kind, group size) of each collective one chunk issues per step."""
     regathers: bool = True
     """Whether backward gathers the chunks again: some member is saved by a backward."""
-    keeps_last: bool = False
-    """Whether the stream holds the parameter the graph uses last: its last chunk stays
-    gathered from forward into backward (``ChunkPricing.keeps_last``)."""
 
     @property
     def latency_per_element_s(self) -> float:
@@ -151,26 +148,23 @@ def stream_price(
     partial: tuple[int, ...],
     numels: Sequence[float],
     regathers: bool = True,
-    keeps_last: bool = False,
 ) -> StreamPrice:
     """The price of a stream on ``axes`` (gradients Partial on ``partial``) holding
     parameters of ``numels`` local elements (in order of first use); ``regathers``: some
-    backward saves one of them (backward gathers the chunks again); ``keeps_last``: it holds
-    the parameter the graph uses last (its last chunk is not gathered again)."""
+    backward saves one of them (backward gathers the chunks again)."""
     device = space.mesh.device
     stages = tuple(3 if a in axes else 0 for a in range(space.mesh.ndim))
-    pricing = _pricing(space, stages, partial, regathers, keeps_last)
+    pricing = _pricing(space, stages, partial, regathers)
     itemsize = 4  # the runtime's chunks are fp32 (runtime.zero_store refuses other dtypes)
+    per_chunk, per_element = pricing.affine_s(
+        gather_itemsize=2 if space.options.mixed_precision else itemsize,
+        reduce_itemsize=itemsize,
+    )
     if device.collectives_overlap_compute:
         capacity = max(DEFAULT_MAX_CHUNK_BYTES // itemsize, 1)
         chunks = len(pack_chunks([int(n) for n in numels], capacity))
     else:
         chunks = 1
-    per_chunk, per_element = pricing.affine_s(
-        gather_itemsize=2 if space.options.mixed_precision else itemsize,
-        reduce_itemsize=itemsize,
-        chunks=chunks,
-    )
     return StreamPrice(
         axes=axes,
         partial=partial,
@@ -181,16 +175,11 @@ def stream_price(
         per_element_s=per_element,
         collectives=tuple((kind, n) for kind, n, _ in pricing.calls(1.0, 1.0)),
         regathers=regathers,
-        keeps_last=keeps_last,
     )
 
 
 def _pricing(
-    space,
-    stages: tuple[int, ...],
-    partial: tuple[int, ...],
-    regathers: bool,
-    keeps_last: bool = False,
+    space, stages: tuple[int, ...], partial: tuple[int, ...], regathers: bool
 ) -> ChunkPricing:
     mesh = space.mesh
     return ChunkPricing.on_mesh(
@@ -202,7 +191,6 @@ def _pricing(
         backward_s=0.0,
         partial=partial,
         regather=regathers,
-        keeps_last=keeps_last,
     )
 
 
@@ -211,13 +199,8 @@ Key = tuple[tuple[int, ...], tuple[int, ...]]
 
 
 def _streams(
-    space,
-    zero,
-    members: dict[Key, list[tuple[float, bool]]],
-    grads: dict[str, GradInfo],
-    last: set[Key] | None = None,
+    space, zero, members: dict[Key, list[tuple[float, bool]]], grads: dict[str, GradInfo]
 ) -> ZeroStreams:
-    """``last``: the streams that hold the parameter the graph uses last."""
     return ZeroStreams(
         streams=tuple(
             stream_price(
@@ -227,7 +210,6 @@ def _streams(
                 partial,
                 [n for n, _ in members[(axes, partial)]],
                 any(saved for _, saved in members[(axes, partial)]),
-                keeps_last=last is not None and (axes, partial) in last,
             )
             for axes, partial in sorted(members)
             if axes and sum(n for n, _ in members[(axes, partial)]) > 0
@@ -238,21 +220,6 @@ def _streams(
             hashlib.blake2b(repr(sorted(grads.items())).encode(), digest_size=8).digest(), "big"
         ),
     )
-
-
-def last_used_param(space) -> str | None:
-    """The parameter node (an alias counts for its owner) whose last consumer comes latest in
-    the graph: the runtime keeps its chunk gathered from forward into backward
-    (``runtime.zero_graph.rewrite_graph``). Memoised in the space's evaluation cache."""
-    cache: dict[Any, Any] = space.evaluation_cache
-    if "last_used_param" not in cache:
-        nodes, latest, out = space.nodes, -1, None
-        for edge in space.edges:
-            src = nodes[edge.src]
-            if src.kind == "param" and edge.input_index >= 0 and edge.dst > latest:
-                latest, out = edge.dst, src.alias_of or src.name
-        cache["last_used_param"] = out
-    return cache["last_used_param"]
 
 
 def saved_param_nodes(space) -> frozenset[str]:
@@ -352,7 +319,6 @@ def chosen_streams(space, choice: Sequence[int], zero) -> ZeroStreams:
         return ZeroStreams(streams=())
     grads = _grads(space, partial_axes(space, choice))
     members: dict[Key, list[tuple[float, bool]]] = {}
-    last, last_used = set(), last_used_param(space)
     for node, s in zip(space.nodes, choice):
         if node.kind != "param" or node.alias_of is not None or node.local_numel is None:
             continue
@@ -361,9 +327,7 @@ def chosen_streams(space, choice: Sequence[int], zero) -> ZeroStreams:
             partial, saved = grads[node.name]
             key = (axes, tuple(a for a in axes if a in partial))
             members.setdefault(key, []).append((float(node.local_numel[s]), saved))
-            if node.name == last_used:
-                last.add(key)
-    return _streams(space, zero, members, grads, last)
+    return _streams(space, zero, members, grads)
 
 
 def problem_streams(space, zero, allowed: dict[str, Sequence[int]] | None) -> ZeroStreams:
@@ -374,7 +338,6 @@ def problem_streams(space, zero, allowed: dict[str, Sequence[int]] | None) -> Ze
         return ZeroStreams(streams=())
     grads = _grads(space, allowed_partial_axes(space, allowed))
     members: dict[Key, list[tuple[float, bool]]] = {}
-    last, last_used = set(), last_used_param(space)
     for node in space.nodes:
         if node.kind != "param" or node.alias_of is not None or node.local_numel is None:
             continue
@@ -390,9 +353,7 @@ def problem_streams(space, zero, allowed: dict[str, Sequence[int]] | None) -> Ze
         for axes, numel in largest.items():
             key = (axes, tuple(a for a in axes if a in partial))
             members.setdefault(key, []).append((numel, saved))
-            if node.name == last_used:
-                last.add(key)
-    return _streams(space, zero, members, grads, last)
+    return _streams(space, zero, members, grads)
 
 
 def priced_calls(space, streams: ZeroStreams) -> list[tuple[str, int, float]]:
@@ -402,12 +363,8 @@ def priced_calls(space, streams: ZeroStreams) -> list[tuple[str, int, float]]:
     gather_itemsize = 2 if space.options.mixed_precision else 4
     out: list[tuple[str, int, float]] = []
     for stream in streams.streams:
-        pricing = _pricing(
-            space, stream.stages, stream.partial, stream.regathers, stream.keeps_last
-        )
+        pricing = _pricing(space, stream.stages, stream.partial, stream.regathers)
         elements = stream.elements / stream.chunks
-        for k in range(stream.chunks):
-            out += pricing.calls(
-                elements * gather_itemsize, elements * 4, last=k == stream.chunks - 1
-            )
+        for _ in range(stream.chunks):
+            out += pricing.calls(elements * gather_itemsize, elements * 4)
     return out
