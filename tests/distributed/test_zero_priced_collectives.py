@@ -14,14 +14,14 @@ The same spawn plans the GPT of ``benchmarks/cost_model.py``. fsdp: its position
 gradient is Partial like the others' (the lookup of the replicated positions is added to the
 batch-sharded tokens; ``lowering.param_chains`` reduces its gradient with the parameter's,
 not in backward), so it joins the one stream, priced gathered twice and reduce-scattered: 3
-collectives. The runtime issues 2 since session 24: the one chunk is the one the graph uses
-last, which it keeps gathered from forward into backward. The pricing of that (one gather fewer
-for the stream holding the parameter used last, ``ChunkPricing.keeps_last``) is in commit
-35347a5,
-reverted on this branch because it moved 9 planner tests (README, "Session 24"); until it is
-in, these tests pin the difference: one all-gather priced that is not issued. (Before session 20 its gradient was reduced in the graph and whole at the
+collectives. (Before session 20 its gradient was reduced in the graph and whole at the
 parameter: a stream of its own, priced with one all-gather, 4 collectives; before that, the
-solve priced one stream of everything: 3 collectives for the 4 issued.) ddp: the loss's sum and token
+solve priced one stream of everything: 3 collectives for the 4 issued.) The runtime issues 2
+since session 24: the one chunk is the one the graph uses last, which it keeps gathered from
+forward into backward. The pricing of that (one gather fewer for the stream holding the
+parameter used last, ``ChunkPricing.keeps_last``) is in commit 35347a5, reverted on this
+branch because it moved 9 planner tests (README, "Session 24"); until it is in, these tests
+pin the difference: one all-gather priced that is not issued. ddp: the loss's sum and token
 count are all-reduced in one call (``lowering.fused_reductions``), priced as one all-reduce
 (``planner.fused_pricing``; before, two).
 """
