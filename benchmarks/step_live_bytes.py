@@ -3,6 +3,7 @@ pair (benchmarks/peers.py): the tensors the step allocates, by the op that made 
 
     PYTHONPATH=. python benchmarks/step_live_bytes.py                   # fsdp, 4 ranks
     PYTHONPATH=. python benchmarks/step_live_bytes.py --pair fsdp --world 2 --top 12
+    PYTHONPATH=. python benchmarks/step_live_bytes.py --timeline-mib 0.9  # + profiler timeline
 
 Each rank runs the like-for-like set-up (the same GPT, warm-ups, optimizer), then one step of
 each variant under a ``TorchDispatchMode`` that records every storage an op creates during the
@@ -11,7 +12,11 @@ optimizer) and the shape, and after every op sums the live bytes of the storages
 far (``nbytes()`` at that moment: a storage resized to 0, as FSDP2 frees its unsharded
 parameters, counts 0). Printed per rank and variant: the peak, the op it was reached at, and
 what was alive then, grouped by (phase, op, shape); and what the step left alive. The peak is
-at op granularity, as ``like_for_like.py``'s profiler count is (which it also prints).
+at op granularity, as ``like_for_like.py``'s profiler count is (which it also prints). That
+count also sees what the dispatch mode cannot: gloo's staging buffers, allocated inside the
+collectives (on gloo's threads too). ``--timeline-mib`` prints a third, profiled step's events
+that allocate or free at least that much, with the running sum the benchmark's peak is taken
+of. The README's "Session 24" reads the 4-rank fsdp pair with it.
 """
 
 from __future__ import annotations

@@ -80,6 +80,7 @@ class ChunkGatherer:
             return None
         holder = KeptBuffer(full)
         chunk.kept_for_backward = weakref.ref(holder)
+        self._packed.discard(index)  # packs from before (a recompute in backward) are stale
         return holder
 
     @staticmethod
