@@ -61,7 +61,11 @@ ZeRO views and collectives"). Where that buffer still holds a gradient to add to
 A gathered chunk (P non-empty) is freed when the graph's last view of it dies (fx drops dead
 values); tensors that autograd saves for backward are packed by a ``saved_tensors_hooks`` pair as
 (chunk, size, stride, offset) instead of the tensor, and unpacking in backward all-gathers the
-chunk again (prefetching the previous one); it is freed when the chunk's backward ran.
+chunk again (prefetching the previous one); it is freed when the chunk's backward ran. The
+chunk the graph uses last (whose backward comes first) is the exception: its forward buffer is
+kept into backward rather than freed and gathered again at once (one all-gather fewer per step,
+no second full buffer next to the activations at backward's start; FSDP2 keeps its root's
+parameters so), where autograd records the forward and a saved tensor views it.
 
 Gradient accumulation: backward under :meth:`ZeroEngine.no_sync` adds the chunk's flat local
 gradient to a pending buffer and communicates nothing; the next synchronised backward adds it in.

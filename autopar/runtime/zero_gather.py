@@ -4,8 +4,9 @@ backward (see :mod:`autopar.runtime.zero`).
 A chunk sharded over P is all-gathered before its first use in forward (prefetching the next
 chunk) and freed when the graph's last view of it dies; tensors autograd saves for backward are
 packed as (chunk, size, stride, offset) and unpacking them all-gathers the chunk again
-(prefetching the previous one), released when the chunk's backward ran. A chunk with P empty
-uses its kept buffer and communicates nothing.
+(prefetching the previous one), released when the chunk's backward ran; the chunk the graph
+uses last keeps its forward buffer into backward instead (:meth:`ChunkGatherer.keep_for_backward`).
+A chunk with P empty uses its kept buffer and communicates nothing.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ class ChunkGatherer:
         """Bytes of gathered chunk buffers (P non-empty) still alive."""
         self.peak_gathered_bytes = 0
         """The most ``gathered_bytes`` has been (reset it to measure a step)."""
+        self._packed: set[int] = set()
+        """Chunks a saved tensor of this forward was packed from (see :meth:`end_forward`)."""
 
     def forward_views(self, index: int, persistent: bool = False) -> tuple[torch.Tensor, ...]:
         """The chunk's full local parameters as views of its compute buffer.
@@ -63,6 +66,32 @@ class ChunkGatherer:
             if index + 1 < len(chunks):
                 self._start_prefetch(chunks[index + 1])
         return _views(full, chunk)
+
+    def keep_for_backward(self, index: int) -> KeptBuffer | None:
+        """Keep the buffer forward just gathered for chunk ``index`` (P non-empty) for its
+        backward, instead of freeing it after its last use and gathering it again when
+        backward unpacks it: for the chunk the graph uses last (its backward comes first),
+        where autograd records the call. The caller's autograd node owns the returned holder
+        (a graph dropped without backward frees the buffer with it); the chunk refers to it
+        weakly. Saved views are still packed as geometry."""
+        chunk = self.store.chunks[index]
+        full = chunk.full_ref() if chunk.num_param_axes and chunk.full_ref is not None else None
+        if full is None:
+            return None
+        holder = KeptBuffer(full)
+        chunk.kept_for_backward = weakref.ref(holder)
+        self._packed.discard(index)  # packs from before (a recompute in backward) are stale
+        return holder
+
+    @staticmethod
+    def _take_kept(chunk: Chunk) -> torch.Tensor | None:
+        """The buffer kept for backward (:meth:`keep_for_backward`), taken from its holder."""
+        ref, chunk.kept_for_backward = chunk.kept_for_backward, None
+        holder = ref() if ref is not None else None
+        if holder is None:
+            return None
+        buffer, holder.buffer = holder.buffer, None
+        return buffer
 
     def _start_prefetch(self, chunk: Chunk) -> None:
         if chunk.prefetch is not None or chunk.full is not None or chunk.num_param_axes != 1:
@@ -101,16 +130,20 @@ class ChunkGatherer:
 
     def end_forward(self) -> None:
         """Complete a prefetch nobody consumed (the graph ended): it must still complete on
-        every rank."""
+        every rank. Drop a chunk kept for backward (:meth:`keep_for_backward`) that no
+        backward will unpack (no saved tensor views it): backward would not gather it."""
         for chunk in self.store.chunks:
             if chunk.prefetch is not None:
                 chunk.prefetch[0].wait()
                 chunk.prefetch = None
+            if chunk.kept_for_backward is not None and chunk.index not in self._packed:
+                self._take_kept(chunk)
+        self._packed.clear()
 
     def release(self, chunk: Chunk) -> None:
         """Every use of the chunk in backward is done: drop its gathered buffer (P non-empty)."""
         if chunk.num_param_axes:
-            chunk.full = None
+            chunk.full, chunk.kept_for_backward = None, None
 
     def end_backward(self) -> None:
         """Drop every gathered buffer and complete any prefetch left at the end of backward."""
@@ -121,15 +154,20 @@ class ChunkGatherer:
                 chunk.prefetch = None
 
     def pack(self, t: torch.Tensor) -> Any:
-        """``saved_tensors_hooks`` pack: a view of a gathered chunk is kept as its geometry."""
+        """``saved_tensors_hooks`` pack: a view of a gathered chunk is kept as its geometry;
+        any other tensor detached (autograd gives the unpacked tensor its history back; the
+        tensor itself, for an output of the saving node, would hold that node and so its whole
+        graph: a graph dropped without backward would never be freed)."""
         base = t._base
-        if base is None:
-            return t
-        for chunk in self.store.chunks:
-            ref = chunk.full_ref
-            if ref is not None and ref() is base:
-                return Packed(chunk.index, tuple(t.size()), tuple(t.stride()), t.storage_offset())
-        return t
+        if base is not None:
+            for chunk in self.store.chunks:
+                ref = chunk.full_ref
+                if ref is not None and ref() is base:
+                    self._packed.add(chunk.index)
+                    return Packed(
+                        chunk.index, tuple(t.size()), tuple(t.stride()), t.storage_offset()
+                    )
+        return t.detach()
 
     def unpack(self, packed: Any) -> torch.Tensor:
         """``saved_tensors_hooks`` unpack: gathers the chunk again for backward."""
@@ -138,13 +176,25 @@ class ChunkGatherer:
         chunks = self.store.chunks
         chunk = chunks[packed.chunk]
         if chunk.full is None:
-            # Always gathered again, even if forward's buffer is still alive: whether it is can
-            # depend on when Python's cycle collector ran, which differs between ranks, and
-            # every rank must issue the same collectives.
-            chunk.full = self._gathered(chunk)
+            # Gathered again unless kept for backward (keep_for_backward: the node being
+            # backpropagated owns it, so whether it is alive is the same on every rank), even
+            # if forward's buffer is still alive: whether it is can depend on when Python's
+            # cycle collector ran, which differs between ranks, and every rank must issue the
+            # same collectives.
+            kept = self._take_kept(chunk)
+            chunk.full = kept if kept is not None else self._gathered(chunk)
             if packed.chunk > 0:
                 self._start_prefetch(chunks[packed.chunk - 1])
         return chunk.full.as_strided(packed.size, packed.stride, packed.offset)
+
+
+class KeptBuffer:
+    """Holds a gathered buffer kept from forward for backward (owned by an autograd node)."""
+
+    __slots__ = ("__weakref__", "buffer")
+
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self.buffer: torch.Tensor | None = buffer
 
 
 def _views(full: torch.Tensor, chunk: Chunk) -> tuple[torch.Tensor, ...]:

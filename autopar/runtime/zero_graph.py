@@ -37,18 +37,27 @@ class Packed:
 class _UseChunk(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, engine: ZeroEngine, index: int, persistent: bool, *shards: torch.Tensor
+        ctx: Any,
+        engine: ZeroEngine,
+        index: int,
+        persistent: bool,
+        last: bool,
+        *shards: torch.Tensor,
     ) -> Any:
         ctx.engine = engine
         ctx.index = index
         ctx.num_shards = len(shards)
         ctx.set_materialize_grads(False)
-        return engine.gatherer.forward_views(index, persistent)
+        views = engine.gatherer.forward_views(index, persistent)
+        if last and persistent:
+            # This node owns the kept buffer: it lives while the graph may still backward.
+            ctx.kept = engine.gatherer.keep_for_backward(index)
+        return views
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
         ctx.engine.chunk_backward(ctx.index, grads)
-        return (None, None, None) + (None,) * ctx.num_shards
+        return (None, None, None, None) + (None,) * ctx.num_shards
 
 
 class _UseChunkModule(nn.Module):
@@ -58,11 +67,12 @@ class _UseChunkModule(nn.Module):
         super().__init__()
         self.engine = engine
 
-    def forward(self, index: int, *shards: torch.Tensor) -> Any:
+    def forward(self, index: int, last: bool, *shards: torch.Tensor) -> Any:
         # Persistent views only where autograd records this call (it then gives them this
-        # step's history; see ChunkGatherer.forward_views).
+        # step's history; see ChunkGatherer.forward_views); likewise a gathered chunk is kept
+        # for backward only where a backward will come.
         persistent = torch.is_grad_enabled() and any(s.requires_grad for s in shards)
-        return _UseChunk.apply(self.engine, index, persistent, *shards)
+        return _UseChunk.apply(self.engine, index, persistent, last, *shards)
 
 
 class ZeroGraph(nn.Module):
@@ -116,6 +126,7 @@ def rewrite_graph(
         if fqn is not None:
             holders_of.setdefault(fqn, []).append(node)
     order = {n: i for i, n in enumerate(graph.nodes)}
+    calls: list[tuple[fx.Node, int]] = []
     for chunk in engine.chunks:
         # Tied parameters have one placeholder per name; the first stands for the chunk input.
         holders = [holders_of.get(slot.fqn, []) for slot in chunk.slots]
@@ -127,14 +138,21 @@ def rewrite_graph(
         first = min(users, key=order.__getitem__)
         with graph.inserting_before(first):
             call = graph.call_module(
-                "autopar_zero_use_chunk", (chunk.index, *(hs[0] for hs in holders))
+                "autopar_zero_use_chunk", (chunk.index, False, *(hs[0] for hs in holders))
             )
             views = [graph.call_function(_getitem, (call, k)) for k in range(len(holders))]
+        calls.append((call, max(order[u] for u in users)))
         for hs, view in zip(holders, views):
             for holder in hs:
                 for user in list(holder.users):
                     if user is not call:
                         user.replace_input_with(holder, view)
+    if calls:
+        # The chunk used last in forward has its backward first: it stays gathered from
+        # forward into backward instead of being freed and gathered again at once (FSDP2
+        # keeps its root's parameters so). A static choice, the same on every rank.
+        call = max(calls, key=lambda item: item[1])[0]
+        call.args = (call.args[0], True, *call.args[2:])
     graph.lint()
     new_gm.recompile()
     return ZeroGraph(new_gm, engine)

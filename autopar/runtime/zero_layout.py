@@ -97,6 +97,11 @@ class Chunk:
     backward while backward needs it."""
     full_ref: Any = None
     """P non-empty: weak reference to the buffer gathered for forward."""
+    kept_for_backward: Any = None
+    """P non-empty: weak reference to the holder of the buffer forward gathered and kept for
+    backward (the chunk the graph uses last, whose backward comes first: not gathered again;
+    the forward's autograd node owns the holder, so a graph dropped without backward frees
+    it: ``runtime.zero_gather.ChunkGatherer.keep_for_backward``)."""
     views: tuple[torch.Tensor, ...] | None = None
     """P empty: the full local parameters as views of ``full``, built at the first forward
     with autograd and handed out again every step (no per-parameter slicing per step)."""

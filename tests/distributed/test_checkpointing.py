@@ -251,8 +251,14 @@ def _train(
         loss = model_loss(pmodel(*local_args, **local_kwargs))
     if not measured:
         # ZeRO-3: gathered chunks were freed after forward, also those entering segments
-        # (saved as chunk geometry, gathered again for recompute).
-        assert pmodel.zero.gathered_bytes == 0, pmodel.zero.gathered_bytes
+        # (saved as chunk geometry, gathered again for recompute), but the one the graph uses
+        # last, kept for backward (runtime.zero_gather.keep_for_backward; session 24).
+        holders = [c.kept_for_backward() for c in pmodel.zero.chunks if c.kept_for_backward]
+        kept = [h.buffer.untyped_storage().nbytes() for h in holders if h and h.buffer is not None]
+        assert len(kept) <= 1 and pmodel.zero.gathered_bytes == sum(kept), (
+            pmodel.zero.gathered_bytes,
+            kept,
+        )
     loss.backward()
     grads = full_grads(pmodel)
     sgd_steps(pmodel, local_args, local_kwargs, lr=LR, steps=NUM_STEPS)
