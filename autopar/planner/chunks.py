@@ -80,6 +80,10 @@ class ChunkPricing:
     overlap: bool = True
     whole: tuple[bool, ...] = ()
     regather: bool = True
+    keeps_last: bool = False
+    """Whether the last chunk stays gathered from forward into backward (the runtime keeps the
+    chunk the graph uses last: ``runtime.zero_gather.ChunkGatherer.keep_for_backward``), so
+    that it is not gathered again (where :attr:`regather`)."""
 
     @classmethod
     def on_mesh(
@@ -93,6 +97,7 @@ class ChunkPricing:
         backward_s: float,
         partial: Sequence[int] | None = None,
         regather: bool = True,
+        keeps_last: bool = False,
     ) -> ChunkPricing:
         """The pricing of chunks split over the axes of ``shape`` with a stage >= 1 (and size
         > 1), in the runtime's split order (``runtime.zero_store``: stage 3 axes, then 2,
@@ -112,6 +117,7 @@ class ChunkPricing:
             broadcast_refresh=device.comm_backend == "gloo",
             overlap=device.collectives_overlap_compute,
             regather=regather,
+            keeps_last=keeps_last,
         )
 
     @property
@@ -165,7 +171,9 @@ class ChunkPricing:
             block *= n
         return out
 
-    def calls(self, gather_bytes: float, reduce_bytes: float) -> list[tuple[str, int, float]]:
+    def calls(
+        self, gather_bytes: float, reduce_bytes: float, last: bool = False
+    ) -> list[tuple[str, int, float]]:
         """(kind, group size, bytes as ``collective_time_s`` takes them) of every collective a
         chunk of ``gather_bytes`` (compute dtype; ``reduce_bytes`` as fp32 gradient) issues in
         a step, in the runtime's order: the all-gathers over P before forward and again before
@@ -173,7 +181,8 @@ class ChunkPricing:
         a reduce-scatter per G axis, an all-reduce per O \\ G axis) and the after-step refresh
         over O \\ P (``runtime.zero_layout.fill_flat``: one broadcast per rank on gloo, else
         one all-gather). The same collectives :meth:`gather_s`, :meth:`reduce_s` and
-        :meth:`refresh_s` price."""
+        :meth:`refresh_s` price. ``last``: the stream's last chunk (gathered once where
+        :attr:`keeps_last`)."""
         gathers: list[tuple[str, int, float]] = []
         size = gather_bytes
         for n, _, stage in self.axes:
@@ -190,16 +199,24 @@ class ChunkPricing:
             else:
                 refresh.append(("all_gather", n, block * n))
             block *= n
-        return gathers * self.num_gathers + reduces + refresh
+        times = 1 if last and self.keeps_last else self.num_gathers
+        return gathers * times + reduces + refresh
 
-    def affine_s(self, *, gather_itemsize: int, reduce_itemsize: int) -> tuple[float, float]:
+    def affine_s(
+        self, *, gather_itemsize: int, reduce_itemsize: int, chunks: int = 1
+    ) -> tuple[float, float]:
         """(seconds per chunk, seconds per element) of a chunk's collectives in a step, every
         one exposed (the ``overlap=False`` sum of :meth:`step_s`): each collective's latency
         (and ``sync_s``) once per chunk, its bytes per element. Gathers and the refresh move
-        the compute dtype (``gather_itemsize``), the reduction the fp32 gradient."""
+        the compute dtype (``gather_itemsize``), the reduction the fp32 gradient. Averaged
+        over the ``chunks`` of a stream of equal chunks where :attr:`keeps_last` (its last
+        chunk gathers once)."""
+        gathers = float(self.num_gathers)
+        if self.keeps_last and self.regather:
+            gathers -= 1.0 / max(chunks, 1)
         per_chunk = per_element = 0.0
         for price, itemsize, times in (
-            (self.gather_s, gather_itemsize, self.num_gathers),
+            (self.gather_s, gather_itemsize, gathers),
             (self.reduce_s, reduce_itemsize, 1),
             (self.refresh_s, gather_itemsize, 1),
         ):
@@ -216,7 +233,7 @@ class ChunkPricing:
         the gather ended; compute per chunk is ``forward_s`` split by bytes. Backward runs the
         chunks in reverse: a chunk's reduction starts when its compute ended and the previous
         reduction did (one collective stream), after a re-gather like forward's (where
-        :attr:`regather`). Then the
+        :attr:`regather`; not the last chunk's where :attr:`keeps_last`). Then the
         refreshes, one after another. Exposed = what ends after the compute would have.
         Without ``overlap``, the sum of every collective.
         """
@@ -225,16 +242,21 @@ class ChunkPricing:
         gather, reduce, refresh = (
             _affine(price) for price in (self.gather_s, self.reduce_s, self.refresh_s)
         )
+        kept = self.keeps_last and self.regather and bool(chunk_bytes)
         if not self.overlap:
-            return sum(self.num_gathers * gather(b) + reduce(b) + refresh(b) for b in chunk_bytes)
+            return sum(
+                self.num_gathers * gather(b) + reduce(b) + refresh(b) for b in chunk_bytes
+            ) - (gather(chunk_bytes[-1]) if kept else 0.0)
         exposed = 0.0
         for order, compute_s, reduces in (
             (list(chunk_bytes), self.forward_s, False),
             (list(reversed(chunk_bytes)), self.backward_s, True),
         ):
             comm_end = comp_end = start = 0.0
-            for nbytes in order:
+            for k, nbytes in enumerate(order):
                 seconds = gather(nbytes) if self.regather or not reduces else 0.0
+                if reduces and k == 0 and kept:
+                    seconds = 0.0  # the last chunk, kept from forward
                 if seconds > 0:  # compute waits for its gather, the gather for the stream
                     comm_end = max(comm_end, start) + seconds
                     start = max(comp_end, comm_end)

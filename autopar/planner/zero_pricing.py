@@ -102,6 +102,9 @@ class StreamPrice:
     """(kind, group size) of each collective one chunk issues per step."""
     regathers: bool = True
     """Whether backward gathers the chunks again: some member is saved by a backward."""
+    keeps_last: bool = False
+    """Whether the stream holds the parameter the graph uses last: its last chunk stays
+    gathered from forward into backward (``ChunkPricing.keeps_last``)."""
 
     @property
     def latency_per_element_s(self) -> float:
@@ -148,23 +151,26 @@ def stream_price(
     partial: tuple[int, ...],
     numels: Sequence[float],
     regathers: bool = True,
+    keeps_last: bool = False,
 ) -> StreamPrice:
     """The price of a stream on ``axes`` (gradients Partial on ``partial``) holding
     parameters of ``numels`` local elements (in order of first use); ``regathers``: some
-    backward saves one of them (backward gathers the chunks again)."""
+    backward saves one of them (backward gathers the chunks again); ``keeps_last``: it holds
+    the parameter the graph uses last (its last chunk is not gathered again)."""
     device = space.mesh.device
     stages = tuple(3 if a in axes else 0 for a in range(space.mesh.ndim))
-    pricing = _pricing(space, stages, partial, regathers)
+    pricing = _pricing(space, stages, partial, regathers, keeps_last)
     itemsize = 4  # the runtime's chunks are fp32 (runtime.zero_store refuses other dtypes)
-    per_chunk, per_element = pricing.affine_s(
-        gather_itemsize=2 if space.options.mixed_precision else itemsize,
-        reduce_itemsize=itemsize,
-    )
     if device.collectives_overlap_compute:
         capacity = max(DEFAULT_MAX_CHUNK_BYTES // itemsize, 1)
         chunks = len(pack_chunks([int(n) for n in numels], capacity))
     else:
         chunks = 1
+    per_chunk, per_element = pricing.affine_s(
+        gather_itemsize=2 if space.options.mixed_precision else itemsize,
+        reduce_itemsize=itemsize,
+        chunks=chunks,
+    )
     return StreamPrice(
         axes=axes,
         partial=partial,
@@ -175,11 +181,16 @@ def stream_price(
         per_element_s=per_element,
         collectives=tuple((kind, n) for kind, n, _ in pricing.calls(1.0, 1.0)),
         regathers=regathers,
+        keeps_last=keeps_last,
     )
 
 
 def _pricing(
-    space, stages: tuple[int, ...], partial: tuple[int, ...], regathers: bool
+    space,
+    stages: tuple[int, ...],
+    partial: tuple[int, ...],
+    regathers: bool,
+    keeps_last: bool = False,
 ) -> ChunkPricing:
     mesh = space.mesh
     return ChunkPricing.on_mesh(
@@ -191,6 +202,7 @@ def _pricing(
         backward_s=0.0,
         partial=partial,
         regather=regathers,
+        keeps_last=keeps_last,
     )
 
 
@@ -199,8 +211,13 @@ Key = tuple[tuple[int, ...], tuple[int, ...]]
 
 
 def _streams(
-    space, zero, members: dict[Key, list[tuple[float, bool]]], grads: dict[str, GradInfo]
+    space,
+    zero,
+    members: dict[Key, list[tuple[float, bool]]],
+    grads: dict[str, GradInfo],
+    last: set[Key] | None = None,
 ) -> ZeroStreams:
+    """``last``: the streams that hold the parameter the graph uses last."""
     return ZeroStreams(
         streams=tuple(
             stream_price(
@@ -210,6 +227,7 @@ def _streams(
                 partial,
                 [n for n, _ in members[(axes, partial)]],
                 any(saved for _, saved in members[(axes, partial)]),
+                keeps_last=last is not None and (axes, partial) in last,
             )
             for axes, partial in sorted(members)
             if axes and sum(n for n, _ in members[(axes, partial)]) > 0
@@ -220,6 +238,21 @@ def _streams(
             hashlib.blake2b(repr(sorted(grads.items())).encode(), digest_size=8).digest(), "big"
         ),
     )
+
+
+def last_used_param(space) -> str | None:
+    """The parameter node (an alias counts for its owner) whose last consumer comes latest in
+    the graph: the runtime keeps its chunk gathered from forward into backward
+    (``runtime.zero_graph.rewrite_graph``). Memoised in the space's evaluation cache."""
+    cache: dict[Any, Any] = space.evaluation_cache
+    if "last_used_param" not in cache:
+        nodes, latest, out = space.nodes, -1, None
+        for edge in space.edges:
+            src = nodes[edge.src]
+            if src.kind == "param" and edge.input_index >= 0 and edge.dst > latest:
+                latest, out = edge.dst, src.alias_of or src.name
+        cache["last_used_param"] = out
+    return cache["last_used_param"]
 
 
 def saved_param_nodes(space) -> frozenset[str]:
@@ -319,6 +352,7 @@ def chosen_streams(space, choice: Sequence[int], zero) -> ZeroStreams:
         return ZeroStreams(streams=())
     grads = _grads(space, partial_axes(space, choice))
     members: dict[Key, list[tuple[float, bool]]] = {}
+    last, last_used = set(), last_used_param(space)
     for node, s in zip(space.nodes, choice):
         if node.kind != "param" or node.alias_of is not None or node.local_numel is None:
             continue
@@ -327,7 +361,9 @@ def chosen_streams(space, choice: Sequence[int], zero) -> ZeroStreams:
             partial, saved = grads[node.name]
             key = (axes, tuple(a for a in axes if a in partial))
             members.setdefault(key, []).append((float(node.local_numel[s]), saved))
-    return _streams(space, zero, members, grads)
+            if node.name == last_used:
+                last.add(key)
+    return _streams(space, zero, members, grads, last)
 
 
 def problem_streams(space, zero, allowed: dict[str, Sequence[int]] | None) -> ZeroStreams:
@@ -340,6 +376,7 @@ def problem_streams(space, zero, allowed: dict[str, Sequence[int]] | None) -> Ze
         return _open_streams(space, zero)
     grads = _grads(space, allowed_partial_axes(space, allowed))
     members: dict[Key, list[tuple[float, bool]]] = {}
+    last, last_used = set(), last_used_param(space)
     for node in space.nodes:
         if node.kind != "param" or node.alias_of is not None or node.local_numel is None:
             continue
@@ -353,7 +390,9 @@ def problem_streams(space, zero, allowed: dict[str, Sequence[int]] | None) -> Ze
         for axes, numel in largest.items():
             key = (axes, tuple(a for a in axes if a in partial))
             members.setdefault(key, []).append((numel, saved))
-    return _streams(space, zero, members, grads)
+            if node.name == last_used:
+                last.add(key)
+    return _streams(space, zero, members, grads, last)
 
 
 def _open_streams(space, zero) -> ZeroStreams:
@@ -389,6 +428,7 @@ def _open_streams(space, zero) -> ZeroStreams:
         )
     grads, blocks = found
     members: dict[Key, list[tuple[float, bool]]] = {}
+    last, last_used = set(), last_used_param(space)
     for name, by_replicate in blocks:
         largest = {}
         for replicate, numel in by_replicate.items():
@@ -399,7 +439,9 @@ def _open_streams(space, zero) -> ZeroStreams:
         for axes, numel in largest.items():
             key = (axes, tuple(a for a in axes if a in partial))
             members.setdefault(key, []).append((numel, saved))
-    return _streams(space, zero, members, grads)
+            if name == last_used:
+                last.add(key)
+    return _streams(space, zero, members, grads, last)
 
 
 def priced_calls(space, streams: ZeroStreams) -> list[tuple[str, int, float]]:
@@ -409,8 +451,12 @@ def priced_calls(space, streams: ZeroStreams) -> list[tuple[str, int, float]]:
     gather_itemsize = 2 if space.options.mixed_precision else 4
     out: list[tuple[str, int, float]] = []
     for stream in streams.streams:
-        pricing = _pricing(space, stream.stages, stream.partial, stream.regathers)
+        pricing = _pricing(
+            space, stream.stages, stream.partial, stream.regathers, stream.keeps_last
+        )
         elements = stream.elements / stream.chunks
-        for _ in range(stream.chunks):
-            out += pricing.calls(elements * gather_itemsize, elements * 4)
+        for k in range(stream.chunks):
+            out += pricing.calls(
+                elements * gather_itemsize, elements * 4, last=k == stream.chunks - 1
+            )
     return out

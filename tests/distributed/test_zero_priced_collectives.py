@@ -13,17 +13,15 @@ ddp: the gradient buckets are priced as the all-reduces the runtime issues, one 
 The same spawn plans the GPT of ``benchmarks/cost_model.py``. fsdp: its position embedding's
 gradient is Partial like the others' (the lookup of the replicated positions is added to the
 batch-sharded tokens; ``lowering.param_chains`` reduces its gradient with the parameter's,
-not in backward), so it joins the one stream, priced gathered twice and reduce-scattered: 3
-collectives. (Before session 20 its gradient was reduced in the graph and whole at the
-parameter: a stream of its own, priced with one all-gather, 4 collectives; before that, the
-solve priced one stream of everything: 3 collectives for the 4 issued.) The runtime issues 2
-since session 24: the one chunk is the one the graph uses last, which it keeps gathered from
-forward into backward. The pricing of that (one gather fewer for the stream holding the
-parameter used last, ``ChunkPricing.keeps_last``) is in commit 35347a5, reverted on this
-branch because it moved 9 planner tests (README, "Session 24"); until it is in, these tests
-pin the difference: one all-gather priced that is not issued. ddp: the loss's sum and token
-count are all-reduced in one call (``lowering.fused_reductions``), priced as one all-reduce
-(``planner.fused_pricing``; before, two).
+not in backward), so it joins the one stream, gathered once and reduce-scattered: 2
+collectives (gathered twice, 3 collectives, before session 24: the one chunk is the one the
+graph uses last, which the runtime now keeps gathered from forward into backward, and the
+pricing knows it since session 25: ``ChunkPricing.keeps_last``). (Before session 20 its
+gradient was reduced in the graph and whole at the parameter: a stream of its own, priced with
+one all-gather, 4 collectives; before that, the solve priced one stream of everything: 3
+collectives for the 4 issued.) ddp: the loss's sum and token count are all-reduced in one call
+(``lowering.fused_reductions``), priced as one all-reduce (``planner.fused_pricing``; before,
+two).
 """
 
 from __future__ import annotations
@@ -156,14 +154,17 @@ def test_fsdp_is_priced_with_the_collectives_the_runtime_issues() -> None:
     result = _result()
     assert result["solved_is_chosen"]  # the solve priced the recipe's own streams
     priced, issued = result["priced"], _zero_calls(result["issued"]["fsdp"])
-    assert Counter(k for k, _, _ in priced) == {"all_gather": 2, "reduce_scatter": 1}
-    # One chunk, the one used last: kept from forward into backward, gathered once.
-    assert Counter(c[0] for c in issued) == {"all_gather": 1, "reduce_scatter": 1}
-    # Bytes: each chunk is padded to a multiple of its 2 shards (4-byte elements); the
-    # priced backward gather of the kept chunk is not issued.
+    assert (
+        Counter(k for k, _, _ in priced)
+        == Counter(c[0] for c in issued)
+        == {
+            "all_gather": 1,  # one chunk, the one used last: kept from forward into backward
+            "reduce_scatter": 1,
+        }
+    )
+    # Bytes: each chunk is padded to a multiple of its 2 shards (4-byte elements).
     padding = 2 * 4 * len(issued)
-    gathered = sum(c[3] for c in issued if c[0] == "all_gather")
-    assert abs(sum(b for _, _, b in priced) - gathered - sum(c[3] for c in issued)) <= padding
+    assert abs(sum(b for _, _, b in priced) - sum(c[3] for c in issued)) <= padding
 
 
 @pytest.mark.distributed
@@ -191,11 +192,13 @@ def test_zero3_prices_the_gathers_and_reductions_the_runtime_issues_per_chunk() 
     # Every gradient Partial (the position embedding's carried back to it), some saved.
     assert sorted(result["gpt_streams"]) == [((0,), True)]
     priced, issued = result["gpt_priced"], _zero_calls(result["issued"]["gpt fsdp"])
-    assert Counter(k for k, _, _ in priced) == {"all_gather": 2, "reduce_scatter": 1}
-    assert Counter(c[0] for c in issued) == {"all_gather": 1, "reduce_scatter": 1}
+    assert (
+        Counter(k for k, _, _ in priced)
+        == Counter(c[0] for c in issued)
+        == {"all_gather": 1, "reduce_scatter": 1}
+    )
     padding = 2 * 4 * len(issued)
-    gathered = sum(c[3] for c in issued if c[0] == "all_gather")
-    assert abs(sum(b for _, _, b in priced) - gathered - sum(c[3] for c in issued)) <= padding
+    assert abs(sum(b for _, _, b in priced) - sum(c[3] for c in issued)) <= padding
 
 
 @pytest.mark.distributed
