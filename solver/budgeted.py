@@ -15,7 +15,7 @@ from solver.eliminate import SolveMemo
 from solver.errors import InfeasibleError, SolverStoppedError, stop_code
 from solver.ilp import ZERO_GAP, resolve_backend
 from solver.presolve import plan_objective_s, plan_peak_memory_bytes
-from solver.problem import Edge, Problem, Solution
+from solver.problem import Edge, Problem, Solution, gap_floor
 
 
 @dataclass(kw_only=True, slots=True)
@@ -75,7 +75,7 @@ def solve_relaxed(
     offered = 0 if recorded is None else len(recorded.answers)
     solve_free = _free_solver(backend, time_limit_s, msg, size, reuse=recorded)
 
-    stop_at = math.inf if cutoff_s is None else cutoff_s * (1.0 - gap)
+    stop_at = math.inf if cutoff_s is None else gap_floor(cutoff_s, gap)
     try:
         found = relax(
             problem,

@@ -40,6 +40,7 @@ so they share one content memo (eliminate.SeriesMemo), which a sequence of solve
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -88,6 +89,22 @@ class Pruned:
     stopped: bool = False
     """The first bound reached ``prune(stop_above=)``: nothing was restricted (``problem``
     is the one given, ``keep`` every strategy); only the plan and the bounds are answers."""
+
+    @classmethod
+    def stopped_at(
+        cls, problem: Problem, plan: Sequence[int], upper_s: float, lower_s: float
+    ) -> Pruned:
+        """The answer where the first bound ``lower_s`` reached ``prune(stop_above=)``: the
+        problem as given, every strategy kept, the plan of ``upper_s``."""
+        every = tuple(tuple(range(n.num_choices)) for n in problem.nodes)
+        return cls(
+            problem=problem,
+            keep=every,
+            upper_plan=tuple(plan),
+            upper_s=upper_s,
+            lower_s=lower_s,
+            stopped=True,
+        )
 
 
 def edge_entries(problem: Problem) -> int:
@@ -215,7 +232,8 @@ def prune(
     cover it. ``memo``: series products kept from earlier solves (a new generation starts
     here). ``stop_above``: where the first bound (the root's, a lower bound on the optimum)
     is at or above it (by a relative 1e-9, at least 1e-12, so that adding back what
-    elimination took keeps it there), nothing more is done: the answer is ``stopped``, with that bound and the plan."""
+    elimination took keeps it there), nothing more is done: the answer is ``stopped``, with
+    that bound and the plan."""
     assert problem.memory_budget_bytes is None and not problem.tied and not problem.segments
     assert method in ("one-pass", "pinned")
     if memo is None:
@@ -241,15 +259,7 @@ def prune(
     limit = upper + _TOLERANCE * abs(upper)
     lower = float(np.min(first))
     if stop_above is not None and lower >= stop_above + _TOLERANCE * max(abs(stop_above), 1e-3):
-        every = tuple(tuple(range(n.num_choices)) for n in problem.nodes)
-        return Pruned(
-            problem=problem,
-            keep=every,
-            upper_plan=tuple(plan),
-            upper_s=upper,
-            lower_s=lower,
-            stopped=True,
-        )
+        return Pruned.stopped_at(problem, plan, upper, lower)
     root_keep = _kept(first, limit, plan[root])
     if np.count_nonzero(root_keep) > GIVE_UP_KEPT * len(root_keep):
         return None  # the relaxation is too weak here to pay for the other bounds

@@ -291,6 +291,30 @@ def _least_entries_stop(
         objective = plan_objective_s(problem, choices)
     except InfeasibleError:
         objective = math.inf
+    return _stopped_solution(choices, objective, bound, backend, 0.0, 0.0, {})
+
+
+def _stopped_above(problem: Problem, pruned: Pruned, backend: str, prune_s: float) -> Solution:
+    """The answer of a solve that pruning's first bound stopped (:func:`solve`
+    ``stop_above``): pruning's plan and that bound; no model is built."""
+    objective = plan_objective_s(problem, pruned.upper_plan)
+    peak = plan_peak_memory_bytes(problem, pruned.upper_plan)
+    return _stopped_solution(
+        pruned.upper_plan, objective, pruned.lower_s, backend, peak, prune_s, {"prune_s": prune_s}
+    )
+
+
+def _stopped_solution(
+    choices: tuple[int, ...],
+    objective: float,
+    bound: float,
+    backend: str,
+    peak: float,
+    build_s: float,
+    details: dict[str, float],
+) -> Solution:
+    """A solve stopped at ``bound`` (>= its ``stop_above``) with the plan ``choices`` of
+    ``objective`` (+inf where infeasible): status ``feasible``, no model built."""
     return Solution(
         choices=choices,
         objective_s=objective,
@@ -298,32 +322,12 @@ def _least_entries_stop(
         gap=(objective - bound) / abs(objective) if 0.0 < abs(objective) < math.inf else 0.0,
         status="feasible",
         backend=resolve_backend(backend)[0],
-        peak_memory_bytes=0.0,
+        peak_memory_bytes=peak,
         num_variables=0,
         num_constraints=0,
-        build_s=0.0,
+        build_s=build_s,
         solve_s=0.0,
-        details={"stopped_above": 1.0},
-    )
-
-
-def _stopped_above(problem: Problem, pruned: Pruned, backend: str, prune_s: float) -> Solution:
-    """The answer of a solve that pruning's first bound stopped (:func:`solve`
-    ``stop_above``): pruning's plan and that bound; no model is built."""
-    objective = plan_objective_s(problem, pruned.upper_plan)
-    return Solution(
-        choices=pruned.upper_plan,
-        objective_s=objective,
-        bound_s=min(objective, pruned.lower_s),
-        gap=(objective - pruned.lower_s) / abs(objective) if objective else 0.0,
-        status="feasible",
-        backend=resolve_backend(backend)[0],
-        peak_memory_bytes=plan_peak_memory_bytes(problem, pruned.upper_plan),
-        num_variables=0,
-        num_constraints=0,
-        build_s=prune_s,
-        solve_s=0.0,
-        details={"stopped_above": 1.0, "prune_s": prune_s},
+        details={"stopped_above": 1.0, **details},
     )
 
 

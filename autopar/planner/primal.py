@@ -50,6 +50,7 @@ from autopar.planner.configurations import ConfigurationSolver, Solved
 from autopar.planner.problem import ZeroConfig, evaluate
 from solver.ilp import resolve_backend
 from solver.primal import MAX_STEPS, Fitted, best_fit, byte_price, search
+from solver.problem import gap_floor
 
 SEARCH_MIPS = 8
 """Neighbourhood MIPs round 2 makes at most, over all its configurations (module docstring)."""
@@ -99,7 +100,7 @@ def seed(
     made: list[int] = []  # one entry per neighbourhood MIP of round 2
     for _, k in sorted(fitted):
         zero, free = ordered[k]
-        target = lowest if best is None else best.solution.objective_s * (1.0 - gap)
+        target = lowest if best is None else gap_floor(best.solution.objective_s, gap)
         if best is not None and (free.solution.bound_s >= target or lowest >= target):
             continue  # cannot beat the best by the gap, or the search is closed already
         if best is not None and len(made) >= mips:

@@ -53,6 +53,7 @@ from autopar.planner.configurations import ConfigurationSolver, Solved, log_entr
 from autopar.planner.free_reuse import reused_free
 from autopar.planner.primal import across, seed
 from autopar.planner.problem import ZeroConfig, evaluate
+from solver.problem import gap_floor
 
 
 @dataclass(kw_only=True, slots=True)
@@ -230,7 +231,7 @@ def _keep_better(out: Searched, found: Solved | None) -> None:
 
 def _closes(best: Solved | None, floor: float, gap: float) -> bool:
     """Whether ``best`` is within the gap of ``floor`` (a bound on every configuration)."""
-    return best is not None and floor >= best.solution.objective_s * (1 - max(gap, 1e-9))
+    return best is not None and floor >= gap_floor(best.solution.objective_s, max(gap, 1e-9))
 
 
 def _as_zero(configurations: ConfigurationSolver, solved: Solved, zero: ZeroConfig) -> Solved:
@@ -338,7 +339,7 @@ def search_budgeted(
             warm = best  # the seed (or a budget-free plan that fits) until a relaxation ran
         # Within the gap of the best plan found, a configuration cannot improve it by more than
         # the gap (at gap 0: cannot improve it at all).
-        skip_at = math.inf if best is None else best.solution.objective_s * (1 - max(gap, 1e-9))
+        skip_at = math.inf if best is None else gap_floor(best.solution.objective_s, max(gap, 1e-9))
         if bound >= skip_at:
             _skip(out, zero, label, bound, report, 0.0)
             continue

@@ -49,6 +49,7 @@ def _walked(space, zero):  # type: ignore[no-untyped-def]
 
     grads = zp._grads(space, zp.allowed_partial_axes(space, None))
     members: dict = {}
+    last, last_used = set(), zp.last_used_param(space)  # its streams keep the last chunk
     for node in space.nodes:
         if node.kind != "param" or node.alias_of is not None or node.local_numel is None:
             continue
@@ -59,10 +60,11 @@ def _walked(space, zero):  # type: ignore[no-untyped-def]
                 largest[axes] = max(largest.get(axes, 0.0), float(node.local_numel[s]))
         partial, saved = grads[node.name]
         for axes, numel in largest.items():
-            members.setdefault((axes, tuple(a for a in axes if a in partial)), []).append(
-                (numel, saved)
-            )
-    return zp._streams(space, zero, members, grads)
+            key = (axes, tuple(a for a in axes if a in partial))
+            members.setdefault(key, []).append((numel, saved))
+            if node.name == last_used:
+                last.add(key)
+    return zp._streams(space, zero, members, grads, last)
 
 
 def _zeros(space):  # type: ignore[no-untyped-def]

@@ -22,11 +22,17 @@ class _SlowClock:
         return self.now
 
 
+SEED_BUDGET = 2_200_000
+"""Where the seed's second MIP improves on the first's plan (at test_primal_across's 2.5 MB
+it no longer does since session 25's pricing of ZeRO-3's kept chunk: one MIP finds the
+plan)."""
+
+
 @pytest.fixture(scope="module")
 def ordered():
     from autopar.planner.zero_search import bounded
 
-    driver = tiny_gpt_driver()
+    driver = tiny_gpt_driver(SEED_BUDGET)
     return driver, bounded(driver.configurations, _zeros(driver), driver.budget)
 
 

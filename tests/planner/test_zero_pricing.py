@@ -1,7 +1,8 @@
 """ZeRO-3 priced per chunk (autopar.planner.zero_pricing), in one process on fake tensors.
 
 A chunk costs what its parameters would cost alone, each a chunk of its own, less the latencies
-it saves (one per parameter beyond the first); the plan prices the fsdp recipe's parameters with
+it saves (one per parameter beyond the first; the chunk kept gathered into backward, which holds
+the parameter the graph uses last, priced kept alone too); the plan prices the fsdp recipe's parameters with
 exactly their chunk's collectives, in place of the bucketed all-reduce they replace; and a
 parameter joining a stream adds its bytes, not another latency.
 """
@@ -52,8 +53,13 @@ def test_a_chunk_costs_its_parameters_alone_less_the_latencies_it_saves() -> Non
     space, numels = plan.space, _numels(plan)
     [stream] = chosen_streams(space, plan.choice, ZERO3).streams
     assert stream.chunks == 1 and stream.elements == sum(numels) and len(numels) == 4
-    assert stream.per_chunk_s > 0  # gloo: 2 all-gathers and a reduce-scatter of latency
-    alone = [stream_price(space, ZERO3, (0,), (0,), [n]) for n in numels]
+    assert stream.per_chunk_s > 0  # gloo: an all-gather and a reduce-scatter of latency
+    # The one chunk holds the parameter the graph uses last: the runtime keeps it gathered
+    # from forward into backward, so it is gathered once (twice, priced alone unkept).
+    assert stream.keeps_last
+    unkept = stream_price(space, ZERO3, (0,), (0,), numels)
+    assert unkept.per_chunk_s > stream.per_chunk_s and unkept.per_element_s > stream.per_element_s
+    alone = [stream_price(space, ZERO3, (0,), (0,), [n], keeps_last=True) for n in numels]
     chunk_s = stream.per_chunk_s * stream.chunks + stream.per_element_s * stream.elements
     alone_s = sum(a.per_chunk_s + a.per_element_s * n for a, n in zip(alone, numels))
     saved_s = (len(numels) - stream.chunks) * stream.per_chunk_s
