@@ -66,6 +66,7 @@ from autopar.runtime.grad_scaler import ShardedGradScaler
 from autopar.runtime.materialize import local_block
 from autopar.runtime.module import ParallelModule
 from autopar.runtime.pipeline_backward import weight_pass
+from autopar.runtime.pipeline_tied import sum_tied_whole
 
 __all__ = ["PipelineModule", "StageModule", "input_key"]
 
@@ -206,8 +207,9 @@ class PipelineModule(nn.Module):
         schedule: a name of :data:`SCHEDULE_CLASSES`.
         microbatches: microbatches per step.
         num_inputs: flattened model inputs of one step.
-        shared: per parameter used by several stages, the process group over which its
-            gradient is summed (None when all its copies are on this rank) and the FQN.
+        shared: per parameter used by several stages, its ``pipeline_tied.TiedWeight``: the
+            FQN, the process group over which its gradient is summed (None when all its
+            copies are on this rank), and whether its copies' layouts differ (summed whole).
         device: where the stages run.
         training: the mode the stages' graphs were captured in (the module starts in it).
     """
@@ -223,7 +225,7 @@ class PipelineModule(nn.Module):
         schedule: str,
         microbatches: int,
         num_inputs: int,
-        shared: Sequence[tuple[str, Any]] = (),
+        shared: Sequence[Any] = (),
         device: torch.device,
         training: bool = True,
     ) -> None:
@@ -374,14 +376,18 @@ class PipelineModule(nn.Module):
         return loss
 
     def _sum_shared_grads(self) -> None:
-        for fqn, group in self.shared:
+        for fqn, group, whole in self.shared:
             copies = [
-                named[fqn]
+                (pmodule, named[fqn])
                 for pmodule in self.pmodules
                 if fqn in (named := dict(pmodule.named_parameters(remove_duplicate=False)))
             ]
             if not copies:
                 continue
+            if whole:
+                sum_tied_whole(fqn, copies, group)
+                continue
+            copies = [p for _, p in copies]
             # Under ZeRO the copies are shards holding the same elements (parallelize_pipeline).
             total = torch.zeros_like(copies[0])
             for p in copies:
