@@ -32,9 +32,9 @@ previous task, or after the neighbour's task it waited for), the head and the ta
   every rank busy (1.2-1.6x slower on 2 ranks here, README "Session 13").
 
 - Session 25: where the rounds recorded thread CPU seconds, ``busy_rank_speed`` is instead the
-  tasks' CPU level (the planner's price over CPU seconds, stable within 5-10% under any load,
-  README "Session 25") times each count's share of the cores, ``min(1, cores / (k + g))``
-  with ``g`` the other processes' runnable threads at the quietest round
+  tasks' CPU level (the planner's price over CPU seconds: within 0.87-1.10x of the checked
+  stages' in 3 of 4 runs, README "Session 25") times each count's share of the cores,
+  ``min(1, cores / (k + g))`` with ``g`` the other processes' runnable threads at the quietest round
   (``calibration_level.foreign_threads``, ``shared_core_speed``): the wall-clock curve above
   carried the share of calibration's moment in three fitted factors; it is kept, recorded
   only, as ``wall_level_speed``.
