@@ -2,7 +2,6 @@
 
     PYTHONPATH=. python benchmarks/pipeline_cost_check.py --world 2      # 2 stages on 2 ranks
     PYTHONPATH=. python benchmarks/pipeline_cost_check.py --world 4      # 4 stages, 4 ranks
-    PYTHONPATH=. python benchmarks/pipeline_cost_check.py --world 2 --profile p2.json
 
 For one world size ``p`` (2 ranks, one per core; 4 ranks oversubscribe the 2 cores):
 
@@ -29,8 +28,7 @@ Measured figures, per configuration:
   backward, so "at the current rate" is the plan's schedule priced at the machine's speed of
   that moment, paired with that repetition's steps (median over repetitions); the profile was
   calibrated "calibration age" seconds before (its file's time with ``--profile``);
-- ranks run in their own sessions (``own_scheduling_group``), as calibration and torchrun
-  run them (README "Session 9": Linux shares the cores per session);
+- ranks run in their own sessions, as calibration and torchrun run them (README "Session 9");
 - bubble: per rank, ``busy`` is ``PipelineModule.busy_s``, the wall seconds inside its stage's
   microbatch forwards and backwards (``PipelineStage.forward_one_chunk`` /
   ``backward_one_chunk``); the bubble of a step is ``1 - max_r busy_r / step``: the idle share
@@ -38,19 +36,19 @@ Measured figures, per configuration:
   stage's idle time ``sum_i t_i - max_i t_i`` over the step). The mean over ranks of
   ``1 - busy_r / step`` is printed too.
 
-"after" is the plan's prediction (session 13: ``busy_rank_speed`` at the compute level of
-calibration's pipeline, ``calibration_pipeline.pipeline_compute_level``); "before" is session
-12's model, the same plan's stages, profile and run with the profile's ``busy_rank_speed``
-divided by that level (``pipeline_terms.compute_level``; 1 for a profile without one). The measured head and tail come from timestamps (``pipeline_terms.ends_terms``):
+"after" is the plan's prediction (session 25: ``busy_rank_speed`` from calibration's CPU level
+and the cores' sharing, ``calibration_level.shared_core_speed``); "before" is session 24's model,
+the same plan's stages, profile and run with the wall-clock curve calibration recorded beside it
+(``pipeline_terms.before_speed``). Each task's thread CPU seconds split a stage's time into its
+work and its share of a core (``pipeline_terms.cpu_terms``, printed by ``cpu_text``). The measured head and tail come from timestamps (``pipeline_terms.ends_terms``):
 the head from the earliest rank's start to the first forward (of it the ranks' skew leaving the
 barrier); the tail from the last task's end to the last rank's end, split into the Python
 before the loss broadcast, the broadcast call and the broadcast's root completing on another
 rank; the model's tail is what the simulation puts after the last backward
 (``pipeline_terms.model_tail_s``: the wait after the last task plus the priced broadcast).
 
-Every rank's microbatch forwards and backwards are timestamped too; a second table splits each
-step into its terms (``benchmarks/pipeline_terms.py``: the plan's simulation with measured
-compute, then measured gaps, then head and tail, against the measured step).
+Every task is timestamped too; a second table splits each step into its terms (the simulation
+with measured compute, then gaps, then head and tail: ``benchmarks/pipeline_terms.py``).
 
 Prints markdown tables and writes ``--out``'s JSON. ``--summary JSON...`` counts what is within
 20% over such JSONs (``summary_text``); ``--reprice JSON...`` prints their main table with
@@ -77,7 +75,10 @@ import torch.distributed as dist
 
 from autopar.models import GPT, GPTConfig, Llama, LlamaConfig
 from benchmarks.pipeline_terms import (
+    before_speed,
     compute_level,
+    cpu_terms,
+    cpu_text,
     drift_text,
     ends_terms,
     fit_text,
@@ -193,11 +194,13 @@ def run_rank(rank: int, world: int, cases: list[dict[str, Any]], args: Any) -> d
             rows = []
             for _ in range(args.steps):
                 dist.barrier()
-                pmodel.tasks, pmodel.phases = [], []
+                pmodel.tasks, pmodel.phases, pmodel.task_cpu = [], [], []
                 start = time.perf_counter()
                 pmodel.step(*batch)
                 wall = time.perf_counter() - start
-                timelines[key].append([start, start + wall, pmodel.tasks, pmodel.phases])
+                timelines[key].append(
+                    [start, start + wall, pmodel.tasks, pmodel.phases, pmodel.task_cpu]
+                )
                 start = time.perf_counter()
                 opt.step()
                 opt.zero_grad()
@@ -230,8 +233,7 @@ def drift_removed(
     """The plan's schedule with every stage's forward and backward scaled by ``speed``
     (calibrated matmul FLOP/s over the FLOP/s the probe measured right before the steps): the
     prediction at the machine's current rate; ``ends``: with the plan's priced head and tail
-    (session 12), else without (session 11's model). ``busy_rank_speed`` divided by the
-    profile's compute level is session 12's model."""
+    (session 12), else without (session 11's model)."""
     from autopar.planner.pipeline_schedule import StageCost, schedule_time
 
     stages = [
@@ -273,17 +275,14 @@ def _paired(measured: list[float], times: list[Any], *, idle: bool = False) -> f
 def summarize(
     cases: list[dict[str, Any]], measured: dict[str, Any], profile: Any, calibrated_at: float
 ) -> list[dict[str, Any]]:
-    """Per configuration: the plan's prediction after (at the profile's compute level) and before
-    (session 12's model: without it), each with the calibrated profile and at the current rate
-    (each repetition's steps against the schedule priced at the probe's rate right before them;
-    median over repetitions; "after" from the rate the level was taken at,
-    ``level_reference_flops``, "before" from the peak), the measured step and idle share, and
-    the schedule model fed the measured stage seconds."""
+    """Per configuration: the plan's prediction after and before (module docstring), each with
+    the calibrated profile and at the current rate (each repetition's steps against the schedule
+    priced at the rate probed right before them, median over repetitions), the measured step and
+    idle share, and the schedule model fed the measured stage seconds."""
     device = profile.device
     calibrated_flops = device.peak_flops["float32"]
     speed, wait = device.busy_rank_speed, device.task_wait_s
-    level = compute_level(profile)
-    unleveled = {k: v / level for k, v in speed.items()}
+    unleveled = before_speed(profile)
     reference = {True: level_reference_flops(profile), False: calibrated_flops}
     table = []
     for case in cases:
@@ -471,10 +470,11 @@ def main(argv: list[str] | None = None) -> int:
         row["terms"] = term_chain(case, timelines[case["key"]], profile.device)
         row["ends"] = ends_terms(timelines[case["key"]])
         row["model_tail_s"] = model_tail_s(case, profile.device.task_wait_s)
+        row["cpu"] = cpu_terms(case, timelines[case["key"]])
     waits = (profile.meta or {}).get("measurements", {}).get("task_wait", {})
-    print(f"busy_rank_speed of the profile: {dict(profile.device.busy_rank_speed)} (compute "
-          f"level {compute_level(profile):.3f}; at the rounds' probed rate "
-          f"{waits.get('compute_level_at_round_rate')}); task_wait_s "
+    print(f"busy_rank_speed of the profile: {dict(profile.device.busy_rank_speed)} (before: "
+          f"{before_speed(profile)}; wall compute level {compute_level(profile):.3f}, at the "
+          f"rounds' probed rate {waits.get('compute_level_at_round_rate')}); task_wait_s "
           f"{profile.device.task_wait_s * 1e3:.2f} ms")  # fmt: skip
     print(f"load at end: {_load()}; {time.perf_counter() - start:.0f} s in all")
     print(markdown(args.world, table))
@@ -485,11 +485,11 @@ def main(argv: list[str] | None = None) -> int:
         for r in table
     ]))  # fmt: skip
     print(drift_text(measured, profile.device))
+    print(cpu_text(table, profile))
     path = os.path.join(args.out, f"pipeline_cost_check_{args.world}.json")
     with open(path, "w") as f:
         json.dump({"argv": sys.argv, "table": table, "cases": cases, "measured": measured,
-                   "timelines": timelines}, f,
-                  indent=1, default=str)  # fmt: skip
+                   "timelines": timelines}, f, indent=1, default=str)  # fmt: skip
     print(
         f"command: PYTHONPATH=. python benchmarks/pipeline_cost_check.py {' '.join(sys.argv[1:])}"
     )

@@ -44,15 +44,16 @@ def record_tasks(pmodel: Any) -> None:
 
     def timed(kind: str, method: Any) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.thread_time()
             try:
                 return method(*args, **kwargs)
             finally:
                 pmodel.tasks.append((kind, start, time.perf_counter()))
+                pmodel.task_cpu.append(time.thread_time() - cpu)
 
         return call
 
-    pmodel.tasks = []
+    pmodel.tasks, pmodel.task_cpu = [], []
     for stage in pmodel._stages:
         stage.forward_one_chunk = timed("F", stage.forward_one_chunk)
         stage.backward_one_chunk = timed("B", stage.backward_one_chunk)
@@ -297,6 +298,67 @@ def per_stage_text(table: list[dict[str, Any]]) -> str:
             f"  {row['key']:22} {pairs}   (SGD step {row['optimizer_s'] * 1e3:.1f} ms; "
             f"calibrated / current matmul speed {row['speed_factor']:.2f})"
         )
+    return "\n".join(lines)
+
+
+def before_speed(profile: Any) -> dict[str, float]:
+    """Session 24's ``busy_rank_speed`` of this profile (the check's "before"): the wall-clock
+    curve calibration recorded beside the CPU one (``task_wait.wall_level_speed``, session 25);
+    for an older profile, its own curve divided by its compute level (session 12's model)."""
+    meta = getattr(profile, "meta", None) or {}
+    wall = meta.get("measurements", {}).get("task_wait", {}).get("wall_level_speed")
+    if wall is not None:
+        return dict(wall)
+    level = compute_level(profile)
+    return {k: v / level for k, v in profile.device.busy_rank_speed.items()}
+
+
+def cpu_terms(case: dict[str, Any], steps: list[Any]) -> dict[str, Any] | None:
+    """The stages' work and share of a core, from each task's thread CPU seconds (``steps[k][i]
+    = (start, end, tasks, phases, cpu)``; None for runs without them): ``cpu_level``, the plan's
+    price of the tasks over their CPU seconds (the profile's ``cpu_compute_level`` when the work
+    is priced right), and ``share`` by the number of ranks computing during a task (itself
+    included, rounded): CPU over wall seconds, what the cores' sharing gave the tasks. Sums over
+    tasks, not medians: a few tasks that waited long for a core weigh as they do in the step."""
+    if any(len(rank) < 5 for ranks in steps for rank in ranks):
+        return None
+    price = cpu_total = 0.0
+    shares: dict[int, list[float]] = {}
+    for ranks in steps:
+        spans = [(i, kind, a, b, cpu) for i, rank in enumerate(ranks)
+                 for (kind, a, b), cpu in zip(rank[2], rank[4], strict=True)]  # fmt: skip
+        for i, kind, a, b, cpu in spans:
+            if cpu <= 0 or b <= a:
+                continue
+            overlap = sum(max(0.0, min(b, d) - max(a, c)) for j, _, c, d, _ in spans if j != i)
+            price += case["stages"][i]["forward_s" if kind == "F" else "backward_s"]
+            cpu_total += cpu
+            bucket = shares.setdefault(round(1 + overlap / (b - a)), [0.0, 0.0])
+            bucket[0] += cpu
+            bucket[1] += b - a
+    return {
+        "cpu_level": price / cpu_total,
+        "share": {k: min(1.0, c / w) for k, (c, w) in sorted(shares.items())},
+    }
+
+
+def cpu_text(table: list[dict[str, Any]], profile: Any) -> str:
+    """Per configuration: the stages' price over CPU seconds against the profile's CPU level,
+    and the share of a core by ranks computing against the profile's curve over that level."""
+    meta = (getattr(profile, "meta", None) or {}).get("measurements", {}).get("task_wait", {})
+    level = meta.get("cpu_compute_level")
+    speed = profile.device.busy_rank_speed
+    lines = [f"work and sharing (thread CPU seconds): profile CPU level {level}, other runnable "
+             f"threads {meta.get('foreign_threads')}, cores {meta.get('cores')}",
+             "| model / schedule / m | stages' price / CPU s | share of a core by ranks computing:"
+             " measured (model) |", "|---|---:|---|"]  # fmt: skip
+    for row in table:
+        got = row.get("cpu")
+        if got is None:
+            continue
+        model = {k: speed.get(str(k), 0.0) / level if level else float("nan") for k in got["share"]}
+        shares = ", ".join(f"{k}: {v:.2f} ({model[k]:.2f})" for k, v in got["share"].items())
+        lines.append(f"| {row['key']} | {got['cpu_level']:.2f} | {shares} |")
     return "\n".join(lines)
 
 

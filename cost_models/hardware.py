@@ -93,7 +93,9 @@ class DeviceSpec:
     once). Ranks that share cores (CPU gloo ranks) run faster when few compute, as in a
     pipeline's ramp-up; ``autopar calibrate`` measures it on CPU, its level included: the speed
     with every rank computing is how fast a pipeline's tasks ran against their price, not 1
-    (session 13; older profiles have 1 there and load unchanged). Empty (presets, GPUs): every
+    (session 13; older profiles have 1 there and load unchanged). Since session 25 one entry per
+    count ``k = 1 .. world``: the pipeline's CPU level times ``min(1, cores / (k + g))``, ``g``
+    the other processes' runnable threads calibration met. Empty (presets, GPUs): every
     rank has its own device, the speed does not depend on how many compute."""
     task_wait_s: float = 0.0
     """Seconds a pipeline rank spends per scheduled task (one microbatch's forward or backward)

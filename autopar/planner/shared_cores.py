@@ -6,7 +6,8 @@ is false: a stage computing alone (a pipeline's ramp-up and drain, or while the 
 its activation) runs several times faster than with every rank computing, the condition under
 which ``autopar calibrate`` measured the device. ``DeviceSpec.busy_rank_speed`` holds the
 measured per-rank speed for ``k`` ranks computing at once, relative to the stage's price (its
-level, the speed with every rank computing, is calibration's pipeline's: not always 1).
+level, the speed with every rank computing, is calibration's pipeline's: not always 1; since
+session 25 the pipeline's CPU level times ``min(1, cores / (k + g))``).
 
 The simulation runs the schedule's per-rank order of forwards ``F(j)`` and backwards ``B(j)``
 (GPipe: every forward, then every backward; 1F1B: ``min(p - i - 1, m)`` warm-up forwards on stage

@@ -9,9 +9,10 @@ schema ``cost_models.load_profile`` reads:
 - ``device.peak_flops[dtype]``: large-matmul throughput (fp32; bf16 where it runs);
 - ``device.mem_bandwidth_Bps``: large-copy bandwidth (read + write bytes per second);
 - ``device.kernel_overhead_s``: the time of a one-element op;
-- ``device.busy_rank_speed`` and ``device.task_wait_s`` (CPU ranks only): per-rank matmul speed
-  with 1, 2, 4, ... ranks computing at once, relative to all of them, and a pipeline's wait per
-  task (:mod:`autopar.tools.calibration_pipeline`), both priced by pipelines;
+- ``device.busy_rank_speed`` and ``device.task_wait_s`` (CPU ranks only): per-rank compute speed
+  with 1, 2, 3, ... ranks computing at once, relative to the prices of the other figures (the
+  CPU level of a short pipeline times each count's share of the cores), and a pipeline's wait
+  per task (:mod:`autopar.tools.calibration_pipeline`), both priced by pipelines;
 - ``device.op_efficiency[family]``: for matmul, attention, pointwise, norm, softmax, embedding,
   reduction and loss, the fraction of the roofline ``max(flops / peak, bytes / bandwidth)`` that a
   representative op (pointwise: gelu, add, mul, silu) reaches forward plus backward (above 1,

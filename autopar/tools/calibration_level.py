@@ -107,3 +107,71 @@ def round_cpu_share(round_: Mapping[str, Any]) -> float | None:
     cpu = sum(round_["forward_cpu_s"]) + sum(round_["backward_cpu_s"])
     wall = sum(round_["forward_s"]) + sum(round_["backward_s"])
     return cpu_share(cpu, wall) if cpu > 0 and wall > 0 else None
+
+
+CPU_LEVEL_RANGE = (0.25, 16.0)
+"""The CPU level is clamped to this range (a round whose timings went wrong); it is the price
+over CPU seconds, so ranks that share few cores (price at every rank busy) read above 1."""
+
+
+def foreign_threads(rounds: Sequence[Mapping[str, Any]], cores: int) -> float | None:
+    """How many other processes' threads competed for the cores while calibration's pipeline
+    ran, at its quietest round (session 25). With ``k`` of the job's ranks computing beside
+    ``g`` other runnable threads a rank gets ``min(1, cores / (k + g))`` of a core
+    (:func:`shared_core_speed`; between counts as the planner's simulation interpolates,
+    ``shared_cores.speed_at``), so each stage's and kind's CPU share in a round, at the mean
+    number of ranks computing during its tasks (``forward_ranks`` / ``backward_ranks``), gives
+    the least ``g`` that explains it (0 where the share is what the job's own ranks leave:
+    a share of a whole core says nothing about load it did not meet). A round's figure is the
+    median over its stages and kinds; the least over rounds is kept: on a machine shared with
+    other users' jobs whose load comes and goes within seconds, the quietest round is the job's
+    own sharing plus the load that stayed. None without CPU figures (before session 15)."""
+    per_round = []
+    for r in rounds:
+        if "forward_cpu_s" not in r or "forward_ranks" not in r:
+            continue
+        world = len(r["forward_s"])
+        threads = [
+            _threads_for_share(cpu_share(cpu, wall), ranks, world, cores)
+            for kind in ("forward", "backward")
+            for cpu, wall, ranks in zip(
+                r[f"{kind}_cpu_s"], r[f"{kind}_s"], r[f"{kind}_ranks"], strict=True
+            )  # fmt: skip
+            if cpu > 0 and wall > 0
+        ]
+        if threads:
+            per_round.append(statistics.median(threads))
+    return min(per_round) if per_round else None
+
+
+def _threads_for_share(share: float, ranks: float, world: int, cores: int) -> float:
+    """The least number of other runnable threads for which a task beside ``ranks`` computing
+    ranks gets ``share`` of a core under :func:`shared_core_speed` (bisection; the share falls
+    as the threads grow)."""
+    from autopar.planner.shared_cores import speed_at
+
+    def got(threads: float) -> float:
+        return speed_at(shared_core_speed(1.0, world, cores, threads), ranks)
+
+    if got(0.0) <= share:
+        return 0.0
+    low, high = 0.0, 1.0
+    while got(high) > share and high < 1e6:  # bounded: a share above what any load gives
+        low, high = high, high * 2
+    while high - low > 1e-6:
+        mid = (low + high) / 2
+        low, high = (mid, high) if got(mid) > share else (low, mid)
+    return (low + high) / 2
+
+
+def shared_core_speed(level: float, world: int, cores: int, foreign: float) -> dict[str, float]:
+    """``busy_rank_speed`` from the CPU level (session 25): with ``k`` of the job's ``world``
+    ranks computing beside ``foreign`` other runnable threads on ``cores`` cores, a rank's
+    compute runs at ``level`` (the planner's price over CPU seconds, :func:`cpu_compute_level`)
+    times its share of a core, ``min(1, cores / (k + foreign))``; one entry per count."""
+    if world < 1 or cores < 1 or foreign < 0 or level <= 0:
+        raise ValueError(
+            f"shared_core_speed needs world >= 1, cores >= 1, foreign >= 0 and level > 0; got "
+            f"world {world}, cores {cores}, foreign {foreign}, level {level}"
+        )
+    return {str(k): level * min(1.0, cores / (k + foreign)) for k in range(1, world + 1)}

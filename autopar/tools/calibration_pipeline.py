@@ -31,12 +31,21 @@ previous task, or after the neighbour's task it waited for), the head and the ta
   pipeline's tasks meet, not at the speed of calibration's single ops timed in a hot loop with
   every rank busy (1.2-1.6x slower on 2 ranks here, README "Session 13").
 
+- Session 25: where the rounds recorded thread CPU seconds, ``busy_rank_speed`` is instead the
+  tasks' CPU level (the planner's price over CPU seconds: within 0.87-1.10x of the checked
+  stages' in 3 of 4 runs, README "Session 25") times each count's share of the cores,
+  ``min(1, cores / (k + g))`` with ``g`` the other processes' runnable threads at the quietest round
+  (``calibration_level.foreign_threads``, ``shared_core_speed``): the wall-clock curve above
+  carried the share of calibration's moment in three fitted factors; it is kept, recorded
+  only, as ``wall_level_speed``.
+
 Median over rounds of a few steps. GPUs and one rank: not measured (0, the probe's speeds).
 """
 
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -47,10 +56,13 @@ import torch.distributed as dist
 from torch import nn
 
 from autopar.tools.calibration_level import (
+    CPU_LEVEL_RANGE,
     cpu_compute_level,
+    foreign_threads,
     gather_task_cpu,
     round_cpu_figures,
     round_cpu_share,
+    shared_core_speed,
     timed_task,
 )
 from autopar.tools.calibration_rates import matmul_cpu_share, matmul_rate_now, priced_stage_tasks
@@ -425,7 +437,9 @@ def with_pipeline_figures(
     measurements in ``details["task_wait"]`` (with ``priced_forward_s`` / ``priced_backward_s``,
     ``compute_level`` and, recorded only, ``compute_level_at_round_rate``: the level against
     the matmul rate probed before each round, ``rate_sizes``) and the probe's speeds in
-    ``details["busy_rank_speed"]["probe"]``."""
+    ``details["busy_rank_speed"]["probe"]``. Where the rounds recorded CPU seconds the speed is
+    :func:`calibration_level.shared_core_speed` of the CPU level and the other threads met
+    (``cores``, ``foreign_threads``; the curve above kept as ``wall_level_speed``)."""
     import dataclasses
 
     # Recorded only (session 15): the share of a core a rank gets with every rank computing,
@@ -456,6 +470,18 @@ def with_pipeline_figures(
     if level is not None:
         speed = {k: v * min(max(level, LEVEL_RANGE[0]), LEVEL_RANGE[1]) for k, v in speed.items()}
         log(f"pipeline compute level: its tasks ran {level:.2f}x the planner's price")
-    log("speed per rank by ranks computing (the probe's, scaled to the pipeline's lone tasks and "
-        "compute level): " + ", ".join(f"{k}: {v:.2f}" for k, v in speed.items()))  # fmt: skip
+    # Session 25: the speed from the CPU level and the cores' sharing where CPU was recorded;
+    # the wall-clock curve above (sessions 11-24) is kept beside it, recorded only.
+    timed["wall_level_speed"] = speed
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    foreign = foreign_threads(timed["rounds"], cores or 1)
+    timed["cores"], timed["foreign_threads"] = cores, foreign
+    if timed["cpu_compute_level"] is not None and foreign is not None:
+        cpu_level = min(max(timed["cpu_compute_level"], CPU_LEVEL_RANGE[0]), CPU_LEVEL_RANGE[1])
+        speed = shared_core_speed(cpu_level, len(timed["p2p_s"]), cores or 1, foreign)
+        log(f"pipeline CPU level {cpu_level:.2f} (price over CPU seconds), {foreign:.2f} other "
+            f"runnable threads at the quietest round, {cores} cores")  # fmt: skip
+    log(
+        "speed per rank by ranks computing: " + ", ".join(f"{k}: {v:.2f}" for k, v in speed.items())
+    )
     return dataclasses.replace(spec, busy_rank_speed=speed)

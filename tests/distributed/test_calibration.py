@@ -24,7 +24,12 @@ def _calibrate(rank: int, world_size: int) -> dict[str, Any]:
 def test_tiny_calibration_gives_a_profile_the_planner_uses(tmp_path) -> None:
     from autopar.mesh import Mesh
     from autopar.tools.calibration import CALIBRATED_FAMILIES
-    from autopar.tools.calibration_level import cpu_compute_level
+    from autopar.tools.calibration_level import (
+        CPU_LEVEL_RANGE,
+        cpu_compute_level,
+        foreign_threads,
+        shared_core_speed,
+    )
     from autopar.tools.calibration_links import CALIBRATED_COLLECTIVES
     from autopar.tools.calibration_pipeline import (
         LEVEL_RANGE,
@@ -98,7 +103,17 @@ def test_tiny_calibration_gives_a_profile_the_planner_uses(tmp_path) -> None:
     assert 0 < task_wait["cpu_share"] <= 1
     assert 0 < task_wait["ops_cpu_share"] <= 1 and task_wait["ops_cpu_flops"] > 1e8
     level = min(max(level, LEVEL_RANGE[0]), LEVEL_RANGE[1])
-    assert dict(device.busy_rank_speed) == pytest.approx({k: v * level for k, v in shaped.items()})
+    wall = {k: v * level for k, v in shaped.items()}
+    assert task_wait["wall_level_speed"] == pytest.approx(wall)  # session 24's, recorded only
+    # Session 25: the CPU level times each count's share of the cores beside the other
+    # threads the quietest round met.
+    cores = task_wait["cores"]
+    foreign = foreign_threads(task_wait["rounds"], cores)
+    assert task_wait["foreign_threads"] == foreign and foreign >= 0 and cores >= 1
+    cpu_level = min(max(task_wait["cpu_compute_level"], CPU_LEVEL_RANGE[0]), CPU_LEVEL_RANGE[1])
+    assert dict(device.busy_rank_speed) == pytest.approx(
+        shared_core_speed(cpu_level, world, cores, foreign)
+    )
     assert device.task_wait_s >= 0 and device.task_wait_s < min(
         r["step_s"] for r in task_wait["rounds"]
     )

@@ -9,8 +9,10 @@ import pytest
 from autopar.tools.calibration_level import (
     cpu_compute_level,
     cpu_share,
+    foreign_threads,
     round_cpu_figures,
     round_cpu_share,
+    shared_core_speed,
     task_cpu_means,
     timed_task,
 )
@@ -133,3 +135,51 @@ def test_the_summary_prices_each_way_and_counts_the_rows_within_20_percent():
     assert row["by_way"]["level"]["ratio"] == pytest.approx(2.0)
     assert row["idle"] == pytest.approx(0.2) and row["shares"] == pytest.approx([1.0, 1.0])
     assert "1 of 1 at the CPU share (ops), 0 of 1 (level); raw 0 of 1" in markdown(2, [row])
+
+
+def test_shared_cores_give_each_computing_rank_its_share_of_a_core_times_the_cpu_level():
+    """Session 25: 4 ranks on 2 cores; alone or in pairs each rank has a core, 3 share 2 cores,
+    4 get half a core each; 2 other runnable threads take their share from every count."""
+    assert shared_core_speed(2.0, 4, 2, 0.0) == pytest.approx(
+        {"1": 2.0, "2": 2.0, "3": 4 / 3, "4": 1.0}
+    )
+    assert shared_core_speed(2.0, 4, 2, 2.0) == pytest.approx(
+        {"1": 4 / 3, "2": 1.0, "3": 0.8, "4": 2 / 3}
+    )
+    assert shared_core_speed(1.5, 2, 8, 1.0) == {"1": 1.5, "2": 1.5}
+    for bad in ((0.0, 2, 2, 0.0), (1.0, 0, 2, 0.0), (1.0, 2, 0, 0.0), (1.0, 2, 2, -1.0)):
+        with pytest.raises(ValueError, match="shared_core_speed needs"):
+            shared_core_speed(*bad)
+
+
+def _round(shares: list[float], ranks: list[float]) -> dict[str, list[float]]:
+    """A 2-stage round whose forward and backward tasks got ``shares`` of a core beside
+    ``ranks`` computing ranks (the same for both kinds)."""
+    wall = [0.02, 0.03]
+    return {
+        "forward_s": wall,
+        "backward_s": [2 * w for w in wall],
+        "forward_cpu_s": [w * s for w, s in zip(wall, shares)],
+        "backward_cpu_s": [2 * w * s for w, s in zip(wall, shares)],
+        "forward_ranks": ranks,
+        "backward_ranks": ranks,
+    }
+
+
+def test_other_threads_are_the_least_that_explain_the_pipelines_share_at_its_quietest_round():
+    """2 cores, 2 ranks. With 2 other runnable threads a lone task gets 2/3 of a core and a
+    task beside the other rank 1/2; beside 1.5 ranks (the planner's interpolation in seconds
+    per unit of work) 1/1.75. A whole core says nothing of load it did not meet: 0. The least
+    round counts, and rounds without CPU figures or concurrencies are skipped."""
+    loaded = _round([2 / 3, 1 / 2], [1.0, 2.0])
+    assert foreign_threads([loaded], 2) == pytest.approx(2.0, abs=1e-5)
+    between = _round([1 / 1.75, 1 / 1.75], [1.5, 1.5])
+    assert foreign_threads([between], 2) == pytest.approx(2.0, abs=1e-5)
+    quiet = _round([1.0, 1.0], [1.5, 2.0])
+    assert foreign_threads([quiet], 2) == 0.0
+    assert foreign_threads([loaded, _round([0.8, 0.8], [2.0, 2.0])], 2) == pytest.approx(
+        0.5, abs=1e-5
+    )  # 2 / (2 + 0.5) = 0.8
+    old = {k: v for k, v in loaded.items() if not k.endswith("_ranks")}
+    assert foreign_threads([old, dict(ROUND)], 2) is None
+    assert foreign_threads([old, loaded], 2) == pytest.approx(2.0, abs=1e-5)
