@@ -32,6 +32,9 @@ class Recorded:
     """The series memo its solves shared (solver/eliminate.py), to go on with."""
     bounds: dict[float, float] = field(default_factory=dict)
     """Multiplier -> the lower bound on D found there (solver/derived_bounds.py references)."""
+    counted: tuple | None = None
+    """(the evaluated problem, its count_patterns), for the relaxation of that very problem
+    (lagrangian.relax ``counts``: counting again took about 1 s on the llama3-70b b256 row)."""
 
 
 class Warm(NamedTuple):
@@ -85,6 +88,7 @@ def solve_relaxed(
             warm=None if warm is None else (warm[0], warm[1]),
             search=warm.search if isinstance(warm, Warm) else True,
             stop_early=True,
+            counts=None if recorded is None else recorded.counted,
         )
     except InfeasibleError:
         return None
@@ -261,16 +265,16 @@ def priced_bound(
     ``target`` with a plan that fits; without patterns the separable D is taken there. The
     pattern D stops once a priced plan is below ``target`` (lagrangian.pattern_dual
     ``give_up``, ``below_only``): the problem is solved anyway and its relaxation, whose
-    first pattern evaluation here gives up at the same target, takes the solves made
-    (llama3-70b fp32: (3,3,2)'s made 24 evaluated whole, its relaxation took 8). Above the
-    target it is evaluated whole: a skipped problem's bound is D itself (giving up there
+    first pattern evaluation here gives up at the same target, takes the solves made. Above
+    the target it is evaluated whole: a skipped problem's bound is D itself (giving up there
     lowered llama-8l-2048's reported bound from 84.002 to 83.961 ms).
-    ``record`` (its ``edges`` ``problem.edges``): filled with every priced solve's answer and
-    the bound per multiplier, for :class:`Warm` (a relaxation of this problem started at these
-    multipliers takes them instead of solving).
+    ``record`` (its ``edges`` ``problem.edges``): filled with every priced solve's answer, the
+    bound per multiplier and the count patterns, for :class:`Warm` (a relaxation of this
+    problem started at these multipliers takes them instead of solving).
 
-    Returns (the bound, the step time of a priced plan with its fastest recomputation when one
-    fits the budget, else None: a plan that fits proves the problem feasible)."""
+    Returns (the bound, the step time of the first priced plan that fits the budget with its
+    fastest recomputation, else None: a plan that fits proves the problem feasible; no
+    other is fitted, each fit a small MIP)."""
     from solver.alike import make_alike
     from solver.count_patterns import count_patterns
     from solver.lagrangian import (
@@ -294,22 +298,22 @@ def priced_bound(
     steps: list[float] = []
 
     def bound_of(lower: float, lam: float, plans: list[tuple[int, ...]]) -> float:
-        for choices in plans:
-            # The budgeted contract (solver/alike.py): tie classes choose alike. A priced plan
-            # that splits a class (budget-free elimination decides members one by one) is made
-            # alike first, as the relaxation does with its own; only then may it prove the
-            # problem feasible. The bound needs no repair: the priced optimum is over every
-            # plan, split or not, so it is at most the best alike plan's.
+        for choices in plans if not steps else ():  # one plan that fits proves it
+            # Tie classes choose alike (solver/alike.py): a priced plan that splits one is made
+            # alike first, as the relaxation's are, before it may prove feasibility. The bound
+            # needs no repair: the priced optimum is over every plan, split or not.
             choices = make_alike(problem, choices) if problem.tied else choices
-            if choices is not None:
-                fitted = fit_recompute(problem, choices)
-                if fitted is not None:
-                    steps.append(fitted[1])
+            fitted = None if choices is None else fit_recompute(problem, choices)
+            if fitted is not None:
+                steps.append(fitted[1])
+                break
         return lower + lam * constant
 
     constant = problem.memory_offset_bytes + transient_floor(problem) - budget
     patterns = recompute_patterns(problem)
     counted = None if patterns is not None else count_patterns(problem)
+    if record is not None and patterns is None:
+        record.counted = (problem, counted)
 
     def separable(lam: float) -> float:
         # The relaxation's separable evaluation at ``lam`` (the same priced problem).
@@ -365,10 +369,10 @@ def _free_solver(
     held = record if record is not None else reuse
     memo = held.memo if held is not None else SolveMemo()
     sizes = {key[:2] for key in reuse.answers} if reuse is not None else set()
-    hashes = EdgeHashes()
+    hashes, node_hashes = EdgeHashes(), EdgeHashes()
 
     def key_of(p: Problem, stop_above: float | None) -> tuple:
-        return _answer_key(p, held.edges, hashes, stop_above)
+        return _answer_key(p, held.edges, hashes, stop_above, node_hashes)
 
     def solve_free(
         priced_problem: Problem, stop_above: float | None = None
@@ -409,7 +413,8 @@ class EdgeHashes:
     edges and share their summed ones with the pattern before, so most of a problem's edges
     were hashed for the one before it (hashing their tables again took 6 of the 74 s of the
     llama3-70b fp32 row's 126 priced solves under the profiler). Entries hold the edge, so
-    its id is not reused meanwhile; the hashes are hash(edge)'s, the same ints."""
+    its id is not reused meanwhile; the hashes are hash(edge)'s, the same ints. The same for
+    nodes (a pattern problem keeps every base node its pattern adds nothing to)."""
 
     def __init__(self) -> None:
         self._last: dict[int, tuple[Edge, int]] = {}
@@ -429,15 +434,18 @@ def _answer_key(
     edges: tuple,
     hashes: EdgeHashes | None = None,
     stop_above: float | None = None,
+    node_hashes: EdgeHashes | None = None,
 ) -> tuple:
     """The key of a priced problem's answer in a :class:`Recorded` whose problem has ``edges``
-    (see :func:`_free_solver`): its edges' hashes unless they are those very edges, and the
-    ``stop_above`` it was solved with."""
+    (see :func:`_free_solver`): its nodes' hashes (as a tuple's hash; ``node_hashes`` keeps
+    them per node object across calls), its edges' hashes unless they are those very edges,
+    and the ``stop_above`` it was solved with."""
     if p.edges is edges:
         held: bool | tuple[int, ...] = True
     else:
         held = (hashes or EdgeHashes())(p.edges)
-    return (len(p.nodes), len(p.edges), hash(p.nodes), hash(p.tied), stop_above, held)
+    nodes = hash((node_hashes or EdgeHashes())(p.nodes))
+    return (len(p.nodes), len(p.edges), nodes, hash(p.tied), stop_above, held)
 
 
 def budget_free_record(problem: Problem, answer: tuple) -> Recorded | None:

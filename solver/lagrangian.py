@@ -50,13 +50,14 @@ from typing import NamedTuple
 
 from solver import pattern_bounds
 from solver.alike import make_alike
-from solver.checkpointing import fit_segments, freed_bytes, recompute_s
+from solver.checkpointing import freed_bytes
 from solver.count_patterns import CountPatterns, count_patterns
 from solver.multiplier import first_multiplier, next_multiplier, pattern_search
 from solver.pattern_bounds import PatternTerms, chord_floor, pattern_problem, pattern_terms
-from solver.presolve import plan_objective_s, plan_peak_memory_bytes
+from solver.presolve import plan_objective_s
 from solver.pricing import Pricing
-from solver.problem import Node, Problem, Segment
+from solver.problem import Node, Problem
+from solver.recompute_fit import fit_recompute
 from solver.tying import expand
 
 
@@ -281,61 +282,6 @@ def _pattern_peak(
     return problem.memory_offset_bytes + transient_floor(problem) + resident - freed + again
 
 
-def fit_recompute(
-    problem: Problem, choices: tuple[int, ...]
-) -> tuple[tuple[int, ...], float] | None:
-    """The fastest recomputation of the plan ``choices`` (layouts fixed) within the budget:
-    (recomputed copies per segment, exact step time), or None when no recomputation fits."""
-    budget = problem.memory_budget_bytes
-    assert budget is not None
-    if not problem.segments:
-        if plan_peak_memory_bytes(problem, choices) > budget:
-            return None
-        return (), plan_objective_s(problem, choices)
-    if plan_peak_memory_bytes(problem, choices) <= budget and not any(
-        seg.min_copies for seg in problem.segments
-    ):  # recomputing only adds time
-        return (0,) * len(problem.segments), plan_objective_s(problem, choices)
-    # One node carries the plan's fixed seconds and bytes; each segment prices its copies on it
-    # (its footprint keeps the overlap cliques of the original nodes).
-    largest_transient = max(
-        (n.transient_bytes[c] for n, c in zip(problem.nodes, choices) if n.transient_bytes),
-        default=0.0,
-    )
-    whole = Node(
-        name="plan",
-        cost_s=(plan_objective_s(problem, choices),),
-        memory_bytes=(
-            math.fsum(n.memory_bytes[c] for n, c in zip(problem.nodes, choices, strict=True)),
-        ),
-        transient_bytes=(max(largest_transient, 0.0),),
-    )
-    segments = tuple(
-        Segment(
-            name=seg.name,
-            nodes=(0,),
-            freed_bytes=((freed_bytes(seg, choices),),),
-            recompute_s=((recompute_s(seg, choices),),),
-            copies=seg.copies,
-            min_copies=seg.min_copies,
-            footprint=seg.footprint or seg.nodes,
-        )
-        for seg in problem.segments
-    )
-    fixed = Problem(
-        nodes=(whole,),
-        memory_budget_bytes=budget,
-        memory_offset_bytes=problem.memory_offset_bytes,
-        segments=segments,
-    )
-    recomputed = fit_segments(fixed)
-    if recomputed is None:
-        return None
-    if plan_peak_memory_bytes(problem, choices, recomputed) > budget:
-        return None
-    return recomputed, plan_objective_s(problem, choices, recomputed)
-
-
 # Long: one search whose state (bound, best plan, bounds per pattern) its closures share.
 def relax(
     problem: Problem,
@@ -349,6 +295,7 @@ def relax(
     stop_at: float = math.inf,
     search: bool = True,
     stop_early: bool = False,
+    counts: tuple[Problem, CountPatterns | None] | None = None,
 ) -> Relaxed:
     """Search the multiplier (module docstring). ``solve_free(problem) -> (choices, value,
         bound)`` solves a budget-free problem (value: its objective; bound: a lower bound on its
@@ -365,7 +312,9 @@ def relax(
     cannot beat by the gap: a cutoff), or after its number of evaluations. ``search`` False
     (with ``warm``): no search; D at multiplier 0 and at ``warm[1]`` only (the pattern D where
     there are patterns), for a caller whose MIP decides anyway (budgeted.Warm.search).
-    ``stop_early``: pattern_dual's (``solve_free`` takes ``stop_above``)."""
+    ``stop_early``: pattern_dual's (``solve_free`` takes ``stop_above``). ``counts``: a
+    problem and its count_patterns (budgeted.Recorded ``counted``), taken for that very
+    problem instead of counting again (the same function of the problem: the same patterns)."""
     clock, budget = time.perf_counter(), problem.memory_budget_bytes
     assert budget is not None
     constant = problem.memory_offset_bytes + transient_floor(problem) - budget
@@ -377,6 +326,11 @@ def relax(
     # Deep tied stacks: count patterns, built when the pattern phase or the MIP after the
     # search needs them (0.2-0.4 s on llama3-8b b32 s8192, whose search often ends before).
     counted: CountPatterns | None = None
+    counts = counts if counts is not None and counts[0] is problem else None
+
+    def counted_patterns() -> CountPatterns | None:
+        return count_patterns(problem) if counts is None else counts[1]
+
     exact = False  # the pattern D (second phase) or the separable one
     seen: dict[float, list[float]] = {}  # per multiplier: a lower bound per pattern
     tangents: dict[float, tuple[float, float]] = {}  # separable D: lam -> (D(lam), slope)
@@ -460,7 +414,7 @@ def relax(
     pattern_start = 0.0
     if not search and warm is not None:
         if not settled():
-            counted = None if patterns is not None else count_patterns(problem)
+            counted = None if patterns is not None else counted_patterns()
             exact = patterns is not None or counted is not None
             patterns = patterns if counted is None else counted.patterns
             evaluate(warm[1])
@@ -471,7 +425,7 @@ def relax(
             lo, lam = lam, lam * 8.0
         else:
             hi = lam
-        counted = None if patterns is not None else count_patterns(problem)
+        counted = None if patterns is not None else counted_patterns()
         if patterns is not None or counted is not None:
             # Straight to the pattern phase, from where the other problem's ended.
             hi, pattern_start = lo, warm[1]
@@ -490,7 +444,7 @@ def relax(
             hi = mid
     separable_lam = best_lam
     if patterns is None and counted is None and not settled():
-        counted = count_patterns(problem)  # for the pattern phase, or else the MIP's fixing
+        counted = counted_patterns()  # for the pattern phase, or else the MIP's fixing
     if patterns is not None or counted is not None:
         patterns = patterns if counted is None else counted.patterns
         exact, max_evaluations = True, evaluations
