@@ -15,11 +15,6 @@ class InfeasibleError(ValueError):
         self.nodes = nodes
 
 
-class CutOffError(InfeasibleError):
-    """No plan costs less than the cutoff the solve was given (solver.solve ``below_s``):
-    the problem may have plans, none of them below it."""
-
-
 class InfeasibleBudgetError(InfeasibleError):
     """The memory budget is too small for every allowed plan.
 

@@ -245,13 +245,11 @@ def run(
     msg: bool,
     start: dict[int, float] | None = None,
     relaxation: bool = False,
-    objective_bound: float | None = None,
 ) -> DirectOutcome:
     """Solve; the status words are ilp._Outcome's. ``start``: column -> value of a known plan
     (its strategy columns only; HiGHS completes the rest), handed over as a starting solution.
     ``relaxation``: solve the LP relaxation only (its optimum is the bound; its values, maybe
-    fractional, are decoded as usual). ``objective_bound`` (model units): plans above it are
-    cut off (HiGHS's option of that name); none at or below it reads 'infeasible'."""
+    fractional, are decoded as usual)."""
     h = model.highs
     if not model.num_variables:
         return DirectOutcome(status="optimal", bound=0.0, values=np.zeros(0))
@@ -269,8 +267,6 @@ def run(
         h.setOptionValue("mip_allow_restart", False)
     if relaxation:
         h.setOptionValue("solve_relaxation", True)
-    if objective_bound is not None:
-        h.setOptionValue("objective_bound", float(objective_bound))
     if start:
         columns = np.fromiter(start.keys(), dtype=np.int32, count=len(start))
         values = np.fromiter(start.values(), dtype=np.float64, count=len(start))

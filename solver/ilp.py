@@ -79,7 +79,6 @@ import pulp
 
 from solver import highs_direct
 from solver.errors import (
-    CutOffError,
     InfeasibleBudgetError,
     InfeasibleError,
     SolverStoppedError,
@@ -370,12 +369,11 @@ def solve_model(
     msg: bool,
     start_plan: tuple[int, ...] | None = None,
     relaxation: bool = False,
-    below_s: float | None = None,
 ) -> Solution:
-    """Presolve, build and run the ILP (the module docstring's model). HiGHS only (else
-    ignored): ``start_plan``, a plan's choices to begin from (strategies presolve removed
-    left out); ``relaxation``, the LP relaxation's optimum as the bound, the plan decoded from
-    its values; ``below_s``, plans above it cut off (CutOffError when none is left)."""
+    """Presolve, build and run the ILP (the module docstring's model). ``start_plan``: a plan's
+    choices to begin the search from (HiGHS only; strategies presolve removed are left out).
+    ``relaxation`` (HiGHS only): the LP relaxation's optimum as the bound, the plan decoded
+    from its values (the Lagrangian relaxation needs bounds, not proofs)."""
     backend, fell_back = resolve_backend(backend)
     start = time.perf_counter()
     validate(problem)
@@ -387,8 +385,7 @@ def solve_model(
     else:
         model = _build(problem, red, minimise_peak=False)
     built = time.perf_counter()
-    if direct:  # below_s in model units, raised by 1e-9 of it (rounding cuts no plan at it)
-        cut = None if below_s is None else below_s * (1 + 1e-9) - red.constant_s
+    if direct:
         outcome = highs_direct.run(
             model,
             time_limit_s=time_limit_s,
@@ -397,9 +394,6 @@ def solve_model(
             msg=msg,
             start=None if start_plan is None else _start_columns(red, model.x_index, start_plan),
             relaxation=relaxation,
-            objective_bound=None
-            if cut is None
-            else (cut - _fixed_cost_s(red)) / model.objective_scale,
         )
     else:
         outcome = _run(model, backend=backend, time_limit_s=time_limit_s, gap=gap, msg=msg)
@@ -409,8 +403,6 @@ def solve_model(
             f"time_limit_s or pass gap > 0"
         )
     if outcome.status == "infeasible":
-        if below_s is not None and direct:
-            raise CutOffError(f"no plan at or below {below_s} s")
         _raise_infeasible(problem, red, backend=backend, time_limit_s=time_limit_s, msg=msg)
     if direct:
         recomputed = highs_direct.decode_recomputed(model, outcome.values)

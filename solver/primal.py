@@ -125,19 +125,12 @@ def search(
     time_limit_s: float | None = None,
     max_steps: int = MAX_STEPS,
     steps: list[int] | None = None,
-    beat_s: float | None = None,
 ) -> Fitted | None:
     """The best plan found for budgeted ``problem`` from the candidate ``plans`` (module
     docstring): :func:`best_fit`, then :func:`neighbourhood` steps while they improve, at most
     ``max_steps`` of them, within about ``time_limit_s`` (None: no limit, and the answer is a
     function of the problem and the plans alone). ``steps``: 1 is appended to it per
-    neighbourhood MIP made. None when no plan that fits was found.
-
-    ``beat_s``: the step of a plan found elsewhere (the caller keeps only a plan below it).
-    While the search's plan costs more, each MIP is given it as its cutoff (shrink.solve
-    ``below_s``): a neighbourhood whose optimum is below it gives that optimum as before (ties
-    aside); one whose optimum is not is proven so sooner, and the search stops there, where
-    without it it would have gone on from a plan still no better than ``beat_s``."""
+    neighbourhood MIP made. None when no plan that fits was found."""
     start = time.perf_counter()
     best = best_fit(problem, plans)
     if best is None or not problem.segments and not problem.tied:
@@ -148,10 +141,7 @@ def search(
             break
         if steps is not None:
             steps.append(1)
-        beat = beat_s if beat_s is not None and beat_s < best.objective_s else None
-        found = neighbourhood(
-            problem, best, plans, backend=backend, time_limit_s=left, below_s=beat
-        )
+        found = neighbourhood(problem, best, plans, backend=backend, time_limit_s=left)
         if found.objective_s >= best.objective_s * (1.0 - 1e-9):
             break
         best = found
@@ -165,11 +155,9 @@ def neighbourhood(
     *,
     backend: str = "highs",
     time_limit_s: float | None = None,
-    below_s: float | None = None,
 ) -> Fitted:
     """The budgeted optimum over the strategies kept around ``plan`` (module docstring), or
-    ``plan`` itself when the MIP finds nothing better (stopped, or no better plan there).
-    ``below_s``: the MIP's cutoff (shrink.solve's): ``plan`` itself when none is below it."""
+    ``plan`` itself when the MIP finds nothing better (stopped, or no better plan there)."""
     from solver.fixing import restrict_budgeted
     from solver.parallel import ISOLATE_ENTRIES, problem_entries, solve_isolated
     from solver.shrink import solve  # solver.shrink imports solver.budgeted, which is fine
@@ -186,9 +174,8 @@ def neighbourhood(
             gap=0.0,
             relax_first=False,
             start_plan=start_plan,
-            below_s=below_s,
         )
-    except (InfeasibleError, SolverStoppedError):  # CutOffError among them
+    except (InfeasibleError, SolverStoppedError):
         return plan
     choices = tuple(k[c] for k, c in zip(keep, found.choices, strict=True))
     recomputed = found.recomputed if problem.segments else ()

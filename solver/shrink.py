@@ -36,7 +36,7 @@ from solver.alike import split_mixed
 from solver.checkpointing import contract_segments, expand_recomputed, validate_segments
 from solver.counts import ACCEPT_GAP, solve_counts
 from solver.eliminate import Eliminated, SolveMemo, back_substitute, eliminate
-from solver.errors import CutOffError, InfeasibleError
+from solver.errors import InfeasibleError
 from solver.ilp import ZERO_GAP, resolve_backend, solve_model
 from solver.presolve import cost_matrix, plan_objective_s, plan_peak_memory_bytes, validate
 from solver.problem import Problem, Solution
@@ -59,7 +59,6 @@ def solve(
     warm_multipliers: tuple[float, float] | None = None,
     memo: SolveMemo | None = None,
     stop_above: float | None = None,
-    below_s: float | None = None,
 ) -> Solution:
     """Choose one strategy per node, minimising step time within the memory budget.
 
@@ -85,8 +84,6 @@ def solve(
             (eliminate.SolveMemo; the relaxation's pattern problems repeat most of them).
         stop_above: budget-free only: stop once a bound reaches it (bound_s >= it, 'feasible',
             details["stopped_above"], some plan, objective_s +inf if none); else as without.
-        below_s: budgeted, HiGHS, no relaxation: plans above it cut off from the MIP (an
-            answer costs at most it, else CutOffError); the counts path (_solve_counts) ignores it.
 
     Raises:
         InfeasibleBudgetError: no allowed plan fits the budget; carries the smallest that fits.
@@ -139,7 +136,6 @@ def solve(
             problem,
             **common,
             start_plan=start_plan,
-            below_s=below_s,
             relaxation=relaxation and problem.memory_budget_bytes is None,
             memo=memo if problem.memory_budget_bytes is None else None,
             stop_above=stop_above if problem.memory_budget_bytes is None else None,
@@ -148,10 +144,7 @@ def solve(
         return _solve_core(
             problem, **common, relaxation=relaxation, memo=memo, stop_above=stop_above
         )
-    found = solve_model(problem, **common, start_plan=start_plan, below_s=below_s)
-    if below_s is not None and found.objective_s > below_s * (1 + 1e-9):  # none cut off
-        raise CutOffError(f"no plan at or below {below_s} s")
-    return found
+    return solve_model(problem, **common, start_plan=start_plan)
 
 
 def _relaxation_applies(problem: Problem, gap: float) -> bool:
@@ -441,7 +434,6 @@ def _solve_tied(
     relaxation: bool = False,
     memo: SolveMemo | None = None,
     stop_above: float | None = None,
-    below_s: float | None = None,
 ) -> Solution:
     """Solve the contracted problem (solver/tying.py) and expand its choices to every node.
     ``start_plan``: a plan whose tie classes choose alike, mapped onto the contracted nodes.
@@ -473,7 +465,6 @@ def _solve_tied(
         relaxation=relaxation,
         memo=memo,
         stop_above=stop_above,
-        below_s=below_s,
     )
     choices = expand(contracted, inner.choices)
     recomputed = expand_recomputed(problem, groups, inner.recomputed) if problem.segments else ()

@@ -114,7 +114,6 @@ def seed(
             time_limit_s=configurations.options.time_limit_s,
             max_steps=max(min(MAX_STEPS, mips - len(made)), 0),
             steps=made,
-            beat_s=None if best is None else best.solution.objective_s,
         )
         improved = found is not None and (
             best is None or found.objective_s < best.solution.objective_s
