@@ -59,6 +59,18 @@ class FrozenMap(Mapping[str, Any]):
         return (FrozenMap, (self._data,))
 
 
+def _count_table(device: str, name: str, table: Mapping[Any, float], what: str) -> FrozenMap:
+    """``table`` keyed by counts (of ranks, of cores) >= 1, frozen with string keys; its values
+    must be > 0 (speeds) or, for ``core_wait_s``, >= 0."""
+    for count, value in table.items():
+        if not (str(count).isdigit() and int(count) >= 1 and value >= 0
+                and (value > 0 or name == "core_wait_s")):  # fmt: skip
+            least = "waits >= 0" if name == "core_wait_s" else "speeds > 0"
+            raise ValueError(f"device {device!r}: {name} needs {what} counts >= 1 as keys and "
+                             f"{least}, got {count!r}: {value!r}")  # fmt: skip
+    return FrozenMap({str(int(k)): float(v) for k, v in table.items()})
+
+
 def _check_fraction(owner: str, what: str, value: float) -> None:
     if not 0.0 < value <= 1.0:
         raise ValueError(f"{owner}: {what} must be in (0, 1], got {value}")
@@ -103,6 +115,12 @@ class DeviceSpec:
     schedule's Python, on ranks that share cores. ``autopar calibrate`` measures it on CPU ranks
     with a short GPipe run; the shared-cores simulation charges it after every task. 0 for
     presets and GPUs."""
+    core_wait_s: Mapping[str, float] = field(default_factory=FrozenMap)
+    """Ranks outnumbering the cores they share (gloo ranks on CPU): ``{cores: seconds}``, the
+    cores one host's ranks share and the longest a rank whose pipeline task becomes ready while
+    every core runs another rank's task waits for one (the scheduler's latency for a woken rank
+    against ranks that compute; sooner when one of those tasks ends). ``autopar calibrate``
+    measures it on CPU ranks (session 26); empty (presets, GPUs, older profiles): no wait."""
     comm_backend: str = "nccl"
     """The ``torch.distributed`` backend the runtime's collectives use on this device ("gloo"
     on CPUs). On gloo the ZeRO refresh after an optimizer step is one broadcast per rank
@@ -170,17 +188,9 @@ class DeviceSpec:
                     f"device {self.name!r}: op_efficiency[{family!r}] must be in "
                     f"(0, {MAX_OP_EFFICIENCY}], got {eff}"
                 )
-        for busy, speed in self.busy_rank_speed.items():
-            if not (str(busy).isdigit() and int(busy) >= 1 and speed > 0):
-                raise ValueError(
-                    f"device {self.name!r}: busy_rank_speed needs rank counts >= 1 as keys "
-                    f"and speeds > 0, got {busy!r}: {speed!r}"
-                )
-        object.__setattr__(
-            self,
-            "busy_rank_speed",
-            FrozenMap({str(int(k)): float(v) for k, v in self.busy_rank_speed.items()}),
-        )
+        for name, table, what in (("busy_rank_speed", self.busy_rank_speed, "rank"),
+                                  ("core_wait_s", self.core_wait_s, "core")):  # fmt: skip
+            object.__setattr__(self, name, _count_table(self.name, name, table, what))
         object.__setattr__(
             self, "peak_flops", FrozenMap({k: float(v) for k, v in self.peak_flops.items()})
         )
@@ -205,6 +215,7 @@ class DeviceSpec:
             **({"busy_rank_speed": dict(self.busy_rank_speed)} if self.busy_rank_speed else {}),
             **({"step_error": self.step_error} if self.step_error else {}),
             **({"task_wait_s": self.task_wait_s} if self.task_wait_s else {}),
+            **({"core_wait_s": dict(self.core_wait_s)} if self.core_wait_s else {}),
             # GPU defaults are not written (preset documents and plans stay as they were).
             **({"comm_backend": self.comm_backend} if self.comm_backend != "nccl" else {}),
             **(
@@ -458,17 +469,10 @@ LINKS: Mapping[str, LinkSpec] = FrozenMap(
 )
 
 _ALIASES = {
-    "a100-sxm": "a100",
-    "a100-80gb": "a100",
-    "a100-sxm-80gb": "a100",
-    "a100-sxm-40gb": "a100-40gb",
-    "h100-sxm": "h100",
-    "h100-sxm-80gb": "h100",
-    "h200-sxm": "h200",
-    "nvlink4": "nvlink",
-    "ib": "infiniband",
-    "gloo": "loopback",
-}
+    "a100-sxm": "a100", "a100-80gb": "a100", "a100-sxm-80gb": "a100", "a100-sxm-40gb": "a100-40gb",
+    "h100-sxm": "h100", "h100-sxm-80gb": "h100", "h200-sxm": "h200",
+    "nvlink4": "nvlink", "ib": "infiniband", "gloo": "loopback",
+}  # fmt: skip
 
 
 def backend_fields(backend: str) -> dict[str, Any]:

@@ -88,6 +88,11 @@ PROFILE_SCHEMA: dict[str, Any] = {
                 "step_error": {"type": "number", "minimum": 0, "exclusiveMaximum": 1},
                 "paired_error": {"type": "number", "minimum": 0, "exclusiveMaximum": 1},
                 "task_wait_s": _NONNEGATIVE,
+                "core_wait_s": {
+                    "type": "object",
+                    "propertyNames": {"pattern": "^[1-9][0-9]*$"},
+                    "additionalProperties": _NONNEGATIVE,
+                },
                 "comm_backend": {"enum": list(COMM_BACKENDS)},
                 "collectives_overlap_compute": {"type": "boolean"},
                 "source": {"type": "string"},

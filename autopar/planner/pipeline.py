@@ -196,6 +196,7 @@ class StagePlanner:
         # Ranks sharing cores: their speed by how many compute, and the wait per task.
         self.busy_rank_speed = get_device(device).busy_rank_speed
         self.task_wait_s = get_device(device).task_wait_s
+        self.core_wait_s = get_device(device).core_wait_s
         self._report = progress or (lambda line: None)
 
     def search(
@@ -337,6 +338,7 @@ class StagePlanner:
                 busy_rank_speed=self.busy_rank_speed,
                 ranks_per_stage=mesh.dp * mesh.tp,
                 task_wait_s=self.task_wait_s,
+                core_wait_s=self.core_wait_s,
                 head_s=ends.head_s,
                 tail_s=ends.tail_s,
             )

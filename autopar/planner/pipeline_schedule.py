@@ -140,6 +140,7 @@ def schedule_time(
     busy_rank_speed: Mapping[str, float] | None = None,
     ranks_per_stage: int = 1,
     task_wait_s: float = 0.0,
+    core_wait_s: Mapping[str, float] | None = None,
     head_s: float = 0.0,
     tail_s: float = 0.0,
 ) -> ScheduleTime:
@@ -150,7 +151,7 @@ def schedule_time(
     With a measured ``busy_rank_speed`` (``DeviceSpec``'s: ranks sharing cores) GPipe and 1F1B
     over several stages are simulated instead (:mod:`planner.shared_cores`), each stage being
     ``ranks_per_stage`` ranks, and so are they with a measured ``task_wait_s`` (charged after
-    every task)."""
+    every task); ``core_wait_s`` (``DeviceSpec``'s) adds the waits for a core there."""
     m = microbatches
     simulated = busy_rank_speed or task_wait_s > 0
     if simulated and schedule in ("gpipe", "1f1b") and len(stages) > 1:
@@ -163,6 +164,7 @@ def schedule_time(
             busy_rank_speed=busy_rank_speed or {},
             ranks_per_stage=ranks_per_stage,
             task_wait_s=task_wait_s,
+            core_wait_s=core_wait_s,
             head_s=head_s,
             tail_s=tail_s,
         )

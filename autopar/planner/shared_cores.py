@@ -21,6 +21,15 @@ computing rank advances by ``dt * speed(k)`` with ``k`` the ranks computing in t
 stage's ``ranks_per_stage`` ranks count). ``speed`` interpolates ``busy_rank_speed`` linearly in
 seconds per unit of work between measured counts and is constant beyond them.
 
+Waiting for a core (session 26): ranks that outnumber the cores do not share them as evenly
+as processor sharing says. A rank whose task becomes ready while every core runs another rank's
+task waits, idle, until one of those tasks ends or the device's ``core_wait_s`` (the scheduler's
+latency for a woken rank against ranks that compute; ``autopar calibrate`` measures it) has
+passed, whichever comes first; only then does it compute and share. Measured on 4 gloo ranks
+on 2 cores, a rank woken then waited up to 20-30 ms and the four ranks never computed at once,
+while the sharing alone had them all compute a fifth of the step (README "Session 26"). Without
+a ``core_wait_s`` (presets, GPUs, older profiles, ranks no more than the cores) nothing waits.
+
 With ``speed == 1`` and equal stages this is exactly the closed form; for unequal stages it is the
 event-exact makespan of the schedule's order (1F1B can then beat the closed form, which charges
 the slowest stage GPipe's whole ramp). The wait lies on every task of the critical path: the
@@ -35,6 +44,7 @@ Interleaved 1F1B keeps the closed form.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from autopar.planner.pipeline_schedule import ScheduleTime, StageCost
 
@@ -77,24 +87,29 @@ def shared_schedule_time(
     busy_rank_speed: Mapping[str, float],
     ranks_per_stage: int = 1,
     task_wait_s: float = 0.0,
+    core_wait_s: Mapping[str, float] | None = None,
     head_s: float = 0.0,
     tail_s: float = 0.0,
 ) -> ScheduleTime:
     """The step of ``stages`` under ``schedule`` on ranks sharing cores (module docstring),
-    after the step's ``head_s`` and before its ``tail_s`` (every rank idle in both).
+    after the step's ``head_s`` and before its ``tail_s`` (every rank idle in both);
+    ``core_wait_s`` is ``DeviceSpec.core_wait_s`` (``{cores: seconds}``).
 
-    ``bubble_s`` is the step less the busiest rank's compute and sends (its per-task waits are
-    idle time); ``compute_s`` and ``p2p_s`` are that rank's."""
+    ``bubble_s`` is the step less the busiest rank's compute and sends (its per-task waits and
+    its waits for a core are idle time); ``compute_s`` and ``p2p_s`` are that rank's."""
     p = len(stages)
     orders = [rank_order(schedule, i, p, microbatches) for i in range(p)]
+    cores, core_wait = next(((int(k), v) for k, v in (core_wait_s or {}).items()), (0, 0.0))
     done: dict[tuple[str, int, int], float] = {}
     nxt = [0] * p  # index of each rank's next task
-    left = [[0.0, 0.0] for _ in range(p)]  # remaining compute work, remaining send seconds
+    # Remaining wait for a core (None: not waiting), compute work, send seconds.
+    left: list[list[Any]] = [[None, 0.0, 0.0] for _ in range(p)]
     running = [False] * p
     busy = [0.0] * p  # compute seconds per rank
     speeds = [speed_at(busy_rank_speed, k * ranks_per_stage) for k in range(p + 1)]
     now = 0.0
     while True:
+        computing = [i for i in range(p) if running[i] and left[i][0] is None and left[i][1] > 0]
         for i in range(p):
             if running[i] or nxt[i] == len(orders[i]):
                 continue
@@ -103,23 +118,38 @@ def shared_schedule_time(
             if 0 <= before[1] < p and before not in done:
                 continue
             work = stages[i].forward_s if kind == "F" else stages[i].backward_s
-            left[i] = [work, stages[i].p2p_s / 2 + task_wait_s]
+            full = cores > 0 and len(computing) * ranks_per_stage >= cores
+            left[i] = [core_wait if full else None, work, stages[i].p2p_s / 2 + task_wait_s]
             running[i] = True
+            if not full and work > 0:
+                computing.append(i)
+        for i in range(p):  # a core freed, or the wait for one is over: compute
+            if left[i][0] is not None and (
+                len(computing) * ranks_per_stage < cores or left[i][0] <= 1e-12
+            ):
+                left[i][0] = None
+                computing.append(i)
         active = [i for i in range(p) if running[i]]
         if not active:
             break
-        computing = [i for i in active if left[i][0] > 0]
         rate = speeds[len(computing)]
-        dt = min(left[i][0] / rate if left[i][0] > 0 else left[i][1] for i in active)
+        dt = min(
+            left[i][0] if left[i][0] is not None else left[i][1] / rate if left[i][1] > 0
+            else left[i][2]
+            for i in active
+        )  # fmt: skip
         now += dt
         for i in active:
-            if left[i][0] > 0:
-                left[i][0] -= dt * rate
+            if left[i][0] is not None:
+                left[i][0] -= dt
+                continue
+            if left[i][1] > 0:
+                left[i][1] -= dt * rate
                 busy[i] += dt
             else:
-                left[i][1] -= dt
-            left[i] = [x if x > 1e-12 else 0.0 for x in left[i]]  # rounding: the phase is over
-            if left[i] == [0.0, 0.0]:
+                left[i][2] -= dt
+            left[i][1:] = [x if x > 1e-12 else 0.0 for x in left[i][1:]]  # the phase is over
+            if left[i][1:] == [0.0, 0.0]:
                 kind, j = orders[i][nxt[i]]
                 done[(kind, i, j)] = now
                 nxt[i] += 1

@@ -66,7 +66,7 @@ from autopar.runtime.grad_scaler import ShardedGradScaler
 from autopar.runtime.materialize import local_block
 from autopar.runtime.module import ParallelModule
 from autopar.runtime.pipeline_backward import weight_pass
-from autopar.runtime.pipeline_tied import sum_tied_whole
+from autopar.runtime.pipeline_tied import TiedWeight, sum_tied_whole
 
 __all__ = ["PipelineModule", "StageModule", "input_key"]
 
@@ -225,7 +225,7 @@ class PipelineModule(nn.Module):
         schedule: str,
         microbatches: int,
         num_inputs: int,
-        shared: Sequence[Any] = (),
+        shared: Sequence[TiedWeight] = (),
         device: torch.device,
         training: bool = True,
     ) -> None:

@@ -6,10 +6,11 @@ ranks holding them (:meth:`autopar.runtime.pipeline.PipelineModule._sum_shared_g
 copy takes the same optimizer step. Copies the stages hold in different tensor-parallel layouts
 (say the embedding split by vocabulary in the first stage and the head replicated in the last)
 are summed as full tensors: each gradient gathered over its own stage's submesh, the sum taken
-over the holders, each copy's block cut from it. Under ZeRO each copy is a shard: every stage packs the tied
-weight in a ZeRO chunk of its own (``ParallelModule(zero_alone=...)``), so equal data-parallel
-coordinates hold the same elements in every stage, which :func:`tied_weight_groups` checks
-(:meth:`autopar.runtime.zero.ZeroEngine.layout`) before any gradient is summed.
+over the holders, each copy's block cut from it. Under ZeRO each copy is a shard: every stage
+packs the tied weight in a ZeRO chunk of its own (``ParallelModule(zero_alone=...)``), so equal
+data-parallel coordinates hold the same elements in every stage, which
+:func:`tied_weight_groups` checks (:meth:`autopar.runtime.zero.ZeroEngine.layout`) before any
+gradient is summed; copies in different tensor-parallel layouts are refused under ZeRO.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.errors import UnsupportedModelError
+from autopar.placement import format_placements
 from autopar.runtime.materialize import gather_full, local_block
 
 if TYPE_CHECKING:
@@ -58,19 +60,27 @@ def tied_weight_groups(
     rows = grid.reshape(-1, grid.shape[-1]).tolist()
     out: list[TiedWeight] = []
     for fqn in sorted(shared):
-        layouts = set()
+        layouts: dict[str, int] = {}  # per layout (as "R,S0"), the first stage holding it
         for s in shared[fqn]:
             node = next(n for n, f in stages[s].captured.param_nodes.items() if f == fqn)
-            layouts.add(tuple(plans[s].choices()[node].outputs[0]))
+            layouts.setdefault(format_placements(plans[s].choices()[node].outputs[0]), s)
         holders = sorted({pipeline.stages[s].pp_rank for s in shared[fqn]})
         rows_of = [[row[h] for h in holders] for row in rows]
         zero = [set().union(*(every[r].get(fqn, set()) for r in row)) for row in rows_of]
         zeroed = any(z != {None} for z in zero)
-        if any(len(z) > 1 for z in zero) or (len(layouts) > 1 and zeroed):
+        if len(layouts) > 1 and zeroed:
+            named = " and ".join(f"[{lay}] in stage {s}" for lay, s in layouts.items())
+            raise UnsupportedModelError(
+                f"parameter {fqn} is tied across pipeline stages {list(shared[fqn])} in "
+                f"different tensor-parallel layouts ({named}) under ZeRO, whose shards cannot "
+                f"be summed; give its copies one layout, untie it (e.g. tie_weights=False) or "
+                f"plan without ZeRO"
+            )
+        if any(len(z) > 1 for z in zero):
             raise UnsupportedModelError(
                 f"parameter {fqn} is used by pipeline stages {list(shared[fqn])} (tied weights) "
-                f"and {'has different layouts' if len(layouts) > 1 else 'is split by ZeRO unlike'}"
-                f" in them under ZeRO; untie it (e.g. tie_weights=False) or plan without ZeRO"
+                f"and is split by ZeRO unlike in them; untie it (e.g. tie_weights=False) or "
+                f"plan without ZeRO"
             )
         whole = len(layouts) > 1  # summed as full tensors (each copy gathered in its stage)
         if len(holders) == 1:

@@ -37,7 +37,7 @@ previous task, or after the neighbour's task it waited for), the head and the ta
   ``min(1, cores / (k + g))`` with ``g`` the other processes' runnable threads at the quietest round
   (``calibration_level.foreign_threads``, ``shared_core_speed``): the wall-clock curve above
   carried the share of calibration's moment in three fitted factors; it is kept, recorded
-  only, as ``wall_level_speed``.
+  only, as ``wall_level_speed``. Session 26: the wait for a core (:mod:`calibration_wake`).
 
 Median over rounds of a few steps. GPUs and one rank: not measured (0, the probe's speeds).
 """
@@ -66,6 +66,7 @@ from autopar.tools.calibration_level import (
     timed_task,
 )
 from autopar.tools.calibration_rates import matmul_cpu_share, matmul_rate_now, priced_stage_tasks
+from autopar.tools.calibration_wake import core_wait_figures
 
 __all__ = ["matmul_rate_now", "priced_stage_tasks"]  # moved; importable from here as before
 
@@ -335,10 +336,12 @@ def measure_task_wait(
     send = collective_time_s("broadcast", float(rows * width * 4), 2, link)
     p2p = [send * ((i > 0) + (i < world - 1)) for i in range(world)]
     per_round: list[dict[str, Any]] = []
+    every_step: list[Any] = []
     for _ in range(rounds):
         rate = matmul_rate_now(rate_sizes, device) if rate_sizes else None
         cpu_steps.clear()
         timelines = [one_step() for _ in range(steps)]
+        every_step += timelines
         per_round.append(dict(round_figures(timelines, p2p, microbatches=m), matmul_flops=rate,
                               **round_cpu_figures(cpu_steps)))  # fmt: skip
     wait = statistics.median(r["task_wait_s"] for r in per_round)
@@ -346,12 +349,18 @@ def measure_task_wait(
     detail = {"schedule": "gpipe", "microbatches": m, "rows": rows, "width": width, "layers": layers,
               "p2p_s": p2p, "rounds": per_round,
               "fitted_task_wait_s": statistics.median(r["fitted_task_wait_s"] for r in per_round),
-              **_median_speedup(per_round)}  # fmt: skip
+              **_median_speedup(per_round),
+              **core_wait_figures(every_step, "gpipe", m, _cores())}  # fmt: skip
     log(f"pipeline wait per task (GPipe, {world} stages, m={m}): {wait * 1e3:.2f} ms measured "
         f"between tasks ({detail['fitted_task_wait_s'] * 1e3:.2f} ms fitted to the step); a "
         f"rank alone ran {detail['lone_speedup']:.2f}x its speed beside "
         f"{detail['together_ranks']:.1f} computing ranks")  # fmt: skip
     return wait, detail
+
+
+def _cores() -> int:
+    """The cores this process may run on (the ranks of a CPU job share them)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _median_speedup(per_round: list[dict[str, Any]]) -> dict[str, float]:
@@ -473,8 +482,11 @@ def with_pipeline_figures(
     # Session 25: the speed from the CPU level and the cores' sharing where CPU was recorded;
     # the wall-clock curve above (sessions 11-24) is kept beside it, recorded only.
     timed["wall_level_speed"] = speed
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = _cores()
     foreign = foreign_threads(timed["rounds"], cores or 1)
+    if timed.get("core_wait_s") is not None and len(timed["p2p_s"]) > cores:  # session 26
+        spec = dataclasses.replace(spec, core_wait_s={str(cores): timed["core_wait_s"]})
+        log(f"wait for a core with every core busy: {timed['core_wait_s'] * 1e3:.2f} ms")
     timed["cores"], timed["foreign_threads"] = cores, foreign
     if timed["cpu_compute_level"] is not None and foreign is not None:
         cpu_level = min(max(timed["cpu_compute_level"], CPU_LEVEL_RANGE[0]), CPU_LEVEL_RANGE[1])

@@ -5,8 +5,8 @@ another tool or an edited one could have it. The copies' gradients are summed as
 (``runtime.pipeline_tied.sum_tied_whole``): the loss, every gradient and the parameters after 3
 SGD steps match the single process at rtol 1e-5. With 1F1B the two copies are on different
 ranks; with ZBV the ranks at pp coordinate 0 run the first and the last stage, so both copies
-are on one rank. (Under ZeRO copies of different layouts are still refused: their shards could
-not be summed shard by shard.)"""
+are on one rank. Under ZeRO copies of different layouts are refused, on every rank, with one
+line naming the weight and both layouts: their shards could not be summed shard by shard."""
 
 from __future__ import annotations
 
@@ -20,9 +20,16 @@ from tests.distributed.test_pipeline import LR, NUM_STEPS, _mesh, _train_and_com
 TIED = ("wte.weight", "lm_head.weight")
 
 
-def _edited_plan(path: str, schedule: str, microbatches: int, changed_stage: int) -> None:
-    """Rank 0: the Megatron plan of the tiny GPT with stages, the tied weight's copy in stage
-    ``changed_stage`` (-1: the last) made Replicate on the tp axis, saved at ``path``."""
+def _edited_plan(
+    path: str,
+    schedule: str,
+    microbatches: int,
+    changed_stage: int,
+    recipe: str = "megatron",
+    layout: str = "R,R",
+) -> None:
+    """Rank 0: the ``recipe`` plan of the tiny GPT with stages, the tied weight's copy in stage
+    ``changed_stage`` (-1: the last) given ``layout`` (dp, tp), saved at ``path``."""
     import autopar
     from autopar.plan.document import Plan
     from tests.models import tiny_gpt
@@ -31,7 +38,7 @@ def _edited_plan(path: str, schedule: str, microbatches: int, changed_stage: int
     offline = autopar.Mesh.spec((2, 2), ("pp", "tp"), device="h100")
     plan = autopar.plan(
         model, offline, args, kwargs, stages=2, microbatches=microbatches,
-        schedule=schedule, recipe="megatron",
+        schedule=schedule, recipe=recipe,
     )  # fmt: skip
     data = json.loads(plan.to_json())
     stage_plans = data["pipeline"]["stage_plans"]
@@ -41,7 +48,7 @@ def _edited_plan(path: str, schedule: str, microbatches: int, changed_stage: int
         for node in stage.get("nodes", ()):
             if node.get("fqn") in TIED:  # the weight and, in the first stage, its alias
                 if i == index:
-                    node["outputs"] = ["R,R"]
+                    node["outputs"] = [layout]
                 layouts.append(node["outputs"][0])
     assert len(set(layouts)) == 2, layouts  # the edit made the copies' layouts differ
     Plan.from_dict(data).save(path)
@@ -89,3 +96,35 @@ def test_tied_weight_in_different_layouts_matches_one_process(tmp_path: Any) -> 
     # Ranks 0 and 1 (pp coordinate 0) run stages 0 and 3: both copies, no group to sum over.
     assert [v["copies"] for v in zbv] == [2, 2, 0, 0], zbv
     assert [v["group"] for v in zbv] == [False, False, False, False], zbv
+
+
+def check_tied_layouts_refused_under_zero(rank: int, world_size: int, path: str) -> str:
+    import torch.distributed as dist
+
+    import autopar
+    from autopar.errors import UnsupportedModelError
+    from tests.models import tiny_gpt
+
+    if rank == 0:  # FSDP: ZeRO-3 on the tp axis, the copies Replicate; the first split by vocab
+        _edited_plan(path, "1f1b", 2, 0, recipe="fsdp", layout="R,S0")
+    dist.barrier()
+    model, args, kwargs = tiny_gpt(layers=4)
+    mesh = _mesh((2, 1, 2), ("pp", "dp", "tp"))
+    try:
+        autopar.autoparallelize(model, mesh, args, kwargs, plan=path, optimizer="sgd")
+    except UnsupportedModelError as error:
+        return str(error)
+    raise AssertionError("tied copies in different layouts under ZeRO were not refused")
+
+
+def test_tied_weight_in_different_layouts_under_zero_is_refused(tmp_path: Any) -> None:
+    results = run_cases(
+        check_tied_layouts_refused_under_zero, 4, {"fsdp": str(tmp_path / "z.json")},
+        timeout_s=300,
+    )  # fmt: skip
+    messages = results["fsdp"].check()
+    assert len(set(messages)) == 1, messages  # every rank refuses, with the same message
+    message = messages[0]
+    assert "\n" not in message, message
+    assert "lm_head.weight" in message and "[R,S0] in stage 0" in message, message
+    assert "[R,R] in stage 1" in message and "ZeRO" in message, message

@@ -153,3 +153,38 @@ def test_task_wait_round_trips_and_old_profiles_load_without_it():
     assert "task_wait_s" not in get_device("h100").to_dict()  # presets' documents unchanged
     with pytest.raises(ValueError, match="task_wait_s must be >= 0"):
         DeviceSpec.from_dict({"base": "cpu", "task_wait_s": -1e-3})
+
+
+def test_a_rank_ready_while_every_core_computes_waits_for_a_core():
+    """2 stages sharing 1 core (half speed each when both compute), GPipe, 2 microbatches,
+    forward 1 and backward 2. Sharing alone: stage 1's F0 shares the core with stage 0's F1
+    (2 s each), and its B1 with stage 0's B0 (4 s each): step 12, the busiest rank's compute
+    9 s of wall. Waiting for the core (session 26): stage 1's F0 becomes ready while stage 0
+    computes and starts when that ends, and stage 1's B1 likewise: the same step (the core does
+    the same work), but each task runs alone, 6 s, and the waits are idle time."""
+    stages = [StageCost(forward_s=1.0, backward_s=2.0)] * 2
+    kw = {"microbatches": 2, "schedule": "gpipe", "busy_rank_speed": {"1": 1.0, "2": 0.5}}
+    shared = schedule_time(stages, **kw)
+    assert (shared.step_s, shared.compute_s, shared.bubble_s) == pytest.approx((12, 9, 3))
+    waited = schedule_time(stages, **kw, core_wait_s={"1": 10.0})
+    assert (waited.step_s, waited.compute_s, waited.bubble_s) == pytest.approx((12, 6, 6))
+    # A wait shorter than the task: stage 1 starts after 0.5 s and shares the rest (F0 of
+    # stage 1 over 1.5-3.0, its B1 alike), so 1 s of each shared pair's stretch is left.
+    short = schedule_time(stages, **kw, core_wait_s={"1": 0.5})
+    assert (short.step_s, short.compute_s, short.bubble_s) == pytest.approx((12, 8, 4))
+    # No wait, or as many cores as ranks: sharing alone, as before.
+    assert schedule_time(stages, **kw, core_wait_s={"1": 0.0}) == shared
+    assert schedule_time(stages, **kw, core_wait_s={"2": 10.0}) == shared
+
+
+def test_core_wait_round_trips_and_bad_values_are_one_line_errors():
+    spec = dataclasses.replace(get_device("cpu"), core_wait_s={"2": 0.004})
+    loaded = load_profile({"version": 1, "device": spec.to_dict()}).device
+    assert loaded == spec and dict(loaded.core_wait_s) == {"2": 0.004}
+    assert "core_wait_s" not in get_device("cpu").to_dict()  # presets' documents unchanged
+    with pytest.raises(ValueError, match="core_wait_s needs core counts >= 1"):
+        DeviceSpec.from_dict({"base": "cpu", "core_wait_s": {"0": 0.004}})
+    with pytest.raises(ValueError, match="core_wait_s needs core counts >= 1"):
+        DeviceSpec.from_dict({"base": "cpu", "core_wait_s": {"2": -1.0}})
+    with pytest.raises(ValueError, match="core_wait_s"):
+        load_profile({"version": 1, "device": {"base": "cpu", "core_wait_s": {"x": 1.0}}})

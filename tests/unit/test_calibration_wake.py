@@ -1,0 +1,42 @@
+"""The wait for a core, measured from a pipeline's timelines (``autopar.tools.calibration_wake``),
+on hand-made steps."""
+
+from __future__ import annotations
+
+import pytest
+
+from autopar.tools.calibration_wake import _first_free, core_wait, core_wait_figures, core_wait_gaps
+
+# 2 stages on 1 core, GPipe, 2 microbatches: (start, end, [(kind, start, end)]) per rank.
+# Stage 1's F0 becomes ready at 1.0 (stage 0's F0 ends) while stage 0's F1 runs (1.0-3.0) and
+# starts at 2.0, before that task ends: let in by the scheduler after 1.0 s. Every other gap
+# begins with the core free: stage 0's F1 (0.0), stage 1's F1, B0, B1 and stage 0's B0, B1
+# (0.5 each).
+STEP = [
+    (0.0, 11.0, [("F", 0.0, 1.0), ("F", 1.0, 3.0), ("B", 7.5, 8.5), ("B", 9.5, 10.5)]),
+    (0.0, 11.0, [("F", 2.0, 4.0), ("F", 4.5, 5.0), ("B", 5.5, 7.0), ("B", 7.5, 9.0)]),
+]
+
+
+def test_gaps_split_by_whether_every_core_ran_another_ranks_task():
+    free, full = core_wait_gaps(STEP, "gpipe", 2, cores=1)
+    assert sorted(free) == pytest.approx([0.0, 0.5, 0.5, 0.5, 0.5, 0.5])
+    assert full == [pytest.approx((1.0, 2.0))]  # its gap, and the core freeing 2.0 s after
+    assert core_wait_gaps(STEP, "gpipe", 2, cores=2)[1] == []  # a core to spare: no wait
+
+
+def test_the_wait_is_the_waited_seconds_over_the_ranks_let_in():
+    base = 2.5 / 6
+    figures = core_wait_figures([STEP], "gpipe", 2, cores=1)
+    assert figures["core_wait_s"] == pytest.approx(1.0 - base)
+    assert figures["core_wait_gaps"] == {"free": 6, "full": 1, "let_in": 1}
+    # One let in after 3 s (2 s over the base of 1 s), one cut short when the core freed
+    # after 2 s (1 s waited, no event): 3 s over 1 event.
+    assert core_wait([1.0, 1.0], [(3.0, 5.0), (4.0, 2.0)]) == pytest.approx(3.0)
+    assert core_wait([1.0], []) is None and core_wait([], [(3.0, 5.0)]) is None
+
+
+def test_a_core_is_free_when_fewer_tasks_than_cores_run():
+    assert _first_free([(0.0, 5.0), (4.0, 8.0)], 1.0, cores=1) == 8.0  # the next one kept it
+    assert _first_free([(0.0, 5.0), (4.0, 8.0)], 1.0, cores=2) == 1.0
+    assert _first_free([(0.0, 5.0), (5.0, 8.0)], 1.0, cores=1) == 5.0  # back to back: free
