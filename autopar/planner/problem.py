@@ -317,6 +317,9 @@ class ProblemMemo:
     param_states: dict[tuple, dict[tuple, tuple[float, float]]] = field(default_factory=dict)
     """(memory bytes, ZeRO comm seconds) of a parameter by configuration, then its key."""
     param_keys: dict[str, list[tuple]] = field(default_factory=dict)
+    configurations: dict[tuple, int] = field(default_factory=dict)
+    """A number per (ZeRO configuration, streams) seen: the node keys hold it instead of the
+    pair, whose hash (every stream's fields) was most of a lookup's cost."""
 
 
 def build_problem(
@@ -337,18 +340,22 @@ def build_problem(
     same problem, built once per configuration instead of once per node and edge)."""
     memo = ProblemMemo() if memo is None else memo
     streams = problem_streams(space, zero, allowed)
+    configuration = memo.configurations.setdefault((zero, streams), len(memo.configurations))
     allowed_idx: list[tuple[int, ...]] = []
+    # In the memo keys, None stands for a node's full range of strategies (the usual case:
+    # hashing those tuples on every lookup cost more than the lookups' other work).
+    idx_keys: list[tuple[int, ...] | None] = []
     solver_nodes: list[solver.Node] = []
     for k, node in enumerate(space.nodes):
-        idx = (
-            tuple(allowed[node.name])
-            if allowed and node.name in allowed
-            else tuple(range(len(node.strategies)))
-        )
+        if allowed and node.name in allowed:
+            idx = tuple(allowed[node.name])
+            idx_key = None if idx == tuple(range(len(node.strategies))) else idx
+        else:
+            idx, idx_key = tuple(range(len(node.strategies))), None
         if not idx:
             raise ValueError(f"recipe leaves node {node.name} without a strategy")
         # Only a parameter's costs depend on the ZeRO configuration (param_state).
-        node_key = (k, idx, (zero, streams) if node.kind == "param" else None)
+        node_key = (k, idx_key, configuration if node.kind == "param" else None)
         solver_node = memo.nodes.get(node_key)
         if solver_node is None:
             cost, memory = node_cost_vector(
@@ -365,6 +372,7 @@ def build_problem(
             )
         solver_nodes.append(solver_node)
         allowed_idx.append(idx)
+        idx_keys.append(idx_key)
     solver_edges: list[solver.Edge] = []
     # Repeated layers share cost arrays: convert each (array, rows, cols, bans) once and share
     # the tuple, which also lets the solver merge a tied layer's edges by identity. Unbanned
@@ -376,7 +384,7 @@ def build_problem(
         cols = allowed_idx[edge.dst]
         banned = forbid.get(e, _NO_BANS) if forbid else _NO_BANS
         # Recipes share one banned set per layer position (alive in ``forbid``: ids are stable).
-        key = (id(edge.cost_s), rows, cols, id(banned))
+        key = (id(edge.cost_s), idx_keys[edge.src], idx_keys[edge.dst], id(banned))
         cache = memo.edges if banned is _NO_BANS else converted
         matrix = cache.get(key)
         if matrix is None:
