@@ -320,6 +320,9 @@ class ProblemMemo:
     configurations: dict[tuple, int] = field(default_factory=dict)
     """A number per (ZeRO configuration, streams) seen: the node keys hold it instead of the
     pair, whose hash (every stream's fields) was most of a lookup's cost."""
+    plain_edges: tuple[solver.Edge, ...] | None = None
+    """The edges of a call with every strategy allowed and nothing forbidden: the same for
+    every ZeRO configuration (only parameter nodes' costs depend on it)."""
 
 
 def build_problem(
@@ -373,6 +376,38 @@ def build_problem(
         solver_nodes.append(solver_node)
         allowed_idx.append(idx)
         idx_keys.append(idx_key)
+    plain = not forbid and all(k is None for k in idx_keys)
+    if plain and memo.plain_edges is not None:
+        solver_edges = memo.plain_edges
+    else:
+        solver_edges = _solver_edges(space, allowed_idx, idx_keys, forbid, memo)
+        if plain:
+            memo.plain_edges = solver_edges
+    # Members alike when they are offered the same strategies (a full range keyed by its size).
+    offered = [(len(idx), key) for idx, key in zip(allowed_idx, idx_keys, strict=True)]
+    classes = tuple(
+        tuple(members)
+        for members in tied
+        if len(members) > 1 and len({offered[i] for i in members}) == 1
+    )
+    problem = solver.Problem(
+        nodes=tuple(solver_nodes),
+        edges=solver_edges,
+        memory_budget_bytes=memory_budget_bytes,
+        tied=classes,
+    )
+    return BuiltProblem(problem=problem, allowed=tuple(allowed_idx), zero=zero, streams=streams)
+
+
+def _solver_edges(
+    space: StrategySpace,
+    allowed_idx: list[tuple[int, ...]],
+    idx_keys: list[tuple[int, ...] | None],
+    forbid: dict[int, set[tuple[int, int]]] | None,
+    memo: ProblemMemo,
+) -> tuple[solver.Edge, ...]:
+    """:func:`build_problem`'s edges (``idx_keys``: each node's allowed strategies as its memo
+    keys hold them, None for all)."""
     solver_edges: list[solver.Edge] = []
     # Repeated layers share cost arrays: convert each (array, rows, cols, bans) once and share
     # the tuple, which also lets the solver merge a tied layer's edges by identity. Unbanned
@@ -390,18 +425,7 @@ def build_problem(
         if matrix is None:
             matrix = cache[key] = float_table(edge.cost_s, rows, cols, banned)
         solver_edges.append(solver.Edge(src=edge.src, dst=edge.dst, cost_s=matrix))
-    classes = tuple(
-        tuple(members)
-        for members in tied
-        if len(members) > 1 and len({allowed_idx[i] for i in members}) == 1
-    )
-    problem = solver.Problem(
-        nodes=tuple(solver_nodes),
-        edges=tuple(solver_edges),
-        memory_budget_bytes=memory_budget_bytes,
-        tied=classes,
-    )
-    return BuiltProblem(problem=problem, allowed=tuple(allowed_idx), zero=zero, streams=streams)
+    return tuple(solver_edges)
 
 
 # --------------------------------------------------------------------------------------------
