@@ -16,6 +16,7 @@ from solver.errors import InfeasibleError, SolverStoppedError, stop_code
 from solver.ilp import ZERO_GAP, resolve_backend
 from solver.presolve import plan_objective_s, plan_peak_memory_bytes
 from solver.problem import Edge, Problem, Solution, gap_floor
+from solver.tables import ArrayTable
 
 
 @dataclass(kw_only=True, slots=True)
@@ -424,9 +425,18 @@ class EdgeHashes:
         last, found = self._last, {}
         for e in edges:
             held = last.get(id(e))
-            found[id(e)] = held if held is not None and held[0] is e else (e, hash(e))
+            found[id(e)] = held if held is not None and held[0] is e else (e, _edge_hash(e))
         self._last = found
         return tuple(found[id(e)][1] for e in edges)
+
+
+def _edge_hash(edge: Edge) -> int:
+    """hash(edge), except for a table held as a matrix (solver/tables.py ArrayTable), hashed
+    from the matrix instead of its tuples (which it then never makes where nothing else
+    reads them). Equal edges of the two kinds hash apart: a memo miss, never a wrong hit."""
+    if isinstance(edge.cost_s, ArrayTable):
+        return hash((edge.src, edge.dst, edge.cost_s.content_hash()))
+    return hash(edge)
 
 
 def _answer_key(

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from solver.errors import InfeasibleError
 from solver.problem import Problem, Segment, SegmentEdge
@@ -132,39 +132,51 @@ def contract_segments(
         segments[g].
     """
     keys: dict[tuple, int] = {}
-    # An edge table enters the key as the identity of the first table equal to it: each
-    # distinct table object is hashed once (not on every lookup, as a key holding the nested
-    # tuples would be), equal tables still merge and unequal ones never do.
+    # An edge table or a row enters the key as the identity of the first one equal to it:
+    # each distinct object is hashed once (not on every lookup, as a key holding the nested
+    # tuples would be), equal ones still merge and unequal ones never do. Each object is held
+    # beside its key, so its id is not reused meanwhile.
     first_equal: dict[tuple, tuple] = {}
-    table_key: dict[int, int] = {}
+    table_key: dict[int, tuple[tuple, int]] = {}
 
     def key_of(table: tuple) -> int:
         found = table_key.get(id(table))
         if found is None:
-            found = table_key[id(table)] = id(first_equal.setdefault(table, table))
-        return found
+            found = table_key[id(table)] = (table, id(first_equal.setdefault(table, table)))
+        return found[1]
+
+    # The layers' segments share their row objects (autopar converts each once): a row alone
+    # on its contracted node is summed (0.0 + each entry: -0.0 becomes 0.0) once per object.
+    summed_alone: dict[int, tuple[tuple[float, ...], tuple[float, ...]]] = {}
+
+    def alone(row: tuple[float, ...]) -> tuple[float, ...]:
+        found = summed_alone.get(id(row))
+        if found is None:  # the row is held, so its id stays its own
+            summed = tuple([0.0 + b for b in row])
+            if summed != summed:  # a nan: a fresh one per segment, as summing anew makes
+                return summed
+            found = summed_alone[id(row)] = (row, summed)
+        return found[1]
 
     merged: list[Segment] = []
     groups: list[list[int]] = []
     for k, seg in enumerate(problem.segments):
         # A segment spanning several tied layers lands twice on one contracted node: the
         # members choose alike, so its rows add up.
-        rows: dict[int, tuple[list[float], list[float]]] = {}
-        for n, freed, again in zip(seg.nodes, seg.freed_bytes, seg.recompute_s):
-            entry = rows.setdefault(node_map[n], ([0.0] * len(freed), [0.0] * len(again)))
-            entry[0][:] = [a + b for a, b in zip(entry[0], freed)]
-            entry[1][:] = [a + b for a, b in zip(entry[1], again)]
-        nodes = tuple(rows)
-        freed_rows = tuple(tuple(f) for f, _ in rows.values())
-        again_rows = tuple(tuple(t) for _, t in rows.values())
+        landing: dict[int, list[int]] = {}
+        for j, n in enumerate(seg.nodes):
+            landing.setdefault(node_map[n], []).append(j)
+        nodes = tuple(landing)
+        freed_rows = tuple(_summed(seg.freed_bytes, js, alone) for js in landing.values())
+        again_rows = tuple(_summed(seg.recompute_s, js, alone) for js in landing.values())
         edges = tuple(
             SegmentEdge(src=node_map[e.src], dst=node_map[e.dst], cost_s=e.cost_s)
             for e in seg.edges
         )
         key = (
             nodes,
-            freed_rows,
-            again_rows,
+            tuple(key_of(row) for row in freed_rows),
+            tuple(key_of(row) for row in again_rows),
             tuple((e.src, e.dst, key_of(e.cost_s)) for e in edges),
         )
         g = keys.get(key)
@@ -197,6 +209,20 @@ def contract_segments(
             )
             groups[g].append(k)
     return tuple(merged), tuple(tuple(g) for g in groups)
+
+
+def _summed(
+    rows: Sequence[tuple[float, ...]],
+    picked: list[int],
+    alone: Callable[[tuple[float, ...]], tuple[float, ...]],
+) -> tuple[float, ...]:
+    """rows[picked] added entry by entry onto zeros, in order (``alone`` for one row)."""
+    if len(picked) == 1:
+        return alone(rows[picked[0]])
+    total = [0.0] * len(rows[picked[0]])
+    for j in picked:
+        total = [a + b for a, b in zip(total, rows[j])]
+    return tuple(total)
 
 
 def expand_recomputed(

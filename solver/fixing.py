@@ -39,7 +39,7 @@ from solver.eliminate import SeriesMemo, _MinPlusGraph
 from solver.lagrangian import priced, transient_floor
 from solver.pattern_bounds import pattern_terms
 from solver.problem import Edge, Node, Problem, SegmentEdge
-from solver.tables import Table, entry_array, sub_table
+from solver.tables import ArrayTable, Table, entry_array, sub_table
 from solver.tying import contract
 
 _DENSE_ENTRIES = 4_000_000
@@ -254,9 +254,16 @@ def restrict_budgeted(problem: Problem, keep: tuple[tuple[int, ...], ...]) -> Pr
     index = [np.asarray(k, dtype=np.intp) for k in keep]
     arrays: dict[int, np.ndarray] = {}  # id(table) -> its entries: shared tables convert once
     sliced: dict[tuple[int, tuple[int, ...], tuple[int, ...]], Table] = {}
+    sliced_matrices: dict[tuple[int, tuple[int, ...], tuple[int, ...]], np.ndarray] = {}
 
     def table(rows: Table, src: int, dst: int) -> Table:
         key = (id(rows), keep[src], keep[dst])
+        if isinstance(rows, ArrayTable):  # sliced as a matrix: no tuples made
+            matrix = sliced_matrices.get(key)
+            if matrix is None:
+                matrix = sliced_matrices[key] = rows.matrix[np.ix_(keep[src], keep[dst])]
+                matrix.flags.writeable = False
+            return ArrayTable(matrix)  # an object per edge, as below
         found = sliced.get(key)
         if found is None:
             entries = arrays.get(id(rows))

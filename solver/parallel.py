@@ -26,6 +26,7 @@ from typing import Any
 from solver.errors import SolverStoppedError
 from solver.problem import Problem
 from solver.shrink import solve
+from solver.tables import ArrayTable
 
 __all__ = [
     "ISOLATE_ENTRIES",
@@ -55,7 +56,8 @@ def problem_entries(problem: Problem) -> int:
     for edge in problem.edges:
         if id(edge.cost_s) not in seen:
             seen.add(id(edge.cost_s))
-            total += sum(len(row) for row in edge.cost_s)
+            table = edge.cost_s
+            total += table.matrix.size if isinstance(table, ArrayTable) else sum(map(len, table))
     return total
 
 

@@ -33,12 +33,23 @@ def _segment_arrays(problem: Problem, k: int, cache: dict | None) -> tuple:
     ((src, dst), seconds), and its smallest freed bytes; kept in ``cache`` when given."""
     if cache is not None and k in cache:
         return cache[k]
+    # The layers' segments share their rows and tables (autopar's solver_segments converts
+    # each once): each object becomes one array (by identity, the object held so its id
+    # stays its own), which pattern_terms only reads.
+    converted: dict[int, tuple] = {} if cache is None else cache.setdefault("arrays", {})
+
+    def as_array(values) -> np.ndarray:  # noqa: ANN001 (a row or a table of floats)
+        found = converted.get(id(values))
+        if found is None:
+            found = converted[id(values)] = (values, np.asarray(values, dtype=float))
+        return found[1]
+
     seg = problem.segments[k]
     rows = [
-        (n, np.asarray(again, dtype=float), np.asarray(freed, dtype=float))
+        (n, as_array(again), as_array(freed))
         for n, freed, again in zip(seg.nodes, seg.freed_bytes, seg.recompute_s, strict=True)
     ]
-    edges = [((e.src, e.dst), np.asarray(e.cost_s, dtype=float)) for e in seg.edges]
+    edges = [((e.src, e.dst), as_array(e.cost_s)) for e in seg.edges]
     smallest = math.fsum(min(row) for row in seg.freed_bytes)
     if cache is not None:
         cache[k] = (rows, edges, smallest)

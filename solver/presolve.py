@@ -18,7 +18,7 @@ import numpy as np
 from solver.checkpointing import recompute_terms
 from solver.errors import InfeasibleError
 from solver.problem import Problem
-from solver.tables import table_matrix
+from solver.tables import ArrayTable, table_matrix
 
 
 @dataclass(frozen=True, kw_only=True, slots=True, eq=False)
@@ -130,7 +130,11 @@ def validate(problem: Problem) -> None:
         if key in checked:
             continue
         checked.add(key)
-        if len(edge.cost_s) != rows or any(len(row) != cols for row in edge.cost_s):
+        if isinstance(edge.cost_s, ArrayTable):  # its rows are its matrix's: no tuples made
+            shape_ok = edge.cost_s.matrix.shape == (rows, cols)
+        else:
+            shape_ok = len(edge.cost_s) == rows and all(len(row) == cols for row in edge.cost_s)
+        if not shape_ok:
             raise ValueError(f"edge {k}: cost_s must be {rows} x {cols} (src x dst choices)")
 
 

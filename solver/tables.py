@@ -62,32 +62,97 @@ def sub_table(entries: np.ndarray, rows: Sequence[int], cols: Sequence[int]) -> 
     return tuple(map(tuple, entries.tolist()))
 
 
-class ArrayTable(tuple):
-    """An edge table made from a float matrix: nested tuples like any other (equal to, and
-    hashed as, the plain tuple of the same rows) that also hold what reading them back gives,
-    ``matrix`` (float64, +inf where forbidden, read-only). The passes that need the matrix
-    (presolve.cost_matrix, the series memo of solver/eliminate.py) take it instead of
-    converting the tuples again: the relaxation's priced solves made each table in one pass
-    (tie contraction, elimination, pattern terms) only for the next to read it back."""
+class ArrayTable(Sequence):
+    """An edge table made from a float matrix, held as that matrix (float64, +inf where
+    forbidden, read-only) and read as the solver's nested tuples: indexing, iterating,
+    comparing and hashing behave as on the plain tuple of the same rows (equal to it, and
+    hashed as it), which is made on first use only. The passes that need the matrix
+    (presolve.cost_matrix, the series memo of solver/eliminate.py) take it instead: most
+    tables of the relaxation's priced solves (tie contraction, elimination, pattern terms)
+    are only ever read as matrices, and their tuples (a Python float per entry) were most
+    of the time spent making them."""
 
-    matrix: np.ndarray
+    __slots__ = ("matrix", "_rows", "_row_at", "_content_hash")
+
+    def __init__(self, matrix: np.ndarray) -> None:
+        self.matrix = matrix
+        self._rows: tuple[tuple[float | None, ...], ...] | None = None
+        self._row_at: dict[int, tuple[float | None, ...]] = {}
+        """Rows read one at a time (an entry looked up) before the whole tuple was made."""
+        self._content_hash: int | None = None
+
+    def content_hash(self) -> int:
+        """A hash of the entries' values, from the matrix (not the tuples): equal for equal
+        tables of this kind (zeros of either sign hash alike, as they compare equal), not
+        the hash of the plain tuple. For memo keys over these tables only."""
+        if self._content_hash is None:
+            normal = self.matrix + 0.0  # -0.0 + 0.0 is +0.0
+            self._content_hash = hash((normal.shape, normal.tobytes()))
+        return self._content_hash
+
+    def rows(self) -> tuple[tuple[float | None, ...], ...]:
+        """The plain nested tuples (None where not finite): the same floats as reading the
+        matrix entry by entry, zero signs included."""
+        if self._rows is None:
+            finite = np.isfinite(self.matrix)
+            if finite.all():  # tolist's floats directly: no object array (about half the time)
+                self._rows = tuple(map(tuple, self.matrix.tolist()))
+            else:
+                values = self.matrix.astype(object)
+                values[~finite] = None
+                self._rows = tuple(map(tuple, values.tolist()))
+        return self._rows
+
+    def __len__(self) -> int:
+        return self.matrix.shape[0]
+
+    def __getitem__(self, index):  # noqa: ANN001, ANN204 (as tuple's: an int or a slice)
+        if self._rows is not None or not isinstance(index, int):
+            return self.rows()[index]
+        row = self._row_at.get(index)
+        if row is None:  # the same floats as rows()' row (tolist per row or per matrix)
+            values = self.matrix[index]
+            finite = np.isfinite(values)
+            if finite.all():
+                row = tuple(values.tolist())
+            else:
+                objects = values.astype(object)
+                objects[~finite] = None
+                row = tuple(objects.tolist())
+            self._row_at[index] = row
+        return row
+
+    def __iter__(self):  # noqa: ANN204
+        return iter(self.rows())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, ArrayTable):
+            other = other.rows()
+        return self.rows() == other
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    def __hash__(self) -> int:
+        return hash(self.rows())
+
+    def __repr__(self) -> str:
+        return repr(self.rows())
+
+    def __reduce__(self) -> tuple:
+        return array_table, (self.matrix,)
 
 
-def array_table(matrix: np.ndarray) -> Table:
-    """``matrix`` as the solver's nested tuples (None where not finite), holding the matrix
+def array_table(matrix: np.ndarray) -> ArrayTable:
+    """``matrix`` as the solver's nested tuples (None where not finite), held as the matrix
     those tuples read back as (:class:`ArrayTable`): the same floats, zero signs included."""
     finite = np.isfinite(matrix)
-    if finite.all():  # tolist's floats directly: no object array (about half the time)
-        table = ArrayTable(map(tuple, matrix.tolist()))
+    if finite.all():
         held = np.array(matrix, dtype=np.float64)
     else:
-        values = matrix.astype(object)
-        values[~finite] = None
-        table = ArrayTable(map(tuple, values.tolist()))
         held = np.where(finite, matrix, np.inf)
     held.flags.writeable = False
-    table.matrix = held
-    return table
+    return ArrayTable(held)
 
 
 def table_matrix(table: Table) -> np.ndarray:

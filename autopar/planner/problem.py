@@ -317,6 +317,12 @@ class ProblemMemo:
     param_states: dict[tuple, dict[tuple, tuple[float, float]]] = field(default_factory=dict)
     """(memory bytes, ZeRO comm seconds) of a parameter by configuration, then its key."""
     param_keys: dict[str, list[tuple]] = field(default_factory=dict)
+    configurations: dict[tuple, int] = field(default_factory=dict)
+    """A number per (ZeRO configuration, streams) seen: the node keys hold it instead of the
+    pair, whose hash (every stream's fields) was most of a lookup's cost."""
+    plain_edges: tuple[solver.Edge, ...] | None = None
+    """The edges of a call with every strategy allowed and nothing forbidden: the same for
+    every ZeRO configuration (only parameter nodes' costs depend on it)."""
 
 
 def build_problem(
@@ -337,18 +343,22 @@ def build_problem(
     same problem, built once per configuration instead of once per node and edge)."""
     memo = ProblemMemo() if memo is None else memo
     streams = problem_streams(space, zero, allowed)
+    configuration = memo.configurations.setdefault((zero, streams), len(memo.configurations))
     allowed_idx: list[tuple[int, ...]] = []
+    # In the memo keys, None stands for a node's full range of strategies (the usual case:
+    # hashing those tuples on every lookup cost more than the lookups' other work).
+    idx_keys: list[tuple[int, ...] | None] = []
     solver_nodes: list[solver.Node] = []
     for k, node in enumerate(space.nodes):
-        idx = (
-            tuple(allowed[node.name])
-            if allowed and node.name in allowed
-            else tuple(range(len(node.strategies)))
-        )
+        if allowed and node.name in allowed:
+            idx = tuple(allowed[node.name])
+            idx_key = None if idx == tuple(range(len(node.strategies))) else idx
+        else:
+            idx, idx_key = tuple(range(len(node.strategies))), None
         if not idx:
             raise ValueError(f"recipe leaves node {node.name} without a strategy")
         # Only a parameter's costs depend on the ZeRO configuration (param_state).
-        node_key = (k, idx, (zero, streams) if node.kind == "param" else None)
+        node_key = (k, idx_key, configuration if node.kind == "param" else None)
         solver_node = memo.nodes.get(node_key)
         if solver_node is None:
             cost, memory = node_cost_vector(
@@ -365,6 +375,39 @@ def build_problem(
             )
         solver_nodes.append(solver_node)
         allowed_idx.append(idx)
+        idx_keys.append(idx_key)
+    plain = not forbid and all(k is None for k in idx_keys)
+    if plain and memo.plain_edges is not None:
+        solver_edges = memo.plain_edges
+    else:
+        solver_edges = _solver_edges(space, allowed_idx, idx_keys, forbid, memo)
+        if plain:
+            memo.plain_edges = solver_edges
+    # Members alike when they are offered the same strategies (a full range keyed by its size).
+    offered = [(len(idx), key) for idx, key in zip(allowed_idx, idx_keys, strict=True)]
+    classes = tuple(
+        tuple(members)
+        for members in tied
+        if len(members) > 1 and len({offered[i] for i in members}) == 1
+    )
+    problem = solver.Problem(
+        nodes=tuple(solver_nodes),
+        edges=solver_edges,
+        memory_budget_bytes=memory_budget_bytes,
+        tied=classes,
+    )
+    return BuiltProblem(problem=problem, allowed=tuple(allowed_idx), zero=zero, streams=streams)
+
+
+def _solver_edges(
+    space: StrategySpace,
+    allowed_idx: list[tuple[int, ...]],
+    idx_keys: list[tuple[int, ...] | None],
+    forbid: dict[int, set[tuple[int, int]]] | None,
+    memo: ProblemMemo,
+) -> tuple[solver.Edge, ...]:
+    """:func:`build_problem`'s edges (``idx_keys``: each node's allowed strategies as its memo
+    keys hold them, None for all)."""
     solver_edges: list[solver.Edge] = []
     # Repeated layers share cost arrays: convert each (array, rows, cols, bans) once and share
     # the tuple, which also lets the solver merge a tied layer's edges by identity. Unbanned
@@ -376,24 +419,13 @@ def build_problem(
         cols = allowed_idx[edge.dst]
         banned = forbid.get(e, _NO_BANS) if forbid else _NO_BANS
         # Recipes share one banned set per layer position (alive in ``forbid``: ids are stable).
-        key = (id(edge.cost_s), rows, cols, id(banned))
+        key = (id(edge.cost_s), idx_keys[edge.src], idx_keys[edge.dst], id(banned))
         cache = memo.edges if banned is _NO_BANS else converted
         matrix = cache.get(key)
         if matrix is None:
             matrix = cache[key] = float_table(edge.cost_s, rows, cols, banned)
         solver_edges.append(solver.Edge(src=edge.src, dst=edge.dst, cost_s=matrix))
-    classes = tuple(
-        tuple(members)
-        for members in tied
-        if len(members) > 1 and len({allowed_idx[i] for i in members}) == 1
-    )
-    problem = solver.Problem(
-        nodes=tuple(solver_nodes),
-        edges=tuple(solver_edges),
-        memory_budget_bytes=memory_budget_bytes,
-        tied=classes,
-    )
-    return BuiltProblem(problem=problem, allowed=tuple(allowed_idx), zero=zero, streams=streams)
+    return tuple(solver_edges)
 
 
 # --------------------------------------------------------------------------------------------

@@ -70,11 +70,11 @@ def _by_content(problem: Problem, node_map) -> tuple[tuple, tuple]:
 @st.composite
 def segmented(draw) -> tuple[Problem, list[int]]:
     """Two layers of 3 nodes of 2 strategies, node i contracted onto i % 3; segments drawn as
-    copies of a few templates placed on either layer, each edge's table the template's very
-    object, a fresh equal copy, or a copy with one entry changed (a shared nan object among
-    the entries keeps equal copies equal)."""
+    copies of a few templates placed on either layer or both (rows summed; zeros of both
+    signs), each edge's table the template's very object, a fresh equal copy, or a copy with
+    one entry changed (a shared nan object among the entries keeps equal copies equal)."""
     node_map = [i % 3 for i in range(6)]
-    values = st.sampled_from([0.0, 0.5, 1.0])
+    values = st.sampled_from([0.0, -0.0, 0.5, 1.0])
     entries = st.sampled_from([0.0, 1.0, math.nan])
     originals = [
         tuple(tuple(draw(entries) for _ in range(2)) for _ in range(2))
@@ -113,10 +113,17 @@ def segmented(draw) -> tuple[Problem, list[int]]:
     for k in range(draw(st.integers(1, 8))):
         nodes, freed, again, edges = draw(st.sampled_from(templates))
         shift = 3 * draw(st.integers(0, 1))
+        placed = tuple(n + shift for n in nodes)
+        if draw(st.booleans()):  # spanning both layers: two rows land on each node
+            placed, freed, again = (
+                placed + tuple(n + 3 - shift for n in nodes),
+                freed + tuple(draw(row) for _ in nodes),
+                again + tuple(draw(row) for _ in nodes),
+            )
         segments.append(
             Segment(
                 name=f"s{k}",
-                nodes=tuple(n + shift for n in nodes),
+                nodes=placed,
                 freed_bytes=freed,
                 recompute_s=again,
                 edges=tuple(
@@ -137,5 +144,9 @@ def test_identity_keys_contract_as_content_keys(case) -> None:
     want_merged, want_groups = _by_content(problem, node_map)
     assert groups == want_groups
     assert merged == want_merged
+    # the rows' floats bit for bit (== holds 0.0 and -0.0 equal)
+    assert [(repr(s.freed_bytes), repr(s.recompute_s)) for s in merged] == [
+        (repr(s.freed_bytes), repr(s.recompute_s)) for s in want_merged
+    ]
     for seg, want in zip(merged, want_merged, strict=True):  # the first member's tables
         assert all(a.cost_s is b.cost_s for a, b in zip(seg.edges, want.edges, strict=True))

@@ -104,3 +104,43 @@ def test_a_row_at_a_time_keeps_the_last_of_equal_zeros() -> None:
     want = minplus.series_min_plain(uv, cv, vw)
     assert np.signbit(want).all()  # the loop over t: the last t's -0.0
     assert got.tobytes() == want.tobytes()
+
+
+def _classes(grouping: tuple[np.ndarray, np.ndarray] | None, num_rows: int) -> set[tuple]:
+    """The partition of the rows that a _distinct_rows result describes."""
+    inverse = np.arange(num_rows) if grouping is None else grouping[1]
+    return {tuple(np.flatnonzero(inverse == g)) for g in np.unique(inverse)}
+
+
+def _byte_classes(matrix: np.ndarray) -> set[tuple]:
+    """The rows grouped by their bytes, one by one."""
+    found: dict[bytes, list[int]] = {}
+    for k, row in enumerate(matrix):
+        found.setdefault(row.tobytes(), []).append(k)
+    return {tuple(members) for members in found.values()}
+
+
+@settings(max_examples=80, deadline=None)
+@given(products(), st.booleans())
+def test_distinct_rows_group_rows_by_their_bytes(
+    product: tuple[np.ndarray, np.ndarray, np.ndarray], collide: bool
+) -> None:
+    """The fingerprint's groups are the rows' byte patterns (zeros of either sign apart), and
+    each row's distinct row is one with its bytes; with every fingerprint weight 1 (sums of
+    the words: rows that are permutations of each other collide) the check catches the
+    collision and the byte sort decides."""
+    uv, _, vw = product
+    saved = minplus._FINGERPRINT
+    if collide:
+        minplus._FINGERPRINT = np.uint64(0)  # every weight 1
+    try:
+        for matrix in (uv, vw.T, np.array([[1.0, 2.0], [2.0, 1.0], [1.0, 2.0]])):
+            grouping = minplus._distinct_rows(matrix)
+            assert _classes(grouping, len(matrix)) == _byte_classes(matrix)
+            if grouping is not None:
+                first, inverse = grouping
+                assert all(
+                    matrix[first[g]].tobytes() == row.tobytes() for g, row in zip(inverse, matrix)
+                )
+    finally:
+        minplus._FINGERPRINT = saved

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from solver.lagrangian import priced, recompute_patterns
 from solver.pattern_bounds import pattern_problem, pattern_terms
-from solver.problem import Problem, SegmentEdge
+from solver.problem import Node, Problem, Segment, SegmentEdge
 from tests.unit.test_lagrangian import budgeted_problems
 
 
@@ -123,3 +123,32 @@ def test_pattern_problems_with_shared_tables_equal_the_plain_ones_bitwise(proble
         if last is not None and last[0] == pattern:  # the same terms again: the same Edges
             assert all(a is b for a, b in zip(got.edges, last[1].edges, strict=True))
         last = (pattern, got)
+
+
+def test_rows_and_tables_shared_by_segments_become_one_array() -> None:
+    """Segments of identical layers share their rows and tables (autopar converts each once):
+    with a cache, each such object becomes one array, whichever segment meets it first, and
+    the terms are those formed without the cache, bit for bit."""
+    row, other = (1.0, 2.0), (0.5, -0.0)
+    table = ((0.0, 0.25), (1.0, 2.5))
+    nodes = tuple(Node(name=f"n{i}", cost_s=(0.0, 0.0), memory_bytes=(1.0, 2.0)) for i in range(4))
+    segments = tuple(
+        Segment(
+            name=f"layer{k}",
+            nodes=(2 * k, 2 * k + 1),
+            freed_bytes=(row, other),
+            recompute_s=(other, row),
+            edges=(SegmentEdge(src=2 * k, dst=2 * k + 1, cost_s=table),),
+        )
+        for k in range(2)
+    )
+    problem = Problem(nodes=nodes, segments=segments, memory_budget_bytes=10.0)
+    cache: dict = {}
+    got = pattern_terms(problem, 0.5, (1, 1), cache)
+    want = _plain_terms(problem, 0.5, (1, 1))
+    assert got[0] == want[0] and got[1] == want[1]
+    assert _same(got[2], want[2]) and _same(got[3], want[3])
+    first, second = cache[0], cache[1]
+    assert first[1][0][1] is second[1][0][1]  # the table: one array
+    assert first[0][0][1] is second[0][0][1] and first[0][0][2] is second[0][0][2]
+    assert len(cache["arrays"]) == 3  # row, other, table

@@ -4,12 +4,17 @@ the bits agree (a zero's sign included), and solves sharing a memo equal solves 
 
 from __future__ import annotations
 
+import pickle
+
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from solver.budgeted import EdgeHashes
 from solver.eliminate import SeriesMemo, eliminate
-from solver.presolve import cost_matrix
+from solver.fixing import restrict_budgeted
+from solver.parallel import problem_entries
+from solver.presolve import cost_matrix, plan_objective_s, validate
 from solver.problem import Edge, Node, Problem
 from solver.tables import ArrayTable, array_table, table_matrix
 from solver.tying import contract
@@ -103,3 +108,43 @@ def test_contracted_and_eliminated_tables_hold_their_matrix() -> None:
     kept = eliminate(complete).problem
     assert kept.edges
     assert all(isinstance(e.cost_s, ArrayTable) for e in kept.edges)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(_MATRIX_ENTRIES, min_size=3, max_size=3), min_size=1, max_size=4))
+def test_a_table_read_entry_by_entry_gives_the_tuples_floats(rows) -> None:
+    """Rows read one at a time (before the whole tuple is made) are the whole tuple's rows,
+    float for float and zero signs included; slicing, iterating, equality and hashing are
+    the plain tuple's; a pickled table comes back equal, holding its matrix."""
+    matrix = np.array(rows, dtype=np.float64)
+    plain = tuple(tuple(float(v) if np.isfinite(v) else None for v in row) for row in rows)
+    table = array_table(matrix)
+    by_row = [table[k] for k in range(len(table))]
+    assert [[repr(v) for v in row] for row in by_row] == [[repr(v) for v in row] for row in plain]
+    assert table[-1] == plain[-1] and table[1:] == plain[1:] and len(table) == len(plain)
+    assert tuple(table) == plain and table == plain and plain == table and not table != plain
+    assert hash(table) == hash(plain) and table == array_table(matrix)
+    back = pickle.loads(pickle.dumps(table))
+    assert back == plain and back.matrix.tobytes() == table.matrix.tobytes()
+
+
+def test_readers_of_the_matrix_make_no_tuples() -> None:
+    """validate, the budgeted solver's answer keys, problem sizes and restrict_budgeted read an
+    ArrayTable's matrix: its tuples are never made (they were most of the time of making the
+    relaxation's tables); looking one entry up makes that row only."""
+    node = Node(name="n", cost_s=(1.0, 2.0, 3.0), memory_bytes=(0.0, 1.0, 2.0))
+    tables = [array_table(np.arange(9.0).reshape(3, 3) + k) for k in range(2)]
+    problem = Problem(
+        nodes=(node,) * 3,
+        edges=(Edge(src=0, dst=1, cost_s=tables[0]), Edge(src=1, dst=2, cost_s=tables[1])),
+        memory_budget_bytes=10.0,
+    )
+    validate(problem)
+    EdgeHashes()(problem.edges)
+    assert problem_entries(problem) == 9 + 9 + 9
+    restricted = restrict_budgeted(problem, ((0, 2), (1, 2), (0, 1, 2)))
+    assert all(t._rows is None and not t._row_at for t in tables)
+    assert restricted.edges[0].cost_s == ((1.0, 2.0), (7.0, 8.0))
+    assert isinstance(restricted.edges[0].cost_s, ArrayTable)
+    assert plan_objective_s(problem, (0, 1, 2)) == 1.0 + 2.0 + 3.0 + 1.0 + 6.0
+    assert tables[0]._rows is None and set(tables[0]._row_at) == {0}
