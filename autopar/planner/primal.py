@@ -54,6 +54,8 @@ from solver.problem import gap_floor
 
 SEARCH_MIPS = 8
 """Neighbourhood MIPs round 2 makes at most, over all its configurations (module docstring)."""
+SEARCHED = 1
+"""Configurations round 2 searches at most: the one the fits rank best (module docstring)."""
 
 
 def seed(
@@ -82,7 +84,8 @@ def seed(
     fitted: list[tuple[float, int]] = []  # (step, index in ordered) per configuration that fits
     for k, (zero, _) in enumerate(ordered):
         problem = configurations.budgeted_problem(zero, budget)
-        found = best_fit(problem, _as_problem(configurations, zero, budget, plans))
+        as_problem = _as_problem(configurations, zero, budget, plans)
+        found = best_fit(problem, as_problem, configurations.fits[(zero, budget)])
         configurations.release()
         if found is not None:
             fitted.append((found.objective_s, k))
@@ -98,7 +101,9 @@ def seed(
     )
     best: Solved | None = None
     made: list[int] = []  # one entry per neighbourhood MIP of round 2
-    for _, k in sorted(fitted):
+    for searched, (_, k) in enumerate(sorted(fitted)):
+        if searched >= SEARCHED:
+            break  # the others are bounded first (zero_search), solved only where not skipped
         zero, free = ordered[k]
         target = lowest if best is None else gap_floor(best.solution.objective_s, gap)
         if best is not None and (free.solution.bound_s >= target or lowest >= target):
@@ -114,6 +119,7 @@ def seed(
             time_limit_s=configurations.options.time_limit_s,
             max_steps=max(min(MAX_STEPS, mips - len(made)), 0),
             steps=made,
+            fits=configurations.fits[(zero, budget)],
         )
         improved = found is not None and (
             best is None or found.objective_s < best.solution.objective_s
@@ -151,7 +157,7 @@ def across(
     for zero in zeros:
         problem = configurations.budgeted_problem(zero, budget)
         plans = _as_problem(configurations, zero, budget, [incumbent.choice])
-        found = best_fit(problem, plans) if plans else None
+        found = best_fit(problem, plans, configurations.fits[(zero, budget)]) if plans else None
         if found is not None and (best is None or found.objective_s < best.solution.objective_s):
             best = _solved(configurations, zero, budget, found, start)
         configurations.release(zero, budget)
