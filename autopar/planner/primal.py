@@ -15,8 +15,8 @@ module finds one from the budget-free plans at hand, in two rounds:
    (solver.primal.search: a small budgeted MIP around the plan, strategies priced at a few
    multipliers), the best plan so far among its candidates. Only that one (``SEARCHED``),
    since session 26: a further configuration's search found nothing the search after the
-   seed needs (llama3-70b b256 fp32: stage 3's, 7.7 s, 0.0002% above (3,3,2)'s plan, and
-   stage 3 skipped on its bound after), and a configuration whose bound does not skip it is
+   seed needs (llama3-70b b256 fp32: stage 3's, about 2 s, 0.0002% above (3,3,2)'s plan,
+   and stage 3 skipped on its bound after), and a configuration whose bound does not skip it is
    solved under the budget anyway, with the seed as its cutoff. With ``SEARCHED`` raised,
    the next ones, fastest fit first, are searched while each improves the best plan, no
    configuration left could beat it by the gap (its budget-free bound) and the neighbourhood
