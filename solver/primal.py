@@ -96,22 +96,35 @@ def fit(problem: Problem, choices: tuple[int, ...]) -> Fitted | None:
     )
 
 
-def best_fit(problem: Problem, plans: Iterable[tuple[int, ...]]) -> Fitted | None:
+def best_fit(
+    problem: Problem,
+    plans: Iterable[tuple[int, ...]],
+    fits: dict[tuple[int, ...], Fitted | None] | None = None,
+) -> Fitted | None:
     """The fastest of ``plans`` made to fit ``problem`` (:func:`fit`), each distinct plan once;
-    None when none fits."""
+    None when none fits. ``fits``: :func:`fit`'s answers for ``problem`` found before, per
+    plan, taken instead of fitting again and added to (the caller keeps one per problem:
+    :func:`fit` is a function of the problem and the plan alone)."""
     best: Fitted | None = None
     seen: set[tuple[int, ...]] = set()
     for choices in plans:
         if choices in seen:
             continue
         seen.add(choices)
+        known = fits is not None and choices in fits
         if (
-            best is not None
+            not known
+            and best is not None
             and not _forbidden(problem, choices)
             and plan_objective_s(problem, choices) >= best.objective_s
         ):
             continue  # recomputing only adds time: it cannot beat the best plan
-        found = fit(problem, choices)
+        if known:
+            found = fits[choices]
+        else:
+            found = fit(problem, choices)
+            if fits is not None:
+                fits[choices] = found
         if found is not None and (best is None or found.objective_s < best.objective_s):
             best = found
     return best
@@ -125,14 +138,16 @@ def search(
     time_limit_s: float | None = None,
     max_steps: int = MAX_STEPS,
     steps: list[int] | None = None,
+    fits: dict[tuple[int, ...], Fitted | None] | None = None,
 ) -> Fitted | None:
     """The best plan found for budgeted ``problem`` from the candidate ``plans`` (module
     docstring): :func:`best_fit`, then :func:`neighbourhood` steps while they improve, at most
     ``max_steps`` of them, within about ``time_limit_s`` (None: no limit, and the answer is a
     function of the problem and the plans alone). ``steps``: 1 is appended to it per
-    neighbourhood MIP made. None when no plan that fits was found."""
+    neighbourhood MIP made. ``fits``: as :func:`best_fit`'s. None when no plan that fits was
+    found."""
     start = time.perf_counter()
-    best = best_fit(problem, plans)
+    best = best_fit(problem, plans, fits)
     if best is None or not problem.segments and not problem.tied:
         return best
     for _ in range(max_steps):

@@ -84,8 +84,8 @@ class Ahead:
         options = configurations.bound_options(multipliers, target)
         job = start_priced_bound(problem, multipliers[1], **options)
         self.started += 1
-        # Its problem is not held while the worker bounds it (about 0.2 GB on the llama3-70b
-        # b256 row, beside the next one's evaluation here): built again for the answer.
+        # Its problem is released while the worker bounds it (since session 26 it stays in
+        # ConfigurationSolver._built, small beside the shared memo, and is taken again).
         del problem
         configurations.release(zero, budget)
         self._held[(other, budget, tuple(multipliers), target)] = configurations.bound_aside(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import defaultdict
 from collections.abc import Sequence
 
 import solver
@@ -42,6 +43,7 @@ from solver.derived_bounds import Reference, derived_bound, fitting_step, refere
 from solver.errors import stop_reason
 from solver.parallel import solve_all
 from solver.presolve import plan_objective_s
+from solver.primal import Fitted
 
 Ties = Sequence[tuple[tuple[int, ...], ...]]
 """Tie levels: tie-class sets from the most to the least tied (see :func:`tie_levels`)."""
@@ -102,6 +104,8 @@ class ConfigurationSolver:
         self.notes: list[str] = []
         """What the plan's warnings should say about the solves (a MIP stopped early)."""
         self._prepared: dict[tuple[ZeroConfig, float], tuple[BuiltProblem, solver.Problem]] = {}
+        self._built: dict[tuple[ZeroConfig, float], tuple[BuiltProblem, solver.Problem]] = {}
+        """Budgeted problems built, kept past :meth:`release` (llama3-70b b256: 8 take 65 MB)."""
         self._recorded: dict[tuple[ZeroConfig, float], tuple[tuple[float, float], Recorded]] = {}
         """Per kept problem: the multipliers its bound was evaluated at, and its priced solves
         (solver.budgeted.Recorded), for its relaxation to start from (:meth:`solve`)."""
@@ -110,6 +114,8 @@ class ConfigurationSolver:
         self.references: list[Reference] = []
         """Lower bounds on budgeted problems' duals, to derive other configurations' bounds
         from (:meth:`derived_bound`): each relaxation's best and each priced bound."""
+        self.fits: defaultdict[tuple, dict[tuple[int, ...], Fitted | None]] = defaultdict(dict)
+        """Per budgeted problem, solver.primal.fit's answers per plan (best_fit ``fits``)."""
 
     @property
     def candidates(self) -> tuple[Candidate, ...]:
@@ -150,8 +156,12 @@ class ConfigurationSolver:
         tied = self.tied if tied is None else tied
         key = (zero, budget)
         warm = None if warm_from is None else warm_from.warm_multipliers
-        if spec is None and budget is not None and tied is self.tied and key in self._prepared:
-            built, problem = self._prepared[key]  # budgeted_problem built it already
+        if spec is None and budget is not None and tied is self.tied:
+            built, problem = (
+                self._prepared.get(key)
+                or self._built.get(key)
+                or self._prepare(zero, budget=budget, spec=None, tied=tied)
+            )
             multipliers, recorded = self._recorded.pop(key, (None, None))
             if recorded is not None and warm is not None and multipliers == tuple(warm):
                 # Its bound was evaluated there (priced_bound): those priced solves are reused.
@@ -221,11 +231,11 @@ class ConfigurationSolver:
 
     def budgeted_problem(self, zero: ZeroConfig, budget: float) -> solver.Problem:
         """The solver problem of ``zero`` under ``budget`` at the tightest tie level, built once
-        and kept for :meth:`solve` until :meth:`release`."""
+        (:attr:`_built`) and held for :meth:`solve` until :meth:`release`."""
         key = (zero, budget)
-        if key not in self._prepared:
-            self._prepared[key] = self._prepare(zero, budget=budget, spec=None, tied=self.tied)
-        return self._prepared[key][1]
+        if key not in self._built:
+            self._built[key] = self._prepare(zero, budget=budget, spec=None, tied=self.tied)
+        return self._prepared.setdefault(key, self._built[key])[1]
 
     def built_problem(self, zero: ZeroConfig, budget: float) -> BuiltProblem:
         """What :meth:`budgeted_problem` built for ``zero`` (its allowed strategies per space
@@ -234,8 +244,8 @@ class ConfigurationSolver:
         return self._prepared[(zero, budget)][0]
 
     def release(self, zero: ZeroConfig | None = None, budget: float | None = None) -> None:
-        """Drop the problems :meth:`budgeted_problem` keeps (the planner's memory): all of
-        them, or only ``zero``'s under ``budget`` (one configuration done with)."""
+        """Drop the problems :meth:`budgeted_problem` holds for :meth:`solve` and their priced
+        solves: all, or only ``zero``'s under ``budget`` (they stay in :attr:`_built`)."""
         if zero is None:
             self._prepared.clear()
             self._recorded.clear()

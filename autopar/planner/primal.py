@@ -8,16 +8,20 @@ budgeted optimum, so a plan that fits and costs at most the lowest of them over 
 the search at once; a plan close to it is still a cutoff for every solve that follows. This
 module finds one from the budget-free plans at hand, in two rounds:
 
-1. each configuration's budgeted problem, built and released in turn (one held at a time),
+1. each configuration's budgeted problem (built once: ConfigurationSolver keeps them all)
    takes the fastest of all the budget-free plans made to fit it (solver.primal.best_fit:
    layouts made alike, then the fastest recomputation: milliseconds to a second each);
-2. the configurations, fastest fitted plan first, get the neighbourhood search
+2. the configuration whose fitted plan is fastest gets the neighbourhood search
    (solver.primal.search: a small budgeted MIP around the plan, strategies priced at a few
-   multipliers), the best plan so far among its candidates, until the best plan is within
-   the gap of the lowest bound, or no configuration left could beat it by the gap (its
-   budget-free bound), or one's search does not improve the best plan (the later ones start
-   from slower fits; llama3-70b fp32: the first two within 0.001%, the next four 2-3% above,
-   90 s), or the neighbourhood MIPs given are made (``SEARCH_MIPS``).
+   multipliers), the best plan so far among its candidates. Only that one (``SEARCHED``),
+   since session 26: a further configuration's search found nothing the search after the
+   seed needs (llama3-70b b256 fp32: stage 3's, about 2 s, 0.0002% above (3,3,2)'s plan,
+   and stage 3 skipped on its bound after), and a configuration whose bound does not skip it is
+   solved under the budget anyway, with the seed as its cutoff. With ``SEARCHED`` raised,
+   the next ones, fastest fit first, are searched while each improves the best plan, no
+   configuration left could beat it by the gap (its budget-free bound) and the neighbourhood
+   MIPs given are not all made (``SEARCH_MIPS``). Fits are kept per problem
+   (ConfigurationSolver.fits): round 2 and a later seed fit the same plans again.
 
 The plan returned is evaluated like a solved one (its Solved's step is the problem's
 objective, its peak the problem's). It proves no bound: its solution's bound is its own step,
@@ -54,6 +58,8 @@ from solver.problem import gap_floor
 
 SEARCH_MIPS = 8
 """Neighbourhood MIPs round 2 makes at most, over all its configurations (module docstring)."""
+SEARCHED = 1
+"""Configurations round 2 searches at most: the one the fits rank best (module docstring)."""
 
 
 def seed(
@@ -82,7 +88,8 @@ def seed(
     fitted: list[tuple[float, int]] = []  # (step, index in ordered) per configuration that fits
     for k, (zero, _) in enumerate(ordered):
         problem = configurations.budgeted_problem(zero, budget)
-        found = best_fit(problem, _as_problem(configurations, zero, budget, plans))
+        as_problem = _as_problem(configurations, zero, budget, plans)
+        found = best_fit(problem, as_problem, configurations.fits[(zero, budget)])
         configurations.release()
         if found is not None:
             fitted.append((found.objective_s, k))
@@ -98,7 +105,9 @@ def seed(
     )
     best: Solved | None = None
     made: list[int] = []  # one entry per neighbourhood MIP of round 2
-    for _, k in sorted(fitted):
+    for searched, (_, k) in enumerate(sorted(fitted)):
+        if searched >= SEARCHED:
+            break  # the others are bounded first (zero_search), solved only where not skipped
         zero, free = ordered[k]
         target = lowest if best is None else gap_floor(best.solution.objective_s, gap)
         if best is not None and (free.solution.bound_s >= target or lowest >= target):
@@ -114,6 +123,7 @@ def seed(
             time_limit_s=configurations.options.time_limit_s,
             max_steps=max(min(MAX_STEPS, mips - len(made)), 0),
             steps=made,
+            fits=configurations.fits[(zero, budget)],
         )
         improved = found is not None and (
             best is None or found.objective_s < best.solution.objective_s
@@ -145,13 +155,13 @@ def across(
     configuration offers them, its recomputation refitted to that configuration's ZeRO bytes
     and seconds, the budget checked), or None when it fits none. It runs before their
     budget-free solves (zero_search._across): a feasible plan, so a cutoff, for each. Each
-    problem is built and released in turn (ConfigurationSolver.release: one held at a time)."""
+    problem is built once (ConfigurationSolver keeps it) and its fits are kept for the seed."""
     start = time.perf_counter()
     best: Solved | None = None
     for zero in zeros:
         problem = configurations.budgeted_problem(zero, budget)
         plans = _as_problem(configurations, zero, budget, [incumbent.choice])
-        found = best_fit(problem, plans) if plans else None
+        found = best_fit(problem, plans, configurations.fits[(zero, budget)]) if plans else None
         if found is not None and (best is None or found.objective_s < best.solution.objective_s):
             best = _solved(configurations, zero, budget, found, start)
         configurations.release(zero, budget)

@@ -401,7 +401,7 @@ def search_budgeted(
                     )
                     continue
                 solved_problems.append((fingerprint, solved))
-            configurations.release()  # one configuration's problem held at a time
+            configurations.release()  # its priced solves dropped (the problem stays built)
         out.log.append(log_entry(solved))
         out.bounds.append(max(solved.solution.bound_s, priced))
         details = solved.solution.details

@@ -36,12 +36,14 @@ def ordered():
     return driver, bounded(driver.configurations, _zeros(driver), driver.budget)
 
 
-def _seed(driver, ordered, monkeypatch, *, slow: bool, mips: int | None = None):
-    """primal.seed over ``ordered``: its plan and the neighbourhood MIPs it made."""
+def _seed(driver, ordered, monkeypatch, *, slow: bool, mips: int | None = None, searched: int = 1):
+    """primal.seed over ``ordered``: its plan and the neighbourhood MIPs it made.
+    ``searched``: primal.SEARCHED (configurations round 2 searches at most)."""
     import solver.primal
     from autopar.planner import primal
 
     made: list[int] = []
+    monkeypatch.setattr(primal, "SEARCHED", searched)
     neighbourhood = solver.primal.neighbourhood
 
     def counting(*args, **kwargs):
@@ -64,7 +66,7 @@ def test_the_seed_is_the_same_on_a_slow_clock(ordered, monkeypatch) -> None:
     driver, configurations = ordered
     fast, fast_mips = _seed(driver, configurations, monkeypatch, slow=False)
     slow, slow_mips = _seed(driver, configurations, monkeypatch, slow=True)
-    # Round 2 searches two configurations here: the second improves on the first's plan.
+    # Round 2 searches one configuration here (primal.SEARCHED), with two MIPs.
     assert fast_mips == slow_mips >= 2
     assert slow.choice == fast.choice and slow.zero == fast.zero
     assert slow.solution.objective_s == fast.solution.objective_s
@@ -74,12 +76,23 @@ def test_the_mips_given_are_the_limit(ordered, monkeypatch) -> None:
     from autopar.planner import primal
 
     driver, configurations = ordered
-    full, full_mips = _seed(driver, configurations, monkeypatch, slow=False)
+    # The limit is over every configuration round 2 searches: here all of them (since session
+    # 26 it searches one by default, primal.SEARCHED; the others are bounded and solved only
+    # where their bounds do not skip them).
+    every = len(configurations)
+    full, full_mips = _seed(driver, configurations, monkeypatch, slow=False, searched=every)
     assert full_mips <= primal.SEARCH_MIPS
-    one, one_mips = _seed(driver, configurations, monkeypatch, slow=False, mips=1)
+    one, one_mips = _seed(driver, configurations, monkeypatch, slow=False, mips=1, searched=every)
     assert one_mips == 1
     # One MIP searches the first configuration only: a slower plan than the full round's.
     assert one.solution.objective_s > full.solution.objective_s
     # Every MIP the full round made: the same plan as without a limit.
-    same, same_mips = _seed(driver, configurations, monkeypatch, slow=True, mips=full_mips)
+    same, same_mips = _seed(
+        driver, configurations, monkeypatch, slow=True, mips=full_mips, searched=every
+    )
     assert same_mips == full_mips and same.choice == full.choice
+    # The default searches the configuration the fits rank best only: no more MIPs than
+    # that configuration's steps, and no faster plan than the full round's.
+    lazy, lazy_mips = _seed(driver, configurations, monkeypatch, slow=False)
+    assert lazy_mips <= min(full_mips, primal.MAX_STEPS)
+    assert lazy.solution.objective_s >= full.solution.objective_s
