@@ -93,10 +93,10 @@ class CalibrationConfig:
     trials: int = 5
     """Timings per measurement; the median is kept."""
     sync_segment_s: float = 0.01
-    """Computation between two collectives when ``LinkSpec.sync_s`` is measured: as long as
-    a step's (milliseconds to tens of them), because the wait grows with it."""
-    sync_trials: int = 7
-    """Trials of the sync measurement (a difference of three jittery timings)."""
+    """Forward computation between two collectives when ``LinkSpec.sync_s`` is measured
+    (:mod:`autopar.tools.calibration_sync`): as long as a step's, the wait grows with it."""
+    sync_trials: int = 9
+    """Trials of the sync measurement; the median of the per-trial excess is kept."""
 
     @classmethod
     def for_gpu(cls) -> CalibrationConfig:

@@ -23,6 +23,7 @@ waiting rank picking up a message (on an oversubscribed CPU, its wake-up) plus t
 
 from __future__ import annotations
 
+import dataclasses
 import platform
 import statistics
 import time
@@ -32,9 +33,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from autopar.tools.calibration_sync import measure_sync, sync_segment_matmuls
 from autopar.tools.timing import max_over_ranks, sync_device, time_queued
 from cost_models import collective_steps_and_wire_bytes, fit_alpha_beta
-from cost_models.calibrate import fit_sync_s, link_from_fits, paired_spreads, relative_spread
+from cost_models.calibrate import link_from_fits, paired_spreads, relative_spread
 
 if TYPE_CHECKING:
     from autopar.tools.calibration import CalibrationConfig
@@ -158,98 +160,15 @@ def measure_links(
                 f"axis {name} (size {size}) {kind}: alpha {alpha * 1e6:.1f} us/step, {1 / beta / 1e9:.2f} GB/s"
             )
         if fits:
-            sync_s, sync_details = _measure_sync(group, device, config)
+            source = f"autopar calibrate, {dist.get_backend()} on {platform.node()}"
+            link = link_from_fits(f"calibrated-{name}", fits, source=source, smallest=smallest)
+            sync_s, sync_details = measure_sync(groups, axis, link, device, config)
             details[f"{name}/sync"] = sync_details
             log(
                 f"axis {name} (size {size}) wait per collective between computations: {sync_s * 1e6:.1f} us"
             )
-            links[name] = link_from_fits(
-                f"calibrated-{name}",
-                fits,
-                source=f"autopar calibrate, {dist.get_backend()} on {platform.node()}",
-                sync_s=sync_s,
-                smallest=smallest,
-            )
+            links[name] = dataclasses.replace(link, sync_s=sync_s)
     return links, details
-
-
-SYNC_MATMUL = 256
-"""Side of the square matmuls computed between the collectives of the sync measurement (about
-a millisecond on a CPU core); ``CalibrationConfig.sync_segment_s`` sets how many in a row."""
-SYNC_CALLS = 30
-"""Iterations per timing at most (fewer where the segment is long: about 0.2 s a timing)."""
-
-
-def sync_segment_matmuls(matmul_s: float, segment_s: float) -> int:
-    """How many matmuls of ``matmul_s`` seconds make a computation of ``segment_s`` between two
-    collectives (at least one).
-
-    Why the length matters: a blocking collective waits for its slowest rank, and a rank that
-    shares its core with other processes falls behind when it is descheduled during the
-    computation before it, so the wait grows with that computation until it spans a
-    scheduler time slice (measured, 2 gloo ranks at load 6: 0.55 / 1.2 / 3.3 / 3.8 ms per call
-    after 0.1 / 0.6 / 2.4 / 4.0 ms of matmul; README, "Session 11"). One ~1 ms matmul, as
-    before, priced a sixth of the wait steps with 10-40 ms of compute between collectives saw.
-    """
-    if not matmul_s > 0 or not segment_s > 0:
-        raise ValueError(f"matmul_s and segment_s must be > 0, got {matmul_s}, {segment_s}")
-    return max(1, round(segment_s / matmul_s))
-
-
-def _measure_sync(
-    group: Any, device: torch.device, config: CalibrationConfig
-) -> tuple[float, dict[str, Any]]:
-    """``LinkSpec.sync_s`` of one axis: per trial, iterations of a computation of about
-    ``config.sync_segment_s`` (:func:`sync_segment_matmuls`) then a 1 KiB all-reduce on the
-    axis, of the computation alone, and of the all-reduce alone (back to back), on every rank
-    at once; the slowest rank's time per iteration counts (``cost_models.calibrate.fit_sync_s``).
-    The three are interleaved per trial so that load from other processes falls on all three
-    alike; ``config.sync_trials`` trials (7: the wait is a difference of three jittery timings;
-    on 2 loaded cores the 1 KiB all-reduce alone varied 0.3-5 ms between trials, and with 5
-    trials one 2-rank calibration read 0.06 ms where the one before read 4.5). The same after
-    ONE matmul (what was measured before session 11) is kept in the details as
-    ``one_matmul``, for comparison."""
-    a = torch.randn(SYNC_MATMUL, SYNC_MATMUL, device=device)
-    small = torch.zeros(256, device=device)
-    matmul_s = max_over_ranks([time_queued(lambda: torch.mm(a, a), device, 5, 1)], device)[0]
-    out: dict[str, Any] = {"matmul": SYNC_MATMUL}
-    for label, matmuls in (
-        ("one_matmul", 1),
-        ("segment", sync_segment_matmuls(matmul_s, config.sync_segment_s)),
-    ):
-        calls = max(3, min(SYNC_CALLS, round(0.2 / (matmuls * matmul_s))))
-
-        def compute(matmuls: int = matmuls) -> None:
-            for _ in range(matmuls):
-                torch.mm(a, a)
-
-        def collective() -> None:
-            dist.all_reduce(small, group=group)
-
-        def mixed(compute: Callable[[], None] = compute) -> None:
-            compute()
-            dist.all_reduce(small, group=group)
-
-        mixed()
-        times: dict[str, list[float]] = {"mixed": [], "compute": [], "collective": []}
-        for _ in range(config.sync_trials):
-            for key, fn in (("mixed", mixed), ("compute", compute), ("collective", collective)):
-                dist.barrier()
-                times[key].append(time_queued(fn, device, calls, 1))
-        # Compute against a collective, timed in the same trials: a paired ratio between the
-        # two kinds of term a plan trades (DeviceSpec.paired_error), before the max over ranks.
-        paired = paired_spreads({"compute": times["compute"], "collective": times["collective"]})
-        for key in times:
-            times[key] = max_over_ranks(times[key], device)
-        entry = {"sync_s": fit_sync_s(times["mixed"], times["compute"], times["collective"]),
-                 "seconds_per_call": times, "calls": calls, "matmuls_per_segment": matmuls,
-                 "segment_s": matmuls * matmul_s}  # fmt: skip
-        if label == "segment":
-            out.update(entry)
-            out["paired_spread"] = {k: max_over_ranks([v], device)[0] for k, v in paired.items()}
-        else:
-            out[label] = entry
-    return out["sync_s"], out
 
 
 def _time_kinds_interleaved(
