@@ -103,7 +103,6 @@ class ConfigurationSolver:
         """Nodes and edge matrices converted for one configuration, reused by the others."""
         self.notes: list[str] = []
         """What the plan's warnings should say about the solves (a MIP stopped early)."""
-        self._prepared: dict[tuple[ZeroConfig, float], tuple[BuiltProblem, solver.Problem]] = {}
         self._built: dict[tuple[ZeroConfig, float], tuple[BuiltProblem, solver.Problem]] = {}
         """Budgeted problems built, kept past :meth:`release` (llama3-70b b256: 8 take 65 MB)."""
         self._recorded: dict[tuple[ZeroConfig, float], tuple[tuple[float, float], Recorded]] = {}
@@ -157,10 +156,8 @@ class ConfigurationSolver:
         key = (zero, budget)
         warm = None if warm_from is None else warm_from.warm_multipliers
         if spec is None and budget is not None and tied is self.tied:
-            built, problem = (
-                self._prepared.get(key)
-                or self._built.get(key)
-                or self._prepare(zero, budget=budget, spec=None, tied=tied)
+            built, problem = self._built.get(key) or self._prepare(
+                zero, budget=budget, spec=None, tied=tied
             )
             multipliers, recorded = self._recorded.pop(key, (None, None))
             if recorded is not None and warm is not None and multipliers == tuple(warm):
@@ -231,26 +228,24 @@ class ConfigurationSolver:
 
     def budgeted_problem(self, zero: ZeroConfig, budget: float) -> solver.Problem:
         """The solver problem of ``zero`` under ``budget`` at the tightest tie level, built once
-        (:attr:`_built`) and held for :meth:`solve` until :meth:`release`."""
+        (:attr:`_built`) and kept for :meth:`solve`."""
         key = (zero, budget)
         if key not in self._built:
             self._built[key] = self._prepare(zero, budget=budget, spec=None, tied=self.tied)
-        return self._prepared.setdefault(key, self._built[key])[1]
+        return self._built[key][1]
 
     def built_problem(self, zero: ZeroConfig, budget: float) -> BuiltProblem:
         """What :meth:`budgeted_problem` built for ``zero`` (its allowed strategies per space
         node, its ZeRO-3 streams), kept likewise until :meth:`release`."""
         self.budgeted_problem(zero, budget)
-        return self._prepared[(zero, budget)][0]
+        return self._built[(zero, budget)][0]
 
     def release(self, zero: ZeroConfig | None = None, budget: float | None = None) -> None:
-        """Drop the problems :meth:`budgeted_problem` holds for :meth:`solve` and their priced
-        solves: all, or only ``zero``'s under ``budget`` (they stay in :attr:`_built`)."""
+        """Drop the priced solves kept for :meth:`solve`: all, or only ``zero``'s under
+        ``budget`` (the problems stay in :attr:`_built`)."""
         if zero is None:
-            self._prepared.clear()
             self._recorded.clear()
             return
-        self._prepared.pop((zero, budget), None)
         self._recorded.pop((zero, budget), None)
 
     def priced_bound(
@@ -272,7 +267,7 @@ class ConfigurationSolver:
         built, problem, recorded, found = held or self.bound_aside(
             zero, budget, multipliers, target=target
         )
-        self._prepared[(zero, budget)] = (built, problem)
+        self._built.setdefault((zero, budget), (built, problem))
         self._recorded[(zero, budget)] = (tuple(multipliers), recorded)
         for lam, bound in recorded.bounds.items():
             self._keep_reference(problem, lam, bound)
@@ -287,7 +282,7 @@ class ConfigurationSolver:
         recorded = Recorded(edges=problem.edges)
         options = self.bound_options(multipliers, target)
         found = priced_bound(problem, multipliers[1], **options, record=recorded)
-        return self._prepared[(zero, budget)][0], problem, recorded, found
+        return self._built[(zero, budget)][0], problem, recorded, found
 
     def bound_options(self, multipliers: tuple[float, float], target: float | None) -> dict:
         """solver.budgeted.priced_bound's keywords at ``multipliers`` (separable, best)."""

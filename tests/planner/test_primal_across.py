@@ -53,7 +53,7 @@ def test_the_plan_fitted_across_fits_and_is_priced_as_evaluated(driver) -> None:
     assert found.evaluation.peak_memory_bytes <= driver.budget
     assert found.solution.peak_memory_bytes <= driver.budget
     assert found.evaluation.step_s == pytest.approx(found.solution.objective_s, rel=1e-9)
-    assert not configurations._prepared  # every configuration's problem released
+    assert not configurations._recorded  # every configuration released (its priced solves)
 
 
 def _count_bounded(monkeypatch) -> list:

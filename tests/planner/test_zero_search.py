@@ -70,7 +70,7 @@ def test_equal_budgeted_problems_are_solved_once_and_unequal_ones_are_not(
         assert entry["step_s"] == pytest.approx(own.evaluation.step_s, rel=1e-12)
         assert entry["peak_memory_bytes"] == pytest.approx(own.evaluation.peak_memory_bytes)
     assert found.best is not None and found.best.evaluation.peak_memory_bytes <= BUDGET
-    assert configurations._prepared == {}  # released after the search
+    assert configurations._recorded == {}  # released after the search
 
 
 def test_a_solver_that_stops_without_a_plan_is_a_one_line_error(space, monkeypatch) -> None:
