@@ -44,6 +44,7 @@ from tests.distributed.reference import (
     sgd_reference,
     sgd_steps,
 )
+from tests.distributed.settle import settled_gathered_bytes
 
 RTOL, ATOL = 1e-5, 1e-6
 NUM_STEPS = 3
@@ -255,10 +256,8 @@ def _train(
         # last, kept for backward (runtime.zero_gather.keep_for_backward; session 24).
         holders = [c.kept_for_backward() for c in pmodel.zero.chunks if c.kept_for_backward]
         kept = [h.buffer.untyped_storage().nbytes() for h in holders if h and h.buffer is not None]
-        assert len(kept) <= 1 and pmodel.zero.gathered_bytes == sum(kept), (
-            pmodel.zero.gathered_bytes,
-            kept,
-        )
+        gathered = settled_gathered_bytes(pmodel.zero, sum(kept))
+        assert len(kept) <= 1 and gathered == sum(kept), (gathered, kept)
     loss.backward()
     grads = full_grads(pmodel)
     sgd_steps(pmodel, local_args, local_kwargs, lr=LR, steps=NUM_STEPS)

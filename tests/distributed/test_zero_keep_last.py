@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from tests.distributed.launcher import run_distributed
+from tests.distributed.settle import settled_gathered_bytes
 
 SMALL_CHUNK_BYTES = 16384
 STEPS = 3
@@ -76,26 +77,28 @@ def keep_rank(rank: int, world_size: int, chunk_bytes: int | None) -> dict[str, 
         for node in gm.graph.nodes
         if node.op == "call_module" and node.target == "autopar_zero_use_chunk" and node.args[1]
     ]
+    kept_bytes = sum(engine.chunks[index].numel * 4 for index in kept)
     opt = torch.optim.AdamW(pmodel.parameters(), lr=1e-3)
     local = pmodel.shard_inputs(*args)
     losses, after_forward, after_step, forward, backward = [], [], [], [], []
     for _ in range(STEPS):
         gathers.clear()
         loss = pmodel(*local)
-        after_forward.append(engine.gathered_bytes)
+        after_forward.append(settled_gathered_bytes(engine, kept_bytes))
         forward.append(list(gathers))
         loss.backward()
         backward.append(gathers[len(forward[-1]) :])
         opt.step()
         opt.zero_grad()
-        after_step.append(engine.gathered_bytes)
+        after_step.append(settled_gathered_bytes(engine, 0))
         losses.append(float(loss))
     with torch.no_grad():
         pmodel(*local)
-    after_eval = engine.gathered_bytes
+    after_eval = settled_gathered_bytes(engine, 0)
     dropped = pmodel(*local)  # a graph dropped without backward frees what it kept
-    held_by_graph = engine.gathered_bytes
+    held_by_graph = settled_gathered_bytes(engine, kept_bytes)
     del dropped
+    after_drop = settled_gathered_bytes(engine, 0)
     chunk_of = {slot.fqn: chunk.index for chunk in engine.chunks for slot in chunk.slots}
     return {
         "num_chunks": len(engine.chunks),
@@ -108,7 +111,7 @@ def keep_rank(rank: int, world_size: int, chunk_bytes: int | None) -> dict[str, 
         "after_step": after_step,
         "after_eval": after_eval,
         "held_by_graph": held_by_graph,
-        "after_drop": engine.gathered_bytes,
+        "after_drop": after_drop,
         "losses": losses,
     }
 
