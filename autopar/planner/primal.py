@@ -46,7 +46,7 @@ improving each other (at most ``MAX_STEPS`` MIPs per configuration).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import solver
 from autopar.planner.checkpointing import chosen_segments, with_segments
@@ -71,11 +71,14 @@ def seed(
     report: Callable[[str], None] = lambda line: None,
     mips: int | None = None,
     start_from: Solved | None = None,
+    done: Collection[tuple[ZeroConfig, tuple[int, ...]]] = (),
 ) -> Solved | None:
     """The best plan found (module docstring) for the configurations ``ordered`` (each with
     its budget-free solve, zero_search.bounded's order), or None when none fits.
     ``mips``: round 2's neighbourhood MIPs at most (None: ``SEARCH_MIPS``).
-    ``start_from``: a plan found before (the first seed's or a solved one), fitted as well."""
+    ``start_from``: a plan found before (the first seed's or a solved one), fitted as well.
+    ``done``: (configuration, plan) pairs a search ended at before: round 2 does not search
+    that configuration again where that plan is its best fit (it counts as searched)."""
     if not ordered or gap <= 0.0:
         return None
     mips = SEARCH_MIPS if mips is None else mips
@@ -86,6 +89,7 @@ def seed(
     if start_from is not None:
         plans = list(dict.fromkeys([start_from.choice, *plans]))
     fitted: list[tuple[float, int]] = []  # (step, index in ordered) per configuration that fits
+    fits: dict[int, tuple[int, ...]] = {}  # index in ordered -> its best fit's layouts
     for k, (zero, _) in enumerate(ordered):
         problem = configurations.budgeted_problem(zero, budget)
         as_problem = _as_problem(configurations, zero, budget, plans)
@@ -93,6 +97,8 @@ def seed(
         configurations.release()
         if found is not None:
             fitted.append((found.objective_s, k))
+            allowed = configurations.built_problem(zero, budget).allowed
+            fits[k] = tuple(allowed[i][c] for i, c in enumerate(found.choices))
     report(
         "primal: the budget-free plans fit "
         + (
@@ -109,6 +115,8 @@ def seed(
         if searched >= SEARCHED:
             break  # the others are bounded first (zero_search), solved only where not skipped
         zero, free = ordered[k]
+        if (zero, fits[k]) in done:
+            continue  # a search ended at this very plan
         target = lowest if best is None else gap_floor(best.solution.objective_s, gap)
         if best is not None and (free.solution.bound_s >= target or lowest >= target):
             continue  # cannot beat the best by the gap, or the search is closed already

@@ -53,6 +53,7 @@ from autopar.planner.configurations import ConfigurationSolver, Solved, log_entr
 from autopar.planner.free_reuse import reused_free
 from autopar.planner.primal import across, seed
 from autopar.planner.problem import ZeroConfig, evaluate
+from autopar.planner.zero_bounds import bound_derived, bound_priced, skip_ahead
 from solver.problem import gap_floor
 
 
@@ -156,13 +157,31 @@ def _ordered(
             for other in zeros[1:]:
                 _skip(out, other, other.label(names), floor, report, 0.0)
             return
-        # Not closed: every configuration solved budget-free and seeded from their plans and
-        # the best one before any budgeted solve (solving the first under the budget here
-        # took 103 s of llama3-70b fp32 before the second seed found a better plan anyway).
-        everything = first + bounded(configurations, zeros[1:], budget, report)
+        # Not closed: the configuration the seed's plan fits best is searched from that plan
+        # (the second seed would search it anyway), configurations are skipped on bounds that
+        # need no budget-free solve (zero_bounds.skip_ahead), and every other one is solved
+        # budget-free and seeded from their plans and the best one before any budgeted solve
+        # (solving the first under the budget here took 103 s of llama3-70b fp32 before the
+        # second seed found a better plan anyway).
+        lead = [] if out.best is None or out.best.zero == zero else [out.best.zero]
+        searched = bounded(configurations, lead, budget, report)
+        rest = [other for other in zeros[1:] if other not in lead]
+        if searched:
+            seeded = seed(
+                configurations, searched, budget=budget, gap=gap, report=report,
+                start_from=out.best,
+            )  # fmt: skip
+            _keep_better(out, seeded)
+            rest = skip_ahead(
+                configurations, rest, budget, gap, out.best,
+                lambda other, bound: _skip(out, other, other.label(names), bound, report, 0.0),
+                report,
+            )  # fmt: skip
+        everything = first + searched + bounded(configurations, rest, budget, report)
         found = seed(
-            configurations, everything, budget=budget, gap=gap, report=report, start_from=out.best
-        )
+            configurations, everything, budget=budget, gap=gap, report=report,
+            start_from=out.best, done=_searched_plans(searched, out.best),
+        )  # fmt: skip
         _keep_better(out, found)
         if out.best is not None and out.best.warm_multipliers is not None:
             # The configuration that derives the most others' bounds is bounded first.
@@ -210,6 +229,16 @@ def _across(
         seed(configurations, rest, budget=budget, gap=gap, report=report, start_from=out.best),
     )
     yield from rest
+
+
+def _searched_plans(
+    searched: Sequence[tuple[ZeroConfig, Solved]], best: Solved | None
+) -> frozenset[tuple[ZeroConfig, tuple[int, ...]]]:
+    """(configuration, plan) of the search that ran on ``searched`` and ended at ``best``: the
+    second seed does not search that configuration again from the plan it ended at."""
+    if not searched or best is None or best.zero != searched[0][0]:
+        return frozenset()
+    return frozenset({(best.zero, best.choice)})
 
 
 def _went_to_mip(relaxed: Solved) -> bool:
@@ -359,11 +388,13 @@ def search_budgeted(
                 )
             else:
                 if gap > 0 and best is not None:
-                    priced = _derived(configurations, zero, budget, best, report)
+                    priced = bound_derived(configurations, zero, budget, best, report)
                     if priced < skip_at and warm is not None and warm.warm_multipliers:
                         priced = max(
                             priced,
-                            _priced(configurations, zero, budget, warm, skip_at, report, ahead),
+                            bound_priced(
+                                configurations, zero, budget, warm, skip_at, report, ahead
+                            ),
                         )
                     bound = max(bound, priced)
                     if bound >= skip_at:
@@ -428,57 +459,3 @@ def search_budgeted(
     ahead.upcoming = ()
     ahead.drop()
     return out
-
-
-def _derived(
-    configurations: ConfigurationSolver,
-    zero: ZeroConfig,
-    budget: float,
-    best: Solved,
-    report: Callable[[str], None],
-) -> float:
-    """``zero``'s bound derived from the bounds found so far with no solve
-    (ConfigurationSolver.derived_bound, solver/derived_bounds.py), or -inf where none applies
-    or the best plan does not fit ``zero``'s problem (no proof that its tightest tie level is
-    feasible: see :func:`_priced`)."""
-    start = time.perf_counter()
-    bound, fits = configurations.derived_bound(zero, budget, best.solution.choices)
-    if bound > -math.inf:
-        report(
-            f"bound ZeRO {zero.label(configurations.space.mesh.axis_names)} derived: "
-            f"{bound * 1e3:.3f} ms{'' if fits is not None else ' (the best plan does not fit)'}"
-            f", {time.perf_counter() - start:.1f} s"
-        )
-    return bound if fits is not None else -math.inf
-
-
-def _priced(
-    configurations: ConfigurationSolver,
-    zero: ZeroConfig,
-    budget: float,
-    best: Solved,
-    skip_at: float,
-    report: Callable[[str], None],
-    ahead: Ahead,
-) -> float:
-    """``zero``'s bound at the multipliers of the best plan's relaxation
-    (ConfigurationSolver.priced_bound: the separable D, then, unless it reaches ``skip_at``, the
-    pattern D), or -inf where no priced plan fits the
-    budget: a plan that fits proves the tightest tie level feasible, so the configuration is
-    solved at that level and the bound is over it (an infeasible level falls back to looser
-    ones, which the bound does not cover). Its priced solves are kept for the solve after it.
-    ``ahead``: where it may have been evaluated already, or is evaluated beside another's."""
-    assert best.warm_multipliers is not None
-    start = time.perf_counter()
-    taken = ahead.taken
-    bound, fits = ahead.priced_bound(
-        configurations, zero, budget, best.warm_multipliers, target=skip_at
-    )
-    report(
-        f"bound ZeRO {zero.label(configurations.space.mesh.axis_names)} at multipliers "
-        f"{best.warm_multipliers[0]:.4g}, {best.warm_multipliers[1]:.4g}: {bound * 1e3:.3f} ms"
-        f"{'' if fits is not None else ' (no priced plan fits: not used)'}, "
-        f"{time.perf_counter() - start:.1f} s"
-        + (" (evaluated beside an earlier bound)" if ahead.taken > taken else "")
-    )
-    return bound if fits is not None else -math.inf

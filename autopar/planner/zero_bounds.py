@@ -1,0 +1,136 @@
+"""Bounds on a ZeRO configuration's budgeted optimum without solving it, and the configurations
+skipped on such bounds before their budget-free solves (issue 16; used by zero_search.py).
+
+:func:`bound_derived` derives a configuration's bound from the bounds found so far with no solve
+(ConfigurationSolver.derived_bound: D_B(lam) >= D_A(lam) + shift(A -> B) at every lam >= 0,
+solver/derived_bounds.py); :func:`bound_priced` evaluates its Lagrangian dual at the best plan's
+multipliers. Both are valid lower bounds whatever the multipliers: weak duality.
+
+:func:`skip_ahead` uses them before the budget-free solves. zero_search._ordered, where the first
+seed does not close the search, used to solve every configuration budget-free, seed from all of
+their plans and only then bound them, the one that derives the most others' bounds first
+(bound_order.py). But neither bound needs the configuration's budget-free solve. Once the
+configuration the first seed's plan fits best (primal.across) has been searched from that plan
+(the plan the second seed would find anyway: llama3-70b b256 fp32, ZeRO (3,3,2), 24962.689 ms),
+the configuration that derives the most others' bounds is bounded at that plan's multipliers
+against its skip line, and it and every configuration whose derived bound reaches the line are
+skipped with no budget-free solve (on llama3-70b fp32: five budget-free solves and their fits).
+The skip line only falls as better plans are found (gap_floor is increasing in the plan's step),
+so a configuration skipped here stays skipped against the plan the search returns.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+
+from autopar.planner.bound_ahead import Ahead
+from autopar.planner.bound_order import greedy_order, shifts
+from autopar.planner.configurations import ConfigurationSolver, Solved
+from autopar.planner.problem import ZeroConfig
+from solver.derived_bounds import reference
+from solver.problem import gap_floor
+
+
+def skip_ahead(
+    configurations: ConfigurationSolver,
+    zeros: Sequence[ZeroConfig],
+    budget: float,
+    gap: float,
+    best: Solved | None,
+    skip: Callable[[ZeroConfig, float], None],
+    report: Callable[[str], None],
+) -> list[ZeroConfig]:
+    """``zeros`` less those skipped on a bound reached with no budget-free solve (module
+    docstring); ``skip(zero, bound)`` records each one skipped. Nothing is evaluated where the
+    gap is 0, where ``best`` has no multipliers, or where the configuration leading the
+    derivation order derives no other's bound at a shift >= 0; nothing is skipped where the
+    leader's priced bound does not reach the skip line of ``best``."""
+    if len(zeros) < 2 or best is None or best.warm_multipliers is None or gap <= 0:
+        return list(zeros)
+    skip_at = gap_floor(best.solution.objective_s, gap)
+    start = time.perf_counter()
+    refs = []
+    for zero in zeros:
+        problem = configurations.budgeted_problem(zero, budget)
+        refs.append(reference(problem, best.warm_multipliers[1], 0.0))
+        del problem
+        configurations.release(zero, budget)
+    table = shifts(refs)
+    lead = greedy_order(table)[0]
+    followers = [b for b in range(len(zeros)) if b != lead and table[lead, b] >= 0.0]
+    names = configurations.space.mesh.axis_names
+    report(
+        f"skip ahead: ZeRO {zeros[lead].label(names)} derives {len(followers)} other(s)' "
+        f"bounds, {time.perf_counter() - start:.1f} s"
+    )
+    if not followers:
+        return list(zeros)
+    bound = bound_priced(configurations, zeros[lead], budget, best, skip_at, report, Ahead())
+    configurations.release()
+    if not bound >= skip_at:
+        return list(zeros)
+    skip(zeros[lead], bound)
+    gone = {lead}
+    for b in followers:
+        derived = bound_derived(configurations, zeros[b], budget, best, report)
+        configurations.release()
+        if derived >= skip_at:
+            skip(zeros[b], derived)
+            gone.add(b)
+    return [zero for k, zero in enumerate(zeros) if k not in gone]
+
+
+def bound_derived(
+    configurations: ConfigurationSolver,
+    zero: ZeroConfig,
+    budget: float,
+    best: Solved,
+    report: Callable[[str], None],
+) -> float:
+    """``zero``'s bound derived from the bounds found so far with no solve
+    (ConfigurationSolver.derived_bound, solver/derived_bounds.py), or -inf where none applies
+    or the best plan does not fit ``zero``'s problem (no proof that its tightest tie level is
+    feasible: see :func:`bound_priced`)."""
+    start = time.perf_counter()
+    bound, fits = configurations.derived_bound(zero, budget, best.solution.choices)
+    if bound > -math.inf:
+        report(
+            f"bound ZeRO {zero.label(configurations.space.mesh.axis_names)} derived: "
+            f"{bound * 1e3:.3f} ms{'' if fits is not None else ' (the best plan does not fit)'}"
+            f", {time.perf_counter() - start:.1f} s"
+        )
+    return bound if fits is not None else -math.inf
+
+
+def bound_priced(
+    configurations: ConfigurationSolver,
+    zero: ZeroConfig,
+    budget: float,
+    best: Solved,
+    skip_at: float,
+    report: Callable[[str], None],
+    ahead: Ahead,
+) -> float:
+    """``zero``'s bound at the multipliers of the best plan's relaxation
+    (ConfigurationSolver.priced_bound: the separable D, then, unless it reaches ``skip_at``, the
+    pattern D), or -inf where no priced plan fits the
+    budget: a plan that fits proves the tightest tie level feasible, so the configuration is
+    solved at that level and the bound is over it (an infeasible level falls back to looser
+    ones, which the bound does not cover). Its priced solves are kept for the solve after it.
+    ``ahead``: where it may have been evaluated already, or is evaluated beside another's."""
+    assert best.warm_multipliers is not None
+    start = time.perf_counter()
+    taken = ahead.taken
+    bound, fits = ahead.priced_bound(
+        configurations, zero, budget, best.warm_multipliers, target=skip_at
+    )
+    report(
+        f"bound ZeRO {zero.label(configurations.space.mesh.axis_names)} at multipliers "
+        f"{best.warm_multipliers[0]:.4g}, {best.warm_multipliers[1]:.4g}: {bound * 1e3:.3f} ms"
+        f"{'' if fits is not None else ' (no priced plan fits: not used)'}, "
+        f"{time.perf_counter() - start:.1f} s"
+        + (" (evaluated beside an earlier bound)" if ahead.taken > taken else "")
+    )
+    return bound if fits is not None else -math.inf
