@@ -172,11 +172,14 @@ def _ordered(
                 start_from=out.best,
             )  # fmt: skip
             _keep_better(out, seeded)
-            rest = skip_ahead(
-                configurations, rest, budget, gap, out.best,
+            left = skip_ahead(
+                configurations, [zero, *lead, *rest], budget, gap, out.best,
                 lambda other, bound: _skip(out, other, other.label(names), bound, report, 0.0),
                 report,
             )  # fmt: skip
+            first = [pair for pair in first if pair[0] in left]
+            searched = [pair for pair in searched if pair[0] in left]
+            rest = [other for other in left if other != zero and other not in lead]
         everything = first + searched + bounded(configurations, rest, budget, report)
         found = seed(
             configurations, everything, budget=budget, gap=gap, report=report,
