@@ -4,8 +4,9 @@ and on the bounds derived from it. A configuration is skipped only on a bound at
 skip line of the plan given, and every such bound is a real one: no more than that
 configuration's optimum (solved exactly at gap 0). The tiny GPT on 2 ranks, where stage 3
 derives stage 2's bound; the plan given is the primal seed's, its step lowered so that the
-line falls under the bounds (the seed's multipliers price them 25% under the plan here) (the search itself reaches this code on llama3-70b b256
-fp32, where the seed's plan skips five configurations ahead: README, session 27)."""
+line falls under the bounds (the seed's multipliers price them 25% under the plan here). The
+search itself reaches this code on llama3-70b b256 fp32, where the searched plan skips six
+configurations ahead (README, session 27)."""
 
 from __future__ import annotations
 
