@@ -53,7 +53,7 @@ from autopar.planner.configurations import ConfigurationSolver, Solved, log_entr
 from autopar.planner.free_reuse import reused_free
 from autopar.planner.primal import across, seed
 from autopar.planner.problem import ZeroConfig, evaluate
-from autopar.planner.zero_bounds import bound_derived, bound_priced, skip_ahead
+from autopar.planner.skip_ahead import bound_derived, bound_priced, skip_ahead
 from solver.problem import gap_floor
 
 
@@ -159,7 +159,7 @@ def _ordered(
             return
         # Not closed: the configuration the seed's plan fits best is searched from that plan
         # (the second seed would search it anyway), configurations are skipped on bounds that
-        # need no budget-free solve (zero_bounds.skip_ahead), and every other one is solved
+        # need no budget-free solve (skip_ahead.py), and every other one is solved
         # budget-free and seeded from their plans and the best one before any budgeted solve
         # (solving the first under the budget here took 103 s of llama3-70b fp32 before the
         # second seed found a better plan anyway).

@@ -1,4 +1,4 @@
-"""zero_bounds.skip_ahead (issue 16, session 27): configurations skipped before their
+"""skip_ahead.skip_ahead (issue 16, session 27): configurations skipped before their
 budget-free solves, on the priced bound of the configuration that derives the most others'
 and on the bounds derived from it. A configuration is skipped only on a bound at or over the
 skip line of the plan given, and every such bound is a real one: no more than that
@@ -41,7 +41,7 @@ def _seeded(driver):
 def test_a_configuration_is_skipped_ahead_only_on_a_real_bound_over_the_line(
     exact, lowered
 ) -> None:
-    from autopar.planner.zero_bounds import skip_ahead
+    from autopar.planner.skip_ahead import skip_ahead
 
     driver = tiny_gpt_driver(SEED_BUDGET)
     zeros, best = _seeded(driver)
@@ -70,7 +70,7 @@ def test_a_configuration_is_skipped_ahead_only_on_a_real_bound_over_the_line(
 
 
 def test_nothing_is_skipped_ahead_at_gap_zero() -> None:
-    from autopar.planner.zero_bounds import skip_ahead
+    from autopar.planner.skip_ahead import skip_ahead
 
     driver = tiny_gpt_driver(SEED_BUDGET)
     zeros, best = _seeded(driver)
