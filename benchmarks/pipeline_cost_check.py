@@ -36,9 +36,8 @@ Measured figures, per configuration:
   stage's idle time ``sum_i t_i - max_i t_i`` over the step). The mean over ranks of
   ``1 - busy_r / step`` is printed too.
 
-"after" is the plan's prediction (session 26: with the wait for a core, ``core_wait_s``);
-"before" is session 25's model, the same stages and profile without it (until session 25 session
-24's curve, ``pipeline_terms.before_speed``, still the "at the current rate" column's before). Each task's thread CPU seconds split a stage's time into its
+"after" is the plan's prediction (session 27: with the gaps' measured spread, ``task_gap_s``); "before" is session 26's model, the same stages and profile without it
+(with ``core_wait_s``; the "at the current rate" column's before: session 24's curve, ``pipeline_terms.before_speed``). Each task's thread CPU seconds split a stage's time into its
 work and its share of a core (``pipeline_terms.cpu_terms``, printed by ``cpu_text``). The measured head and tail come from timestamps (``pipeline_terms.ends_terms``):
 the head from the earliest rank's start to the first forward (of it the ranks' skew leaving the
 barrier); the tail from the last task's end to the last rank's end, split into the Python
@@ -227,7 +226,7 @@ def _repetition(rows: list[torch.Tensor]) -> dict[str, Any]:
 
 
 def drift_removed(case: dict[str, Any], speed: float, busy_rank_speed: Any, task_wait_s: float,
-                  *, ends: bool, core_wait_s: Any = None) -> Any:  # fmt: skip
+                  *, ends: bool, core_wait_s: Any = None, task_gap_s: Any = ()) -> Any:  # fmt: skip
     """The plan's schedule with every stage's forward and backward scaled by ``speed``
     (calibrated matmul FLOP/s over the FLOP/s the probe measured right before the steps): the
     prediction at the machine's current rate; ``ends``: with the plan's priced head and tail
@@ -243,7 +242,7 @@ def drift_removed(case: dict[str, Any], speed: float, busy_rank_speed: Any, task
     return schedule_time(
         stages, microbatches=case["microbatches"], schedule=case["schedule"],
         busy_rank_speed=busy_rank_speed, task_wait_s=task_wait_s, core_wait_s=core_wait_s,
-        head_s=head, tail_s=tail,
+        task_gap_s=task_gap_s, head_s=head, tail_s=tail,
     )  # fmt: skip
 
 
@@ -291,11 +290,12 @@ def summarize(
             for k in range(len(reps[0]["busy_s"]))
         ]
         formula = from_measured_stages(case, busy, wait)
-        before = drift_removed(case, 1.0, speed, wait, ends=True)
+        before = drift_removed(case, 1.0, speed, wait, ends=True, core_wait_s=device.core_wait_s)
         factors = [calibrated_flops / r["matmul_flops_before"] for r in reps]
         now = {e: [drift_removed(case, reference[e] / r["matmul_flops_before"],
                                  speed if e else unleveled, wait, ends=True,
-                                 core_wait_s=device.core_wait_s if e else None)
+                                 core_wait_s=device.core_wait_s if e else None,
+                                 task_gap_s=device.task_gap_s if e else ())
                    for r in reps] for e in (True, False)}  # fmt: skip
         steps = [r["step_s"] for r in reps]
         bubbles = [r["bubble"] for r in reps]

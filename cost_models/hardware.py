@@ -16,9 +16,11 @@ The JSON profile that overrides or calibrates these specs is :mod:`cost_models.p
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
+
+from cost_models.spec_tables import FrozenMap, check_fraction, count_table, quantile_table
 
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 COMM_BACKENDS = ("nccl", "gloo", "xccl", "hccl", "mpi")
@@ -30,50 +32,6 @@ from the calibrated copy bandwidth: on a CPU a model's activations (a few MiB) s
 the bandwidth is measured on copies of 16-64 MiB, so cheap elementwise ops (add, mul) run 2-4x
 faster than that roofline (README "Pipeline cost model, predicted vs measured")."""
 _GiB = 2**30
-
-
-class FrozenMap(Mapping[str, Any]):
-    """An immutable, hashable, picklable str-keyed mapping (dataclass fields stay frozen)."""
-
-    __slots__ = ("_data",)
-
-    def __init__(self, data: Mapping[str, Any] | None = None) -> None:
-        self._data: dict[str, Any] = dict(data or {})
-
-    def __getitem__(self, key: str) -> Any:
-        return self._data[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._data)
-
-    def __len__(self) -> int:
-        return len(self._data)
-
-    def __hash__(self) -> int:
-        return hash(tuple(sorted(self._data.items())))
-
-    def __repr__(self) -> str:
-        return repr(self._data)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (FrozenMap, (self._data,))
-
-
-def _count_table(device: str, name: str, table: Mapping[Any, float], what: str) -> FrozenMap:
-    """``table`` keyed by counts (of ranks, of cores) >= 1, frozen with string keys; its values
-    must be > 0 (speeds) or, for ``core_wait_s``, >= 0."""
-    for count, value in table.items():
-        if not (str(count).isdigit() and int(count) >= 1 and value >= 0
-                and (value > 0 or name == "core_wait_s")):  # fmt: skip
-            least = "waits >= 0" if name == "core_wait_s" else "speeds > 0"
-            raise ValueError(f"device {device!r}: {name} needs {what} counts >= 1 as keys and "
-                             f"{least}, got {count!r}: {value!r}")  # fmt: skip
-    return FrozenMap({str(int(k)): float(v) for k, v in table.items()})
-
-
-def _check_fraction(owner: str, what: str, value: float) -> None:
-    if not 0.0 < value <= 1.0:
-        raise ValueError(f"{owner}: {what} must be in (0, 1], got {value}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -121,6 +79,14 @@ class DeviceSpec:
     every core runs another rank's task waits for one (the scheduler's latency for a woken rank
     against ranks that compute; sooner when one of those tasks ends). ``autopar calibrate``
     measures it on CPU ranks (session 26); empty (presets, GPUs, older profiles): no wait."""
+    task_gap_s: tuple[float, ...] = ()
+    """Ranks outnumbering the cores they share: quantiles (levels ``(n + 0.5) / N``, ascending)
+    of the gap between a pipeline task becoming ready and starting, measured by ``autopar
+    calibrate`` on its pipeline (session 27). The gaps' spread (a long tail: waits for a core,
+    gloo's threads) lengthens the step and its idle share beyond what their mean does; the
+    shared-cores simulation draws each task's gap from them around the priced mean (and then
+    charges no ``core_wait_s``, which they include). Empty (presets, GPUs, older profiles,
+    ranks no more than the cores): the mean alone."""
     comm_backend: str = "nccl"
     """The ``torch.distributed`` backend the runtime's collectives use on this device ("gloo"
     on CPUs). On gloo the ZeRO refresh after an optimizer step is one broadcast per rank
@@ -180,8 +146,8 @@ class DeviceSpec:
             raise ValueError(
                 f"device {self.name!r}: paired_error must be in [0, 1), got {self.paired_error}"
             )
-        _check_fraction(f"device {self.name!r}", "matmul_efficiency", self.matmul_efficiency)
-        _check_fraction(f"device {self.name!r}", "memory_efficiency", self.memory_efficiency)
+        check_fraction(f"device {self.name!r}", "matmul_efficiency", self.matmul_efficiency)
+        check_fraction(f"device {self.name!r}", "memory_efficiency", self.memory_efficiency)
         for family, eff in self.op_efficiency.items():
             if not 0.0 < eff <= MAX_OP_EFFICIENCY:
                 raise ValueError(
@@ -190,7 +156,10 @@ class DeviceSpec:
                 )
         for name, table, what in (("busy_rank_speed", self.busy_rank_speed, "rank"),
                                   ("core_wait_s", self.core_wait_s, "core")):  # fmt: skip
-            object.__setattr__(self, name, _count_table(self.name, name, table, what))
+            object.__setattr__(self, name, count_table(self.name, name, table, what))
+        object.__setattr__(
+            self, "task_gap_s", quantile_table(self.name, "task_gap_s", self.task_gap_s)
+        )
         object.__setattr__(
             self, "peak_flops", FrozenMap({k: float(v) for k, v in self.peak_flops.items()})
         )
@@ -216,6 +185,7 @@ class DeviceSpec:
             **({"step_error": self.step_error} if self.step_error else {}),
             **({"task_wait_s": self.task_wait_s} if self.task_wait_s else {}),
             **({"core_wait_s": dict(self.core_wait_s)} if self.core_wait_s else {}),
+            **({"task_gap_s": list(self.task_gap_s)} if self.task_gap_s else {}),
             # GPU defaults are not written (preset documents and plans stay as they were).
             **({"comm_backend": self.comm_backend} if self.comm_backend != "nccl" else {}),
             **(

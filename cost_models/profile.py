@@ -93,6 +93,7 @@ PROFILE_SCHEMA: dict[str, Any] = {
                     "propertyNames": {"pattern": "^[1-9][0-9]*$"},
                     "additionalProperties": _NONNEGATIVE,
                 },
+                "task_gap_s": {"type": "array", "items": _NONNEGATIVE},
                 "comm_backend": {"enum": list(COMM_BACKENDS)},
                 "collectives_overlap_compute": {"type": "boolean"},
                 "source": {"type": "string"},

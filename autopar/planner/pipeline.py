@@ -197,6 +197,7 @@ class StagePlanner:
         self.busy_rank_speed = get_device(device).busy_rank_speed
         self.task_wait_s = get_device(device).task_wait_s
         self.core_wait_s = get_device(device).core_wait_s
+        self.task_gap_s = get_device(device).task_gap_s
         self._report = progress or (lambda line: None)
 
     def search(
@@ -339,6 +340,7 @@ class StagePlanner:
                 ranks_per_stage=mesh.dp * mesh.tp,
                 task_wait_s=self.task_wait_s,
                 core_wait_s=self.core_wait_s,
+                task_gap_s=self.task_gap_s,
                 head_s=ends.head_s,
                 tail_s=ends.tail_s,
             )

@@ -141,6 +141,7 @@ def schedule_time(
     ranks_per_stage: int = 1,
     task_wait_s: float = 0.0,
     core_wait_s: Mapping[str, float] | None = None,
+    task_gap_s: Sequence[float] = (),
     head_s: float = 0.0,
     tail_s: float = 0.0,
 ) -> ScheduleTime:
@@ -151,7 +152,8 @@ def schedule_time(
     With a measured ``busy_rank_speed`` (``DeviceSpec``'s: ranks sharing cores) GPipe and 1F1B
     over several stages are simulated instead (:mod:`planner.shared_cores`), each stage being
     ``ranks_per_stage`` ranks, and so are they with a measured ``task_wait_s`` (charged after
-    every task); ``core_wait_s`` (``DeviceSpec``'s) adds the waits for a core there."""
+    every task); ``core_wait_s`` (``DeviceSpec``'s) adds the waits for a core there, and
+    ``task_gap_s`` (``DeviceSpec``'s) the gaps' measured spread instead."""
     m = microbatches
     simulated = busy_rank_speed or task_wait_s > 0
     if simulated and schedule in ("gpipe", "1f1b") and len(stages) > 1:
@@ -165,6 +167,7 @@ def schedule_time(
             ranks_per_stage=ranks_per_stage,
             task_wait_s=task_wait_s,
             core_wait_s=core_wait_s,
+            task_gap_s=task_gap_s,
             head_s=head_s,
             tail_s=tail_s,
         )

@@ -30,6 +30,16 @@ on 2 cores, a rank woken then waited up to 20-30 ms and the four ranks never com
 while the sharing alone had them all compute a fifth of the step (README "Session 26"). Without
 a ``core_wait_s`` (presets, GPUs, older profiles, ranks no more than the cores) nothing waits.
 
+The gaps' spread (session 27): on 4 gloo ranks on 2 cores the gap between a task becoming ready
+and its start has a long tail (mean 2-3 ms, 90th percentile 10-30 ms on the middle stages), on 2
+ranks not (about 1 ms, 90th percentile 1-4 ms). A pipeline's step is the longest of its paths,
+so random gaps lengthen it (and the idle share) beyond their mean: with the check's own gaps
+drawn per task the measured idle at 8 microbatches was reproduced, with their mean it was not
+(README "Session 27"). Where the device holds the gaps' measured quantiles (``task_gap_s``),
+each task's gap is drawn from them around its priced mean (half the send and ``task_wait_s``;
+never below 0) and the result is the mean of :data:`GAP_DRAWS` simulations with fixed seeds;
+the waits for a core are then in the drawn gaps, and ``core_wait_s`` is not charged.
+
 With ``speed == 1`` and equal stages this is exactly the closed form; for unequal stages it is the
 event-exact makespan of the schedule's order (1F1B can then beat the closed form, which charges
 the slowest stage GPipe's whole ramp). The wait lies on every task of the critical path: the
@@ -43,10 +53,15 @@ Interleaved 1F1B keeps the closed form.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import random
+import statistics
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from autopar.planner.pipeline_schedule import ScheduleTime, StageCost
+
+GAP_DRAWS = 32
+"""Simulations averaged when the device has measured gap quantiles (``task_gap_s``)."""
 
 
 def speed_at(busy_rank_speed: Mapping[str, float], busy: float) -> float:
@@ -88,18 +103,69 @@ def shared_schedule_time(
     ranks_per_stage: int = 1,
     task_wait_s: float = 0.0,
     core_wait_s: Mapping[str, float] | None = None,
+    task_gap_s: Sequence[float] = (),
     head_s: float = 0.0,
     tail_s: float = 0.0,
 ) -> ScheduleTime:
     """The step of ``stages`` under ``schedule`` on ranks sharing cores (module docstring),
     after the step's ``head_s`` and before its ``tail_s`` (every rank idle in both);
-    ``core_wait_s`` is ``DeviceSpec.core_wait_s`` (``{cores: seconds}``).
+    ``core_wait_s`` is ``DeviceSpec.core_wait_s`` (``{cores: seconds}``), ``task_gap_s``
+    ``DeviceSpec.task_gap_s`` (quantiles: the mean of :data:`GAP_DRAWS` simulations with drawn
+    gaps, no ``core_wait_s``; module docstring).
 
     ``bubble_s`` is the step less the busiest rank's compute and sends (its per-task waits and
     its waits for a core are idle time); ``compute_s`` and ``p2p_s`` are that rank's."""
     p = len(stages)
+    if task_gap_s:
+        runs = [
+            _simulate(stages, microbatches, schedule, busy_rank_speed, ranks_per_stage,
+                      task_wait_s, (0, 0.0), _gap_draws(task_gap_s, seed))
+            for seed in range(GAP_DRAWS)
+        ]  # fmt: skip
+        now = statistics.fmean(r[0] for r in runs)
+        busy = [statistics.fmean(r[1][i] for r in runs) for i in range(p)]
+    else:
+        cores = next(((int(k), v) for k, v in (core_wait_s or {}).items()), (0, 0.0))
+        now, busy = _simulate(stages, microbatches, schedule, busy_rank_speed, ranks_per_stage,
+                              task_wait_s, cores, None)  # fmt: skip
+    sync = max(s.step_s for s in stages)
+    worst = max(range(p), key=lambda i: busy[i] + microbatches * stages[i].p2p_s)
+    sends = microbatches * stages[worst].p2p_s
+    return ScheduleTime(
+        step_s=head_s + now + tail_s + sync,
+        bubble_s=now - busy[worst] - sends,
+        compute_s=busy[worst],
+        p2p_s=sends,
+        collectives_s=sync,
+        head_s=head_s,
+        tail_s=tail_s,
+    )
+
+
+def _gap_draws(quantiles: Sequence[float], seed: int) -> Callable[[], float]:
+    """Gaps drawn uniformly from ``quantiles`` (a fixed seed: the same prediction every time),
+    less their mean: the spread around the gap the simulation already charges."""
+    rng = random.Random(seed)
+    mean = statistics.fmean(quantiles)
+    return lambda: quantiles[rng.randrange(len(quantiles))] - mean
+
+
+def _simulate(
+    stages: Sequence[StageCost],
+    microbatches: int,
+    schedule: str,
+    busy_rank_speed: Mapping[str, float],
+    ranks_per_stage: int,
+    task_wait_s: float,
+    core_wait: tuple[int, float],
+    gap: Callable[[], float] | None,
+) -> tuple[float, list[float]]:
+    """One simulated schedule (module docstring): its length and each rank's compute seconds;
+    ``core_wait`` is ``(cores, seconds)``, ``gap`` draws each task's deviation from its mean
+    gap (None: none)."""
+    p = len(stages)
     orders = [rank_order(schedule, i, p, microbatches) for i in range(p)]
-    cores, core_wait = next(((int(k), v) for k, v in (core_wait_s or {}).items()), (0, 0.0))
+    cores, core_wait_s = core_wait
     done: dict[tuple[str, int, int], float] = {}
     nxt = [0] * p  # index of each rank's next task
     # Remaining wait for a core (None: not waiting), compute work, send seconds.
@@ -119,7 +185,8 @@ def shared_schedule_time(
                 continue
             work = stages[i].forward_s if kind == "F" else stages[i].backward_s
             full = cores > 0 and len(computing) * ranks_per_stage >= cores
-            left[i] = [core_wait if full else None, work, stages[i].p2p_s / 2 + task_wait_s]
+            after = stages[i].p2p_s / 2 + task_wait_s + (gap() if gap else 0.0)
+            left[i] = [core_wait_s if full else None, work, max(0.0, after)]
             running[i] = True
             if not full and work > 0:
                 computing.append(i)
@@ -155,15 +222,4 @@ def shared_schedule_time(
                 nxt[i] += 1
                 running[i] = False
     assert all(n == len(o) for n, o in zip(nxt, orders)), "schedule deadlocked"
-    sync = max(s.step_s for s in stages)
-    worst = max(range(p), key=lambda i: busy[i] + microbatches * stages[i].p2p_s)
-    sends = microbatches * stages[worst].p2p_s
-    return ScheduleTime(
-        step_s=head_s + now + tail_s + sync,
-        bubble_s=now - busy[worst] - sends,
-        compute_s=busy[worst],
-        p2p_s=sends,
-        collectives_s=sync,
-        head_s=head_s,
-        tail_s=tail_s,
-    )
+    return now, busy

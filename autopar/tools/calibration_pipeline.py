@@ -484,8 +484,9 @@ def with_pipeline_figures(
     timed["wall_level_speed"] = speed
     cores = _cores()
     foreign = foreign_threads(timed["rounds"], cores or 1)
-    if timed.get("core_wait_s") is not None and len(timed["p2p_s"]) > cores:  # session 26
-        spec = dataclasses.replace(spec, core_wait_s={str(cores): timed["core_wait_s"]})
+    if timed.get("core_wait_s") is not None and len(timed["p2p_s"]) > cores:  # sessions 26, 27
+        spec = dataclasses.replace(spec, core_wait_s={str(cores): timed["core_wait_s"]},
+                                   task_gap_s=timed["task_gap_s"])  # fmt: skip
         log(f"wait for a core with every core busy: {timed['core_wait_s'] * 1e3:.2f} ms")
     timed["cores"], timed["foreign_threads"] = cores, foreign
     if timed["cpu_compute_level"] is not None and foreign is not None:

@@ -19,6 +19,12 @@ tasks ended was let in by the scheduler (an event, its wait the gap less the bas
 started after was let in by the core freeing (its wait was cut short there). Taking the wait
 as memoryless, its mean is the waited seconds over the events (the exponential's estimate
 with cut-short samples), what :func:`core_wait` returns.
+
+The gaps' spread (session 27, ``DeviceSpec.task_gap_s``): the wait's mean did not reproduce
+the idle share at 8 microbatches on 4 stages, the gaps drawn from their distribution did (a
+step is the longest of the schedule's paths, and a long tail lengthens the longest path more
+than its mean does; README "Session 27"). :func:`gap_quantiles` of every gap, a core free or
+not, is what calibration writes for the simulation to draw from.
 """
 
 from __future__ import annotations
@@ -27,7 +33,10 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["core_wait", "core_wait_figures", "core_wait_gaps"]
+__all__ = ["GAP_QUANTILES", "core_wait", "core_wait_figures", "core_wait_gaps", "gap_quantiles"]
+
+GAP_QUANTILES = 20
+"""Quantiles of the gaps calibration records (levels ``(n + 0.5) / GAP_QUANTILES``)."""
 
 
 def core_wait_gaps(
@@ -97,12 +106,22 @@ def core_wait(free: Sequence[float], full: Sequence[tuple[float, float]]) -> flo
     return waited / max(events, 1.0)
 
 
+def gap_quantiles(gaps: Sequence[float], count: int = GAP_QUANTILES) -> list[float]:
+    """``count`` quantiles of ``gaps`` (levels ``(n + 0.5) / count``, ascending, each >= 0: a
+    start a clock tick before its ready moment is a gap of 0); empty for no gaps."""
+    ordered = sorted(max(0.0, g) for g in gaps)
+    if not ordered:
+        return []
+    return [ordered[min(len(ordered) - 1, int((n + 0.5) / count * len(ordered)))]
+            for n in range(count)]  # fmt: skip
+
+
 def core_wait_figures(
     timelines: Sequence[Sequence[Any]], schedule: str, microbatches: int, cores: int
 ) -> dict[str, Any]:
     """The calibration record of the wait for a core over ``timelines`` (steps of
     :func:`core_wait_gaps`' ``ranks``): ``core_wait_s`` (None where not measured), the gaps
-    counted and the base."""
+    counted, the base and ``task_gap_s``, every gap's :func:`gap_quantiles`."""
     free: list[float] = []
     full: list[tuple[float, float]] = []
     for ranks in timelines:
@@ -117,4 +136,5 @@ def core_wait_figures(
             "let_in": sum(g < u for g, u in full),
         },  # fmt: skip
         "core_wait_base_s": statistics.fmean(free) if free else None,
+        "task_gap_s": gap_quantiles(free + [gap for gap, _ in full]),
     }

@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from autopar.tools.calibration_wake import _first_free, core_wait, core_wait_figures, core_wait_gaps
+from autopar.tools.calibration_wake import (
+    _first_free,
+    core_wait,
+    core_wait_figures,
+    core_wait_gaps,
+    gap_quantiles,
+)
 
 # 2 stages on 1 core, GPipe, 2 microbatches: (start, end, [(kind, start, end)]) per rank.
 # Stage 1's F0 becomes ready at 1.0 (stage 0's F0 ends) while stage 0's F1 runs (1.0-3.0) and
@@ -40,3 +46,14 @@ def test_a_core_is_free_when_fewer_tasks_than_cores_run():
     assert _first_free([(0.0, 5.0), (4.0, 8.0)], 1.0, cores=1) == 8.0  # the next one kept it
     assert _first_free([(0.0, 5.0), (4.0, 8.0)], 1.0, cores=2) == 1.0
     assert _first_free([(0.0, 5.0), (5.0, 8.0)], 1.0, cores=1) == 5.0  # back to back: free
+
+
+def test_calibration_records_the_quantiles_of_every_gap():
+    """Session 27: the gaps' distribution, the one that began with every core busy (1.0 s)
+    among the six that began with a core free (0.0 and five of 0.5 s)."""
+    figures = core_wait_figures([STEP], "gpipe", 2, cores=1)
+    assert figures["task_gap_s"] == gap_quantiles([0.0, 0.5, 0.5, 0.5, 0.5, 0.5, 1.0])
+    assert gap_quantiles([0.0, 0.5, 0.5, 0.5, 0.5, 0.5, 1.0], count=4) == [0.0, 0.5, 0.5, 1.0]
+    assert gap_quantiles([3.0, 1.0, 2.0, 4.0], count=2) == [2.0, 4.0]  # levels 0.25 and 0.75
+    assert gap_quantiles([-1e-6, 2.0], count=2) == [0.0, 2.0]  # a start before ready: 0
+    assert gap_quantiles([]) == []

@@ -188,3 +188,31 @@ def test_core_wait_round_trips_and_bad_values_are_one_line_errors():
         DeviceSpec.from_dict({"base": "cpu", "core_wait_s": {"2": -1.0}})
     with pytest.raises(ValueError, match="core_wait_s"):
         load_profile({"version": 1, "device": {"base": "cpu", "core_wait_s": {"x": 1.0}}})
+
+
+def test_the_gaps_spread_lengthens_the_step_and_its_idle_share():
+    """Session 27: gaps drawn around the same mean (0.3 s: -0.3 s three times in four, +0.9 s
+    once) lengthen the step, the longest of the schedule's paths, and its idle share; gaps
+    without spread give the mean's step, and the drawn gaps replace the wait for a core."""
+    stages = [StageCost(forward_s=1.0, backward_s=2.0, p2p_s=0.2)] * 4
+    run = dict(microbatches=8, schedule="1f1b", busy_rank_speed={"1": 1.0}, task_wait_s=0.5)
+    mean = schedule_time(stages, **run)
+    flat = schedule_time(stages, **run, task_gap_s=(0.3, 0.3), core_wait_s={"1": 10.0})
+    spread = schedule_time(stages, **run, task_gap_s=(0.0, 0.0, 0.0, 1.2))
+    assert flat.step_s == pytest.approx(mean.step_s, rel=1e-9)
+    assert flat.bubble_s == pytest.approx(mean.bubble_s, rel=1e-9)
+    assert spread.step_s > 1.03 * mean.step_s
+    assert spread.bubble_fraction > mean.bubble_fraction + 0.02
+    assert spread.compute_s == pytest.approx(mean.compute_s, rel=1e-9)  # the same work
+    assert schedule_time(stages, **run, task_gap_s=(0.0, 0.0, 0.0, 1.2)) == spread  # seeded
+
+
+def test_task_gap_round_trips_and_bad_values_are_one_line_errors():
+    spec = dataclasses.replace(get_device("cpu"), task_gap_s=[0.0005, 0.001, 0.02])
+    loaded = load_profile({"version": 1, "device": spec.to_dict()}).device
+    assert loaded == spec and loaded.task_gap_s == (0.0005, 0.001, 0.02)
+    assert "task_gap_s" not in get_device("cpu").to_dict()  # presets' documents unchanged
+    with pytest.raises(ValueError, match="task_gap_s needs ascending seconds >= 0"):
+        DeviceSpec.from_dict({"base": "cpu", "task_gap_s": [0.002, 0.001]})
+    with pytest.raises(ValueError, match="task_gap_s"):
+        load_profile({"version": 1, "device": {"base": "cpu", "task_gap_s": [-1.0]}})

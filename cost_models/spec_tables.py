@@ -1,0 +1,61 @@
+"""Frozen tables the device and link specs hold, and the checks of their entries (split out of
+:mod:`cost_models.hardware`, which re-exports ``FrozenMap``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+
+class FrozenMap(Mapping[str, Any]):
+    """An immutable, hashable, picklable str-keyed mapping (dataclass fields stay frozen)."""
+
+    __slots__ = ("_data",)
+
+    def __init__(self, data: Mapping[str, Any] | None = None) -> None:
+        self._data: dict[str, Any] = dict(data or {})
+
+    def __getitem__(self, key: str) -> Any:
+        return self._data[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __hash__(self) -> int:
+        return hash(tuple(sorted(self._data.items())))
+
+    def __repr__(self) -> str:
+        return repr(self._data)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (FrozenMap, (self._data,))
+
+
+def count_table(device: str, name: str, table: Mapping[Any, float], what: str) -> FrozenMap:
+    """``table`` keyed by counts (of ranks, of cores) >= 1, frozen with string keys; its values
+    must be > 0 (speeds) or, for ``core_wait_s``, >= 0."""
+    for count, value in table.items():
+        if not (str(count).isdigit() and int(count) >= 1 and value >= 0
+                and (value > 0 or name == "core_wait_s")):  # fmt: skip
+            least = "waits >= 0" if name == "core_wait_s" else "speeds > 0"
+            raise ValueError(f"device {device!r}: {name} needs {what} counts >= 1 as keys and "
+                             f"{least}, got {count!r}: {value!r}")  # fmt: skip
+    return FrozenMap({str(int(k)): float(v) for k, v in table.items()})
+
+
+def check_fraction(owner: str, what: str, value: float) -> None:
+    if not 0.0 < value <= 1.0:
+        raise ValueError(f"{owner}: {what} must be in (0, 1], got {value}")
+
+
+def quantile_table(device: str, name: str, values: Sequence[float]) -> tuple[float, ...]:
+    """``values`` (quantiles of a duration, ascending) frozen as floats; each must be >= 0 and
+    none below the one before."""
+    table = tuple(float(v) for v in values)
+    if any(v < 0 for v in table) or any(b < a for a, b in zip(table, table[1:])):
+        raise ValueError(f"device {device!r}: {name} needs ascending seconds >= 0 (quantiles), "
+                         f"got {list(values)!r}")  # fmt: skip
+    return table
