@@ -62,6 +62,7 @@ from torch.utils._pytree import tree_flatten
 from autopar.lowering.local_ops import autopar_scale_grad
 from autopar.placement import SectionShard, Shard
 from autopar.planner.stages import MULTI_STAGE_SCHEDULES, V_SCHEDULES
+from autopar.runtime import p2p_trace
 from autopar.runtime.grad_scaler import ShardedGradScaler
 from autopar.runtime.materialize import local_block
 from autopar.runtime.module import ParallelModule
@@ -256,6 +257,8 @@ class PipelineModule(nn.Module):
             stage.submod.plain_outputs = self._defer_reduction
             stage.recomputes = bool(stage.submod.pmodule.plan.checkpoint_segments())
         self._stages = pipeline_stages
+        if (trace := p2p_trace.trace_directory()) is not None:  # a diagnostic, off by default
+            p2p_trace.install(trace, dist.get_rank())
         self.busy_s = 0.0
         """Wall seconds this rank spent in its stages' microbatch forwards and backwards during
         the last :meth:`step` (the schedule's waits for sends and receives, the loss broadcast

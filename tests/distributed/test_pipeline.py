@@ -106,6 +106,8 @@ def check_pipeline(rank: int, world_size: int, case: Any) -> dict[str, Any]:
         return check_saved_v_plan(case[1])
     if case[0] == "eval":
         return check_eval(case[1])
+    if case[0] == "trace":
+        return check_trace(case[1], rank)
     shape, names, model_name, stages, microbatches, schedule, options = case
     model, args, kwargs = _build(model_name)
     want = sgd_reference(model, args, kwargs, lr=LR, steps=NUM_STEPS)
@@ -181,6 +183,7 @@ def test_pipeline_numerics(world_size: int, tmp_path: Any) -> None:
         cases.append(("saved", ("saved", str(tmp_path / "plan.json"))))
         cases.append(("saved-v", ("saved-v", str(tmp_path / "plan-v.json"))))
         cases.append(("eval", ("eval", "zero-bubble")))
+        cases.append(("trace", ("trace", str(tmp_path / "trace"))))
     if world_size == 4:
         cases.append(("dcp", ("dcp", str(tmp_path / "ckpt"))))
         # GPT's head tied to its embedding, ZeRO-3 shards of it in both stages.
@@ -202,6 +205,9 @@ def test_pipeline_numerics(world_size: int, tmp_path: Any) -> None:
         # were planned on rank 0 only, the twin middle stages once.
         assert [v["solves"] for v in saved] == [(0, 3), (0, 0)], saved
         assert len(results["eval"].check()) == 2
+        # Every rank recorded its posts and waits: each microbatch's send or receive, both ways.
+        for got in results["trace"].check():
+            assert got["fwd"] == 2 and got["bwd"] == 2 and got["waits"] >= 4, got
         assert [v["stages"] for v in results["saved-v"].check()] == [[0, 3], [1, 2]]
     for what in BAD_INPUT if world_size == 2 else ():
         results[f"bad/{what}"].check()
@@ -290,6 +296,28 @@ def check_saved_v_plan(path: str) -> dict[str, Any]:
     pmodel = autopar.autoparallelize(model, mesh, args, kwargs, plan=path)
     checked = _train_and_compare(pmodel, args, kwargs, want)
     return {**checked, "stages": list(pmodel.stage_indices)}
+
+
+def check_trace(directory: str, rank: int) -> dict[str, int]:
+    """With ``AUTOPAR_P2P_TRACE`` set, the pipeline trains as without it and each rank records
+    its point-to-point posts and waits (autopar/runtime/p2p_trace.py); counts of the record."""
+    import os
+
+    from autopar.runtime import p2p_trace
+
+    os.environ[p2p_trace.ENV] = directory
+    try:
+        case = ((2,), ("pp",), "gpt", 2, 2, "gpipe", {})
+        check_pipeline(rank, 2, case)
+    finally:
+        del os.environ[p2p_trace.ENV]
+        p2p_trace.uninstall()
+    with open(os.path.join(directory, f"p2p-{rank}.jsonl")) as f:
+        lines = [json.loads(line) for line in f]
+    posts = [x[1] for x in lines if x[0] == "post" and x[2] > 0]
+    return {"fwd": sum(d.startswith("fwd") for d in posts) // NUM_STEPS,
+            "bwd": sum(d.startswith("bwd") for d in posts) // NUM_STEPS,
+            "waits": sum(x[0] == "wait" for x in lines)}  # fmt: skip
 
 
 def check_eval(schedule: str) -> float:
