@@ -66,6 +66,21 @@ def _shift(ref: Reference, other: Reference) -> float:
     return math.fsum([*lowest.tolist(), ref.multiplier * (other.offset_bytes - ref.offset_bytes)])
 
 
+def shift_table(
+    configurations: ConfigurationSolver,
+    zeros: Sequence[ZeroConfig],
+    budget: float,
+    multiplier: float,
+) -> np.ndarray:
+    """:func:`shifts` of ``zeros``' budgeted problems priced at ``multiplier``, each problem
+    released once its reference is taken."""
+    priced = []
+    for zero in zeros:
+        priced.append(reference(configurations.budgeted_problem(zero, budget), multiplier, 0.0))
+        configurations.release(zero, budget)
+    return shifts(priced)
+
+
 def greedy_order(table: np.ndarray) -> list[int]:
     """The indices of ``table`` (:func:`shifts`) in bounding order: each time, of those left,
     the one with the most others left at a shift >= 0 from it (ties: the lower index)."""
@@ -97,12 +112,7 @@ def derive_first(
     if len(rest) < 2 or not multiplier >= 0.0:
         return list(pairs)
     start = time.perf_counter()
-    priced = []
-    for zero, _ in rest:
-        problem = configurations.budgeted_problem(zero, budget)
-        priced.append(reference(problem, multiplier, 0.0))
-        configurations.release(zero, budget)
-    table = shifts(priced)
+    table = shift_table(configurations, [zero for zero, _ in rest], budget, multiplier)
     order = greedy_order(table)
     if followers is not None:
         for a, (zero, _) in enumerate(rest):

@@ -26,10 +26,9 @@ import time
 from collections.abc import Callable, Sequence
 
 from autopar.planner.bound_ahead import Ahead
-from autopar.planner.bound_order import greedy_order, shifts
+from autopar.planner.bound_order import greedy_order, shift_table
 from autopar.planner.configurations import ConfigurationSolver, Solved
 from autopar.planner.problem import ZeroConfig
-from solver.derived_bounds import reference
 from solver.problem import gap_floor
 
 
@@ -51,13 +50,7 @@ def skip_ahead(
         return list(zeros)
     skip_at = gap_floor(best.solution.objective_s, gap)
     start = time.perf_counter()
-    refs = []
-    for zero in zeros:
-        problem = configurations.budgeted_problem(zero, budget)
-        refs.append(reference(problem, best.warm_multipliers[1], 0.0))
-        del problem
-        configurations.release(zero, budget)
-    table = shifts(refs)
+    table = shift_table(configurations, zeros, budget, best.warm_multipliers[1])
     lead = greedy_order(table)[0]
     followers = [b for b in range(len(zeros)) if b != lead and table[lead, b] >= 0.0]
     names = configurations.space.mesh.axis_names
