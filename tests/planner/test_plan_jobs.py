@@ -1,0 +1,114 @@
+"""``autopar plan --jobs N`` / AUTOPAR_PLAN_JOBS (issue 16, side by side): with two jobs the
+ZeRO search bounds a configuration in a worker process beside the next one
+(autopar/planner/bound_ahead.py) and finds the plan, bounds and skips of one job; a worker
+that gives no answer (it died, or raised) is evaluated here after all, so its error is this
+process's; a bad AUTOPAR_PLAN_JOBS is a clear error (tiny GPT on 2 ranks at a budget that
+binds, every problem large enough to go side by side)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from autopar.api import plan_captured
+from autopar.capture.export import capture
+from autopar.mesh import Mesh
+from autopar.options import PlanOptions
+from autopar.planner import bound_ahead
+from tests.models import tiny_gpt
+
+BUDGET = 2_000_000  # no budget-free plan fits: configurations need their own bounds
+TIMED = ("seconds", "timings", "solve_s", "build_s", "time_s", "wall", "elapsed", "created")
+
+
+def _untimed(value):
+    """The plan document without its timings."""
+    if isinstance(value, dict):
+        return {k: _untimed(v) for k, v in value.items() if not any(t in k for t in TIMED)}
+    if isinstance(value, list):
+        return [_untimed(v) for v in value]
+    return value
+
+
+def _plan(monkeypatch, jobs: str, started: list[int]) -> tuple[dict, list[str]]:
+    """The tiny GPT planned with AUTOPAR_PLAN_JOBS=``jobs``: the plan without timings and
+    the progress lines without their times; ``started`` counts the workers started."""
+    monkeypatch.setenv(bound_ahead.JOBS_ENV, jobs)
+    monkeypatch.setattr(bound_ahead, "JOBS_AHEAD_ENTRIES", 0)  # every problem goes aside
+    real = bound_ahead.start_priced_bound
+
+    def counting(*args, **kwargs):
+        started.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bound_ahead, "start_priced_bound", counting)
+    model, args, kwargs = tiny_gpt()
+    lines: list[str] = []
+    plan = plan_captured(
+        capture(model, args, kwargs),
+        Mesh.parse("2", device="h100"),
+        PlanOptions(memory_budget=BUDGET, gap=0.01),
+        model_name="tiny-gpt",
+        progress=lines.append,
+    )
+    untimed = [re.sub(r"[0-9.]+ s\b", "_ s", line) for line in lines]
+    return _untimed(json.loads(plan.to_json())), untimed
+
+
+def test_two_jobs_find_the_plan_bounds_and_skips_of_one(monkeypatch) -> None:
+    one: list[int] = []
+    two: list[int] = []
+    serial = _plan(monkeypatch, "1", one)
+    beside = _plan(monkeypatch, "2", two)
+    assert not one and two  # side by side only with two jobs
+    assert beside[1] == serial[1]  # every bound, skip and solve line
+    assert beside[0] == serial[0]
+
+
+def test_a_worker_without_an_answer_is_evaluated_here(monkeypatch) -> None:
+    serial = _plan(monkeypatch, "1", [])
+
+    class Died:
+        def result(self):
+            return None  # what BoundJob.result gives for a dead or raising worker
+
+    started: list[int] = []
+
+    def dying(*args, **kwargs):
+        started.append(1)
+        return Died()
+
+    monkeypatch.setattr(bound_ahead, "start_priced_bound", dying)
+    monkeypatch.setenv(bound_ahead.JOBS_ENV, "2")
+    monkeypatch.setattr(bound_ahead, "JOBS_AHEAD_ENTRIES", 0)
+    ahead = bound_ahead.Ahead()
+    assert ahead.min_entries == 0
+    model, args, kwargs = tiny_gpt()
+    lines: list[str] = []
+    plan = plan_captured(
+        capture(model, args, kwargs),
+        Mesh.parse("2", device="h100"),
+        PlanOptions(memory_budget=BUDGET, gap=0.01),
+        model_name="tiny-gpt",
+        progress=lines.append,
+    )
+    assert started
+    assert [re.sub(r"[0-9.]+ s\b", "_ s", line) for line in lines] == serial[1]
+    assert _untimed(json.loads(plan.to_json())) == serial[0]
+
+
+@pytest.mark.parametrize("text", ["0", "-1", "two"])
+def test_a_bad_jobs_value_is_a_clear_error(monkeypatch, text: str) -> None:
+    monkeypatch.setenv(bound_ahead.JOBS_ENV, text)
+    with pytest.raises(ValueError, match="AUTOPAR_PLAN_JOBS"):
+        bound_ahead.Ahead()
+
+
+def test_one_job_is_the_serial_path(monkeypatch) -> None:
+    monkeypatch.delenv(bound_ahead.JOBS_ENV, raising=False)
+    assert bound_ahead.plan_jobs() == bound_ahead.DEFAULT_JOBS == 1
+    assert bound_ahead.Ahead().min_entries is None
+    monkeypatch.setenv(bound_ahead.JOBS_ENV, "2")
+    assert bound_ahead.Ahead().min_entries == bound_ahead.JOBS_AHEAD_ENTRIES
