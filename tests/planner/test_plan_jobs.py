@@ -2,7 +2,7 @@
 ZeRO search bounds a configuration in a worker process beside the next one
 (autopar/planner/bound_ahead.py) and finds the plan, bounds and skips of one job; a worker
 that gives no answer (it died, or raised) is evaluated here after all, so its error is this
-process's; a bad AUTOPAR_PLAN_JOBS is a clear error (tiny GPT on 2 ranks at a budget that
+process's; a bad AUTOPAR_PLAN_JOBS is a clear error (tiny GPT on a 2x2 mesh at a budget that
 binds, every problem large enough to go side by side)."""
 
 from __future__ import annotations
@@ -17,9 +17,11 @@ from autopar.capture.export import capture
 from autopar.mesh import Mesh
 from autopar.options import PlanOptions
 from autopar.planner import bound_ahead
+from solver.background import start_priced_bound
 from tests.models import tiny_gpt
 
-BUDGET = 2_000_000  # no budget-free plan fits: configurations need their own bounds
+BUDGET = 1_800_000  # binds on 2x2: one bound goes to a worker beside another (checked below)
+MESH = "2x2"
 TIMED = ("seconds", "timings", "solve_s", "build_s", "time_s", "wall", "elapsed", "created")
 
 
@@ -37,24 +39,33 @@ def _plan(monkeypatch, jobs: str, started: list[int]) -> tuple[dict, list[str]]:
     the progress lines without their times; ``started`` counts the workers started."""
     monkeypatch.setenv(bound_ahead.JOBS_ENV, jobs)
     monkeypatch.setattr(bound_ahead, "JOBS_AHEAD_ENTRIES", 0)  # every problem goes aside
-    real = bound_ahead.start_priced_bound
 
     def counting(*args, **kwargs):
         started.append(1)
-        return real(*args, **kwargs)
+        return start_priced_bound(*args, **kwargs)
 
     monkeypatch.setattr(bound_ahead, "start_priced_bound", counting)
     model, args, kwargs = tiny_gpt()
     lines: list[str] = []
     plan = plan_captured(
         capture(model, args, kwargs),
-        Mesh.parse("2", device="h100"),
+        Mesh.parse(MESH, device="h100"),
         PlanOptions(memory_budget=BUDGET, gap=0.01),
         model_name="tiny-gpt",
         progress=lines.append,
     )
-    untimed = [re.sub(r"[0-9.]+ s\b", "_ s", line) for line in lines]
-    return _untimed(json.loads(plan.to_json())), untimed
+    return _untimed(json.loads(plan.to_json())), _lines(lines)
+
+
+def _lines(lines: list[str]) -> list[str]:
+    """Progress lines without their times, the note that a bound was held and the count of
+    priced solves a relaxation reused (a worker's priced solves stay in the worker)."""
+    return [
+        re.sub(r"[0-9.]+ s\b", "_ s", re.sub(r"\d+ priced solves? reused, ", "", line)).replace(
+            " (evaluated beside an earlier bound)", ""
+        )
+        for line in lines
+    ]
 
 
 def test_two_jobs_find_the_plan_bounds_and_skips_of_one(monkeypatch) -> None:
@@ -89,13 +100,13 @@ def test_a_worker_without_an_answer_is_evaluated_here(monkeypatch) -> None:
     lines: list[str] = []
     plan = plan_captured(
         capture(model, args, kwargs),
-        Mesh.parse("2", device="h100"),
+        Mesh.parse(MESH, device="h100"),
         PlanOptions(memory_budget=BUDGET, gap=0.01),
         model_name="tiny-gpt",
         progress=lines.append,
     )
     assert started
-    assert [re.sub(r"[0-9.]+ s\b", "_ s", line) for line in lines] == serial[1]
+    assert _lines(lines) == serial[1]
     assert _untimed(json.loads(plan.to_json())) == serial[0]
 
 
