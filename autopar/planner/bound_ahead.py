@@ -23,6 +23,7 @@ dropped unused (the time it took ran beside A's).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 from autopar.planner.configurations import ConfigurationSolver, Held, Solved
@@ -34,17 +35,50 @@ from solver.parallel import problem_entries, usable_cores
 MIN_AHEAD_ENTRIES: int | None = None
 """Cost entries from which a bound is worth a worker (the worker's start and the problem's
 pickling take about a second on the llama3-70b b256 row; 2,000,000 takes that row).
-None: never, the default: on that row the worker's 1.9 GB beside this process's 2.5 GB take
-the process tree to 4.4 GB at its peak (README, Session 22), over the 4 GB it is held to."""
+None: never, unless :func:`plan_jobs` is 2 or more (then :data:`JOBS_AHEAD_ENTRIES`): on that
+row the worker's 1.9 GB beside this process's 2.5 GB take the process tree to 4.4 GB at its
+peak (README, Session 22), over the 4 GB it is held to."""
+
+JOBS_AHEAD_ENTRIES = 2_000_000
+"""The least problem size bounded beside another where ``--jobs`` / AUTOPAR_PLAN_JOBS asks
+for two or more processes (and :data:`MIN_AHEAD_ENTRIES` is None)."""
+
+JOBS_ENV = "AUTOPAR_PLAN_JOBS"
+DEFAULT_JOBS = 1
+"""Processes a plan's ZeRO search uses when AUTOPAR_PLAN_JOBS is unset: 1, one after another
+(the side-by-side bound's 4.4 GB tree peak is over the 4 GB a row is held to)."""
+
+
+def plan_jobs() -> int:
+    """Processes the ZeRO search may use (``autopar plan --jobs N`` sets AUTOPAR_PLAN_JOBS;
+    1: today's serial path). Raises ValueError on a value that is not a positive integer."""
+    text = os.environ.get(JOBS_ENV, "").strip()
+    if not text:
+        return DEFAULT_JOBS
+    try:
+        jobs = int(text)
+    except ValueError:
+        jobs = 0
+    if jobs < 1:
+        raise ValueError(f"{JOBS_ENV}={text!r}: expected a positive integer")
+    return jobs
+
+
+def ahead_entries() -> int | None:
+    """The least problem size bounded beside another: :data:`MIN_AHEAD_ENTRIES` where set,
+    else :data:`JOBS_AHEAD_ENTRIES` with two or more jobs (:func:`plan_jobs`), else None."""
+    if MIN_AHEAD_ENTRIES is not None:
+        return MIN_AHEAD_ENTRIES
+    return JOBS_AHEAD_ENTRIES if plan_jobs() >= 2 else None
 
 
 class Ahead:
     """The priced bounds evaluated ahead of their configuration's turn (module docstring)."""
 
     def __init__(self, min_entries: int | None = -1) -> None:
-        """``min_entries``: the least problem size bounded beside another (-1: the module's
-        :data:`MIN_AHEAD_ENTRIES`; None: none)."""
-        self.min_entries = MIN_AHEAD_ENTRIES if min_entries == -1 else min_entries
+        """``min_entries``: the least problem size bounded beside another (-1:
+        :func:`ahead_entries`; None: none)."""
+        self.min_entries = ahead_entries() if min_entries == -1 else min_entries
         self.followers: dict[ZeroConfig, set[ZeroConfig]] = {}
         """Per configuration, those its bound derives at a shift >= 0 (bound_order.py)."""
         self.upcoming: Sequence[tuple[ZeroConfig, Solved]] = ()

@@ -82,6 +82,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     # Progress goes to stderr, and its first line comes before torch and the planner load
     # (about 2 s of imports): bad options fail first, then the user sees what is happening.
     console = _Progress()
+    if args.jobs is not None:
+        if args.jobs < 1:
+            raise SystemExit(f"autopar plan: --jobs {args.jobs}: expected 1 or more")
+        os.environ["AUTOPAR_PLAN_JOBS"] = str(args.jobs)
     mesh = _build_mesh(args)
     options = _plan_options(
         args, recipe=args.recipe, zero_stage=args.zero, checkpoint=args.checkpoint

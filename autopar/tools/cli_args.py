@@ -204,6 +204,13 @@ def _add_planning_options(parser: argparse.ArgumentParser) -> None:
         help="pipeline schedule (default: searched; the last three: 2 stages per rank)",
     )
     parser.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help="processes the ZeRO search may use side by side (sets AUTOPAR_PLAN_JOBS; "
+        "default 1: one after another)",
+    )
+    parser.add_argument(
         "--no-cache",
         action="store_true",
         help="plan again even if the plan cache ($AUTOPAR_CACHE_DIR or ~/.cache/autopar/plans) has this plan",
