@@ -45,6 +45,11 @@ def _plan(monkeypatch, jobs: str, started: list[int]) -> tuple[dict, list[str]]:
         return start_priced_bound(*args, **kwargs)
 
     monkeypatch.setattr(bound_ahead, "start_priced_bound", counting)
+    return _plan_tiny()
+
+
+def _plan_tiny() -> tuple[dict, list[str]]:
+    """The tiny GPT planned on MESH under BUDGET: its plan JSON and progress lines, untimed."""
     model, args, kwargs = tiny_gpt()
     lines: list[str] = []
     plan = plan_captured(
@@ -96,18 +101,10 @@ def test_a_worker_without_an_answer_is_evaluated_here(monkeypatch) -> None:
     monkeypatch.setattr(bound_ahead, "JOBS_AHEAD_ENTRIES", 0)
     ahead = bound_ahead.Ahead()
     assert ahead.min_entries == 0
-    model, args, kwargs = tiny_gpt()
-    lines: list[str] = []
-    plan = plan_captured(
-        capture(model, args, kwargs),
-        Mesh.parse(MESH, device="h100"),
-        PlanOptions(memory_budget=BUDGET, gap=0.01),
-        model_name="tiny-gpt",
-        progress=lines.append,
-    )
+    plan, lines = _plan_tiny()
     assert started
-    assert _lines(lines) == serial[1]
-    assert _untimed(json.loads(plan.to_json())) == serial[0]
+    assert lines == serial[1]
+    assert plan == serial[0]
 
 
 @pytest.mark.parametrize("text", ["0", "-1", "two"])
