@@ -24,7 +24,12 @@ from autopar.api import plan_stage_graphs, stage_plan_options, with_stage_axis
 from autopar.capture.blocks import STACK_NAMES
 from autopar.capture.export import capture
 from autopar.capture.stages import StageGraph, block_indices, split_stages
-from autopar.comm.process_groups import AxisGroups, axis_groups, register_axis_groups
+from autopar.comm.process_groups import (
+    AxisGroups,
+    axis_groups,
+    cached_subgroup,
+    register_axis_groups,
+)
 from autopar.errors import PlanMismatchError, PlanningError, UnsupportedModelError
 from autopar.lowering import lower
 from autopar.lowering.checkpointing import checkpoint_lowered
@@ -151,7 +156,9 @@ def _submesh(mesh: Mesh, groups: AxisGroups, axis: int) -> tuple[Mesh, AxisGroup
     the pipeline axis; a 1-D mesh gets a size-1 data axis (the ILP needs one axis)."""
     if mesh.ndim == 1:
         mesh = with_stage_axis(mesh)
-        groups = axis_groups(mesh.shape, mesh.axis_names, key=f"{groups.key}+stage-axis")
+        groups = axis_groups(
+            mesh.shape, mesh.axis_names, key=f"{groups.key}+stage-axis", shared=True
+        )
     keep = [a for a in range(mesh.ndim) if a != axis]
     names = tuple(mesh.axis_names[a] for a in keep)
     sub_groups = AxisGroups(
@@ -258,7 +265,7 @@ def autoparallelize_pipeline(
     # The stages' point-to-point traffic gets its own group: under TORCH_DISTRIBUTED_DEBUG=DETAIL
     # collectives check sequence numbers, which sends and receives advance unevenly per rank.
     grid = groups.device_mesh.mesh.movedim(pipeline.axis, -1)
-    p2p_group, _ = dist.new_subgroups_by_enumeration(grid.reshape(-1, grid.shape[-1]).tolist())
+    p2p_group = cached_subgroup(grid.reshape(-1, grid.shape[-1]).tolist())
     pmodel = PipelineModule(
         modules,
         num_stages=pipeline.num_stages,

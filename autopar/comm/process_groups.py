@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 __all__ = [
     "AxisGroups",
     "axis_groups",
+    "cached_subgroup",
     "default_key",
     "lookup_axis_group",
     "lookup_axis_groups",
@@ -81,6 +82,7 @@ def axis_groups(
     *,
     key: str | None = None,
     device_type: str | None = None,
+    shared: bool = False,
 ) -> AxisGroups:
     """Build the per-axis process groups of a mesh and register them under ``key``.
 
@@ -89,6 +91,9 @@ def axis_groups(
         axis_names: one distinct name per axis.
         key: registry key (default: :func:`default_key`).
         device_type: DeviceMesh device type (default: "cuda" for NCCL, else "cpu").
+        shared: reuse the groups an earlier shared call made for the same mesh in this
+            process (:func:`_device_mesh`; the pipeline's own stage meshes): a timeout set on
+            them (``autoparallelize(timeout_s=...)``) then holds for every module sharing them.
 
     Raises:
         RuntimeError: the default process group is not initialized.
@@ -110,7 +115,11 @@ def axis_groups(
         )
     if device_type is None:
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+    mesh = (
+        _device_mesh(device_type, shape, names)
+        if shared
+        else init_device_mesh(device_type, shape, mesh_dim_names=names)
+    )
     coordinate = mesh.get_coordinate()
     assert coordinate is not None, "every rank of the world is on the mesh"
     result = AxisGroups(
@@ -124,6 +133,38 @@ def axis_groups(
     assert result.rank == dist.get_rank(), "DeviceMesh is rank-major"
     register_axis_groups(result.key, result)
     return result
+
+
+_MESHES: dict[tuple, tuple[DeviceMesh, object]] = {}
+"""DeviceMeshes built in this process, by (device type, shape, names, default group's id),
+with the default group they were built in (held, so its id is not reused while it is here)."""
+
+
+def _device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+    """A DeviceMesh of ``shape`` and ``names``, built once per process and default group: every
+    ``autoparallelize`` on the same mesh shares its process groups. Each gloo group keeps its
+    own loop and worker threads, and a process holding a dozen of them (the pipeline check
+    builds every configuration before timing them) waited twice as long at the tail of its
+    pipeline's gaps on 2 shared cores (README, "Session 28")."""
+    world = dist.group.WORLD
+    key = (device_type, shape, names, id(world))
+    found = _MESHES.get(key)
+    if found is None:
+        found = _MESHES[key] = (init_device_mesh(device_type, shape, mesh_dim_names=names), world)
+    return found[0]
+
+
+def cached_subgroup(enumeration: Sequence[Sequence[int]]) -> dist.ProcessGroup | None:
+    """This rank's group of ``dist.new_subgroups_by_enumeration(enumeration)`` (None where it
+    is in none), created once per process and default group (as :func:`_device_mesh`). A
+    collective on every rank of the world the first time."""
+    world = dist.group.WORLD
+    key = ("subgroups", tuple(tuple(int(r) for r in row) for row in enumeration), id(world))
+    found = _MESHES.get(key)
+    if found is None:
+        group, _ = dist.new_subgroups_by_enumeration([list(row) for row in key[1]])
+        found = _MESHES[key] = (group, world)
+    return found[0]
 
 
 _REGISTRY: dict[str, AxisGroups] = {}

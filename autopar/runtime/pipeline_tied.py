@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from autopar.comm.process_groups import cached_subgroup
 from autopar.errors import UnsupportedModelError
 from autopar.placement import format_placements
 from autopar.runtime.materialize import gather_full, local_block
@@ -86,7 +87,7 @@ def tied_weight_groups(
         if len(holders) == 1:
             out.append(TiedWeight(fqn, None, whole))
             continue
-        group, _ = dist.new_subgroups_by_enumeration(rows_of)
+        group = cached_subgroup(rows_of)
         out.append(TiedWeight(fqn, group, whole))
     return out
 

@@ -108,6 +108,8 @@ def check_pipeline(rank: int, world_size: int, case: Any) -> dict[str, Any]:
         return check_eval(case[1])
     if case[0] == "trace":
         return check_trace(case[1], rank)
+    if case[0] == "shared-groups":
+        return check_shared_groups()
     shape, names, model_name, stages, microbatches, schedule, options = case
     model, args, kwargs = _build(model_name)
     want = sgd_reference(model, args, kwargs, lr=LR, steps=NUM_STEPS)
@@ -184,6 +186,7 @@ def test_pipeline_numerics(world_size: int, tmp_path: Any) -> None:
         cases.append(("saved-v", ("saved-v", str(tmp_path / "plan-v.json"))))
         cases.append(("eval", ("eval", "zero-bubble")))
         cases.append(("trace", ("trace", str(tmp_path / "trace"))))
+        cases.append(("shared-groups", ("shared-groups",)))
     if world_size == 4:
         cases.append(("dcp", ("dcp", str(tmp_path / "ckpt"))))
         # GPT's head tied to its embedding, ZeRO-3 shards of it in both stages.
@@ -206,6 +209,7 @@ def test_pipeline_numerics(world_size: int, tmp_path: Any) -> None:
         assert [v["solves"] for v in saved] == [(0, 3), (0, 0)], saved
         assert len(results["eval"].check()) == 2
         # Every rank recorded its posts and waits: each microbatch's send or receive, both ways.
+        assert list(results["shared-groups"].check()) == [0, 0]
         for got in results["trace"].check():
             assert got["fwd"] == 2 and got["bwd"] == 2 and got["waits"] >= 4, got
         assert [v["stages"] for v in results["saved-v"].check()] == [[0, 3], [1, 2]]
@@ -318,6 +322,30 @@ def check_trace(directory: str, rank: int) -> dict[str, int]:
     return {"fwd": sum(d.startswith("fwd") for d in posts) // NUM_STEPS,
             "bwd": sum(d.startswith("bwd") for d in posts) // NUM_STEPS,
             "waits": sum(x[0] == "wait" for x in lines)}  # fmt: skip
+
+
+def check_shared_groups() -> int:
+    """A second pipeline module on the same mesh makes no new process group (its stage mesh
+    and point-to-point group are the first's) and still trains; returns the groups added."""
+    from torch.distributed import distributed_c10d
+
+    import autopar
+
+    def build() -> Any:
+        model, args, kwargs = _build("gpt")
+        pmodel = autopar.autoparallelize(
+            model, _mesh((2,), ("pp",)), args, kwargs,
+            pipeline={"stages": 2, "microbatches": 2, "schedule": "gpipe"},
+            optimizer="sgd", price_baselines=False,
+        )  # fmt: skip
+        assert torch.isfinite(pmodel.step(*args, **kwargs))
+        return pmodel
+
+    first = build()
+    before = len(distributed_c10d._world.pg_map)
+    second = build()
+    assert second._stages[0].group is first._stages[0].group
+    return len(distributed_c10d._world.pg_map) - before
 
 
 def check_eval(schedule: str) -> float:
