@@ -226,7 +226,8 @@ def _repetition(rows: list[torch.Tensor]) -> dict[str, Any]:
 
 
 def drift_removed(case: dict[str, Any], speed: float, busy_rank_speed: Any, task_wait_s: float,
-                  *, ends: bool, core_wait_s: Any = None, task_gap_s: Any = ()) -> Any:  # fmt: skip
+                  *, ends: bool, core_wait_s: Any = None, task_gap_s: Any = (),
+                  task_gap_by_others_s: Any = None) -> Any:  # fmt: skip
     """The plan's schedule with every stage's forward and backward scaled by ``speed``
     (calibrated matmul FLOP/s over the FLOP/s the probe measured right before the steps): the
     prediction at the machine's current rate; ``ends``: with the plan's priced head and tail
@@ -242,7 +243,7 @@ def drift_removed(case: dict[str, Any], speed: float, busy_rank_speed: Any, task
     return schedule_time(
         stages, microbatches=case["microbatches"], schedule=case["schedule"],
         busy_rank_speed=busy_rank_speed, task_wait_s=task_wait_s, core_wait_s=core_wait_s,
-        task_gap_s=task_gap_s, head_s=head, tail_s=tail,
+        task_gap_s=task_gap_s, task_gap_by_others_s=task_gap_by_others_s, head_s=head, tail_s=tail,
     )  # fmt: skip
 
 
@@ -295,7 +296,8 @@ def summarize(
         now = {e: [drift_removed(case, reference[e] / r["matmul_flops_before"],
                                  speed if e else unleveled, wait, ends=True,
                                  core_wait_s=device.core_wait_s if e else None,
-                                 task_gap_s=device.task_gap_s if e else ())
+                                 task_gap_s=device.task_gap_s if e else (),
+                                 task_gap_by_others_s=device.task_gap_by_others_s if e else None)
                    for r in reps] for e in (True, False)}  # fmt: skip
         steps = [r["step_s"] for r in reps]
         bubbles = [r["bubble"] for r in reps]

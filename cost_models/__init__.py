@@ -6,7 +6,12 @@ or autopar.
 
 from __future__ import annotations
 
-from cost_models.comm import collective_steps_and_wire_bytes, collective_time_s, fit_alpha_beta
+from cost_models.comm import (
+    collective_steps_and_wire_bytes,
+    collective_time_s,
+    fit_alpha_beta,
+    send_time_s,
+)
 from cost_models.compute import (
     ATTENTION_BACKWARD_FACTOR,
     COMPUTE_BOUND_FAMILIES,
@@ -83,5 +88,6 @@ __all__ = [
     "optimizer_state_buffers",
     "peak_flops_for",
     "save_profile",
+    "send_time_s",
     "training_state_bytes",
 ]

@@ -72,6 +72,18 @@ def collective_time_s(kind: str, nbytes: float, group_size: int, link: LinkSpec)
     return steps * link.latency_s + wire / link.bandwidth_Bps + link.sync_s
 
 
+def send_time_s(nbytes: float, link: LinkSpec) -> float:
+    """Seconds for one pipeline send of ``nbytes`` to the next stage over ``link``: the link's
+    ``broadcast`` (its calibrated fit is a point-to-point ping-pong) between two devices,
+    without ``sync_s``. ``sync_s`` is what a blocking collective costs between computations
+    while every rank of its group waits for the last; a pipeline's send is posted
+    asynchronously, and the receiver's wake-up and the schedule's work between tasks are the
+    device's ``task_wait_s``, measured on a pipeline by ``autopar calibrate`` (README "Session
+    29"). Charging ``sync_s`` here too counted that wait twice and moved a pipeline's predicted
+    idle share with ``sync_s``'s spread between calibrations."""
+    return max(0.0, collective_time_s("broadcast", nbytes, 2, link) - link.sync_s)
+
+
 def fit_alpha_beta(
     sizes_bytes: Sequence[float], times_s: Sequence[float], kind: str, group_size: int
 ) -> tuple[float, float]:

@@ -20,7 +20,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
-from cost_models.spec_tables import FrozenMap, check_fraction, count_table, quantile_table
+from cost_models.spec_tables import (
+    FrozenMap,
+    check_fraction,
+    count_table,
+    quantile_table,
+    quantiles_by_count,
+)
 
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 COMM_BACKENDS = ("nccl", "gloo", "xccl", "hccl", "mpi")
@@ -87,6 +93,14 @@ class DeviceSpec:
     shared-cores simulation draws each task's gap from them around the priced mean (and then
     charges no ``core_wait_s``, which they include). Empty (presets, GPUs, older profiles,
     ranks no more than the cores): the mean alone."""
+    task_gap_by_others_s: Mapping[str, tuple[float, ...]] = field(default_factory=FrozenMap)
+    """Ranks outnumbering the cores they share: ``task_gap_s``'s quantiles per count of the
+    job's other ranks computing when a task became ready (key ``str(k)``; the largest key
+    stands for it and every count above). The gaps lengthen with that count (session 29), and
+    a pipeline with more microbatches than calibration's meets the longer ones more often; the
+    shared-cores simulation draws each task's gap from the table of the count it simulates
+    (around ``task_gap_s``'s mean, the one it prices). Empty (presets, GPUs, older profiles):
+    ``task_gap_s`` for every count."""
     comm_backend: str = "nccl"
     """The ``torch.distributed`` backend the runtime's collectives use on this device ("gloo"
     on CPUs). On gloo the ZeRO refresh after an optimizer step is one broadcast per rank
@@ -160,6 +174,8 @@ class DeviceSpec:
         object.__setattr__(
             self, "task_gap_s", quantile_table(self.name, "task_gap_s", self.task_gap_s)
         )
+        object.__setattr__(self, "task_gap_by_others_s", quantiles_by_count(
+            self.name, "task_gap_by_others_s", self.task_gap_by_others_s))  # fmt: skip
         object.__setattr__(
             self, "peak_flops", FrozenMap({k: float(v) for k, v in self.peak_flops.items()})
         )
@@ -186,6 +202,11 @@ class DeviceSpec:
             **({"task_wait_s": self.task_wait_s} if self.task_wait_s else {}),
             **({"core_wait_s": dict(self.core_wait_s)} if self.core_wait_s else {}),
             **({"task_gap_s": list(self.task_gap_s)} if self.task_gap_s else {}),
+            **(
+                {"task_gap_by_others_s": {k: list(v) for k, v in self.task_gap_by_others_s.items()}}
+                if self.task_gap_by_others_s
+                else {}
+            ),
             # GPU defaults are not written (preset documents and plans stay as they were).
             **({"comm_backend": self.comm_backend} if self.comm_backend != "nccl" else {}),
             **(

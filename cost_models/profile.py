@@ -94,6 +94,11 @@ PROFILE_SCHEMA: dict[str, Any] = {
                     "additionalProperties": _NONNEGATIVE,
                 },
                 "task_gap_s": {"type": "array", "items": _NONNEGATIVE},
+                "task_gap_by_others_s": {
+                    "type": "object",
+                    "propertyNames": {"pattern": "^[0-9]+$"},
+                    "additionalProperties": {"type": "array", "items": _NONNEGATIVE},
+                },
                 "comm_backend": {"enum": list(COMM_BACKENDS)},
                 "collectives_overlap_compute": {"type": "boolean"},
                 "source": {"type": "string"},

@@ -59,3 +59,14 @@ def quantile_table(device: str, name: str, values: Sequence[float]) -> tuple[flo
         raise ValueError(f"device {device!r}: {name} needs ascending seconds >= 0 (quantiles), "
                          f"got {list(values)!r}")  # fmt: skip
     return table
+
+
+def quantiles_by_count(device: str, name: str, table: Mapping[Any, Sequence[float]]) -> FrozenMap:
+    """``table`` of :func:`quantile_table` values keyed by counts >= 0 (of other ranks), frozen
+    with string keys."""
+    for count in table:
+        if not str(count).isdigit():
+            raise ValueError(f"device {device!r}: {name} needs counts >= 0 as keys, got "
+                             f"{count!r}")  # fmt: skip
+    return FrozenMap({str(int(k)): quantile_table(device, f"{name}[{str(k)!r}]", v)
+                      for k, v in table.items()})  # fmt: skip

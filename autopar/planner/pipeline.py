@@ -198,6 +198,7 @@ class StagePlanner:
         self.task_wait_s = get_device(device).task_wait_s
         self.core_wait_s = get_device(device).core_wait_s
         self.task_gap_s = get_device(device).task_gap_s
+        self.task_gap_by_others_s = get_device(device).task_gap_by_others_s
         self._report = progress or (lambda line: None)
 
     def search(
@@ -341,6 +342,7 @@ class StagePlanner:
                 task_wait_s=self.task_wait_s,
                 core_wait_s=self.core_wait_s,
                 task_gap_s=self.task_gap_s,
+                task_gap_by_others_s=self.task_gap_by_others_s,
                 head_s=ends.head_s,
                 tail_s=ends.tail_s,
             )

@@ -142,6 +142,7 @@ def schedule_time(
     task_wait_s: float = 0.0,
     core_wait_s: Mapping[str, float] | None = None,
     task_gap_s: Sequence[float] = (),
+    task_gap_by_others_s: Mapping[str, Sequence[float]] | None = None,
     head_s: float = 0.0,
     tail_s: float = 0.0,
 ) -> ScheduleTime:
@@ -153,7 +154,8 @@ def schedule_time(
     over several stages are simulated instead (:mod:`planner.shared_cores`), each stage being
     ``ranks_per_stage`` ranks, and so are they with a measured ``task_wait_s`` (charged after
     every task); ``core_wait_s`` (``DeviceSpec``'s) adds the waits for a core there, and
-    ``task_gap_s`` (``DeviceSpec``'s) the gaps' measured spread instead."""
+    ``task_gap_s`` (``DeviceSpec``'s) the gaps' measured spread instead (per count of the other
+    ranks computing where ``task_gap_by_others_s`` holds it)."""
     m = microbatches
     simulated = busy_rank_speed or task_wait_s > 0
     if simulated and schedule in ("gpipe", "1f1b") and len(stages) > 1:
@@ -168,6 +170,7 @@ def schedule_time(
             task_wait_s=task_wait_s,
             core_wait_s=core_wait_s,
             task_gap_s=task_gap_s,
+            task_gap_by_others_s=task_gap_by_others_s,
             head_s=head_s,
             tail_s=tail_s,
         )

@@ -38,7 +38,11 @@ drawn per task the measured idle at 8 microbatches was reproduced, with their me
 (README "Session 27"). Where the device holds the gaps' measured quantiles (``task_gap_s``),
 each task's gap is drawn from them around its priced mean (half the send and ``task_wait_s``;
 never below 0) and the result is the mean of :data:`GAP_DRAWS` simulations with fixed seeds;
-the waits for a core are then in the drawn gaps, and ``core_wait_s`` is not charged.
+the waits for a core are then in the drawn gaps, and ``core_wait_s`` is not charged. Where the
+device holds them per count of the other ranks computing (``task_gap_by_others_s``, session
+29: the gaps lengthen with that count), a task's gap is drawn from the table of the count of
+ranks the simulation has computing when the task becomes ready (the largest count at or below
+it with a table, else the smallest), still around ``task_gap_s``'s mean.
 
 With ``speed == 1`` and equal stages this is exactly the closed form; for unequal stages it is the
 event-exact makespan of the schedule's order (1F1B can then beat the closed form, which charges
@@ -104,6 +108,7 @@ def shared_schedule_time(
     task_wait_s: float = 0.0,
     core_wait_s: Mapping[str, float] | None = None,
     task_gap_s: Sequence[float] = (),
+    task_gap_by_others_s: Mapping[str, Sequence[float]] | None = None,
     head_s: float = 0.0,
     tail_s: float = 0.0,
 ) -> ScheduleTime:
@@ -111,7 +116,8 @@ def shared_schedule_time(
     after the step's ``head_s`` and before its ``tail_s`` (every rank idle in both);
     ``core_wait_s`` is ``DeviceSpec.core_wait_s`` (``{cores: seconds}``), ``task_gap_s``
     ``DeviceSpec.task_gap_s`` (quantiles: the mean of :data:`GAP_DRAWS` simulations with drawn
-    gaps, no ``core_wait_s``; module docstring).
+    gaps, no ``core_wait_s``; module docstring) and ``task_gap_by_others_s`` the same per
+    count of the other ranks computing.
 
     ``bubble_s`` is the step less the busiest rank's compute and sends (its per-task waits and
     its waits for a core are idle time); ``compute_s`` and ``p2p_s`` are that rank's."""
@@ -119,7 +125,7 @@ def shared_schedule_time(
     if task_gap_s:
         runs = [
             _simulate(stages, microbatches, schedule, busy_rank_speed, ranks_per_stage,
-                      task_wait_s, (0, 0.0), _gap_draws(task_gap_s, seed))
+                      task_wait_s, (0, 0.0), _gap_draws(task_gap_s, seed, task_gap_by_others_s))
             for seed in range(GAP_DRAWS)
         ]  # fmt: skip
         now = statistics.fmean(r[0] for r in runs)
@@ -142,12 +148,27 @@ def shared_schedule_time(
     )
 
 
-def _gap_draws(quantiles: Sequence[float], seed: int) -> Callable[[], float]:
+def _gap_draws(
+    quantiles: Sequence[float],
+    seed: int,
+    by_others: Mapping[str, Sequence[float]] | None = None,
+) -> Callable[[int], float]:
     """Gaps drawn uniformly from ``quantiles`` (a fixed seed: the same prediction every time),
-    less their mean: the spread around the gap the simulation already charges."""
+    less their mean: the spread around the gap the simulation already charges. With
+    ``by_others`` (``{str(count): quantiles}``), the draw for a task with ``others`` other
+    ranks computing comes from the table of the largest count at or below ``others`` (else the
+    smallest count's), less the same mean."""
     rng = random.Random(seed)
     mean = statistics.fmean(quantiles)
-    return lambda: quantiles[rng.randrange(len(quantiles))] - mean
+    tables = sorted((int(k), tuple(v)) for k, v in (by_others or {}).items() if v)
+
+    def draw(others: int) -> float:
+        table = quantiles
+        if tables:
+            table = next((t for k, t in reversed(tables) if k <= others), tables[0][1])
+        return table[rng.randrange(len(table))] - mean
+
+    return draw
 
 
 def _simulate(
@@ -158,11 +179,11 @@ def _simulate(
     ranks_per_stage: int,
     task_wait_s: float,
     core_wait: tuple[int, float],
-    gap: Callable[[], float] | None,
+    gap: Callable[[int], float] | None,
 ) -> tuple[float, list[float]]:
     """One simulated schedule (module docstring): its length and each rank's compute seconds;
     ``core_wait`` is ``(cores, seconds)``, ``gap`` draws each task's deviation from its mean
-    gap (None: none)."""
+    gap given the other ranks computing when it becomes ready (None: none)."""
     p = len(stages)
     orders = [rank_order(schedule, i, p, microbatches) for i in range(p)]
     cores, core_wait_s = core_wait
@@ -185,7 +206,8 @@ def _simulate(
                 continue
             work = stages[i].forward_s if kind == "F" else stages[i].backward_s
             full = cores > 0 and len(computing) * ranks_per_stage >= cores
-            after = stages[i].p2p_s / 2 + task_wait_s + (gap() if gap else 0.0)
+            others = len(computing) * ranks_per_stage
+            after = stages[i].p2p_s / 2 + task_wait_s + (gap(others) if gap else 0.0)
             left[i] = [core_wait_s if full else None, work, max(0.0, after)]
             running[i] = True
             if not full and work > 0:

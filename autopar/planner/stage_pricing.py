@@ -31,7 +31,7 @@ from autopar.planner.space import StrategySpace, local_bytes
 from autopar.planner.tying import block_of
 from autopar.strategies import input_nodes
 from autopar.strategies.registry import tensor_meta
-from cost_models import LinkSpec, collective_time_s, training_state_bytes
+from cost_models import LinkSpec, collective_time_s, send_time_s, training_state_bytes
 from cost_models.hardware import get_device
 
 ZERO_STAGES = (0, 2, 3)
@@ -321,7 +321,7 @@ class StagePricer:
             transient += parts.block.activation_bytes
         activations -= recomputed * (parts.block.activation_bytes - boundary)
         backward += recomputed * parts.block.recompute_s
-        send = collective_time_s("broadcast", boundary, 2, self.pp_link)
+        send = send_time_s(boundary, self.pp_link)
         p2p = send * ((0 if last else 1) + (0 if first else 1))
         memory = {
             "state": state,

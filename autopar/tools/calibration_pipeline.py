@@ -73,7 +73,8 @@ __all__ = ["matmul_rate_now", "priced_stage_tasks"]  # moved; importable from he
 PIPELINE_ROWS = 128
 """Rows per microbatch of the calibration pipeline (its activation: ``rows x width`` fp32,
 about 390 KiB at width 768, the size of a small model's stage boundary)."""
-PIPELINE_MICROBATCHES = 4
+PIPELINE_MICROBATCHES = 8
+"""Session 29 (was 4): at 8 its gaps match the check's pipelines' (mean 2.1 ms, 97.5th 11 ms)."""
 PIPELINE_LAYERS = 4
 """Linear layers per stage: tasks of about 10-30 ms at width 768 on these cores, the order of
 the stages the pipeline check runs (1-2 transformer blocks of width 256 at 2-8 rows x 128)."""
@@ -294,7 +295,7 @@ def measure_task_wait(
     """
     from torch.distributed.pipelining import ScheduleGPipe
 
-    from cost_models import collective_time_s
+    from cost_models import send_time_s
 
     world, rank = dist.get_world_size(), dist.get_rank()
     if device.type != "cpu" or world == 1:
@@ -333,7 +334,7 @@ def measure_task_wait(
 
     one_step()  # warm-up: shape inference, first-call costs
     link = links.get("pp") or next(iter(links.values()))
-    send = collective_time_s("broadcast", float(rows * width * 4), 2, link)
+    send = send_time_s(float(rows * width * 4), link)
     p2p = [send * ((i > 0) + (i < world - 1)) for i in range(world)]
     per_round: list[dict[str, Any]] = []
     every_step: list[Any] = []
@@ -479,14 +480,13 @@ def with_pipeline_figures(
     if level is not None:
         speed = {k: v * min(max(level, LEVEL_RANGE[0]), LEVEL_RANGE[1]) for k, v in speed.items()}
         log(f"pipeline compute level: its tasks ran {level:.2f}x the planner's price")
-    # Session 25: the speed from the CPU level and the cores' sharing where CPU was recorded;
-    # the wall-clock curve above (sessions 11-24) is kept beside it, recorded only.
+    # Session 25: the CPU level times the cores' share where recorded; the wall curve kept.
     timed["wall_level_speed"] = speed
     cores = _cores()
     foreign = foreign_threads(timed["rounds"], cores or 1)
-    if timed.get("core_wait_s") is not None and len(timed["p2p_s"]) > cores:  # sessions 26, 27
-        spec = dataclasses.replace(spec, core_wait_s={str(cores): timed["core_wait_s"]},
-                                   task_gap_s=timed["task_gap_s"])  # fmt: skip
+    if timed.get("core_wait_s") is not None and len(timed["p2p_s"]) > cores:  # sessions 26-29
+        gaps = {k: timed[k] for k in ("task_gap_s", "task_gap_by_others_s")}
+        spec = dataclasses.replace(spec, core_wait_s={str(cores): timed["core_wait_s"]}, **gaps)
         log(f"wait for a core with every core busy: {timed['core_wait_s'] * 1e3:.2f} ms")
     timed["cores"], timed["foreign_threads"] = cores, foreign
     if timed["cpu_compute_level"] is not None and foreign is not None:

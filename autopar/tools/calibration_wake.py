@@ -24,28 +24,48 @@ The gaps' spread (session 27, ``DeviceSpec.task_gap_s``): the wait's mean did no
 the idle share at 8 microbatches on 4 stages, the gaps drawn from their distribution did (a
 step is the longest of the schedule's paths, and a long tail lengthens the longest path more
 than its mean does; README "Session 27"). :func:`gap_quantiles` of every gap, a core free or
-not, is what calibration writes for the simulation to draw from.
+not, is what calibration writes for the simulation to draw from. Session 29: the gaps lengthen
+with the job's other ranks computing when a task becomes ready (the check's 4-stage runs: means
+1.0-1.5 ms with none, 1.6-2.0 with one, 2.1-3.2 with two), and a pipeline with more
+microbatches spends more of its tasks beside computing ranks than calibration's does;
+:func:`gaps_by_others` keeps that count per gap and ``task_gap_by_others_s`` their quantiles
+per count, which the simulation draws from by the count it has at each task.
 """
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
-__all__ = ["GAP_QUANTILES", "core_wait", "core_wait_figures", "core_wait_gaps", "gap_quantiles"]
+__all__ = [
+    "GAP_QUANTILES",
+    "MIN_CLASS_GAPS",
+    "core_wait",
+    "core_wait_figures",
+    "core_wait_gaps",
+    "gap_quantiles",
+    "gaps_by_others",
+    "quantiles_by_others",
+]
 
 GAP_QUANTILES = 20
 """Quantiles of the gaps calibration records (levels ``(n + 0.5) / GAP_QUANTILES``)."""
 
 
-def core_wait_gaps(
-    ranks: Sequence[Any], schedule: str, microbatches: int, cores: int
-) -> tuple[list[float], list[tuple[float, float]]]:
-    """One step's gaps (``ranks[i] = (start, end, tasks, ...)`` of rank ``i``, ``tasks`` its
-    ``(kind, start, end)`` in order, as ``calibration_pipeline.step_terms`` takes them):
-    the gaps that began with a core free, and per gap that began with every core running
-    another rank's task, ``(gap, seconds until a core was free)``."""
+MIN_CLASS_GAPS = 40
+"""Fewest gaps behind one count's quantiles in ``task_gap_by_others_s``: the counts at and above
+the largest with at least this many gaps at or beyond it share its table."""
+
+
+def _gaps(
+    ranks: Sequence[Any], schedule: str, microbatches: int
+) -> Iterator[tuple[float, float, list[tuple[float, float]]]]:
+    """Per task but each rank's first of the step (``ranks[i] = (start, end, tasks, ...)`` of
+    rank ``i``, ``tasks`` its ``(kind, start, end)`` in order, as
+    ``calibration_pipeline.step_terms`` takes them): its gap, its ready moment (its rank's
+    previous task's end or the end of the neighbour's task it needed, whichever is later) and
+    the other ranks' tasks not ended by then."""
     from autopar.planner.shared_cores import rank_order
 
     p = len(ranks)
@@ -53,8 +73,6 @@ def core_wait_gaps(
     for i, rank in enumerate(ranks):
         for (kind, j), (_, a, b) in zip(rank_order(schedule, i, p, microbatches), rank[2]):
             spans[(kind, i, j)] = (a, b)
-    free: list[float] = []
-    full: list[tuple[float, float]] = []
     for i in range(p):
         previous = None
         for kind, j in rank_order(schedule, i, p, microbatches):
@@ -65,13 +83,50 @@ def core_wait_gaps(
             if not ends:
                 continue  # the step's first task: its gap is the head
             ready = max(ends)
-            other = [(c, d) for (_, r, _), (c, d) in spans.items() if r != i and d > ready]
-            freed = _first_free(other, ready, cores)
-            if freed <= ready:
-                free.append(a - ready)
-            else:
-                full.append((a - ready, freed - ready))
+            yield a - ready, ready, [(c, d) for (_, r, _), (c, d) in spans.items()
+                                     if r != i and d > ready]  # fmt: skip
+
+
+def core_wait_gaps(
+    ranks: Sequence[Any], schedule: str, microbatches: int, cores: int
+) -> tuple[list[float], list[tuple[float, float]]]:
+    """One step's gaps (:func:`_gaps`' ``ranks``): the gaps that began with a core free, and
+    per gap that began with every core running another rank's task, ``(gap, seconds until a
+    core was free)``."""
+    free: list[float] = []
+    full: list[tuple[float, float]] = []
+    for gap, ready, other in _gaps(ranks, schedule, microbatches):
+        freed = _first_free(other, ready, cores)
+        if freed <= ready:
+            free.append(gap)
+        else:
+            full.append((gap, freed - ready))
     return free, full
+
+
+def gaps_by_others(
+    ranks: Sequence[Any], schedule: str, microbatches: int
+) -> list[tuple[float, int]]:
+    """One step's gaps (:func:`_gaps`' ``ranks``), each with the number of the job's other
+    ranks in a task at its ready moment."""
+    return [(gap, sum(1 for c, _ in other if c <= ready))
+            for gap, ready, other in _gaps(ranks, schedule, microbatches)]  # fmt: skip
+
+
+def quantiles_by_others(
+    pairs: Sequence[tuple[float, int]], least: int = MIN_CLASS_GAPS
+) -> dict[str, list[float]]:
+    """:func:`gap_quantiles` per count of other ranks computing (``pairs`` from
+    :func:`gaps_by_others`): one table per count below the top count ``K`` (the largest count
+    with at least ``least`` gaps at ``K`` or more), and ``K``'s table of every gap at ``K`` or
+    more; a count with no gap has no table. Empty where fewer than ``least`` gaps in all."""
+    counts = sorted({k for _, k in pairs})
+    top = max((k for k in counts if sum(1 for _, c in pairs if c >= k) >= least), default=None)
+    if top is None:
+        return {}
+    out = {str(k): gap_quantiles([g for g, c in pairs if c == k]) for k in counts if k < top}
+    out[str(top)] = gap_quantiles([g for g, c in pairs if c >= top])
+    return out
 
 
 def _first_free(spans: Sequence[tuple[float, float]], ready: float, cores: int) -> float:
@@ -121,13 +176,16 @@ def core_wait_figures(
 ) -> dict[str, Any]:
     """The calibration record of the wait for a core over ``timelines`` (steps of
     :func:`core_wait_gaps`' ``ranks``): ``core_wait_s`` (None where not measured), the gaps
-    counted, the base and ``task_gap_s``, every gap's :func:`gap_quantiles`."""
+    counted, the base, ``task_gap_s`` (every gap's :func:`gap_quantiles`) and
+    ``task_gap_by_others_s`` (:func:`quantiles_by_others`)."""
     free: list[float] = []
     full: list[tuple[float, float]] = []
+    by_others: list[tuple[float, int]] = []
     for ranks in timelines:
         got = core_wait_gaps(ranks, schedule, microbatches, cores)
         free += got[0]
         full += got[1]
+        by_others += gaps_by_others(ranks, schedule, microbatches)
     return {
         "core_wait_s": core_wait(free, full),
         "core_wait_gaps": {
@@ -137,4 +195,5 @@ def core_wait_figures(
         },  # fmt: skip
         "core_wait_base_s": statistics.fmean(free) if free else None,
         "task_gap_s": gap_quantiles(free + [gap for gap, _ in full]),
+        "task_gap_by_others_s": quantiles_by_others(by_others),
     }

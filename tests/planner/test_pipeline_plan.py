@@ -261,6 +261,11 @@ def test_stage_p2p_uses_the_calibrated_point_to_point_transfer():
     middle = calibrated.price(**kw)
     assert middle.p2p_s == pytest.approx(2 * (5e-3 + 1e-9 * 2.0))  # activation and gradient sends
     assert calibrated.price(**{**kw, "first": True}).p2p_s == pytest.approx(5e-3 + 2e-9)
+    # A send is posted asynchronously: the link's wait between computations (sync_s) is not
+    # charged on it (README "Session 29").
+    waiting = dataclasses.replace(calibrated_link, sync_s=3e-3)
+    with_sync = dataclasses.replace(preset, pp_link=waiting, memo={}).price(**kw)
+    assert with_sync.p2p_s == pytest.approx(middle.p2p_s)
     formula = collective_time_s("broadcast", 2.0, 2, preset.pp_link)
     assert preset.price(**kw).p2p_s == pytest.approx(2 * formula)
     assert formula < 1e-3

@@ -11,6 +11,8 @@ from autopar.tools.calibration_wake import (
     core_wait_figures,
     core_wait_gaps,
     gap_quantiles,
+    gaps_by_others,
+    quantiles_by_others,
 )
 
 # 2 stages on 1 core, GPipe, 2 microbatches: (start, end, [(kind, start, end)]) per rank.
@@ -57,3 +59,26 @@ def test_calibration_records_the_quantiles_of_every_gap():
     assert gap_quantiles([3.0, 1.0, 2.0, 4.0], count=2) == [2.0, 4.0]  # levels 0.25 and 0.75
     assert gap_quantiles([-1e-6, 2.0], count=2) == [0.0, 2.0]  # a start before ready: 0
     assert gap_quantiles([]) == []
+
+
+def test_each_gap_counts_the_other_ranks_in_a_task_when_it_became_ready():
+    """Session 29: stage 1's F0 became ready (1.0) while stage 0's F1 ran; every other gap
+    began with the other rank between tasks (stage 0's B0 is ready at 7.0, when stage 1's B0
+    has just ended and its B1 not begun)."""
+    pairs = gaps_by_others(STEP, "gpipe", 2)
+    assert sorted(pairs) == [(0.0, 0), (0.5, 0), (0.5, 0), (0.5, 0), (0.5, 0), (0.5, 0), (1.0, 1)]
+    assert quantiles_by_others(pairs, least=1) == {
+        "0": gap_quantiles([0.0, 0.5, 0.5, 0.5, 0.5, 0.5]),
+        "1": gap_quantiles([1.0]),
+    }
+    # Too few gaps at one other rank for a table of their own: count 0's takes them all.
+    assert quantiles_by_others(pairs, least=2) == {"0": gap_quantiles([p for p, _ in pairs])}
+    assert quantiles_by_others(pairs, least=8) == {}
+    # The top count's table holds every count above it; a count with no gap has no table.
+    many = [(0.001, 0)] * 5 + [(0.002, 2)] * 3 + [(0.004, 3)] * 2
+    assert quantiles_by_others(many, least=5) == {
+        "0": gap_quantiles([0.001] * 5),
+        "2": gap_quantiles([0.002] * 3 + [0.004] * 2),
+    }
+    # Calibration writes them beside task_gap_s; one step is too few gaps for a table.
+    assert core_wait_figures([STEP], "gpipe", 2, cores=1)["task_gap_by_others_s"] == {}

@@ -335,6 +335,19 @@ def test_backward_flops_factors() -> None:
 LINK = LinkSpec(name="test", bandwidth_Bps=100e9, latency_s=5e-6)
 
 
+def test_a_pipeline_send_is_the_two_device_broadcast_without_the_wait_between_computations() -> None:
+    import dataclasses
+
+    from cost_models import send_time_s
+
+    waiting = dataclasses.replace(LINK, sync_s=2e-3)
+    plain = collective_time_s("broadcast", 4e6, 2, LINK)
+    assert send_time_s(4e6, LINK) == pytest.approx(plain)
+    assert collective_time_s("broadcast", 4e6, 2, waiting) == pytest.approx(plain + 2e-3)
+    assert send_time_s(4e6, waiting) == pytest.approx(plain)  # sync_s left out
+    assert send_time_s(0.0, waiting) == 0.0
+
+
 def test_collective_formulas_known_values() -> None:
     n, nbytes = 8, 1e9
     ar = collective_time_s("all_reduce", nbytes, n, LINK)

@@ -216,3 +216,41 @@ def test_task_gap_round_trips_and_bad_values_are_one_line_errors():
         DeviceSpec.from_dict({"base": "cpu", "task_gap_s": [0.002, 0.001]})
     with pytest.raises(ValueError, match="task_gap_s"):
         load_profile({"version": 1, "device": {"base": "cpu", "task_gap_s": [-1.0]}})
+
+
+def test_the_gaps_are_drawn_by_the_ranks_computing_when_a_task_becomes_ready():
+    """Session 29: with a table per count of other ranks computing, a task's gap comes from
+    its count's table (the largest count at or below it with a table, else the smallest),
+    around ``task_gap_s``'s mean: a table for every count alike is the pooled one; a long gap
+    for tasks ready beside computing ranks lengthens the step more than one for tasks ready
+    alone, with the same work."""
+    stages = [StageCost(forward_s=1.0, backward_s=2.0, p2p_s=0.2)] * 4
+    run = dict(microbatches=8, schedule="1f1b", busy_rank_speed={"1": 1.0}, task_wait_s=0.5,
+               task_gap_s=(0.3, 0.3))  # fmt: skip
+    flat = schedule_time(stages, **run)
+    assert schedule_time(stages, **run, task_gap_by_others_s={"0": (0.3, 0.3)}) == flat
+    # Only a table for one other rank or more: a task ready alone draws from it too.
+    every = schedule_time(stages, **run, task_gap_by_others_s={"1": (1.3,)})
+    longer_wait = schedule_time(stages, **{**run, "task_wait_s": 1.5})
+    assert every.step_s == pytest.approx(longer_wait.step_s, rel=1e-9)
+    beside = schedule_time(stages, **run, task_gap_by_others_s={"0": (0.3,), "1": (1.3,)})
+    alone = schedule_time(stages, **run, task_gap_by_others_s={"0": (1.3,), "1": (0.3,)})
+    assert flat.step_s + 1.0 < alone.step_s < beside.step_s < every.step_s
+    assert beside.compute_s == pytest.approx(flat.compute_s, rel=1e-9)
+    assert beside.bubble_fraction > alone.bubble_fraction > flat.bubble_fraction
+
+
+def test_gaps_by_others_round_trip_and_bad_values_are_one_line_errors():
+    spec = dataclasses.replace(get_device("cpu"), task_gap_s=[0.001, 0.002],
+                               task_gap_by_others_s={0: [0.001], "2": [0.002, 0.004]})  # fmt: skip
+    assert spec.task_gap_by_others_s == {"0": (0.001,), "2": (0.002, 0.004)}
+    loaded = load_profile({"version": 1, "device": spec.to_dict()}).device
+    assert loaded == spec
+    assert "task_gap_by_others_s" not in get_device("cpu").to_dict()  # presets unchanged
+    with pytest.raises(ValueError, match="task_gap_by_others_s needs counts >= 0 as keys"):
+        DeviceSpec.from_dict({"base": "cpu", "task_gap_by_others_s": {"-1": [0.1]}})
+    with pytest.raises(ValueError, match=r"task_gap_by_others_s\['1'\] needs ascending"):
+        DeviceSpec.from_dict({"base": "cpu", "task_gap_by_others_s": {"1": [0.2, 0.1]}})
+    with pytest.raises(ValueError, match="task_gap_by_others_s"):
+        load_profile({"version": 1, "device": {"base": "cpu",
+                                               "task_gap_by_others_s": {"x": [0.1]}}})  # fmt: skip
