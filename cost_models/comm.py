@@ -58,6 +58,12 @@ def collective_time_s(kind: str, nbytes: float, group_size: int, link: LinkSpec)
         group_size: devices in the group (the size of the mesh axis).
         link: the axis's link; its calibrated ``collectives[kind]`` wins over the formula.
     """
+    transfer = _transfer_s(kind, nbytes, group_size, link)
+    return 0.0 if group_size == 1 or nbytes == 0 else transfer + link.sync_s
+
+
+def _transfer_s(kind: str, nbytes: float, group_size: int, link: LinkSpec) -> float:
+    """:func:`collective_time_s` without the link's ``sync_s`` (0 for an empty collective)."""
     steps, wire = collective_steps_and_wire_bytes(kind, nbytes, group_size)
     if group_size == 1 or nbytes == 0:
         return 0.0
@@ -68,8 +74,8 @@ def collective_time_s(kind: str, nbytes: float, group_size: int, link: LinkSpec)
         smallest = link.smallest.get(kind)
         if smallest is not None and nbytes <= smallest[0]:
             line = min(line, smallest[1])  # no more than the smallest size measured
-        return line + link.sync_s
-    return steps * link.latency_s + wire / link.bandwidth_Bps + link.sync_s
+        return line
+    return steps * link.latency_s + wire / link.bandwidth_Bps
 
 
 def send_time_s(nbytes: float, link: LinkSpec) -> float:
@@ -81,7 +87,7 @@ def send_time_s(nbytes: float, link: LinkSpec) -> float:
     device's ``task_wait_s``, measured on a pipeline by ``autopar calibrate`` (README "Session
     29"). Charging ``sync_s`` here too counted that wait twice and moved a pipeline's predicted
     idle share with ``sync_s``'s spread between calibrations."""
-    return max(0.0, collective_time_s("broadcast", nbytes, 2, link) - link.sync_s)
+    return _transfer_s("broadcast", nbytes, 2, link)
 
 
 def fit_alpha_beta(

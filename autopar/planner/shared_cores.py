@@ -205,8 +205,8 @@ def _simulate(
             if 0 <= before[1] < p and before not in done:
                 continue
             work = stages[i].forward_s if kind == "F" else stages[i].backward_s
-            full = cores > 0 and len(computing) * ranks_per_stage >= cores
             others = len(computing) * ranks_per_stage
+            full = cores > 0 and others >= cores
             after = stages[i].p2p_s / 2 + task_wait_s + (gap(others) if gap else 0.0)
             left[i] = [core_wait_s if full else None, work, max(0.0, after)]
             running[i] = True
