@@ -19,6 +19,15 @@ the last rank when collectives run between computations; 0 unless calibrated). R
 all-to-all sends (n-1)/n of each device's data in n-1 pairwise exchanges; broadcast is a pipelined
 ring (chain) whose bytes cross each link once, after n-1 hops of latency.
 
+Ranks that outnumber the cores they share (gloo on CPU) are priced otherwise: where the link
+carries a ``cpu_weight`` and a ``cpu_collectives[kind] = (alpha, beta)`` fit of the CPU one rank
+burns in the call, a collective between computations costs ``cpu_weight * (alpha * steps + beta
+* wire)`` and no ``sync_s``. A rank waiting in a collective leaves its core to the ranks still
+computing, so what the call takes from the step is the CPU it burns, weighted by how much of
+the step one CPU second of the cores costs (calibrated on a chain of autograd collectives
+between matmuls; README "Session 30"). A pipeline's send (:func:`send_time_s`) keeps the
+wall-time model: its waits are the pipeline simulation's.
+
 If the link carries a calibrated ``collectives[kind] = (alpha, beta)``, the time is
 ``alpha * steps + beta * wire`` with the same ``steps`` and ``wire`` (alpha in seconds per step,
 beta in seconds per wire byte); ``fit_alpha_beta`` fits exactly that model. A group of one
@@ -58,8 +67,13 @@ def collective_time_s(kind: str, nbytes: float, group_size: int, link: LinkSpec)
         group_size: devices in the group (the size of the mesh axis).
         link: the axis's link; its calibrated ``collectives[kind]`` wins over the formula.
     """
-    transfer = _transfer_s(kind, nbytes, group_size, link)
-    return 0.0 if group_size == 1 or nbytes == 0 else transfer + link.sync_s
+    steps, wire = collective_steps_and_wire_bytes(kind, nbytes, group_size)  # validates
+    if group_size == 1 or nbytes == 0:
+        return 0.0
+    cpu = link.cpu_collectives.get(kind) if link.cpu_weight else None
+    if cpu is not None:  # ranks sharing cores: the CPU the call burns, weighted (docstring)
+        return link.cpu_weight * (cpu[0] * steps + cpu[1] * wire)
+    return _transfer_s(kind, nbytes, group_size, link) + link.sync_s
 
 
 def _transfer_s(kind: str, nbytes: float, group_size: int, link: LinkSpec) -> float:

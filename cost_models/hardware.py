@@ -24,6 +24,7 @@ from cost_models.spec_tables import (
     FrozenMap,
     check_fraction,
     count_table,
+    pair_table,
     quantile_table,
     quantiles_by_count,
 )
@@ -249,6 +250,14 @@ class LinkSpec:
     between computations, as in a training step: the wait for the last rank to arrive (e.g.
     ranks that share cores and are descheduled). Back-to-back timings (the alpha) miss it;
     ``autopar calibrate`` measures it. 0 for datasheet links (GPUs in lockstep)."""
+    cpu_collectives: Mapping[str, tuple[float, float]] = field(default_factory=FrozenMap)
+    """Per kind, the CPU seconds one rank burns in a call (gloo's threads included) as
+    ``(alpha, beta)`` over ``collectives``' steps and wire bytes; ``autopar calibrate``."""
+    cpu_weight: float = 0.0
+    """Ranks outnumbering their cores: step seconds per CPU second a collective burns; a
+    collective then costs this times its ``cpu_collectives`` line, not its wall time plus
+    ``sync_s`` (a rank waiting in it leaves its core to the others; README "Session 30").
+    Measured by ``autopar calibrate``; 0 (datasheets, a core per rank): the wall model."""
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -259,17 +268,12 @@ class LinkSpec:
             raise ValueError(f"link {self.name!r}: latency_s must be >= 0")
         if self.sync_s < 0:
             raise ValueError(f"link {self.name!r}: sync_s must be >= 0")
-        frozen: dict[str, tuple[float, float]] = {}
-        for kind, pair in self.collectives.items():
-            if kind not in COLLECTIVE_KINDS:
-                raise ValueError(
-                    f"link {self.name!r}: unknown collective {kind!r}; known: {COLLECTIVE_KINDS}"
-                )
-            alpha, beta = (float(x) for x in pair)
-            if alpha < 0 or beta < 0:
-                raise ValueError(f"link {self.name!r}: collectives[{kind!r}] must be >= 0")
-            frozen[kind] = (alpha, beta)
-        object.__setattr__(self, "collectives", FrozenMap(frozen))
+        for name in ("collectives", "cpu_collectives"):
+            table = pair_table(self.name, name, getattr(self, name), COLLECTIVE_KINDS)
+            object.__setattr__(self, name, table)
+        if not self.cpu_weight >= 0 or (self.cpu_weight and not self.cpu_collectives):
+            raise ValueError(f"link {self.name!r}: cpu_weight must be >= 0, and > 0 only with "
+                             f"cpu_collectives, got {self.cpu_weight!r}")  # fmt: skip
         small: dict[str, tuple[float, float]] = {}
         for kind, pair in self.smallest.items():
             if kind not in self.collectives:
@@ -283,8 +287,8 @@ class LinkSpec:
         object.__setattr__(self, "smallest", FrozenMap(small))
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-friendly dict with every field (``from_dict`` inverts it exactly); ``sync_s``
-        only where it is not 0 (plans made with datasheet links keep their JSON)."""
+        """JSON-friendly dict (``from_dict`` inverts it exactly); ``sync_s`` and the CPU fields
+        only where set (plans made with datasheet links keep their JSON)."""
         d: dict[str, Any] = {
             "name": self.name,
             "bandwidth_Bps": self.bandwidth_Bps,
@@ -296,12 +300,17 @@ class LinkSpec:
             d["sync_s"] = self.sync_s
         if self.smallest:
             d["smallest"] = {k: list(v) for k, v in self.smallest.items()}
+        if self.cpu_collectives:
+            d["cpu_collectives"] = {k: list(v) for k, v in self.cpu_collectives.items()}
+        if self.cpu_weight:
+            d["cpu_weight"] = self.cpu_weight
         return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> LinkSpec:
         """Build from a dict of fields; ``"base": "<preset>"`` starts from a preset."""
-        return _spec_from_dict(cls, d, LINKS, "link", ("collectives", "smallest"))
+        merged = ("collectives", "smallest", "cpu_collectives")
+        return _spec_from_dict(cls, d, LINKS, "link", merged)
 
 
 _Spec = TypeVar("_Spec", "DeviceSpec", "LinkSpec")

@@ -121,6 +121,8 @@ PROFILE_SCHEMA: dict[str, Any] = {
                     "sync_s": _NONNEGATIVE,
                     "collectives": _PAIR_PER_KIND,
                     "smallest": _PAIR_PER_KIND,
+                    "cpu_collectives": _PAIR_PER_KIND,
+                    "cpu_weight": _NONNEGATIVE,
                     "source": {"type": "string"},
                 },
                 "anyOf": [

@@ -70,3 +70,19 @@ def quantiles_by_count(device: str, name: str, table: Mapping[Any, Sequence[floa
                              f"{count!r}")  # fmt: skip
     return FrozenMap({str(int(k)): quantile_table(device, f"{name}[{str(k)!r}]", v)
                       for k, v in table.items()})  # fmt: skip
+
+
+def pair_table(
+    link: str, name: str, table: Mapping[str, Sequence[float]], kinds: Sequence[str]
+) -> FrozenMap:
+    """``table`` of ``(alpha, beta)`` pairs keyed by collective kind (one of ``kinds``), frozen
+    as float pairs; both must be >= 0."""
+    frozen: dict[str, tuple[float, float]] = {}
+    for kind, pair in table.items():
+        if kind not in kinds:
+            raise ValueError(f"link {link!r}: unknown collective {kind!r}; known: {tuple(kinds)}")
+        alpha, beta = (float(x) for x in pair)
+        if alpha < 0 or beta < 0:
+            raise ValueError(f"link {link!r}: {name}[{kind!r}] must be >= 0")
+        frozen[kind] = (alpha, beta)
+    return FrozenMap(frozen)

@@ -31,6 +31,7 @@ def _without_latency(link: LinkSpec) -> LinkSpec:
         latency_s=0.0,
         sync_s=0.0,
         collectives={kind: (0.0, beta) for kind, (_, beta) in link.collectives.items()},
+        cpu_collectives={kind: (0.0, beta) for kind, (_, beta) in link.cpu_collectives.items()},
     )
 
 

@@ -63,15 +63,8 @@ from cost_models.hardware import MAX_OP_EFFICIENCY, backend_fields
 aten = torch.ops.aten
 
 CALIBRATED_FAMILIES = (
-    "matmul",
-    "attention",
-    "pointwise",
-    "norm",
-    "softmax",
-    "embedding",
-    "reduction",
-    "loss",
-)
+    "matmul", "attention", "pointwise", "norm", "softmax", "embedding", "reduction", "loss",
+)  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -97,6 +90,9 @@ class CalibrationConfig:
     (:mod:`autopar.tools.calibration_sync`): as long as a step's, the wait grows with it."""
     sync_trials: int = 9
     """Trials of the sync measurement; the median of the per-trial excess is kept."""
+    cores: int | None = None
+    """The cores one host's ranks share (None: this process's CPU affinity). Ranks beyond
+    them are priced by the CPU their collectives burn (``LinkSpec.cpu_weight``)."""
 
     @classmethod
     def for_gpu(cls) -> CalibrationConfig:

@@ -24,6 +24,7 @@ waiting rank picking up a message (on an oversubscribed CPU, its wake-up) plus t
 from __future__ import annotations
 
 import dataclasses
+import os
 import platform
 import statistics
 import time
@@ -34,8 +35,8 @@ import torch
 import torch.distributed as dist
 
 from autopar.tools.calibration_sync import measure_sync, sync_segment_matmuls
-from autopar.tools.timing import max_over_ranks, sync_device, time_queued
-from cost_models import collective_steps_and_wire_bytes, fit_alpha_beta
+from autopar.tools.timing import max_over_ranks, mean_over_ranks, sync_device, time_queued
+from cost_models import LinkSpec, collective_steps_and_wire_bytes, collective_time_s, fit_alpha_beta
 from cost_models.calibrate import link_from_fits, paired_spreads, relative_spread
 
 if TYPE_CHECKING:
@@ -44,8 +45,10 @@ if TYPE_CHECKING:
 __all__ = [
     "CALIBRATED_COLLECTIVES",
     "RUNTIME_CALLS",
+    "cpu_weight",
     "interleaved_medians",
     "measure_links",
+    "shares_cores",
     "sync_segment_matmuls",
 ]
 
@@ -162,13 +165,76 @@ def measure_links(
         if fits:
             source = f"autopar calibrate, {dist.get_backend()} on {platform.node()}"
             link = link_from_fits(f"calibrated-{name}", fits, source=source, smallest=smallest)
+            cpu_fits = _cpu_fits(name, size, sizes, per_size, device, details)
+            link = dataclasses.replace(link, cpu_collectives=cpu_fits)
             sync_s, sync_details = measure_sync(groups, axis, link, device, config)
             details[f"{name}/sync"] = sync_details
             log(
                 f"axis {name} (size {size}) wait per collective between computations: {sync_s * 1e6:.1f} us"
             )
             links[name] = dataclasses.replace(link, sync_s=sync_s)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    if links and shares_cores(dist.get_backend(), local, config.cores):
+        syncs = {name: details[f"{name}/sync"] for name in links}
+        weight = cpu_weight(links, syncs)
+        for name, link in links.items():
+            links[name] = dataclasses.replace(link, cpu_weight=weight)
+            syncs[name]["cpu_weight"] = weight
+        log(f"ranks share cores: a collective costs the step {weight:.2f}x the CPU it burns")
     return links, details
+
+
+def shares_cores(backend: str, local_ranks: int, cores: int | None) -> bool:
+    """Whether a host's ``local_ranks`` outnumber the ``cores`` they share (None: this
+    process's CPU affinity): gloo ranks on CPU only (a GPU rank computes on its device)."""
+    if cores is None:
+        affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+        cores = len(affinity) if affinity else os.cpu_count() or 1
+    return backend == "gloo" and local_ranks > cores
+
+
+def cpu_weight(links: dict[str, LinkSpec], syncs: dict[str, dict[str, Any]]) -> float:
+    """``LinkSpec.cpu_weight``, one for every axis (it is the host's: how the ranks share its
+    cores): the median over every axis's chain trials (``calibration_sync``) of the excess per
+    all-reduce between computations over the CPU the axis's ``cpu_collectives`` prices that
+    all-reduce at. The weighted CPU line then prices the chain's collective at about what the
+    chain measured (as ``sync_s`` anchors the wall model there), and other kinds and sizes by
+    the CPU they burn. Per axis, 9 trials' medians moved 3.5-6.7 between calibrations on 2x2
+    (the CPU line's value at the chain's size is the noisy part); pooled, the axes agree by
+    construction (README "Session 30")."""
+    ratios = []
+    for name, link in links.items():
+        sync = syncs[name]
+        unit = dataclasses.replace(link, cpu_weight=1.0)
+        burnt = collective_time_s("all_reduce", sync["bytes"], sync["group_size"], unit)
+        if burnt > 0:
+            ratios += [max(excess, 0.0) / burnt for excess in sync["excess_per_call"]]
+    return statistics.median(ratios) if ratios else 0.0
+
+
+def _cpu_fits(
+    name: str,
+    size: int,
+    sizes: list[float],
+    per_size: list[tuple[dict[str, float], Any, Any]],
+    device: torch.device,
+    details: dict[str, Any],
+) -> dict[str, tuple[float, float]]:
+    """``LinkSpec.cpu_collectives``: per kind but ``broadcast`` (a pipeline's send keeps the
+    wall model), the ranks' mean CPU seconds per call at each size, fitted as the wall times
+    are (steps and wire bytes); recorded under ``details[f"{name}/{kind}"]["cpu_seconds"]``."""
+    fits: dict[str, tuple[float, float]] = {}
+    for kind in CALIBRATED_COLLECTIVES:
+        if kind == "broadcast":
+            continue
+        cpu = mean_over_ranks([timed[f"cpu/{kind}"] for timed, _, _ in per_size], device)
+        details[f"{name}/{kind}"]["cpu_seconds"] = cpu
+        try:
+            fits[kind] = fit_alpha_beta(sizes, cpu, kind, size)
+        except ValueError:  # flat: the per-call CPU alone
+            steps = collective_steps_and_wire_bytes(kind, 0.0, size)[0]
+            fits[kind] = (statistics.median(cpu) / steps, 0.0)
+    return fits
 
 
 def _time_kinds_interleaved(
@@ -176,7 +242,7 @@ def _time_kinds_interleaved(
 ) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
     """Seconds per call of every kind of ``CALIBRATED_COLLECTIVES`` at ``nbytes`` on this rank:
     the median over ``config.trials`` trials, each timing every kind once in turn (module
-    docstring); per kind the trials' ``relative_spread``; and per pair of kinds the spread of
+    docstring), and under ``"cpu/<kind>"`` the median CPU seconds per call; per kind the trials' ``relative_spread``; and per pair of kinds the spread of
     their per-trial ratios (``cost_models.calibrate.paired_spreads``). Collectives must be called the same number of times on every rank: each kind's
     count is sized by one probe call and agreed by MAX over ranks, not ``time_callable``'s loop."""
     fns = {
@@ -195,8 +261,10 @@ def _time_kinds_interleaved(
         kind: int(min(max(config.min_time_s / max(p, 1e-7), 2), 200))
         for kind, p in zip(fns, probes)
     }
-    times = interleaved_times(fns, counts, config.trials, dist.barrier, device)
+    cpu: dict[str, list[float]] = {}
+    times = interleaved_times(fns, counts, config.trials, dist.barrier, device, cpu)
     medians = {key: statistics.median(values) for key, values in times.items()}
+    medians.update({f"cpu/{key}": statistics.median(values) for key, values in cpu.items()})
     spreads = {key: relative_spread(values) for key, values in times.items()}
     return medians, spreads, paired_spreads(times)
 
@@ -207,15 +275,20 @@ def interleaved_times(
     trials: int,
     between: Callable[[], Any],
     device: torch.device,
+    cpu: dict[str, list[float]] | None = None,
 ) -> dict[str, list[float]]:
     """Per key, one figure per trial (``trials`` of them): the mean seconds per call of
     ``counts[key]`` calls of ``fns[key]``; every trial times each key once, in order, with
-    ``between()`` (a barrier) before each timing."""
+    ``between()`` (a barrier) before each timing. With ``cpu`` given, the same calls' process
+    CPU seconds per call (every thread of this rank: gloo's included) are appended to it."""
     times: dict[str, list[float]] = {key: [] for key in fns}
     for _ in range(max(trials, 1)):
         for key, fn in fns.items():
             between()
+            start = time.process_time()
             times[key].append(time_queued(fn, device, counts[key], 1))
+            if cpu is not None:
+                cpu.setdefault(key, []).append((time.process_time() - start) / counts[key])
     return times
 
 

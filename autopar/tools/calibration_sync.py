@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from autopar.tools.timing import max_over_ranks, time_queued
+from autopar.tools.timing import max_over_ranks, mean_over_ranks, time_queued
 from cost_models import LinkSpec, collective_time_s
 from cost_models.calibrate import fit_sync_s, paired_spreads
 
@@ -118,12 +119,17 @@ def measure_sync(
     mixed()
     compute()
     times: dict[str, list[float]] = {"mixed": [], "compute": [], "collective": []}
+    cpu: dict[str, list[float]] = {"mixed": [], "compute": []}
     for _ in range(config.sync_trials):
         for key, fn, count in (("mixed", mixed, passes), ("compute", compute, passes),
                                ("collective", collective, calls)):  # fmt: skip
             dist.barrier()
+            start = time.process_time()
             per = time_queued(fn, device, count, 1)
             times[key].append(per / calls if key != "collective" else per)
+            if key in cpu:  # this rank's CPU per call, recorded beside the wall time
+                cpu[key].append((time.process_time() - start) / count / calls)
+    cpu_excess = mean_over_ranks([m - c for m, c in zip(cpu["mixed"], cpu["compute"])], device)
     paired = paired_spreads({"compute": times["compute"], "collective": times["collective"]})
     for key in times:
         times[key] = max_over_ranks(times[key], device)
@@ -139,9 +145,11 @@ def measure_sync(
         "excess_median": statistics.median(excess),
         "priced_back_to_back_s": priced,
         "back_to_back_median": statistics.median(times["collective"]),
+        "cpu_excess_per_call": cpu_excess,
         "calls": calls,
         "passes": passes,
         "bytes": nbytes,
+        "group_size": size,
         "matmuls_per_segment": matmuls,
         "segment_s": matmuls * matmul_s,
         "paired_spread": {k: max_over_ranks([v], device)[0] for k, v in paired.items()},

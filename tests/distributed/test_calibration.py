@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from typing import Any
@@ -10,12 +11,15 @@ import pytest
 
 
 def _calibrate(rank: int, world_size: int) -> dict[str, Any]:
+    import dataclasses
     import os
 
     from autopar.tools.calibration import CalibrationConfig, calibrate_on_rank
 
     leads = os.getsid(0) == os.getpid()  # spawn_ranks' doing, before calibration's own setsid
-    data = calibrate_on_rank((2,), ("tp",), CalibrationConfig.tiny(), verbose=False)
+    # One core for the two ranks: the links' shared-cores figures are measured (cpu_weight).
+    config = dataclasses.replace(CalibrationConfig.tiny(), cores=1)
+    data = calibrate_on_rank((2,), ("tp",), config, verbose=False)
     data["meta"]["rank_leads_its_session"] = leads
     return data
 
@@ -30,7 +34,7 @@ def test_tiny_calibration_gives_a_profile_the_planner_uses(tmp_path) -> None:
         foreign_threads,
         shared_core_speed,
     )
-    from autopar.tools.calibration_links import CALIBRATED_COLLECTIVES
+    from autopar.tools.calibration_links import CALIBRATED_COLLECTIVES, cpu_weight
     from autopar.tools.calibration_pipeline import (
         LEVEL_RANGE,
         pipeline_busy_rank_speed,
@@ -147,13 +151,30 @@ def test_tiny_calibration_gives_a_profile_the_planner_uses(tmp_path) -> None:
     sync = timed["tp/sync"]
     assert sync["matmuls_per_segment"] >= 1 and sync["segment_s"] > 0
 
+    # Session 30: ranks outnumbering their cores (cores=1 above). Per kind but broadcast the
+    # CPU a rank burns per call, fitted over the same sizes; the weight prices the chain's
+    # all-reduce at the chain's measured excess per call.
+    assert set(link.cpu_collectives) == set(CALIBRATED_COLLECTIVES) - {"broadcast"}
+    assert all(len(timed[f"tp/{k}"]["cpu_seconds"]) == len(timed[f"tp/{k}"]["bytes"])
+               and min(timed[f"tp/{k}"]["cpu_seconds"]) > 0 for k in link.cpu_collectives)  # fmt: skip
+    assert len(sync["cpu_excess_per_call"]) == 3 and sync["group_size"] == 2
+    unweighted = dataclasses.replace(link, cpu_weight=0.0)
+    assert link.cpu_weight == sync["cpu_weight"] == cpu_weight({"tp": unweighted}, {"tp": sync})
+    if sync["excess_median"] > 0:  # one axis, 3 trials: the median trial's excess
+        assert collective_time_s("all_reduce", sync["bytes"], 2, link) == pytest.approx(
+            sync["excess_median"], rel=1e-9
+        )
+
     path = tmp_path / "profile.json"
     save_profile(profile, path)
     mesh = Mesh.parse("tp=2", device="h100", profile=str(path))
     assert mesh.device == device and mesh.link("tp") == link
-    kind, (alpha, beta) = next(iter(link.collectives.items()))
-    seconds = collective_time_s(kind, 2**20, 2, mesh.link("tp"))
-    assert math.isfinite(seconds) and seconds >= alpha
+    alpha, beta = link.cpu_collectives["all_gather"]
+    seconds = collective_time_s("all_gather", 2**20, 2, mesh.link("tp"))
+    wall = collective_time_s("all_gather", 2**20, 2, unweighted)  # a chain with no excess
+    expected = link.cpu_weight * (alpha + beta * 2**19) if link.cpu_weight else wall
+    assert seconds == pytest.approx(expected, rel=1e-12)
+    assert math.isfinite(collective_time_s("broadcast", 2**20, 2, link))  # the wall model
 
 
 @pytest.mark.distributed

@@ -473,3 +473,53 @@ def test_zero_stages_divide_the_right_state() -> None:
         training_state_bytes(num_elements=1, zero_stage=4)
     with pytest.raises(ValueError, match="zero_shards"):
         training_state_bytes(num_elements=1, zero_shards=0)
+
+
+def test_ranks_sharing_cores_price_a_collective_by_the_cpu_it_burns() -> None:
+    """Session 30: with a ``cpu_weight``, a collective costs the weight times its CPU line
+    (``cpu_collectives``, over the same steps and wire bytes) and no ``sync_s``; kinds without
+    a CPU fit, a weight of 0, and a pipeline's send keep the wall-time model."""
+    import dataclasses
+
+    from cost_models import send_time_s
+
+    wall = LinkSpec(
+        name="c", bandwidth_Bps=1e9, latency_s=1e-3, collectives={"all_gather": (2e-4, 1e-9)},
+        sync_s=3e-3,
+    )  # fmt: skip
+    cpu = {"all_gather": (5e-5, 4e-10), "all_reduce": (1e-4, 2e-10)}
+    shared = dataclasses.replace(wall, cpu_collectives=cpu, cpu_weight=4.0)
+    # all_gather of 8e6 bytes over 4: 3 steps, 6e6 wire bytes
+    assert collective_time_s("all_gather", 8e6, 4, shared) == pytest.approx(
+        4.0 * (3 * 5e-5 + 6e6 * 4e-10)
+    )
+    assert collective_time_s("all_reduce", 8e6, 4, shared) == pytest.approx(
+        4.0 * (6 * 1e-4 + 12e6 * 2e-10)
+    )
+    # no CPU fit for broadcast: alpha-beta (the plain formula) plus sync_s, as before
+    plain = collective_time_s("broadcast", 8e6, 4, wall)
+    assert collective_time_s("broadcast", 8e6, 4, shared) == pytest.approx(plain)
+    assert send_time_s(8e6, shared) == send_time_s(8e6, wall)
+    # the fits alone, without a weight, change nothing
+    unweighted = dataclasses.replace(wall, cpu_collectives=cpu)
+    for kind in ("all_gather", "all_reduce", "reduce_scatter"):
+        assert collective_time_s(kind, 8e6, 4, unweighted) == collective_time_s(kind, 8e6, 4, wall)
+    assert collective_time_s("all_gather", 8e6, 1, shared) == 0.0
+    assert collective_time_s("all_gather", 0, 4, shared) == 0.0
+    with pytest.raises(ValueError, match="group_size"):
+        collective_time_s("all_gather", 1.0, 0, shared)
+    # round trip, schema and one-line errors
+    assert LinkSpec.from_dict(json.loads(json.dumps(shared.to_dict()))) == shared
+    assert "cpu_weight" not in wall.to_dict() and "cpu_collectives" not in wall.to_dict()
+    prof = load_profile({"version": 1, "links": {"a0": shared.to_dict()}})
+    assert prof.links["a0"] == shared
+    with pytest.raises(ValueError, match="cpu_weight must be >= 0, and > 0 only with"):
+        dataclasses.replace(wall, cpu_weight=2.0)
+    with pytest.raises(ValueError, match="cpu_weight"):
+        dataclasses.replace(shared, cpu_weight=-1.0)
+    with pytest.raises(ValueError, match=r"cpu_collectives\['all_gather'\] must be >= 0"):
+        dataclasses.replace(shared, cpu_collectives={"all_gather": (-1.0, 0.0)})
+    with pytest.raises(ValueError, match="unknown collective 'gossip'"):
+        dataclasses.replace(shared, cpu_collectives={"gossip": (1.0, 0.0)})
+    with pytest.raises(ValueError, match="links.a0.cpu_weight"):
+        load_profile({"version": 1, "links": {"a0": {**shared.to_dict(), "cpu_weight": -1}}})

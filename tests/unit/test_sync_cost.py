@@ -4,6 +4,7 @@ links so that plans made with presets do not move."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -131,3 +132,77 @@ def test_a_message_no_larger_than_the_smallest_calibrated_costs_at_most_its_timi
     assert "smallest" not in line.to_dict()
     with pytest.raises(ValueError, match="without a calibrated fit"):
         link_from_fits("l", fits, smallest={"all_gather": (16384.0, 1e-3)})
+
+
+def _cpu_link(alpha: float, *, sync_s: float = 0.0) -> LinkSpec:
+    """A wall-time link (2 GB/s, 100 us a step) whose ranks share cores: every kind but
+    broadcast burns ``alpha`` CPU seconds a step and 0.1 ns a wire byte, weighted 4x."""
+    kinds = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+    return LinkSpec(name="l", bandwidth_Bps=2e9, latency_s=1e-4, sync_s=sync_s,
+                    cpu_collectives={k: (alpha, 1e-10) for k in kinds}, cpu_weight=4.0)  # fmt: skip
+
+
+def test_ranks_sharing_cores_pay_a_calls_cpu_once_per_gradient_bucket() -> None:
+    """Session 30: under ``cpu_weight`` a bucket's per-call CPU is paid once per
+    ``GRAD_BUCKET_BYTES``, its bytes at the weighted CPU per byte, and no ``sync_s``."""
+    from autopar.mesh import Mesh
+    from autopar.planner.pricing import GRAD_BUCKET_BYTES, CommPricer
+
+    device = Mesh.spec((4,), device="cpu").device
+
+    def grad_sync_s(alpha: float, nbytes: float) -> float:
+        mesh = Mesh(shape=(4,), axis_names=("dp",), device=device,
+                    links=(_cpu_link(alpha, sync_s=5e-3),))  # fmt: skip
+        return CommPricer(mesh, None).grad_sync_s(nbytes, 0)
+
+    for fraction in (1.0, 0.25):
+        nbytes = fraction * GRAD_BUCKET_BYTES
+        bytes_s = 4.0 * 1e-10 * 2 * 3 / 4 * nbytes  # weight x beta x all-reduce wire bytes
+        assert grad_sync_s(0.0, nbytes) == pytest.approx(bytes_s)
+        assert grad_sync_s(1e-3, nbytes) - grad_sync_s(0.0, nbytes) == pytest.approx(
+            4.0 * 1e-3 * 6 * fraction
+        )
+
+
+def test_the_cpu_a_call_burns_makes_the_planner_use_fewer_collectives() -> None:
+    """The same wall-time link; the more CPU each call burns on ranks sharing cores, the
+    fewer collectives the planner keeps (it prices the CPU line, not the wall time)."""
+    from autopar.capture.export import capture
+    from autopar.mesh import Mesh
+    from autopar.models import MLP, MLPConfig
+    from autopar.options import PlanOptions
+    from autopar.tools.report import plans_for_recipes
+
+    torch.manual_seed(0)
+    model = MLP(MLPConfig(in_features=256, hidden=1024, out_features=256, num_layers=3))
+    captured = capture(model, (torch.randn(64, 256), torch.randn(64, 256)), {})
+    device = Mesh.spec((4,), device="cpu").device
+    counts = []
+    for alpha in (0.0, 2.5e-4, 2.5e-3):
+        mesh = Mesh(shape=(4,), axis_names=("a0",), device=device, links=(_cpu_link(alpha),))
+        plans = plans_for_recipes(captured, mesh, PlanOptions(), recipes=["auto"],
+                                  model_name="mlp")  # fmt: skip
+        counts.append(len(plans["auto"].conversions()))
+    assert counts[0] > counts[1] > counts[2] == 0, counts
+
+
+def test_calibration_weights_cpu_only_where_ranks_outnumber_their_cores() -> None:
+    from autopar.tools.calibration_links import cpu_weight, shares_cores
+
+    assert shares_cores("gloo", 4, 2) and not shares_cores("gloo", 2, 2)
+    assert not shares_cores("nccl", 8, 1)  # a GPU rank computes on its device
+    # The weight is the median over every axis's trials of the excess per call over the CPU
+    # the axis's line prices the chain's all-reduce at (one weight for the host's axes).
+    a0 = dataclasses.replace(_cpu_link(2e-4), cpu_weight=0.0)
+    a1 = dataclasses.replace(_cpu_link(1e-4), cpu_weight=0.0)
+    burnt = {"a0": 2 * 2e-4 + 1e-10 * 524288.0, "a1": 2 * 1e-4 + 1e-10 * 524288.0}
+    excess = {"a0": [3e-3, 1e-3, 4e-3], "a1": [2e-3, -1e-3, 5e-3]}
+    syncs = {a: {"bytes": 524288.0, "group_size": 2, "excess_per_call": excess[a]} for a in excess}
+    ratios = sorted(max(e, 0.0) / burnt[a] for a in excess for e in excess[a])
+    weight = cpu_weight({"a0": a0, "a1": a1}, syncs)
+    assert weight == pytest.approx((ratios[2] + ratios[3]) / 2)
+    weighted = dataclasses.replace(a0, cpu_weight=weight)
+    assert collective_time_s("all_reduce", 524288.0, 2, weighted) == pytest.approx(
+        weight * burnt["a0"]
+    )
+    assert cpu_weight({"a0": a0}, {"a0": {**syncs["a0"], "excess_per_call": [-1e-3]}}) == 0.0
