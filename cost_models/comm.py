@@ -19,14 +19,13 @@ the last rank when collectives run between computations; 0 unless calibrated). R
 all-to-all sends (n-1)/n of each device's data in n-1 pairwise exchanges; broadcast is a pipelined
 ring (chain) whose bytes cross each link once, after n-1 hops of latency.
 
-Ranks that outnumber the cores they share (gloo on CPU) are priced otherwise: where the link
-carries a ``cpu_weight`` and a ``cpu_collectives[kind] = (alpha, beta)`` fit of the CPU one rank
-burns in the call, a collective between computations costs ``cpu_weight * (alpha * steps + beta
-* wire)`` and no ``sync_s``. A rank waiting in a collective leaves its core to the ranks still
-computing, so what the call takes from the step is the CPU it burns, weighted by how much of
-the step one CPU second of the cores costs (calibrated on a chain of autograd collectives
-between matmuls; README "Session 30"). A pipeline's send (:func:`send_time_s`) keeps the
-wall-time model: its waits are the pipeline simulation's.
+Opt-in, for ranks that outnumber the cores they share (gloo on CPU): where the link carries a
+``cpu_weight`` and a ``cpu_collectives[kind] = (alpha, beta)`` fit of the CPU one rank burns in
+the call, a collective costs ``cpu_weight * (alpha * steps + beta * wire)`` and no ``sync_s``
+(a rank waiting in a collective leaves its core to the ranks still computing). ``autopar
+calibrate`` fits ``cpu_collectives`` and records the weight it measures without setting it: on
+the same measured steps this model ordered the recipes worse than the wall-time one (README
+"Session 30"). A pipeline's send (:func:`send_time_s`) always keeps the wall-time model.
 
 If the link carries a calibrated ``collectives[kind] = (alpha, beta)``, the time is
 ``alpha * steps + beta * wire`` with the same ``steps`` and ``wire`` (alpha in seconds per step,

@@ -254,10 +254,9 @@ class LinkSpec:
     """Per kind, the CPU seconds one rank burns in a call (gloo's threads included) as
     ``(alpha, beta)`` over ``collectives``' steps and wire bytes; ``autopar calibrate``."""
     cpu_weight: float = 0.0
-    """Ranks outnumbering their cores: step seconds per CPU second a collective burns; a
-    collective then costs this times its ``cpu_collectives`` line, not its wall time plus
-    ``sync_s`` (a rank waiting in it leaves its core to the others; README "Session 30").
-    Measured by ``autopar calibrate``; 0 (datasheets, a core per rank): the wall model."""
+    """Opt-in: step seconds per CPU second a collective burns; a collective then costs this
+    times its ``cpu_collectives`` line, not wall time plus ``sync_s``. ``autopar calibrate``
+    records the figure in ``meta`` only (it ordered plans worse: README "Session 30")."""
 
     def __post_init__(self) -> None:
         if not self.name:

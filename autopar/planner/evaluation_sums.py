@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from autopar.planner.shared_grads import SHARED_GRAD_EDGE
+from autopar.planner.sibling_grads import shared_grad_saving
 from autopar.planner.space import StrategySpace
 
 
@@ -40,6 +41,10 @@ def zero_free_sums(space: StrategySpace, choice: tuple[int, ...]) -> dict[str, A
         transient = max(transient, float(node.transient_bytes[s]))
         if node.kind == "param":
             params.append(i)
+    # An activation's Partial gradient taken alike by several ops is all-reduced once.
+    for k, saved_s in shared_grad_saving(space.sibling_grads, choice).items():
+        act_comm -= saved_s
+        node_s[k] -= saved_s
     resharding = 0.0
     for edge in space.edges:
         c = float(edge.cost_s[choice[edge.src], choice[edge.dst]])

@@ -25,13 +25,14 @@ from autopar.capture.flops import node_costs
 from autopar.mesh import Mesh
 from autopar.options import PlanOptions
 from autopar.placement import REPLICATE, Placements, SectionShard, Shard, divides, local_shape
-from autopar.planner.chain_grads import price_chain_grads
+from autopar.planner.chain_grads import chain_roots, price_chain_grads
 from autopar.planner.fused_pricing import price_fused_reductions
 from autopar.planner.outputs import output_requirements as _output_requirements
 from autopar.planner.outputs import tensor_value as _tensor_value
 from autopar.planner.pricing import CommPricer, bucket_rounding, pair_table
 from autopar.planner.saved_activations import SavedRule, saved_rules
 from autopar.planner.shared_grads import price_shared_param_grads
+from autopar.planner.sibling_grads import SiblingUse, sibling_uses
 from autopar.planner.signatures import op_signature as _op_signature
 from autopar.strategies import Strategy, input_nodes, strategies_for
 from autopar.strategies.registry import TensorMeta, in_op_collectives, op_call, tensor_meta
@@ -103,6 +104,9 @@ class StrategySpace:
     shared_grad_uses: frozenset[tuple[int, int]] = frozenset()
     """(consumer, input) uses of a parameter that another op reads first: their reduction is
     priced on a pair edge (``planner.shared_grads``), their bucket share by the first use."""
+    sibling_grads: tuple[tuple[SiblingUse, ...], ...] = field(default=(), repr=False)
+    """Per activation read by several ops, its uses: the plan's figures charge one all-reduce
+    per conversion the lowering issues (``planner.sibling_grads``)."""
     needs_grad: frozenset[str] | None = field(default=None, repr=False)
     saved: dict | None = field(default=None, repr=False)
     evaluation_cache: dict[tuple[int, ...], dict] = field(default_factory=dict, repr=False)
@@ -254,6 +258,8 @@ def build_space(captured: Captured, mesh: Mesh, options: PlanOptions) -> Strateg
     edges.extend(_tie_edges(captured, nodes, index))
     shared_uses = price_shared_param_grads(gm, nodes, index, edges, pricer, needs_grad)
     price_chain_grads(gm, nodes, index, edges, pricer, needs_grad, captured, signatures)
+    chains = chain_roots(gm, captured.param_nodes, captured.buffer_nodes)
+    siblings = sibling_uses(gm, nodes, index, pricer, needs_grad, frozenset(n.name for n in chains))
     price_fused_reductions(gm, nodes, edges, pricer)
     bucket_share_s = bucket_rounding(nodes, edges, pricer, shared_uses)
     if options.accumulation > 1:  # the gradient sync, once per step, shared by its microbatches
@@ -272,6 +278,7 @@ def build_space(captured: Captured, mesh: Mesh, options: PlanOptions) -> Strateg
         signatures=signatures,
         bucket_share_s=bucket_share_s,
         shared_grad_uses=shared_uses,
+        sibling_grads=siblings,
         needs_grad=frozenset(needs_grad),
         saved=saved,
     )

@@ -91,8 +91,8 @@ class CalibrationConfig:
     sync_trials: int = 9
     """Trials of the sync measurement; the median of the per-trial excess is kept."""
     cores: int | None = None
-    """The cores one host's ranks share (None: this process's CPU affinity). Ranks beyond
-    them are priced by the CPU their collectives burn (``LinkSpec.cpu_weight``)."""
+    """The cores one host's ranks share (None: this process's CPU affinity). Where ranks
+    outnumber them, the collectives' CPU weight is measured (``LinkSpec.cpu_weight``)."""
 
     @classmethod
     def for_gpu(cls) -> CalibrationConfig:

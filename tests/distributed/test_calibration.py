@@ -152,16 +152,16 @@ def test_tiny_calibration_gives_a_profile_the_planner_uses(tmp_path) -> None:
     assert sync["matmuls_per_segment"] >= 1 and sync["segment_s"] > 0
 
     # Session 30: ranks outnumbering their cores (cores=1 above). Per kind but broadcast the
-    # CPU a rank burns per call, fitted over the same sizes; the weight prices the chain's
-    # all-reduce at the chain's measured excess per call.
+    # CPU a rank burns per call, fitted over the same sizes; the weight that would price the
+    # chain's all-reduce at the chain's measured excess per call is recorded, not set.
     assert set(link.cpu_collectives) == set(CALIBRATED_COLLECTIVES) - {"broadcast"}
     assert all(len(timed[f"tp/{k}"]["cpu_seconds"]) == len(timed[f"tp/{k}"]["bytes"])
                and min(timed[f"tp/{k}"]["cpu_seconds"]) > 0 for k in link.cpu_collectives)  # fmt: skip
     assert len(sync["cpu_excess_per_call"]) == 3 and sync["group_size"] == 2
-    unweighted = dataclasses.replace(link, cpu_weight=0.0)
-    assert link.cpu_weight == sync["cpu_weight"] == cpu_weight({"tp": unweighted}, {"tp": sync})
+    assert link.cpu_weight == 0.0 and sync["cpu_weight"] == cpu_weight({"tp": link}, {"tp": sync})
+    weighted = dataclasses.replace(link, cpu_weight=sync["cpu_weight"])
     if sync["excess_median"] > 0:  # one axis, 3 trials: the median trial's excess
-        assert collective_time_s("all_reduce", sync["bytes"], 2, link) == pytest.approx(
+        assert collective_time_s("all_reduce", sync["bytes"], 2, weighted) == pytest.approx(
             sync["excess_median"], rel=1e-9
         )
 
@@ -169,12 +169,9 @@ def test_tiny_calibration_gives_a_profile_the_planner_uses(tmp_path) -> None:
     save_profile(profile, path)
     mesh = Mesh.parse("tp=2", device="h100", profile=str(path))
     assert mesh.device == device and mesh.link("tp") == link
-    alpha, beta = link.cpu_collectives["all_gather"]
-    seconds = collective_time_s("all_gather", 2**20, 2, mesh.link("tp"))
-    wall = collective_time_s("all_gather", 2**20, 2, unweighted)  # a chain with no excess
-    expected = link.cpu_weight * (alpha + beta * 2**19) if link.cpu_weight else wall
-    assert seconds == pytest.approx(expected, rel=1e-12)
-    assert math.isfinite(collective_time_s("broadcast", 2**20, 2, link))  # the wall model
+    kind, (alpha, beta) = next(iter(link.collectives.items()))
+    seconds = collective_time_s(kind, 2**20, 2, mesh.link("tp"))
+    assert math.isfinite(seconds) and seconds >= alpha  # the wall model
 
 
 @pytest.mark.distributed
