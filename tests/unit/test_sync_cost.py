@@ -82,9 +82,8 @@ def test_a_calibrated_wait_round_trips_through_the_profile(tmp_path) -> None:
         load_profile({"version": 1, "links": {"a0": {**link.to_dict(), "sync_s": -1}}})
 
 
-def test_a_wait_per_collective_makes_the_planner_use_fewer_collectives() -> None:
-    """Tensor parallelism trades gradient bytes for activation collectives: where every call
-    waits (ranks sharing cores), the planner keeps fewer of them, down to none."""
+def _auto_conversions(links: list[LinkSpec]) -> list[int]:
+    """Per link (4 ranks on it): the layout conversions in the auto plan of a 3-layer MLP."""
     from autopar.capture.export import capture
     from autopar.mesh import Mesh
     from autopar.models import MLP, MLPConfig
@@ -96,13 +95,20 @@ def test_a_wait_per_collective_makes_the_planner_use_fewer_collectives() -> None
     captured = capture(model, (torch.randn(64, 256), torch.randn(64, 256)), {})
     device = Mesh.spec((4,), device="cpu").device
     counts = []
-    for sync_s in (0.0, 1e-3, 1e-2):
-        link = LinkSpec(name="l", bandwidth_Bps=2e9, latency_s=1e-4, sync_s=sync_s)
+    for link in links:
         mesh = Mesh(shape=(4,), axis_names=("a0",), device=device, links=(link,))
-        plan = plans_for_recipes(captured, mesh, PlanOptions(), recipes=["auto"], model_name="mlp")[
-            "auto"
-        ]
-        counts.append(len(plan.conversions()))
+        plans = plans_for_recipes(captured, mesh, PlanOptions(), recipes=["auto"],
+                                  model_name="mlp")  # fmt: skip
+        counts.append(len(plans["auto"].conversions()))
+    return counts
+
+
+def test_a_wait_per_collective_makes_the_planner_use_fewer_collectives() -> None:
+    """Tensor parallelism trades gradient bytes for activation collectives: where every call
+    waits (ranks sharing cores), the planner keeps fewer of them, down to none."""
+    links = [LinkSpec(name="l", bandwidth_Bps=2e9, latency_s=1e-4, sync_s=sync_s)
+             for sync_s in (0.0, 1e-3, 1e-2)]  # fmt: skip
+    counts = _auto_conversions(links)
     assert counts[0] > counts[1] > counts[2] == 0, counts
 
 
@@ -167,22 +173,7 @@ def test_ranks_sharing_cores_pay_a_calls_cpu_once_per_gradient_bucket() -> None:
 def test_the_cpu_a_call_burns_makes_the_planner_use_fewer_collectives() -> None:
     """The same wall-time link; the more CPU each call burns on ranks sharing cores, the
     fewer collectives the planner keeps (it prices the CPU line, not the wall time)."""
-    from autopar.capture.export import capture
-    from autopar.mesh import Mesh
-    from autopar.models import MLP, MLPConfig
-    from autopar.options import PlanOptions
-    from autopar.tools.report import plans_for_recipes
-
-    torch.manual_seed(0)
-    model = MLP(MLPConfig(in_features=256, hidden=1024, out_features=256, num_layers=3))
-    captured = capture(model, (torch.randn(64, 256), torch.randn(64, 256)), {})
-    device = Mesh.spec((4,), device="cpu").device
-    counts = []
-    for alpha in (0.0, 2.5e-4, 2.5e-3):
-        mesh = Mesh(shape=(4,), axis_names=("a0",), device=device, links=(_cpu_link(alpha),))
-        plans = plans_for_recipes(captured, mesh, PlanOptions(), recipes=["auto"],
-                                  model_name="mlp")  # fmt: skip
-        counts.append(len(plans["auto"].conversions()))
+    counts = _auto_conversions([_cpu_link(alpha) for alpha in (0.0, 2.5e-4, 2.5e-3)])
     assert counts[0] > counts[1] > counts[2] == 0, counts
 
 
