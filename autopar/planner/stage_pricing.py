@@ -27,6 +27,7 @@ from autopar.mesh import Mesh
 from autopar.planner.configurations import Solved
 from autopar.planner.pipeline_schedule import StageCost
 from autopar.planner.pricing import CommPricer
+from autopar.planner.sibling_grads import shared_grad_saving
 from autopar.planner.space import StrategySpace, local_bytes
 from autopar.planner.tying import block_of
 from autopar.strategies import input_nodes
@@ -123,6 +124,7 @@ def probe_parts(space: StrategySpace, solved: Solved, *, layouts: str) -> Parts:
     parts: dict[str, Part] = {"head": Part(), "tail": Part(), "block": Part()}
     choice = solved.choice
     shares = weight_shares(space)
+    shared = shared_grad_saving(space.sibling_grads, choice)  # one all-reduce per conversion
     for i, node in enumerate(space.nodes):
         key = names[node.name]
         part = parts["block" if key.startswith("block") else key]
@@ -130,7 +132,8 @@ def probe_parts(space: StrategySpace, solved: Solved, *, layouts: str) -> Parts:
         fwd = float(node.forward_s[s]) if node.forward_s is not None else 0.0
         comm = float(node.output_comm_s[s])
         part.forward_s += fwd + comm / 2
-        part.backward_s += float(node.compute_s[s]) - fwd + float(node.grad_comm_s[s]) + comm / 2
+        grad_comm = float(node.grad_comm_s[s]) - shared.get(i, 0.0)
+        part.backward_s += float(node.compute_s[s]) - fwd + grad_comm + comm / 2
         part.weight_s += (float(node.compute_s[s]) - fwd) * shares.get(node.name, 0.0)
         part.tp_sync_s += float(node.param_grad_comm_s[s])
         part.activation_bytes += float(node.activation_bytes[s])

@@ -83,3 +83,26 @@ def test_figures_count_one_all_reduce_per_conversion_the_lowering_issues(
         sums["act_comm"], rel=1e-12
     )
     assert (sum(saving.values()) > 0) == (later > 0)
+
+
+def test_a_pipeline_stage_prices_the_shared_all_reduces_once(monkeypatch) -> None:
+    """The stage pricer's backward (head + blocks + tail) is the nodes' less the same saving."""
+    from types import SimpleNamespace
+
+    from autopar.planner import stage_pricing
+
+    _, plan = _planned("llama", "2x2", "megatron")
+    space, solved = plan.space, SimpleNamespace(choice=plan.choice)
+
+    def backward(parts) -> float:
+        return (
+            parts.head.backward_s
+            + parts.block.backward_s * parts.num_probe_blocks
+            + (parts.tail.backward_s)
+        )
+
+    shared = backward(stage_pricing.probe_parts(space, solved, layouts="megatron"))
+    monkeypatch.setattr(stage_pricing, "shared_grad_saving", lambda groups, choice: {})
+    each = backward(stage_pricing.probe_parts(space, solved, layouts="megatron"))
+    saving = sum(shared_grad_saving(space.sibling_grads, plan.choice).values())
+    assert saving > 0 and each - shared == pytest.approx(saving, rel=1e-9)
