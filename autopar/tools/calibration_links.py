@@ -38,6 +38,7 @@ from autopar.tools.calibration_sync import measure_sync, sync_segment_matmuls
 from autopar.tools.timing import max_over_ranks, mean_over_ranks, sync_device, time_queued
 from cost_models import LinkSpec, collective_steps_and_wire_bytes, collective_time_s, fit_alpha_beta
 from cost_models.calibrate import link_from_fits, paired_spreads, relative_spread
+from solver.parallel import usable_cores
 
 if TYPE_CHECKING:
     from autopar.tools.calibration import CalibrationConfig
@@ -190,10 +191,7 @@ def measure_links(
 def shares_cores(backend: str, local_ranks: int, cores: int | None) -> bool:
     """Whether a host's ``local_ranks`` outnumber the ``cores`` they share (None: this
     process's CPU affinity): gloo ranks on CPU only (a GPU rank computes on its device)."""
-    if cores is None:
-        affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
-        cores = len(affinity) if affinity else os.cpu_count() or 1
-    return backend == "gloo" and local_ranks > cores
+    return backend == "gloo" and local_ranks > (cores or usable_cores())
 
 
 def cpu_weight(links: dict[str, LinkSpec], syncs: dict[str, dict[str, Any]]) -> float:

@@ -45,7 +45,6 @@ Median over rounds of a few steps. GPUs and one rank: not measured (0, the probe
 from __future__ import annotations
 
 import math
-import os
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -67,6 +66,7 @@ from autopar.tools.calibration_level import (
 )
 from autopar.tools.calibration_rates import matmul_cpu_share, matmul_rate_now, priced_stage_tasks
 from autopar.tools.calibration_wake import core_wait_figures
+from solver.parallel import usable_cores  # the cores the ranks of a CPU job share
 
 __all__ = ["matmul_rate_now", "priced_stage_tasks"]  # moved; importable from here as before
 
@@ -351,17 +351,12 @@ def measure_task_wait(
               "p2p_s": p2p, "rounds": per_round,
               "fitted_task_wait_s": statistics.median(r["fitted_task_wait_s"] for r in per_round),
               **_median_speedup(per_round),
-              **core_wait_figures(every_step, "gpipe", m, _cores())}  # fmt: skip
+              **core_wait_figures(every_step, "gpipe", m, usable_cores())}  # fmt: skip
     log(f"pipeline wait per task (GPipe, {world} stages, m={m}): {wait * 1e3:.2f} ms measured "
         f"between tasks ({detail['fitted_task_wait_s'] * 1e3:.2f} ms fitted to the step); a "
         f"rank alone ran {detail['lone_speedup']:.2f}x its speed beside "
         f"{detail['together_ranks']:.1f} computing ranks")  # fmt: skip
     return wait, detail
-
-
-def _cores() -> int:
-    """The cores this process may run on (the ranks of a CPU job share them)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _median_speedup(per_round: list[dict[str, Any]]) -> dict[str, float]:
@@ -482,7 +477,7 @@ def with_pipeline_figures(
         log(f"pipeline compute level: its tasks ran {level:.2f}x the planner's price")
     # Session 25: the CPU level times the cores' share where recorded; the wall curve kept.
     timed["wall_level_speed"] = speed
-    cores = _cores()
+    cores = usable_cores()
     foreign = foreign_threads(timed["rounds"], cores or 1)
     if timed.get("core_wait_s") is not None and len(timed["p2p_s"]) > cores:  # sessions 26-29
         gaps = {k: timed[k] for k in ("task_gap_s", "task_gap_by_others_s")}
