@@ -50,20 +50,18 @@ where the gradient is not Partial -- and per strategy the all-reduce priced for 
 def _prices(strategies: Sequence, j: int, meta, pricer: CommPricer) -> tuple[tuple, np.ndarray]:
     """Per strategy of a consumer reading an activation as input ``j``: the lowering's key of
     the conversion and the all-reduces ``space._op_space`` prices for the Partial gradient."""
-    from autopar.planner.space import local_bytes
+    from autopar.planner.space import activation_grad_s, partial_axes
 
-    shape = pricer.mesh.shape
     keys: list[Any] = []
     prices = np.zeros(len(strategies))
     for t, strategy in enumerate(strategies):
         placements = strategy.inputs[j] if j < len(strategy.inputs) else None
         grad = strategy.input_grads[j] if j < len(strategy.input_grads) else None
-        axes = tuple(a for a, p in enumerate(grad or ()) if p.is_partial() and shape[a] > 1)
+        axes = partial_axes(grad or (), pricer.mesh.shape)
         if placements is None or not axes:
             keys.append(None)
             continue
-        nbytes = local_bytes(meta, placements, shape) * pricer.itemsize(meta) / meta.dtype.itemsize
-        prices[t] = sum(pricer.all_reduce_s(nbytes, a) for a in axes)
+        prices[t] = activation_grad_s(meta, placements, grad, pricer)
         keys.append((tuple(placements), axes))
     return tuple(keys), prices
 

@@ -308,6 +308,21 @@ def _placeholder_space(node, kind, meta, strategies, mesh_shape, pricer) -> Node
     )
 
 
+def partial_axes(grad_placements: Placements, mesh_shape: Sequence[int]) -> tuple[int, ...]:
+    """The mesh axes (of more than one device) on which a gradient is Partial."""
+    return tuple(a for a, p in enumerate(grad_placements) if p.is_partial() and mesh_shape[a] > 1)
+
+
+def activation_grad_s(
+    meta: TensorMeta, placements: Placements, grad_placements: Placements, pricer: CommPricer
+) -> float:
+    """The whole all-reduces of an activation input's Partial gradient, one per Partial axis,
+    at the activations' itemsize (what ``_op_space`` prices per consumer strategy)."""
+    shape = pricer.mesh.shape
+    nbytes = local_bytes(meta, placements, shape) * pricer.itemsize(meta) / meta.dtype.itemsize
+    return sum(pricer.all_reduce_s(nbytes, a) for a in partial_axes(grad_placements, shape))
+
+
 def _op_space(
     node, strategies, mesh, options, pricer, needs_grad, saved_rule: SavedRule | None = None
 ) -> NodeSpace:
@@ -386,15 +401,12 @@ def _op_space(
         ):
             if grad_placements is None or inp.name not in needs_grad or placements is None:
                 continue
-            nbytes = local_bytes(meta, placements, mesh_shape)
             if inp.op != "placeholder":
-                nbytes *= pricer.itemsize(meta) / meta.dtype.itemsize
-            for axis, p in enumerate(grad_placements):
-                if p.is_partial() and mesh_shape[axis] > 1:
-                    if inp.op == "placeholder":
-                        param_grad_comm[i] += pricer.grad_sync_s(nbytes, axis)
-                    else:
-                        grad_comm[i] += pricer.all_reduce_s(nbytes, axis)
+                grad_comm[i] += activation_grad_s(meta, placements, grad_placements, pricer)
+                continue
+            nbytes = local_bytes(meta, placements, mesh_shape)
+            for axis in partial_axes(grad_placements, mesh_shape):
+                param_grad_comm[i] += pricer.grad_sync_s(nbytes, axis)
     return NodeSpace(
         name=node.name,
         kind="op",
