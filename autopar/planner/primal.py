@@ -150,6 +150,48 @@ def seed(
     return best
 
 
+def first_seed(
+    configurations: ConfigurationSolver,
+    first: Sequence[tuple[ZeroConfig, Solved]],
+    others: Sequence[ZeroConfig],
+    *,
+    budget: float,
+    gap: float,
+    closes: Callable[[Solved | None], bool],
+    report: Callable[[str], None] = lambda line: None,
+) -> Solved | None:
+    """The best plan before any budgeted solve where the first configuration's budget-free
+    plan does not fit: that plan fitted to the first's budget with no neighbourhood search
+    (:func:`seed` with no MIP), then fitted into the ``others`` (:func:`across`). Where another
+    configuration takes it better, the search is left to that one (zero_search's lead, searched
+    next), not made on the first: on llama3-70b b256 fp32 the first's search (7 s) ended at
+    25491.7 ms and the plan came from stages (3,3,2)'s search anyway, which the first's fit
+    across starts as well (24962.689 ms either way). Where none does, the first is searched
+    and its plan fitted into the others again (the order before session 31). ``closes``:
+    whether a plan ends the search (within the gap of a bound on every configuration);
+    nothing more is made once one does."""
+    best = seed(configurations, first, budget=budget, gap=gap, report=report, mips=0)
+    if best is None or closes(best):
+        return best
+    # Fitted into the others first (seconds), before the first's budgeted solve (its bound
+    # alone took 29 s of llama3-70b bf16's 43 s).
+    best = _faster(best, across(configurations, others, best, budget=budget, report=report))
+    if closes(best) or best.zero != first[0][0]:
+        return best
+    searched = seed(configurations, first, budget=budget, gap=gap, report=report, start_from=best)
+    best = _faster(best, searched)
+    if closes(best):
+        return best
+    return _faster(best, across(configurations, others, best, budget=budget, report=report))
+
+
+def _faster(best: Solved, found: Solved | None) -> Solved:
+    """``found`` where it is faster than ``best``, else ``best``."""
+    if found is not None and found.solution.objective_s < best.solution.objective_s:
+        return found
+    return best
+
+
 def across(
     configurations: ConfigurationSolver,
     zeros: Sequence[ZeroConfig],

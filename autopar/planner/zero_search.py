@@ -51,7 +51,7 @@ from autopar.planner.bound_order import derive_first
 from autopar.planner.checkpointing import with_segments
 from autopar.planner.configurations import ConfigurationSolver, Solved, log_entry
 from autopar.planner.free_reuse import reused_free
-from autopar.planner.primal import across, seed
+from autopar.planner.primal import across, first_seed, seed
 from autopar.planner.problem import ZeroConfig, evaluate
 from autopar.planner.skip_ahead import bound_derived, bound_priced, skip_ahead
 from solver.problem import gap_floor
@@ -132,10 +132,11 @@ def _ordered(
     ``floor``, a bound on every configuration, the others cannot beat it by more than the gap:
     they are skipped on ``floor`` with no budget-free solve (:func:`_across`).
 
-    Where the first configuration's budget-free plan does not fit, its best plan is first
-    sought by the primal seed (autopar/planner/primal.py) from that plan alone, and that plan
-    fitted into the others (primal.across); a plan within the gap of ``floor`` skips every
-    configuration, the first on its own budget-free bound.
+    Where the first configuration's budget-free plan does not fit, that plan is fitted to its
+    budget and into the others (primal.first_seed: no neighbourhood search yet), and the
+    configuration it fits best is searched from it (the first only where it fits best
+    there); a plan within the gap of ``floor`` skips every configuration, the first on its
+    own budget-free bound.
     Otherwise every configuration is solved budget-free and the seed runs again over all of
     their plans and the best so far, before any budgeted solve. Where the first's budget-free
     plan fits, the others come by :func:`_across`."""
@@ -146,16 +147,12 @@ def _ordered(
     names = configurations.space.mesh.axis_names
     if first and first[0][1].evaluation.peak_memory_bytes > budget:
         zero, free = first[0]
-        out.best = seed(configurations, first, budget=budget, gap=gap, report=report)
-        if out.best is not None and not _closes(out.best, floor, gap):
-            # The seed fitted into the others first (seconds), before the first's budgeted
-            # solve (its bound alone took 29 s of llama3-70b bf16's 43 s).
-            fitted = across(configurations, zeros[1:], out.best, budget=budget, report=report)
-            _keep_better(out, fitted)
+        out.best = first_seed(
+            configurations, first, zeros[1:], budget=budget, gap=gap, report=report,
+            closes=lambda best: _closes(best, floor, gap),
+        )  # fmt: skip
         if _closes(out.best, floor, gap):
-            _skip(out, zero, zero.label(names), free.solution.bound_s, report, 0.0)
-            for other in zeros[1:]:
-                _skip(out, other, other.label(names), floor, report, 0.0)
+            _skip_all(out, names, zero, free, zeros[1:], floor, report)
             return
         # Not closed: the configuration the seed's plan fits best is searched from that plan
         # (the second seed would search it anyway), configurations are skipped on bounds that
@@ -172,6 +169,9 @@ def _ordered(
                 start_from=out.best,
             )  # fmt: skip
             _keep_better(out, seeded)
+            if _closes(out.best, floor, gap):
+                _skip_all(out, names, zero, free, zeros[1:], floor, report)
+                return
             left = skip_ahead(
                 configurations, [zero, *lead, *rest], budget, gap, out.best,
                 lambda other, bound: _skip(out, other, other.label(names), bound, report, 0.0),
@@ -203,6 +203,22 @@ def _ordered(
         return
     yield from first
     yield from _across(configurations, zeros[1:], budget, gap, floor, report, out)
+
+
+def _skip_all(
+    out: Searched,
+    names: Sequence[str],
+    zero: ZeroConfig,
+    free: Solved,
+    others: Sequence[ZeroConfig],
+    floor: float,
+    report: Callable[[str], None],
+) -> None:
+    """Every configuration skipped: the best plan is within the gap of ``floor``, a bound on
+    all of them (the first, ``zero``, on its own budget-free bound ``free``)."""
+    _skip(out, zero, zero.label(names), free.solution.bound_s, report, 0.0)
+    for other in others:
+        _skip(out, other, other.label(names), floor, report, 0.0)
 
 
 def _across(

@@ -20,7 +20,8 @@ from autopar.planner import bound_ahead
 from solver.background import start_priced_bound
 from tests.models import tiny_gpt
 
-BUDGET = 1_800_000  # binds on 2x2: one bound goes to a worker beside another (checked below)
+BUDGET = 1_900_000  # binds on 2x2: one bound goes to a worker beside another (checked below;
+# since session 31 searches the first seed where its plan fits best, 1.8 MB bounds none aside)
 MESH = "2x2"
 TIMED = ("seconds", "timings", "solve_s", "build_s", "time_s", "wall", "elapsed", "created")
 

@@ -76,9 +76,12 @@ def _search(driver, monkeypatch, floor: float, *, seeded: bool = True):
     """search_budgeted with ``floor``; the configurations given a budget-free solve."""
     from autopar.planner import zero_search
 
+    from autopar.planner import primal
+
     freed = _count_bounded(monkeypatch)
     if not seeded:
         monkeypatch.setattr(zero_search, "across", lambda *a, **k: None)
+        monkeypatch.setattr(primal, "across", lambda *a, **k: None)
     found = zero_search.search_budgeted(
         driver.configurations,
         _zeros(driver),
@@ -150,3 +153,53 @@ def test_the_plan_chosen_is_the_plan_chosen_without_the_seed(driver, monkeypatch
     assert seeded.best.evaluation.step_s == pytest.approx(plain.best.evaluation.step_s, rel=1e-9)
     assert seeded.best.choice == plain.best.choice
     assert seeded.best.zero == plain.best.zero
+
+
+def _first_seed(driver, monkeypatch, *, fits_elsewhere: bool):
+    """primal.first_seed on the first configuration, its seed and across calls recorded
+    (``fits_elsewhere`` False: across finds no configuration): the plan, the seeds'
+    (configurations, mips, step found) and the number of across calls."""
+    from autopar.planner import primal, zero_search
+
+    configurations, zeros = driver.configurations, _zeros(driver)
+    first = zero_search.bounded(configurations, zeros[:1], driver.budget)
+    assert first[0][1].evaluation.peak_memory_bytes > driver.budget  # the seed's case
+    seeds, acrosses = [], []
+    seed, across = primal.seed, primal.across
+
+    def recording_seed(configurations, ordered, **kwargs):
+        found = seed(configurations, ordered, **kwargs)
+        seeds.append(([z for z, _ in ordered], kwargs.get("mips"), found.solution.objective_s))
+        return found
+
+    def recording_across(*args, **kwargs):
+        acrosses.append(1)
+        return across(*args, **kwargs) if fits_elsewhere else None
+
+    monkeypatch.setattr(primal, "seed", recording_seed)
+    monkeypatch.setattr(primal, "across", recording_across)
+    best = primal.first_seed(
+        configurations, first, zeros[1:], budget=driver.budget, gap=GAP, closes=lambda b: False
+    )
+    monkeypatch.undo()
+    return best, seeds, len(acrosses)
+
+
+def test_the_first_seed_searches_where_its_plan_fits_best(driver, monkeypatch) -> None:
+    """The first configuration's budget-free plan is fitted, not searched, where another
+    configuration takes it faster (that one is searched next: zero_search's lead); the first
+    is searched, and its plan fitted across again, where none does. Either way the plan fits
+    and is no slower than the fit."""
+    zeros = _zeros(driver)
+    best, seeds, acrosses = _first_seed(driver, monkeypatch, fits_elsewhere=True)
+    assert seeds[0][:2] == ([zeros[0]], 0)  # fitted only: no neighbourhood MIP
+    assert best.evaluation.peak_memory_bytes <= driver.budget
+    assert best.solution.objective_s <= seeds[0][2]
+    if best.zero != zeros[0]:
+        assert len(seeds) == 1 and acrosses == 1  # the search is left to that configuration
+    else:
+        assert seeds[1][:2] == ([zeros[0]], None) and acrosses == 2
+    alone, seeds, acrosses = _first_seed(driver, monkeypatch, fits_elsewhere=False)
+    assert [s[:2] for s in seeds] == [([zeros[0]], 0), ([zeros[0]], None)] and acrosses == 2
+    assert alone.zero == zeros[0] and alone.evaluation.peak_memory_bytes <= driver.budget
+    assert alone.solution.objective_s <= seeds[0][2]
