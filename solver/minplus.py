@@ -22,9 +22,16 @@ same floats (bitwise, the sign of zeros and nan included):
 
 Below :data:`SMALL_WORK` entries the shortcuts' own passes cost more than they save (most
 products of the smaller rows, measured on their recorded products): the plain loop runs.
+
+From :data:`THREAD_WORK` entries on, the rows formed one at a time are split between threads
+(:func:`solver_threads`; numpy adds and reduces with the GIL released): each row is formed
+exactly as alone, so the floats do not depend on the number of threads.
 """
 
 from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -36,6 +43,49 @@ ROW_WORK = 1_000_000
 a time: 0.85x the loop over t's time on the llama3-70b b256 fp32 row's recorded products of
 1e7 entries and more, 0.87x at 1e6-1e7 (the same floats on all 5,202 recorded); the loop
 over t is as fast below."""
+
+
+THREAD_WORK = 2_000_000
+"""Products formed a row at a time with at least this many (s, t, r) entries split their
+rows between :func:`solver_threads` threads: on the llama3-70b b256 fp32 row (two cores)
+the row passes took 5.0 s instead of 6.4 s; a 100 x 100 x 100 product is slower on two
+threads than on one (1.3 against 1.1 ms), a 150-cubed one faster (2.4 against 3.0 ms)."""
+
+THREADS_ENV = "AUTOPAR_SOLVER_THREADS"
+"""Threads the min-plus row passes may use (default: the usable cores, at most
+:data:`MAX_THREADS`); solver/parallel.py's worker processes get 1."""
+
+MAX_THREADS = 8
+
+_pool: tuple[ThreadPoolExecutor, int] | None = None
+"""The row passes' threads and how many (made on first use, larger when asked for more)."""
+
+
+def _forget_pool() -> None:
+    """A forked child has none of the parent's threads: it makes its own pool."""
+    global _pool
+    _pool = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
+
+
+def solver_threads() -> int:
+    """Threads a large row pass is split between (:data:`THREADS_ENV`, else the usable cores
+    up to :data:`MAX_THREADS`).
+
+    Raises:
+        ValueError: the variable is set to something other than a positive integer.
+    """
+    text = os.environ.get(THREADS_ENV)
+    if text is None:
+        from solver.parallel import usable_cores  # solver.parallel imports this module
+
+        return max(1, min(usable_cores(), MAX_THREADS))
+    if not text.strip().isdigit() or int(text) < 1:
+        raise ValueError(f"{THREADS_ENV} must be a positive integer, got {text!r}")
+    return int(text)
 
 
 _FINGERPRINT = np.uint64(0x9E3779B97F4A7C15)
@@ -115,10 +165,32 @@ def series_min(uv: np.ndarray, cv: np.ndarray, vw: np.ndarray) -> np.ndarray:
 def _by_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """best[s] = min over t of a[s, t] + b[t], one row s at a time: the (t, r) sums in one
     pass, then their minimum down t (numpy reduces the outer axis one t after another,
-    ``minimum(out, sums[t])``: the last of equal values kept, as by the loop over t)."""
-    best = np.empty((a.shape[0], b.shape[1]))
-    sums = np.empty_like(b)
-    for s in range(a.shape[0]):
-        np.add(a[s, :, None], b, out=sums)
-        np.minimum.reduce(sums, axis=0, out=best[s])
+    ``minimum(out, sums[t])``: the last of equal values kept, as by the loop over t). From
+    :data:`THREAD_WORK` entries on, contiguous blocks of rows go to threads."""
+    global _pool
+    num_rows = a.shape[0]
+    best = np.empty((num_rows, b.shape[1]))
+    threads = min(solver_threads(), num_rows) if a.size * b.shape[1] >= THREAD_WORK else 1
+    if threads < 2:
+        _rows(a, b, best, 0, num_rows)
+        return best
+    if _pool is None or _pool[1] < threads:
+        _pool = (ThreadPoolExecutor(threads, thread_name_prefix="autopar-minplus"), threads)
+    cuts = [num_rows * k // threads for k in range(threads + 1)]
+    state = np.geterr()  # numpy's error handling is per thread: the caller's applies
+    done = [_pool[0].submit(_rows, a, b, best, lo, hi, state) for lo, hi in zip(cuts, cuts[1:])]
+    for future in done:
+        future.result()  # re-raises a thread's error here
     return best
+
+
+def _rows(
+    a: np.ndarray, b: np.ndarray, best: np.ndarray, lo: int, hi: int, state: dict | None = None
+) -> None:
+    """Rows ``lo`` to ``hi`` of :func:`_by_rows`, formed into ``best`` (under numpy error
+    handling ``state`` where given: a thread's own is the default, not its caller's)."""
+    sums = np.empty_like(b)
+    with np.errstate(**(state or {})):
+        for s in range(lo, hi):
+            np.add(a[s, :, None], b, out=sums)
+            np.minimum.reduce(sums, axis=0, out=best[s])

@@ -75,6 +75,7 @@ def worker_env() -> dict[str, str]:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("AUTOPAR_SOLVER_THREADS", "1")  # solver.minplus: workers run side by side
     return env
 
 

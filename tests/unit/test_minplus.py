@@ -4,7 +4,11 @@ inner strategies that cannot reach the minimum skipped) give the plain loop's fl
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -144,3 +148,81 @@ def test_distinct_rows_group_rows_by_their_bytes(
                 )
     finally:
         minplus._FINGERPRINT = saved
+
+
+@settings(max_examples=60, deadline=None)
+@given(products(), st.integers(2, 5))
+def test_rows_split_between_threads_give_the_same_bits(
+    product: tuple[np.ndarray, np.ndarray, np.ndarray], threads: int
+) -> None:
+    """Every product formed a row at a time with its rows split between ``threads`` threads
+    (THREAD_WORK 0) is bitwise the product formed on one thread, nan included."""
+    saved = minplus.SMALL_WORK, minplus.ROW_WORK, minplus.THREAD_WORK
+    minplus.SMALL_WORK, minplus.ROW_WORK, minplus.THREAD_WORK = 0, 0, 0
+    try:
+        with np.errstate(invalid="ignore"):
+            with _threads(1):
+                want = minplus.series_min(*product)
+            with _threads(threads):
+                got = minplus.series_min(*product)
+    finally:
+        minplus.SMALL_WORK, minplus.ROW_WORK, minplus.THREAD_WORK = saved
+    assert got.tobytes() == want.tobytes()
+
+
+def test_a_large_product_on_threads_is_the_one_thread_product() -> None:
+    """A 64 x 300 x 300 product of repeating values (ties, zeros of both signs, +inf) at the
+    default THREAD_WORK: split between 3 threads, the same bits as on one."""
+    rng = np.random.default_rng(7)
+    values = np.array([0.0, -0.0, 1.0, 2.5, np.inf])
+    uv, vw = values[rng.integers(0, 5, (64, 300))], values[rng.integers(0, 5, (300, 300))]
+    cv = values[rng.integers(0, 4, 300)]
+    assert uv.size * vw.shape[1] >= minplus.THREAD_WORK
+    with _threads(1):
+        want = minplus.series_min(uv, cv, vw)
+    with _threads(3):
+        got = minplus.series_min(uv, cv, vw)
+    assert got.tobytes() == want.tobytes()
+    assert got.tobytes() == minplus.series_min_plain(uv, cv, vw).tobytes()
+
+
+def test_the_thread_count_comes_from_the_environment(monkeypatch) -> None:
+    monkeypatch.setenv(minplus.THREADS_ENV, "3")
+    assert minplus.solver_threads() == 3
+    for bad in ("0", "-2", "two", ""):
+        monkeypatch.setenv(minplus.THREADS_ENV, bad)
+        with pytest.raises(ValueError, match=minplus.THREADS_ENV):
+            minplus.solver_threads()
+    monkeypatch.delenv(minplus.THREADS_ENV)
+    assert 1 <= minplus.solver_threads() <= minplus.MAX_THREADS
+
+
+@contextlib.contextmanager
+def _threads(count: int):
+    """AUTOPAR_SOLVER_THREADS set to ``count`` inside."""
+    saved = os.environ.get(minplus.THREADS_ENV)
+    os.environ[minplus.THREADS_ENV] = str(count)
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ[minplus.THREADS_ENV]
+        else:
+            os.environ[minplus.THREADS_ENV] = saved
+
+
+def test_a_forked_child_forms_rows_on_its_own_threads() -> None:
+    """A process forked after the row threads started (a data loader's workers, say) has
+    none of them: its large products make their own pool instead of waiting on the parent's
+    forever."""
+    import multiprocessing
+
+    rng = np.random.default_rng(3)
+    uv, vw = rng.random((64, 300)), rng.random((300, 300))
+    cv = rng.random(300)
+    with _threads(2):
+        want = minplus.series_min(uv, cv, vw)  # the parent's pool exists now
+        context = multiprocessing.get_context("fork")
+        with context.Pool(1) as pool:
+            got = pool.apply_async(minplus.series_min, (uv, cv, vw)).get(timeout=60)
+    assert got.tobytes() == want.tobytes()
