@@ -74,9 +74,7 @@ def _count_bounded(monkeypatch) -> list:
 
 def _search(driver, monkeypatch, floor: float, *, seeded: bool = True):
     """search_budgeted with ``floor``; the configurations given a budget-free solve."""
-    from autopar.planner import zero_search
-
-    from autopar.planner import primal
+    from autopar.planner import primal, zero_search
 
     freed = _count_bounded(monkeypatch)
     if not seeded:
@@ -203,3 +201,38 @@ def test_the_first_seed_searches_where_its_plan_fits_best(driver, monkeypatch) -
     assert [s[:2] for s in seeds] == [([zeros[0]], 0), ([zeros[0]], None)] and acrosses == 2
     assert alone.zero == zeros[0] and alone.evaluation.peak_memory_bytes <= driver.budget
     assert alone.solution.objective_s <= seeds[0][2]
+
+
+def test_a_lead_whose_search_closes_the_gap_skips_every_configuration(monkeypatch) -> None:
+    """Where the first's plan fits best elsewhere, that configuration (the lead) is solved
+    budget-free and searched; a plan then within the gap of the floor ends the search: every
+    configuration skipped, no other solved budget-free, none bounded or solved under the
+    budget. Just under that floor the search goes on."""
+    from autopar.planner import primal, zero_search
+
+    budget = 2_200_000  # the first's plan fits best as stage 3, whose search gains over 1%
+    driver = tiny_gpt_driver(budget)
+    configurations, zeros = driver.configurations, _zeros(driver)
+    first = zero_search.bounded(configurations, zeros[:1], driver.budget)
+    best = primal.first_seed(
+        configurations, first, zeros[1:], budget=driver.budget, gap=GAP, closes=lambda b: False
+    )
+    assert best.zero != zeros[0]  # the lead's case
+    lead = zero_search.bounded(configurations, [best.zero], driver.budget)
+    searched = primal.seed(configurations, lead, budget=driver.budget, gap=GAP, start_from=best)
+    step = searched.solution.objective_s
+    assert step < gap_floor(best.solution.objective_s, GAP)  # the lead's search closes it
+    for floor, closed in ((gap_floor(step, GAP), True), (gap_floor(step, GAP) * (1 - 1e-6), False)):
+        freed = _count_bounded(monkeypatch)  # the configurations solved budget-free
+        found = zero_search.search_budgeted(
+            tiny_gpt_driver(budget).configurations, zeros, budget=driver.budget, gap=GAP,
+            report=lambda line: None, floor=floor,
+        )  # fmt: skip
+        skipped = [e for e in found.log if e["status"] == "skipped"]
+        assert (len(skipped) == len(zeros)) == closed
+        assert found.best.solution.objective_s <= step * (1 + 1e-12)
+        if closed:
+            # Only the first and the lead solved budget-free; the first skipped on its own
+            # budget-free bound, the others on the floor.
+            assert freed == [zeros[0], best.zero]
+            assert found.bounds == [first[0][1].solution.bound_s] + [floor] * (len(zeros) - 1)
