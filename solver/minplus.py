@@ -48,12 +48,12 @@ over t is as fast below."""
 THREAD_WORK = 2_000_000
 """Products formed a row at a time with at least this many (s, t, r) entries split their
 rows between :func:`solver_threads` threads: on the llama3-70b b256 fp32 row (two cores)
-the row passes took 5.0 s instead of 6.4 s; a 100 x 100 x 100 product is slower on two
+the row passes took 5.3 s instead of 6.4 s; a 100 x 100 x 100 product is slower on two
 threads than on one (1.3 against 1.1 ms), a 150-cubed one faster (2.4 against 3.0 ms)."""
 
 THREADS_ENV = "AUTOPAR_SOLVER_THREADS"
 """Threads the min-plus row passes may use (default: the usable cores, at most
-:data:`MAX_THREADS`); solver/parallel.py's worker processes get 1."""
+:data:`MAX_THREADS`); solver/parallel.py's worker processes get 1 where it is unset."""
 
 MAX_THREADS = 8
 

@@ -175,19 +175,21 @@ def first_seed(
         return best
     # Fitted into the others first (seconds), before the first's budgeted solve (its bound
     # alone took 29 s of llama3-70b bf16's 43 s).
-    best = _faster(best, across(configurations, others, best, budget=budget, report=report))
+    best = faster(best, across(configurations, others, best, budget=budget, report=report))
     if closes(best) or best.zero != first[0][0]:
         return best
     searched = seed(configurations, first, budget=budget, gap=gap, report=report, start_from=best)
-    best = _faster(best, searched)
+    best = faster(best, searched)
     if closes(best):
         return best
-    return _faster(best, across(configurations, others, best, budget=budget, report=report))
+    return faster(best, across(configurations, others, best, budget=budget, report=report))
 
 
-def _faster(best: Solved, found: Solved | None) -> Solved:
-    """``found`` where it is faster than ``best``, else ``best``."""
-    if found is not None and found.solution.objective_s < best.solution.objective_s:
+def faster(best: Solved | None, found: Solved | None) -> Solved | None:
+    """``found`` where it is faster than ``best`` (or ``best`` is None), else ``best``."""
+    if found is not None and (
+        best is None or found.solution.objective_s < best.solution.objective_s
+    ):
         return found
     return best
 

@@ -51,7 +51,7 @@ from autopar.planner.bound_order import derive_first
 from autopar.planner.checkpointing import with_segments
 from autopar.planner.configurations import ConfigurationSolver, Solved, log_entry
 from autopar.planner.free_reuse import reused_free
-from autopar.planner.primal import across, first_seed, seed
+from autopar.planner.primal import across, faster, first_seed, seed
 from autopar.planner.problem import ZeroConfig, evaluate
 from autopar.planner.skip_ahead import bound_derived, bound_priced, skip_ahead
 from solver.problem import gap_floor
@@ -271,10 +271,7 @@ def _went_to_mip(relaxed: Solved) -> bool:
 
 def _keep_better(out: Searched, found: Solved | None) -> None:
     """``found`` as the best plan where it is faster than the best so far."""
-    if found is not None and (
-        out.best is None or found.solution.objective_s < out.best.solution.objective_s
-    ):
-        out.best = found
+    out.best = faster(out.best, found)
 
 
 def _closes(best: Solved | None, floor: float, gap: float) -> bool:
