@@ -22,14 +22,47 @@ so a configuration skipped here stays skipped against the plan the search return
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
-from autopar.planner.bound_ahead import Ahead
+from autopar.planner.bound_ahead import JOBS_ENV, Ahead
 from autopar.planner.bound_order import greedy_order, shift_table
 from autopar.planner.configurations import ConfigurationSolver, Solved
 from autopar.planner.problem import ZeroConfig
+from solver.background import BoundJob, start_priced_bound
+from solver.budgeted import Recorded
+from solver.parallel import problem_entries, usable_cores
 from solver.problem import gap_floor
+
+ASIDE_ENTRIES = 2_000_000
+"""Cost entries from which the lead's priced bound runs in a worker process while the search
+goes on with the configurations it cannot skip (:class:`Pending`; the worker's start and the
+problem's pickling take about a second on the llama3-70b b256 row, whose lead has 5.9e6)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Pending:
+    """The lead's priced bound under way in a worker (:func:`skip_ahead` ``aside``): the lead
+    and its followers wait for :func:`finish` while the search takes the others."""
+
+    lead: ZeroConfig
+    followers: list[ZeroConfig]
+    best: Solved
+    target: float
+    job: BoundJob
+    start: float
+
+    @property
+    def waiting(self) -> list[ZeroConfig]:
+        return [self.lead, *self.followers]
+
+
+def aside_allowed() -> bool:
+    """Whether a worker may bound the lead aside: two usable cores, and ``--jobs`` /
+    AUTOPAR_PLAN_JOBS not 1 (one process asked for: everything in this one)."""
+    return usable_cores() >= 2 and os.environ.get(JOBS_ENV, "").strip() != "1"
 
 
 def skip_ahead(
@@ -40,14 +73,21 @@ def skip_ahead(
     best: Solved | None,
     skip: Callable[[ZeroConfig, float], None],
     report: Callable[[str], None],
-) -> list[ZeroConfig]:
+    aside: bool = False,
+) -> tuple[list[ZeroConfig], Pending | None]:
     """``zeros`` less those skipped on a bound reached with no budget-free solve (module
     docstring); ``skip(zero, bound)`` records each one skipped. Nothing is evaluated where the
     gap is 0, where ``best`` has no multipliers, or where the configuration leading the
     derivation order derives no other's bound at a shift >= 0; nothing is skipped where the
-    leader's priced bound does not reach the skip line of ``best``."""
+    leader's priced bound does not reach the skip line of ``best``.
+
+    ``aside``: where the lead's problem has at least :data:`ASIDE_ENTRIES` cost entries (and
+    :func:`aside_allowed`), its bound runs in a worker: the lead and its followers are left
+    out of the list returned and come back from :func:`finish` (the :class:`Pending`
+    returned), skipped or not, once the caller has taken the others. On llama3-70b b256 fp32
+    the worker bounds (2,2,3) (5.7 s) while this process solves (3,3,2) and stage 3."""
     if len(zeros) < 2 or best is None or best.warm_multipliers is None or gap <= 0:
-        return list(zeros)
+        return list(zeros), None
     skip_at = gap_floor(best.solution.objective_s, gap)
     start = time.perf_counter()
     table = shift_table(configurations, zeros, budget, best.warm_multipliers[1])
@@ -59,20 +99,99 @@ def skip_ahead(
         f"bounds, {time.perf_counter() - start:.1f} s"
     )
     if not followers:
-        return list(zeros)
+        return list(zeros), None
+    problem = configurations.budgeted_problem(zeros[lead], budget)
+    if aside and aside_allowed() and problem_entries(problem) >= ASIDE_ENTRIES:
+        options = configurations.bound_options(best.warm_multipliers, skip_at)
+        job = start_priced_bound(problem, best.warm_multipliers[1], **options)
+        del problem
+        configurations.release(zeros[lead], budget)
+        waiting = {lead, *followers}
+        pending = Pending(
+            lead=zeros[lead],
+            followers=[zeros[b] for b in followers],
+            best=best,
+            target=skip_at,
+            job=job,
+            start=time.perf_counter(),
+        )
+        return [zero for k, zero in enumerate(zeros) if k not in waiting], pending
+    del problem
     bound = bound_priced(configurations, zeros[lead], budget, best, skip_at, report, Ahead())
     configurations.release()
-    if not bound >= skip_at:
-        return list(zeros)
-    skip(zeros[lead], bound)
+    gone = _skip_on(configurations, zeros[lead], bound, [zeros[b] for b in followers],
+                    budget, best, skip_at, skip, report)  # fmt: skip
+    return [zero for zero in zeros if zero not in gone], None
+
+
+def finish(
+    configurations: ConfigurationSolver,
+    pending: Pending,
+    budget: float,
+    gap: float,
+    best: Solved,
+    skip: Callable[[ZeroConfig, float], None],
+    report: Callable[[str], None],
+) -> list[ZeroConfig]:
+    """The lead and followers of ``pending`` less those its bound skips, against the skip line
+    of ``best`` (the best plan now: its line is at or under the one the worker was given,
+    which only decides where the worker's pattern solves may stop, not the bound's validity).
+    The worker's bound per multiplier becomes a reference for derived bounds, as though it had
+    been evaluated here; without an answer from the worker it is evaluated here."""
+    zero, multipliers = pending.lead, pending.best.warm_multipliers
+    assert multipliers is not None
+    answer = pending.job.result()
+    if answer is None:
+        found = configurations.priced_bound(zero, budget, multipliers, target=pending.target)
+    else:
+        problem = configurations.budgeted_problem(zero, budget)
+        held = (
+            configurations.built_problem(zero, budget),
+            problem,
+            Recorded(edges=problem.edges, bounds=answer[2]),
+            answer[:2],
+        )
+        found = configurations.priced_bound(
+            zero, budget, multipliers, target=pending.target, held=held
+        )
+    configurations.release()
+    bound = found[0] if found[1] is not None else -math.inf
+    report(
+        f"bound ZeRO {zero.label(configurations.space.mesh.axis_names)} at multipliers "
+        f"{multipliers[0]:.4g}, {multipliers[1]:.4g}: {found[0] * 1e3:.3f} ms"
+        f"{'' if found[1] is not None else ' (no priced plan fits: not used)'}, "
+        f"{time.perf_counter() - pending.start:.1f} s (in a worker beside the search)"
+    )
+    line = gap_floor(best.solution.objective_s, gap)
+    gone = _skip_on(configurations, zero, bound, pending.followers, budget, best, line, skip,
+                    report)  # fmt: skip
+    return [other for other in pending.waiting if other not in gone]
+
+
+def _skip_on(
+    configurations: ConfigurationSolver,
+    lead: ZeroConfig,
+    bound: float,
+    followers: Sequence[ZeroConfig],
+    budget: float,
+    best: Solved,
+    line: float,
+    skip: Callable[[ZeroConfig, float], None],
+    report: Callable[[str], None],
+) -> set[ZeroConfig]:
+    """The lead skipped on ``bound`` where it reaches ``line``, then each follower whose
+    derived bound does."""
+    if not bound >= line:
+        return set()
+    skip(lead, bound)
     gone = {lead}
-    for b in followers:
-        derived = bound_derived(configurations, zeros[b], budget, best, report)
+    for other in followers:
+        derived = bound_derived(configurations, other, budget, best, report)
         configurations.release()
-        if derived >= skip_at:
-            skip(zeros[b], derived)
-            gone.add(b)
-    return [zero for k, zero in enumerate(zeros) if k not in gone]
+        if derived >= line:
+            skip(other, derived)
+            gone.add(other)
+    return gone
 
 
 def bound_derived(

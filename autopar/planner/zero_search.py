@@ -53,7 +53,7 @@ from autopar.planner.configurations import ConfigurationSolver, Solved, log_entr
 from autopar.planner.free_reuse import reused_free
 from autopar.planner.primal import across, faster, first_seed, seed
 from autopar.planner.problem import ZeroConfig, evaluate
-from autopar.planner.skip_ahead import bound_derived, bound_priced, skip_ahead
+from autopar.planner.skip_ahead import bound_derived, bound_priced, finish, skip_ahead
 from solver.problem import gap_floor
 
 
@@ -161,6 +161,7 @@ def _ordered(
         # (solving the first under the budget here took 103 s of llama3-70b fp32 before the
         # second seed found a better plan anyway).
         lead = [] if out.best is None or out.best.zero == zero else [out.best.zero]
+        pending, held = None, []
         searched = bounded(configurations, lead, budget, report)
         rest = [other for other in zeros[1:] if other not in lead]
         if searched:
@@ -172,37 +173,54 @@ def _ordered(
             if _closes(out.best, floor, gap):
                 _skip_all(out, names, zero, free, zeros[1:], floor, report)
                 return
-            left = skip_ahead(
-                configurations, [zero, *lead, *rest], budget, gap, out.best,
-                lambda other, bound: _skip(out, other, other.label(names), bound, report, 0.0),
-                report,
+            skip = lambda other, bound: _skip(out, other, other.label(names), bound, report, 0.0)  # noqa: E731
+            left, pending = skip_ahead(
+                configurations, [zero, *lead, *rest], budget, gap, out.best, skip, report,
+                aside=True,
             )  # fmt: skip
+            held = [pair for pair in first + searched if pair[0] not in left]  # for pending
             first = [pair for pair in first if pair[0] in left]
             searched = [pair for pair in searched if pair[0] in left]
             rest = [other for other in left if other != zero and other not in lead]
         everything = first + searched + bounded(configurations, rest, budget, report)
-        found = seed(
-            configurations, everything, budget=budget, gap=gap, report=report,
-            start_from=out.best, done=_searched_plans(searched, out.best),
-        )  # fmt: skip
-        _keep_better(out, found)
-        if out.best is not None and out.best.warm_multipliers is not None:
-            # The configuration that derives the most others' bounds is bounded first.
-            everything = derive_first(
-                configurations,
-                everything,
-                budget,
-                out.best.warm_multipliers[1],
-                report,
-                followers=None if ahead is None else ahead.followers,
-            )
-        for k, pair in enumerate(everything):
-            if ahead is not None:  # what comes next: bound_ahead.py bounds one beside
-                ahead.upcoming = everything[k + 1 :]
-            yield pair
+        yield from _seeded(configurations, everything, budget, gap, report, out, ahead, searched)
+        if pending is not None:  # the lead bounded aside: what it does not skip comes last
+            back = finish(configurations, pending, budget, gap, out.best, skip, report)
+            again = [pair for pair in held if pair[0] in back]
+            later = again + bounded(configurations, [z for z in back if z not in dict(again)],
+                                    budget, report)  # fmt: skip
+            yield from _seeded(configurations, later, budget, gap, report, out, ahead, [])
         return
     yield from first
     yield from _across(configurations, zeros[1:], budget, gap, floor, report, out)
+
+
+def _seeded(
+    configurations: ConfigurationSolver,
+    everything: list[tuple[ZeroConfig, Solved]],
+    budget: float,
+    gap: float,
+    report: Callable[[str], None],
+    out: Searched,
+    ahead: Ahead | None,
+    searched: list[tuple[ZeroConfig, Solved]],
+) -> Iterator[tuple[ZeroConfig, Solved]]:
+    """``everything`` seeded from their plans and the best (the second seed; ``searched``'s
+    search not again), then the one that derives the most others' bounds first."""
+    found = seed(
+        configurations, everything, budget=budget, gap=gap, report=report,
+        start_from=out.best, done=_searched_plans(searched, out.best),
+    )  # fmt: skip
+    _keep_better(out, found)
+    if out.best is not None and out.best.warm_multipliers is not None:
+        everything = derive_first(
+            configurations, everything, budget, out.best.warm_multipliers[1], report,
+            followers=None if ahead is None else ahead.followers,
+        )  # fmt: skip
+    for k, pair in enumerate(everything):
+        if ahead is not None:  # what comes next: bound_ahead.py bounds one beside
+            ahead.upcoming = everything[k + 1 :]
+        yield pair
 
 
 def _skip_all(

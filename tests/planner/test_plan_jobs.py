@@ -121,3 +121,37 @@ def test_one_job_is_the_serial_path(monkeypatch) -> None:
     assert bound_ahead.Ahead().min_entries is None
     monkeypatch.setenv(bound_ahead.JOBS_ENV, "2")
     assert bound_ahead.Ahead().min_entries == bound_ahead.JOBS_AHEAD_ENTRIES
+
+
+def test_the_lead_bounded_aside_finds_the_plan_of_one_process(monkeypatch) -> None:
+    """zero_search with skip_ahead's lead bounded in a worker (skip_ahead.Pending): the search
+    goes on with the others and takes the lead and its followers last, skipped or, as here
+    (the lead's bound is under the line), seeded and taken then; the plan is one process's,
+    within the gap of its bound."""
+    from autopar.planner import skip_ahead
+
+    serial = _plan(monkeypatch, "1", [])
+    started: list[int] = []
+
+    def counting(*args, **kwargs):
+        started.append(1)
+        return start_priced_bound(*args, **kwargs)
+
+    monkeypatch.delenv(bound_ahead.JOBS_ENV)
+    monkeypatch.setattr(skip_ahead, "ASIDE_ENTRIES", 0)
+    monkeypatch.setattr(skip_ahead, "usable_cores", lambda: 2)
+    monkeypatch.setattr(skip_ahead, "start_priced_bound", counting)
+    plan, lines = _plan_tiny()
+    assert started == [1]
+    aside = [k for k, line in enumerate(lines) if line.endswith("(in a worker beside the search)")]
+    assert len(aside) == 1, lines
+    # Its bound is under the line: the lead and its follower are seeded and taken after it.
+    later = lines[aside[0] + 1 :]
+    assert any(line.startswith("primal:") for line in later), lines
+    assert any(line.startswith(("ZeRO ", "skip ZeRO ")) for line in later), lines
+    assert plan["solver"]["objective_s"] == serial[0]["solver"]["objective_s"]
+    assert plan["nodes"] == serial[0]["nodes"]
+    bound, step = plan["solver"]["bound_s"], plan["solver"]["objective_s"]
+    assert step * (1 - 0.01) <= bound * (1 + 1e-9) and bound <= step
+    stages = sorted(tuple(c["zero_stages"]) for c in plan["solver"]["candidates"])
+    assert stages == sorted(tuple(c["zero_stages"]) for c in serial[0]["solver"]["candidates"])

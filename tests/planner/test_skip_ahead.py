@@ -50,7 +50,7 @@ def test_a_configuration_is_skipped_ahead_only_on_a_real_bound_over_the_line(
     line = gap_floor(step, GAP)
     skipped: dict[tuple[int, ...], float] = {}
     lines: list[str] = []
-    left = skip_ahead(
+    left, pending = skip_ahead(
         driver.configurations,
         zeros,
         driver.budget,
@@ -59,6 +59,7 @@ def test_a_configuration_is_skipped_ahead_only_on_a_real_bound_over_the_line(
         lambda zero, bound: skipped.__setitem__(zero.stages, bound),
         lines.append,
     )
+    assert pending is None  # nothing aside unless asked
     assert sorted([*(z.stages for z in left), *skipped]) == sorted(z.stages for z in zeros)
     assert any(line.startswith("skip ahead:") for line in lines), lines
     for stages, bound in skipped.items():
@@ -77,7 +78,7 @@ def test_nothing_is_skipped_ahead_at_gap_zero() -> None:
     left = skip_ahead(
         driver.configurations, zeros, driver.budget, 0.0, best, lambda *a: None, lambda line: None
     )
-    assert left == list(zeros)
+    assert left == (list(zeros), None)
 
 
 def test_the_seed_does_not_search_again_from_the_plan_a_search_ended_at() -> None:
@@ -105,3 +106,56 @@ def test_the_seed_does_not_search_again_from_the_plan_a_search_ended_at() -> Non
     searches = {k: [line for line in v if line.startswith("primal ZeRO")] for k, v in runs.items()}
     assert searches[False], runs[False]  # without it, the same search runs again
     assert not searches[True], runs[True]
+
+
+def _skips(driver, zeros, given, monkeypatch, aside: bool, answer: bool = True):
+    """skip_ahead then (aside) finish on ``given``: the configurations left, the bounds
+    skipped on, the progress lines and the workers started."""
+    from autopar.planner import skip_ahead as module
+    from solver.background import start_priced_bound
+
+    started: list[int] = []
+
+    def start(*args, **kwargs):
+        started.append(1)
+        job = start_priced_bound(*args, **kwargs)
+        return job if answer else type("NoAnswer", (), {"result": lambda self: None})()
+
+    monkeypatch.setattr(module, "ASIDE_ENTRIES", 0)  # the tiny problems go aside too
+    monkeypatch.setattr(module, "usable_cores", lambda: 2)
+    monkeypatch.setattr(module, "start_priced_bound", start)
+    skipped: dict[tuple[int, ...], float] = {}
+    lines: list[str] = []
+    record = lambda zero, bound: skipped.__setitem__(zero.stages, bound)  # noqa: E731
+    left, pending = module.skip_ahead(
+        driver.configurations, zeros, driver.budget, GAP, given, record, lines.append, aside
+    )
+    assert (pending is not None) == aside and not skipped or not aside
+    if pending is not None:
+        assert set(pending.waiting).isdisjoint(left)
+        left += module.finish(
+            driver.configurations, pending, driver.budget, GAP, given, record, lines.append
+        )
+    return sorted(z.stages for z in left), skipped, lines, started
+
+
+@pytest.mark.parametrize("answer", [True, False])
+def test_the_lead_bounded_aside_skips_what_it_skips_here(monkeypatch, answer) -> None:
+    """The lead's bound in a worker while the caller goes on (Pending, finish) skips the same
+    configurations on the same bounds as evaluated here; a worker with no answer is
+    evaluated here after all (its lines say where it ran)."""
+    from autopar.planner.skip_ahead import aside_allowed
+
+    driver = tiny_gpt_driver(SEED_BUDGET)
+    zeros, best = _seeded(driver)
+    step = best.solution.objective_s * 0.7  # the line under the bounds: something is skipped
+    given = dataclasses.replace(best, solution=dataclasses.replace(best.solution, objective_s=step))
+    here = _skips(driver, zeros, given, monkeypatch, aside=False)
+    aside = _skips(tiny_gpt_driver(SEED_BUDGET), zeros, given, monkeypatch, True, answer)
+    assert here[1], here[2]  # exercised: the lead skips something
+    assert aside[:2] == here[:2]
+    assert aside[3] == [1] and here[3] == []
+    worker = [line for line in aside[2] if "in a worker beside the search" in line]
+    assert len(worker) == 1, aside[2]
+    monkeypatch.setenv("AUTOPAR_PLAN_JOBS", "1")  # one process asked for: nothing aside
+    assert not aside_allowed()
