@@ -54,8 +54,9 @@ class Reference:
     """Every node's transient bytes (they set t0)."""
 
 
-def _priced(problem: Problem, lam: float) -> tuple[np.ndarray, np.ndarray]:
-    """p_i(s) = t_i(s) + lam m_i(s) of every node, flat, and where each node starts."""
+def node_arrays(problem: Problem) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every node's seconds t_i(s) and bytes m_i(s), flat, and where each node starts: what
+    :func:`derived_bound` prices at each reference's multiplier (made once per problem)."""
     counts = [node.num_choices for node in problem.nodes]
     starts = np.zeros(len(counts) + 1, dtype=np.int64)
     np.cumsum(counts, out=starts[1:])
@@ -63,6 +64,15 @@ def _priced(problem: Problem, lam: float) -> tuple[np.ndarray, np.ndarray]:
     # chain.from_iterable walks each node's tuple in C: the same floats, no generator frame each
     cost = np.fromiter(chain.from_iterable(n.cost_s for n in problem.nodes), float, size)
     memory = np.fromiter(chain.from_iterable(n.memory_bytes for n in problem.nodes), float, size)
+    return cost, memory, starts
+
+
+def _priced(
+    problem: Problem, lam: float, arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """p_i(s) = t_i(s) + lam m_i(s) of every node, flat, and where each node starts
+    (``arrays``: the problem's :func:`node_arrays`, where made already)."""
+    cost, memory, starts = arrays if arrays is not None else node_arrays(problem)
     return cost + lam * memory, starts
 
 
@@ -88,10 +98,13 @@ def reference(problem: Problem, multiplier: float, bound_s: float) -> Reference:
     )
 
 
-def derived_bound(problem: Problem, ref: Reference) -> float | None:
+def derived_bound(
+    problem: Problem, ref: Reference, arrays: tuple[np.ndarray, ...] | None = None
+) -> float | None:
     """A lower bound on ``problem``'s D at ``ref.multiplier`` (so on its budgeted optimum over
     plans whose tie classes choose alike) derived from ``ref`` (module docstring); None when
-    the two differ in more than node seconds, node bytes and the memory offset."""
+    the two differ in more than node seconds, node bytes and the memory offset. ``arrays``:
+    ``problem``'s :func:`node_arrays`, made once for several references."""
     if (
         problem.memory_budget_bytes != ref.budget_bytes
         or len(problem.nodes) != len(ref.starts) - 1
@@ -102,7 +115,7 @@ def derived_bound(problem: Problem, ref: Reference) -> float | None:
         or problem.segments != ref.segments
     ):
         return None
-    priced, starts = _priced(problem, ref.multiplier)
+    priced, starts = _priced(problem, ref.multiplier, arrays)
     # A strategy forbidden here (an infinite cost) is never chosen: it lowers no minimum. One
     # forbidden in the reference only gives -inf (a valid, useless bound).
     with np.errstate(invalid="ignore"):

@@ -39,7 +39,7 @@ from autopar.planner.solve_log import log_entry as log_entry
 from autopar.planner.tying import repeated_blocks
 from autopar.planner.zero_pricing import ZeroStreams, problem_streams
 from solver.budgeted import Recorded, Warm, budget_free_record, priced_bound
-from solver.derived_bounds import Reference, derived_bound, fitting_step, reference
+from solver.derived_bounds import Reference, derived_bound, fitting_step, node_arrays, reference
 from solver.errors import stop_reason
 from solver.parallel import solve_all
 from solver.presolve import plan_objective_s
@@ -302,7 +302,8 @@ class ConfigurationSolver:
         plan's solver choices) in ``zero``'s problem when it fits there (None: no proof that
         the tie level is feasible, so the bound is not to be used)."""
         problem = self.budgeted_problem(zero, budget)
-        bounds = [derived_bound(problem, ref) for ref in self.references]
+        arrays = node_arrays(problem) if self.references else None
+        bounds = [derived_bound(problem, ref, arrays) for ref in self.references]
         bound = max((b for b in bounds if b is not None), default=-math.inf)
         return bound, fitting_step(problem, plan) if bound > -math.inf else None
 
