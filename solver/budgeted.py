@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -243,6 +244,7 @@ def _fixed_mip(
     return exact, keep
 
 
+# Long: one bound, the separable D then the pattern D, whose closures share the fits found.
 def priced_bound(
     problem: Problem,
     multiplier: float,
@@ -253,6 +255,7 @@ def priced_bound(
     separable_multiplier: float | None = None,
     target: float | None = None,
     record: Recorded | None = None,
+    plans: Sequence[tuple[int, ...]] = (),
 ) -> tuple[float, float | None]:
     """A lower bound on ``problem``'s budgeted optimum from its Lagrangian dual
     (solver/lagrangian.py): the pattern D at ``multiplier`` where the problem has recompute or
@@ -263,7 +266,11 @@ def priced_bound(
 
     ``target``: the bound that decides a skip. With patterns and a ``separable_multiplier``,
     the separable D there (one priced solve) comes first and is the answer when it reaches
-    ``target`` with a plan that fits; without patterns the separable D is taken there. The
+    ``target`` with a plan that fits, unless one of ``plans`` (known plans, e.g. another
+    configuration's best) is priced under ``target`` there (Pricing.plan_value): the D is
+    then too, and is solved only where the pattern D falls short of the target as well (the
+    bound is then the one without plans; those plans may prove feasibility). Without patterns
+    the separable D is taken there. The
     pattern D stops once a priced plan is below ``target`` (lagrangian.pattern_dual
     ``give_up``, ``below_only``): the problem is solved anyway and its relaxation, whose
     first pattern evaluation here gives up at the same target, takes the solves made. Above
@@ -316,12 +323,12 @@ def priced_bound(
     if record is not None and patterns is None:
         record.counted = (problem, counted)
 
-    def separable(lam: float) -> float:
+    def separable(lam: float, pricing: Pricing | None = None) -> float:
         # The relaxation's separable evaluation at ``lam`` (the same priced problem).
-        choices, _, lower = solve_free(priced(problem, lam, Pricing(problem)))
+        choices, _, lower = solve_free(priced(problem, lam, pricing or Pricing(problem)))
         bound = bound_of(lower, lam, [choices])
         if record is not None:
-            record.bounds[lam] = bound
+            record.bounds[lam] = max(record.bounds.get(lam, -math.inf), bound)
         return bound
 
     if patterns is None and counted is None:
@@ -329,11 +336,14 @@ def priced_bound(
         # relaxation started there evaluates).
         bound = separable(multiplier if separable_multiplier is None else separable_multiplier)
         return bound, min(steps, default=None)
-    bound = -math.inf
+    bound, known = -math.inf, None
     if separable_multiplier is not None and target is not None:
-        bound = separable(separable_multiplier)
-        if bound >= target and steps:
-            return bound, min(steps)
+        lam, pricing = separable_multiplier, Pricing(problem)
+        known = _known_under(problem, pricing, lam, plans, target - lam * constant)
+        if known is None:
+            bound = separable(lam, pricing)
+            if bound >= target and steps:
+                return bound, min(steps)
     patterns = patterns if counted is None else counted.patterns
     give_up = -math.inf if target is None else target - multiplier * constant
     args = (problem, counted, multiplier, solve_free, patterns, None, {}, give_up)
@@ -342,7 +352,19 @@ def priced_bound(
     if record is not None:
         record.bounds[multiplier] = max(record.bounds.get(multiplier, -math.inf), pattern_bound)
     bound = max(bound, pattern_bound)
+    if known is not None and bound < target:  # no skip: the bound as without the plans
+        bound = max(bound, separable(lam, pricing))
+    bound_of(bound, 0.0, known or [])  # where no priced plan fits, a known plan may
     return bound, min(steps, default=None)
+
+
+def _known_under(problem, pricing, lam: float, plans, ceiling: float) -> list | None:
+    """Those of ``plans`` that are plans of ``problem``, where one of them is priced under
+    ``ceiling`` at ``lam`` (the separable priced optimum is then under it too), else None."""
+    values = [pricing.plan_value(problem, lam, x) for x in plans]
+    if not min(values, default=math.inf) < ceiling:
+        return None
+    return [x for x, value in zip(plans, values, strict=True) if value < math.inf]
 
 
 def _free_solver(

@@ -9,6 +9,8 @@ flat arrays node after node, gives the very same floats at a third of the time.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from solver.problem import Problem
@@ -57,3 +59,25 @@ class Pricing:
             spare = seg.copies - seg.min_copies
             best_free[at] = np.minimum(best_free[at], spare * np.minimum(v, 0.0))
         return forced + best_free
+
+    def plan_value(self, problem: Problem, lam: float, choices: tuple[int, ...]) -> float:
+        """The objective of the plan ``choices`` in the priced problem at ``lam``
+        (lagrangian.priced: node seconds plus lam times bytes plus the segment terms, and the
+        edges' seconds), or math.inf where it is no plan of ``problem`` (a strategy out of
+        range, a forbidden pair). An upper bound on that problem's optimum, with no solve."""
+        counts = np.diff(self.starts)
+        if len(choices) != len(counts):
+            return math.inf
+        picked = np.asarray(choices, dtype=np.intp)
+        if picked.size and ((picked < 0).any() or (picked >= counts).any()):
+            return math.inf
+        total = self.cost + lam * self.memory
+        if problem.segments:
+            total = total + self.segment_terms(problem, lam)
+        terms = total[self.starts[:-1] + picked].tolist()
+        for edge in problem.edges:
+            cost = edge.cost_s[choices[edge.src]][choices[edge.dst]]
+            if cost is None:
+                return math.inf
+            terms.append(cost)
+        return math.fsum(terms)

@@ -24,7 +24,7 @@ dropped unused (the time it took ran beside A's).
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from autopar.planner.configurations import ConfigurationSolver, Held, Solved
 from autopar.planner.problem import ZeroConfig
@@ -102,10 +102,14 @@ class Ahead:
         multipliers: tuple[float, float],
         *,
         target: float,
+        plans_of: Callable[[ZeroConfig], tuple[tuple[int, ...], ...]] | None = None,
     ) -> tuple[float, float | None]:
-        """ConfigurationSolver.priced_bound(zero, budget, multipliers, target=target): held
-        from an earlier turn, or evaluated in a worker beside the next configuration's."""
-        key = (zero, budget, tuple(multipliers), target)
+        """ConfigurationSolver.priced_bound(zero, budget, multipliers, target=target,
+        plans=plans_of(zero)): held from an earlier turn, or evaluated in a worker beside the
+        next configuration's. ``plans_of``: each configuration's known plans (none: ())."""
+        plans_of = plans_of or (lambda zero: ())
+        plans = plans_of(zero)
+        key = (zero, budget, tuple(multipliers), target, plans)
         held = self._held.pop(key, None)
         self.drop()
         if held is not None:
@@ -114,20 +118,23 @@ class Ahead:
         other = self._beside(zero, budget, target)
         problem = configurations.budgeted_problem(zero, budget)
         if other is None or problem_entries(problem) < (self.min_entries or 0):
-            return configurations.priced_bound(zero, budget, multipliers, target=target)
+            return configurations.priced_bound(
+                zero, budget, multipliers, target=target, plans=plans
+            )
         options = configurations.bound_options(multipliers, target)
-        job = start_priced_bound(problem, multipliers[1], **options)
+        job = start_priced_bound(problem, multipliers[1], **options, plans=plans)
         self.started += 1
         # Its problem is released while the worker bounds it (since session 26 it stays in
         # ConfigurationSolver._built, small beside the shared memo, and is taken again).
         del problem
         configurations.release(zero, budget)
-        self._held[(other, budget, tuple(multipliers), target)] = configurations.bound_aside(
-            other, budget, multipliers, target=target
+        aside = plans_of(other)
+        self._held[(other, budget, tuple(multipliers), target, aside)] = configurations.bound_aside(
+            other, budget, multipliers, target=target, plans=aside
         )
         answer = job.result()
         if answer is None:  # no answer from the worker: evaluated here after all
-            held = configurations.bound_aside(zero, budget, multipliers, target=target)
+            held = configurations.bound_aside(zero, budget, multipliers, target=target, plans=plans)
         else:
             problem = configurations.budgeted_problem(zero, budget)
             built = configurations.built_problem(zero, budget)

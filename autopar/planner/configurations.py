@@ -256,16 +256,18 @@ class ConfigurationSolver:
         *,
         target: float | None = None,
         held: Held | None = None,
+        plans: tuple[tuple[int, ...], ...] = (),
     ) -> tuple[float, float | None]:
         """solver.budgeted.priced_bound of ``zero``'s budgeted problem (kept, as
         :meth:`budgeted_problem`): a bound on its step under the budget at the tightest tie
         level (valid at any multipliers: ``Solved.warm_multipliers``), and the step of a priced
         plan that fits (None: feasibility unknown). ``target``: the bound that would skip it.
+        ``plans``: known plans, which may show the separable D under ``target`` with no solve.
         Its priced solves are kept for :meth:`solve` with ``warm_from`` at the same multipliers,
         until :meth:`release`. ``held``: :meth:`bound_aside`'s (or a worker's,
         autopar/planner/bound_ahead.py) for these very arguments, taken instead."""
         built, problem, recorded, found = held or self.bound_aside(
-            zero, budget, multipliers, target=target
+            zero, budget, multipliers, target=target, plans=plans
         )
         self._built.setdefault((zero, budget), (built, problem))
         self._recorded[(zero, budget)] = (tuple(multipliers), recorded)
@@ -274,14 +276,15 @@ class ConfigurationSolver:
         return found
 
     def bound_aside(
-        self, zero: ZeroConfig, budget: float, multipliers: tuple[float, float], *, target=None
-    ) -> Held:
+        self, zero: ZeroConfig, budget: float, multipliers: tuple[float, float], *, target=None,
+        plans=(),
+    ) -> Held:  # fmt: skip
         """:meth:`priced_bound`'s evaluation held by the caller (nothing kept here, no
         reference added), for :meth:`priced_bound` ``held`` later."""
         problem = self.budgeted_problem(zero, budget)
         recorded = Recorded(edges=problem.edges)
         options = self.bound_options(multipliers, target)
-        found = priced_bound(problem, multipliers[1], **options, record=recorded)
+        found = priced_bound(problem, multipliers[1], **options, record=recorded, plans=plans)
         return self._built[(zero, budget)][0], problem, recorded, found
 
     def bound_options(self, multipliers: tuple[float, float], target: float | None) -> dict:

@@ -103,7 +103,8 @@ def skip_ahead(
     problem = configurations.budgeted_problem(zeros[lead], budget)
     if aside and aside_allowed() and problem_entries(problem) >= ASIDE_ENTRIES:
         options = configurations.bound_options(best.warm_multipliers, skip_at)
-        job = start_priced_bound(problem, best.warm_multipliers[1], **options)
+        plans = _known(zeros[lead], best)
+        job = start_priced_bound(problem, best.warm_multipliers[1], **options, plans=plans)
         del problem
         configurations.release(zeros[lead], budget)
         waiting = {lead, *followers}
@@ -236,7 +237,12 @@ def bound_priced(
     start = time.perf_counter()
     taken = ahead.taken
     bound, fits = ahead.priced_bound(
-        configurations, zero, budget, best.warm_multipliers, target=skip_at
+        configurations,
+        zero,
+        budget,
+        best.warm_multipliers,
+        target=skip_at,
+        plans_of=lambda other: _known(other, best),
     )
     report(
         f"bound ZeRO {zero.label(configurations.space.mesh.axis_names)} at multipliers "
@@ -246,3 +252,11 @@ def bound_priced(
         + (" (evaluated beside an earlier bound)" if ahead.taken > taken else "")
     )
     return bound if fits is not None else -math.inf
+
+
+def _known(zero: ZeroConfig, best: Solved) -> tuple[tuple[int, ...], ...]:
+    """The plans a priced bound of ``zero`` may price before its separable solve
+    (solver.budgeted.priced_bound ``plans``): the best plan, where it comes from another
+    configuration (on llama3-70b b256 fp32 it is the separable D's own optimum in (2,2,3) and
+    stage 3, 1.1 s each; in its own configuration the relaxation solves that D anyway)."""
+    return () if zero == best.zero else (best.solution.choices,)

@@ -208,7 +208,8 @@ def _add_planning_options(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="processes the ZeRO search may use side by side (sets AUTOPAR_PLAN_JOBS; "
-        "default 1: one after another)",
+        "default: one worker bounds the configuration that skips the most others where the "
+        "problem is large; 1: everything in this process)",
     )
     parser.add_argument(
         "--no-cache",
