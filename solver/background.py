@@ -73,7 +73,15 @@ def start_priced_bound(problem: Problem, multiplier: float, **options: Any) -> B
     return BoundJob(future)
 
 
+NICENESS = 10
+"""How much lower the worker's scheduling priority is than its caller's: the caller's work is
+the search's critical path (its largest min-plus products take both cores), the worker's
+bound is needed only when the caller has taken the other configurations."""
+
+
 def _worker() -> None:
+    if hasattr(os, "nice"):  # Unix
+        os.nice(NICENESS)
     problem, multiplier, options = pickle.load(sys.stdin.buffer)
     recorded = Recorded(edges=problem.edges)
     try:
