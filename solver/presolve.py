@@ -85,6 +85,19 @@ def plan_objective_s(
         InfeasibleError: an edge forbids the chosen pair.
     """
     terms = [node.cost_s[c] for node, c in zip(problem.nodes, choices, strict=True)]
+    terms += edge_seconds(problem, choices)
+    if recomputed:
+        terms.append(recompute_terms(problem, choices, recomputed)[0])
+    return math.fsum(terms)
+
+
+def edge_seconds(problem: Problem, choices: Sequence[int]) -> list[float]:
+    """Each edge's seconds for the plan ``choices``, in edge order.
+
+    Raises:
+        InfeasibleError: an edge forbids the chosen pair.
+    """
+    terms = []
     for k, edge in enumerate(problem.edges):
         cost = edge.cost_s[choices[edge.src]][choices[edge.dst]]
         if cost is None:
@@ -93,9 +106,7 @@ def plan_objective_s(
                 f" forbids the pair ({choices[edge.src]}, {choices[edge.dst]})"
             )
         terms.append(cost)
-    if recomputed:
-        terms.append(recompute_terms(problem, choices, recomputed)[0])
-    return math.fsum(terms)
+    return terms
 
 
 def plan_peak_memory_bytes(

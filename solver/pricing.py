@@ -13,6 +13,8 @@ import math
 
 import numpy as np
 
+from solver.errors import InfeasibleError
+from solver.presolve import edge_seconds
 from solver.problem import Problem
 
 
@@ -74,10 +76,8 @@ class Pricing:
         total = self.cost + lam * self.memory
         if problem.segments:
             total = total + self.segment_terms(problem, lam)
-        terms = total[self.starts[:-1] + picked].tolist()
-        for edge in problem.edges:
-            cost = edge.cost_s[choices[edge.src]][choices[edge.dst]]
-            if cost is None:
-                return math.inf
-            terms.append(cost)
-        return math.fsum(terms)
+        try:
+            edges = edge_seconds(problem, choices)
+        except InfeasibleError:
+            return math.inf
+        return math.fsum(total[self.starts[:-1] + picked].tolist() + edges)
