@@ -72,6 +72,21 @@ def ahead_entries() -> int | None:
     return JOBS_AHEAD_ENTRIES if plan_jobs() >= 2 else None
 
 
+def worker_held(
+    configurations: ConfigurationSolver,
+    zero: ZeroConfig,
+    budget: float,
+    answer: tuple[float, float | None, dict[float, float]],
+) -> Held:
+    """A worker's priced bound of ``zero`` (solver.background.BoundJob.result: the bound, the
+    step of a priced plan that fits, the bound per multiplier) as
+    ConfigurationSolver.bound_aside's evaluation, for ConfigurationSolver.priced_bound
+    ``held``: its priced solves stay in the worker."""
+    problem = configurations.budgeted_problem(zero, budget)
+    built = configurations.built_problem(zero, budget)
+    return built, problem, Recorded(edges=problem.edges, bounds=answer[2]), answer[:2]
+
+
 class Ahead:
     """The priced bounds evaluated ahead of their configuration's turn (module docstring)."""
 
@@ -136,9 +151,7 @@ class Ahead:
         if answer is None:  # no answer from the worker: evaluated here after all
             held = configurations.bound_aside(zero, budget, multipliers, target=target, plans=plans)
         else:
-            problem = configurations.budgeted_problem(zero, budget)
-            built = configurations.built_problem(zero, budget)
-            held = (built, problem, Recorded(edges=problem.edges, bounds=answer[2]), answer[:2])
+            held = worker_held(configurations, zero, budget, answer)
         return configurations.priced_bound(zero, budget, multipliers, target=target, held=held)
 
     def _beside(self, zero: ZeroConfig, budget: float, target: float) -> ZeroConfig | None:

@@ -27,12 +27,11 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from autopar.planner.bound_ahead import JOBS_ENV, Ahead
+from autopar.planner.bound_ahead import JOBS_ENV, Ahead, worker_held
 from autopar.planner.bound_order import greedy_order, shift_table
 from autopar.planner.configurations import ConfigurationSolver, Solved
 from autopar.planner.problem import ZeroConfig
 from solver.background import BoundJob, start_priced_bound
-from solver.budgeted import Recorded
 from solver.parallel import problem_entries, usable_cores
 from solver.problem import gap_floor
 
@@ -142,27 +141,12 @@ def finish(
     zero, multipliers = pending.lead, pending.best.warm_multipliers
     assert multipliers is not None
     answer = pending.job.result()
-    if answer is None:
-        found = configurations.priced_bound(zero, budget, multipliers, target=pending.target)
-    else:
-        problem = configurations.budgeted_problem(zero, budget)
-        held = (
-            configurations.built_problem(zero, budget),
-            problem,
-            Recorded(edges=problem.edges, bounds=answer[2]),
-            answer[:2],
-        )
-        found = configurations.priced_bound(
-            zero, budget, multipliers, target=pending.target, held=held
-        )
+    held = None if answer is None else worker_held(configurations, zero, budget, answer)
+    found = configurations.priced_bound(zero, budget, multipliers, target=pending.target, held=held)
     configurations.release()
     bound = found[0] if found[1] is not None else -math.inf
-    report(
-        f"bound ZeRO {zero.label(configurations.space.mesh.axis_names)} at multipliers "
-        f"{multipliers[0]:.4g}, {multipliers[1]:.4g}: {found[0] * 1e3:.3f} ms"
-        f"{'' if found[1] is not None else ' (no priced plan fits: not used)'}, "
-        f"{time.perf_counter() - pending.start:.1f} s (in a worker beside the search)"
-    )
+    line = _bound_line(configurations, zero, multipliers, found, pending.start)
+    report(line + " (in a worker beside the search)")
     line = gap_floor(best.solution.objective_s, gap)
     gone = _skip_on(configurations, zero, bound, pending.followers, budget, best, line, skip,
                     report)  # fmt: skip
@@ -244,14 +228,27 @@ def bound_priced(
         target=skip_at,
         plans_of=lambda other: _known(other, best),
     )
-    report(
+    beside = " (evaluated beside an earlier bound)" if ahead.taken > taken else ""
+    report(_bound_line(configurations, zero, best.warm_multipliers, (bound, fits), start) + beside)
+    return bound if fits is not None else -math.inf
+
+
+def _bound_line(
+    configurations: ConfigurationSolver,
+    zero: ZeroConfig,
+    multipliers: tuple[float, float],
+    found: tuple[float, float | None],
+    start: float,
+) -> str:
+    """The progress line of ``zero``'s priced bound ``found`` (bound, step of a priced plan
+    that fits) at ``multipliers``, begun at ``start``."""
+    bound, fits = found
+    return (
         f"bound ZeRO {zero.label(configurations.space.mesh.axis_names)} at multipliers "
-        f"{best.warm_multipliers[0]:.4g}, {best.warm_multipliers[1]:.4g}: {bound * 1e3:.3f} ms"
+        f"{multipliers[0]:.4g}, {multipliers[1]:.4g}: {bound * 1e3:.3f} ms"
         f"{'' if fits is not None else ' (no priced plan fits: not used)'}, "
         f"{time.perf_counter() - start:.1f} s"
-        + (" (evaluated beside an earlier bound)" if ahead.taken > taken else "")
     )
-    return bound if fits is not None else -math.inf
 
 
 def _known(zero: ZeroConfig, best: Solved) -> tuple[tuple[int, ...], ...]:
