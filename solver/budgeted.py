@@ -305,7 +305,7 @@ def priced_bound(
     solve_free = _free_solver(backend, time_limit_s, msg, record=record)
     steps: list[float] = []
 
-    def bound_of(lower: float, lam: float, plans: list[tuple[int, ...]]) -> float:
+    def prove(plans: list[tuple[int, ...]]) -> None:
         for choices in plans if not steps else ():  # one plan that fits proves it
             # Tie classes choose alike (solver/alike.py): a priced plan that splits one is made
             # alike first, as the relaxation's are, before it may prove feasibility. The bound
@@ -315,6 +315,9 @@ def priced_bound(
             if fitted is not None:
                 steps.append(fitted[1])
                 break
+
+    def bound_of(lower: float, lam: float, plans: list[tuple[int, ...]]) -> float:
+        prove(plans)
         return lower + lam * constant
 
     constant = problem.memory_offset_bytes + transient_floor(problem) - budget
@@ -354,7 +357,7 @@ def priced_bound(
     bound = max(bound, pattern_bound)
     if known is not None and bound < target:  # no skip: the bound as without the plans
         bound = max(bound, separable(lam, pricing))
-    bound_of(bound, 0.0, known or [])  # where no priced plan fits, a known plan may
+    prove(known or [])  # where no priced plan fits, a known plan may
     return bound, min(steps, default=None)
 
 
