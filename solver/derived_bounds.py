@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from itertools import chain
 
 import numpy as np
 
+from solver.pricing import node_arrays
 from solver.problem import Problem
 
 
@@ -52,19 +52,6 @@ class Reference:
     segments: tuple
     transients: tuple
     """Every node's transient bytes (they set t0)."""
-
-
-def node_arrays(problem: Problem) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Every node's seconds t_i(s) and bytes m_i(s), flat, and where each node starts: what
-    :func:`derived_bound` prices at each reference's multiplier (made once per problem)."""
-    counts = [node.num_choices for node in problem.nodes]
-    starts = np.zeros(len(counts) + 1, dtype=np.int64)
-    np.cumsum(counts, out=starts[1:])
-    size = int(starts[-1])
-    # chain.from_iterable walks each node's tuple in C: the same floats, no generator frame each
-    cost = np.fromiter(chain.from_iterable(n.cost_s for n in problem.nodes), float, size)
-    memory = np.fromiter(chain.from_iterable(n.memory_bytes for n in problem.nodes), float, size)
-    return cost, memory, starts
 
 
 def _priced(

@@ -10,6 +10,7 @@ flat arrays node after node, gives the very same floats at a third of the time.
 from __future__ import annotations
 
 import math
+from itertools import chain
 
 import numpy as np
 
@@ -18,36 +19,45 @@ from solver.presolve import edge_seconds
 from solver.problem import Problem
 
 
+def node_arrays(problem: Problem) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every node's seconds t_i(s) and bytes m_i(s), flat, node after node, and where each
+    node starts (one more entry: the end)."""
+    counts = [node.num_choices for node in problem.nodes]
+    starts = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(counts, out=starts[1:])
+    size = int(starts[-1])
+    # chain.from_iterable walks each node's tuple in C: the same floats as np.asarray of each
+    # tuple, without a generator frame or an array per node
+    cost = np.fromiter(chain.from_iterable(n.cost_s for n in problem.nodes), float, size)
+    memory = np.fromiter(chain.from_iterable(n.memory_bytes for n in problem.nodes), float, size)
+    return cost, memory, starts
+
+
+def _segment_arrays(seg, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One segment's flat positions (its nodes' strategies in ``starts``' numbering, node
+    after node), recompute seconds and freed bytes at those positions."""
+    assert len(set(seg.nodes)) == len(seg.nodes)  # fancy += needs distinct nodes
+    nodes = np.asarray(seg.nodes, dtype=np.intp)
+    first, counts = starts[nodes], starts[nodes + 1] - starts[nodes]
+    size = int(counts.sum())
+    # entry j of node k's run sits at (where the run starts in the flat rows) + j
+    runs = np.cumsum(counts) - counts
+    positions = np.repeat(first - runs, counts) + np.arange(size, dtype=np.intp)
+    again = np.fromiter(chain.from_iterable(seg.recompute_s), float, size)
+    freed = np.fromiter(chain.from_iterable(seg.freed_bytes), float, size)
+    return positions, again, freed
+
+
 class Pricing:
     """A problem's node costs and bytes and its segments' rows as flat arrays (node after
     node), converted once for the many multipliers of one search: :func:`priced` then forms
     the same floats as converting every node's tuples at each multiplier."""
 
     def __init__(self, problem: Problem) -> None:
-        sizes = [n.num_choices for n in problem.nodes]
-        self.starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.intp)
-        empty = [np.zeros(0)]
-        self.cost = np.concatenate(
-            [np.asarray(n.cost_s, dtype=np.float64) for n in problem.nodes] or empty
-        )
-        self.memory = np.concatenate(
-            [np.asarray(n.memory_bytes, dtype=np.float64) for n in problem.nodes] or empty
-        )
-        self.segments = []  # per segment: (positions, recompute seconds, freed bytes)
-        for seg in problem.segments:
-            positions = [np.arange(self.starts[n], self.starts[n + 1]) for n in seg.nodes]
-            assert len(set(seg.nodes)) == len(seg.nodes)  # fancy += needs distinct nodes
-            self.segments.append(
-                (
-                    np.concatenate(positions) if positions else np.zeros(0, dtype=np.intp),
-                    np.concatenate([np.asarray(r, dtype=np.float64) for r in seg.recompute_s])
-                    if seg.nodes
-                    else np.zeros(0),
-                    np.concatenate([np.asarray(r, dtype=np.float64) for r in seg.freed_bytes])
-                    if seg.nodes
-                    else np.zeros(0),
-                )
-            )
+        self.cost, self.memory, starts = node_arrays(problem)
+        self.starts = starts.astype(np.intp, copy=False)
+        # per segment: (positions, recompute seconds, freed bytes)
+        self.segments = [_segment_arrays(seg, self.starts) for seg in problem.segments]
 
     def segment_terms(self, problem: Problem, lam: float) -> np.ndarray:
         """Per node, per strategy (flat): g_i(s), the separable lower bound of the segments'
