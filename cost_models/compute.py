@@ -6,7 +6,8 @@ The roofline::
 
 ``e_compute`` is ``device.matmul_efficiency`` for compute-bound families (``COMPUTE_BOUND_FAMILIES``)
 and ``OTHER_COMPUTE_EFFICIENCY`` for the rest (no tensor cores, short loops); ``e_memory`` is
-``device.memory_efficiency``. A calibrated ``device.op_efficiency[family] = e`` replaces both:
+``device.memory_efficiency``. A calibrated ``device.op_efficiency[family] = e`` (for "activation",
+where a profile has none, its "pointwise" figure: ``FAMILY_FALLBACK``) replaces both:
 ``t = max(flops / peak, bytes / bandwidth) / e + overhead``, i.e. ``e`` is the fraction of the
 ideal roofline that the family reaches, which one timing of one op is enough to fit.
 """
@@ -70,6 +71,22 @@ def peak_flops_for(device: DeviceSpec, dtype: str) -> float:
     )
 
 
+FAMILY_FALLBACK = {"activation": "pointwise"}
+"""A family a profile calibrated before it existed is priced with this family's figure
+("activation": gelu, silu, exp and the like, split from "pointwise": a profile without it timed
+them in "pointwise"), so older profiles price every op as they did."""
+
+
+def _calibrated_efficiency(device: DeviceSpec, family: str | None) -> float | None:
+    """``device.op_efficiency`` of ``family``, else of its :data:`FAMILY_FALLBACK`, else None."""
+    if family is None:
+        return None
+    found = device.op_efficiency.get(family)
+    if found is None and family in FAMILY_FALLBACK:
+        found = device.op_efficiency.get(FAMILY_FALLBACK[family])
+    return found
+
+
 def compute_time_s(
     *,
     flops: float,
@@ -95,7 +112,7 @@ def compute_time_s(
     if flops == 0 and bytes_accessed == 0:
         return 0.0
     peak = peak_flops_for(device, dtype)
-    calibrated = device.op_efficiency.get(family) if family is not None else None
+    calibrated = _calibrated_efficiency(device, family)
     if calibrated is not None:
         ideal = max(flops / peak, bytes_accessed / device.mem_bandwidth_Bps)
         return ideal / calibrated + device.kernel_overhead_s
@@ -178,6 +195,7 @@ def attention_flops(
 
 ELEMENTWISE_FLOPS_PER_ELEMENT = {
     "pointwise": 1.0,
+    "activation": 1.0,
     "reduction": 1.0,
     "norm": 5.0,
     "softmax": 5.0,
@@ -205,6 +223,7 @@ dV = P^T dO, dQ = dS K, dK = dS^T Q: five products of the forward's size against
 
 _BACKWARD_FACTOR = {
     "pointwise": 1.0,
+    "activation": 1.0,
     "reduction": 1.0,
     "embedding": 1.0,
     "loss": 1.0,
@@ -226,7 +245,7 @@ def backward_flops_factor(family: str, num_grad_inputs: int) -> float:
       reductions: about 10 FLOPs per element against the forward's 5.
     - "softmax": 1.0 -- dx = y * (dy - sum(dy * y)) is 4 FLOPs per element (log-softmax:
       dx = dy - exp(y) * sum(dy), also 4) against the forward's 5.
-    - "pointwise", "reduction", "embedding", "loss": 1.0 -- one elementwise pass of about the
+    - "pointwise", "activation", "reduction", "embedding", "loss": 1.0 -- one elementwise pass of about the
       forward's cost (a reduction's backward is a broadcast; cross-entropy's is
       softmax - one_hot); an embedding has no forward FLOPs, so its scatter-add is priced by bytes.
     - "view": 0.0 -- metadata only.

@@ -43,6 +43,7 @@ FAMILIES = (
     "attention",
     "convolution",
     "pointwise",
+    "activation",
     "norm",
     "softmax",
     "reduction",
@@ -139,6 +140,15 @@ _LOSS = frozenset(
     l1_loss smooth_l1_loss huber_loss binary_cross_entropy binary_cross_entropy_with_logits
     kl_div""".split()
 )
+# Elementwise ops whose every element takes a transcendental function (erf, exp, tanh, log,
+# sin): on a CPU 2-4x the time per byte of an add or a multiply, so calibration fits them apart
+# (autopar.tools.calibration.family_cases). Their gradients and in-place variants too.
+_ACTIVATION = frozenset(
+    """gelu silu sigmoid tanh erf erfc erfinv exp exp2 expm1 log log1p log2 log10 softplus
+    mish elu selu celu log_sigmoid logit sin cos tan asin acos atan sinh cosh asinh acosh atanh
+    gelu_backward silu_backward sigmoid_backward tanh_backward softplus_backward mish_backward
+    elu_backward log_sigmoid_forward log_sigmoid_backward logit_backward""".split()
+)
 # Copies and casts move every element once; priced like pointwise ops.
 _COPY = frozenset(
     """clone contiguous to _to_copy type_as dropout native_dropout copy masked_fill where tril
@@ -172,6 +182,8 @@ def op_family(target: Any) -> str:
             return family
     if name in _COPY:
         return "pointwise"
+    if (name[:-1] if name.endswith("_") and not name.endswith("__") else name) in _ACTIVATION:
+        return "activation"  # an in-place variant (silu_) as its op
     if isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags:
         return "pointwise"
     return "other"

@@ -13,12 +13,12 @@ schema ``cost_models.load_profile`` reads:
   with 1, 2, 3, ... ranks computing at once, relative to the prices of the other figures (the
   CPU level of a short pipeline times each count's share of the cores), and a pipeline's wait
   per task (:mod:`autopar.tools.calibration_pipeline`), both priced by pipelines;
-- ``device.op_efficiency[family]``: for matmul, attention, pointwise, norm, softmax, embedding,
-  reduction and loss, the fraction of the roofline ``max(flops / peak, bytes / bandwidth)`` that a
-  representative op (pointwise: gelu, add, mul, silu) reaches forward plus backward (above 1,
-  up to ``MAX_OP_EFFICIENCY``, where the data stays in cache), with FLOPs from
-  ``autopar.capture.flops`` and bytes counted as the planner counts them (local inputs plus
-  outputs, twice that in backward);
+- ``device.op_efficiency[family]``: for matmul, attention, pointwise, activation, norm, softmax,
+  embedding, reduction and loss, the fraction of the roofline ``max(flops / peak, bytes /
+  bandwidth)`` that representative ops (pointwise: add, mul; activation: gelu, silu) reach
+  forward plus backward (above 1, up to ``MAX_OP_EFFICIENCY``, where the data stays in cache),
+  with FLOPs from ``autopar.capture.flops`` and bytes counted as the planner counts them (local
+  inputs plus outputs, twice that in backward);
 - ``links[axis].collectives[kind] = (alpha, beta)`` for all_reduce, all_gather, reduce_scatter and
   all_to_all, fitted by ``cost_models.fit_alpha_beta`` over message sizes.
 
@@ -63,7 +63,8 @@ from cost_models.hardware import MAX_OP_EFFICIENCY, backend_fields
 aten = torch.ops.aten
 
 CALIBRATED_FAMILIES = (
-    "matmul", "attention", "pointwise", "norm", "softmax", "embedding", "reduction", "loss",
+    "matmul", "attention", "pointwise", "activation", "norm", "softmax", "embedding", "reduction",
+    "loss",
 )  # fmt: skip
 
 
@@ -141,9 +142,9 @@ def family_cases(
     """Representative ops per family at size ``scale``: family -> [(target, args, kwargs)].
 
     A family's efficiency is one number for all its members, so it is fitted over the members
-    models use most: "pointwise" times gelu, add, mul and silu (a transformer's adds and muls move
-    bytes at cache speed, 2-4x faster per byte than gelu, whose erf made it the slowest member:
-    fitted on gelu alone the family was overpriced 2x at a pipeline's microbatch shapes)."""
+    models use most: "pointwise" times add and mul (bytes at cache speed), "activation" gelu
+    and silu (2-4x the time per byte on a CPU: erf, exp); one family for the four priced gelu
+    at a third of its time in a step (README "Session 33")."""
 
     def t(*shape: int, grad: bool = True) -> torch.Tensor:
         return torch.randn(*shape, device=device, requires_grad=grad)
@@ -158,9 +159,11 @@ def family_cases(
             {"is_causal": True},
         )],
         "pointwise": [
-            (aten.gelu.default, [t(tokens, 512)], {}),
             (aten.add.Tensor, [t(tokens, 512), t(tokens, 512)], {}),
             (aten.mul.Tensor, [t(tokens, 512), t(tokens, 512)], {}),
+        ],
+        "activation": [
+            (aten.gelu.default, [t(tokens, 512)], {}),
             (aten.silu.default, [t(tokens, 512)], {}),
         ],
         "norm": [(aten.layer_norm.default, [t(tokens, 512), [512], t(512), t(512)], {})],

@@ -281,6 +281,27 @@ def test_calibrated_op_efficiency_scales_the_ideal_roofline() -> None:
     assert t_norm == pytest.approx(1e9 / 3.35e12 / 0.25 + dev.kernel_overhead_s)
 
 
+def test_activations_take_their_own_efficiency_or_else_the_pointwise_one() -> None:
+    """A profile calibrated before "activation" existed timed gelu and silu in "pointwise":
+    they are priced with that figure, as before; a profile with its own figure uses it."""
+    old = DeviceSpec.from_dict({"base": "cpu", "op_efficiency": {"pointwise": 0.5}})
+    new = DeviceSpec.from_dict(
+        {"base": "cpu", "op_efficiency": {"pointwise": 0.5, "activation": 0.125}}
+    )
+    work = dict(flops=1e3, bytes_accessed=1e8)
+    ideal = 1e8 / old.mem_bandwidth_Bps
+    for dev, eff in ((old, 0.5), (new, 0.125)):
+        t = compute_time_s(**work, device=dev, family="activation")
+        assert t == pytest.approx(ideal / eff + dev.kernel_overhead_s)
+        assert compute_time_s(**work, device=dev, family="pointwise") == pytest.approx(
+            ideal / 0.5 + dev.kernel_overhead_s
+        )
+    datasheet = get_device("cpu")  # no calibrated figure: the same roofline as pointwise ops
+    assert compute_time_s(**work, device=datasheet, family="activation") == compute_time_s(
+        **work, device=datasheet, family="pointwise"
+    )
+
+
 def test_dtype_names_and_fallbacks() -> None:
     a100 = get_device("a100")
     assert cm.peak_flops_for(a100, "torch.bfloat16") == 312 * T

@@ -117,6 +117,13 @@ def test_norm_softmax_loss_pointwise_reduction_per_element_counts() -> None:
     assert add.fwd_bytes == F32 * (2 * n + 32) and add.bwd_bytes == 2 * add.fwd_bytes
     gelu = op_costs(aten.gelu.default, (x.detach(),))
     assert (gelu.fwd_flops, gelu.bwd_flops, gelu.bwd_bytes) == (n, 0, 0)  # nothing needs a grad
+    # transcendental elementwise ops (and their in-place variants) are calibrated apart
+    for target in (aten.gelu.default, aten.silu.default, aten.silu_.default, aten.tanh.default,
+                   aten.exp.default, aten.sigmoid.default):  # fmt: skip
+        work = op_costs(target, (x.detach().clone(),))
+        assert (work.family, work.fwd_flops) == ("activation", n), target
+    for target in (aten.mul.Tensor, aten.sub.Tensor, aten.add_.Tensor):
+        assert op_costs(target, (x.detach().clone(), x.detach())).family == "pointwise", target
     total = op_costs(aten.sum.dim_IntList, (x, [-1]))
     assert (total.family, total.fwd_flops, total.bwd_flops) == ("reduction", n, n)
 
