@@ -122,15 +122,42 @@ def counts_allowed(segments: Sequence[Segment], recomputed: Sequence[int]) -> bo
     return True
 
 
+_CONTRACTED: list[tuple[tuple[Segment, ...], tuple[int, ...], tuple]] = []
+"""The last :data:`CONTRACTED_KEPT` answers of :func:`contract_segments`: (the segments object,
+held, so its id stays its own; the node map; the answer)."""
+
+CONTRACTED_KEPT = 4
+
+
 def contract_segments(
     problem: Problem, node_map: Sequence[int]
 ) -> tuple[tuple[Segment, ...], tuple[tuple[int, ...], ...]]:
     """Segments on the contracted nodes, identical ones merged (copies summed).
 
+    A function of ``problem.segments`` and ``node_map`` alone: the answer is kept for the very
+    same segments object and an equal map. The ZeRO configurations of one search share one
+    segments object and one tying (autopar/planner/configurations.py) and differ in node costs
+    only, so each priced bound's count patterns (solver/count_patterns.py) and each tied solve
+    after the first take it (0.5 s each on the llama3-70b b256 rows' 320 segments).
+
     Returns:
         (segments, groups): groups[g] lists the original segment indices merged into
         segments[g].
     """
+    mapped = tuple(node_map)
+    for segments, kept_map, answer in _CONTRACTED:
+        if segments is problem.segments and kept_map == mapped:
+            return answer
+    answer = _contract_segments(problem, mapped)
+    _CONTRACTED.insert(0, (problem.segments, mapped, answer))
+    del _CONTRACTED[CONTRACTED_KEPT:]
+    return answer
+
+
+def _contract_segments(
+    problem: Problem, node_map: Sequence[int]
+) -> tuple[tuple[Segment, ...], tuple[tuple[int, ...], ...]]:
+    """:func:`contract_segments`, computed."""
     keys: dict[tuple, int] = {}
     # An edge table or a row enters the key as the identity of the first one equal to it:
     # each distinct object is hashed once (not on every lookup, as a key holding the nested

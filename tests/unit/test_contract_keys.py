@@ -150,3 +150,25 @@ def test_identity_keys_contract_as_content_keys(case) -> None:
     ]
     for seg, want in zip(merged, want_merged, strict=True):  # the first member's tables
         assert all(a.cost_s is b.cost_s for a, b in zip(seg.edges, want.edges, strict=True))
+
+
+@settings(max_examples=40, deadline=None)
+@given(segmented(), st.permutations(range(6)))
+def test_a_kept_contraction_is_the_one_made_again(case, other_map) -> None:
+    """contract_segments keeps its answer for the very same segments object and an equal node
+    map (the ZeRO configurations of one search, whose node costs differ): what it returns for
+    each (segments, map) is what contracting them anew gives, and another map, or an equal
+    but distinct segments object, is contracted anew."""
+    import dataclasses
+
+    problem, node_map = case
+    first = contract_segments(problem, node_map)
+    costs = tuple(dataclasses.replace(n, cost_s=(1.0, 2.0)) for n in problem.nodes)
+    same_segments = dataclasses.replace(problem, nodes=costs)
+    assert contract_segments(same_segments, list(node_map)) is first
+    remapped = [other_map[n] for n in node_map]
+    for p, m in ((problem, remapped), (problem, node_map)):
+        assert contract_segments(p, m) == _by_content(p, m)
+    copied = dataclasses.replace(problem, segments=tuple(list(problem.segments)))
+    again = contract_segments(copied, node_map)
+    assert again == first and (again is not first or not problem.segments)
