@@ -53,7 +53,7 @@ from solver.alike import make_alike
 from solver.checkpointing import freed_bytes
 from solver.count_patterns import CountPatterns, count_patterns
 from solver.multiplier import first_multiplier, next_multiplier, pattern_search
-from solver.pattern_bounds import PatternTerms, chord_floor, pattern_problem, pattern_terms
+from solver.pattern_bounds import chord_floor, pattern_problem, pattern_table
 from solver.presolve import plan_objective_s
 from solver.pricing import Pricing
 from solver.problem import Node, Problem
@@ -211,7 +211,7 @@ def pattern_dual(
     base = priced(dataclasses.replace(problem, segments=()), lam)
     base_choices, base_value, base_lower = solve_free(base)
     lowers = []
-    terms = [pattern_terms(problem, lam, pattern, cache) for pattern in patterns]
+    terms, table = pattern_table(problem, lam, patterns, cache)
     held: dict = {}  # trivial_floor's least entries
     for k in range(len(patterns)):
         lowers.append(max(base_lower + terms[k][0], floor[k] if floor else -math.inf))
@@ -219,7 +219,6 @@ def pattern_dual(
             trivial = pattern_bounds.trivial_floor(base, terms[k][2], terms[k][3], held)
             lowers[k] = max(lowers[k], trivial)
     best, upper, upper_choices, upper_peak = math.inf, math.inf, base_choices, 0.0
-    table = PatternTerms([(t[2], t[3]) for t in terms])
     unsolved = set(range(len(patterns)))
     reached = give_up if give_up > -math.inf and not below_only else math.inf
     tables: dict = {}  # the pattern problems' edge tables (pattern_problem)

@@ -25,7 +25,14 @@ from solver.presolve import cost_matrix
 from solver.problem import Edge, Node, Problem
 from solver.tables import array_table
 
-__all__ = ["PatternTerms", "chord_floor", "pattern_problem", "pattern_terms", "trivial_floor"]
+__all__ = [
+    "PatternTerms",
+    "chord_floor",
+    "pattern_problem",
+    "pattern_table",
+    "pattern_terms",
+    "trivial_floor",
+]
 
 
 def _segment_arrays(problem: Problem, k: int, cache: dict | None) -> tuple:
@@ -287,6 +294,31 @@ class PatternTerms:
         )
         mins = least[inverse.reshape(-1)].reshape(len(rows), num_blocks)
         return value + mins.sum(axis=1)
+
+
+_TABLE: list[tuple] = []
+"""The last :func:`pattern_table` answer: (the segments object, held so its id stays its own;
+the multiplier and patterns; the terms; their PatternTerms)."""
+
+
+def pattern_table(
+    problem: Problem, lam: float, patterns: list[tuple[int, ...]], cache: dict | None = None
+) -> tuple[list[tuple], PatternTerms]:
+    """:func:`pattern_terms` of every pattern at ``lam``, and their :class:`PatternTerms`.
+    Both read ``problem.segments`` alone (the terms are the segments' rows priced at lam), so
+    the last answer is kept for the very same segments object, multiplier and patterns: the
+    ZeRO configurations of one search share one segments object (contracted alike:
+    solver/checkpointing.py ``contract_segments``), and a configuration is bounded at the
+    multipliers where the relaxation before it ended (llama3-70b b256 fp32: stage 3 at
+    (3,3,2)'s), so its pattern bound takes the terms, the distinct arrays and the pair minima
+    of their differences (PatternTerms.floors) made there."""
+    key = (lam, tuple(patterns))
+    if _TABLE and _TABLE[0][0] is problem.segments and _TABLE[0][1] == key:
+        return _TABLE[0][2], _TABLE[0][3]
+    terms = [pattern_terms(problem, lam, pattern, cache) for pattern in patterns]
+    table = PatternTerms([(t[2], t[3]) for t in terms])
+    _TABLE[:] = [(problem.segments, key, terms, table)]
+    return terms, table
 
 
 def chord_floor(seen: dict[float, list[float]], lam: float) -> list[float] | None:

@@ -148,3 +148,36 @@ def test_priced_from_arrays_kept_across_multipliers_equals_node_by_node(problem,
         assert priced(problem, multiplier, pricing) == _priced_node_by_node(problem, multiplier)
     no_segments = dataclasses.replace(problem, segments=())
     assert priced(no_segments, lam) == _priced_node_by_node(no_segments, lam)
+
+
+@SETTINGS
+@given(budgeted_problems(), st.floats(0.0, 2.0), st.data())
+def test_a_pattern_bound_on_kept_terms_is_the_one_made_afresh(problem, lam, data):
+    """pattern_dual takes the terms and floors of the last multiplier and patterns for the
+    very same segments object (pattern_bounds.pattern_table): on another problem with those
+    segments and other node costs (another ZeRO configuration), at the same multiplier, the
+    evaluation equals one made with nothing kept."""
+    from solver import pattern_bounds
+    from solver.lagrangian import pattern_dual, recompute_patterns
+    from tests.unit.test_lagrangian import _free_solver
+
+    patterns = recompute_patterns(problem)
+    if not patterns:
+        return
+    costs = st.floats(0.0, 10.0, allow_nan=False)
+    other = dataclasses.replace(
+        problem,
+        nodes=tuple(
+            dataclasses.replace(n, cost_s=tuple(data.draw(costs) for _ in n.cost_s))
+            for n in problem.nodes
+        ),
+    )
+    for at in (lam, lam + 0.5):  # the same multiplier, then another (nothing to take)
+        pattern_bounds._TABLE.clear()
+        pattern_dual(problem, lam, _free_solver, patterns, cache={})
+        terms = pattern_bounds._TABLE[0][2]
+        kept = pattern_dual(other, at, _free_solver, patterns, cache={})
+        assert (pattern_bounds._TABLE[0][2] is terms) == (at == lam)
+        pattern_bounds._TABLE.clear()
+        fresh = pattern_dual(other, at, _free_solver, patterns, cache={})
+        assert repr(kept) == repr(fresh)
