@@ -14,6 +14,17 @@ from solver.presolve import plan_objective_s, plan_peak_memory_bytes
 from solver.problem import Edge, Node, Problem, Solution
 from solver.shrink import solve
 
+
+def forget_kept() -> None:
+    """Drop what the solves of one search keep for the next on the same segments (the
+    contracted segments, the last pattern terms): a search calls it when it ends."""
+    from solver.checkpointing import forget_contracted
+    from solver.pattern_bounds import forget_table
+
+    forget_contracted()
+    forget_table()
+
+
 __all__ = [
     "BACKENDS",
     "Edge",
@@ -25,6 +36,7 @@ __all__ = [
     "SolverStoppedError",
     "SolverTimeoutError",
     "brute_force",
+    "forget_kept",
     "plan_objective_s",
     "plan_peak_memory_bytes",
     "solve",

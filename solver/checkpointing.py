@@ -129,6 +129,11 @@ held, so its id stays its own; the node map; the answer)."""
 CONTRACTED_KEPT = 4
 
 
+def forget_contracted() -> None:
+    """Drop the answers :func:`contract_segments` keeps (the end of a search)."""
+    _CONTRACTED.clear()
+
+
 def contract_segments(
     problem: Problem, node_map: Sequence[int]
 ) -> tuple[tuple[Segment, ...], tuple[tuple[int, ...], ...]]:

@@ -28,6 +28,7 @@ from solver.tables import array_table
 __all__ = [
     "PatternTerms",
     "chord_floor",
+    "forget_table",
     "pattern_problem",
     "pattern_table",
     "pattern_terms",
@@ -299,6 +300,11 @@ class PatternTerms:
 _TABLE: list[tuple] = []
 """The last :func:`pattern_table` answer: (the segments object, held so its id stays its own;
 the multiplier and patterns; the terms; their PatternTerms)."""
+
+
+def forget_table() -> None:
+    """Drop the answer :func:`pattern_table` keeps (the end of a search)."""
+    _TABLE.clear()
 
 
 def pattern_table(

@@ -236,3 +236,23 @@ def test_a_lead_whose_search_closes_the_gap_skips_every_configuration(monkeypatc
             # budget-free bound, the others on the floor.
             assert freed == [zeros[0], best.zero]
             assert found.bounds == [first[0][1].solution.bound_s] + [floor] * (len(zeros) - 1)
+
+
+def test_what_the_bounds_shared_is_dropped_when_the_search_ends(monkeypatch) -> None:
+    """The contracted segments and pattern terms the configurations' solves share
+    (solver/checkpointing.py, solver/pattern_bounds.py) are kept during the search only."""
+    import solver
+    from solver import checkpointing, pattern_bounds
+
+    seen = []
+    forget = solver.forget_kept
+
+    def recording() -> None:
+        seen.append(bool(checkpointing._CONTRACTED))
+        forget()
+
+    monkeypatch.setattr(solver, "forget_kept", recording)
+    solved, _ = tiny_gpt_driver().auto()
+    assert solved.evaluation.peak_memory_bytes <= BUDGET
+    assert seen == [True]  # the search kept some, and dropped them at its end
+    assert not checkpointing._CONTRACTED and not pattern_bounds._TABLE
