@@ -158,6 +158,7 @@ def test_a_pattern_bound_on_kept_terms_is_the_one_made_afresh(problem, lam, data
     segments and other node costs (another ZeRO configuration), at the same multiplier, the
     evaluation equals one made with nothing kept."""
     from solver import pattern_bounds
+    from solver.errors import InfeasibleError
     from solver.lagrangian import pattern_dual, recompute_patterns
     from tests.unit.test_lagrangian import _free_solver
 
@@ -174,7 +175,10 @@ def test_a_pattern_bound_on_kept_terms_is_the_one_made_afresh(problem, lam, data
     )
     for at in (lam, lam + 0.5):  # the same multiplier, then another (nothing to take)
         pattern_bounds._TABLE.clear()
-        pattern_dual(problem, lam, _free_solver, patterns, cache={})
+        try:
+            pattern_dual(problem, lam, _free_solver, patterns, cache={})
+        except InfeasibleError:  # the edges forbid every plan, whatever the costs
+            return
         terms = pattern_bounds._TABLE[0][2]
         kept = pattern_dual(other, at, _free_solver, patterns, cache={})
         assert (pattern_bounds._TABLE[0][2] is terms) == (at == lam)
