@@ -317,18 +317,15 @@ class Driver:
         if free.evaluation.peak_memory_bytes <= budget:
             return free, log
         gap = self.options.gap
-        try:
-            found = search_budgeted(
-                self.configurations,
-                zero_candidates(mesh.ndim, mesh.shape),
-                budget=budget,
-                gap=gap,
-                report=self._report,
-                floor=free.solution.bound_s,
-                like=free,
-            )
-        finally:  # what the configurations' bounds shared, not held past the search
-            solver.forget_kept()
+        found = search_budgeted(
+            self.configurations,
+            zero_candidates(mesh.ndim, mesh.shape),
+            budget=budget,
+            gap=gap,
+            report=self._report,
+            floor=free.solution.bound_s,
+            like=free,
+        )
         log.extend(found.log)
         best, bounds = found.best, found.bounds
         if best is None:

@@ -490,6 +490,7 @@ def search_budgeted(
         ):
             warm, relaxed = solved, True
     configurations.release()
+    solver.forget_kept()  # what the configurations' bounds shared
     ahead.upcoming = ()
     ahead.drop()
     return out
