@@ -213,8 +213,11 @@ def pattern_dual(
     lowers = []
     terms, table = pattern_table(problem, lam, patterns, cache)
     held: dict = {}  # trivial_floor's least entries
+    kept = pattern_bounds.kept_floors(problem, base, lam, patterns)
     for k in range(len(patterns)):
         lowers.append(max(base_lower + terms[k][0], floor[k] if floor else -math.inf))
+        if kept is not None:
+            lowers[k] = max(lowers[k], kept[k])
         if stop_early:
             trivial = pattern_bounds.trivial_floor(base, terms[k][2], terms[k][3], held)
             lowers[k] = max(lowers[k], trivial)
@@ -248,6 +251,7 @@ def pattern_dual(
         if upper < give_up:
             best = min(lowers)
             break
+    pattern_bounds.keep_lowers(problem, base, lam, patterns, lowers)
     return PatternDual(best, [base_choices, upper_choices], upper_peak, lowers, upper)
 
 

@@ -84,13 +84,64 @@ def test_a_workers_error_comes_back_whole_without_solving_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(parallel, "MIN_PARALLEL_ENTRIES", 0)
+    home, failing = chain(1), chain(2, budget=1.0)  # equal sizes: the first is solved here
 
-    def no_local_solve(*args: object, **kwargs: object) -> None:
-        raise AssertionError("the failing job was solved again in this process")
+    def only_home(problem: Problem, **kwargs: object) -> object:
+        if problem is not home:
+            raise AssertionError("the failing job was solved again in this process")
+        return solve(problem, **kwargs)
 
-    monkeypatch.setattr(parallel, "solve", no_local_solve)
+    monkeypatch.setattr(parallel, "solve", only_home)
     with pytest.raises(InfeasibleBudgetError):
-        parallel.solve_all([chain(1), chain(2, budget=1.0)], workers=2)
+        parallel.solve_all([home, failing], workers=2)
+
+
+def larger(seed: int) -> Problem:
+    """chain(seed) with its first node given 40 strategies (more cost entries)."""
+    problem = chain(seed)
+    first = problem.nodes[0]
+    wide = Node(name=first.name, cost_s=first.cost_s * 10, memory_bytes=first.memory_bytes * 10)
+    edge = problem.edges[0]
+    edges = (type(edge)(src=0, dst=1, cost_s=edge.cost_s * 10), *problem.edges[1:])
+    return Problem(nodes=(wide, *problem.nodes[1:]), edges=edges)
+
+
+@pytest.mark.parametrize("at", [0, 1, 2])
+def test_the_largest_job_is_solved_here_and_the_answers_keep_their_order(
+    monkeypatch: pytest.MonkeyPatch, at: int
+) -> None:
+    """The largest problem is solved in this process beside the workers (its pickling would
+    cost the most); every answer stays in its problem's place."""
+    monkeypatch.setattr(parallel, "MIN_PARALLEL_ENTRIES", 0)
+    problems = [chain(11), chain(12), chain(13)]
+    problems[at] = larger(14)
+    sent: list[Problem] = []
+    in_worker = parallel._in_worker
+
+    def record(problem: Problem, *args: object) -> object:
+        sent.append(problem)
+        return in_worker(problem, *args)
+
+    monkeypatch.setattr(parallel, "_in_worker", record)
+    got = parallel.solve_all(problems, workers=2)
+    assert all(p is not problems[at] for p in sent) and len(sent) == 2
+    assert [s.choices for s in got] == [solve(p).choices for p in problems]
+
+
+def test_the_first_failing_problem_in_order_raises_wherever_it_was_solved(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two failing problems, the later one solved here (the largest): the first in order
+    raises, as one after another would."""
+    monkeypatch.setattr(parallel, "MIN_PARALLEL_ENTRIES", 0)
+    first = Problem(nodes=chain(5).nodes, edges=chain(5).edges, memory_budget_bytes=1.0)
+    big = larger(6)
+    second = Problem(nodes=big.nodes, edges=big.edges, memory_budget_bytes=2.0)
+    with pytest.raises(InfeasibleBudgetError) as caught:
+        parallel.solve_all([first, second], workers=2)
+    with pytest.raises(InfeasibleBudgetError) as alone:
+        solve(first)
+    assert caught.value.min_budget_bytes == alone.value.min_budget_bytes
 
 
 def test_an_isolated_solve_returns_what_solve_returns() -> None:

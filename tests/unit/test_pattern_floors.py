@@ -174,14 +174,15 @@ def test_a_pattern_bound_on_kept_terms_is_the_one_made_afresh(problem, lam, data
         ),
     )
     for at in (lam, lam + 0.5):  # the same multiplier, then another (nothing to take)
-        pattern_bounds._TABLE.clear()
+        pattern_bounds.forget_table()  # the kept lower bounds too (test_kept_lowers.py)
         try:
             pattern_dual(problem, lam, _free_solver, patterns, cache={})
         except InfeasibleError:  # the edges forbid every plan, whatever the costs
             return
         terms = pattern_bounds._TABLE[0][2]
+        pattern_bounds._LOWERS.clear()
         kept = pattern_dual(other, at, _free_solver, patterns, cache={})
         assert (pattern_bounds._TABLE[0][2] is terms) == (at == lam)
-        pattern_bounds._TABLE.clear()
+        pattern_bounds.forget_table()
         fresh = pattern_dual(other, at, _free_solver, patterns, cache={})
         assert repr(kept) == repr(fresh)
