@@ -52,6 +52,7 @@ from solver import pattern_bounds
 from solver.alike import make_alike
 from solver.checkpointing import freed_bytes
 from solver.count_patterns import CountPatterns, count_patterns
+from solver.kept_lowers import keep_lowers, kept_floors
 from solver.multiplier import first_multiplier, next_multiplier, pattern_search
 from solver.pattern_bounds import chord_floor, pattern_problem, pattern_table
 from solver.presolve import plan_objective_s
@@ -213,7 +214,7 @@ def pattern_dual(
     lowers = []
     terms, table = pattern_table(problem, lam, patterns, cache)
     held: dict = {}  # trivial_floor's least entries
-    kept = pattern_bounds.kept_floors(problem, base, lam, patterns)
+    kept = kept_floors(problem, base, lam, patterns, terms)
     for k in range(len(patterns)):
         lowers.append(max(base_lower + terms[k][0], floor[k] if floor else -math.inf))
         if kept is not None:
@@ -251,7 +252,7 @@ def pattern_dual(
         if upper < give_up:
             best = min(lowers)
             break
-    pattern_bounds.keep_lowers(problem, base, lam, patterns, lowers)
+    keep_lowers(problem, base, lam, patterns, lowers)
     return PatternDual(best, [base_choices, upper_choices], upper_peak, lowers, upper)
 
 

@@ -29,8 +29,6 @@ __all__ = [
     "PatternTerms",
     "chord_floor",
     "forget_table",
-    "keep_lowers",
-    "kept_floors",
     "pattern_problem",
     "pattern_table",
     "pattern_terms",
@@ -305,84 +303,8 @@ the multiplier and patterns; the terms; their PatternTerms)."""
 
 
 def forget_table() -> None:
-    """Drop the answers :func:`pattern_table` and :func:`keep_lowers` keep (the end of a
-    search)."""
+    """Drop the answer :func:`pattern_table` keeps (the end of a search)."""
     _TABLE.clear()
-    _LOWERS.clear()
-
-
-_LOWERS: list[tuple] = []
-"""The last :func:`keep_lowers` evaluation: (the segments object, held; the multiplier and
-patterns; the per-pattern lower bounds; the pattern-free priced problem)."""
-
-
-def keep_lowers(
-    problem: Problem, base: Problem, lam: float, patterns: list[tuple[int, ...]], lowers: list
-) -> None:
-    """Keep one pattern evaluation's lower bounds per pattern (lagrangian.pattern_dual on
-    ``problem`` at ``lam``; ``base``: its pattern-free priced problem) for
-    :func:`kept_floors`."""
-    _LOWERS[:] = [(problem.segments, (lam, tuple(patterns)), list(lowers), base)]
-
-
-def kept_floors(
-    problem: Problem, base: Problem, lam: float, patterns: list[tuple[int, ...]]
-) -> list[float] | None:
-    """Lower bounds per pattern of ``problem``'s pattern problems at ``lam`` from the last
-    evaluation kept (:func:`keep_lowers`), where it was on the very same segments object,
-    multiplier and patterns and its pattern-free priced problem ``other`` has ``base``'s
-    shape (nodes, their strategy counts, edges' ends, tie classes); else None.
-
-    Both pattern problems of a pattern are their base plus the same terms (the segments'
-    rows priced at lam), so for every plan x, F(x) = F_other(x) + sum over nodes of
-    (c_i - c'_i)(x_i) + sum over edges of (E - E')(x): at least the kept bound on the other's
-    optimum plus the sum of the least entry of each difference, less a relative 1e-9 (sums
-    in another order). The ZeRO configurations of one search share their segments object
-    (contracted alike: solver/checkpointing.py) and differ in a few parameter nodes'
-    seconds and bytes: llama3-70b b256 fp32's stage 3 is bounded at the multipliers where
-    ZeRO (3,3,2)'s relaxation ended, and (3,3,2)'s lower bounds less 162 ms rule out 6 of
-    its 16 pattern solves (the same bound)."""
-    if not _LOWERS or _LOWERS[0][0] is not problem.segments:
-        return None
-    _, key, lowers, other = _LOWERS[0]
-    if key != (lam, tuple(patterns)) or not _same_shape(base, other):
-        return None
-    parts: list[float] = []
-    for mine, theirs in zip(base.nodes, other.nodes, strict=True):
-        if mine.cost_s is not theirs.cost_s:
-            _add_difference(parts, np.asarray(mine.cost_s), np.asarray(theirs.cost_s))
-    for mine, theirs in zip(base.edges, other.edges, strict=True):
-        if mine.cost_s is not theirs.cost_s:
-            _add_difference(parts, cost_matrix(mine.cost_s), cost_matrix(theirs.cost_s))
-    # Equal bases: the same problem evaluated again at lam (a relaxation at its bound's
-    # multiplier), whose own recorded solves serve it (solver/budgeted.py Recorded); its
-    # kept bounds would change which patterns it solves, so its search's path.
-    shift = math.fsum(parts)
-    if not parts or not math.isfinite(shift):
-        return None
-    return [v + shift - 1e-9 * abs(v + shift) for v in lowers]
-
-
-def _add_difference(parts: list[float], mine: np.ndarray, theirs: np.ndarray) -> None:
-    """Append the least entry of ``mine - theirs`` where they differ: only where ``mine`` is
-    finite (a strategy forbidden here is never chosen: it lowers nothing; one forbidden
-    there only gives -inf, a valid, useless bound)."""
-    if mine.shape != theirs.shape:  # not one problem's shape: nothing derived
-        parts.append(-math.inf)
-    elif not np.array_equal(mine, theirs):
-        with np.errstate(invalid="ignore"):  # inf - inf: forbidden in both
-            parts.append(float(np.min(np.where(np.isfinite(mine), mine - theirs, np.inf))))
-
-
-def _same_shape(a: Problem, b: Problem) -> bool:
-    """The same nodes' strategy counts (so edge shapes), edges' ends and tie classes."""
-    return (
-        len(a.nodes) == len(b.nodes)
-        and len(a.edges) == len(b.edges)
-        and a.tied == b.tied
-        and all(x.num_choices == y.num_choices for x, y in zip(a.nodes, b.nodes, strict=True))
-        and all((x.src, x.dst) == (y.src, y.dst) for x, y in zip(a.edges, b.edges, strict=True))
-    )
 
 
 def pattern_table(

@@ -159,6 +159,7 @@ def test_a_pattern_bound_on_kept_terms_is_the_one_made_afresh(problem, lam, data
     evaluation equals one made with nothing kept."""
     from solver import pattern_bounds
     from solver.errors import InfeasibleError
+    from solver.kept_lowers import forget_lowers
     from solver.lagrangian import pattern_dual, recompute_patterns
     from tests.unit.test_lagrangian import _free_solver
 
@@ -174,13 +175,13 @@ def test_a_pattern_bound_on_kept_terms_is_the_one_made_afresh(problem, lam, data
         ),
     )
     for at in (lam, lam + 0.5):  # the same multiplier, then another (nothing to take)
-        pattern_bounds.forget_table()  # the kept lower bounds too (test_kept_lowers.py)
+        pattern_bounds.forget_table()
         try:
             pattern_dual(problem, lam, _free_solver, patterns, cache={})
         except InfeasibleError:  # the edges forbid every plan, whatever the costs
             return
         terms = pattern_bounds._TABLE[0][2]
-        pattern_bounds._LOWERS.clear()
+        forget_lowers()  # the kept lower bounds would raise some (test_kept_lowers.py)
         kept = pattern_dual(other, at, _free_solver, patterns, cache={})
         assert (pattern_bounds._TABLE[0][2] is terms) == (at == lam)
         pattern_bounds.forget_table()
