@@ -106,3 +106,72 @@ def test_the_neighbourhood_trades_a_recompute_for_a_smaller_layout() -> None:
     best = search(problem, [(0, 0, 0)])
     assert best is not None and best.choices == (1, 1, 0) and best.recomputed == (0, 0)
     assert best.objective_s == 4.0 == _optimum(problem)
+
+
+def _two_layers() -> Problem:
+    """test_the_neighbourhood_trades_a_recompute_for_a_smaller_layout's problem."""
+    from solver.problem import Segment
+
+    layer = Node(name="l", cost_s=(1.0, 1.5), memory_bytes=(10.0, 5.0))
+    nodes = (layer, layer, Node(name="h", cost_s=(1.0,), memory_bytes=(1.0,)))
+    edges = (
+        Edge(src=0, dst=1, cost_s=((0.0, 0.1), (0.1, 0.0))),
+        Edge(src=1, dst=2, cost_s=((0.0,), (0.0,))),
+    )
+    segments = tuple(
+        Segment(name=f"s{i}", nodes=(i,), freed_bytes=((9.0, 4.0),), recompute_s=((3.0, 3.0),))
+        for i in range(2)
+    )
+    return Problem(
+        nodes=nodes, edges=edges, memory_budget_bytes=12.0, tied=((0, 1),), segments=segments
+    )
+
+
+def _counting_mips(monkeypatch) -> list[int]:
+    """A list that grows by one per neighbourhood MIP built (its restricted problem)."""
+    import solver.fixing
+
+    made: list[int] = []
+    restrict = solver.fixing.restrict_budgeted
+
+    def counting(*args, **kwargs):
+        made.append(1)
+        return restrict(*args, **kwargs)
+
+    monkeypatch.setattr(solver.fixing, "restrict_budgeted", counting)
+    return made
+
+
+def test_a_step_among_the_strategies_already_searched_makes_no_mip(monkeypatch) -> None:
+    # Every strategy is kept around either plan: the second step's neighbourhood is the
+    # first's, over which its plan is proven optimal; no second MIP, the same plan.
+    made = _counting_mips(monkeypatch)
+    best = search(_two_layers(), [(0, 0, 0)])
+    assert best is not None and best.choices == (1, 1, 0) and best.objective_s == 4.0
+    assert best.searched == ((0, 1), (0, 1), (0,))
+    assert len(made) == 1
+
+
+@settings(SETTINGS, max_examples=25)
+@given(st.one_of(budgeted_problems(), layered_problems()))
+def test_skipping_steps_within_the_searched_strategies_keeps_the_plan(problem) -> None:
+    import pytest
+
+    import solver.primal as primal
+
+    free = _free_plan(problem)
+    if free is None:
+        return
+    with pytest.MonkeyPatch.context() as patch:
+        made = _counting_mips(patch)
+        skipping = search(problem, [free])
+        skipped_mips = len(made)
+        step = primal.neighbourhood
+        patch.setattr(primal, "neighbourhood", lambda *a, **k: step(*a, **{**k, "within": None}))
+        made.clear()
+        every = search(problem, [free])
+        assert skipped_mips <= len(made)
+    assert (skipping is None) == (every is None)
+    if skipping is not None:
+        assert skipping.choices == every.choices and skipping.recomputed == every.recomputed
+        assert skipping.objective_s == every.objective_s
