@@ -175,9 +175,6 @@ def test_folded_leaves_bound_each_pattern_from_the_others_exact_optima(problem, 
     floor is still at most this problem's exact optimum of that pattern: the folds (either
     orientation, with the patterns' terms on the leaf's edge) and the other differences are
     lower bounds."""
-    from solver.kept_lowers import keep_lowers
-
-    patterns = recompute_patterns(problem)
     costs = st.floats(0.0, 5.0, allow_nan=False)
     sizes = st.floats(0.0, 50.0, allow_nan=False)
     nodes = list(problem.nodes)
@@ -193,20 +190,11 @@ def test_folded_leaves_bound_each_pattern_from_the_others_exact_optima(problem, 
         rows = [[data.draw(costs) for _ in row] for row in edges[k].cost_s]
         edges[k] = dataclasses.replace(edges[k], cost_s=tuple(map(tuple, rows)))
     other = dataclasses.replace(problem, nodes=tuple(nodes), edges=tuple(edges))
-    exact = [_pattern_optimum(problem, lam, p) for p in patterns]
-    forget_kept()
-    keep_lowers(
-        problem, priced(dataclasses.replace(problem, segments=()), lam), lam, patterns, exact
-    )
-    base = priced(dataclasses.replace(other, segments=()), lam)
-    floors = kept_floors(other, base, lam, patterns, _terms(other, lam, patterns))
+    floors = _exact_floors(problem, other, lam)
     if floors is None:
-        assert base == priced(dataclasses.replace(problem, segments=()), lam)
-        return
-    for floor, pattern in zip(floors, patterns, strict=True):
-        optimum = _pattern_optimum(other, lam, pattern)
-        assert floor <= optimum + 1e-9 * max(1.0, abs(optimum))
-    forget_kept()
+        assert priced(dataclasses.replace(other, segments=()), lam) == priced(
+            dataclasses.replace(problem, segments=()), lam
+        )
 
 
 def _layers(shift: float, seed: int = 3) -> Problem:
@@ -330,11 +318,11 @@ def test_tied_leaves_are_bounded_node_by_node():
     assert floors == pytest.approx([-4.0, -3.0])
 
 
-def _check_exact_floors(problem: Problem, other: Problem) -> list[float]:
-    """Keep A's exact pattern optima (at multiplier 0); B's floors, each at most its optimum."""
+def _exact_floors(problem: Problem, other: Problem, lam: float) -> list[float] | None:
+    """Keep A's (``problem``'s) exact pattern optima at ``lam``; B's (``other``'s) floors from
+    them, each checked to be at most B's exact optimum of its pattern."""
     from solver.kept_lowers import keep_lowers
 
-    lam = 0.0
     patterns = recompute_patterns(problem)
     exact = [_pattern_optimum(problem, lam, p) for p in patterns]
     forget_kept()
@@ -344,8 +332,14 @@ def _check_exact_floors(problem: Problem, other: Problem) -> list[float]:
     base = priced(dataclasses.replace(other, segments=()), lam)
     floors = kept_floors(other, base, lam, patterns, _terms(other, lam, patterns))
     forget_kept()
-    assert floors is not None
-    for floor, pattern in zip(floors, patterns, strict=True):
+    for floor, pattern in zip(floors, patterns, strict=True) if floors is not None else ():
         optimum = _pattern_optimum(other, lam, pattern)
-        assert floor <= optimum + 1e-9
+        assert floor <= optimum + 1e-9 * max(1.0, abs(optimum))
+    return floors
+
+
+def _check_exact_floors(problem: Problem, other: Problem) -> list[float]:
+    """:func:`_exact_floors` at multiplier 0, where some are expected."""
+    floors = _exact_floors(problem, other, 0.0)
+    assert floors is not None
     return floors

@@ -85,21 +85,7 @@ def test_the_neighbourhood_trades_a_recompute_for_a_smaller_layout() -> None:
     # Two layers (a tie class) and a head. The budget-free plan (strategy 0: fast, big) fits
     # only by recomputing both layers (+2 x 3.0 s); strategy 1 (0.5 s slower per layer, half
     # the bytes) fits without recomputation: 1.0 s instead of 6.0 s.
-    from solver.problem import Segment
-
-    layer = Node(name="l", cost_s=(1.0, 1.5), memory_bytes=(10.0, 5.0))
-    nodes = (layer, layer, Node(name="h", cost_s=(1.0,), memory_bytes=(1.0,)))
-    edges = (
-        Edge(src=0, dst=1, cost_s=((0.0, 0.1), (0.1, 0.0))),
-        Edge(src=1, dst=2, cost_s=((0.0,), (0.0,))),
-    )
-    segments = tuple(
-        Segment(name=f"s{i}", nodes=(i,), freed_bytes=((9.0, 4.0),), recompute_s=((3.0, 3.0),))
-        for i in range(2)
-    )
-    problem = Problem(
-        nodes=nodes, edges=edges, memory_budget_bytes=12.0, tied=((0, 1),), segments=segments
-    )
+    problem = _two_layers()
     first = fit(problem, (0, 0, 0))
     assert first is not None and first.recomputed == (1, 1)
     assert first.objective_s == 3.0 + 6.0
@@ -109,7 +95,8 @@ def test_the_neighbourhood_trades_a_recompute_for_a_smaller_layout() -> None:
 
 
 def _two_layers() -> Problem:
-    """test_the_neighbourhood_trades_a_recompute_for_a_smaller_layout's problem."""
+    """Two layers (a tie class, two strategies each) and a head, a segment per layer, a
+    budget of 12 bytes."""
     from solver.problem import Segment
 
     layer = Node(name="l", cost_s=(1.0, 1.5), memory_bytes=(10.0, 5.0))
