@@ -29,8 +29,8 @@ the solver makes a class choose alike, its best strategy is not its own to pick)
 pattern's term adds another edge to (in that pattern's problem).
 
 Stage 3 of that row is bounded at the multipliers where (3,3,2)'s relaxation ended, with the
-same segments and patterns: of its 16 priced solves the kept bounds rule out 12 (the same
-bound).
+same segments and patterns: of the 15 count patterns it solved, the kept bounds rule out 11
+(the same bound).
 """
 
 from __future__ import annotations
@@ -104,9 +104,12 @@ def kept_floors(
     plain = [_node_difference(base, other, i) for i in nodes if i not in leaves]
     plain += [_edge_difference(base, other, k) for k in edges if k not in folded_edges]
     held: dict = {}
+    pairs = {(e.src, e.dst) for e in base.edges}
     floors = []
     for value, (_, _, extra, extra_edges) in zip(lowers, terms, strict=True):
-        touched = _touched(base, extra_edges)
+        # A pattern's term on a pair the base has no edge for adds one (pattern_problem): a
+        # leaf there is not one in that pattern's problem.
+        touched = {end for key in extra_edges if key not in pairs for end in key}
         parts = list(plain)
         for i, k in leaves.items():
             if i in touched:
@@ -136,8 +139,8 @@ def _same_shape(a: Problem, b: Problem) -> bool:
 
 
 def _leaves(base: Problem, nodes: list[int]) -> dict[int, int]:
-    """Of ``nodes``, those with exactly one edge (to another node) and in no tie class: each
-    with that edge's index."""
+    """Of ``nodes``, those with exactly one edge (to another node: a self pair counts twice)
+    and in no tie class: each with that edge's index."""
     count: dict[int, int] = {}
     edge_of: dict[int, int] = {}
     for k, e in enumerate(base.edges):
@@ -145,20 +148,7 @@ def _leaves(base: Problem, nodes: list[int]) -> dict[int, int]:
             count[end] = count.get(end, 0) + 1
             edge_of[end] = k
     tied = {i for members in base.tied for i in members}
-    return {
-        i: edge_of[i]
-        for i in nodes
-        if count.get(i) == 1
-        and i not in tied
-        and base.edges[edge_of[i]].src != base.edges[edge_of[i]].dst
-    }
-
-
-def _touched(base: Problem, extra_edges: dict) -> set[int]:
-    """Nodes a pattern's terms give an edge the base does not have (pattern_problem adds
-    it): a leaf there is not one in that pattern's problem."""
-    pairs = {(e.src, e.dst) for e in base.edges}
-    return {end for key in extra_edges if key not in pairs for end in key}
+    return {i: edge_of[i] for i in nodes if count.get(i) == 1 and i not in tied}
 
 
 def _least(mine: np.ndarray, theirs: np.ndarray) -> float:

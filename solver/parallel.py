@@ -115,7 +115,7 @@ def solve_all(
     # other job starts as soon as a worker is free.
     home = max(range(len(problems)), key=entries.__getitem__)
     others = [p for k, p in enumerate(problems) if k != home]
-    with ThreadPoolExecutor(max_workers=max(workers - 1, 1)) as pool:
+    with ThreadPoolExecutor(max_workers=workers - 1) as pool:  # workers >= 2 here
         away = pool.map(run, others)
         here = _attempt(problems[home], return_exceptions, options)
         done = list(away)
