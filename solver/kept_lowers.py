@@ -39,6 +39,7 @@ import math
 
 import numpy as np
 
+from solver.pattern_bounds import term_array
 from solver.presolve import cost_matrix
 from solver.problem import Problem
 
@@ -190,7 +191,7 @@ def _fold_difference(
                 cost = cost + node_term
             table = cost_matrix(problem.edges[k].cost_s)
             if edge_term is not None:
-                table = table + edge_term
+                table = table + term_array(edge_term)
             if problem.edges[k].src == i:  # rows are the leaf's strategies
                 folded.append(np.min(cost[:, None] + table, axis=0))
             else:

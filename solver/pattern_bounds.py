@@ -27,11 +27,13 @@ from solver.tables import array_table
 
 __all__ = [
     "PatternTerms",
+    "Scaled",
     "chord_floor",
     "forget_table",
     "pattern_problem",
     "pattern_table",
     "pattern_terms",
+    "term_array",
     "trivial_floor",
 ]
 
@@ -64,23 +66,67 @@ def _segment_arrays(problem: Problem, k: int, cache: dict | None) -> tuple:
     return rows, edges, smallest
 
 
+class Scaled:
+    """The term that recomputed segments add to one edge, not multiplied out: each segment's
+    table times its copies, summed in segment order (:func:`pattern_terms` ``lazy``). Count
+    patterns recompute the layer segments 0 to 80 times, so their terms are a few hundred
+    tables at many multiples (llama3-70b b256 fp32: 270-430 MB of products per multiplier,
+    whose first touch of fresh pages cost more than the products); held this way, a consumer
+    multiplies one out when it needs the entries (:func:`term_array`: the very floats
+    ``pattern_terms`` without ``lazy`` gives). ``least``: the least entry (one segment's:
+    ``copies`` times its table's, rounding being monotone and ``copies`` >= 1)."""
+
+    __slots__ = ("key", "least", "parts", "size")
+
+    def __init__(self, parts: tuple[tuple[int, np.ndarray], ...], least: float | None) -> None:
+        self.parts, self.size = parts, parts[0][1].size
+        self.key = tuple((copies, id(table)) for copies, table in parts)
+        """Equal keys, equal entries (the tables are held by the parts)."""
+        self.least = float(np.min(self.array())) if least is None else least
+
+    def array(self) -> np.ndarray:
+        """The entries: the same floats as the sum ``pattern_terms`` forms (0.0 + r E + ...)."""
+        total = 0.0
+        for copies, table in self.parts:
+            total = total + copies * table
+        return total
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:  # noqa: ANN001 (numpy's protocol)
+        return self.array() if dtype is None else self.array().astype(dtype)
+
+
+def term_array(term) -> np.ndarray:  # noqa: ANN001 (an array or a Scaled)
+    """A term's entries (an array as it is; a :class:`Scaled` multiplied out)."""
+    return term.array() if isinstance(term, Scaled) else term
+
+
 def pattern_terms(
-    problem: Problem, lam: float, pattern: tuple[int, ...], cache: dict | None = None
+    problem: Problem,
+    lam: float,
+    pattern: tuple[int, ...],
+    cache: dict | None = None,
+    lazy: bool = False,
 ):
     """What one recompute pattern adds to the pattern-free priced problem (module
     docstring): per node and per edge, and a separable lower bound of their sum; also the
     segment j whose bytes alive again are priced (None: nothing recomputed). ``cache``: a
     dict kept across calls on one problem (the segments as arrays, and at the latest
     multiplier each node's and edge's term by what forms it: patterns that recompute the
-    same segments there with the same copies get the very same array object)."""
+    same segments there with the same copies get the very same array object; the edges'
+    terms, which lam does not change, at every multiplier). ``lazy``: an edge term one segment
+    alone forms is a :class:`Scaled` (its consumers read it through :func:`term_array`)."""
     on = [k for k, r in enumerate(pattern) if r]
     arrays = {k: _segment_arrays(problem, k, cache) for k in on}
     alive = max(on, key=lambda k: arrays[k][2]) if on else None
     formed: dict = {}
+    formed_edges: dict = {}
+    least: dict = {}  # each table's least entry, by its id (the arrays cache holds the table)
     if cache is not None:
         if cache.get("lam") != lam:
             cache["lam"], cache["terms"] = lam, {}
         formed = cache["terms"]
+        formed_edges = cache.setdefault("edge terms", {})
+        least = cache.setdefault("least", {})
     # What adds to each node and edge, in the order the sums are formed (k ascending).
     node_parts: dict[int, list[tuple[int, int]]] = {}
     edge_parts: dict[tuple[int, int], list[tuple[int, int]]] = {}
@@ -105,16 +151,26 @@ def pattern_terms(
         extra[n] = total
     extra_edges: dict[tuple[int, int], np.ndarray] = {}
     for key, parts in edge_parts.items():
-        tag = ("e", key, tuple((k, j, pattern[k]) for k, j in parts))
-        total = formed.get(tag)
+        tag = ("e", key, tuple((k, j, pattern[k]) for k, j in parts), lazy)
+        total = formed_edges.get(tag)
         if total is None:
-            total = 0.0
-            for k, j in parts:
-                total = total + pattern[k] * arrays[k][1][j][1]
-            formed[tag] = total
+            if lazy:
+                terms = tuple((pattern[k], arrays[k][1][j][1]) for k, j in parts)
+                floor = None
+                if len(terms) == 1:
+                    copies, table = terms[0]
+                    if id(table) not in least:
+                        least[id(table)] = float(np.min(table))
+                    floor = copies * least[id(table)]
+                total = Scaled(terms, floor)
+            else:
+                total = 0.0
+                for k, j in parts:
+                    total = total + pattern[k] * arrays[k][1][j][1]
+            formed_edges[tag] = total
         extra_edges[key] = total
     lower = math.fsum(float(np.min(v)) for v in extra.values()) + math.fsum(
-        float(np.min(m)) for m in extra_edges.values()
+        m.least if isinstance(m, Scaled) else float(np.min(m)) for m in extra_edges.values()
     )
     return lower, alive, extra, extra_edges
 
@@ -159,14 +215,16 @@ def pattern_problem(
             held = tables.get(id(e.cost_s))
             if held is None:
                 held = tables[id(e.cost_s)] = (e.cost_s, cost_matrix(e.cost_s))
-            summed = (e, m, Edge(src=e.src, dst=e.dst, cost_s=array_table(held[1] + m)))
+            table = array_table(held[1] + term_array(m))
+            summed = (e, m, Edge(src=e.src, dst=e.dst, cost_s=table))
         current[key] = summed
         edges.append(summed[2])
     for (s, d), m in extra_edges.items():
         key = (s, d, id(m))
         added = current.get(key) or previous.get(key)
         if added is None:
-            added = (m, Edge(src=s, dst=d, cost_s=tuple(tuple(row) for row in m.tolist())))
+            rows = term_array(m).tolist()
+            added = (m, Edge(src=s, dst=d, cost_s=tuple(tuple(row) for row in rows)))
         current[key] = added
         edges.append(added[1])
     return Problem(nodes=nodes, edges=tuple(edges), tied=base.tied)
@@ -206,7 +264,7 @@ def trivial_floor(
         e = first.get(pair)
         key = ("e", pair, id(m))
         if key not in sums:
-            table = m if e is None else cost_matrix(e.cost_s) + m
+            table = term_array(m) if e is None else cost_matrix(e.cost_s) + term_array(m)
             sums[key] = (float(np.min(table)), m)
         parts.append(sums[key][0])
         if e is not None:
@@ -230,11 +288,11 @@ class PatternTerms:
             for n, v in extra.items():
                 sizes[("n", n)] = np.size(v)
             for key, m in extra_edges.items():
-                sizes[("e", key)] = np.size(m)
+                sizes[("e", key)] = m.size if isinstance(m, Scaled) else np.size(m)
         keys = sorted(sizes)
         column = {key: b for b, key in enumerate(keys)}
         self.sizes = [sizes[key] for key in keys]
-        self.distinct: list[list[np.ndarray]] = [[] for _ in keys]
+        self.distinct: list[list[np.ndarray | Scaled]] = [[] for _ in keys]
         self.index = np.full((len(terms), len(keys)), -1, dtype=np.intp)
         found: dict[tuple, list[tuple[int, np.ndarray]]] = {}
         seen: dict[tuple[int, int], int] = {}  # (block, id of a term's array) -> distinct
@@ -244,6 +302,17 @@ class PatternTerms:
                     b = column[tag, key]
                     d = seen.get((b, id(v)), -1)
                     if d >= 0:  # the very object met before (pattern_terms shares them)
+                        self.index[k, b] = d
+                        continue
+                    if isinstance(v, Scaled):  # alike by its tables and copies, kept unmade
+                        met = found.setdefault((b, v.key), [])
+                        if met:
+                            d, table[key] = met[0]
+                        else:
+                            d = len(self.distinct[b])
+                            self.distinct[b].append(v)
+                            met.append((d, v))
+                        seen[b, id(table[key])] = d
                         self.index[k, b] = d
                         continue
                     flat = np.ascontiguousarray(np.ravel(v), dtype=np.float64)
@@ -259,15 +328,30 @@ class PatternTerms:
                     seen[b, id(table[key])] = d
                     self.index[k, b] = d
         self._pair_min: dict[tuple[int, int, int], float] = {}
+        self._made: tuple[int, int, np.ndarray] | None = None  # the last Scaled made, flat
+
+    def _entries(self, b: int, d: int, keep: bool = False) -> np.ndarray:
+        """Block b's distinct array d (-1: zeros) as flat entries; a Scaled one multiplied
+        out (``keep``: the latest so made kept: :meth:`floors` pairs many arrays with one
+        solved pattern's)."""
+        if d < 0:
+            return np.zeros(self.sizes[b])
+        found = self.distinct[b][d]
+        if not isinstance(found, Scaled):
+            return found
+        if self._made is not None and self._made[:2] == (b, d):
+            return self._made[2]
+        made = np.ravel(found.array())
+        if keep:
+            self._made = (b, d, made)
+        return made
 
     def _min_difference(self, b: int, p: int, q: int) -> float:
         """min over block b's entries of (distinct array p - distinct array q), -1 = zeros."""
         key = (b, p, q)
         found = self._pair_min.get(key)
         if found is None:
-            zeros = np.zeros(self.sizes[b])
-            first = self.distinct[b][p] if p >= 0 else zeros
-            second = self.distinct[b][q] if q >= 0 else zeros
+            first, second = self._entries(b, p), self._entries(b, q, keep=True)
             with np.errstate(invalid="ignore"):  # inf - inf: nan, as in the dense matrix
                 found = self._pair_min[key] = float(np.min(first - second))
         return found
@@ -321,7 +405,7 @@ def pattern_table(
     key = (lam, tuple(patterns))
     if _TABLE and _TABLE[0][0] is problem.segments and _TABLE[0][1] == key:
         return _TABLE[0][2], _TABLE[0][3]
-    terms = [pattern_terms(problem, lam, pattern, cache) for pattern in patterns]
+    terms = [pattern_terms(problem, lam, pattern, cache, lazy=True) for pattern in patterns]
     table = PatternTerms([(t[2], t[3]) for t in terms])
     _TABLE[:] = [(problem.segments, key, terms, table)]
     return terms, table

@@ -8,11 +8,19 @@ import dataclasses
 import math
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from solver.lagrangian import priced, recompute_patterns
-from solver.pattern_bounds import pattern_problem, pattern_terms
+from solver.pattern_bounds import (
+    PatternTerms,
+    Scaled,
+    pattern_problem,
+    pattern_terms,
+    term_array,
+    trivial_floor,
+)
 from solver.problem import Node, Problem, Segment, SegmentEdge
 from tests.unit.test_lagrangian import budgeted_problems
 
@@ -47,22 +55,59 @@ def _same(got: dict, want: dict) -> bool:
     )
 
 
+@pytest.mark.parametrize("lazy", [False, True])
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(budgeted_problems(), st.floats(0.0, 2.0), st.floats(0.0, 3.0), st.randoms())
-def test_cached_terms_equal_the_plain_ones_bitwise(problem, lam, other, rng):
+@given(budgeted_problems(), st.floats(0.0, 2.0), st.floats(0.0, 3.0), st.randoms(), st.data())
+def test_cached_terms_equal_the_plain_ones_bitwise(lazy, problem, lam, other, rng, data):
+    """Also ``lazy`` (edge terms held as Scaled): multiplied out, the same floats, their least
+    entry the plain array's; an edge's term is the very object at every multiplier."""
+    problem = _with_segment_edges(problem, data)
     patterns = recompute_patterns(problem) or []
     cache: dict = {}
+    edges_formed: dict = {}
     for multiplier in (lam, other, lam):
         order = list(patterns) * 2  # every pattern twice: the second time from the cache
         rng.shuffle(order)
         formed: dict = {}
         for pattern in order:
-            got = pattern_terms(problem, multiplier, pattern, cache)
+            got = pattern_terms(problem, multiplier, pattern, cache, lazy=lazy)
             want = _plain_terms(problem, multiplier, pattern)
             assert got[0] == want[0] and got[1] == want[1]
             assert _same(got[2], want[2]) and _same(got[3], want[3])
             for n, v in got[2].items():  # a pattern formed alike shares the very object
                 assert formed.setdefault(pattern, {}).setdefault(n, v) is v
+            for key, m in got[3].items():
+                assert isinstance(m, Scaled) == lazy
+                assert edges_formed.setdefault((pattern, key), m) is m
+                if lazy:
+                    assert m.least == float(np.min(want[3][key]))
+                    assert term_array(m).tobytes() == np.asarray(want[3][key]).tobytes()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(budgeted_problems(), st.floats(0.0, 2.0), st.data())
+def test_lazy_terms_give_the_plain_terms_floors_and_problems_bitwise(problem, lam, data):
+    """Every consumer of pattern_table's lazy terms (PatternTerms' floors, trivial_floor,
+    pattern_problem) gives what it gives on the terms multiplied out, bit for bit."""
+    problem = _with_segment_edges(problem, data)
+    patterns = recompute_patterns(problem) or []
+    base = priced(dataclasses.replace(problem, segments=()), lam)
+    lazy = [pattern_terms(problem, lam, p, {}, lazy=True) for p in patterns]
+    plain = [pattern_terms(problem, lam, p) for p in patterns]
+    held_lazy: dict = {}
+    held_plain: dict = {}
+    for a, b in zip(lazy, plain, strict=True):
+        assert a[0] == b[0]
+        assert trivial_floor(base, a[2], a[3], held_lazy) == trivial_floor(
+            base, b[2], b[3], held_plain
+        )
+        got, want = pattern_problem(base, a[2], a[3]), pattern_problem(base, b[2], b[3])
+        assert got.nodes == want.nodes and _edge_bits(got) == _edge_bits(want)
+    tables = [PatternTerms([(t[2], t[3]) for t in terms]) for terms in (lazy, plain)]
+    for k in range(len(patterns)):
+        value = data.draw(st.floats(-5.0, 5.0))
+        got, want = (table.floors(k, value) for table in tables)
+        assert got.tobytes() == want.tobytes()
 
 
 def _edge_bits(problem: Problem) -> list:
@@ -152,3 +197,26 @@ def test_rows_and_tables_shared_by_segments_become_one_array() -> None:
     assert first[1][0][1] is second[1][0][1]  # the table: one array
     assert first[0][0][1] is second[0][0][1] and first[0][0][2] is second[0][0][2]
     assert len(cache["arrays"]) == 3  # row, other, table
+
+
+def test_scaled_terms_alike_only_with_the_same_tables_and_copies() -> None:
+    """PatternTerms holds a Scaled term unmade, one per tables and copies: a term of the same
+    table at other copies is another array (its floors those of the arrays multiplied out),
+    one of the same table and copies becomes the first such object."""
+    table = np.array([[0.5, -1.0], [2.0, 0.25]])
+    other = table.copy()  # equal entries, another table: kept apart (only sharing is lost)
+    scaled = [
+        Scaled(((1, table),), None),
+        Scaled(((3, table),), None),
+        Scaled(((3, table),), None),
+        Scaled(((3, other),), None),
+        Scaled(((1, table), (2, other)), None),
+    ]
+    lazy = [({}, {(0, 1): m}) for m in scaled]
+    plain = [({}, {(0, 1): term_array(m)}) for m in scaled]
+    got, want = PatternTerms(lazy), PatternTerms(plain)
+    assert lazy[2][1][(0, 1)] is scaled[1] and lazy[3][1][(0, 1)] is scaled[3]
+    assert len(got.distinct[0]) == 4
+    for k in range(len(scaled)):
+        assert got.floors(k, 1.0).tobytes() == want.floors(k, 1.0).tobytes()
+    assert [m.least for m in scaled] == [float(np.min(term_array(m))) for m in scaled]
