@@ -117,11 +117,18 @@ def derived_bound(
     )
 
 
-def fitting_step(problem: Problem, choices: tuple[int, ...]) -> float | None:
+def fitting_step(
+    problem: Problem, choices: tuple[int, ...], try_first: tuple[int, ...] | None = None
+) -> float | None:
     """The step time of the plan ``choices`` of ``problem`` with its fastest recomputation, when
     its tie classes choose alike and it fits the budget (a proof that the problem is feasible
-    at its tie level), else None."""
+    at its tie level), else None. ``try_first``: recomputed copies per segment tried before
+    the fastest recomputation's MIP (the plan's own in another ZeRO configuration, whose
+    segments this problem shares): where they fit, the step with them (a proof all the same,
+    not always the fastest; llama3-70b b256 fp32: six MIPs, 0.65 s, made no more)."""
+    from solver.checkpointing import counts_allowed
     from solver.lagrangian import fit_recompute  # solver.lagrangian is the heavier import
+    from solver.presolve import plan_objective_s, plan_peak_memory_bytes
 
     if len(choices) != len(problem.nodes) or any(
         not 0 <= c < node.num_choices for node, c in zip(problem.nodes, choices, strict=True)
@@ -129,5 +136,12 @@ def fitting_step(problem: Problem, choices: tuple[int, ...]) -> float | None:
         return None
     if any(len({choices[i] for i in members}) != 1 for members in problem.tied):
         return None
+    if (
+        try_first is not None
+        and len(try_first) == len(problem.segments)
+        and counts_allowed(problem.segments, try_first)
+        and plan_peak_memory_bytes(problem, choices, try_first) <= problem.memory_budget_bytes
+    ):
+        return plan_objective_s(problem, choices, try_first)
     fitted = fit_recompute(problem, choices)
     return None if fitted is None else fitted[1]

@@ -297,18 +297,24 @@ class ConfigurationSolver:
         }
 
     def derived_bound(
-        self, zero: ZeroConfig, budget: float, plan: tuple[int, ...]
+        self,
+        zero: ZeroConfig,
+        budget: float,
+        plan: tuple[int, ...],
+        recomputed: tuple[int, ...] | None = None,
     ) -> tuple[float, float | None]:
         """A lower bound on ``zero``'s step under the budget (at the tightest tie level) derived
         from the bounds of the configurations relaxed or bounded before, with no solve
         (solver.derived_bounds; -inf where none applies), and the step of ``plan`` (the best
         plan's solver choices) in ``zero``'s problem when it fits there (None: no proof that
-        the tie level is feasible, so the bound is not to be used)."""
+        the tie level is feasible, so the bound is not to be used), with ``recomputed`` (the
+        plan's recomputed copies where it was found) where they fit, else its fastest
+        recomputation (solver.derived_bounds.fitting_step ``try_first``)."""
         problem = self.budgeted_problem(zero, budget)
         arrays = node_arrays(problem) if self.references else None
         bounds = [derived_bound(problem, ref, arrays) for ref in self.references]
         bound = max((b for b in bounds if b is not None), default=-math.inf)
-        return bound, fitting_step(problem, plan) if bound > -math.inf else None
+        return bound, fitting_step(problem, plan, recomputed) if bound > -math.inf else None
 
     def _keep_reference(self, problem: solver.Problem, multiplier: float, bound: float) -> None:
         """Keep ``bound`` (on ``problem``'s D at ``multiplier``) as a reference, sharing the

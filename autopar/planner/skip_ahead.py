@@ -191,7 +191,9 @@ def bound_derived(
     or the best plan does not fit ``zero``'s problem (no proof that its tightest tie level is
     feasible: see :func:`bound_priced`)."""
     start = time.perf_counter()
-    bound, fits = configurations.derived_bound(zero, budget, best.solution.choices)
+    bound, fits = configurations.derived_bound(
+        zero, budget, best.solution.choices, best.solution.recomputed
+    )
     if bound > -math.inf:
         report(
             f"bound ZeRO {zero.label(configurations.space.mesh.axis_names)} derived: "

@@ -15,6 +15,7 @@ import solver.shrink as shrink
 from solver import InfeasibleError, Node, Problem, solve
 from solver.budgeted import Recorded, Warm, priced_bound
 from solver.derived_bounds import derived_bound, fitting_step, reference
+from solver.problem import Segment
 from tests.unit.test_budget_stops import assert_bounds_optimum
 from tests.unit.test_lagrangian import _optimum, budgeted_problems
 
@@ -176,3 +177,24 @@ def test_a_plan_proves_a_tie_level_feasible_only_when_its_classes_choose_alike()
     assert fitting_step(problem, (0, 1, 1)) is None  # splits the class
     assert fitting_step(problem, (0, 0, 1)) is None  # 11 bytes do not fit
     assert fitting_step(problem, (1, 1)) is None  # not a plan of this problem
+
+
+def test_a_plans_own_recomputation_proves_it_fits_when_it_does() -> None:
+    """fitting_step ``try_first``: copies that are allowed and fit give the step with them (a
+    proof, not the fastest); copies that do not fit, exceed a segment's, break an overlap
+    clique or do not match the segments fall back to the fastest recomputation."""
+    nodes = (Node(name="a", cost_s=(1.0,), memory_bytes=(10.0,)),)
+    seg = Segment(name="s", nodes=(0,), freed_bytes=((4.0,),), recompute_s=((0.5,),), copies=2)
+    roomy = Problem(nodes=nodes, memory_budget_bytes=10.0, segments=(seg,))
+    assert fitting_step(roomy, (0,)) == 1.0  # nothing recomputed fits
+    assert fitting_step(roomy, (0,), try_first=(2,)) == 2.0  # fits too: taken as it is
+    tight = dataclasses.replace(roomy, memory_budget_bytes=7.0)  # 10 - 2 x 4 + 4 alive again
+    assert fitting_step(tight, (0,)) == 2.0
+    assert fitting_step(tight, (0,), try_first=(1,)) == 2.0  # 10 bytes: does not fit
+    assert fitting_step(tight, (0,), try_first=(3,)) == 2.0  # more copies than it has
+    assert fitting_step(tight, (0,), try_first=(2, 2)) == 2.0  # not one per segment
+    pair = Problem(
+        nodes=nodes, memory_budget_bytes=7.0, segments=(seg, dataclasses.replace(seg, name="t"))
+    )
+    assert fitting_step(pair, (0,), try_first=(2, 2)) == 2.0  # 3.0 breaks their clique
+    assert fitting_step(pair, (0,), try_first=(0, 2)) == 2.0
