@@ -144,9 +144,10 @@ class ConfigurationSolver:
         ``warm_from``: another configuration solved, whose Lagrangian relaxation's multipliers
         (``Solved.warm_multipliers``) start this one's (solver.solve ``warm_multipliers``:
         configurations differ only in parameter costs; any multiplier gives a valid bound).
-        ``free``: this configuration solved without the budget: with no ``warm_from``, its
-        relaxation takes that answer for its priced solve at multiplier 0 instead of making it
-        again (:meth:`_budget_free_record`). ``search`` False: no multiplier search where its
+        ``free``: this configuration solved without the budget: its relaxation takes that
+        answer for its priced solve at multiplier 0 instead of making it again
+        (:meth:`_budget_free_record`), with no ``warm_from`` or beside the priced solves of a
+        bound evaluated at ``warm_from``'s multipliers. ``search`` False: no multiplier search where its
         bound was evaluated at ``warm_from``'s (:meth:`priced_bound`; budgeted.Warm ``search``).
 
         Raises:
@@ -161,7 +162,12 @@ class ConfigurationSolver:
             )
             multipliers, recorded = self._recorded.pop(key, (None, None))
             if recorded is not None and warm is not None and multipliers == tuple(warm):
-                # Its bound was evaluated there (priced_bound): those priced solves are reused.
+                # Its bound was evaluated there (priced_bound): those priced solves are reused,
+                # and its budget-free solve is the relaxation's first, at multiplier 0 (1 s on
+                # the llama3-70b b256 fp32 row's stages (3,3,2)).
+                made = None if free is None else self._budget_free_record(built, problem, free)
+                if made is not None and made.edges is recorded.edges:
+                    recorded.answers.update(made.answers)
                 warm = Warm(warm[0], warm[1], recorded, search)
         else:
             built, problem = self._prepare(zero, budget=budget, spec=spec, tied=tied)
