@@ -26,6 +26,7 @@ save), the sum is 0 and c' inherits c's bound exactly.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -118,14 +119,24 @@ def derived_bound(
 
 
 def fitting_step(
-    problem: Problem, choices: tuple[int, ...], try_first: tuple[int, ...] | None = None
+    problem: Problem, choices: tuple[int, ...], try_first: Sequence[tuple[int, ...]] = ()
 ) -> float | None:
     """The step time of the plan ``choices`` of ``problem`` with its fastest recomputation, when
     its tie classes choose alike and it fits the budget (a proof that the problem is feasible
-    at its tie level), else None. ``try_first``: recomputed copies per segment tried before
-    the fastest recomputation's MIP (the plan's own in another ZeRO configuration, whose
-    segments this problem shares): where they fit, the step with them (a proof all the same,
-    not always the fastest; llama3-70b b256 fp32: six MIPs, 0.65 s, made no more)."""
+    at its tie level), else None; ``try_first``: see :func:`fitting`."""
+    found = fitting(problem, choices, try_first)
+    return None if found is None else found[1]
+
+
+def fitting(
+    problem: Problem, choices: tuple[int, ...], try_first: Sequence[tuple[int, ...]] = ()
+) -> tuple[tuple[int, ...], float] | None:
+    """:func:`fitting_step`'s recomputed copies per segment and step. ``try_first``: copies
+    tried in order before the fastest recomputation's MIP (the plan's own in another ZeRO
+    configuration, whose segments this problem shares; those another configuration's MIP
+    found): the first allowed by every overlap clique and within the budget is taken, with
+    its step (a proof all the same, not always the fastest: llama3-70b b256 fp32 bounds six
+    configurations on the best plan, and five of their MIPs, 0.5 s, are made no more)."""
     from solver.checkpointing import counts_allowed
     from solver.lagrangian import fit_recompute  # solver.lagrangian is the heavier import
     from solver.presolve import plan_objective_s, plan_peak_memory_bytes
@@ -136,12 +147,11 @@ def fitting_step(
         return None
     if any(len({choices[i] for i in members}) != 1 for members in problem.tied):
         return None
-    if (
-        try_first is not None
-        and len(try_first) == len(problem.segments)
-        and counts_allowed(problem.segments, try_first)
-        and plan_peak_memory_bytes(problem, choices, try_first) <= problem.memory_budget_bytes
-    ):
-        return plan_objective_s(problem, choices, try_first)
-    fitted = fit_recompute(problem, choices)
-    return None if fitted is None else fitted[1]
+    for recomputed in try_first:
+        if (
+            len(recomputed) == len(problem.segments)
+            and counts_allowed(problem.segments, recomputed)
+            and plan_peak_memory_bytes(problem, choices, recomputed) <= problem.memory_budget_bytes
+        ):
+            return tuple(recomputed), plan_objective_s(problem, choices, recomputed)
+    return fit_recompute(problem, choices)

@@ -39,7 +39,7 @@ from autopar.planner.solve_log import log_entry as log_entry
 from autopar.planner.tying import repeated_blocks
 from autopar.planner.zero_pricing import ZeroStreams, problem_streams
 from solver.budgeted import Recorded, Warm, budget_free_record, priced_bound
-from solver.derived_bounds import Reference, derived_bound, fitting_step, node_arrays, reference
+from solver.derived_bounds import Reference, derived_bound, fitting, node_arrays, reference
 from solver.errors import stop_reason
 from solver.parallel import solve_all
 from solver.presolve import plan_objective_s
@@ -106,6 +106,8 @@ class ConfigurationSolver:
         self._built: dict[tuple[ZeroConfig, float], tuple[BuiltProblem, solver.Problem]] = {}
         """Budgeted problems built, kept past :meth:`release` (llama3-70b b256: 8 take 65 MB)."""
         self._recorded: dict[tuple[ZeroConfig, float], tuple[tuple[float, float], Recorded]] = {}
+        self._fitted: list[tuple[int, ...]] = []
+        """The recomputed copies of the last fits :meth:`derived_bound` made (tried first)."""
         """Per kept problem: the multipliers its bound was evaluated at, and its priced solves
         (solver.budgeted.Recorded), for its relaxation to start from (:meth:`solve`)."""
         self._segments: dict[tuple, tuple] = {}
@@ -314,13 +316,20 @@ class ConfigurationSolver:
         (solver.derived_bounds; -inf where none applies), and the step of ``plan`` (the best
         plan's solver choices) in ``zero``'s problem when it fits there (None: no proof that
         the tie level is feasible, so the bound is not to be used), with ``recomputed`` (the
-        plan's recomputed copies where it was found) where they fit, else its fastest
-        recomputation (solver.derived_bounds.fitting_step ``try_first``)."""
+        plan's recomputed copies where it was found) or the copies an earlier configuration's
+        fit found where they fit, else its fastest recomputation (solver.derived_bounds.fitting
+        ``try_first``)."""
         problem = self.budgeted_problem(zero, budget)
         arrays = node_arrays(problem) if self.references else None
         bounds = [derived_bound(problem, ref, arrays) for ref in self.references]
         bound = max((b for b in bounds if b is not None), default=-math.inf)
-        return bound, fitting_step(problem, plan, recomputed) if bound > -math.inf else None
+        if bound == -math.inf:
+            return bound, None
+        tries = [r for r in (recomputed, *reversed(self._fitted)) if r is not None]
+        found = fitting(problem, plan, tries)
+        if found is not None and found[0] not in tries:
+            self._fitted = [*self._fitted[-1:], found[0]]  # the last two fits' copies
+        return bound, None if found is None else found[1]
 
     def _keep_reference(self, problem: solver.Problem, multiplier: float, bound: float) -> None:
         """Keep ``bound`` (on ``problem``'s D at ``multiplier``) as a reference, sharing the

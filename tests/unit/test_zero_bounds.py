@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import solver.shrink as shrink
 from solver import InfeasibleError, Node, Problem, solve
 from solver.budgeted import Recorded, Warm, priced_bound
-from solver.derived_bounds import derived_bound, fitting_step, reference
+from solver.derived_bounds import derived_bound, fitting, fitting_step, reference
 from solver.problem import Segment
 from tests.unit.test_budget_stops import assert_bounds_optimum
 from tests.unit.test_lagrangian import _optimum, budgeted_problems
@@ -187,14 +187,17 @@ def test_a_plans_own_recomputation_proves_it_fits_when_it_does() -> None:
     seg = Segment(name="s", nodes=(0,), freed_bytes=((4.0,),), recompute_s=((0.5,),), copies=2)
     roomy = Problem(nodes=nodes, memory_budget_bytes=10.0, segments=(seg,))
     assert fitting_step(roomy, (0,)) == 1.0  # nothing recomputed fits
-    assert fitting_step(roomy, (0,), try_first=(2,)) == 2.0  # fits too: taken as it is
+    assert fitting_step(roomy, (0,), try_first=[(2,)]) == 2.0  # fits too: taken as it is
     tight = dataclasses.replace(roomy, memory_budget_bytes=7.0)  # 10 - 2 x 4 + 4 alive again
     assert fitting_step(tight, (0,)) == 2.0
-    assert fitting_step(tight, (0,), try_first=(1,)) == 2.0  # 10 bytes: does not fit
-    assert fitting_step(tight, (0,), try_first=(3,)) == 2.0  # more copies than it has
-    assert fitting_step(tight, (0,), try_first=(2, 2)) == 2.0  # not one per segment
+    assert fitting_step(tight, (0,), try_first=[(1,)]) == 2.0  # 10 bytes: does not fit
+    assert fitting_step(tight, (0,), try_first=[(3,)]) == 2.0  # more copies than it has
+    assert fitting_step(tight, (0,), try_first=[(2, 2)]) == 2.0  # not one per segment
     pair = Problem(
         nodes=nodes, memory_budget_bytes=7.0, segments=(seg, dataclasses.replace(seg, name="t"))
     )
-    assert fitting_step(pair, (0,), try_first=(2, 2)) == 2.0  # 3.0 breaks their clique
-    assert fitting_step(pair, (0,), try_first=(0, 2)) == 2.0
+    assert fitting_step(pair, (0,), try_first=[(2, 2)]) == 2.0  # 3.0 breaks their clique
+    assert fitting_step(pair, (0,), try_first=[(0, 2)]) == 2.0
+    # In order, the first that is allowed and fits; fitting gives its copies too.
+    assert fitting(roomy, (0,), [(3,), (2,), (0,)]) == ((2,), 2.0)
+    assert fitting(tight, (0,), [(1,)]) == ((2,), 2.0)  # the MIP's
