@@ -239,13 +239,21 @@ def _as_problem(
     """``plans`` (strategy indices per space node) in the indices of ``zero``'s budgeted
     problem; a plan using a strategy the problem does not offer is left out."""
     allowed = configurations.built_problem(zero, budget).allowed
-    position = [{s: j for j, s in enumerate(a)} for a in allowed]
     out = []
     for plan in plans:
-        mapped = [p.get(c) for p, c in zip(position, plan, strict=True)]
+        mapped = [_position(a, c) for a, c in zip(allowed, plan, strict=True)]
         if None not in mapped:
             out.append(tuple(mapped))
     return out
+
+
+def _position(allowed: tuple[int, ...], s: int) -> int | None:
+    """Where strategy ``s`` is in a node's ``allowed`` strategies (distinct), None where it is
+    not: mostly every strategy, in order, so at ``s`` itself (a dict per node of the 6,346
+    took 0.8 s of llama3-70b's seeds)."""
+    if s < len(allowed) and allowed[s] == s:
+        return s
+    return allowed.index(s) if s in allowed else None
 
 
 def _solved(

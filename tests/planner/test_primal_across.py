@@ -7,10 +7,13 @@ gap; and the plan chosen is the one chosen without the seed. No time limit is in
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from autopar.capture.export import capture
 from autopar.mesh import Mesh
 from autopar.options import PlanOptions
+from autopar.planner.primal import _position
 from solver.problem import gap_floor
 from tests.models import tiny_gpt
 
@@ -256,3 +259,12 @@ def test_what_the_bounds_shared_is_dropped_when_the_search_ends(monkeypatch) -> 
     assert solved.evaluation.peak_memory_bytes <= BUDGET
     assert seen == [True]  # the search kept some, and dropped them at its end
     assert not checkpointing._CONTRACTED and not pattern_bounds._TABLE
+
+
+@given(st.lists(st.integers(0, 12), unique=True, max_size=10), st.integers(0, 14))
+def test_a_strategy_is_found_where_a_node_allows_it(allowed: list[int], s: int) -> None:
+    """primal._position: the index of ``s`` among a node's allowed strategies (distinct, in
+    any order), None where it is not one of them; every strategy in order at ``s`` itself."""
+    want = {c: j for j, c in enumerate(allowed)}.get(s)
+    assert _position(tuple(allowed), s) == want
+    assert _position(tuple(range(13)), s) == (s if s < 13 else None)
