@@ -17,15 +17,17 @@ from solver.shrink import solve
 
 def forget_kept() -> None:
     """Drop what the solves of one search keep for the next on the same segments (the
-    contracted segments, the last pattern terms and lower bounds): a search calls it when it
-    ends."""
+    contracted segments, the last pattern terms and lower bounds, the last problems' priced
+    arrays): a search calls it when it ends."""
     from solver.checkpointing import forget_contracted
     from solver.kept_lowers import forget_lowers
     from solver.pattern_bounds import forget_table
+    from solver.pricing import forget_pricing
 
     forget_contracted()
     forget_table()
     forget_lowers()
+    forget_pricing()
 
 
 __all__ = [

@@ -328,7 +328,7 @@ def priced_bound(
 
     def separable(lam: float, pricing: Pricing | None = None) -> float:
         # The relaxation's separable evaluation at ``lam`` (the same priced problem).
-        choices, _, lower = solve_free(priced(problem, lam, pricing or Pricing(problem)))
+        choices, _, lower = solve_free(priced(problem, lam, pricing or Pricing.of(problem)))
         bound = bound_of(lower, lam, [choices])
         if record is not None:
             record.bounds[lam] = max(record.bounds.get(lam, -math.inf), bound)
@@ -341,7 +341,7 @@ def priced_bound(
         return bound, min(steps, default=None)
     bound, known = -math.inf, None
     if separable_multiplier is not None and target is not None:
-        lam, pricing = separable_multiplier, Pricing(problem)
+        lam, pricing = separable_multiplier, Pricing.of(problem)
         known = _known_under(problem, pricing, lam, plans, target - lam * constant)
         if known is None:
             bound = separable(lam, pricing)

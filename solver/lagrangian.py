@@ -339,7 +339,7 @@ def relax(
     seen: dict[float, list[float]] = {}  # per multiplier: a lower bound per pattern
     tangents: dict[float, tuple[float, float]] = {}  # separable D: lam -> (D(lam), slope)
     cache: dict = {}  # the segments as arrays (pattern_terms)
-    pricing = Pricing(problem)  # the separable phase's arrays, converted once
+    pricing = Pricing.of(problem)  # the separable phase's arrays, converted once
 
     def evaluate(lam: float, give_up: bool = False) -> tuple[float, float, bool]:
         """A priced plan's value at lam, the slope of its line above D (relaxed peak -

@@ -53,6 +53,18 @@ class Pricing:
     node), converted once for the many multipliers of one search: :func:`priced` then forms
     the same floats as converting every node's tuples at each multiplier."""
 
+    @classmethod
+    def of(cls, problem: Problem) -> Pricing:
+        """The Pricing of ``problem``, the last two made this way kept by the problem's
+        identity (held): a configuration's priced bound and the relaxation after it share one
+        (0.15 s per conversion on the llama3-70b b256 row). Its arrays are only read."""
+        for held, pricing in _KEPT:
+            if held is problem:
+                return pricing
+        pricing = cls(problem)
+        _KEPT[:] = [*_KEPT[-1:], (problem, pricing)]
+        return pricing
+
     def __init__(self, problem: Problem) -> None:
         self.cost, self.memory, starts = node_arrays(problem)
         self.starts = starts.astype(np.intp, copy=False)
@@ -91,3 +103,12 @@ class Pricing:
         except InfeasibleError:
             return math.inf
         return math.fsum(total[self.starts[:-1] + picked].tolist() + edges)
+
+
+_KEPT: list[tuple[Problem, Pricing]] = []
+"""The last two :meth:`Pricing.of` answers, with their problems (held)."""
+
+
+def forget_pricing() -> None:
+    """Drop the Pricings :meth:`Pricing.of` keeps (the end of a search)."""
+    _KEPT.clear()

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from solver import Node, Problem
-from solver.pricing import Pricing, node_arrays
+from solver.pricing import Pricing, forget_pricing, node_arrays
 from solver.problem import Segment
 
 _values = st.floats(0.0, 1e12, allow_nan=False) | st.integers(0, 2**62)
@@ -75,3 +75,25 @@ def test_the_flat_arrays_are_the_tuples_converted_one_by_one(problem) -> None:
     for got, want in zip(pricing.segments, segments, strict=True):
         for a, b in zip(got, want, strict=True):
             assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
+
+
+@settings(max_examples=20, deadline=None)
+@given(problems(), problems())
+def test_pricing_of_a_problem_is_kept_for_that_very_problem(first, second) -> None:
+    """Pricing.of: the same object for the very same problem (the last two kept), its arrays
+    Pricing's; an equal problem that is another object gets its own; forget_pricing drops
+    them."""
+    forget_pricing()
+    kept = Pricing.of(first)
+    assert Pricing.of(first) is kept
+    fresh = Pricing(first)
+    assert kept.cost.tobytes() == fresh.cost.tobytes()
+    assert kept.memory.tobytes() == fresh.memory.tobytes()
+    assert kept.starts.tobytes() == fresh.starts.tobytes()
+    other = Pricing.of(second)
+    assert other is not kept and Pricing.of(first) is kept and Pricing.of(second) is other
+    copy = Problem(nodes=first.nodes, edges=first.edges, segments=first.segments)
+    assert Pricing.of(copy) is not kept  # the third: the first is dropped
+    assert Pricing.of(first) is not kept
+    forget_pricing()
+    assert Pricing.of(second) is not other
