@@ -25,6 +25,7 @@ from autopar.planner.checkpointing import (
     solver_segments,
     with_segments,
 )
+from autopar.planner.free_record import budget_free_answer
 from autopar.planner.problem import (
     BuiltProblem,
     ProblemMemo,
@@ -38,11 +39,10 @@ from autopar.planner.solve_log import Solved as Solved  # driver, zero_search, p
 from autopar.planner.solve_log import log_entry as log_entry
 from autopar.planner.tying import repeated_blocks
 from autopar.planner.zero_pricing import ZeroStreams, problem_streams
-from solver.budgeted import Recorded, Warm, budget_free_record, priced_bound
+from solver.budgeted import Recorded, Warm, priced_bound
 from solver.derived_bounds import Reference, derived_bound, fitting, node_arrays, reference
 from solver.errors import stop_reason
 from solver.parallel import solve_all
-from solver.presolve import plan_objective_s
 from solver.primal import Fitted
 
 Ties = Sequence[tuple[tuple[int, ...], ...]]
@@ -148,7 +148,7 @@ class ConfigurationSolver:
         configurations differ only in parameter costs; any multiplier gives a valid bound).
         ``free``: this configuration solved without the budget: its relaxation takes that
         answer for its priced solve at multiplier 0 instead of making it again
-        (:meth:`_budget_free_record`), with no ``warm_from`` or beside the priced solves of a
+        (autopar/planner/free_record.py), with no ``warm_from`` or beside the priced solves of a
         bound evaluated at ``warm_from``'s multipliers. ``search`` False: no multiplier search where its
         bound was evaluated at ``warm_from``'s (:meth:`priced_bound`; budgeted.Warm ``search``).
 
@@ -167,14 +167,14 @@ class ConfigurationSolver:
                 # Its bound was evaluated there (priced_bound): those priced solves are reused,
                 # and its budget-free solve is the relaxation's first, at multiplier 0 (1 s on
                 # the llama3-70b b256 fp32 row's stages (3,3,2)).
-                made = None if free is None else self._budget_free_record(built, problem, free)
+                made = None if free is None else budget_free_answer(built, problem, free)
                 if made is not None and made.edges is recorded.edges:
                     recorded.answers.update(made.answers)
                 warm = Warm(warm[0], warm[1], recorded, search)
         else:
             built, problem = self._prepare(zero, budget=budget, spec=spec, tied=tied)
         if warm is None and free is not None and budget is not None and tied is self.tied:
-            record = self._budget_free_record(built, problem, free)
+            record = budget_free_answer(built, problem, free)
             warm = None if record is None else Warm(0.0, 0.0, record)
         try:
             solution = solver.solve(
@@ -209,30 +209,6 @@ class ConfigurationSolver:
                 problem, details["lagrangian_multiplier"], details["lagrangian_bound_s"]
             )
         return self._finish(zero, name, built, problem, solution)
-
-    def _budget_free_record(
-        self, built: BuiltProblem, problem: solver.Problem, free: Solved
-    ) -> Recorded | None:
-        """``free`` (the configuration solved without the budget, at the same tie level) as
-        the answer of ``problem`` priced at multiplier 0 (solver.budgeted.budget_free_record),
-        or None where its plan is not one of ``problem``'s at the same seconds (another
-        configuration's, or strategies the budgeted problem leaves out). The budget-free
-        problem has the budgeted one's seconds, edges and tie classes; its optimum is the
-        relaxation's first evaluation, which otherwise solves it again (0.3-0.5 s on llama3-8b
-        b32 s8192)."""
-        sol = free.solution
-        if free.zero != built.zero:
-            return None
-        try:
-            choices = tuple(
-                allowed.index(c) for allowed, c in zip(built.allowed, free.choice, strict=True)
-            )
-        except ValueError:
-            return None
-        if not math.isclose(plan_objective_s(problem, choices), sol.objective_s, rel_tol=1e-12):
-            return None
-        answer = (choices, sol.objective_s, sol.bound_s, sol.num_variables, sol.num_constraints)
-        return budget_free_record(problem, answer)
 
     def budgeted_problem(self, zero: ZeroConfig, budget: float) -> solver.Problem:
         """The solver problem of ``zero`` under ``budget`` at the tightest tie level, built once
