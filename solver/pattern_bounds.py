@@ -113,8 +113,8 @@ def pattern_terms(
     dict kept across calls on one problem (the segments as arrays, and at the latest
     multiplier each node's and edge's term by what forms it: patterns that recompute the
     same segments there with the same copies get the very same array object; the edges'
-    terms, which lam does not change, at every multiplier). ``lazy``: an edge term one segment
-    alone forms is a :class:`Scaled` (its consumers read it through :func:`term_array`)."""
+    terms, which lam does not change, at every multiplier). ``lazy``: every edge term is a
+    :class:`Scaled` (its consumers read it through :func:`term_array`)."""
     on = [k for k, r in enumerate(pattern) if r]
     arrays = {k: _segment_arrays(problem, k, cache) for k in on}
     alive = max(on, key=lambda k: arrays[k][2]) if on else None
