@@ -106,10 +106,10 @@ class ConfigurationSolver:
         self._built: dict[tuple[ZeroConfig, float], tuple[BuiltProblem, solver.Problem]] = {}
         """Budgeted problems built, kept past :meth:`release` (llama3-70b b256: 8 take 65 MB)."""
         self._recorded: dict[tuple[ZeroConfig, float], tuple[tuple[float, float], Recorded]] = {}
-        self._fitted: list[tuple[int, ...]] = []
-        """The recomputed copies of the last fits :meth:`derived_bound` made (tried first)."""
         """Per kept problem: the multipliers its bound was evaluated at, and its priced solves
         (solver.budgeted.Recorded), for its relaxation to start from (:meth:`solve`)."""
+        self._fitted: list[tuple[int, ...]] = []
+        """The recomputed copies of the last fits :meth:`derived_bound` made (tried first)."""
         self._segments: dict[tuple, tuple] = {}
         """The solver segments of the latest allowed strategies (:meth:`_prepare`)."""
         self.references: list[Reference] = []
@@ -148,9 +148,10 @@ class ConfigurationSolver:
         configurations differ only in parameter costs; any multiplier gives a valid bound).
         ``free``: this configuration solved without the budget: its relaxation takes that
         answer for its priced solve at multiplier 0 instead of making it again
-        (autopar/planner/free_record.py), with no ``warm_from`` or beside the priced solves of a
-        bound evaluated at ``warm_from``'s multipliers. ``search`` False: no multiplier search where its
-        bound was evaluated at ``warm_from``'s (:meth:`priced_bound`; budgeted.Warm ``search``).
+        (autopar/planner/free_record.py), with no ``warm_from`` or beside the priced solves of
+        a bound evaluated at ``warm_from``'s multipliers. ``search`` False: no multiplier
+        search where its bound was evaluated at ``warm_from``'s (:meth:`priced_bound`;
+        budgeted.Warm ``search``).
 
         Raises:
             solver.InfeasibleBudgetError: nothing fits even untied (``min_budget_bytes`` set).
