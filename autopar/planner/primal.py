@@ -51,6 +51,7 @@ from collections.abc import Callable, Collection, Sequence
 import solver
 from autopar.planner.checkpointing import chosen_segments, with_segments
 from autopar.planner.configurations import ConfigurationSolver, Solved
+from autopar.planner.free_record import solver_choices
 from autopar.planner.problem import ZeroConfig, evaluate
 from solver.ilp import resolve_backend
 from solver.primal import MAX_STEPS, Fitted, best_fit, byte_price, search
@@ -238,22 +239,9 @@ def _as_problem(
 ) -> list[tuple[int, ...]]:
     """``plans`` (strategy indices per space node) in the indices of ``zero``'s budgeted
     problem; a plan using a strategy the problem does not offer is left out."""
-    allowed = configurations.built_problem(zero, budget).allowed
-    out = []
-    for plan in plans:
-        mapped = [_position(a, c) for a, c in zip(allowed, plan, strict=True)]
-        if None not in mapped:
-            out.append(tuple(mapped))
-    return out
-
-
-def _position(allowed: tuple[int, ...], s: int) -> int | None:
-    """Where strategy ``s`` is in a node's ``allowed`` strategies (distinct), None where it is
-    not: mostly every strategy, in order, so at ``s`` itself (a dict per node of the 6,346
-    took 0.8 s of llama3-70b's seeds)."""
-    if s < len(allowed) and allowed[s] == s:
-        return s
-    return allowed.index(s) if s in allowed else None
+    built = configurations.built_problem(zero, budget)
+    mapped = [solver_choices(built, plan) for plan in plans]
+    return [m for m in mapped if m is not None]
 
 
 def _solved(

@@ -13,8 +13,9 @@ from hypothesis import strategies as st
 from autopar.capture.export import capture
 from autopar.mesh import Mesh
 from autopar.options import PlanOptions
-from autopar.planner.primal import _position
-from solver.problem import gap_floor
+from autopar.planner.free_record import solver_choices
+from autopar.planner.problem import BuiltProblem, ZeroConfig
+from solver.problem import Problem, gap_floor
 from tests.models import tiny_gpt
 
 BUDGET = 2_500_000  # binds: stage 0 does not fit (the tiny-gpt-2-zero stored case)
@@ -261,10 +262,22 @@ def test_what_the_bounds_shared_is_dropped_when_the_search_ends(monkeypatch) -> 
     assert not checkpointing._CONTRACTED and not pattern_bounds._TABLE
 
 
-@given(st.lists(st.integers(0, 12), unique=True, max_size=10), st.integers(0, 14))
-def test_a_strategy_is_found_where_a_node_allows_it(allowed: list[int], s: int) -> None:
-    """primal._position: the index of ``s`` among a node's allowed strategies (distinct, in
-    any order), None where it is not one of them; every strategy in order at ``s`` itself."""
-    want = {c: j for j, c in enumerate(allowed)}.get(s)
-    assert _position(tuple(allowed), s) == want
-    assert _position(tuple(range(13)), s) == (s if s < 13 else None)
+@given(
+    st.lists(st.lists(st.integers(0, 12), unique=True, min_size=1, max_size=10), max_size=4),
+    st.data(),
+)
+def test_a_plan_is_mapped_where_every_node_allows_its_strategy(allowed, data) -> None:
+    """free_record.solver_choices: each node's strategy at its index among the node's allowed
+    strategies (distinct, in any order), None where one node does not allow it; every
+    strategy in order maps to itself."""
+    choice = [data.draw(st.integers(0, 14)) for _ in allowed]
+    built = BuiltProblem(
+        problem=Problem(nodes=()), allowed=tuple(map(tuple, allowed)), zero=ZeroConfig(stages=())
+    )
+    want = [{c: j for j, c in enumerate(a)}.get(s) for a, s in zip(allowed, choice, strict=True)]
+    assert solver_choices(built, choice) == (None if None in want else tuple(want))
+    whole = BuiltProblem(
+        problem=Problem(nodes=()), allowed=(tuple(range(13)),) * 3, zero=ZeroConfig(stages=())
+    )
+    assert solver_choices(whole, (0, 5, 12)) == (0, 5, 12)
+    assert solver_choices(whole, (0, 13, 12)) is None
