@@ -253,6 +253,8 @@ def trivial_floor(
         held["nodes"], held["first"], held["edges"] = node_min, first, edge_min
         held["total"] = math.fsum(node_min) + math.fsum(edge_min[id(e)] for e in base.edges)
         held["sums"] = {}
+    if held["total"] == math.inf:  # an edge allows no pair (or a node no strategy): no plan
+        return math.inf
     node_min, first, edge_min, sums = held["nodes"], held["first"], held["edges"], held["sums"]
     parts = [held["total"]]
     for n, v in extra.items():

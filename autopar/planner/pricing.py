@@ -147,8 +147,8 @@ def bucket_rounding(
     before: 0.24-0.38 of one on the cost-model benchmarks), one where only some are pays
     their part of the rounding. A node cost per input, not a per-bucket term: which
     gradients share a bucket depends on every consumer's layout, which the solver chooses.
-    A ZeRO-3 parameter gives back the bytes' part only (``problem._param_state_of`` says
-    why), so a ZeRO-3 plan still pays the rounding its consumers price.
+    A ZeRO-3 parameter gives back the bytes' part, and its share of the rounding where
+    every use it can have prices it (:func:`rounding_given_back`).
 
     Consumers' cost arrays are replaced, not written in place; nodes that shared an array
     (repeated layers) share the new one. ``skip``: (consumer, input) uses not in the pool, the
@@ -180,12 +180,17 @@ def bucket_rounding(
 
 
 def _bucket_pool(
-    nodes: Sequence, edges: Sequence, mesh: Mesh, skip: frozenset = frozenset()
+    nodes: Sequence,
+    edges: Sequence,
+    mesh: Mesh,
+    skip: frozenset = frozenset(),
+    sources: list[int] | None = None,
 ) -> tuple[list[tuple], list[float]]:
     """The parameter inputs whose gradient some consumer strategy makes Partial: per (consumer,
     input) ``(consumer index, axes, blocks, largest)``: per consumer strategy the mesh axes
     (size > 1) where the gradient is Partial and the input's local bytes, per axis the largest
-    of those bytes where Partial (0 where never); and per axis the sum of the largest bytes."""
+    of those bytes where Partial (0 where never); and per axis the sum of the largest bytes.
+    ``sources``: a list the parameter node of each input is appended to, in the same order."""
     inputs: list[tuple] = []
     total = [0.0] * mesh.ndim
     # The consumers of repeated layers share their strategy lists: each (strategies, input,
@@ -204,7 +209,42 @@ def _bucket_pool(
         partial, blocks, largest = memo[key]
         total = [t + b for t, b in zip(total, largest)]
         inputs.append((edge.dst, partial, blocks, largest))
+        if sources is not None:
+            sources.append(edge.src)
     return inputs, total
+
+
+def rounding_given_back(
+    space, allowed: dict[str, Sequence[int]] | None = None, choice: Sequence[int] | None = None
+) -> dict[str, tuple[float, ...]]:
+    """Per parameter node name (an alias's uses counted on its owner): per mesh axis the
+    last bucket's rounding (:func:`bucket_rounding`'s share per byte of each use's largest
+    Partial block) that its consumers are priced with for certain: by the uses whose every
+    allowed strategy (``allowed`` by consumer name, None: every strategy; ``choice``: the
+    chosen one) makes its gradient Partial there. A parameter ZeRO-3 shards over an axis gives
+    that back (``problem._param_state_of``): its gradient is reduce-scattered in its chunk and
+    joins no bucket there. Where a consumer may leave the gradient whole, the parameter cannot
+    tell whether the rounding was priced (subtracted, a whole gradient's stage 3 would be
+    priced below its all-gathers), so it keeps it: recipes and chosen layouts give back all
+    of it, the auto plan's open problems none (README, "Session 36")."""
+    nodes, mesh = space.nodes, space.mesh
+    share = space.bucket_share_s or (0.0,) * mesh.ndim
+    sources: list[int] = []
+    inputs, _ = _bucket_pool(nodes, space.edges, mesh, space.shared_grad_uses, sources)
+    out: dict[str, list[float]] = {}
+    for (dst, partial, _, largest), src in zip(inputs, sources, strict=True):
+        if choice is not None:
+            certain = set(partial[choice[dst]])
+        else:
+            idx = allowed.get(nodes[dst].name) if allowed else None
+            certain = set.intersection(
+                *(set(partial[t]) for t in (range(len(partial)) if idx is None else idx))
+            )
+        if certain:
+            owner = out.setdefault(nodes[src].alias_of or nodes[src].name, [0.0] * mesh.ndim)
+            for a in certain:
+                owner[a] += share[a] * largest[a]
+    return {name: tuple(values) for name, values in out.items()}
 
 
 def _partial_tables(

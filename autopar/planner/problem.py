@@ -247,20 +247,17 @@ def _param_state_of(
         # where its gradient is Partial (reduced there, sliced elsewhere), never below 0.
         # Stages 1-2 cost no time (their reduce-scatter and refresh move the all-reduce's
         # bytes; zero_choice's pruning).
-        partial, saved = grad
+        partial, saved, given = grad
         reduced = tuple(a for a in param_axes if a in partial)
         stream = streams.get(param_axes, reduced)
         if stream is None:  # a layout the streams did not foresee: a chunk of its own
             stream = stream_price(space, zero, param_axes, reduced, [numel], saved)
         comm = numel * (stream.per_element_s + stream.latency_per_element_s)
         pricer = CommPricer(mesh, None)
-        # Not its part of the last bucket's latency (pricing.bucket_rounding): the consumers
-        # price that only where their layout makes the gradient Partial, which the parameter's
-        # cost cannot see (subtracted here it would make ZeRO-3 of a layout with whole
-        # gradients cheaper than stage 2); so a ZeRO-3 plan still pays it (README, session 13).
+        # Its part of the last bucket's latency only where every use prices it (GradInfo).
         comm -= sum(pricer.grad_sync_s(numel * itemsize, a) for a in reduced) / (
             space.options.accumulation  # as the consumers price it (space.build_space)
-        )
+        ) + sum(given[a] for a in reduced if given)
         comm = max(comm, 0.0)
     return breakdown.total, comm, breakdown
 

@@ -60,6 +60,7 @@ from typing import Any
 
 from autopar.planner.chain_grads import allowed_carried_axes, carried_partial_axes
 from autopar.planner.chunks import DEFAULT_MAX_CHUNK_BYTES, ChunkPricing, pack_chunks
+from autopar.planner.pricing import rounding_given_back
 from autopar.planner.saved_activations import saved_parameters
 
 __all__ = [
@@ -76,9 +77,11 @@ __all__ = [
     "stream_price",
 ]
 
-GradInfo = tuple[tuple[int, ...], bool]
-"""Of a parameter: the mesh axes where its gradient is priced Partial (reduced), and whether
-some backward saves it (its chunk is gathered again in backward)."""
+GradInfo = tuple[tuple[int, ...], bool, tuple[float, ...]]
+"""Of a parameter: the mesh axes where its gradient is priced Partial (reduced), whether
+some backward saves it (its chunk is gathered again in backward), and per mesh axis the
+gradient buckets' rounding its consumers price for certain (``pricing.rounding_given_back``;
+empty: none), which ZeRO-3 gives back on the axes it reduces."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -124,7 +127,7 @@ class ZeroStreams:
 
     def grad_of(self, name: str) -> GradInfo:
         """:data:`GradInfo` of parameter node ``name``; a parameter no op uses: nothing."""
-        return self.grads.get(name, ((), False))
+        return self.grads.get(name, ((), False, ()))
 
     def get(self, axes: tuple[int, ...], partial: tuple[int, ...]) -> StreamPrice | None:
         for stream in self.streams:
@@ -336,10 +339,12 @@ def allowed_partial_axes(
     return {i: tuple(sorted(axes)) for i, axes in out.items()}
 
 
-def _grads(space, partial: dict[int, tuple[int, ...]]) -> dict[str, GradInfo]:
+def _grads(
+    space, partial: dict[int, tuple[int, ...]], given: dict[str, tuple[float, ...]]
+) -> dict[str, GradInfo]:
     saved = saved_param_nodes(space)
     return {
-        node.name: (partial.get(i, ()), node.name in saved)
+        node.name: (partial.get(i, ()), node.name in saved, given.get(node.name, ()))
         for i, node in enumerate(space.nodes)
         if node.kind == "param" and node.alias_of is None
     }
@@ -350,7 +355,7 @@ def chosen_streams(space, choice: Sequence[int], zero) -> ZeroStreams:
     the gradients are Partial, from the consumers' chosen layouts)."""
     if zero.stage < 3:
         return ZeroStreams(streams=())
-    grads = _grads(space, partial_axes(space, choice))
+    grads = _grads(space, partial_axes(space, choice), rounding_given_back(space, choice=choice))
     members: dict[Key, list[tuple[float, bool]]] = {}
     last, last_used = set(), last_used_param(space)
     for node, s in zip(space.nodes, choice):
@@ -358,7 +363,7 @@ def chosen_streams(space, choice: Sequence[int], zero) -> ZeroStreams:
             continue
         axes = gathered_axes(space, node, s, zero)
         if axes:
-            partial, saved = grads[node.name]
+            partial, saved, _ = grads[node.name]
             key = (axes, tuple(a for a in axes if a in partial))
             members.setdefault(key, []).append((float(node.local_numel[s]), saved))
             if node.name == last_used:
@@ -374,7 +379,7 @@ def problem_streams(space, zero, allowed: dict[str, Sequence[int]] | None) -> Ze
         return ZeroStreams(streams=())
     if not allowed:
         return _open_streams(space, zero)
-    grads = _grads(space, allowed_partial_axes(space, allowed))
+    grads = _grads(space, allowed_partial_axes(space, allowed), rounding_given_back(space, allowed))
     members: dict[Key, list[tuple[float, bool]]] = {}
     last, last_used = set(), last_used_param(space)
     for node in space.nodes:
@@ -386,7 +391,7 @@ def problem_streams(space, zero, allowed: dict[str, Sequence[int]] | None) -> Ze
             axes = gathered_axes(space, node, s, zero)
             if axes:
                 largest[axes] = max(largest.get(axes, 0.0), float(node.local_numel[s]))
-        partial, saved = grads[node.name]
+        partial, saved, _ = grads[node.name]
         for axes, numel in largest.items():
             key = (axes, tuple(a for a in axes if a in partial))
             members.setdefault(key, []).append((numel, saved))
@@ -423,7 +428,7 @@ def _open_streams(space, zero) -> ZeroStreams:
                 largest[replicate] = max(largest.get(replicate, 0.0), numel)
             blocks.append((node.name, largest))
         found = cache["open_stream_parts"] = (
-            _grads(space, allowed_partial_axes(space, None)),
+            _grads(space, allowed_partial_axes(space, None), rounding_given_back(space)),
             blocks,
         )
     grads, blocks = found
@@ -435,7 +440,7 @@ def _open_streams(space, zero) -> ZeroStreams:
             axes = tuple(a for a in replicate if zero.stage_of(a) == 3)
             if axes:
                 largest[axes] = max(largest.get(axes, 0.0), numel)
-        partial, saved = grads[name]
+        partial, saved, _ = grads[name]
         for axes, numel in largest.items():
             key = (axes, tuple(a for a in axes if a in partial))
             members.setdefault(key, []).append((numel, saved))

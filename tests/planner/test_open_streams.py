@@ -47,7 +47,10 @@ def _walked(space, zero):  # type: ignore[no-untyped-def]
     parts replace)."""
     from autopar.planner import zero_pricing as zp
 
-    grads = zp._grads(space, zp.allowed_partial_axes(space, None))
+    from autopar.planner.pricing import rounding_given_back
+
+    given = rounding_given_back(space)
+    grads = zp._grads(space, zp.allowed_partial_axes(space, None), given)
     members: dict = {}
     last, last_used = set(), zp.last_used_param(space)  # its streams keep the last chunk
     for node in space.nodes:
@@ -58,7 +61,7 @@ def _walked(space, zero):  # type: ignore[no-untyped-def]
             axes = zp.gathered_axes(space, node, s, zero)
             if axes:
                 largest[axes] = max(largest.get(axes, 0.0), float(node.local_numel[s]))
-        partial, saved = grads[node.name]
+        partial, saved, _ = grads[node.name]
         for axes, numel in largest.items():
             key = (axes, tuple(a for a in axes if a in partial))
             members.setdefault(key, []).append((numel, saved))

@@ -3,7 +3,8 @@
 A chunk costs what its parameters would cost alone, each a chunk of its own, less the latencies
 it saves (one per parameter beyond the first; the chunk kept gathered into backward, which holds
 the parameter the graph uses last, priced kept alone too); the plan prices the fsdp recipe's parameters with
-exactly their chunk's collectives, in place of the bucketed all-reduce they replace; and a
+exactly their chunk's collectives, in place of the bucketed all-reduce they replace (its
+latency included); and a
 parameter joining a stream adds its bytes, not another latency.
 """
 
@@ -18,7 +19,7 @@ import autopar
 from autopar.api import plan_captured
 from autopar.capture.export import capture
 from autopar.options import PlanOptions
-from autopar.planner.pricing import CommPricer
+from autopar.planner.pricing import CommPricer, rounding_given_back
 from autopar.planner.problem import ZeroConfig
 from autopar.planner.zero_pricing import chosen_streams, stream_price
 from tests.models import tiny_mlp
@@ -64,12 +65,17 @@ def test_a_chunk_costs_its_parameters_alone_less_the_latencies_it_saves() -> Non
     alone_s = sum(a.per_chunk_s + a.per_element_s * n for a, n in zip(alone, numels))
     saved_s = (len(numels) - stream.chunks) * stream.per_chunk_s
     assert chunk_s == pytest.approx(alone_s - saved_s, rel=1e-12)
-    # The plan's ZeRO seconds: the chunk, less the bucketed all-reduce it replaces (by bytes:
-    # the last bucket's rounding, pricing.bucket_rounding, stays with the consumers).
+    # The plan's ZeRO seconds: the chunk, less the bucketed all-reduce it replaces, its bytes
+    # and the last bucket's rounding its consumers price (pricing.rounding_given_back): the
+    # parameters' gradients join no bucket, so the step's gradient and ZeRO communication is
+    # the chunk's collectives and nothing else.
     pricer = CommPricer(space.mesh, None)
     replaced = sum(pricer.grad_sync_s(n * 4, 0) for n in numels)
-    zero_s = plan.data["predicted"]["breakdown"]["zero_comm_s"]
-    assert zero_s == pytest.approx(chunk_s - replaced, rel=1e-9)
+    rounding = sum(r[0] for r in rounding_given_back(space, choice=plan.choice).values())
+    assert rounding > 0.1 * pricer.all_reduce_latency_s(0)  # gloo's latency, tiny gradients
+    breakdown = plan.data["predicted"]["breakdown"]
+    assert breakdown["zero_comm_s"] == pytest.approx(chunk_s - replaced - rounding, rel=1e-9)
+    assert breakdown["grad_sync_s"] + breakdown["zero_comm_s"] == pytest.approx(chunk_s, rel=1e-9)
 
 
 def test_a_parameter_joining_a_stream_adds_its_bytes_not_a_latency() -> None:

@@ -220,3 +220,14 @@ def test_scaled_terms_alike_only_with_the_same_tables_and_copies() -> None:
     for k in range(len(scaled)):
         assert got.floors(k, 1.0).tobytes() == want.floors(k, 1.0).tobytes()
     assert [m.least for m in scaled] == [float(np.min(term_array(m))) for m in scaled]
+
+
+def test_a_trivial_floor_where_an_edge_allows_no_pair_is_infinite() -> None:
+    """No plan exists: the floor is inf with or without a pattern's terms on that edge (it
+    was nan: inf less inf, found by the hypothesis test above)."""
+    from solver.problem import Edge
+
+    nodes = tuple(Node(name=n, cost_s=(0.0, 1.0), memory_bytes=(0.0, 0.0)) for n in "ab")
+    base = Problem(nodes=nodes, edges=(Edge(src=0, dst=1, cost_s=((None, None), (None, None))),))
+    assert trivial_floor(base, {}, {}, {}) == math.inf
+    assert trivial_floor(base, {1: np.ones(2)}, {(0, 1): np.zeros((2, 2))}, {}) == math.inf
