@@ -336,6 +336,44 @@ def paired_and_margin_lines(reports: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def reprice(reports: list[dict[str, Any]], batch: int, seq: int) -> list[str]:
+    """Price every plan of earlier runs (at ``batch`` x ``seq``, as they ran) again with this
+    code and each run's own profiles, in place (``predicted_step_s``; the measured steps kept): what a cost-model change does to
+    the same measurements. Returns a line per plan whose predicted compute changed (its
+    layout did, so its measured step is not of the plan priced now)."""
+    from autopar.capture.export import capture
+    from autopar.mesh import Mesh
+    from autopar.options import PlanOptions
+    from autopar.presets import build_preset
+    from autopar.tools.report import plans_for_recipes
+    from cost_models import load_profile
+
+    moved = []
+    for rep in reports:
+        meshes = {}
+        for mesh_text, path in rep["profiles"].items():
+            profile, base = load_profile(path), Mesh.parse(mesh_text, device="cpu")
+            links = tuple(profile.links[f"a{i}"] for i in range(base.ndim))
+            meshes[mesh_text] = Mesh(shape=base.shape, axis_names=base.axis_names,
+                                     device=profile.device or "cpu", links=links)  # fmt: skip
+        for model_key, m in rep["models"].items():
+            model, args, kwargs = build_preset(MODELS[model_key], batch=batch, seq=seq)
+            captured = capture(model, args, kwargs)
+            for name, ran in m["result"]["plans"].items():
+                recipe, mesh_text = name.split("@")
+                options = PlanOptions(auto_margin=0.0) if recipe == "ilp" else PlanOptions()
+                recipe = "auto" if recipe == "ilp" else recipe
+                plan = plans_for_recipes(captured, meshes[mesh_text], options, recipes=(recipe,),
+                                         model_name=model_key)[recipe]  # fmt: skip
+                predicted = plan.data["predicted"]
+                before = ran.get("predicted_breakdown", {}).get("compute_s")
+                if before is not None and abs(predicted["breakdown"]["compute_s"] - before) > 1e-9:
+                    moved.append(f"{rep['world']} {model_key} {name}: another layout now")
+                ran["predicted_step_s"] = predicted["step_s"]
+                ran["predicted_breakdown"] = predicted["breakdown"]
+    return moved
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -353,6 +391,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--tables-from", nargs="+", metavar="JSON",
                         help="print the auto-vs-recipes table of earlier runs' cost_model.json files and exit")  # fmt: skip
+    parser.add_argument("--reprice", action="store_true",
+                        help="with --tables-from: price the runs' plans again with this code and their own profiles")  # fmt: skip
     parser.add_argument(
         "--reps", type=int, default=3, help="repetitions (groups of interleaved steps)"
     )
@@ -370,6 +410,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(missing)
     if args.tables_from:
         reports = [rep for path in args.tables_from for rep in json.load(open(path))]  # noqa: SIM115
+        if args.reprice:
+            for line in reprice(reports, args.batch, args.seq):
+                print(f"warning: {line}; its measured step is of the plan as run")
         print(auto_vs_recipes_rows(reports, args.reps)[1])
         print(paired_and_margin_lines(reports))
         return 0
