@@ -103,6 +103,43 @@ def send_time_s(nbytes: float, link: LinkSpec) -> float:
     return _transfer_s("broadcast", nbytes, 2, link)
 
 
+OUTLIER_RATIO = 0.5
+""":func:`fit_alpha_beta` leaves out the one timing furthest off the line through the others
+when it is off by more than this fraction of that line's time (with four or more sizes)."""
+
+
+def _line(wires: Sequence[float], times_s: Sequence[float]) -> tuple[float, float]:
+    """Least-squares ``(intercept, slope)`` of time against wire bytes; a negative intercept
+    clamped to 0 with the slope refitted through the origin."""
+    count = len(wires)
+    mean_w = sum(wires) / count
+    mean_t = sum(times_s) / count
+    cov = sum((w - mean_w) * (t - mean_t) for w, t in zip(wires, times_s))
+    var = sum((w - mean_w) ** 2 for w in wires)
+    beta = cov / var
+    intercept = mean_t - beta * mean_w
+    if intercept < 0:
+        intercept = 0.0
+        beta = sum(w * t for w, t in zip(wires, times_s)) / sum(w * w for w in wires)
+    return intercept, beta
+
+
+def _outlier(wires: list[float], times_s: list[float]) -> int | None:
+    """With four or more sizes: of the timings, the one furthest (in seconds) from the line
+    fitted through the others, if it is off by more than :data:`OUTLIER_RATIO` of that line's
+    time there; else None."""
+    if len(set(wires)) < 4:
+        return None
+    worst, worst_s = None, 0.0
+    for i in range(len(wires)):
+        intercept, beta = _line(wires[:i] + wires[i + 1 :], times_s[:i] + times_s[i + 1 :])
+        expected = intercept + beta * wires[i]
+        off = abs(times_s[i] - expected)
+        if beta > 0 and expected > 0 and off > OUTLIER_RATIO * expected and off > worst_s:
+            worst, worst_s = i, off
+    return worst
+
+
 def fit_alpha_beta(
     sizes_bytes: Sequence[float], times_s: Sequence[float], kind: str, group_size: int
 ) -> tuple[float, float]:
@@ -111,7 +148,10 @@ def fit_alpha_beta(
     ``sizes_bytes`` mean what ``nbytes`` means for ``collective_time_s``. ``steps`` is the same for
     every size, so this is a straight-line fit of time against wire bytes whose intercept is
     ``alpha * steps``. A negative intercept (noise on tiny latencies) is clamped: alpha = 0 and
-    beta is refitted through the origin.
+    beta is refitted through the origin. With four or more sizes, the one timing furthest off
+    the line through the others is left out where it is off by more than
+    :data:`OUTLIER_RATIO` of that line (a rank descheduled while the largest size ran tripled
+    a reduce-scatter's slope on a shared machine: README, "Session 36").
 
     Raises:
         ValueError: fewer than two distinct sizes, a group of one, mismatched lengths, or
@@ -125,16 +165,11 @@ def fit_alpha_beta(
         raise ValueError("fitting needs timings at two or more distinct sizes")
     steps = collective_steps_and_wire_bytes(kind, 0.0, group_size)[0]
     wires = [collective_steps_and_wire_bytes(kind, s, group_size)[1] for s in sizes_bytes]
-    count = len(wires)
-    mean_w = sum(wires) / count
-    mean_t = sum(times_s) / count
-    cov = sum((w - mean_w) * (t - mean_t) for w, t in zip(wires, times_s))
-    var = sum((w - mean_w) ** 2 for w in wires)
-    beta = cov / var
-    intercept = mean_t - beta * mean_w
-    if intercept < 0:
-        intercept = 0.0
-        beta = sum(w * t for w, t in zip(wires, times_s)) / sum(w * w for w in wires)
+    times = list(times_s)
+    off = _outlier(wires, times)
+    if off is not None:
+        del wires[off], times[off]
+    intercept, beta = _line(wires, times)
     if beta <= 0:
         raise ValueError(
             f"{kind} timings do not grow with message size (beta={beta:.3g}); "

@@ -356,7 +356,9 @@ def test_backward_flops_factors() -> None:
 LINK = LinkSpec(name="test", bandwidth_Bps=100e9, latency_s=5e-6)
 
 
-def test_a_pipeline_send_is_the_two_device_broadcast_without_the_wait_between_computations() -> None:
+def test_a_pipeline_send_is_the_two_device_broadcast_without_the_wait_between_computations() -> (
+    None
+):
     import dataclasses
 
     from cost_models import send_time_s
@@ -434,6 +436,27 @@ def test_fit_alpha_beta_with_noise_and_errors() -> None:
         fit_alpha_beta([1e6, 2e6], [2.0, 1.0], "all_reduce", 4)
     with pytest.raises(ValueError, match="at least 2"):
         fit_alpha_beta([1e6, 2e6], [1.0, 2.0], "all_reduce", 1)
+
+
+def test_fit_alpha_beta_leaves_out_one_timing_far_off_the_others_line() -> None:
+    """A rank descheduled while the largest size ran (session 36's 4-rank calibration: 60.8 ms
+    where the others' line gives about 25) no longer sets the slope; the noise of a steady
+    run (here +-10%) leaves every timing in, and three sizes are too few to judge one."""
+    kind, n = "reduce_scatter", 4
+    truth = LinkSpec(name="t", bandwidth_Bps=1.0, latency_s=1.0, collectives={kind: (2e-3, 2.5e-9)})
+    sizes = [2e4, 1.3e5, 5.2e5, 2.1e6, 4.2e6, 8.4e6]
+    times = [collective_time_s(kind, s, n, truth) for s in sizes]
+    slow = [*times[:-1], times[-1] * 2.5]
+    alpha, beta = fit_alpha_beta(sizes, slow, kind, n)
+    assert beta == pytest.approx(2.5e-9, rel=1e-6) and alpha == pytest.approx(2e-3, rel=1e-6)
+    noisy = [t * f for t, f in zip(times, (1.1, 0.9, 1.1, 0.9, 1.1, 0.9))]
+    from cost_models import comm
+
+    steps = comm.collective_steps_and_wire_bytes(kind, 0.0, n)[0]
+    wires = [comm.collective_steps_and_wire_bytes(kind, s, n)[1] for s in sizes]
+    intercept, slope = comm._line(wires, noisy)
+    assert fit_alpha_beta(sizes, noisy, kind, n) == (intercept / steps, slope)
+    assert fit_alpha_beta(sizes[-3:], slow[-3:], kind, n)[1] > 4e-9  # kept: too few to judge
 
 
 # -- memory ------------------------------------------------------------------------------------
