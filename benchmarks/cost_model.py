@@ -336,11 +336,37 @@ def paired_and_margin_lines(reports: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def reprice(reports: list[dict[str, Any]], batch: int, seq: int) -> list[str]:
+def refit_links(profile: Any) -> Any:
+    """``profile`` with every link's collectives fitted again (``cost_models.fit_alpha_beta``
+    as this code fits) from the timings its calibration stored (``meta.measurements``)."""
+    import dataclasses
+
+    from cost_models import fit_alpha_beta
+
+    measured = (profile.meta or {}).get("measurements", {})
+    shape = profile.meta["mesh"]["shape"]
+    links = {}
+    for name, link in profile.links.items():
+        fits = dict(link.collectives)
+        for kind in fits:
+            timed = measured.get(f"{name}/{kind}")
+            if timed:
+                fits[kind] = fit_alpha_beta(
+                    timed["bytes"], timed["seconds"], kind, shape[int(name[1:])]
+                )
+        alpha, beta = fits.get("all_reduce", (link.latency_s, 1.0 / link.bandwidth_Bps))
+        links[name] = dataclasses.replace(
+            link, collectives=fits, latency_s=alpha, bandwidth_Bps=1.0 / beta
+        )
+    return dataclasses.replace(profile, links=links)
+
+
+def reprice(reports: list[dict[str, Any]], batch: int, seq: int, refit: bool = False) -> list[str]:
     """Price every plan of earlier runs (at ``batch`` x ``seq``, as they ran) again with this
     code and each run's own profiles, in place (``predicted_step_s``; the measured steps kept): what a cost-model change does to
-    the same measurements. Returns a line per plan whose predicted compute changed (its
-    layout did, so its measured step is not of the plan priced now)."""
+    the same measurements; with ``refit``, each profile's collectives fitted again from its
+    stored timings first (:func:`refit_links`). Returns a line per plan whose predicted compute
+    changed (its layout did, so its measured step is not of the plan priced now)."""
     from autopar.capture.export import capture
     from autopar.mesh import Mesh
     from autopar.options import PlanOptions
@@ -353,6 +379,7 @@ def reprice(reports: list[dict[str, Any]], batch: int, seq: int) -> list[str]:
         meshes = {}
         for mesh_text, path in rep["profiles"].items():
             profile, base = load_profile(path), Mesh.parse(mesh_text, device="cpu")
+            profile = refit_links(profile) if refit else profile
             links = tuple(profile.links[f"a{i}"] for i in range(base.ndim))
             meshes[mesh_text] = Mesh(shape=base.shape, axis_names=base.axis_names,
                                      device=profile.device or "cpu", links=links)  # fmt: skip
@@ -393,6 +420,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="print the auto-vs-recipes table of earlier runs' cost_model.json files and exit")  # fmt: skip
     parser.add_argument("--reprice", action="store_true",
                         help="with --tables-from: price the runs' plans again with this code and their own profiles")  # fmt: skip
+    parser.add_argument("--refit", action="store_true",
+                        help="with --reprice: fit the profiles' collectives again from their stored timings")  # fmt: skip
     parser.add_argument(
         "--reps", type=int, default=3, help="repetitions (groups of interleaved steps)"
     )
@@ -411,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.tables_from:
         reports = [rep for path in args.tables_from for rep in json.load(open(path))]  # noqa: SIM115
         if args.reprice:
-            for line in reprice(reports, args.batch, args.seq):
+            for line in reprice(reports, args.batch, args.seq, refit=args.refit):
                 print(f"warning: {line}; its measured step is of the plan as run")
         print(auto_vs_recipes_rows(reports, args.reps)[1])
         print(paired_and_margin_lines(reports))
