@@ -337,11 +337,13 @@ def paired_and_margin_lines(reports: list[dict[str, Any]]) -> str:
 
 
 def refit_links(profile: Any) -> Any:
-    """``profile`` with every link's collectives fitted again (``cost_models.fit_alpha_beta``
-    as this code fits) from the timings its calibration stored (``meta.measurements``)."""
+    """``profile`` with every link's collectives and wait between computations fitted again
+    (``cost_models.fit_alpha_beta``, ``fit_sync_s``, as this code fits) from the timings its
+    calibration stored (``meta.measurements``)."""
     import dataclasses
 
-    from cost_models import fit_alpha_beta
+    from cost_models import collective_time_s, fit_alpha_beta
+    from cost_models.calibrate import fit_sync_s
 
     measured = (profile.meta or {}).get("measurements", {})
     shape = profile.meta["mesh"]["shape"]
@@ -355,9 +357,18 @@ def refit_links(profile: Any) -> Any:
                     timed["bytes"], timed["seconds"], kind, shape[int(name[1:])]
                 )
         alpha, beta = fits.get("all_reduce", (link.latency_s, 1.0 / link.bandwidth_Bps))
-        links[name] = dataclasses.replace(
-            link, collectives=fits, latency_s=alpha, bandwidth_Bps=1.0 / beta
+        link = dataclasses.replace(
+            link, collectives=fits, latency_s=alpha, bandwidth_Bps=1.0 / beta, sync_s=0.0
         )
+        sync = measured.get(f"{name}/sync", {})
+        if {"seconds_per_call", "bytes", "group_size"} <= sync.keys():
+            timed = sync["seconds_per_call"]
+            priced = collective_time_s("all_reduce", sync["bytes"], sync["group_size"], link)
+            sync_s = fit_sync_s(timed["mixed"], timed["compute"], [priced] * len(timed["mixed"]))
+            link = dataclasses.replace(link, sync_s=sync_s)
+        else:
+            link = dataclasses.replace(link, sync_s=profile.links[name].sync_s)
+        links[name] = link
     return dataclasses.replace(profile, links=links)
 
 

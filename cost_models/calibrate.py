@@ -107,6 +107,13 @@ def fit_efficiency(
     return min(max_efficiency, max(1e-3, num / den))
 
 
+STEADY_COMPUTE = 0.25
+""":func:`fit_sync_s` keeps the trials whose computation alone ran within this fraction of the
+fastest one's time (at least :data:`STEADY_TRIALS` of them; else every trial)."""
+
+STEADY_TRIALS = 3
+
+
 def fit_sync_s(
     mixed_s: Sequence[float], compute_s: Sequence[float], collective_s: Sequence[float]
 ) -> float:
@@ -116,14 +123,23 @@ def fit_sync_s(
     followed by a small collective, ``compute_s`` the computation alone, ``collective_s`` the
     collective alone, called back to back. The result, ``median(mixed - compute - collective)``
     clamped at 0, is ``LinkSpec.sync_s``: the wait for ranks that arrive late (descheduled on
-    shared cores, or slower), which back-to-back timings do not see.
+    shared cores, or slower), which back-to-back timings do not see. Trials whose computation
+    alone ran more than :data:`STEADY_COMPUTE` slower than the fastest are left out (another
+    process took the cores for a while: six of nine trials of a 2-rank calibration ran their
+    computation 1.5x slower and waited 8-13 ms per call against 2-4 in the others; README,
+    "Session 36"), unless fewer than :data:`STEADY_TRIALS` would remain.
 
     Raises:
         ValueError: the sequences are empty or of different lengths.
     """
     if not mixed_s or not len(mixed_s) == len(compute_s) == len(collective_s):
         raise ValueError("fit_sync_s needs one mixed, compute and collective time per trial")
-    excess = sorted(m - c - k for m, c, k in zip(mixed_s, compute_s, collective_s))
+    trials = list(zip(mixed_s, compute_s, collective_s))
+    fastest = min(compute_s)
+    steady = [t for t in trials if t[1] <= fastest * (1.0 + STEADY_COMPUTE)]
+    if len(steady) >= min(STEADY_TRIALS, len(trials)):
+        trials = steady
+    excess = sorted(m - c - k for m, c, k in trials)
     middle = len(excess) // 2
     median = excess[middle] if len(excess) % 2 else (excess[middle - 1] + excess[middle]) / 2
     return max(0.0, median)

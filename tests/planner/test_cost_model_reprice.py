@@ -52,19 +52,34 @@ def test_a_run_repriced_takes_this_codes_figures_and_names_moved_layouts() -> No
 
 
 def test_a_refit_fits_each_links_stored_timings_as_this_code_does() -> None:
-    """``--refit``: every collective of every link fitted again from the calibration's stored
-    timings (here one timing made a straggler's: the fit leaves it out)."""
+    """``--refit``: every collective of every link, and the wait between computations where
+    its timings are stored, fitted again from the calibration's timings (here one timing made
+    a straggler's, which the fit leaves out; two of five sync trials slowed, left out)."""
     import copy
+    import dataclasses
 
     from benchmarks.cost_model import refit_links
-    from cost_models import Profile, fit_alpha_beta
+    from cost_models import Profile, collective_time_s, fit_alpha_beta
+    from cost_models.calibrate import fit_sync_s
 
     profile = load_profile(str(PROFILE))
     meta = copy.deepcopy(dict(profile.meta))
     timed = meta["measurements"]["a1/reduce_scatter"]
     assert len(timed["bytes"]) >= 4
     timed["seconds"] = [*timed["seconds"][:-1], timed["seconds"][-1] * 3]
+    compute = [30e-3, 29e-3, 19.4e-3, 19.3e-3, 19.6e-3]
+    mixed = [c + e for c, e in zip(compute, (12e-3, 13e-3, 2.3e-3, 3.4e-3, 4.1e-3))]
+    meta["measurements"]["a0/sync"] = {
+        "seconds_per_call": {"mixed": mixed, "compute": compute, "collective": [2e-3] * 5},
+        "bytes": 524288.0,
+        "group_size": 2,
+    }
     refit = refit_links(Profile(device=profile.device, links=profile.links, meta=meta))
+    a0 = dataclasses.replace(refit.links["a0"], sync_s=0.0)
+    priced = collective_time_s("all_reduce", 524288.0, 2, a0)
+    assert refit.links["a0"].sync_s == fit_sync_s(mixed, compute, [priced] * 5)
+    assert 2e-3 < refit.links["a0"].sync_s + priced < 4.2e-3  # the steady trials' wait
+    assert refit.links["a1"].sync_s == profile.links["a1"].sync_s  # no timings stored: kept
     for name, link in refit.links.items():
         for kind, fit in link.collectives.items():
             stored = meta["measurements"][f"{name}/{kind}"]

@@ -197,3 +197,19 @@ def test_calibration_weights_cpu_only_where_ranks_outnumber_their_cores() -> Non
         weight * burnt["a0"]
     )
     assert cpu_weight({"a0": a0}, {"a0": {**syncs["a0"], "excess_per_call": [-1e-3]}}) == 0.0
+
+
+def test_fit_sync_s_leaves_out_trials_whose_computation_was_slowed() -> None:
+    """Session 36's 2-rank calibration: six of nine trials ran their computation 1.5x slower
+    (another process on the cores) and waited 8-13 ms per call, the other three 2-4 ms; the
+    wait is the steady trials' (and every trial's where fewer than three are steady)."""
+    compute = [30e-3, 29e-3, 32e-3, 28e-3, 30e-3, 31e-3, 19.4e-3, 19.3e-3, 19.6e-3]
+    excess = [12.0e-3, 13.1e-3, 8.3e-3, 13.4e-3, 11.7e-3, 9.7e-3, 2.3e-3, 3.4e-3, 4.1e-3]
+    mixed = [c + e for c, e in zip(compute, excess)]
+    collective = [1.9e-3] * 9
+    assert fit_sync_s(mixed, compute, collective) == pytest.approx(3.4e-3 - 1.9e-3, rel=1e-9)
+    # Two steady trials are too few: the median of all eight.
+    two = slice(0, 8)
+    assert fit_sync_s(mixed[two], compute[two], collective[two]) == pytest.approx(
+        (9.7e-3 + 11.7e-3) / 2 - 1.9e-3, rel=1e-9
+    )
