@@ -226,7 +226,8 @@ def rounding_given_back(
     joins no bucket there. Where a consumer may leave the gradient whole, the parameter cannot
     tell whether the rounding was priced (subtracted, a whole gradient's stage 3 would be
     priced below its all-gathers), so it keeps it: recipes and chosen layouts give back all
-    of it, the auto plan's open problems none (README, "Session 36")."""
+    of it, the auto plan's open problems only where no consumer strategy leaves the gradient
+    whole (README, "Session 36")."""
     nodes, mesh = space.nodes, space.mesh
     share = space.bucket_share_s or (0.0,) * mesh.ndim
     sources: list[int] = []
