@@ -105,16 +105,14 @@ def run_world(world: int, *, batch: int, seq: int, quick: bool, out_dir: str, mo
     meshes = {}
     for mesh_text in meshes_for(world):
         path = profile_paths.get(mesh_text)
-        base = Mesh.parse(mesh_text, device="cpu")
-        names = tuple(f"a{i}" for i in range(base.ndim))
         if path is None:
+            base = Mesh.parse(mesh_text, device="cpu")
+            names = tuple(f"a{i}" for i in range(base.ndim))
             profile = calibrate(base.shape, names, config=CalibrationConfig.tiny() if quick else CalibrationConfig(),
                                 nproc=world, verbose=not quick)  # fmt: skip
             path = os.path.join(out_dir, f"profile_{mesh_text}.json")
             save_profile(profile, path)
-        profile = load_profile(path)
-        meshes[mesh_text] = Mesh(shape=base.shape, axis_names=base.axis_names, device=profile.device or "cpu",
-                                 links=tuple(profile.links[n] for n in names))  # fmt: skip
+        meshes[mesh_text] = profile_mesh(mesh_text, load_profile(path))
         profile_paths[mesh_text] = path
     config = BenchConfig(
         steps=steps,
@@ -336,6 +334,17 @@ def paired_and_margin_lines(reports: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def profile_mesh(mesh_text: str, profile: Any) -> Any:
+    """The mesh ``mesh_text`` with the device and the links (axes ``a0``, ``a1``, ...) of a
+    calibrated ``profile``."""
+    from autopar.mesh import Mesh
+
+    base = Mesh.parse(mesh_text, device="cpu")
+    links = tuple(profile.links[f"a{i}"] for i in range(base.ndim))
+    return Mesh(shape=base.shape, axis_names=base.axis_names, device=profile.device or "cpu",
+                links=links)  # fmt: skip
+
+
 def refit_links(profile: Any) -> Any:
     """``profile`` with every link's collectives and wait between computations fitted again
     (``cost_models.fit_alpha_beta``, ``fit_sync_s``, as this code fits) from the timings its
@@ -358,28 +367,26 @@ def refit_links(profile: Any) -> Any:
                 )
         alpha, beta = fits.get("all_reduce", (link.latency_s, 1.0 / link.bandwidth_Bps))
         link = dataclasses.replace(
-            link, collectives=fits, latency_s=alpha, bandwidth_Bps=1.0 / beta, sync_s=0.0
+            link, collectives=fits, latency_s=alpha, bandwidth_Bps=1.0 / beta
         )
         sync = measured.get(f"{name}/sync", {})
-        if {"seconds_per_call", "bytes", "group_size"} <= sync.keys():
-            timed = sync["seconds_per_call"]
-            priced = collective_time_s("all_reduce", sync["bytes"], sync["group_size"], link)
+        if {"seconds_per_call", "bytes", "group_size"} <= sync.keys():  # else the stored wait
+            timed, unsynced = sync["seconds_per_call"], dataclasses.replace(link, sync_s=0.0)
+            priced = collective_time_s("all_reduce", sync["bytes"], sync["group_size"], unsynced)
             sync_s = fit_sync_s(timed["mixed"], timed["compute"], [priced] * len(timed["mixed"]))
             link = dataclasses.replace(link, sync_s=sync_s)
-        else:
-            link = dataclasses.replace(link, sync_s=profile.links[name].sync_s)
         links[name] = link
     return dataclasses.replace(profile, links=links)
 
 
 def reprice(reports: list[dict[str, Any]], batch: int, seq: int, refit: bool = False) -> list[str]:
     """Price every plan of earlier runs (at ``batch`` x ``seq``, as they ran) again with this
-    code and each run's own profiles, in place (``predicted_step_s``; the measured steps kept): what a cost-model change does to
-    the same measurements; with ``refit``, each profile's collectives fitted again from its
-    stored timings first (:func:`refit_links`). Returns a line per plan whose predicted compute
+    code and each run's own profiles, in place (``predicted_step_s``; the measured steps
+    kept): what a cost-model change does to the same measurements; with ``refit``, each
+    profile's collectives and wait fitted again from its stored timings first
+    (:func:`refit_links`). Returns a line per plan whose predicted compute
     changed (its layout did, so its measured step is not of the plan priced now)."""
     from autopar.capture.export import capture
-    from autopar.mesh import Mesh
     from autopar.options import PlanOptions
     from autopar.presets import build_preset
     from autopar.tools.report import plans_for_recipes
@@ -389,11 +396,8 @@ def reprice(reports: list[dict[str, Any]], batch: int, seq: int, refit: bool = F
     for rep in reports:
         meshes = {}
         for mesh_text, path in rep["profiles"].items():
-            profile, base = load_profile(path), Mesh.parse(mesh_text, device="cpu")
-            profile = refit_links(profile) if refit else profile
-            links = tuple(profile.links[f"a{i}"] for i in range(base.ndim))
-            meshes[mesh_text] = Mesh(shape=base.shape, axis_names=base.axis_names,
-                                     device=profile.device or "cpu", links=links)  # fmt: skip
+            profile = load_profile(path)
+            meshes[mesh_text] = profile_mesh(mesh_text, refit_links(profile) if refit else profile)
         for model_key, m in rep["models"].items():
             model, args, kwargs = build_preset(MODELS[model_key], batch=batch, seq=seq)
             captured = capture(model, args, kwargs)
