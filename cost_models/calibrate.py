@@ -245,10 +245,12 @@ def link_from_fits(
     source: str = "",
     sync_s: float = 0.0,
     smallest: Mapping[str, tuple[float, float]] | None = None,
+    small_messages: Mapping[str, Sequence[tuple[float, float]]] | None = None,
 ) -> LinkSpec:
     """A LinkSpec carrying calibrated ``(alpha, beta)`` per collective, the measured
-    ``sync_s`` and ``smallest`` ((bytes, seconds) at the smallest size timed, per kind); its
-    plain ``latency_s`` / ``bandwidth_Bps`` come from the all-reduce fit (else the first one)."""
+    ``sync_s``, ``smallest`` ((bytes, seconds) at the smallest size of the fit, per kind) and
+    ``small_messages`` (such points below it); its plain ``latency_s`` / ``bandwidth_Bps`` come
+    from the all-reduce fit (else the first one)."""
     if not fits:
         raise ValueError(f"link {name!r}: no collective fits to build it from")
     alpha, beta = fits.get("all_reduce") or next(iter(fits.values()))
@@ -258,6 +260,7 @@ def link_from_fits(
         latency_s=alpha,
         collectives=dict(fits),
         smallest=dict(smallest or {}),
+        small_messages={k: tuple(v) for k, v in (small_messages or {}).items()},
         source=source,
         sync_s=sync_s,
     )

@@ -29,7 +29,10 @@ the same measured steps this model ordered the recipes worse than the wall-time 
 
 If the link carries a calibrated ``collectives[kind] = (alpha, beta)``, the time is
 ``alpha * steps + beta * wire`` with the same ``steps`` and ``wire`` (alpha in seconds per step,
-beta in seconds per wire byte); ``fit_alpha_beta`` fits exactly that model. A group of one
+beta in seconds per wire byte); ``fit_alpha_beta`` fits exactly that model. Up to the smallest
+size of that fit, a message costs no more than the link's timings of small messages
+(``smallest``, ``small_messages``) interpolate to, linearly in bytes: the line, steered by the
+large sizes, misses what a backend does with a message too small to fill its ring's segments. A group of one
 device, or zero bytes, costs 0.
 """
 
@@ -84,11 +87,27 @@ def _transfer_s(kind: str, nbytes: float, group_size: int, link: LinkSpec) -> fl
     if calibrated is not None:
         alpha, beta = calibrated
         line = alpha * steps + beta * wire
-        smallest = link.smallest.get(kind)
-        if smallest is not None and nbytes <= smallest[0]:
-            line = min(line, smallest[1])  # no more than the smallest size measured
-        return line
+        measured = _measured_small_s(kind, nbytes, link)
+        return line if measured is None else min(line, measured)
     return steps * link.latency_s + wire / link.bandwidth_Bps
+
+
+def _measured_small_s(kind: str, nbytes: float, link: LinkSpec) -> float | None:
+    """What the link's timings of small messages (``small_messages`` then ``smallest``, bytes
+    ascending) say ``nbytes`` costs: the first timing up to its size, linear between two sizes;
+    None above the largest (the fitted line alone prices it)."""
+    points = link.small_messages.get(kind, ())
+    if kind in link.smallest:
+        points = (*points, link.smallest[kind])
+    if not points or nbytes > points[-1][0]:
+        return None
+    below = (0.0, points[0][1])
+    for at in points:
+        if nbytes <= at[0]:
+            share = (nbytes - below[0]) / (at[0] - below[0])
+            return below[1] + share * (at[1] - below[1])
+        below = at
+    return None  # unreachable: nbytes <= points[-1][0]
 
 
 def send_time_s(nbytes: float, link: LinkSpec) -> float:

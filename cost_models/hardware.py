@@ -24,6 +24,7 @@ from cost_models.spec_tables import (
     FrozenMap,
     check_fraction,
     count_table,
+    measured_points,
     pair_table,
     quantile_table,
     quantiles_by_count,
@@ -240,10 +241,14 @@ class LinkSpec:
     collectives: Mapping[str, tuple[float, float]] = field(default_factory=FrozenMap)
     """Calibrated ``(alpha_s, beta_s_per_byte)`` per collective kind; overrides the formula."""
     smallest: Mapping[str, tuple[float, float]] = field(default_factory=FrozenMap)
-    """Per calibrated kind: ``(bytes, seconds)`` measured at the smallest calibrated size. A
-    message of at most that size costs no more than that (cost_models.comm); the fitted line
-    is steered by the large sizes and misses the small ones (gloo on 4 ranks sharing 2 cores:
-    a 16 KiB all-reduce measured 4.2 ms, the line 5.7 ms)."""
+    """Per calibrated kind: ``(bytes, seconds)`` at the smallest size of the fit, which the
+    large sizes steer: a message up to that size costs no more (cost_models.comm)."""
+    small_messages: Mapping[str, tuple[tuple[float, float], ...]] = field(default_factory=FrozenMap)
+    """Per calibrated kind: ``(bytes, seconds)`` timed at sizes below ``smallest``'s, bytes
+    ascending. Up to ``smallest``'s size a message costs no more than the timings interpolate
+    to (cost_models.comm): gloo's ring all-reduce skips the segments a message too small to fill
+    them leaves empty, so on 4 ranks sharing 2 cores a scalar took 0.6 ms against 6-7 ms from
+    64 bytes up (README, "Session 37")."""
     source: str = ""
     sync_s: float = 0.0
     """Seconds each blocking collective costs on top of its alpha-beta time when it runs
@@ -273,17 +278,11 @@ class LinkSpec:
         if not self.cpu_weight >= 0 or (self.cpu_weight and not self.cpu_collectives):
             raise ValueError(f"link {self.name!r}: cpu_weight must be >= 0, and > 0 only with "
                              f"cpu_collectives, got {self.cpu_weight!r}")  # fmt: skip
-        small: dict[str, tuple[float, float]] = {}
-        for kind, pair in self.smallest.items():
-            if kind not in self.collectives:
-                raise ValueError(f"link {self.name!r}: smallest[{kind!r}] without a calibrated fit")
-            nbytes, seconds = (float(x) for x in pair)
-            if nbytes <= 0 or seconds < 0:
-                raise ValueError(
-                    f"link {self.name!r}: smallest[{kind!r}] must be (bytes > 0, s >= 0)"
-                )
-            small[kind] = (nbytes, seconds)
-        object.__setattr__(self, "smallest", FrozenMap(small))
+        small, tables = measured_points(
+            self.name, self.smallest, self.small_messages, tuple(self.collectives)
+        )
+        object.__setattr__(self, "smallest", small)
+        object.__setattr__(self, "small_messages", tables)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly dict (``from_dict`` inverts it exactly); ``sync_s`` and the CPU fields
@@ -299,6 +298,8 @@ class LinkSpec:
             d["sync_s"] = self.sync_s
         if self.smallest:
             d["smallest"] = {k: list(v) for k, v in self.smallest.items()}
+        if self.small_messages:
+            d["small_messages"] = {k: [list(p) for p in v] for k, v in self.small_messages.items()}
         if self.cpu_collectives:
             d["cpu_collectives"] = {k: list(v) for k, v in self.cpu_collectives.items()}
         if self.cpu_weight:
@@ -308,7 +309,7 @@ class LinkSpec:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> LinkSpec:
         """Build from a dict of fields; ``"base": "<preset>"`` starts from a preset."""
-        merged = ("collectives", "smallest", "cpu_collectives")
+        merged = ("collectives", "smallest", "small_messages", "cpu_collectives")
         return _spec_from_dict(cls, d, LINKS, "link", merged)
 
 

@@ -121,6 +121,12 @@ PROFILE_SCHEMA: dict[str, Any] = {
                     "sync_s": _NONNEGATIVE,
                     "collectives": _PAIR_PER_KIND,
                     "smallest": _PAIR_PER_KIND,
+                    "small_messages": {
+                        "type": "object",
+                        "propertyNames": {"enum": list(COLLECTIVE_KINDS)},
+                        "additionalProperties": {"type": "array", "minItems": 1,
+                                                 "items": _PAIR_PER_KIND["additionalProperties"]},
+                    },  # fmt: skip
                     "cpu_collectives": _PAIR_PER_KIND,
                     "cpu_weight": _NONNEGATIVE,
                     "source": {"type": "string"},

@@ -86,3 +86,32 @@ def pair_table(
             raise ValueError(f"link {link!r}: {name}[{kind!r}] must be >= 0")
         frozen[kind] = (alpha, beta)
     return FrozenMap(frozen)
+
+
+def measured_points(
+    link: str, smallest: Mapping[str, Sequence[float]],
+    small_messages: Mapping[str, Sequence[Sequence[float]]], fitted: Sequence[str],
+) -> tuple[FrozenMap, FrozenMap]:  # fmt: skip
+    """A link's ``smallest`` (one ``(bytes, seconds)`` per kind) and ``small_messages``
+    (``(bytes, seconds)`` points per kind, bytes ascending, all below that kind's ``smallest``
+    bytes where it has one), frozen as floats; every kind must have a calibrated fit
+    (``fitted``), bytes must be > 0 and seconds >= 0."""
+
+    def point(kind: str, name: str, pair: Sequence[float]) -> tuple[float, float]:
+        if kind not in fitted:
+            raise ValueError(f"link {link!r}: {name}[{kind!r}] without a calibrated fit")
+        nbytes, seconds = (float(x) for x in pair)
+        if nbytes <= 0 or seconds < 0:
+            raise ValueError(f"link {link!r}: {name}[{kind!r}] must be (bytes > 0, s >= 0)")
+        return nbytes, seconds
+
+    small = {kind: point(kind, "smallest", pair) for kind, pair in smallest.items()}
+    tables: dict[str, tuple[tuple[float, float], ...]] = {}
+    for kind, points in small_messages.items():
+        table = tuple(point(kind, "small_messages", p) for p in points)
+        top = small.get(kind, (float("inf"), 0.0))[0]
+        if not table or any(b[0] <= a[0] for a, b in zip(table, table[1:])) or table[-1][0] >= top:
+            raise ValueError(f"link {link!r}: small_messages[{kind!r}] needs points of ascending "
+                             f"bytes below smallest[{kind!r}]'s, got {list(points)!r}")  # fmt: skip
+        tables[kind] = table
+    return FrozenMap(small), FrozenMap(tables)

@@ -82,6 +82,9 @@ class CalibrationConfig:
         16 * 2**10, 128 * 2**10, 512 * 2**10, 2 * 2**20, 4 * 2**20, 8 * 2**20,
     )  # fmt: skip
     """Message sizes (the ``nbytes`` of ``cost_models.collective_time_s``)."""
+    small_message_bytes: tuple[int, ...] = (4, 8, 16, 32, 64, 1024)
+    """Sizes below ``collective_bytes``' timed for ``LinkSpec.small_messages``, not the fit: a
+    scalar loss's all-reduce is 4 bytes, and gloo's ring costs it a fraction of a 64-byte one."""
     min_time_s: float = 0.02
     """Each timing repeats its op until this many seconds have passed (at least 2 runs)."""
     trials: int = 5
@@ -104,6 +107,7 @@ class CalibrationConfig:
             copy_bytes=(256 * 2**20, 1024 * 2**20),
             op_scales=(16, 64),
             collective_bytes=(1 * 2**20, 8 * 2**20, 32 * 2**20, 128 * 2**20),
+            small_message_bytes=(4, 4096, 65536),
             min_time_s=0.05,
             trials=5,
         )
@@ -116,6 +120,7 @@ class CalibrationConfig:
             copy_bytes=(4 * 2**20, 16 * 2**20),
             op_scales=(1,),
             collective_bytes=(32 * 2**10, 512 * 2**10, 2 * 2**20),
+            small_message_bytes=(4, 64),
             min_time_s=0.003,
             trials=2,
             sync_segment_s=0.002,

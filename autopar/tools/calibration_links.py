@@ -65,10 +65,18 @@ RUNTIME_CALLS = {
 """The ``torch.distributed`` call timed for each kind: the one the runtime makes."""
 
 
+def message_bytes(kind: str, nbytes: int, size: int) -> int:
+    """The bytes a timing of ``kind`` asked for ``nbytes`` moves on a group of ``size``: whole
+    fp32 elements, for the kinds that split the tensor a whole number of them per rank."""
+    if kind in ("all_reduce", "broadcast"):
+        return max(nbytes // 4, 1) * 4
+    return max(nbytes // 4 // size, 1) * size * 4
+
+
 def _run_collective(
     kind: str, nbytes: int, group: Any, size: int, device: torch.device
 ) -> Callable[[], None]:
-    numel = max(nbytes // 4 // size, 1) * size
+    numel = message_bytes(kind, nbytes, size) // 4
     full = torch.randn(numel, device=device)
     part = torch.randn(numel // size, device=device)
     if kind == "all_reduce":
@@ -165,7 +173,10 @@ def measure_links(
             )
         if fits:
             source = f"autopar calibrate, {dist.get_backend()} on {platform.node()}"
-            link = link_from_fits(f"calibrated-{name}", fits, source=source, smallest=smallest)
+            small = _small_messages(group, size, sizes[0], device, config)
+            details[f"{name}/small_messages"] = small
+            link = link_from_fits(f"calibrated-{name}", fits, source=source, smallest=smallest,
+                                  small_messages=small)  # fmt: skip
             cpu_fits = _cpu_fits(name, size, sizes, per_size, device, details)
             link = dataclasses.replace(link, cpu_collectives=cpu_fits)
             sync_s, sync_details = measure_sync(groups, axis, link, device, config)
@@ -186,6 +197,30 @@ def measure_links(
         log(f"ranks share cores: a collective cost the step {weight:.2f}x the CPU it burns "
             "(recorded)")  # fmt: skip
     return links, details
+
+
+def _small_messages(
+    group: Any, size: int, fitted_from: float, device: torch.device, config: CalibrationConfig
+) -> dict[str, list[tuple[float, float]]]:
+    """``LinkSpec.small_messages``: per kind, ``(bytes, seconds)`` at each size of
+    ``config.small_message_bytes`` whose message (:func:`message_bytes`) is below
+    ``fitted_from`` (the fit's smallest size), the slowest rank's median, kinds interleaved as
+    the fit's sizes are."""
+    wanted = [b for b in config.small_message_bytes if b < fitted_from]
+    timed = [_time_kinds_interleaved(group, size, b, device, config)[0] for b in wanted]
+    points: dict[str, list[tuple[float, float]]] = {}
+    for kind in CALIBRATED_COLLECTIVES:
+        seconds = max_over_ranks([t[kind] for t in timed], device) if timed else []
+        if kind == "broadcast":  # a round trip is two transfers
+            seconds = [t / 2 for t in seconds]
+        table: dict[float, float] = {}
+        for b, t in zip(wanted, seconds):
+            nbytes = float(message_bytes(kind, b, size))
+            if nbytes < fitted_from:
+                table.setdefault(nbytes, t)  # sizes that round alike: the first timing
+        if table:
+            points[kind] = sorted(table.items())
+    return points
 
 
 def shares_cores(backend: str, local_ranks: int, cores: int | None) -> bool:

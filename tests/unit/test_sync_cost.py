@@ -12,6 +12,7 @@ import torch
 
 from cost_models import LINKS, LinkSpec, collective_time_s, load_profile
 from cost_models.calibrate import fit_sync_s, link_from_fits
+from cost_models.profile import PROFILE_VERSION
 
 
 def test_fit_sync_s_recovers_the_wait_per_call() -> None:
@@ -213,3 +214,41 @@ def test_fit_sync_s_leaves_out_trials_whose_computation_was_slowed() -> None:
     assert fit_sync_s(mixed[two], compute[two], collective[two]) == pytest.approx(
         (9.7e-3 + 11.7e-3) / 2 - 1.9e-3, rel=1e-9
     )
+
+
+def test_a_message_below_the_fit_costs_what_the_small_timings_interpolate_to() -> None:
+    # Session 37's 4-rank profile: gloo's ring all-reduce of one fp32 element took 0.63 ms, of
+    # two 1.07, of sixteen 7.6, against the line's 7.2 ms (6 steps of 1.2 ms) and 8.3 at 16 KiB.
+    fits = {"all_reduce": (1.2e-3, 7e-10), "all_gather": (1.25e-3, 1.2e-9)}
+    small = {"all_reduce": [(4.0, 0.63e-3), (8.0, 1.07e-3), (64.0, 7.6e-3)]}
+    smallest = {"all_reduce": (16384.0, 8.3e-3), "all_gather": (16384.0, 3.7e-3)}
+    link = link_from_fits("l", fits, sync_s=2e-3, smallest=smallest, small_messages=small)
+    line = link_from_fits("l", fits, sync_s=2e-3, smallest=smallest)
+
+    def price(nbytes: float, on: LinkSpec = link, kind: str = "all_reduce") -> float:
+        return collective_time_s(kind, nbytes, 4, on) - 2e-3
+
+    assert price(4) == pytest.approx(0.63e-3)
+    assert price(2) == pytest.approx(0.63e-3)  # below the first timing: that timing
+    assert price(6) == pytest.approx(0.85e-3)  # halfway between 4 and 8 bytes
+    assert price(36) == pytest.approx(min(1.07e-3 + 0.5 * 6.53e-3, 6 * 1.2e-3 + 27e-9))
+    # Between the last small timing and the fit's smallest size, the line where lower.
+    assert price(1024) == pytest.approx(6 * 1.2e-3 + 1.5 * 1024 * 7e-10)
+    # Above the fit's smallest size, and on kinds without small timings: as before.
+    for nbytes in (16385.0, 2.0**20):
+        assert price(nbytes) == price(nbytes, line)
+    assert price(4, kind="all_gather") == price(4, line, kind="all_gather")
+    assert price(4, line) == pytest.approx(6 * 1.2e-3 + 1.5 * 4 * 7e-10)
+    # Kept through the JSON and the profile schema; absent where not calibrated.
+    assert LinkSpec.from_dict(link.to_dict()) == link
+    assert "small_messages" not in line.to_dict()
+    loaded = load_profile({"version": PROFILE_VERSION, "links": {"a0": link.to_dict()}})
+    assert loaded.links["a0"] == link
+    for bad, match in (
+        ({"all_to_all": [(4.0, 1e-3)]}, "without a calibrated fit"),
+        ({"all_reduce": [(8.0, 1e-3), (4.0, 1e-3)]}, "ascending bytes below"),
+        ({"all_reduce": [(16384.0, 1e-3)]}, "ascending bytes below"),
+        ({"all_reduce": [(0.0, 1e-3)]}, "bytes > 0"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            link_from_fits("l", fits, smallest=smallest, small_messages=bad)
