@@ -3,8 +3,8 @@
     PYTHONPATH=. python benchmarks/collective_between_compute.py            # 4 ranks
     PYTHONPATH=. python benchmarks/collective_between_compute.py --world 2 --iters 3 20
 
-gloo ranks on 127.0.0.1, one thread each. Per variant (none, a 1 KiB all-reduce, a 1 MiB
-all-gather of 256 KiB per rank), ``--iters`` iterations of a computation of 27 matmuls of
+gloo ranks on 127.0.0.1, one thread each. Per variant (none, all-reduces of a scalar (a
+loss), of 16 elements and of 1 KiB, a 1 MiB all-gather of 256 KiB per rank), ``--iters`` iterations of a computation of 27 matmuls of
 256 x 256 (about 10 ms on a shared core) followed by the collective, timed after a barrier;
 and the collective alone, back to back. 7 trials, interleaved; the slowest rank's median per
 iteration. "extra" is the time the collective adds between computations: what a training step
@@ -39,8 +39,11 @@ def _run(rank: int, world: int, port: int, iters: int) -> None:
         for _ in range(27):
             torch.mm(a, a)
 
+    scalar, sixteen = torch.zeros(1), torch.zeros(16)
     variants = {
         "none": lambda: None,
+        "all_reduce 4 B": lambda: dist.all_reduce(scalar),
+        "all_reduce 64 B": lambda: dist.all_reduce(sixteen),
         "all_reduce 1 KiB": lambda: dist.all_reduce(small),
         "all_gather 1 MiB": lambda: dist.all_gather_into_tensor(full, part),
     }

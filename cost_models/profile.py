@@ -124,9 +124,12 @@ PROFILE_SCHEMA: dict[str, Any] = {
                     "small_messages": {
                         "type": "object",
                         "propertyNames": {"enum": list(COLLECTIVE_KINDS)},
-                        "additionalProperties": {"type": "array", "minItems": 1,
-                                                 "items": _PAIR_PER_KIND["additionalProperties"]},
-                    },  # fmt: skip
+                        "additionalProperties": {
+                            "type": "array",
+                            "minItems": 1,
+                            "items": _PAIR_PER_KIND["additionalProperties"],
+                        },
+                    },
                     "cpu_collectives": _PAIR_PER_KIND,
                     "cpu_weight": _NONNEGATIVE,
                     "source": {"type": "string"},

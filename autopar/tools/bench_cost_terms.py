@@ -19,6 +19,9 @@ ranks of each term's median, and per step the ratio to a reference plan of the s
 
     PYTHONPATH=. python -m autopar.tools.bench_cost_terms benchmarks.cost_model:llama \\
         --mesh 2x2 --profile p_2x2.json --recipes ddp,megatron,fsdp+tp --steps 12
+
+``--auto-margin 0`` times the ILP's own plan as "auto" even where the near-tie rule would
+choose a recipe's layout (``planner.auto_margin``).
 """
 
 from __future__ import annotations
@@ -288,6 +291,8 @@ def plans_from_command_line(
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--json", help="write the measurements here")
+    parser.add_argument("--auto-margin", type=float, default=None,
+                        help="PlanOptions.auto_margin (0: the ILP's own plan as auto)")  # fmt: skip
     args = parser.parse_args(argv)
     from autopar.capture.export import capture
     from autopar.mesh import Mesh
@@ -304,7 +309,8 @@ def plans_from_command_line(
     model, margs, kwargs = build_preset(args.model, batch=args.batch, seq=args.seq)
     captured = capture(model, margs, kwargs)
     names = [r for r in args.recipes.split(",") if r and r != "auto"]
-    plans = plans_for_recipes(captured, mesh, PlanOptions(), recipes=(["auto"] if auto else []) + names,
+    options = PlanOptions(auto_margin=args.auto_margin)
+    plans = plans_for_recipes(captured, mesh, options, recipes=(["auto"] if auto else []) + names,
                               model_name=args.model)  # fmt: skip
     return args, mesh, plans
 

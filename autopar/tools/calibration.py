@@ -19,11 +19,11 @@ schema ``cost_models.load_profile`` reads:
   forward plus backward (above 1, up to ``MAX_OP_EFFICIENCY``, where the data stays in cache),
   with FLOPs from ``autopar.capture.flops`` and bytes counted as the planner counts them (local
   inputs plus outputs, twice that in backward);
-- ``links[axis].collectives[kind] = (alpha, beta)`` for all_reduce, all_gather, reduce_scatter and
-  all_to_all, fitted by ``cost_models.fit_alpha_beta`` over message sizes.
+- ``links[axis]``: per collective kind ``(alpha, beta)`` fitted over message sizes, and the
+  timings of small messages, by :mod:`autopar.tools.calibration_links`.
 
-This module measures the device and drives the run; the links are measured by
-:mod:`autopar.tools.calibration_links` and every timing goes through :mod:`autopar.tools.timing`.
+This module measures the device and drives the run; every timing goes through
+:mod:`autopar.tools.timing`.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ CALIBRATED_FAMILIES = (
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CalibrationConfig:
-    """How much to measure (defaults: about 30 s for 4 CPU ranks on 2 cores)."""
+    """How much to measure (defaults: about 45 s for 4 CPU ranks on 2 cores)."""
 
     matmul_sizes: tuple[int, ...] = (256, 512, 768)
     """Square matmul sizes n (an n x n by n x n product) for the FLOP/s fit."""
@@ -78,20 +78,16 @@ class CalibrationConfig:
     """Sizes of the copies that measure memory bandwidth."""
     op_scales: tuple[int, ...] = (1, 2)
     """Multipliers of each family's base shape (the efficiency fit uses every scale)."""
-    collective_bytes: tuple[int, ...] = (
-        16 * 2**10, 128 * 2**10, 512 * 2**10, 2 * 2**20, 4 * 2**20, 8 * 2**20,
-    )  # fmt: skip
+    collective_bytes: tuple[int, ...] = tuple(k * 2**10 for k in (16, 128, 512, 2048, 4096, 8192))
     """Message sizes (the ``nbytes`` of ``cost_models.collective_time_s``)."""
     small_message_bytes: tuple[int, ...] = (4, 8, 16, 32, 64, 1024)
-    """Sizes below ``collective_bytes``' timed for ``LinkSpec.small_messages``, not the fit: a
-    scalar loss's all-reduce is 4 bytes, and gloo's ring costs it a fraction of a 64-byte one."""
+    """Sizes below ``collective_bytes``' for ``LinkSpec.small_messages`` (not the fit)."""
     min_time_s: float = 0.02
     """Each timing repeats its op until this many seconds have passed (at least 2 runs)."""
     trials: int = 5
     """Timings per measurement; the median is kept."""
     sync_segment_s: float = 0.01
-    """Forward computation between two collectives when ``LinkSpec.sync_s`` is measured
-    (:mod:`autopar.tools.calibration_sync`): as long as a step's, the wait grows with it."""
+    """Computation between two collectives where ``LinkSpec.sync_s`` is measured (as a step's)."""
     sync_trials: int = 9
     """Trials of the sync measurement; the median of the per-trial excess is kept."""
     cores: int | None = None

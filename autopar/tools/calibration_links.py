@@ -175,6 +175,10 @@ def measure_links(
             source = f"autopar calibrate, {dist.get_backend()} on {platform.node()}"
             small = _small_messages(group, size, sizes[0], device, config)
             details[f"{name}/small_messages"] = small
+            points = ", ".join(
+                f"{b:.0f} B {t * 1e3:.2f} ms" for b, t in small.get("all_reduce", [])
+            )
+            log(f"axis {name} (size {size}) all_reduce below the fit's sizes: {points or 'none'}")
             link = link_from_fits(f"calibrated-{name}", fits, source=source, smallest=smallest,
                                   small_messages=small)  # fmt: skip
             cpu_fits = _cpu_fits(name, size, sizes, per_size, device, details)

@@ -139,6 +139,13 @@ def test_tiny_calibration_gives_a_profile_the_planner_uses(tmp_path) -> None:
         k: (timed[f"tp/{k}"]["bytes"][0], timed[f"tp/{k}"]["seconds"][0])
         for k in CALIBRATED_COLLECTIVES
     }
+    # Session 37: sizes below the fit's, timed as the runtime calls them (a scalar all-reduce
+    # is one element; an all-gather at least one element per rank), kept per kind.
+    small = timed["tp/small_messages"]
+    assert {k: tuple(tuple(p) for p in v) for k, v in small.items()} == dict(link.small_messages)
+    assert [b for b, _ in link.small_messages["all_reduce"]] == [4.0, 64.0]
+    assert [b for b, _ in link.small_messages["all_gather"]] == [8.0, 64.0]
+    assert all(s > 0 for v in link.small_messages.values() for _, s in v)
     assert profile.meta["world_size"] == 2 and profile.meta["backend"] == "gloo"
     # The profile's own error: the standard error of its figures (spread of the trials).
     spreads = [timed[f"tp/{kind}"]["spread"] for kind in CALIBRATED_COLLECTIVES]
