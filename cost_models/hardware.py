@@ -246,9 +246,8 @@ class LinkSpec:
     small_messages: Mapping[str, tuple[tuple[float, float], ...]] = field(default_factory=FrozenMap)
     """Per calibrated kind: ``(bytes, seconds)`` timed at sizes below ``smallest``'s, bytes
     ascending. Up to ``smallest``'s size a message costs no more than the timings interpolate
-    to (cost_models.comm): gloo's ring all-reduce skips the segments a message too small to fill
-    them leaves empty, so on 4 ranks sharing 2 cores a scalar took 0.6 ms against 6-7 ms from
-    64 bytes up (README, "Session 37")."""
+    to (cost_models.comm): on 4 gloo ranks sharing 2 cores a scalar's all-reduce took 0.6-1 ms,
+    a 64-byte one 6-7 ms, the line says 7 for both (README, "Session 37")."""
     source: str = ""
     sync_s: float = 0.0
     """Seconds each blocking collective costs on top of its alpha-beta time when it runs
