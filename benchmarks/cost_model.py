@@ -347,12 +347,11 @@ def profile_mesh(mesh_text: str, profile: Any) -> Any:
 
 def refit_links(profile: Any) -> Any:
     """``profile`` with every link's collectives and wait between computations fitted again
-    (``cost_models.fit_alpha_beta``, ``fit_sync_s``, as this code fits) from the timings its
-    calibration stored (``meta.measurements``)."""
+    (``cost_models.calibrate.fit_link_kind``, ``chain_sync_s``, as this code fits) from the
+    timings its calibration stored (``meta.measurements``)."""
     import dataclasses
 
-    from cost_models import collective_time_s, fit_alpha_beta
-    from cost_models.calibrate import fit_sync_s
+    from cost_models.calibrate import chain_sync_s, fit_link_kind
 
     measured = (profile.meta or {}).get("measurements", {})
     shape = profile.meta["mesh"]["shape"]
@@ -362,18 +361,17 @@ def refit_links(profile: Any) -> Any:
         for kind in fits:
             timed = measured.get(f"{name}/{kind}")
             if timed:
-                fits[kind] = fit_alpha_beta(
-                    timed["bytes"], timed["seconds"], kind, shape[int(name[1:])]
-                )
+                size = shape[int(name[1:])]
+                fits[kind] = fit_link_kind(timed["bytes"], timed["seconds"], kind, size)[0]
         alpha, beta = fits.get("all_reduce", (link.latency_s, 1.0 / link.bandwidth_Bps))
         link = dataclasses.replace(
             link, collectives=fits, latency_s=alpha, bandwidth_Bps=1.0 / beta
         )
         sync = measured.get(f"{name}/sync", {})
         if {"seconds_per_call", "bytes", "group_size"} <= sync.keys():  # else the stored wait
-            timed, unsynced = sync["seconds_per_call"], dataclasses.replace(link, sync_s=0.0)
-            priced = collective_time_s("all_reduce", sync["bytes"], sync["group_size"], unsynced)
-            sync_s = fit_sync_s(timed["mixed"], timed["compute"], [priced] * len(timed["mixed"]))
+            timed = sync["seconds_per_call"]
+            sync_s, _ = chain_sync_s(link, timed["mixed"], timed["compute"], sync["bytes"],
+                                     sync["group_size"])  # fmt: skip
             link = dataclasses.replace(link, sync_s=sync_s)
         links[name] = link
     return dataclasses.replace(profile, links=links)

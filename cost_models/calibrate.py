@@ -14,16 +14,20 @@ turns timings into the numbers of a profile and scores predictions against measu
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from cost_models.comm import collective_steps_and_wire_bytes, collective_time_s, fit_alpha_beta
 from cost_models.hardware import DeviceSpec, LinkSpec
 from cost_models.profile import Profile
 
 __all__ = [
     "build_profile",
+    "chain_sync_s",
     "fit_efficiency",
+    "fit_link_kind",
     "fit_rate",
     "fit_step_error",
     "link_from_fits",
@@ -143,6 +147,33 @@ def fit_sync_s(
     middle = len(excess) // 2
     median = excess[middle] if len(excess) % 2 else (excess[middle - 1] + excess[middle]) / 2
     return max(0.0, median)
+
+
+def fit_link_kind(
+    sizes_bytes: Sequence[float], times_s: Sequence[float], kind: str, group_size: int
+) -> tuple[tuple[float, float], bool]:
+    """A link's ``collectives[kind]``: :func:`~cost_models.comm.fit_alpha_beta` of the timings,
+    or where they do not grow with size (noise on a loaded machine, or latency-bound at these
+    sizes) the latency alone with bandwidth free, rather than drop the collective; with
+    whether it was the latency alone."""
+    try:
+        return fit_alpha_beta(sizes_bytes, times_s, kind, group_size), False
+    except ValueError:
+        steps = collective_steps_and_wire_bytes(kind, 0.0, group_size)[0]
+        return (_median(times_s) / steps, 1e-12), True
+
+
+def chain_sync_s(
+    link: LinkSpec, mixed_s: Sequence[float], compute_s: Sequence[float], nbytes: float,
+    group_size: int,
+) -> tuple[float, float]:  # fmt: skip
+    """``LinkSpec.sync_s`` from the sync chain's per-trial seconds per call
+    (``autopar.tools.calibration_sync``): :func:`fit_sync_s` less what ``link`` prices the
+    chain's all-reduce of ``nbytes`` back to back (its own ``sync_s`` left out); with that
+    price."""
+    unsynced = dataclasses.replace(link, sync_s=0.0)
+    priced = collective_time_s("all_reduce", nbytes, group_size, unsynced)
+    return fit_sync_s(mixed_s, compute_s, [priced] * len(mixed_s)), priced
 
 
 STEP_ERROR_MAX = 0.5

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from autopar.tools.calibration_sync import measure_sync, sync_segment_matmuls
 from autopar.tools.timing import max_over_ranks, mean_over_ranks, sync_device, time_queued
 from cost_models import LinkSpec, collective_steps_and_wire_bytes, collective_time_s, fit_alpha_beta
-from cost_models.calibrate import link_from_fits, paired_spreads, relative_spread
+from cost_models.calibrate import fit_link_kind, link_from_fits, paired_spreads, relative_spread
 from solver.parallel import usable_cores
 
 if TYPE_CHECKING:
@@ -70,6 +70,12 @@ def message_bytes(kind: str, nbytes: int, size: int) -> int:
     fp32 elements, for the kinds that split the tensor a whole number of them per rank."""
     if kind in ("all_reduce", "broadcast"):
         return max(nbytes // 4, 1) * 4
+    return _split_bytes(nbytes, size)
+
+
+def _split_bytes(nbytes: int, size: int) -> int:
+    """``nbytes`` as whole fp32 elements, at least one and the same number per rank of
+    ``size``: a size every kind can be timed at alike."""
     return max(nbytes // 4 // size, 1) * size * 4
 
 
@@ -135,7 +141,7 @@ def measure_links(
         group = groups.groups[axis]
         fits: dict[str, tuple[float, float]] = {}
         smallest: dict[str, tuple[float, float]] = {}
-        sizes = [float(max(b // 4 // size, 1) * size * 4) for b in config.collective_bytes]
+        sizes = [float(_split_bytes(b, size)) for b in config.collective_bytes]
         per_size = [
             _time_kinds_interleaved(group, size, int(nbytes), device, config) for nbytes in sizes
         ]
@@ -158,13 +164,8 @@ def measure_links(
                 # what DeviceSpec.step_error is fitted from.
                 "spread": max_over_ranks([spread[kind] for _, spread, _ in per_size], device),
             }
-            try:
-                fits[kind] = fit_alpha_beta(sizes, times, kind, size)
-            except ValueError:
-                # Flat timings (noise on a loaded machine, or latency-bound at these sizes):
-                # keep the latency, charge bandwidth as free rather than drop the collective.
-                steps = collective_steps_and_wire_bytes(kind, 0.0, size)[0]
-                fits[kind] = (statistics.median(times) / steps, 1e-12)
+            fits[kind], flat = fit_link_kind(sizes, times, kind, size)
+            if flat:
                 log(f"axis {name}: {kind} timings do not grow with size; latency only")
             smallest[kind] = (sizes[0], times[0])
             alpha, beta = fits[kind]

@@ -24,7 +24,6 @@ parallelism forward and backward, the gradient buckets and ZeRO's chunks alike.
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 import time
 from typing import TYPE_CHECKING, Any
@@ -33,8 +32,8 @@ import torch
 import torch.distributed as dist
 
 from autopar.tools.timing import max_over_ranks, mean_over_ranks, time_queued
-from cost_models import LinkSpec, collective_time_s
-from cost_models.calibrate import fit_sync_s, paired_spreads
+from cost_models import LinkSpec
+from cost_models.calibrate import chain_sync_s, paired_spreads
 
 if TYPE_CHECKING:
     from autopar.tools.calibration import CalibrationConfig
@@ -134,9 +133,7 @@ def measure_sync(
     for key in times:
         times[key] = max_over_ranks(times[key], device)
     nbytes = float(SYNC_ROWS * SYNC_WIDTH * 4)
-    priced = collective_time_s("all_reduce", nbytes, size, dataclasses.replace(link, sync_s=0.0))
-    trials = len(times["mixed"])
-    sync_s = fit_sync_s(times["mixed"], times["compute"], [priced] * trials)
+    sync_s, priced = chain_sync_s(link, times["mixed"], times["compute"], nbytes, size)
     excess = [m - c for m, c in zip(times["mixed"], times["compute"])]
     details = {
         "sync_s": sync_s,

@@ -87,3 +87,23 @@ def test_a_refit_fits_each_links_stored_timings_as_this_code_does() -> None:
         assert link.latency_s == link.collectives["all_reduce"][0]
     slow = refit.links["a1"].collectives["reduce_scatter"][1]
     assert slow == pytest.approx(profile.links["a1"].collectives["reduce_scatter"][1], rel=0.3)
+
+
+def test_a_refit_of_flat_timings_keeps_the_latency_as_the_calibration_does() -> None:
+    """Timings that do not grow with size (a loaded machine): the refit takes the latency
+    alone, bandwidth free, as ``autopar calibrate`` does (``fit_link_kind``), not an error."""
+    import copy
+    import statistics
+
+    from benchmarks.cost_model import refit_links
+    from cost_models import Profile, collective_steps_and_wire_bytes
+
+    profile = load_profile(str(PROFILE))
+    meta = copy.deepcopy(dict(profile.meta))
+    timed = meta["measurements"]["a0/all_gather"]
+    count = len(timed["bytes"])
+    timed["seconds"] = [4e-3 - 1e-4 * i for i in range(count)]  # falling with size: no line
+    refit = refit_links(Profile(device=profile.device, links=profile.links, meta=meta))
+    steps = collective_steps_and_wire_bytes("all_gather", 0.0, 2)[0]
+    median = statistics.median(timed["seconds"])
+    assert refit.links["a0"].collectives["all_gather"] == pytest.approx((median / steps, 1e-12))
